@@ -1,0 +1,3 @@
+from infer_tune.cli import main
+
+main()

@@ -1,0 +1,101 @@
+"""`infer-tune bench`: measure the baseline of a model on a suite and write a result."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+
+from infer_tune.cli import options as opt
+from infer_tune.cli import output
+from infer_tune.cli.common import handle_errors, resolve_device, setup_threads
+
+
+def render_result(doc: dict, run_dir: Path | str | None = None) -> None:
+    """A one-result summary table (shared by every measuring command)."""
+    m = doc["metrics"]
+    table = Table(title=f"{doc['technique']} · {doc['model']['ref']} · {doc['workload']['suite']} "
+                        f"({doc['workload']['prompts']} prompts x {doc['workload']['max_new_tokens']} tokens)")
+    table.add_column("metric")
+    table.add_column("p50", justify="right")
+    table.add_column("p90", justify="right")
+    table.add_column("p99", justify="right")
+    table.add_column("n", justify="right")
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        s = m[key]
+        table.add_row(key, output.fmt(s["p50"]), output.fmt(s["p90"]), output.fmt(s["p99"]), str(s["n"]))
+    output.out.print(table)
+    facts = [
+        ("output throughput", f"{output.fmt(m['output_throughput_tok_s'])} tok/s"),
+        ("roofline", f"{output.fmt(m.get('roofline_tok_s'), '.1f')} tok/s ceiling, achieved "
+                     f"{output.fmt(m.get('roofline_fraction'), '.1%')}"),
+        ("peak RSS / model", f"{output.fmt_bytes(m['peak_rss_bytes'])} / {output.fmt_bytes(m['model_bytes'])}"),
+        ("BLEU / chrF", f"{output.fmt(m.get('bleu'))} / {output.fmt(m.get('chrf'))}"),
+        ("perplexity", output.fmt(m.get("ppl"))),
+    ]
+    if m.get("speedup_vs_baseline") is not None:
+        facts.append(("speedup vs baseline", f"{output.fmt(m['speedup_vs_baseline'])}x decode, "
+                                             f"{output.fmt(m.get('ttft_speedup_vs_baseline'))}x TTFT"))
+        facts.append(("drift", f"BLEU {output.fmt(m.get('bleu_drift'), '+.2f')}, exact match "
+                               f"{output.fmt(m.get('exact_match_vs_baseline'), '.0%')}, ppl "
+                               f"{output.fmt(m.get('ppl_delta_pct'), '+.2f')}%"))
+    for name, value in facts:
+        output.out.print(f"  {name:<22} {value}")
+    if run_dir is not None:
+        output.out.print(f"  {'result':<22} {run_dir}/result.json")
+
+
+@handle_errors
+def bench(
+    model: opt.Model = "smollm2-135m",
+    suite: opt.Suite = "chat",
+    limit: opt.Limit = 8,
+    max_new_tokens: opt.MaxNewTokens = 64,
+    batch_size: opt.BatchSize = 1,
+    threads: opt.Threads = None,
+    seed: opt.Seed = 0,
+    warmup: opt.Warmup = 1,
+    min_iterations: opt.MinIterations = 2,
+    min_duration: opt.MinDuration = 5.0,
+    out: opt.Out = Path("runs"),
+    lang: opt.Lang = "en",
+    prompt_field: opt.PromptField = "prompt",
+    reference_field: opt.ReferenceField = None,
+    chat_template: opt.ChatTemplate = True,
+    max_prompt_tokens: opt.MaxPromptTokens = 512,
+    dtype: opt.Dtype = "auto",
+    device: opt.Device = "cpu",
+    trust_remote_code: opt.TrustRemoteCode = False,
+    ppl: opt.Ppl = True,
+    json_out: opt.Json = False,
+    debug: opt.Debug = False,
+) -> None:
+    """Measure the baseline: TTFT, ITL, TPOT, e2e, throughput, memory, roofline, BLEU/chrF and perplexity.
+
+    Example: infer-tune bench --model smollm2-135m --suite chat --limit 4 --max-new-tokens 32 --json
+    """
+    from infer_tune import env as envinfo
+    from infer_tune import models, results
+    from infer_tune.runners import Protocol
+    from infer_tune.session import measure_prepared, prepare_inputs
+    from infer_tune.runners.prepared import PreparedModel
+    from infer_tune.workload import Workload
+
+    workload = Workload(suite=suite, limit=limit, seed=seed, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                        chat_template=chat_template, max_prompt_tokens=max_prompt_tokens, lang=lang,
+                        prompt_field=prompt_field, reference_field=reference_field)
+    protocol = Protocol(warmup=warmup, min_iterations=min_iterations, min_duration_s=min_duration)
+    n_threads = setup_threads(threads)
+    device = resolve_device(device)
+    loaded = models.load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    inputs = prepare_inputs(loaded, workload)
+    env = envinfo.collect_env(n_threads)
+    prepared = PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, label="baseline", device=device)
+    with output.progress_bar(not json_out) as progress:
+        doc, outs = measure_prepared(loaded, prepared, inputs, workload, protocol, technique="baseline",
+                                     config={}, env=env, measure_ppl=ppl, progress=progress)
+    saved = results.save_run(out, doc, outs)
+    if json_out:
+        output.print_json(doc)
+    else:
+        render_result(doc, saved.run_dir)

@@ -1,0 +1,24 @@
+"""`infer-tune env`: the hardware and software report every result embeds."""
+
+from __future__ import annotations
+
+from infer_tune.cli import options as opt
+from infer_tune.cli import output
+from infer_tune.cli.common import handle_errors, setup_threads
+
+
+@handle_errors
+def env(threads: opt.Threads = None, json_out: opt.Json = False, debug: opt.Debug = False) -> None:
+    """Print CPU, cores, threads, RAM, OS, Python/torch/transformers versions, GPU and memory bandwidth."""
+    from infer_tune import env as envinfo
+
+    report = {"tool": envinfo.tool_info(), **envinfo.collect_env(setup_threads(threads))}
+    if json_out:
+        output.print_json(report)
+        return
+    for key, value in report.items():
+        if key == "ram_bytes":
+            value = output.fmt_bytes(value)
+        elif key == "mem_bandwidth_gb_s":
+            value = f"{value:.1f} GB/s (measured, cached)"
+        output.out.print(f"{key:<20} {value}")

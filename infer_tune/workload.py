@@ -1,0 +1,89 @@
+"""A workload: suite + sample size + seed + generation settings, and its tokenized batches."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from infer_tune.errors import ConfigError
+from infer_tune.suites import Prompt, SuiteSpec, load_suite
+
+
+@dataclass
+class Workload:
+    """What to generate: validated on construction so bad input fails before any model loads."""
+
+    suite: str = "chat"
+    limit: int | None = 8
+    seed: int = 0
+    max_new_tokens: int = 64
+    batch_size: int = 1
+    chat_template: bool = True
+    max_prompt_tokens: int = 512
+    lang: str = "en"
+    prompt_field: str = "prompt"
+    reference_field: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"--limit must be >= 1, got {self.limit}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.batch_size < 1:
+            raise ConfigError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.max_prompt_tokens < 1:
+            raise ConfigError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
+
+    def suite_spec(self) -> SuiteSpec:
+        return SuiteSpec(name=self.suite, limit=None, seed=self.seed, lang=self.lang,
+                         prompt_field=self.prompt_field, reference_field=self.reference_field,
+                         max_prompt_chars=self.max_prompt_tokens * 8)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def render_prompt(tokenizer, text: str, chat_template: bool) -> str:
+    """The prompt as the model sees it: wrapped in the chat template when asked and available."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return text
+
+
+def select_prompts(workload: Workload, tokenizer) -> tuple[list[Prompt], list[str]]:
+    """Load the suite and keep, in its deterministic order, the first `limit` prompts that fit."""
+    chosen: list[Prompt] = []
+    rendered: list[str] = []
+    for prompt in load_suite(workload.suite_spec()):
+        text = render_prompt(tokenizer, prompt.text, workload.chat_template)
+        if len(tokenizer(text, add_special_tokens=False)["input_ids"]) > workload.max_prompt_tokens:
+            continue
+        chosen.append(prompt)
+        rendered.append(text)
+        if workload.limit and len(chosen) >= workload.limit:
+            break
+    if not chosen:
+        raise ConfigError(f"no prompt of suite '{workload.suite}' fits in --max-prompt-tokens {workload.max_prompt_tokens}")
+    return chosen, rendered
+
+
+def uses_template(tokenizer, workload: Workload) -> bool:
+    return bool(workload.chat_template and getattr(tokenizer, "chat_template", None))
+
+
+def encode_batches(
+    tokenizer, texts: list[str], batch_size: int, *, add_special_tokens: bool = False
+) -> list[dict[str, torch.Tensor]]:
+    """Left-padded batches, always with an attention mask (pad ids can occur inside chat prompts).
+
+    A chat-templated prompt already holds its special tokens; raw text gets the tokenizer's own (BOS).
+    """
+    tokenizer.padding_side = "left"
+    batches = []
+    for start in range(0, len(texts), batch_size):
+        enc = tokenizer(texts[start:start + batch_size], return_tensors="pt", padding=True,
+                        add_special_tokens=add_special_tokens)
+        batches.append({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+    return batches
