@@ -1,0 +1,98 @@
+"""Shared fixtures: tiny random models built from a transformers config (no download), and the real
+SmolLM2 model for the few integration tests (provisioned by `make test` through `models pull`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b\n",
+    "Explain how a key-value cache speeds up autoregressive decoding.",
+    "Quantization stores weights in fewer bits per value.",
+    "Hello, how are you today? I am fine, thank you!",
+] * 20
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_tiny_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<eos>", "<bos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model_dir(path: Path, *, layers: int = 2, hidden: int = 64, seed: int = 0) -> Path:
+    """A random Llama-architecture checkpoint (safetensors + tokenizer) small enough for unit tests."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                         tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture()
+def tiny_loaded(tiny_model_dir):
+    from infer_tune import models
+
+    return models.load(str(tiny_model_dir))
+
+
+@pytest.fixture()
+def prompts_file(tmp_path) -> Path:
+    """A small JSONL suite with prompts and references."""
+    import json
+
+    rows = [{"prompt": f"Question {i}: what is {i} plus {i}?", "reference": f"{i} plus {i} is {2 * i}."}
+            for i in range(6)]
+    path = tmp_path / "suite.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path_factory, monkeypatch):
+    """Keep each test's cache writes (bandwidth reading, suites) in a shared temp home, except the
+    real-model cache, which integration tests read from the user's home."""
+    real_home = os.environ.get("INFER_TUNE_HOME") or str(Path.home() / ".cache" / "infer-tune")
+    monkeypatch.setenv("INFER_TUNE_HOME", real_home)
+    yield
+
+
+@pytest.fixture(scope="session")
+def smollm2_available() -> bool:
+    from infer_tune import paths
+
+    return (paths.models_dir() / "smollm2-135m" / "config.json").exists()
