@@ -32,8 +32,9 @@ class Inputs:
     templated: bool
 
 
-def prepare_inputs(loaded: models.LoadedModel, workload: Workload) -> Inputs:
-    prompts, rendered = select_prompts(workload, loaded.tokenizer)
+def prepare_inputs(loaded: models.LoadedModel, workload: Workload, prompts: list[Prompt] | None = None) -> Inputs:
+    """Select the prompts that fit, render them (chat template) and tokenize them into batches."""
+    prompts, rendered = select_prompts(workload, loaded.tokenizer, prompts)
     templated = uses_template(loaded.tokenizer, workload)
     batches = encode_batches(loaded.tokenizer, rendered, workload.batch_size, add_special_tokens=not templated)
     return Inputs(prompts=prompts, rendered=rendered, batches=batches, templated=templated)

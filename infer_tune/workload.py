@@ -52,11 +52,16 @@ def render_prompt(tokenizer, text: str, chat_template: bool) -> str:
     return text
 
 
-def select_prompts(workload: Workload, tokenizer) -> tuple[list[Prompt], list[str]]:
-    """Load the suite and keep, in its deterministic order, the first `limit` prompts that fit."""
+def load_prompts(workload: Workload) -> list[Prompt]:
+    """The suite's prompts in deterministic order (call before loading a model: bad suites fail fast)."""
+    return load_suite(workload.suite_spec())
+
+
+def select_prompts(workload: Workload, tokenizer, prompts: list[Prompt] | None = None) -> tuple[list[Prompt], list[str]]:
+    """Keep, in the suite's deterministic order, the first `limit` prompts that fit in the token cap."""
     chosen: list[Prompt] = []
     rendered: list[str] = []
-    for prompt in load_suite(workload.suite_spec()):
+    for prompt in prompts if prompts is not None else load_prompts(workload):
         text = render_prompt(tokenizer, prompt.text, workload.chat_template)
         if len(tokenizer(text, add_special_tokens=False)["input_ids"]) > workload.max_prompt_tokens:
             continue

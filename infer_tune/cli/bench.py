@@ -79,7 +79,7 @@ def bench(
     from infer_tune.runners import Protocol
     from infer_tune.session import measure_prepared, prepare_inputs
     from infer_tune.runners.prepared import PreparedModel
-    from infer_tune.workload import Workload
+    from infer_tune.workload import Workload, load_prompts
 
     workload = Workload(suite=suite, limit=limit, seed=seed, max_new_tokens=max_new_tokens, batch_size=batch_size,
                         chat_template=chat_template, max_prompt_tokens=max_prompt_tokens, lang=lang,
@@ -87,8 +87,9 @@ def bench(
     protocol = Protocol(warmup=warmup, min_iterations=min_iterations, min_duration_s=min_duration)
     n_threads = setup_threads(threads)
     device = resolve_device(device)
+    prompts = load_prompts(workload)
     loaded = models.load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-    inputs = prepare_inputs(loaded, workload)
+    inputs = prepare_inputs(loaded, workload, prompts)
     env = envinfo.collect_env(n_threads)
     prepared = PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, label="baseline", device=device)
     with output.progress_bar(not json_out) as progress:

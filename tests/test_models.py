@@ -1,0 +1,50 @@
+import pytest
+import torch
+
+from infer_tune import models
+from infer_tune.errors import ModelError
+
+
+@pytest.mark.parametrize("ref, message", [
+    ("no-such-model", "unknown model"),
+    ("./missing/dir", "not found"),
+    ("/definitely/missing.gguf", "GGUF file not found"),
+])
+def test_resolve_errors(ref, message):
+    with pytest.raises(ModelError, match=message):
+        models.resolve(ref)
+
+
+def test_resolve_rejects_text_renamed_gguf(tmp_path):
+    fake = tmp_path / "x.gguf"
+    fake.write_text("not gguf")
+    with pytest.raises(ModelError, match="not a GGUF file"):
+        models.resolve(str(fake))
+
+
+def test_resolve_dir_without_config(tmp_path):
+    with pytest.raises(ModelError, match="without config.json"):
+        models.resolve(str(tmp_path))
+
+
+def test_hf_id_passes_through():
+    assert models.resolve("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_load_local_checkpoint(tiny_model_dir):
+    loaded = models.load(str(tiny_model_dir))
+    assert loaded.tokenizer.padding_side == "left"
+    assert loaded.dtype == "float32"
+    assert loaded.params == sum(p.numel() for p in loaded.model.parameters())
+
+
+def test_model_bytes_counts_tied_weights_once():
+    lin = torch.nn.Linear(8, 8, bias=False)
+    module = torch.nn.Sequential(lin, torch.nn.Linear(8, 8, bias=False))
+    module[1].weight = lin.weight
+    assert models.model_bytes(module) == 8 * 8 * 4
+
+
+def test_model_bytes_of_bf16_is_half(tiny_loaded):
+    fp32 = models.model_bytes(tiny_loaded.model)
+    assert models.model_bytes(tiny_loaded.model.to(torch.bfloat16)) == fp32 // 2
