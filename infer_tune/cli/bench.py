@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
+import typer
 from rich.table import Table
 
 from infer_tune.cli import options as opt
@@ -45,8 +47,15 @@ def render_result(doc: dict, run_dir: Path | str | None = None) -> None:
         output.out.print(f"  {'result':<22} {run_dir}/result.json")
 
 
+_DEFAULTS = {"suite": "chat", "limit": 8, "max_new_tokens": 64, "batch_size": 1, "seed": 0, "lang": "en",
+             "prompt_field": "prompt", "reference_field": None, "chat_template": True, "max_prompt_tokens": 512}
+_PROTOCOL_DEFAULTS = {"warmup": 1, "min_iterations": 2, "min_duration_s": 5.0}
+
+
 @handle_errors
 def bench(
+    recipe: Annotated[str | None, typer.Option("--recipe", "-r", help="Built-in recipe name or YAML file: baseline + every config in it.")] = None,
+    resume: opt.Resume = False,
     model: opt.Model = "smollm2-135m",
     suite: opt.Suite = "chat",
     limit: opt.Limit = 8,
@@ -70,27 +79,56 @@ def bench(
     json_out: opt.Json = False,
     debug: opt.Debug = False,
 ) -> None:
-    """Measure the baseline: TTFT, ITL, TPOT, e2e, throughput, memory, roofline, BLEU/chrF and perplexity.
+    """Measure the baseline (or every config of a --recipe against it): TTFT, ITL, TPOT, e2e, throughput,
+    memory, roofline, BLEU/chrF and perplexity.
 
     Example: infer-tune bench --model smollm2-135m --suite chat --limit 4 --max-new-tokens 32 --json
+
+    With --recipe, command-line workload options that differ from their defaults override the recipe's.
     """
     from infer_tune import env as envinfo
     from infer_tune import models, results
     from infer_tune.runners import Protocol
-    from infer_tune.session import measure_prepared, prepare_inputs
     from infer_tune.runners.prepared import PreparedModel
+    from infer_tune.session import measure_prepared, prepare_inputs
     from infer_tune.workload import Workload, load_prompts
 
-    workload = Workload(suite=suite, limit=limit, seed=seed, max_new_tokens=max_new_tokens, batch_size=batch_size,
+    cli_workload = dict(suite=suite, limit=limit, seed=seed, max_new_tokens=max_new_tokens, batch_size=batch_size,
                         chat_template=chat_template, max_prompt_tokens=max_prompt_tokens, lang=lang,
                         prompt_field=prompt_field, reference_field=reference_field)
-    protocol = Protocol(warmup=warmup, min_iterations=min_iterations, min_duration_s=min_duration)
+    cli_protocol = dict(warmup=warmup, min_iterations=min_iterations, min_duration_s=min_duration)
+    configs = []
+    if recipe is not None:
+        from infer_tune import recipe as recipes
+
+        loaded_recipe = recipes.load_recipe(recipe)
+        workload = recipes.build_workload(loaded_recipe, {k: v for k, v in cli_workload.items() if v != _DEFAULTS[k]})
+        protocol = recipes.build_protocol(loaded_recipe,
+                                          {k: v for k, v in cli_protocol.items() if v != _PROTOCOL_DEFAULTS[k]})
+        configs = recipes.build_configs(loaded_recipe)
+        if loaded_recipe.model and model == "smollm2-135m":
+            model = loaded_recipe.model
+    else:
+        workload = Workload(**cli_workload)
+        protocol = Protocol(**cli_protocol)
     n_threads = setup_threads(threads)
     device = resolve_device(device)
     prompts = load_prompts(workload)
     loaded = models.load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     inputs = prepare_inputs(loaded, workload, prompts)
     env = envinfo.collect_env(n_threads)
+    if configs:
+        from infer_tune.session import run_configs
+
+        with output.progress_bar(not json_out) as progress:
+            baseline, docs = run_configs(loaded, inputs, workload, protocol, configs, env=env, out_dir=out,
+                                         device=device, resume=resume, measure_ppl=ppl, progress=progress)
+        if json_out:
+            output.print_json([baseline, *docs])
+        else:
+            for doc in (baseline, *docs):
+                render_result(doc, doc.get("_path"))
+        return
     prepared = PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, label="baseline", device=device)
     with output.progress_bar(not json_out) as progress:
         doc, outs = measure_prepared(loaded, prepared, inputs, workload, protocol, technique="baseline",

@@ -53,6 +53,11 @@ def apply(loaded: LoadedModel, config: TechniqueConfig) -> PreparedModel:
     return fn(loaded, config)
 
 
+def configs_by_technique() -> dict[str, type]:
+    """Technique name -> its config class (the class a recipe's `technique:` key selects)."""
+    return {cls.technique: cls for cls in TUNERS if getattr(cls, "technique", "")}
+
+
 def config_from_dict(data: dict[str, Any]) -> TechniqueConfig:
     """Rebuild a config from `to_dict()` output; only registered classes are accepted."""
     kind = data.get("kind")
