@@ -46,6 +46,13 @@ def workload_block(workload: Workload, inputs: Inputs) -> dict:
     return block
 
 
+def run_fingerprint(loaded: models.LoadedModel, technique: str, config: dict, workload: Workload, env: dict,
+                    execute: bool = False) -> str:
+    """What makes two runs the same measurement: model, technique, config, workload, threads, machine."""
+    return results.fingerprint(loaded.path, technique, config, workload.to_dict(), env["threads"], env["machine"],
+                               execute)
+
+
 def timing_metrics(run: GenerationRun) -> tuple[dict, dict]:
     """Distribution metrics and raw samples from the runner's per-token timestamps."""
     ttft = [r.ttft_ms for r in run.requests if r.token_ns]
@@ -74,9 +81,13 @@ def measure_prepared(
     baseline: dict | None = None,
     baseline_outputs: list[dict] | None = None,
     measure_ppl: bool = True,
+    execute: bool = False,
     progress: Progress | None = None,
 ) -> tuple[dict, list[dict]]:
-    """Run the workload on `prepared` and build its result document and outputs rows."""
+    """Run the workload on `prepared` and build its result document and outputs rows.
+
+    `execute=True` also runs the code suite's tests on the outputs (pass@1, sandboxed subprocesses).
+    """
     run = measure_generation(prepared, inputs.batches, workload.max_new_tokens, protocol, progress=progress)
     metrics, samples = timing_metrics(run)
     weight_bytes = models.model_bytes(prepared.model)
@@ -98,6 +109,10 @@ def measure_prepared(
     metrics["ppl"] = (reference_perplexity(prepared.model, prepared.tokenizer, inputs.rendered,
                                            [p.reference for p in inputs.prompts], device=prepared.device)
                       if measure_ppl else None)
+    if execute:
+        from infer_tune.metrics.passk import pass_at_1
+
+        metrics["pass_at_1"] = pass_at_1(inputs.prompts, texts)
     metrics.update(prepared.metrics)
     outputs = [{"prompt_id": inputs.prompts[o.prompt_index].id, "prompt": inputs.prompts[o.prompt_index].text,
                 "output": o.text, "token_ids": o.token_ids, "prompt_tokens": o.prompt_tokens,
@@ -120,8 +135,7 @@ def measure_prepared(
         "metrics": metrics,
         "samples": samples,
         "baseline_run_id": baseline["run_id"] if baseline else None,
-        "fingerprint": results.fingerprint(loaded.path, technique, config, workload.to_dict(), env["threads"],
-                                           env["machine"]),
+        "fingerprint": run_fingerprint(loaded, technique, config, workload, env, execute),
     }
     return result, outputs
 
@@ -137,6 +151,8 @@ def versus_baseline(metrics: dict, outputs: list[dict], baseline: dict, baseline
     b_thr = base.get("output_throughput_tok_s")
     out["throughput_ratio_vs_baseline"] = metrics["output_throughput_tok_s"] / b_thr if b_thr else None
     out["bleu_drift"] = (metrics["bleu"] - base["bleu"]) if metrics.get("bleu") is not None and base.get("bleu") is not None else None
+    if metrics.get("pass_at_1") is not None and base.get("pass_at_1") is not None:
+        out["pass_at_1_delta"] = metrics["pass_at_1"] - base["pass_at_1"]
     out.update(quality.faithfulness([o["output"] for o in outputs], [o["output"] for o in baseline_outputs],
                                     [o["token_ids"] for o in outputs], [o["token_ids"] for o in baseline_outputs]))
     if metrics.get("ppl") and base.get("ppl"):
@@ -169,17 +185,18 @@ def ensure_baseline(
     device: str = "cpu",
     reuse: bool = True,
     measure_ppl: bool = True,
+    execute: bool = False,
     progress: Progress | None = None,
 ) -> tuple[dict, list[dict], bool]:
     """Reuse today's matching baseline from `out_dir`, or measure and save one. Returns (doc, outputs, reused)."""
-    fp = results.fingerprint(loaded.path, "baseline", {}, workload.to_dict(), env["threads"], env["machine"])
+    fp = run_fingerprint(loaded, "baseline", {}, workload, env, execute)
     if reuse:
         found = find_reusable_baseline(out_dir, fp)
         if found is not None:
             return found[0], found[1], True
     prepared = PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, label="baseline", device=device)
     doc, outputs = measure_prepared(loaded, prepared, inputs, workload, protocol, technique="baseline", config={},
-                                    env=env, measure_ppl=measure_ppl, progress=progress)
+                                    env=env, measure_ppl=measure_ppl, execute=execute, progress=progress)
     saved = results.save_run(out_dir, doc, outputs)
     doc["_path"] = str(saved.run_dir)
     return doc, outputs, False
@@ -208,6 +225,7 @@ def run_configs(
     resume: bool = False,
     reuse_baseline: bool = True,
     measure_ppl: bool = True,
+    execute: bool = False,
     progress: Progress | None = None,
     prepare: Callable | None = None,
 ) -> tuple[dict, list[dict]]:
@@ -222,12 +240,11 @@ def run_configs(
     prepare = prepare or registry_apply
     baseline, baseline_outputs, _ = ensure_baseline(loaded, inputs, workload, protocol, env=env, out_dir=out_dir,
                                                     device=device, reuse=reuse_baseline, measure_ppl=measure_ppl,
-                                                    progress=progress)
+                                                    execute=execute, progress=progress)
     docs = []
     for config in configs:
         config_dict = config.to_dict()
-        fp = results.fingerprint(loaded.path, config.technique, config_dict, workload.to_dict(), env["threads"],
-                                 env["machine"])
+        fp = run_fingerprint(loaded, config.technique, config_dict, workload, env, execute)
         if resume and (done := existing_result(out_dir, fp)) is not None:
             docs.append(done)
             continue
@@ -236,7 +253,7 @@ def run_configs(
         doc, outputs = measure_prepared(loaded, prepared, inputs, workload, protocol, technique=config.technique,
                                         config=config_dict, env=env, baseline=baseline,
                                         baseline_outputs=baseline_outputs, measure_ppl=measure_ppl,
-                                        progress=progress)
+                                        execute=execute, progress=progress)
         saved = results.save_run(out_dir, doc, outputs)
         doc["_path"] = str(saved.run_dir)
         docs.append(doc)

@@ -35,6 +35,8 @@ def render_result(doc: dict, run_dir: Path | str | None = None) -> None:
         ("BLEU / chrF", f"{output.fmt(m.get('bleu'))} / {output.fmt(m.get('chrf'))}"),
         ("perplexity", output.fmt(m.get("ppl"))),
     ]
+    if m.get("pass_at_1") is not None:
+        facts.append(("pass@1", output.fmt(m["pass_at_1"], ".1%")))
     if m.get("speedup_vs_baseline") is not None:
         facts.append(("speedup vs baseline", f"{output.fmt(m['speedup_vs_baseline'])}x decode, "
                                              f"{output.fmt(m.get('ttft_speedup_vs_baseline'))}x TTFT"))
@@ -42,9 +44,9 @@ def render_result(doc: dict, run_dir: Path | str | None = None) -> None:
                                f"{output.fmt(m.get('exact_match_vs_baseline'), '.0%')}, ppl "
                                f"{output.fmt(m.get('ppl_delta_pct'), '+.2f')}%"))
     for name, value in facts:
-        output.out.print(f"  {name:<22} {value}")
+        output.out.print(f"  {name:<22} {value}", soft_wrap=True)
     if run_dir is not None:
-        output.out.print(f"  {'result':<22} {run_dir}/result.json")
+        output.out.print(f"  {'result':<22} {run_dir}/result.json", soft_wrap=True)
 
 
 _DEFAULTS = {"suite": "chat", "limit": 8, "max_new_tokens": 64, "batch_size": 1, "seed": 0, "lang": "en",
@@ -76,6 +78,7 @@ def bench(
     device: opt.Device = "cpu",
     trust_remote_code: opt.TrustRemoteCode = False,
     ppl: opt.Ppl = True,
+    execute: opt.Execute = False,
     json_out: opt.Json = False,
     debug: opt.Debug = False,
 ) -> None:
@@ -88,6 +91,7 @@ def bench(
     """
     from infer_tune import env as envinfo
     from infer_tune import models, results
+    from infer_tune.errors import ConfigError
     from infer_tune.runners import Protocol
     from infer_tune.runners.prepared import PreparedModel
     from infer_tune.session import measure_prepared, prepare_inputs
@@ -114,6 +118,8 @@ def bench(
     n_threads = setup_threads(threads)
     device = resolve_device(device)
     prompts = load_prompts(workload)
+    if execute and not any(p.extra.get("test") for p in prompts):
+        raise ConfigError(f"--execute needs a suite with tests (e.g. --suite code); '{workload.suite}' has none")
     loaded = models.load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     inputs = prepare_inputs(loaded, workload, prompts)
     env = envinfo.collect_env(n_threads)
@@ -122,7 +128,8 @@ def bench(
 
         with output.progress_bar(not json_out) as progress:
             baseline, docs = run_configs(loaded, inputs, workload, protocol, configs, env=env, out_dir=out,
-                                         device=device, resume=resume, measure_ppl=ppl, progress=progress)
+                                         device=device, resume=resume, measure_ppl=ppl, execute=execute,
+                                         progress=progress)
         if json_out:
             output.print_json([baseline, *docs])
         else:
@@ -132,7 +139,7 @@ def bench(
     prepared = PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, label="baseline", device=device)
     with output.progress_bar(not json_out) as progress:
         doc, outs = measure_prepared(loaded, prepared, inputs, workload, protocol, technique="baseline",
-                                     config={}, env=env, measure_ppl=ppl, progress=progress)
+                                     config={}, env=env, measure_ppl=ppl, execute=execute, progress=progress)
     saved = results.save_run(out, doc, outs)
     if json_out:
         output.print_json(doc)
