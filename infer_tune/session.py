@@ -55,16 +55,19 @@ def run_fingerprint(loaded: models.LoadedModel, technique: str, config: dict, wo
 
 def timing_metrics(run: GenerationRun) -> tuple[dict, dict]:
     """Distribution metrics and raw samples from the runner's per-token timestamps."""
-    ttft = [r.ttft_ms for r in run.requests if r.token_ns]
-    tpot = [r.tpot_ms for r in run.requests if r.tpot_ms is not None]
-    e2e = [r.e2e_ms for r in run.requests if r.token_ns]
+    timed = [r for r in run.requests if r.token_ns]
+    ttft = [r.ttft_ms for r in timed]
+    tpot = [r.tpot_ms for r in timed if r.tpot_ms is not None]
+    e2e = [r.e2e_ms for r in timed]
     itl = [gap for r in run.requests for gap in r.itl_ms]
     metrics = {"ttft_ms": summarize(ttft), "itl_ms": summarize(itl), "tpot_ms": summarize(tpot),
                "e2e_ms": summarize(e2e)}
     wall = run.measured_wall_s or float("nan")
     metrics["output_throughput_tok_s"] = run.generated_tokens / wall
     metrics["request_throughput_req_s"] = len(run.requests) / wall
-    samples = {"ttft_ms": ttft, "tpot_ms": tpot, "e2e_ms": e2e, "itl_ms": itl}
+    # prompt_index pairs each ttft/e2e (and tpot, when every request has 2+ tokens) sample with its prompt
+    samples = {"ttft_ms": ttft, "tpot_ms": tpot, "e2e_ms": e2e, "itl_ms": itl,
+               "prompt_index": [r.prompt_index for r in timed]}
     return metrics, samples
 
 

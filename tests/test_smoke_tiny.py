@@ -1,8 +1,8 @@
-from infer_tune.runners import Protocol
-from infer_tune.session import measure_prepared, prepare_inputs
-from infer_tune.runners.prepared import PreparedModel
-from infer_tune.workload import Workload
 from infer_tune import env as envinfo
+from infer_tune.runners import Protocol
+from infer_tune.runners.prepared import PreparedModel
+from infer_tune.session import measure_prepared, prepare_inputs
+from infer_tune.workload import Workload
 
 
 def test_tiny_bench_end_to_end(tiny_loaded, prompts_file):

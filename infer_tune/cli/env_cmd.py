@@ -17,7 +17,9 @@ def env(threads: opt.Threads = None, json_out: opt.Json = False, debug: opt.Debu
         output.print_json(report)
         return
     for key, value in report.items():
-        if key == "ram_bytes":
+        if key == "tool":
+            value = f"{value['name']} {value['version']} (git {value['git_revision'] or 'unknown'})"
+        elif key == "ram_bytes":
             value = output.fmt_bytes(value)
         elif key == "mem_bandwidth_gb_s":
             value = f"{value:.1f} GB/s (measured, cached)"

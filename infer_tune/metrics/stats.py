@@ -64,3 +64,38 @@ def ratio_interval(
     rc = reduce(c[rng.integers(0, c.size, size=(resamples, c.size))])
     ratios = rc / rb
     return point, float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
+
+
+def paired_ratio_interval(
+    base: Sequence[float], base_keys: Sequence[int], cand: Sequence[float], cand_keys: Sequence[int],
+    *, seed: int = 0, resamples: int = 2000,
+) -> tuple[float, float, float] | None:
+    """Ratio of medians for paired designs: both runs timed the same prompts (keys = prompt index).
+
+    Per prompt, the ratio median(cand samples) / median(base samples); the point estimate is the
+    median of those ratios. The interval is a two-level bootstrap: prompts resampled with replacement,
+    and each prompt's own samples resampled on both sides. Pairing removes the prompt-to-prompt spread
+    (context length, output content) that dominates an unpaired comparison of few requests.
+    Returns None when fewer than two prompts are shared.
+    """
+    def group(values: Sequence[float], keys: Sequence[int]) -> dict[int, np.ndarray]:
+        out: dict[int, list[float]] = {}
+        for v, k in zip(values, keys):
+            out.setdefault(int(k), []).append(float(v))
+        return {k: np.asarray(v) for k, v in out.items()}
+
+    b, c = group(base, base_keys), group(cand, cand_keys)
+    shared = sorted(set(b) & set(c))
+    if len(shared) < 2:
+        return None
+    point = float(np.median([np.median(c[k]) / np.median(b[k]) for k in shared]))
+    rng = np.random.default_rng(seed)
+    stats = np.empty(resamples)
+    for r in range(resamples):
+        picks = rng.choice(len(shared), size=len(shared))
+        ratios = []
+        for p in picks:
+            bk, ck = b[shared[p]], c[shared[p]]
+            ratios.append(np.median(rng.choice(ck, ck.size)) / np.median(rng.choice(bk, bk.size)))
+        stats[r] = np.median(ratios)
+    return point, float(np.percentile(stats, 2.5)), float(np.percentile(stats, 97.5))

@@ -8,12 +8,16 @@ apply function with `@register_tuner(ConfigClass)`. No string if/elif chains.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 from infer_tune.errors import ConfigError
 from infer_tune.models import LoadedModel
 from infer_tune.runners.prepared import PreparedModel
+
+# Technique modules, imported on first use so that their configs register themselves.
+TECHNIQUE_MODULES = ("infer_tune.tuners.quantize", "infer_tune.tuners.kv_cache")
 
 ApplyFn = Callable[[LoadedModel, "TechniqueConfig"], PreparedModel]
 TUNERS: dict[type, ApplyFn] = {}
@@ -45,7 +49,13 @@ def register_tuner(config_cls: type) -> Callable[[ApplyFn], ApplyFn]:
     return decorator
 
 
+def load_techniques() -> None:
+    for name in TECHNIQUE_MODULES:
+        importlib.import_module(name)
+
+
 def apply(loaded: LoadedModel, config: TechniqueConfig) -> PreparedModel:
+    load_techniques()
     try:
         fn = TUNERS[type(config)]
     except KeyError:
@@ -55,11 +65,13 @@ def apply(loaded: LoadedModel, config: TechniqueConfig) -> PreparedModel:
 
 def configs_by_technique() -> dict[str, type]:
     """Technique name -> its config class (the class a recipe's `technique:` key selects)."""
+    load_techniques()
     return {cls.technique: cls for cls in TUNERS if getattr(cls, "technique", "")}
 
 
 def config_from_dict(data: dict[str, Any]) -> TechniqueConfig:
     """Rebuild a config from `to_dict()` output; only registered classes are accepted."""
+    load_techniques()
     kind = data.get("kind")
     cls = CONFIG_CLASSES.get(kind)
     if cls is None:

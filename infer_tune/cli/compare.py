@@ -1,0 +1,97 @@
+"""`infer-tune compare`: deltas with confidence against a base result, and the CI regression gate."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from infer_tune.cli import options as opt
+from infer_tune.cli import output
+from infer_tune.cli.common import handle_errors
+from infer_tune.errors import InferTuneError
+
+FORMATS = ("table", "md", "json", "junit")
+
+
+def render(comparison) -> None:
+    """Per candidate: the gate checks (when any) and the deltas of the main metrics, as rich tables."""
+    from infer_tune.report import formats as f
+
+    for cand in comparison.candidates:
+        title = f"{cand.run_id} ({cand.technique}) vs {comparison.base_run_id}"
+        if cand.checks:
+            checks = Table(title=f"gate: {title}")
+            for name in f.CHECK_HEADER:
+                checks.add_column(name, justify="left" if name == "--fail-if" else "right")
+            for check in cand.checks:
+                row = f.check_row(check)
+                row[-1] = "[bold red]REGRESSED[/]" if check.regressed else "[green]pass[/]"
+                checks.add_row(*row[:-1], row[-1])
+            output.out.print(checks)
+        deltas = Table(title=f"deltas: {title}")
+        for name in f.DELTA_HEADER:
+            deltas.add_column(name, justify="left" if name == "metric" else "right")
+        for d in cand.deltas:
+            deltas.add_row(*f.delta_row(d))
+        output.out.print(deltas)
+
+
+def print_plain(text: str) -> None:
+    output.out.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True, end="")
+
+
+@handle_errors
+def compare(
+    base: Annotated[Path, typer.Argument(help="Base run folder or its result.json (e.g. the stored baseline).")],
+    candidates: Annotated[list[Path], typer.Argument(help="Candidate run folders or result.json files.")],
+    fail_if: Annotated[list[str] | None, typer.Option("--fail-if", help="Gate EXPR 'METRIC OP VALUE[%]', repeatable: "
+                                                      "'tpot_ms.p50 > +10%', 'bleu_drift < -1.0'.")] = None,
+    fmt: Annotated[str, typer.Option("--format", "-f", help="table, md, json or junit.")] = "table",
+    allow_mismatch: Annotated[bool, typer.Option("--allow-mismatch", help="Compare results of different suites or models.")] = False,
+    seed: opt.Seed = 0,
+    json_out: opt.Json = False,
+    debug: opt.Debug = False,
+) -> None:
+    """Deltas of CAND vs BASE with bootstrap 95% intervals; with --fail-if, a CI gate.
+
+    A % threshold is the relative change cand vs base; a plain number is compared with the candidate's
+    value (for bleu_drift, ppl_delta_pct, speedup_vs_baseline). Timing metrics with raw samples fail only
+    when the WHOLE bootstrap 95% interval is past the threshold. Exit 0 pass, 1 regression, 2 bad input.
+    When GITHUB_STEP_SUMMARY is set, the markdown report is appended to that file.
+
+    Example: infer-tune compare baseline/result.json runs/pr/*/ --fail-if "tpot_ms.p50 > +10%" --format md
+    """
+    from infer_tune import results
+    from infer_tune.report import compare as cmp
+    from infer_tune.report import formats as f
+
+    fmt = "json" if json_out else fmt
+    if fmt not in FORMATS:
+        raise InferTuneError(f"unknown --format {fmt!r}; use {', '.join(FORMATS)}")
+    exprs = [cmp.parse_expr(text) for text in fail_if or []]
+    base_doc = results.load_result(base)
+    cand_docs = [results.load_result(c) for c in candidates]
+    comparison = cmp.compare(base_doc, cand_docs, exprs, allow_mismatch=allow_mismatch, seed=seed)
+    markdown = f.to_markdown(comparison)
+    if summary := os.environ.get("GITHUB_STEP_SUMMARY"):
+        try:
+            with open(summary, "a", encoding="utf-8") as handle:
+                handle.write(markdown + "\n")
+        except OSError as exc:
+            output.note(f"could not append to GITHUB_STEP_SUMMARY ({summary}): {exc}")
+    if fmt == "json":
+        output.print_json(comparison.to_dict())
+    elif fmt == "md":
+        print_plain(markdown)
+    elif fmt == "junit":
+        print_plain(f.to_junit(comparison))
+    else:
+        render(comparison)
+    if comparison.regressed:
+        failed = sorted({c.expr for cand in comparison.candidates for c in cand.checks if c.regressed})
+        output.error(f"regression: {'; '.join(failed)}")
+        raise typer.Exit(1)

@@ -1,0 +1,1 @@
+"""Reports built from result documents only: the combined leaderboard and the `compare` gate."""

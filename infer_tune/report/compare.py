@@ -1,0 +1,311 @@
+"""`compare`: deltas of candidate results against a base result, and the noise-aware CI gate.
+
+A gate expression is `METRIC OP VALUE` (`OP` is one of `>`, `>=`, `<`, `<=`) and describes the
+regression: the check fails when it holds.
+
+- `VALUE` with `%` (`tpot_ms.p50 > +10%`) is a relative change of the candidate against the base,
+  `100 * (cand / base - 1)`.
+- `VALUE` without `%` (`bleu_drift < -1.0`) is compared with the candidate's own value; use it for
+  metrics that already are deltas against a baseline (`bleu_drift`, `ppl_delta_pct`,
+  `speedup_vs_baseline`) or for hard limits. When the candidate lacks one of those three delta
+  metrics (a plain `bench` result), it is computed pairwise against the base instead.
+- Timing distributions with raw samples (`ttft_ms`, `tpot_ms`, `e2e_ms`, `itl_ms`; statistic `p50`,
+  `p90`, `p99` or `mean`, default `p50`) are judged by a 95% bootstrap interval, of the ratio
+  stat(cand) / stat(base) for `%` thresholds and of stat(cand) for absolute ones. A regression is
+  declared only when the WHOLE interval is past the threshold, so run-to-run noise does not fail.
+  When both results timed the same prompts (same workload, and `samples.prompt_index` recorded),
+  the median (`p50`) of `ttft_ms`, `tpot_ms` and `e2e_ms` is compared *paired*: per prompt the
+  ratio of medians, their median as the estimate, and a two-level bootstrap (prompts, then each
+  prompt's samples) for the interval. Pairing removes the prompt-to-prompt spread that makes an
+  unpaired interval of a few requests wide.
+- Every other metric compares point values.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from infer_tune.errors import InferTuneError
+from infer_tune.metrics.stats import paired_ratio_interval, ratio_interval
+from infer_tune.results import DISTRIBUTION_METRICS
+
+SAMPLE_STATS = ("p50", "p90", "p99", "mean")
+POINT_STATS = ("p50", "p90", "p99", "mean", "stdev", "mad")
+PAIRWISE_DELTAS = ("bleu_drift", "ppl_delta_pct", "speedup_vs_baseline")
+MAIN_METRICS = ("ttft_ms.p50", "ttft_ms.p99", "tpot_ms.p50", "itl_ms.p50", "e2e_ms.p50", "output_throughput_tok_s",
+                "peak_rss_bytes", "model_bytes", "bleu", "chrf", "ppl")
+OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+_EXPR = re.compile(r"^\s*(?P<metric>[A-Za-z_][\w.]*)\s*(?P<op>>=|<=|>|<)\s*"
+                   r"(?P<value>[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*(?P<pct>%)?\s*$")
+
+
+class ExprError(InferTuneError):
+    """A --fail-if expression that does not parse or names an unknown metric."""
+
+
+class MismatchError(InferTuneError):
+    """Results of different suites or models compared without --allow-mismatch."""
+
+
+@dataclass(frozen=True)
+class Expr:
+    """One parsed gate expression."""
+
+    text: str
+    metric: str
+    op: str
+    value: float
+    relative: bool
+
+
+def parse_expr(text: str) -> Expr:
+    """Parse `METRIC OP VALUE[%]`, e.g. `tpot_ms.p50 > +10%` or `bleu_drift < -1.0`."""
+    match = _EXPR.match(text or "")
+    if not match:
+        raise ExprError(f"cannot parse --fail-if {text!r}: expected METRIC OP VALUE with OP one of > >= < <=, "
+                        "e.g. 'tpot_ms.p50 > +10%' or 'bleu_drift < -1.0'")
+    metric = normalize_metric(match["metric"])
+    return Expr(text=text.strip(), metric=metric, op=match["op"], value=float(match["value"]),
+                relative=match["pct"] is not None)
+
+
+def normalize_metric(name: str) -> str:
+    """`tpot_ms` alone means its median, `tpot_ms.p50`."""
+    return f"{name}.p50" if name in DISTRIBUTION_METRICS else name
+
+
+def known_metrics(doc: dict) -> list[str]:
+    """Every metric name a result document offers to `compare` (numeric leaves of `metrics`)."""
+    names = []
+    for key, value in doc.get("metrics", {}).items():
+        if isinstance(value, dict):
+            names += [f"{key}.{s}" for s in POINT_STATS if _is_number(value.get(s))]
+        elif _is_number(value):
+            names.append(key)
+    return names
+
+
+def metric_value(doc: dict, metric: str) -> float | None:
+    """Point value of `metric` (`key` or `key.stat`) in a result document, None when absent or null."""
+    key, _, stat = metric.partition(".")
+    value = doc.get("metrics", {}).get(key)
+    if stat:
+        value = value.get(stat) if isinstance(value, dict) else None
+    return float(value) if _is_number(value) else None
+
+
+def pairwise_delta(base: dict, cand: dict, metric: str) -> float | None:
+    """bleu_drift / ppl_delta_pct / speedup_vs_baseline of `cand` computed against `base` directly."""
+    if metric == "bleu_drift":
+        b, c = metric_value(base, "bleu"), metric_value(cand, "bleu")
+        return None if b is None or c is None else c - b
+    if metric == "ppl_delta_pct":
+        b, c = metric_value(base, "ppl"), metric_value(cand, "ppl")
+        return None if not b or c is None else 100.0 * (c - b) / b
+    if metric == "speedup_vs_baseline":
+        b, c = metric_value(base, "tpot_ms.p50"), metric_value(cand, "tpot_ms.p50")
+        return None if not b or not c else b / c
+    return None
+
+
+def samples_of(doc: dict, metric: str) -> list[float] | None:
+    """Raw samples behind a timing statistic, when the document kept them."""
+    key, _, stat = metric.partition(".")
+    if key not in DISTRIBUTION_METRICS or stat not in SAMPLE_STATS:
+        return None
+    values = [v for v in doc.get("samples", {}).get(key) or [] if _is_number(v)]
+    return values or None
+
+
+PAIRED_METRICS = ("ttft_ms", "tpot_ms", "e2e_ms")
+WORKLOAD_KEYS = ("suite", "limit", "seed", "max_new_tokens", "batch_size", "chat_template", "lang", "prompts")
+
+
+def paired_ratio(base: dict, cand: dict, metric: str, *, seed: int = 0) -> tuple[float, float, float] | None:
+    """Paired bootstrap ratio of medians (see module docstring), or None when the runs are not paired."""
+    key, _, stat = metric.partition(".")
+    if key not in PAIRED_METRICS or stat != "p50":
+        return None
+    bw, cw = base.get("workload", {}), cand.get("workload", {})
+    if any(bw.get(k) != cw.get(k) for k in WORKLOAD_KEYS):
+        return None
+    bs, cs = base.get("samples", {}), cand.get("samples", {})
+    bi, ci = bs.get("prompt_index"), cs.get("prompt_index")
+    bv, cv = bs.get(key), cs.get(key)
+    if not bi or not ci or not bv or not cv or len(bi) != len(bv) or len(ci) != len(cv):
+        return None
+    return paired_ratio_interval(bv, bi, cv, ci, seed=seed)
+
+
+def check_match(base: dict, candidates: Sequence[dict], *, allow_mismatch: bool = False) -> None:
+    """Refuse results of another suite or model than the base's (a comparison of different workloads)."""
+    if allow_mismatch:
+        return
+    for cand in candidates:
+        for what, get in (("suite", lambda d: d["workload"].get("suite")), ("model", lambda d: d["model"].get("ref"))):
+            if get(base) != get(cand):
+                raise MismatchError(f"{cand['run_id']} has {what} {get(cand)!r} but the base has {get(base)!r}; "
+                                    "compare like with like, or pass --allow-mismatch")
+
+
+def validate_exprs(exprs: Sequence[Expr], base: dict, candidates: Sequence[dict]) -> None:
+    """Every expression must name a metric that the documents hold (exit 2 with the known list otherwise)."""
+    known = set(known_metrics(base))
+    for cand in candidates:
+        known |= set(known_metrics(cand))
+    known |= {m for m in PAIRWISE_DELTAS if any(pairwise_delta(base, c, m) is not None for c in candidates)}
+    for expr in exprs:
+        if expr.metric not in known:
+            raise ExprError(f"unknown metric {expr.metric!r} in --fail-if {expr.text!r}; known: "
+                            + ", ".join(sorted(known)))
+
+
+@dataclass
+class Delta:
+    """One metric of one candidate against the base: values, relative change and its 95% interval."""
+
+    metric: str
+    base: float | None
+    cand: float | None
+    change_pct: float | None
+    ci95_pct: list[float] | None = None
+    method: str = "point"
+
+
+@dataclass
+class Check:
+    """One gate expression judged on one candidate. `observed` is a change in % or a value."""
+
+    expr: str
+    metric: str
+    observed: float
+    interval: list[float] | None
+    threshold: float
+    relative: bool
+    method: str
+    regressed: bool
+
+
+@dataclass
+class CandidateReport:
+    run_id: str
+    path: str | None
+    technique: str
+    deltas: list[Delta] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def regressed(self) -> bool:
+        return any(c.regressed for c in self.checks)
+
+
+@dataclass
+class Comparison:
+    """Everything `compare` found; `to_dict()` is its --json / --format json document."""
+
+    base_run_id: str
+    base_path: str | None
+    exprs: list[str]
+    candidates: list[CandidateReport]
+
+    @property
+    def regressed(self) -> bool:
+        return any(c.regressed for c in self.candidates)
+
+    def to_dict(self) -> dict:
+        doc = asdict(self)
+        for cand, rep in zip(doc["candidates"], self.candidates, strict=True):
+            cand["regressed"] = rep.regressed
+        doc["regressed"] = self.regressed
+        return doc
+
+
+def delta(base: dict, cand: dict, metric: str, *, seed: int = 0) -> Delta:
+    """Relative change of `metric`, with a bootstrap interval when both sides kept raw samples."""
+    b, c = metric_value(base, metric), metric_value(cand, metric)
+    change = 100.0 * (c / b - 1.0) if b and c is not None else None
+    paired = paired_ratio(base, cand, metric, seed=seed)
+    if paired is not None:
+        point, low, high = paired
+        return Delta(metric, b, c, 100.0 * (point - 1.0), [100.0 * (low - 1.0), 100.0 * (high - 1.0)],
+                     "paired bootstrap")
+    bs, cs = samples_of(base, metric), samples_of(cand, metric)
+    if bs and cs:
+        _, low, high = ratio_interval(bs, cs, stat=metric.partition(".")[2], seed=seed)
+        return Delta(metric, b, c, change, [100.0 * (low - 1.0), 100.0 * (high - 1.0)], "bootstrap")
+    return Delta(metric, b, c, change)
+
+
+def stat_interval(values: Sequence[float], stat: str, *, seed: int = 0, resamples: int = 2000) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of one statistic of one sample set."""
+    data = np.asarray(values, dtype=np.float64)
+    resampled = data[np.random.default_rng(seed).integers(0, data.size, size=(resamples, data.size))]
+    stats = resampled.mean(axis=1) if stat == "mean" else np.percentile(resampled, float(stat[1:]), axis=1)
+    return float(np.percentile(stats, 2.5)), float(np.percentile(stats, 97.5))
+
+
+def judge(expr: Expr, base: dict, cand: dict, *, seed: int = 0) -> Check:
+    """Apply the gate rule (module docstring) of one expression to one candidate."""
+    where = f"{expr.metric} of {cand['run_id']}"
+    passes = OPS[expr.op]
+    stat = expr.metric.partition(".")[2]
+    bs, cs = samples_of(base, expr.metric), samples_of(cand, expr.metric)
+    paired = paired_ratio(base, cand, expr.metric, seed=seed) if expr.relative else None
+    if paired is not None:
+        point, low, high = paired
+        interval = [100.0 * (low - 1.0), 100.0 * (high - 1.0)]
+        observed, method = 100.0 * (point - 1.0), "paired bootstrap ratio"
+    elif expr.relative:
+        if bs and cs:
+            point, low, high = ratio_interval(bs, cs, stat=stat, seed=seed)
+            interval = [100.0 * (low - 1.0), 100.0 * (high - 1.0)]
+            observed, method = 100.0 * (point - 1.0), "bootstrap ratio"
+        else:
+            b, c = metric_value(base, expr.metric), metric_value(cand, expr.metric)
+            if b is None or c is None:
+                raise ExprError(f"{where}: no value on {'the base' if b is None else 'the candidate'}")
+            if b == 0:
+                raise ExprError(f"{where}: the base value is 0, a % change is undefined; use an absolute threshold")
+            observed, interval, method = 100.0 * (c - b) / abs(b), None, "point"
+    elif cs:
+        observed = float(np.mean(cs)) if stat == "mean" else float(np.percentile(cs, float(stat[1:])))
+        interval, method = list(stat_interval(cs, stat, seed=seed)), "bootstrap value"
+    else:
+        value = metric_value(cand, expr.metric)
+        method = "point"
+        if value is None and expr.metric in PAIRWISE_DELTAS:
+            value, method = pairwise_delta(base, cand, expr.metric), "pairwise vs base"
+        if value is None:
+            raise ExprError(f"{where}: the candidate has no value for it")
+        observed, interval = value, None
+    # Whole interval past the threshold: its nearest end to the threshold must satisfy the expression.
+    edge = observed if interval is None else (interval[0] if expr.op in (">", ">=") else interval[1])
+    return Check(expr=expr.text, metric=expr.metric, observed=observed, interval=interval, threshold=expr.value,
+                 relative=expr.relative, method=method, regressed=bool(passes(edge, expr.value)))
+
+
+def compare(base: dict, candidates: Sequence[dict], exprs: Sequence[Expr] = (), *, allow_mismatch: bool = False,
+            seed: int = 0) -> Comparison:
+    """Deltas of the main metrics and every gate expression, for each candidate against `base`."""
+    check_match(base, candidates, allow_mismatch=allow_mismatch)
+    validate_exprs(exprs, base, candidates)
+    reports = []
+    for cand in candidates:
+        rep = CandidateReport(run_id=cand["run_id"], path=cand.get("_path"), technique=cand.get("technique", "?"))
+        metrics = list(MAIN_METRICS) + [e.metric for e in exprs if e.metric not in MAIN_METRICS]
+        rep.deltas = [delta(base, cand, m, seed=seed) for m in dict.fromkeys(metrics)
+                      if metric_value(base, m) is not None or metric_value(cand, m) is not None]
+        rep.checks = [judge(e, base, cand, seed=seed) for e in exprs]
+        reports.append(rep)
+    return Comparison(base_run_id=base["run_id"], base_path=base.get("_path"), exprs=[e.text for e in exprs],
+                      candidates=reports)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

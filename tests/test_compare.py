@@ -1,0 +1,175 @@
+"""`compare`: the gate rule on synthetic samples, the EXPR parser, exit codes and formats through the CLI."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+from result_docs import make_result, save
+from typer.testing import CliRunner
+
+from infer_tune.cli import app
+from infer_tune.report.compare import ExprError, MismatchError, compare, judge, parse_expr
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def _no_step_summary(monkeypatch):
+    """A CI runner's own GITHUB_STEP_SUMMARY must not receive these tests' reports."""
+    monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
+
+
+@pytest.mark.parametrize(("text", "metric", "op", "value", "relative"), [
+    ("tpot_ms.p50 > +10%", "tpot_ms.p50", ">", 10.0, True),
+    ("bleu_drift < -1.0", "bleu_drift", "<", -1.0, False),
+    ("output_throughput_tok_s<-5%", "output_throughput_tok_s", "<", -5.0, True),
+    ("  ttft_ms >= 1e3 ", "ttft_ms.p50", ">=", 1000.0, False),
+    ("itl_ms.p99 <= .5%", "itl_ms.p99", "<=", 0.5, True),
+])
+def test_parse_valid(text, metric, op, value, relative):
+    expr = parse_expr(text)
+    assert (expr.metric, expr.op, expr.value, expr.relative) == (metric, op, value, relative)
+
+
+@pytest.mark.parametrize("text", ["", "tpot_ms.p50", "tpot_ms.p50 > ", "> 10%", "tpot_ms.p50 => 10",
+                                  "tpot_ms.p50 > ten", "tpot_ms.p50 == 10", "tpot_ms.p50 > 10%%", "1x > 3"])
+def test_parse_invalid(text):
+    with pytest.raises(ExprError):
+        parse_expr(text)
+
+
+def test_identical_distributions_pass():
+    base, cand = make_result("a", seed=1), make_result("b", seed=2)
+    check = judge(parse_expr("tpot_ms.p50 > +10%"), base, cand)
+    assert not check.regressed
+    assert check.interval[0] < 0 < check.interval[1]
+
+
+def test_twenty_percent_shift_fails():
+    base, cand = make_result("a", seed=1), make_result("b", tpot_ms=48.0, seed=2)
+    check = judge(parse_expr("tpot_ms.p50 > +10%"), base, cand)
+    assert check.regressed and check.method == "bootstrap ratio"
+    assert 10 < check.interval[0] < 20 < check.interval[1] < 30
+
+
+def test_whole_interval_rule_tolerates_noise():
+    # A point estimate past the threshold with an interval straddling it is not a regression.
+    base = make_result("a", n=6, noise=0.3, seed=3)
+    cand = make_result("b", tpot_ms=46.0, n=6, noise=0.3, seed=4)
+    check = judge(parse_expr("tpot_ms.p50 > +10%"), base, cand)
+    assert check.interval[0] < 10 < check.interval[1]
+    assert not check.regressed
+
+
+def test_absolute_and_pairwise_rules():
+    base = make_result("a", bleu=10.0, ppl=5.0)
+    cand = make_result("b", bleu=8.5, ppl=5.5, seed=1)
+    assert judge(parse_expr("bleu_drift < -1.0"), base, cand).method == "pairwise vs base"
+    assert judge(parse_expr("bleu_drift < -1.0"), base, cand).regressed
+    assert judge(parse_expr("ppl_delta_pct > 5"), base, cand).regressed  # +10%
+    own = make_result("c", technique="quantize", bleu_drift=-0.2, seed=1)
+    assert not judge(parse_expr("bleu_drift < -1.0"), base, own).regressed
+    assert judge(parse_expr("output_throughput_tok_s < -5%"), base, make_result("d", tpot_ms=50.0)).regressed
+
+
+def test_compare_refuses_mismatch_and_unknown_metric():
+    base = make_result("a")
+    with pytest.raises(MismatchError, match="suite"):
+        compare(base, [make_result("b", suite="code")])
+    with pytest.raises(MismatchError, match="model"):
+        compare(base, [make_result("b", model="other")])
+    assert compare(base, [make_result("b", suite="code")], allow_mismatch=True).candidates
+    with pytest.raises(ExprError, match="known: .*tpot_ms.p50"):
+        compare(base, [make_result("b")], [parse_expr("tpot_bogus > 10%")])
+
+
+@pytest.fixture()
+def runs(tmp_path):
+    return {
+        "base": save(make_result("base", seed=1), tmp_path),
+        "same": save(make_result("same", seed=2), tmp_path),
+        "slow": save(make_result("slow", tpot_ms=48.0, seed=3), tmp_path),
+        "code": save(make_result("code", suite="code", seed=4), tmp_path),
+    }
+
+
+def invoke(*args: str):
+    return runner.invoke(app, ["compare", *args])
+
+
+def test_cli_exit_codes(runs, tmp_path):
+    gate = ["--fail-if", "tpot_ms.p50 > +10%"]
+    assert invoke(str(runs["base"]), str(runs["same"]), *gate).exit_code == 0
+    slow = invoke(str(runs["base"]), str(runs["same"]), str(runs["slow"]), *gate)
+    assert slow.exit_code == 1 and "tpot_ms.p50" in slow.output
+    assert invoke(str(runs["base"]), str(runs["slow"])).exit_code == 0  # no gate: deltas only
+    assert invoke(str(runs["base"]), str(runs["same"]), "--fail-if", "tpot_ms.p50 >> 10%").exit_code == 2
+    assert invoke(str(runs["base"]), str(runs["same"]), "--fail-if", "nope > 1").exit_code == 2
+    assert invoke(str(runs["base"]), str(tmp_path / "missing")).exit_code == 2
+    assert invoke(str(runs["base"]), str(runs["code"]), *gate).exit_code == 2
+    assert invoke(str(runs["base"]), str(runs["code"]), *gate, "--allow-mismatch").exit_code == 0
+
+
+def test_cli_bad_files(runs, tmp_path):
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text("{not json")
+    future = tmp_path / "future.json"
+    future.write_text(json.dumps({**make_result("f"), "schema_version": 99}))
+    for bad in (corrupt, future):
+        result = invoke(str(runs["base"]), str(bad))
+        assert result.exit_code == 2
+        assert "Traceback" not in result.output
+
+
+def test_cli_json_and_junit(runs):
+    result = invoke(str(runs["base"]), str(runs["slow"]), "--fail-if", "tpot_ms.p50 > +10%", "--json")
+    assert result.exit_code == 1
+    doc = json.loads(result.stdout)
+    assert doc["regressed"] and doc["candidates"][0]["checks"][0]["regressed"]
+    result = invoke(str(runs["base"]), str(runs["same"]), str(runs["slow"]), "--fail-if", "tpot_ms.p50 > +10%",
+                    "--fail-if", "bleu_drift < -1.0", "--format", "junit")
+    root = ET.fromstring(result.stdout)
+    cases = root.findall(".//testcase")
+    assert len(cases) == 4 and root.get("failures") == "1"
+    assert [c.get("name") for c in cases if c.find("failure") is not None] == ["tpot_ms.p50 > +10%"]
+
+
+def test_cli_markdown_and_step_summary(runs, tmp_path, monkeypatch):
+    summary = tmp_path / "summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    result = invoke(str(runs["base"]), str(runs["same"]), "--fail-if", "tpot_ms.p50 > +10%", "--format", "md")
+    assert result.exit_code == 0
+    assert "| tpot_ms.p50 > +10% |" in result.stdout
+    assert "pass" in summary.read_text()
+
+
+def _paired_doc(run_id: str, factor: float, seed: int) -> dict:
+    """Four prompts of very different speed (context length), 3 iterations each, 3% noise."""
+    rng = np.random.default_rng(seed)
+    prompt_ms = [20.0, 40.0, 60.0, 80.0]
+    index = [i for _ in range(3) for i in range(4)]
+    tpot = [prompt_ms[i] * factor * (1 + 0.03 * rng.standard_normal()) for i in index]
+    doc = make_result(run_id, seed=seed)
+    doc["samples"]["tpot_ms"] = tpot
+    doc["samples"]["prompt_index"] = index
+    doc["samples"]["ttft_ms"] = doc["samples"]["ttft_ms"][: len(index)]
+    doc["samples"]["e2e_ms"] = doc["samples"]["e2e_ms"][: len(index)]
+    return doc
+
+
+def test_paired_comparison_is_tight_where_unpaired_is_wide():
+    from infer_tune.report.compare import compare, parse_expr
+
+    base, same, slower = _paired_doc("a", 1.0, 1), _paired_doc("b", 1.0, 2), _paired_doc("c", 1.2, 3)
+    expr = parse_expr("tpot_ms.p50 > +10%")
+    check_same = compare(base, [same], [expr]).candidates[0].checks[0]
+    check_slower = compare(base, [slower], [expr]).candidates[0].checks[0]
+    assert check_same.method == "paired bootstrap ratio" and not check_same.regressed
+    assert check_slower.regressed and check_slower.interval[0] > 10.0
+    # without prompt indices the same 20% shift is lost in the prompt-to-prompt spread
+    for doc in (base, slower):
+        del doc["samples"]["prompt_index"]
+    assert not compare(base, [slower], [expr]).candidates[0].checks[0].regressed

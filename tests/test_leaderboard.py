@@ -1,0 +1,77 @@
+"""Leaderboard: one row per result across techniques, md / csv / html files, sorting, filtering, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+from result_docs import make_result, save
+from typer.testing import CliRunner
+
+from infer_tune.cli import app
+from infer_tune.errors import InferTuneError
+from infer_tune.report import leaderboard as lb
+
+
+def docs() -> list[dict]:
+    return [
+        make_result("r-base", seed=1),
+        make_result("r-int8", technique="quantize", config={"kind": "quantize", "method": "int8"}, tpot_ms=20.0,
+                    speedup_vs_baseline=2.0, bleu_drift=-0.7, exact_match_vs_baseline=0.5, seed=2),
+        make_result("r-int4", technique="quantize", config={"kind": "quantize", "method": "int4"}, tpot_ms=30.0,
+                    speedup_vs_baseline=1.3, bleu_drift=-3.0, seed=3),
+        make_result("r-static", technique="kv-cache", config={"impl": "static"}, speedup_vs_baseline=1.1,
+                    bleu_drift=0.0, per_position_ms=[30.0, 31.0, 33.0, 34.0], suite="code", seed=4),
+    ]
+
+
+def test_build_flattens_one_row_per_result():
+    frame = lb.build(docs())
+    assert list(frame["run_id"]) == ["r-base", "r-int8", "r-int4", "r-static"]
+    assert list(frame.columns) == list(lb.COLUMNS)
+    row = frame.set_index("run_id").loc["r-int8"]
+    assert row["config"] == "method=int8" and row["tpot_p50_ms"] == pytest.approx(20.0, rel=0.05)
+    assert frame.set_index("run_id").loc["r-base", "speedup_vs_baseline"] == 1.0
+
+
+def test_sort_and_filter():
+    frame = lb.build(docs(), sort="speedup_vs_baseline", descending=True)
+    assert list(frame["run_id"]) == ["r-int8", "r-int4", "r-static", "r-base"]
+    assert list(lb.build(docs(), technique=["quantize"])["run_id"]) == ["r-int8", "r-int4"]
+    assert list(lb.build(docs(), suite=["code"])["run_id"]) == ["r-static"]
+    with pytest.raises(InferTuneError, match="--sort"):
+        lb.build(docs(), sort="nope")
+
+
+def test_pareto_front():
+    points = [(2.0, -0.7), (1.3, -3.0), (1.1, 0.0), (1.0, 0.0)]
+    assert lb.pareto_front(points) == [0, 2]
+
+
+def test_write_all_formats(tmp_path):
+    all_docs = docs()
+    written = lb.write(lb.build(all_docs), all_docs, tmp_path)
+    assert set(written) == {"md", "csv", "html"}
+    assert len(pd.read_csv(written["csv"])) == 4
+    md_rows = [line for line in written["md"].read_text().splitlines() if line.startswith("| r-")]
+    assert len(md_rows) == 4
+    page = written["html"].read_text()
+    assert page.count("data:image/png;base64,") == 3  # scatter, bars, per-position
+    assert "r-int8" in page and "<script" not in page
+
+
+def test_cli_writes_files_and_prints(tmp_path):
+    runs = tmp_path / "runs"
+    for doc in docs():
+        save(doc, runs)
+    result = CliRunner().invoke(app, ["leaderboard", str(runs), "--out", str(tmp_path / "lb"), "--sort", "bleu_drift",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert len(payload["rows"]) == 4 and set(payload["files"]) == {"md", "csv", "html"}
+    result = CliRunner().invoke(app, ["leaderboard", str(runs), "--format", "md,csv", "--technique", "quantize"])
+    assert result.exit_code == 0, result.output
+    assert (runs / "leaderboard.md").exists() and not (runs / "leaderboard.html").exists()
+    assert CliRunner().invoke(app, ["leaderboard", str(tmp_path / "empty")]).exit_code == 2
+    assert CliRunner().invoke(app, ["leaderboard", str(runs), "--sort", "nope"]).exit_code == 2
