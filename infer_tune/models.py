@@ -117,12 +117,17 @@ def load(
     torch_dtype = resolve_dtype(dtype, device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            location,
-            dtype=torch_dtype,
-            trust_remote_code=trust_remote_code,
-            use_safetensors=None if allow_pickle else True,
-        )
+        if (Path(location) / "quantization.json").is_file():  # saved by `infer-tune quantize`
+            from infer_tune.tuners.quantize.serialize import load_quantized
+
+            model = load_quantized(location)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                location,
+                dtype=torch_dtype,
+                trust_remote_code=trust_remote_code,
+                use_safetensors=None if allow_pickle else True,
+            )
     except OSError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"cannot load model '{ref}': {first}") from exc

@@ -129,7 +129,9 @@ def measure_prepared(
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "tool": envinfo.tool_info(),
         "env": env,
-        "model": {"ref": loaded.ref, "path": loaded.path, "params": models.count_params(prepared.model),
+        # params: the logical parameter count of the source model (a quantized copy stores fewer
+        # nn.Parameters); model_bytes: what the prepared model really stores
+        "model": {"ref": loaded.ref, "path": loaded.path, "params": models.count_params(loaded.model),
                   "model_bytes": weight_bytes, "dtype": loaded.dtype},
         "technique": technique,
         "config": config,

@@ -1,0 +1,99 @@
+"""`QuantizeConfig`: which method, which backend, and the method's knobs; validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import ClassVar
+
+from infer_tune.errors import ConfigError
+from infer_tune.tuners.base import TechniqueConfig
+
+METHODS = ("bf16", "int8-dynamic", "int8-static", "int4-weight", "int4-rtn")
+BACKENDS = ("auto", "torch", "quanto", "torchao")
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 CPU kernel accepts
+
+# What each backend implements (`auto` resolves to one of these, see `resolve_backend`).
+SUPPORTED: dict[str, tuple[str, ...]] = {
+    "torch": METHODS,
+    "quanto": ("int8-dynamic", "int8-static", "int4-weight", "int4-rtn"),
+    "torchao": ("int8-dynamic", "int4-rtn"),
+}
+
+
+@dataclasses.dataclass
+class QuantizeConfig(TechniqueConfig):
+    """One quantization recipe.
+
+    method: bf16 | int8-dynamic | int8-static | int4-weight | int4-rtn.
+    backend: auto picks the kernels measured fastest on the device (torch's int8 / int4 CPU kernels
+    on CPU; quanto, or torchao when installed, on CUDA).
+    alpha: SmoothQuant migration strength for int8-static (0 = all on activations, 1 = all on weights).
+    group_size: weights per 4-bit group for int4-*; must divide every quantized layer's in_features.
+    calib_suite / calib_samples: prompts whose activations calibrate int8-static.
+    """
+
+    technique: ClassVar[str] = "quantize"
+
+    method: str = "int8-dynamic"
+    backend: str = "auto"
+    alpha: float = 0.5
+    group_size: int = 64
+    calib_suite: str = "chat"
+    calib_samples: int = 16
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"quantize: method must be one of {', '.join(METHODS)}; got '{self.method}'")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"quantize: backend must be one of {', '.join(BACKENDS)}; got '{self.backend}'")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"quantize: alpha must be in [0, 1]; got {self.alpha}")
+        if self.group_size not in INT4_GROUP_SIZES:
+            raise ConfigError(f"quantize: group_size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}; "
+                              f"got {self.group_size}")
+        if self.calib_samples < 1:
+            raise ConfigError(f"quantize: calib_samples must be >= 1; got {self.calib_samples}")
+        if not self.calib_suite:
+            raise ConfigError("quantize: calib_suite must name a suite or file; got an empty string")
+        if self.backend != "auto" and self.method not in SUPPORTED[self.backend]:
+            raise ConfigError(f"quantize: backend '{self.backend}' implements {', '.join(SUPPORTED[self.backend])}; "
+                              f"got method '{self.method}'")
+        if self.backend == "torchao" and importlib.util.find_spec("torchao") is None:
+            raise ConfigError("quantize: backend 'torchao' is not installed; pip install 'infer-tune[torchao]' "
+                              "or use --backend torch|quanto")
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the method needs activation statistics from the calibration suite."""
+        return self.method == "int8-static"
+
+    def label(self) -> str:
+        parts = [self.method, self.backend]
+        if self.method == "int8-static":
+            parts.append(f"a{self.alpha:g}")
+        if self.method.startswith("int4"):
+            parts.append(f"g{self.group_size}")
+        return "-".join(parts)
+
+
+def resolve_backend(config: QuantizeConfig, device: str) -> str:
+    """`auto` -> the backend measured fastest for this method on `device` (bench/quantize_speed.py)."""
+    if config.backend != "auto":
+        return config.backend
+    if device.startswith("cuda") and config.method != "bf16":
+        if importlib.util.find_spec("torchao") is not None and config.method in SUPPORTED["torchao"]:
+            return "torchao"
+        return "quanto"
+    return "torch"
+
+
+def parse_sweep(text: str) -> list[str]:
+    """`int8-dynamic,int4-weight` -> validated method names (in order, no duplicates)."""
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    if not methods:
+        raise ConfigError(f"--sweep needs comma-separated methods from {', '.join(METHODS)}; got '{text}'")
+    for method in methods:
+        if method not in METHODS:
+            raise ConfigError(f"--sweep: unknown method '{method}'; choose from {', '.join(METHODS)}")
+    return list(dict.fromkeys(methods))

@@ -1,0 +1,117 @@
+"""Quantize -> save -> reload, as a `prepare(loaded, config)` for `session.run_configs`, and the claim check.
+
+The measured model is always the one reloaded from disk, so a result vouches for the saved checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from infer_tune import models
+from infer_tune.runners.prepared import PreparedModel
+from infer_tune.tuners.quantize import apply as torch_backend
+from infer_tune.tuners.quantize import library, serialize
+from infer_tune.tuners.quantize.calibrate import Progress
+from infer_tune.tuners.quantize.config import QuantizeConfig, resolve_backend
+
+# The claim DESIGN.md lists for quantization, as thresholds (what "held" means here).
+INT8_CLAIM = "INT8 halves weight memory vs 16-bit, decodes 2-3x faster, quality loss < 1% (BLEU drift ~0.7)"
+CLAIM_MAX_BYTES_RATIO = 0.55  # "halves": at most 55% of the 16-bit bytes
+CLAIM_MIN_SPEEDUP = 2.0
+CLAIM_MAX_PPL_DELTA_PCT = 1.0
+CLAIM_MIN_BLEU_DRIFT = -1.0
+
+
+def bytes_16bit(model: torch.nn.Module) -> int:
+    """Bytes of the model with every floating tensor stored in 16 bits (shared tensors once)."""
+    seen, total = set(), 0
+    for tensor in model.state_dict().values():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key in seen:
+            continue
+        seen.add(key)
+        total += tensor.numel() * (2 if tensor.is_floating_point() else tensor.element_size())
+    return total
+
+
+def quantize_in_memory(model: torch.nn.Module, config: QuantizeConfig, backend: str,
+                       calib: list[torch.Tensor] | None = None, progress: Progress | None = None) -> dict:
+    """Quantize `model` in place with `backend`; returns the summary that goes into quantization.json."""
+    if backend == "torch":
+        return torch_backend.quantize_model(model, config, calib, progress)
+    targets = list(torch_backend.check_quantizable(model, config))
+    if backend == "quanto":
+        return library.quantize_quanto(model, config, targets, calib, progress)
+    return library.quantize_torchao(model, config, targets)
+
+
+def make_prepare(
+    *,
+    save_dir: Callable[[QuantizeConfig], Path],
+    calib: list[torch.Tensor] | None,
+    device: str = "cpu",
+    progress: Progress | None = None,
+) -> Callable[[models.LoadedModel, QuantizeConfig], PreparedModel]:
+    """A `prepare` that quantizes a copy of the loaded model, saves it, and returns the reloaded model."""
+
+    def prepare(loaded: models.LoadedModel, config: QuantizeConfig) -> PreparedModel:
+        backend = resolve_backend(config, device)
+        started = time.perf_counter()
+        model = copy.deepcopy(loaded.model)
+        summary = quantize_in_memory(model, config, backend, calib if config.calibrated else None, progress)
+        quantize_s = time.perf_counter() - started
+        facts = {"backend_resolved": backend, "quantize_s": quantize_s,
+                 "model_bytes_16bit": bytes_16bit(loaded.model), "reloaded": backend != "torchao"}
+        if backend != "torchao":
+            target = save_dir(config)
+            manifest = {"method": config.method, "backend": backend, "config": _config_fields(config),
+                        "source_model": loaded.ref, "summary": summary}
+            serialize.save_quantized(model, loaded.tokenizer, target, manifest)
+            del model
+            model = serialize.load_quantized(target).to(device)
+            facts["save_dir"] = str(target)
+            facts["saved_bytes_on_disk"] = sum(f.stat().st_size for f in Path(target).iterdir() if f.is_file())
+        facts["quantized_layers"] = len(summary.get("layers", {}))
+        facts["bytes_ratio_vs_16bit"] = models.model_bytes(model) / facts["model_bytes_16bit"]
+        return PreparedModel(model=model, tokenizer=loaded.tokenizer, metrics=facts, label=config.label(),
+                             device=device)
+
+    return prepare
+
+
+def _config_fields(config: QuantizeConfig) -> dict:
+    data = config.to_dict()
+    data.pop("kind", None)
+    return data
+
+
+def claim_check(docs: list[dict]) -> dict | None:
+    """Check the INT8 claim on the int8 result (int8-dynamic first): size, speed, drift -> held or not."""
+    by_method = {d["config"]["method"]: d for d in docs}
+    doc = by_method.get("int8-dynamic") or by_method.get("int8-static")
+    if doc is None:
+        return None
+    m = doc["metrics"]
+    ratio, speedup = m.get("bytes_ratio_vs_16bit"), m.get("speedup_vs_baseline")
+    ppl_delta, drift = m.get("ppl_delta_pct"), m.get("bleu_drift")
+    size_held = ratio is not None and ratio <= CLAIM_MAX_BYTES_RATIO
+    speed_held = speedup is not None and speedup >= CLAIM_MIN_SPEEDUP
+    quality_held = (ppl_delta is None or ppl_delta < CLAIM_MAX_PPL_DELTA_PCT) and \
+        (drift is None or drift >= CLAIM_MIN_BLEU_DRIFT) and (ppl_delta is not None or drift is not None)
+    return {
+        "claim": INT8_CLAIM,
+        "method": doc["config"]["method"],
+        "run_id": doc["run_id"],
+        "bytes_ratio_vs_16bit": ratio, "size_held": size_held,
+        "speedup_vs_baseline": speedup, "speed_held": speed_held,
+        "ppl_delta_pct": ppl_delta, "bleu_drift": drift, "quality_held": quality_held,
+        "held": size_held and speed_held and quality_held,
+        "thresholds": {"max_bytes_ratio_vs_16bit": CLAIM_MAX_BYTES_RATIO, "min_speedup": CLAIM_MIN_SPEEDUP,
+                       "max_ppl_delta_pct": CLAIM_MAX_PPL_DELTA_PCT, "min_bleu_drift": CLAIM_MIN_BLEU_DRIFT},
+        "baseline": "the loaded model as measured (float32 on CPU)",
+    }

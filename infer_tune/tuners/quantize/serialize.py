@@ -1,0 +1,152 @@
+"""Save a quantized model as a checkpoint directory (no pickle) and load it back.
+
+Layout of a saved directory:
+  config.json, tokenizer files      the transformers config and tokenizer, as for any checkpoint
+  model.safetensors                 float tensors by their usual names; each quantized layer's portable
+                                    tensors under its name (`<layer>.qweight` int8, `<layer>.weight_scale`,
+                                    `<layer>.qweight_int4` uint8 two-per-byte, `.scale`, `.zero`, ...)
+  quantization.json                 method, backend, layer kinds, scales summary, library versions
+
+Loading builds the model from config.json, swaps in the quantized modules named by quantization.json
+from their tensors, and loads the remaining float tensors strictly (a missing one is an error).
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from infer_tune import atomic
+from infer_tune.errors import ModelError
+from infer_tune.tuners.quantize.config import QuantizeConfig
+from infer_tune.tuners.quantize.modules import LINEAR_KINDS, QuantEmbedding
+
+FORMAT = "infer-tune-quantized"
+FORMAT_VERSION = 1
+MANIFEST = "quantization.json"
+
+
+def library_versions() -> dict[str, str | None]:
+    versions = {}
+    for package in ("torch", "transformers", "optimum-quanto", "torchao", "safetensors"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return versions
+
+
+def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with every tensor stored once (tied tensors keep their first name), contiguous."""
+    seen: set[tuple[int, int, tuple]] = set()
+    state = {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        state[name] = tensor.detach().contiguous()
+    return state
+
+
+def save_quantized(model: nn.Module, tokenizer, target: Path, manifest: dict) -> Path:
+    """Write the checkpoint to `target` atomically (a staged folder renamed at the end)."""
+    from safetensors.torch import save_file
+
+    with atomic.staged_dir(Path(target)) as staging:
+        model.config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if manifest["backend"] == "quanto":  # quanto modules flatten their QTensors into plain tensors
+            from optimum.quanto import quantization_map
+
+            manifest = {**manifest, "quantization_map": quantization_map(model)}
+        save_file(unique_state(model), str(staging / "model.safetensors"), metadata={"format": "pt"})
+        full = {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "versions": library_versions()}
+        atomic.write_json(staging / MANIFEST, full)
+    return Path(target)
+
+
+def is_quantized_dir(path: str | Path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def read_manifest(path: str | Path) -> dict:
+    file = Path(path) / MANIFEST
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelError(f"cannot read {file}: {exc}") from None
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise ModelError(f"{file} is not an infer-tune quantized checkpoint of format version {FORMAT_VERSION}")
+    return manifest
+
+
+def load_quantized(path: str | Path) -> nn.Module:
+    """Rebuild the quantized model saved in `path` (CPU, eval mode)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    manifest = read_manifest(path)
+    config = QuantizeConfig(**manifest["config"])
+    if manifest["method"] == "bf16":
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, use_safetensors=True)
+        return model.eval()
+    hf_config = AutoConfig.from_pretrained(path)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    state = load_file(str(path / "model.safetensors"))
+    if manifest["backend"] == "quanto":
+        from optimum.quanto import requantize
+
+        requantize(model, state, manifest["quantization_map"], device=torch.device("cpu"))
+        return model.eval()
+    summary = manifest["summary"]
+    for name, kind in summary["layers"].items():
+        _swap(model, name, LINEAR_KINDS[kind].from_portable(_take(state, name), group_size=config.group_size))
+    _load_embeddings_and_head(model, state, summary, config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected:
+        raise ModelError(f"{path}: unexpected tensors {', '.join(unexpected[:3])}; the checkpoint does not match "
+                         f"{MANIFEST}")
+    float_missing = [k for k in missing if not k.endswith("inv_freq")]
+    if float_missing:
+        raise ModelError(f"{path}: missing tensors {', '.join(float_missing[:3])}")
+    return model.eval()
+
+
+def _load_embeddings_and_head(model: nn.Module, state: dict, summary: dict, config: QuantizeConfig) -> None:
+    from infer_tune.tuners.quantize.apply import build_head
+
+    emb_name = _module_name(model, model.get_input_embeddings())
+    head_name = _module_name(model, model.get_output_embeddings())
+    if "embedding" in summary:
+        padding_idx = getattr(model.get_input_embeddings(), "padding_idx", None)
+        tensors = _take(state, emb_name)
+        model.set_input_embeddings(QuantEmbedding(tensors, config.group_size if "qweight_int4" in tensors else None,
+                                                  padding_idx))
+        if summary["embedding"]["tied_head"]:
+            model.set_output_embeddings(build_head(tensors, config, tied=True))
+            return
+    if "head" in summary:
+        model.set_output_embeddings(build_head(_take(state, head_name), config, tied=False))
+
+
+def _module_name(model: nn.Module, module: nn.Module) -> str:
+    return next(name for name, m in model.named_modules() if m is module)
+
+
+def _take(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """Pop the tensors of module `prefix` from `state`, keyed by their local names."""
+    keys = [k for k in state if k.startswith(prefix + ".") and "." not in k[len(prefix) + 1:]]
+    if not keys:
+        raise ModelError(f"checkpoint has no tensors for quantized layer {prefix}")
+    return {k[len(prefix) + 1:]: state.pop(k) for k in keys}
+
+
+def _swap(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)

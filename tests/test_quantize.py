@@ -1,0 +1,173 @@
+"""`infer-tune quantize` on a tiny random Llama: real low-bit storage, bytes, save/reload, calibration, bad input."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+from infer_tune import models
+from infer_tune.cli import app
+from infer_tune.tuners.quantize import QuantizeConfig
+from infer_tune.tuners.quantize.apply import quantize_linear, targeted_linears
+from infer_tune.tuners.quantize.calibrate import calibration_batches, collect_activation_stats
+from infer_tune.tuners.quantize.modules import Int4Linear, Int8DynamicLinear, Int8StaticLinear
+from infer_tune.tuners.quantize.pipeline import bytes_16bit, quantize_in_memory
+from infer_tune.tuners.quantize.serialize import load_quantized, save_quantized
+
+runner = CliRunner()
+
+
+def quantized_copy(loaded, method: str, prompts_file, **kw):
+    model = copy.deepcopy(loaded.model)
+    config = QuantizeConfig(method=method, calib_suite=str(prompts_file), calib_samples=4, **kw)
+    calib = calibration_batches(loaded.tokenizer, str(prompts_file), 4) if config.calibrated else None
+    summary = quantize_in_memory(model, config, "torch", calib)
+    return model, config, summary
+
+
+def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.detach(), out.detach()
+    return float(10 * torch.log10(ref.pow(2).mean() / (ref - out).pow(2).mean()))
+
+
+@pytest.mark.parametrize("method,cls", [("int8-dynamic", Int8DynamicLinear), ("int8-static", Int8StaticLinear)])
+def test_int8_targets_hold_int8_and_halve_bytes(tiny_loaded, prompts_file, method, cls):
+    names = list(targeted_linears(tiny_loaded.model))
+    model, _, summary = quantized_copy(tiny_loaded, method, prompts_file)
+    assert set(summary["layers"]) == set(names)
+    for name in names:
+        layer = model.get_submodule(name)
+        assert isinstance(layer, cls)
+        assert layer.state_dict()["qweight"].dtype == torch.int8
+    assert models.model_bytes(model) <= 0.55 * bytes_16bit(tiny_loaded.model)  # >= 45% below 16-bit
+
+
+@pytest.mark.parametrize("method", ["int4-weight", "int4-rtn"])
+def test_int4_targets_hold_packed_4bit(tiny_loaded, prompts_file, method):
+    model, _, _ = quantized_copy(tiny_loaded, method, prompts_file, group_size=64)
+    for name, original in targeted_linears(tiny_loaded.model).items():
+        layer = model.get_submodule(name)
+        assert isinstance(layer, Int4Linear)
+        packed = layer.state_dict()["qweight_int4"]
+        assert packed.dtype == torch.uint8 and packed.shape == (original.out_features, original.in_features // 2)
+    assert models.model_bytes(model) <= 0.30 * bytes_16bit(tiny_loaded.model)  # >= 70% below 16-bit
+
+
+@pytest.mark.parametrize("method", ["bf16", "int8-dynamic", "int8-static", "int4-weight"])
+def test_save_reload_gives_identical_greedy_outputs(tiny_loaded, prompts_file, tmp_path, method):
+    model, config, summary = quantized_copy(tiny_loaded, method, prompts_file)
+    save_quantized(model, tiny_loaded.tokenizer, tmp_path / "q",
+                   {"method": method, "backend": "torch", "summary": summary,
+                    "config": {k: v for k, v in config.to_dict().items() if k != "kind"}})
+    reloaded = load_quantized(tmp_path / "q")
+    ids = tiny_loaded.tokenizer(["Question 3: what is 3 plus 3?"], return_tensors="pt")["input_ids"]
+    kwargs = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": tiny_loaded.tokenizer.pad_token_id}
+    assert torch.equal(model.generate(ids, **kwargs), reloaded.generate(ids, **kwargs))
+    assert models.model_bytes(reloaded) == models.model_bytes(model)
+    assert models.load(str(tmp_path / "q")).model.__class__ is reloaded.__class__  # the `bench --model DIR` path
+
+
+def test_calibrated_static_beats_uncalibrated_per_tensor(tiny_loaded, prompts_file):
+    """Inject activation outlier channels (as real LLMs have) and compare output SQNR on the same layers."""
+    model = copy.deepcopy(tiny_loaded.model)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight[:3] *= 40.0
+    calib = calibration_batches(tiny_loaded.tokenizer, str(prompts_file), 4)
+    ids = torch.cat([c[:, :8] for c in calib if c.shape[1] >= 8])[:2]
+    reference = model(input_ids=ids).logits
+    targets = targeted_linears(model)
+    stats = collect_activation_stats(model, targets, calib)
+
+    def swapped(per_tensor: bool, smooth: bool) -> torch.Tensor:
+        candidate = copy.deepcopy(model)
+        config = QuantizeConfig(method="int8-static", alpha=0.5)
+        for name in targets:
+            module, _ = quantize_linear(candidate.get_submodule(name), config, stats[name], per_tensor=per_tensor,
+                                        smooth=smooth)
+            parent, _, child = name.rpartition(".")
+            setattr(candidate.get_submodule(parent), child, module)
+        return candidate(input_ids=ids).logits
+
+    calibrated = sqnr_db(reference, swapped(per_tensor=False, smooth=True))
+    naive = sqnr_db(reference, swapped(per_tensor=True, smooth=False))
+    print(f"SQNR calibrated SmoothQuant {calibrated:.1f} dB, naive per-tensor {naive:.1f} dB")
+    assert calibrated > naive + 1.0, (calibrated, naive)
+
+
+# --------------------------------------------------------------------------- bad input through the CLI
+def _invoke(tiny_model_dir, prompts_file, tmp_path, *extra):
+    args = ["quantize", "--model", str(tiny_model_dir), "--suite", str(prompts_file), "--limit", "2",
+            "--max-new-tokens", "2", "--min-iterations", "1", "--min-duration", "0", "--out", str(tmp_path / "runs"),
+            "--calib-suite", str(prompts_file), *extra]
+    return runner.invoke(app, args)
+
+
+def _assert_clean_failure(result, tmp_path, save_dir=None, fragment=""):
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "error" in lines[0] and fragment in result.output, result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "runs").exists()
+    if save_dir is not None:
+        assert not save_dir.exists()
+
+
+@pytest.mark.parametrize("extra,fragment", [
+    (["--method", "int9"], "method must be one of"),
+    (["--method", "int8-static", "--calib-samples", "0"], "calib_samples"),
+    (["--method", "int4-weight", "--group-size", "128"], "does not divide"),
+    (["--sweep", "int8-dynamic,int5"], "unknown method"),
+])
+def test_bad_options_exit_2_and_write_nothing(tiny_model_dir, prompts_file, tmp_path, extra, fragment):
+    save = tmp_path / "saved"
+    _assert_clean_failure(_invoke(tiny_model_dir, prompts_file, tmp_path, "--save", str(save), *extra), tmp_path,
+                          save, fragment)
+
+
+def test_empty_calibration_suite(tiny_model_dir, prompts_file, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    result = _invoke(tiny_model_dir, prompts_file, tmp_path, "--method", "int8-static", "--calib-suite", str(empty))
+    _assert_clean_failure(result, tmp_path, fragment="calibration")
+
+
+def test_existing_save_dir_is_refused_unless_overwrite(tiny_model_dir, prompts_file, tmp_path):
+    save = tmp_path / "saved"
+    save.mkdir()
+    (save / "keep.txt").write_text("mine")
+    result = _invoke(tiny_model_dir, prompts_file, tmp_path, "--save", str(save))
+    assert result.exit_code == 2 and "already exists" in result.output
+    assert (save / "keep.txt").read_text() == "mine" and not (tmp_path / "runs").exists()
+
+
+def test_model_without_linear_layers(tiny_model_dir, prompts_file, tmp_path, monkeypatch, tiny_loaded):
+    class NoLinear(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(8, 4)
+
+    tiny_loaded.model = NoLinear()
+    monkeypatch.setattr(models, "load", lambda *a, **k: tiny_loaded)
+    result = _invoke(tiny_model_dir, prompts_file, tmp_path, "--save", str(tmp_path / "saved"))
+    _assert_clean_failure(result, tmp_path, tmp_path / "saved", "no nn.Linear layers")
+
+
+def test_sweep_writes_one_result_per_method_and_claim_check(tiny_model_dir, prompts_file, tmp_path):
+    save = tmp_path / "saved"
+    result = _invoke(tiny_model_dir, prompts_file, tmp_path, "--sweep", "int8-dynamic,int4-rtn", "--save", str(save),
+                     "--json", "--no-ppl")
+    assert result.exit_code == 0, result.output
+    docs = json.loads(result.stdout)
+    assert [d["config"]["method"] for d in docs] == ["int8-dynamic", "int4-rtn"]
+    assert all(d["config"]["backend"] == "torch" and "model_bytes" in d["metrics"] for d in docs)
+    assert all(d["metrics"]["speedup_vs_baseline"] is not None for d in docs)
+    saved = json.loads((tmp_path / "runs" / docs[0]["run_id"] / "result.json").read_text())
+    assert saved["metrics"]["claim_check"]["size_held"] is True
+    assert (save / "int4-rtn" / "quantization.json").is_file()
