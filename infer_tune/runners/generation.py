@@ -165,13 +165,18 @@ def generate_once(
     if pin_length:
         pin = _PinLength(eos_ids(model, tokenizer), input_ids.shape[1], input_ids.shape[0])
         processors.append(pin)
+    # Technique settings that are generation-config fields (use_cache, cache_implementation, ...) go into
+    # the config; the rest (past_key_values, assistant_model, ...) are passed to `generate` as they are.
+    defaults = GenerationConfig()
+    config_fields = {k: v for k, v in prepared.generate_kwargs.items() if hasattr(defaults, k)}
+    kwargs = {k: v for k, v in prepared.generate_kwargs.items() if k not in config_fields}
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=False,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=eos_ids(model, tokenizer) or None,
+        **config_fields,
     )
-    kwargs = dict(prepared.generate_kwargs)
     _sync(prepared.device)
     submit_ns = time.perf_counter_ns()
     with torch.inference_mode():
