@@ -23,10 +23,17 @@ install: $(VENV)/.installed
 model: install
 	$(BIN)/infer-tune models pull smollm2-135m
 
-# The main job: the baseline and the technique runs on SmolLM2-135M, then one leaderboard.
+# The main job: baseline, every quantization method and the KV-cache variants on SmolLM2-135M,
+# each measured against its baseline in the same session, then one combined leaderboard.
+DEMO_OUT ?= runs/demo
+DEMO_WORKLOAD ?= --suite chat --limit 4 --max-new-tokens 32
 demo: model
-	$(BIN)/infer-tune bench --model smollm2-135m --suite chat --limit 4 --max-new-tokens 32 --out runs/demo
-	@echo "result: runs/demo/<run-id>/result.json"
+	$(BIN)/infer-tune bench $(DEMO_WORKLOAD) --out $(DEMO_OUT)
+	$(BIN)/infer-tune quantize --sweep bf16,int8-dynamic,int8-static,int4-weight,int4-rtn $(DEMO_WORKLOAD) --out $(DEMO_OUT)
+	$(BIN)/infer-tune kv-cache --impl none,dynamic,static,quantized,offloaded --context-lengths 128,512 \
+		--max-new-tokens 32 --min-iterations 1 --out $(DEMO_OUT)
+	$(BIN)/infer-tune leaderboard $(DEMO_OUT)
+	@echo "leaderboard: $(DEMO_OUT)/leaderboard.md (.csv, .html); results: $(DEMO_OUT)/<run-id>/result.json"
 
 test: model
 	$(BIN)/python -m pytest -q -ra

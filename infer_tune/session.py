@@ -101,6 +101,8 @@ def measure_prepared(
                                      metrics["tpot_ms"]["p50"]))
     metrics.update({
         "peak_rss_bytes": run.peak_rss_bytes,
+        "rss_before_bytes": run.rss_before_bytes,
+        "peak_rss_delta_bytes": run.peak_rss_bytes - run.rss_before_bytes,
         "model_bytes": weight_bytes,
         "first_call_ms": run.first_call_ms,
         "warmup_s": run.warmup_s,
@@ -134,6 +136,7 @@ def measure_prepared(
         "model": {"ref": loaded.ref, "path": loaded.path, "params": models.count_params(loaded.model),
                   "model_bytes": weight_bytes, "dtype": loaded.dtype},
         "technique": technique,
+        "label": prepared.label,
         "config": config,
         "workload": workload_block(workload, inputs),
         "protocol": asdict(protocol),

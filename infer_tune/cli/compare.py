@@ -22,7 +22,7 @@ def render(comparison) -> None:
     from infer_tune.report import formats as f
 
     for cand in comparison.candidates:
-        title = f"{cand.run_id} ({cand.technique}) vs {comparison.base_run_id}"
+        title = f"candidate {cand.run_id} ({cand.technique}) vs base {comparison.base_run_id}"
         if cand.checks:
             checks = Table(title=f"gate: {title}")
             for name in f.CHECK_HEADER:

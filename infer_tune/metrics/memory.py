@@ -28,6 +28,36 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def current_rss_bytes() -> int:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def release_and_reset_peak() -> int:
+    """Free what earlier runs left (garbage, glibc's cached arenas), reset the peak, return current RSS.
+
+    In a sweep one process measures config after config; without this, memory freed by the previous
+    config but still held by the allocator would count in the next config's peak.
+    """
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    reset_peak_rss()
+    return current_rss_bytes()
+
+
 def peak_rss_bytes() -> int:
     try:
         for line in _STATUS.read_text().splitlines():

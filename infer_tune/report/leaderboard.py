@@ -25,9 +25,13 @@ COLUMNS = ("run_id", "technique", "config", "model", "suite", "ttft_p50_ms", "tt
 FORMATS = ("md", "csv", "html")
 
 
-def config_summary(config: dict) -> str:
-    """`k=v` pairs of a technique config without its `kind` (`-` for the baseline)."""
-    parts = [f"{k}={v}" for k, v in (config or {}).items() if k != "kind"]
+def config_summary(doc: dict) -> str:
+    """The technique's own short label (e.g. `int8-static-torch-a0.5`), else `k=v` pairs of its config."""
+    if doc.get("technique") == "baseline":
+        return "-"
+    if doc.get("label"):
+        return str(doc["label"])
+    parts = [f"{k}={v}" for k, v in (doc.get("config") or {}).items() if k != "kind" and v is not None]
     return " ".join(parts) or "-"
 
 
@@ -41,7 +45,7 @@ def flatten(doc: dict) -> dict:
     row = {
         "run_id": doc["run_id"],
         "technique": doc.get("technique"),
-        "config": config_summary(doc.get("config", {})),
+        "config": config_summary(doc),
         "model": doc.get("model", {}).get("ref"),
         "suite": doc.get("workload", {}).get("suite"),
         "ttft_p50_ms": dist("ttft_ms", "p50"),
@@ -154,8 +158,10 @@ def plots(frame: pd.DataFrame, positions: dict[str, list[float]]) -> dict[str, s
         images["TTFT and TPOT p50 / p99"] = _png(fig)
     if positions:
         fig, ax = plt.subplots(figsize=(7, 4))
+        names = dict(zip(frame["run_id"], labels, strict=True))
         for run_id, values in positions.items():
-            ax.plot(range(len(values)), values, label=run_id[-40:])
+            ax.plot(range(len(values)), values, label=names.get(run_id, run_id[-40:]))
+        ax.set_yscale("log")
         ax.set_xlabel("decoded token position")
         ax.set_ylabel("latency (ms)")
         ax.legend(fontsize=7)

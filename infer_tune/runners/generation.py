@@ -91,6 +91,7 @@ class GenerationRun:
     first_call_ms: float | None
     warmup_s: float
     peak_rss_bytes: int
+    rss_before_bytes: int
     generated_tokens: int
     batch_size: int
     extras: dict = field(default_factory=dict)
@@ -144,6 +145,18 @@ def eos_ids(model: torch.nn.Module, tokenizer) -> list[int]:
     return [ids] if isinstance(ids, int) else list(ids)
 
 
+def split_generate_kwargs(generate_kwargs: dict) -> tuple[dict, dict]:
+    """(GenerationConfig fields, other `generate` kwargs) of a technique's settings.
+
+    Settings that are generation-config fields (use_cache, cache_implementation, ...) belong in the
+    config (transformers 5 deprecates passing them beside one); the rest (past_key_values,
+    assistant_model, ...) go to `generate` as they are.
+    """
+    defaults = GenerationConfig()
+    config_fields = {k: v for k, v in generate_kwargs.items() if hasattr(defaults, k)}
+    return config_fields, {k: v for k, v in generate_kwargs.items() if k not in config_fields}
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -165,11 +178,7 @@ def generate_once(
     if pin_length:
         pin = _PinLength(eos_ids(model, tokenizer), input_ids.shape[1], input_ids.shape[0])
         processors.append(pin)
-    # Technique settings that are generation-config fields (use_cache, cache_implementation, ...) go into
-    # the config; the rest (past_key_values, assistant_model, ...) are passed to `generate` as they are.
-    defaults = GenerationConfig()
-    config_fields = {k: v for k, v in prepared.generate_kwargs.items() if hasattr(defaults, k)}
-    kwargs = {k: v for k, v in prepared.generate_kwargs.items() if k not in config_fields}
+    config_fields, kwargs = split_generate_kwargs(prepared.generate_kwargs)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=False,
@@ -224,7 +233,7 @@ def measure_generation(
     iteration = 0
     measured_ns = 0
     generated_tokens = 0
-    memory.reset_peak_rss()
+    rss_before = memory.release_and_reset_peak()
     total_batches = len(batches)
     while iteration < protocol.min_iterations or measured_ns / 1e9 < protocol.min_duration_s:
         base_index = 0
@@ -273,6 +282,7 @@ def measure_generation(
         first_call_ms=first_call_ms,
         warmup_s=warmup_s,
         peak_rss_bytes=memory.peak_rss_bytes(),
+        rss_before_bytes=rss_before,
         generated_tokens=generated_tokens,
         batch_size=int(batches[0]["input_ids"].shape[0]) if batches else 0,
     )

@@ -22,7 +22,7 @@ import torch
 from infer_tune import models, results
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import kv
-from infer_tune.runners.generation import Protocol, eos_ids, generate_once
+from infer_tune.runners.generation import Protocol, eos_ids, generate_once, split_generate_kwargs
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.suites import Prompt, SuiteSpec, load_suite
 from infer_tune.tuners.base import TechniqueConfig, register_tuner
@@ -202,14 +202,15 @@ def probe_cache(prepared: PreparedModel, batch: dict[str, torch.Tensor], new_tok
     logits_bytes: list[int] = []
     head = model.get_output_embeddings()
     hook = head.register_forward_hook(lambda _m, _i, out: logits_bytes.append(out.numel() * out.element_size()))
+    config_fields, kwargs = split_generate_kwargs(prepared.generate_kwargs)
     config = GenerationConfig(max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
                               pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids(model, tokenizer) or None,
-                              return_dict_in_generate=True)
+                              return_dict_in_generate=True, **config_fields)
     try:
         with torch.inference_mode():
             out = model.generate(input_ids=batch["input_ids"].to(prepared.device),
                                  attention_mask=batch["attention_mask"].to(prepared.device),
-                                 generation_config=config, **prepared.generate_kwargs)
+                                 generation_config=config, **kwargs)
     finally:
         hook.remove()
     # transformers 5 names the field `cache` (reading the old name warns); 4.x named it `past_key_values`
