@@ -60,7 +60,7 @@ def quantize(
     calib_suite: CalibSuite = "chat",
     calib_samples: CalibSamples = 16,
     alpha: Alpha = 0.5,
-    group_size: GroupSize = 64,
+    group_size: GroupSize = 32,
     save: Save = None,
     overwrite: Overwrite = False,
     suite: opt.Suite = "chat",

@@ -30,6 +30,8 @@ class QuantizeConfig(TechniqueConfig):
     on CPU; quanto, or torchao when installed, on CUDA).
     alpha: SmoothQuant migration strength for int8-static (0 = all on activations, 1 = all on weights).
     group_size: weights per 4-bit group for int4-*; must divide every quantized layer's in_features.
+        Default 32: on SmolLM2 (itself distributed as GGUF Q4_1, groups of 32) group 32 measured
+        +5.2% perplexity against +31.6% for group 64, for 33% instead of 29% of the 16-bit bytes.
     calib_suite / calib_samples: prompts whose activations calibrate int8-static.
     """
 
@@ -38,7 +40,7 @@ class QuantizeConfig(TechniqueConfig):
     method: str = "int8-dynamic"
     backend: str = "auto"
     alpha: float = 0.5
-    group_size: int = 64
+    group_size: int = 32
     calib_suite: str = "chat"
     calib_samples: int = 16
 

@@ -98,10 +98,21 @@ class Int8DynamicLinear(nn.Module):
         rows = x.float().reshape(-1, x.shape[-1])  # [tokens, K]
         if rows.shape[0] == 1:  # decode: one token, the kernel's per-tensor scale is per token
             return torch.ops.quantized.linear_dynamic(x.float(), self._packed, REDUCE_RANGE)
-        # fbgemm picks one activation scale per call; one call per token keeps the scale per token,
-        # so an outlier token (attention-sink positions) cannot flatten every other token's precision.
-        y = torch.cat([torch.ops.quantized.linear_dynamic(row, self._packed, REDUCE_RANGE) for row in rows.split(1)])
+        # Prefill: fbgemm would pick one activation scale for all tokens, so an outlier token (attention
+        # sinks) would flatten every other token's precision. Quantize per token (symmetric int8) and
+        # run one int8 x int8 -> int32 GEMM instead, rescaled by token scale x channel scale.
+        scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127.0  # [tokens, 1]
+        xq = torch.clamp(torch.round(rows / scale), -127, 127).to(torch.int8)  # [tokens, K]
+        y = torch._int_mm(xq, self._weight_t()).float() * scale * self.weight_scale  # [tokens, N]
+        if self.bias_f is not None:
+            y = y + self.bias_f
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _weight_t(self) -> torch.Tensor:
+        """int8 weight as [K, N] for `torch._int_mm`, unpacked from fbgemm's copy once, on first prefill."""
+        if getattr(self, "_wq_t", None) is None:
+            self._wq_t = self.qweight().t().contiguous()
+        return self._wq_t
 
     def qweight(self) -> torch.Tensor:
         return torch.ops.quantized.linear_unpack(self._packed)[0].int_repr()
