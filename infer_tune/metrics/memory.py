@@ -28,13 +28,21 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def current_rss_bytes() -> int:
+def _status_bytes(field: str) -> int | None:
+    """A `kB` field of /proc/self/status (VmRSS, VmHWM) in bytes; None off Linux."""
     try:
         for line in _STATUS.read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def current_rss_bytes() -> int:
+    rss = _status_bytes("VmRSS")
+    if rss is not None:
+        return rss
     import psutil
 
     return int(psutil.Process().memory_info().rss)
@@ -59,12 +67,9 @@ def release_and_reset_peak() -> int:
 
 
 def peak_rss_bytes() -> int:
-    try:
-        for line in _STATUS.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    hwm = _status_bytes("VmHWM")
+    if hwm is not None:
+        return hwm
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 

@@ -80,8 +80,28 @@ def _prepack_int8(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor
         return torch.ops.quantized.linear_prepack(qtensor, bias)
 
 
+class PortableModule(nn.Module):
+    """Saves its `portable()` tensors (plain int8 / uint8 / float) instead of parameters; a tied head
+    (rebuilt from the embedding's tensors) saves nothing."""
+
+    tied = False
+
+    def portable(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _with_bias(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if getattr(self, "bias_f", None) is not None:
+            tensors["bias"] = self.bias_f
+        return tensors
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        if not self.tied:
+            for name, tensor in self.portable().items():
+                destination[prefix + name] = tensor
+
+
 # --------------------------------------------------------------------------- int8
-class Int8DynamicLinear(nn.Module):
+class Int8DynamicLinear(PortableModule):
     """int8 per-channel weights, activations quantized per call (fbgemm dynamic linear)."""
 
     kind = "int8-dynamic"
@@ -118,15 +138,8 @@ class Int8DynamicLinear(nn.Module):
         return torch.ops.quantized.linear_unpack(self._packed)[0].int_repr()
 
     def portable(self) -> dict[str, torch.Tensor]:
-        tensors = {"qweight": self.qweight(), "weight_scale": self.weight_scale}
-        if self.bias_f is not None:
-            tensors["bias"] = self.bias_f
-        return tensors
+        return self._with_bias({"qweight": self.qweight(), "weight_scale": self.weight_scale})
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        if not self.tied:
-            for name, tensor in self.portable().items():
-                destination[prefix + name] = tensor
 
     @classmethod
     def from_portable(cls, t: dict[str, torch.Tensor], **_: object) -> Int8DynamicLinear:
@@ -169,7 +182,7 @@ class Int8StaticLinear(Int8DynamicLinear):
 
 
 # --------------------------------------------------------------------------- int4
-class Int4Linear(nn.Module):
+class Int4Linear(PortableModule):
     """Group-wise 4-bit weights (uint8 holds two), bf16 scale + zero per group; bf16 int4 GEMM kernel."""
 
     kind = "int4"
@@ -195,15 +208,8 @@ class Int4Linear(nn.Module):
         return y if self.bias_f is None else y + self.bias_f
 
     def portable(self) -> dict[str, torch.Tensor]:
-        tensors = {"qweight_int4": self.packed, "scale": self.scale, "zero": self.zero}
-        if self.bias_f is not None:
-            tensors["bias"] = self.bias_f
-        return tensors
+        return self._with_bias({"qweight_int4": self.packed, "scale": self.scale, "zero": self.zero})
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        if not self.tied:
-            for name, tensor in self.portable().items():
-                destination[prefix + name] = tensor
 
     @classmethod
     def from_portable(cls, t: dict[str, torch.Tensor], *, group_size: int, **_: object) -> Int4Linear:
@@ -214,7 +220,7 @@ class Int4Linear(nn.Module):
 
 
 # --------------------------------------------------------------------------- embeddings
-class QuantEmbedding(nn.Module):
+class QuantEmbedding(PortableModule):
     """Embedding table stored as int8 rows (scale per row) or int4 groups; rows dequantized at lookup."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], group_size: int | None = None, padding_idx=None) -> None:
