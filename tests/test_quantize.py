@@ -171,3 +171,18 @@ def test_sweep_writes_one_result_per_method_and_claim_check(tiny_model_dir, prom
     saved = json.loads((tmp_path / "runs" / docs[0]["run_id"] / "result.json").read_text())
     assert saved["metrics"]["claim_check"]["size_held"] is True
     assert (save / "int4-rtn" / "quantization.json").is_file()
+
+
+def test_claim_check_judges_speed_against_16bit_when_bf16_ran():
+    from infer_tune.tuners.quantize.pipeline import claim_check
+
+    def doc(method, tpot, **metrics):
+        return {"run_id": method, "config": {"method": method},
+                "metrics": {"tpot_ms": {"p50": tpot}, "speedup_vs_baseline": 40.0 / tpot, **metrics}}
+
+    int8 = doc("int8-dynamic", 12.0, bytes_ratio_vs_16bit=0.5, ppl_delta_pct=0.5, bleu_drift=0.1)
+    alone = claim_check([int8])
+    assert alone["speed_held"] and alone["speedup_judged"] == 40.0 / 12.0 and alone["held"]
+    with_bf16 = claim_check([doc("bf16", 22.0), int8])
+    assert with_bf16["speedup_vs_16bit"] == 22.0 / 12.0
+    assert not with_bf16["speed_held"] and not with_bf16["held"]  # 1.83x vs 16-bit is under 2x

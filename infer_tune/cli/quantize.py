@@ -46,7 +46,8 @@ def render_claim(claim: dict) -> None:
     verdict = "held" if claim["held"] else "did not hold here"
     output.out.print(
         f"claim check ({claim['method']}): size {output.fmt(claim['bytes_ratio_vs_16bit'], '.0%')} of 16-bit "
-        f"({'ok' if claim['size_held'] else 'no'}), speed {output.fmt(claim['speedup_vs_baseline'])}x "
+        f"({'ok' if claim['size_held'] else 'no'}), speed {output.fmt(claim['speedup_judged'])}x vs "
+        f"{'bf16' if claim['speedup_vs_16bit'] is not None else 'baseline'} "
         f"({'ok' if claim['speed_held'] else 'no'}), ppl {output.fmt(claim['ppl_delta_pct'], '+.2f')}% / BLEU drift "
         f"{output.fmt(claim['bleu_drift'], '+.2f')} ({'ok' if claim['quality_held'] else 'no'}) -> {verdict}")
 
