@@ -161,3 +161,18 @@ def test_cli_model_config_kv_bytes(tiny_model_dir):
     doc = json.loads(result.stdout)
     assert doc["kv_bytes_by_dtype"]["bf16/fp16"] == 2 * 2 * 2 * 16 * 131072 * 2  # layers, kv heads, head dim
     assert doc["kv_bytes_by_dtype"]["int4"] == doc["kv_bytes_by_dtype"]["bf16/fp16"] // 4
+
+
+def test_kv_sweep_resume_reads_back_finished_context_lengths(tiny_loaded, tmp_path):
+    from infer_tune import env as envinfo
+    from infer_tune.results import find_results
+    from infer_tune.runners import Protocol
+    from infer_tune.tuners.kv_cache import KVSweepSpec, run_kv_sweep
+
+    spec = KVSweepSpec(impls=["dynamic", "static"], context_lengths=[16], max_new_tokens=4, suite="code")
+    once = Protocol(warmup=0, min_iterations=1, min_duration_s=0)
+    env = envinfo.collect_env(1)
+    first = run_kv_sweep(tiny_loaded, spec, once, env=env, out_dir=tmp_path)
+    again = run_kv_sweep(tiny_loaded, spec, once, env=env, out_dir=tmp_path, resume=True)
+    assert [d["run_id"] for d in again.docs] == [d["run_id"] for d in first.docs]
+    assert len(find_results(tmp_path)) == 2

@@ -44,6 +44,7 @@ def kv_cache(
     min_iterations: opt.MinIterations = 2,
     min_duration: opt.MinDuration = 5.0,
     out: opt.Out = Path("runs"),
+    resume: opt.Resume = False,
     dtype: opt.Dtype = "auto",
     device: opt.Device = "cpu",
     json_out: opt.Json = False,
@@ -78,7 +79,8 @@ def kv_cache(
     loaded = models.load(model, dtype=dtype, device=device)
     env = envinfo.collect_env(n_threads)
     with output.progress_bar(not json_out) as progress:
-        sweep = kvc.run_kv_sweep(loaded, spec, protocol, env=env, out_dir=out, device=device, progress=progress)
+        sweep = kvc.run_kv_sweep(loaded, spec, protocol, env=env, out_dir=out, device=device, resume=resume,
+                                 progress=progress)
     if json_out:
         output.print_json({"results": sweep.docs, "not_applicable": sweep.not_applicable, "claims": sweep.claims})
         return

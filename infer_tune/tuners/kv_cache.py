@@ -303,14 +303,16 @@ def run_kv_sweep(
     env: dict,
     out_dir: Path,
     device: str = "cpu",
+    resume: bool = False,
     progress: Callable[[str, int, int | None], None] | None = None,
 ) -> KVSweepResult:
     """Measure every variant at every context length; save one result per (impl, context length).
 
     The results of one context length are saved together once all its variants ran, each with the
-    plot of all of them (`latency.png`).
+    plot of all of them (`latency.png`). With `resume`, a context length whose results are all in
+    `out_dir` already is read back instead of measured again.
     """
-    from infer_tune.session import Inputs, measure_prepared
+    from infer_tune.session import Inputs, existing_result, measure_prepared, run_fingerprint
     from infer_tune.tuners.base import apply
     from infer_tune.workload import Workload
 
@@ -328,6 +330,16 @@ def run_kv_sweep(
                         batches=[batch], templated=False)
         workload = Workload(suite=spec.suite, limit=1, seed=spec.seed, max_new_tokens=n, batch_size=1,
                             chat_template=False, max_prompt_tokens=ctx)
+        applicable = [c for c in spec.configs(ctx) if not_applicable_reason(c, device) is None]
+        if resume:
+            done = [existing_result(out_dir, run_fingerprint(loaded, c.technique, c.to_dict(), workload, env))
+                    for c in applicable]
+            if done and all(d is not None for d in done):
+                result.docs.extend(done)
+                result.run_dirs.extend(Path(d["_path"]) for d in done)
+                result.claims.append(done[0]["claims"][0])
+                result.not_applicable.extend(done[0].get("not_applicable", []))
+                continue
         group: list[tuple[KVCacheConfig, dict, list[dict]]] = []
         reference: tuple[dict, list[dict]] | None = None
         for config in spec.configs(ctx):
