@@ -8,6 +8,7 @@ reads a saved directory back (and `models.load` calls it for directories with qu
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 from infer_tune.models import LoadedModel
 from infer_tune.runners.prepared import PreparedModel
@@ -28,5 +29,5 @@ def apply_quantize(loaded: LoadedModel, config: QuantizeConfig) -> PreparedModel
              if config.calibrated else None)
     backend = resolve_backend(config, "cpu")
     summary = quantize_in_memory(model, config, backend, calib)
-    return PreparedModel(model=model, tokenizer=loaded.tokenizer, label=config.label(),
+    return PreparedModel(model=model, tokenizer=loaded.tokenizer, label=replace(config, backend=backend).label(),
                          metrics={"backend_resolved": backend, "quantized_layers": len(summary.get("layers", {}))})
