@@ -237,8 +237,11 @@ def tensor_bytes(value: Any) -> int:
     return 0
 
 
-def model_bytes(model: torch.nn.Module) -> int:
-    """Bytes of parameters + buffers as stored (shared tensors once), from the state dict."""
+def model_bytes(model: torch.nn.Module, *, float_bytes: int | None = None) -> int:
+    """Bytes of parameters + buffers as stored (shared tensors once), from the state dict.
+
+    `float_bytes=2` counts every plain floating tensor at 16 bits (the "16-bit model" reference).
+    """
     seen: set[tuple[int, int]] = set()
     total = 0
     for value in model.state_dict(keep_vars=True).values():
@@ -248,6 +251,9 @@ def model_bytes(model: torch.nn.Module) -> int:
             if key in seen:
                 continue
             seen.add(key)
+            if float_bytes is not None and data.is_floating_point():
+                total += data.numel() * float_bytes
+                continue
         total += tensor_bytes(data)
     return total
 

@@ -85,14 +85,19 @@ def measure_prepared(
     baseline_outputs: list[dict] | None = None,
     measure_ppl: bool = True,
     execute: bool = False,
+    per_position: bool = False,
     progress: Progress | None = None,
 ) -> tuple[dict, list[dict]]:
     """Run the workload on `prepared` and build its result document and outputs rows.
+
+    `per_position=True` adds `per_position_ms` (mean latency of each decode step, in order).
 
     `execute=True` also runs the code suite's tests on the outputs (pass@1, sandboxed subprocesses).
     """
     run = measure_generation(prepared, inputs.batches, workload.max_new_tokens, protocol, progress=progress)
     metrics, samples = timing_metrics(run)
+    if per_position:
+        metrics["per_position_ms"] = run.per_position_ms()
     weight_bytes = models.model_bytes(prepared.model)
     mean_context = (sum(o.prompt_tokens for o in run.outputs) / max(len(run.outputs), 1)
                     + workload.max_new_tokens / 2)

@@ -17,7 +17,6 @@ from infer_tune.tuners import apply
 from infer_tune.tuners.kv_cache import (
     KVCacheConfig,
     KVSweepSpec,
-    per_position_ms,
     probe_cache,
     run_kv_sweep,
     suite_token_ids,
@@ -112,7 +111,6 @@ def test_compute_claim_and_per_position():
     claim = kv.compute_claim(shape, 128)
     assert claim["held"] and claim["flops_saved_fraction"] > 0.8
     assert kv.kv_bytes(shape, 131072, 16) == 2 * 30 * 3 * 64 * 131072 * 2
-    assert per_position_ms([1.0, 2.0, 3.0, 3.0, 4.0, 5.0], 4) == [2.0, 3.0, 4.0]
 
 
 @pytest.mark.parametrize("kwargs", [{"impl": "paged"}, {"impl": "quantized", "kv_bits": 3},

@@ -67,3 +67,18 @@ def test_batched_left_padding_matches_single_requests(tiny_loaded):
         single = encode_batches(tok, [prompt], 1)[0]
         _, _, alone, _ = generate_once(prepared, single, 6)
         assert together[i].tolist() == alone[0].tolist()
+
+
+def test_per_position_is_the_mean_gap_at_each_step():
+    from infer_tune.runners.generation import GenerationRun, RequestTiming
+
+    def request(i, gaps_ms):
+        ns = [1_000_000]
+        for gap in gaps_ms:
+            ns.append(ns[-1] + int(gap * 1e6))
+        return RequestTiming(prompt_index=i, iteration=0, prompt_tokens=4, submit_ns=0, token_ns=ns)
+
+    run = GenerationRun(requests=[request(0, [1.0, 2.0, 3.0]), request(1, [3.0, 4.0, 5.0])], outputs=[],
+                        measured_wall_s=1.0, iterations=1, first_call_ms=None, warmup_s=0.0, peak_rss_bytes=0,
+                        rss_before_bytes=0, generated_tokens=8, batch_size=1)
+    assert run.per_position_ms() == [2.0, 3.0, 4.0]

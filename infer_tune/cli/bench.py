@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Annotated
 
@@ -49,9 +50,8 @@ def render_result(doc: dict, run_dir: Path | str | None = None) -> None:
         output.out.print(f"  {'result':<22} {run_dir}/result.json", soft_wrap=True)
 
 
-_DEFAULTS = {"suite": "chat", "limit": 8, "max_new_tokens": 64, "batch_size": 1, "seed": 0, "lang": "en",
-             "prompt_field": "prompt", "reference_field": None, "chat_template": True, "max_prompt_tokens": 512}
-_PROTOCOL_DEFAULTS = {"warmup": 1, "min_iterations": 2, "min_duration_s": 5.0}
+def _field_defaults(cls: type) -> dict:
+    return {f.name: f.default for f in dataclasses.fields(cls)}
 
 
 @handle_errors
@@ -105,10 +105,11 @@ def bench(
     if recipe is not None:
         from infer_tune import recipe as recipes
 
+        workload_defaults, protocol_defaults = _field_defaults(Workload), _field_defaults(Protocol)
         loaded_recipe = recipes.load_recipe(recipe)
-        workload = recipes.build_workload(loaded_recipe, {k: v for k, v in cli_workload.items() if v != _DEFAULTS[k]})
+        workload = recipes.build_workload(loaded_recipe, {k: v for k, v in cli_workload.items() if v != workload_defaults[k]})
         protocol = recipes.build_protocol(loaded_recipe,
-                                          {k: v for k, v in cli_protocol.items() if v != _PROTOCOL_DEFAULTS[k]})
+                                          {k: v for k, v in cli_protocol.items() if v != protocol_defaults[k]})
         configs = recipes.build_configs(loaded_recipe)
         if loaded_recipe.model and model == "smollm2-135m":
             model = loaded_recipe.model

@@ -96,6 +96,20 @@ class GenerationRun:
     batch_size: int
     extras: dict = field(default_factory=dict)
 
+    def per_position_ms(self) -> list[float]:
+        """Mean latency of each decode step, in order (element k: the gap before generated token k+1),
+        averaged over the requests that reached that step."""
+        sums: list[float] = []
+        counts: list[int] = []
+        for request in self.requests:
+            for k, gap in enumerate(request.itl_ms):
+                if k == len(sums):
+                    sums.append(0.0)
+                    counts.append(0)
+                sums[k] += gap
+                counts[k] += 1
+        return [total / n for total, n in zip(sums, counts)]
+
 
 class _TokenClock(BaseStreamer):
     """Streamer that records `perf_counter_ns` each time `generate` hands over new tokens."""
@@ -172,18 +186,19 @@ def generate_once(
     model, tokenizer = prepared.model, prepared.tokenizer
     input_ids = batch["input_ids"].to(prepared.device)  # [B, S]
     attention_mask = batch["attention_mask"].to(prepared.device)  # [B, S]
+    eos = eos_ids(model, tokenizer)
     clock = _TokenClock()
     processors = LogitsProcessorList()
     pin = None
     if pin_length:
-        pin = _PinLength(eos_ids(model, tokenizer), input_ids.shape[1], input_ids.shape[0])
+        pin = _PinLength(eos, input_ids.shape[1], input_ids.shape[0])
         processors.append(pin)
     config_fields, kwargs = split_generate_kwargs(prepared.generate_kwargs)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=False,
         pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=eos_ids(model, tokenizer) or None,
+        eos_token_id=eos or None,
         **config_fields,
     )
     _sync(prepared.device)

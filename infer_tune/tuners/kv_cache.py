@@ -222,15 +222,6 @@ def probe_cache(prepared: PreparedModel, batch: dict[str, torch.Tensor], new_tok
             "logits_bytes_peak": max(logits_bytes, default=0)}
 
 
-def per_position_ms(itl_ms: list[float], new_tokens: int) -> list[float]:
-    """Mean over iterations of each decode step's latency, in order (the runner pools ITL per request)."""
-    gaps = new_tokens - 1
-    if gaps < 1 or not itl_ms:
-        return []
-    rows = [itl_ms[i:i + gaps] for i in range(0, len(itl_ms) - gaps + 1, gaps)]
-    return [sum(col) / len(col) for col in zip(*rows)]
-
-
 def latency_plot_png(curves: dict[str, list[float]], prompt_tokens: int, title: str) -> bytes:
     """Per-token latency vs position, one line per variant (PNG bytes)."""
     import matplotlib
@@ -358,7 +349,8 @@ def run_kv_sweep(
             doc, outputs = measure_prepared(
                 loaded, prepared, inputs, workload, protocol, technique=config.technique,
                 config=config.to_dict(), env=env, baseline=reference[0] if reference else None,
-                baseline_outputs=reference[1] if reference else None, measure_ppl=False, progress=progress)
+                baseline_outputs=reference[1] if reference else None, measure_ppl=False, per_position=True,
+                progress=progress)
             if config.impl == REFERENCE_IMPL:
                 reference = (doc, outputs)
             doc["metrics"].update(extra)
@@ -397,7 +389,6 @@ def cache_metrics(config: KVCacheConfig, doc: dict, prepared: PreparedModel, bat
     return {
         "impl": config.impl,
         "prompt_tokens": ctx,
-        "per_position_ms": per_position_ms(doc["samples"]["itl_ms"], new_tokens),
         **probe,
         "kv_cache_bytes_analytic": kv.kv_bytes(shape, cached_tokens, bits) if bits else 0,
         "flops_with_cache": with_cache,

@@ -29,14 +29,7 @@ CLAIM_MIN_BLEU_DRIFT = -1.0
 
 def bytes_16bit(model: torch.nn.Module) -> int:
     """Bytes of the model with every floating tensor stored in 16 bits (shared tensors once)."""
-    seen, total = set(), 0
-    for tensor in model.state_dict().values():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        if key in seen:
-            continue
-        seen.add(key)
-        total += tensor.numel() * (2 if tensor.is_floating_point() else tensor.element_size())
-    return total
+    return models.model_bytes(model, float_bytes=2)
 
 
 def quantize_in_memory(model: torch.nn.Module, config: QuantizeConfig, backend: str,
