@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from infer_tune import models
-from infer_tune.cli.common import setup_threads
+from infer_tune.scenarios.common import setup_threads
 from infer_tune.session import prepare_inputs
 from infer_tune.workload import Workload
 

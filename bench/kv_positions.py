@@ -18,12 +18,10 @@ import json
 import statistics
 from pathlib import Path
 
-from infer_tune import env as envinfo
-from infer_tune import models
-from infer_tune.cli.common import setup_threads
 from infer_tune.metrics import kv
-from infer_tune.runners import Protocol
-from infer_tune.tuners.kv_cache import KVSweepSpec, run_kv_sweep
+from infer_tune.scenarios.common import RunSpec, open_run
+from infer_tune.scenarios.kv_cache import KVSweepSpec, run_kv_sweep
+from infer_tune.workload import Protocol
 
 SHORT, LONG, NEW_TOKENS = 24, 504, 16
 TARGETS = {"none": (">=", 3.0), "dynamic": ("<=", 1.5)}
@@ -37,11 +35,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/infer-tune-kv-bench"))
     args = parser.parse_args()
 
-    threads = setup_threads(args.threads)
-    loaded = models.load(args.model)
     spec = KVSweepSpec(impls=["none", "dynamic"], context_lengths=[SHORT, LONG], max_new_tokens=NEW_TOKENS)
     protocol = Protocol(warmup=1, min_iterations=args.iterations, min_duration_s=0.0)
-    sweep = run_kv_sweep(loaded, spec, protocol, env=envinfo.collect_env(threads), out_dir=args.out)
+    run = open_run(RunSpec(model=args.model, threads=args.threads, out_dir=args.out), load_suite=False)
+    threads = run.ctx.threads
+    sweep = run_kv_sweep(run.loaded, spec, protocol, run.ctx)
 
     step_ms = {(d["config"]["impl"], d["metrics"]["prompt_tokens"]): statistics.mean(d["metrics"]["per_position_ms"])
                for d in sweep.docs}

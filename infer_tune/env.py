@@ -43,8 +43,42 @@ def git_revision() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+# ISA features that decide which low-bit kernels are fast (VNNI / AMX int8 GEMM, AVX-512)
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile",
+             "amx_int8", "amx_bf16", "asimd", "sve")
+
+
+def cpu_flags() -> list[str]:
+    """The ISA_FLAGS this CPU reports (x86 `flags` / Arm `Features` of /proc/cpuinfo)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                present = set(line.split(":", 1)[1].split())
+                return [f for f in ISA_FLAGS if f in present]
+    except OSError:
+        pass
+    return []
+
+
+def torch_cpu_capability() -> str | None:
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return platform.node()
+
+
 def machine_key() -> str:
-    return f"{cpu_model()}|{os.cpu_count()}|{psutil.virtual_memory().total}|{accelerator()}"
+    """Tells hosts apart: CPU, flags, cores, RAM, accelerator and this boot (two VMs with the same CPU
+    name are different hosts; a reading from another host is never reused)."""
+    return (f"{cpu_model()}|{','.join(cpu_flags())}|{os.cpu_count()}|{psutil.virtual_memory().total}|"
+            f"{accelerator()}|{_boot_id()}")
 
 
 def measure_bandwidth_gb_s(size_mb: int = 256, repeats: int = 5) -> float:
@@ -81,6 +115,8 @@ def collect_env(threads: int | None = None) -> dict:
 
     return {
         "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "torch_cpu_capability": torch_cpu_capability(),
         "cores": psutil.cpu_count(logical=False) or os.cpu_count(),
         "logical_cpus": os.cpu_count(),
         "threads": threads if threads is not None else torch.get_num_threads(),

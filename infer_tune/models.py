@@ -66,6 +66,30 @@ class LoadedModel:
     def dtype(self) -> str:
         return str(next(self.model.parameters()).dtype).removeprefix("torch.")
 
+    @property
+    def device(self) -> str:
+        return str(next(self.model.parameters()).device)
+
+
+# Saved directories that are not plain transformers checkpoints: marker file -> loader(dir) -> model.
+# Techniques register theirs (`infer-tune quantize` saves quantization.json); models knows none.
+DirectoryLoader = Any
+DIRECTORY_LOADERS: dict[str, DirectoryLoader] = {}
+
+
+def register_directory_loader(marker: str, loader: DirectoryLoader) -> None:
+    """Load directories holding `marker` with `loader(path) -> nn.Module` instead of from_pretrained."""
+    DIRECTORY_LOADERS[marker] = loader
+
+
+def directory_loader(location: str) -> DirectoryLoader | None:
+    """The registered loader for a saved directory, if one of the techniques claims it."""
+    import importlib
+
+    importlib.import_module("infer_tune.tuners").load_techniques()  # technique packages register loaders on import
+    folder = Path(location)
+    return next((fn for marker, fn in DIRECTORY_LOADERS.items() if (folder / marker).is_file()), None)
+
 
 # --------------------------------------------------------------------------- resolution
 def resolve(ref: str, *, pull: bool = True) -> str:
@@ -117,10 +141,9 @@ def load(
     torch_dtype = resolve_dtype(dtype, device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
-        if (Path(location) / "quantization.json").is_file():  # saved by `infer-tune quantize`
-            from infer_tune.tuners.quantize.serialize import load_quantized
-
-            model = load_quantized(location)
+        special = directory_loader(location) if Path(location).is_dir() else None
+        if special is not None:  # e.g. a checkpoint saved by `infer-tune quantize`
+            model = special(location)
         else:
             model = AutoModelForCausalLM.from_pretrained(
                 location,

@@ -23,8 +23,7 @@ from typing import Any
 import yaml
 
 from infer_tune.errors import ConfigError
-from infer_tune.runners.generation import Protocol
-from infer_tune.workload import Workload
+from infer_tune.workload import Protocol, Workload
 
 
 @dataclass

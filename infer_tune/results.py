@@ -17,7 +17,6 @@ from infer_tune import atomic
 from infer_tune.errors import ResultError
 
 SCHEMA_VERSION = 1
-TECHNIQUES = ("baseline", "quantize", "kv-cache", "speculate", "batch", "experts")
 REQUIRED_KEYS = ("schema_version", "run_id", "created_at", "tool", "env", "model", "technique", "config",
                  "workload", "metrics", "samples")
 DISTRIBUTION_METRICS = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")

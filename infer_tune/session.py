@@ -1,56 +1,39 @@
-"""One measured run, end to end: inputs -> runner -> metrics -> result document.
+"""One measured run, end to end: prepared model -> its runner -> metrics -> result document.
 
-Every technique goes through `measure_prepared`; `ensure_baseline` measures (or reuses) the baseline
-of the same workload so that speedups and drift are ratios taken side by side on one machine.
+`measure_prepared` turns a runner's raw timings into a result document; `run_configs` is the one
+sweep loop every scenario uses: resolve and preflight every config, measure (or reuse) the baseline
+of the same workload, then prepare, measure, annotate and save each config in turn, so speedups
+and drift are ratios taken side by side on one machine. See docs/architecture.md.
 """
 
 from __future__ import annotations
 
+import gc
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from infer_tune import env as envinfo
 from infer_tune import models, results
-from infer_tune.metrics import quality, roofline
+from infer_tune.errors import ConfigError
+from infer_tune.metrics import deltas, kv, quality, roofline
 from infer_tune.metrics.perplexity import reference_perplexity
 from infer_tune.metrics.stats import summarize
-from infer_tune.runners.generation import GenerationRun, Protocol, measure_generation
-from infer_tune.runners.prepared import PreparedModel
-from infer_tune.suites import Prompt
-from infer_tune.workload import Workload, encode_batches, select_prompts, uses_template
+from infer_tune.runners import GenerationRun, PreparedModel, get_runner
+from infer_tune.runners.base import Progress
+from infer_tune.tuners.base import RunContext, TechniqueConfig, technique_for
+from infer_tune.workload import Inputs, Protocol, Workload, prepare_inputs, workload_block
 
-Progress = Callable[[str, int, int | None], None]
-
-
-@dataclass
-class Inputs:
-    prompts: list[Prompt]
-    rendered: list[str]
-    batches: list
-    templated: bool
-
-
-def prepare_inputs(loaded: models.LoadedModel, workload: Workload, prompts: list[Prompt] | None = None) -> Inputs:
-    """Select the prompts that fit, render them (chat template) and tokenize them into batches."""
-    prompts, rendered = select_prompts(workload, loaded.tokenizer, prompts)
-    templated = uses_template(loaded.tokenizer, workload)
-    batches = encode_batches(loaded.tokenizer, rendered, workload.batch_size, add_special_tokens=not templated)
-    return Inputs(prompts=prompts, rendered=rendered, batches=batches, templated=templated)
-
-
-def workload_block(workload: Workload, inputs: Inputs) -> dict:
-    block = workload.to_dict()
-    block.update({"prompts": len(inputs.prompts), "chat_template_applied": inputs.templated})
-    return block
+__all__ = ["Inputs", "ensure_baseline", "measure_prepared", "prepare_inputs", "run_configs", "run_fingerprint"]
 
 
 def run_fingerprint(loaded: models.LoadedModel, technique: str, config: dict, workload: Workload, env: dict,
-                    execute: bool = False) -> str:
-    """What makes two runs the same measurement: model, technique, config, workload, threads, machine."""
-    return results.fingerprint(loaded.path, technique, config, workload.to_dict(), env["threads"], env["machine"],
-                               execute)
+                    execute: bool = False, *, protocol: Protocol | None = None, measure_ppl: bool = True) -> str:
+    """What makes two runs the same measurement: model, technique, config, workload, protocol, what is
+    measured, threads, machine, and the tool's version."""
+    return results.fingerprint(loaded.path, loaded.dtype, loaded.device, technique, config, workload.to_dict(),
+                               asdict(protocol) if protocol else None, measure_ppl, env["threads"], env["machine"],
+                               execute, envinfo.tool_info()["version"])
 
 
 def timing_metrics(run: GenerationRun) -> tuple[dict, dict]:
@@ -68,7 +51,26 @@ def timing_metrics(run: GenerationRun) -> tuple[dict, dict]:
     # prompt_index pairs each ttft/e2e (and tpot, when every request has 2+ tokens) sample with its prompt
     samples = {"ttft_ms": ttft, "tpot_ms": tpot, "e2e_ms": e2e, "itl_ms": itl,
                "prompt_index": [r.prompt_index for r in timed]}
+    if any(r.start_ns is not None for r in timed):  # a scheduler queued requests
+        queue = [r.queue_ms for r in timed]
+        metrics["queue_ms"] = summarize(queue)
+        samples["queue_ms"] = queue
     return metrics, samples
+
+
+def kv_bytes_read(prepared: PreparedModel, mean_context: float, batch_size: int) -> float:
+    """KV-cache bytes a decode step reads at `mean_context` tokens, at the cache's real width
+    (the technique's `kv_bits` when it sets one, else the model's floating dtype)."""
+    model = prepared.model
+    if model is None or "kv_bits" in prepared.metrics and prepared.metrics["kv_bits"] is None:
+        return 0.0
+    try:
+        shape = kv.ModelShape.from_config(model.config)
+    except (ConfigError, AttributeError):
+        return 0.0
+    bits = prepared.metrics.get("kv_bits") or next(
+        (p.element_size() * 8 for p in model.parameters() if p.is_floating_point()), 32)
+    return float(kv.kv_bytes(shape, 1, bits)) * mean_context * batch_size
 
 
 def measure_prepared(
@@ -81,6 +83,7 @@ def measure_prepared(
     technique: str,
     config: dict,
     env: dict,
+    runner: str = "generation",
     baseline: dict | None = None,
     baseline_outputs: list[dict] | None = None,
     measure_ppl: bool = True,
@@ -88,48 +91,55 @@ def measure_prepared(
     per_position: bool = False,
     progress: Progress | None = None,
 ) -> tuple[dict, list[dict]]:
-    """Run the workload on `prepared` and build its result document and outputs rows.
+    """Run the workload on `prepared` through `runner` and build its result document and outputs rows.
 
-    `per_position=True` adds `per_position_ms` (mean latency of each decode step, in order).
-
+    `per_position=True` adds `per_position_ms` (mean latency of each decode step, in order);
     `execute=True` also runs the code suite's tests on the outputs (pass@1, sandboxed subprocesses).
     """
-    run = measure_generation(prepared, inputs.batches, workload.max_new_tokens, protocol, progress=progress)
+    run = get_runner(runner)(prepared, inputs, workload, protocol, progress)
     metrics, samples = timing_metrics(run)
     if per_position:
         metrics["per_position_ms"] = run.per_position_ms()
-    weight_bytes = models.model_bytes(prepared.model)
+    weight_bytes = (models.model_bytes(prepared.model) if prepared.model is not None else 0) \
+        + prepared.extra_model_bytes
     mean_context = (sum(o.prompt_tokens for o in run.outputs) / max(len(run.outputs), 1)
                     + workload.max_new_tokens / 2)
-    kv_read = roofline.kv_bytes_per_token(prepared.model.config) * mean_context * run.batch_size
-    metrics.update(roofline.roofline(env["mem_bandwidth_gb_s"], weight_bytes, kv_read, run.batch_size,
+    kv_read = kv_bytes_read(prepared, mean_context, run.batch_size)
+    metrics.update(roofline.roofline(env["mem_bandwidth_gb_s"], weight_bytes, kv_read, max(run.batch_size, 1),
                                      metrics["tpot_ms"]["p50"]))
     metrics.update({
         "peak_rss_bytes": run.peak_rss_bytes,
         "rss_before_bytes": run.rss_before_bytes,
         "peak_rss_delta_bytes": run.peak_rss_bytes - run.rss_before_bytes,
+        "cuda_peak_bytes": run.cuda_peak_bytes,
         "model_bytes": weight_bytes,
         "first_call_ms": run.first_call_ms,
         "warmup_s": run.warmup_s,
         "iterations": run.iterations,
         "generated_tokens": run.generated_tokens,
     })
+    if prepared.extra_model_bytes:
+        metrics["extra_model_bytes"] = prepared.extra_model_bytes
     texts = [o.text for o in run.outputs]
-    metrics.update(quality.reference_scores(texts, [p.reference for p in inputs.prompts]))
+    references = [inputs.prompts[o.prompt_index].reference for o in run.outputs]
+    metrics.update(quality.reference_scores(texts, references))
     metrics["ppl"] = (reference_perplexity(prepared.model, prepared.tokenizer, inputs.rendered,
                                            [p.reference for p in inputs.prompts], device=prepared.device)
-                      if measure_ppl else None)
+                      if measure_ppl and prepared.model is not None else None)
     if execute:
         from infer_tune.metrics.passk import pass_at_1
 
-        metrics["pass_at_1"] = pass_at_1(inputs.prompts, texts)
+        metrics["pass_at_1"] = pass_at_1([inputs.prompts[o.prompt_index] for o in run.outputs], texts)
     metrics.update(prepared.metrics)
+    metrics.update(run.counters)
+    if run.ranks:
+        metrics["ranks"] = run.ranks
     outputs = [{"prompt_id": inputs.prompts[o.prompt_index].id, "prompt": inputs.prompts[o.prompt_index].text,
                 "output": o.text, "token_ids": o.token_ids, "prompt_tokens": o.prompt_tokens,
                 "hit_eos": o.hit_eos, "reference": inputs.prompts[o.prompt_index].reference}
                for o in run.outputs]
     if baseline is not None and baseline_outputs is not None:
-        metrics.update(versus_baseline(metrics, outputs, baseline, baseline_outputs))
+        metrics.update(deltas.versus_baseline(metrics, outputs, baseline, baseline_outputs))
     result = {
         "schema_version": results.SCHEMA_VERSION,
         "run_id": results.new_run_id(technique, prepared.label),
@@ -137,53 +147,31 @@ def measure_prepared(
         "tool": envinfo.tool_info(),
         "env": env,
         # params: the logical parameter count of the source model (a quantized copy stores fewer
-        # nn.Parameters); model_bytes: what the prepared model really stores
+        # nn.Parameters); model_bytes: what the prepared model really stores (+ a draft's weights)
         "model": {"ref": loaded.ref, "path": loaded.path, "params": models.count_params(loaded.model),
                   "model_bytes": weight_bytes, "dtype": loaded.dtype},
         "technique": technique,
         "label": prepared.label,
         "config": config,
+        "runner": runner,
         "workload": workload_block(workload, inputs),
         "protocol": asdict(protocol),
         "metrics": metrics,
         "samples": samples,
         "baseline_run_id": baseline["run_id"] if baseline else None,
-        "fingerprint": run_fingerprint(loaded, technique, config, workload, env, execute),
+        "fingerprint": run_fingerprint(loaded, technique, config, workload, env, execute, protocol=protocol,
+                                       measure_ppl=measure_ppl),
     }
     return result, outputs
 
 
-def versus_baseline(metrics: dict, outputs: list[dict], baseline: dict, baseline_outputs: list[dict]) -> dict:
-    """Speedup, BLEU drift, faithfulness and perplexity change against a baseline of the same workload."""
-    base = baseline["metrics"]
-    out: dict = {}
-    b_tpot, c_tpot = base["tpot_ms"]["p50"], metrics["tpot_ms"]["p50"]
-    out["speedup_vs_baseline"] = b_tpot / c_tpot if b_tpot and c_tpot else None
-    b_ttft, c_ttft = base["ttft_ms"]["p50"], metrics["ttft_ms"]["p50"]
-    out["ttft_speedup_vs_baseline"] = b_ttft / c_ttft if b_ttft and c_ttft else None
-    b_thr = base.get("output_throughput_tok_s")
-    out["throughput_ratio_vs_baseline"] = metrics["output_throughput_tok_s"] / b_thr if b_thr else None
-    out["bleu_drift"] = (metrics["bleu"] - base["bleu"]) if metrics.get("bleu") is not None and base.get("bleu") is not None else None
-    if metrics.get("pass_at_1") is not None and base.get("pass_at_1") is not None:
-        out["pass_at_1_delta"] = metrics["pass_at_1"] - base["pass_at_1"]
-    out.update(quality.faithfulness([o["output"] for o in outputs], [o["output"] for o in baseline_outputs],
-                                    [o["token_ids"] for o in outputs], [o["token_ids"] for o in baseline_outputs]))
-    if metrics.get("ppl") and base.get("ppl"):
-        out["ppl_delta_pct"] = 100.0 * (metrics["ppl"] - base["ppl"]) / base["ppl"]
-    else:
-        out["ppl_delta_pct"] = None
-    return out
-
-
-def find_reusable_baseline(out_dir: Path, fingerprint: str) -> tuple[dict, list[dict]] | None:
-    """A baseline result of the same fingerprint (model, workload, threads, machine) from today."""
+def find_result(out_dir: Path, fingerprint: str, technique: str | None = None) -> dict | None:
+    """The newest finished result with this fingerprint in `out_dir` (baseline reuse and --resume)."""
     if not Path(out_dir).exists():
         return None
-    today = time.strftime("%Y-%m-%d")
     for doc in reversed(results.find_results(out_dir)):
-        if doc.get("technique") == "baseline" and doc.get("fingerprint") == fingerprint \
-                and str(doc.get("created_at", "")).startswith(today):
-            return doc, results.load_outputs(doc["_path"])
+        if doc.get("fingerprint") == fingerprint and (technique is None or doc.get("technique") == technique):
+            return doc
     return None
 
 
@@ -192,37 +180,44 @@ def ensure_baseline(
     inputs: Inputs,
     workload: Workload,
     protocol: Protocol,
+    ctx: RunContext,
     *,
-    env: dict,
-    out_dir: Path,
-    device: str = "cpu",
     reuse: bool = True,
     measure_ppl: bool = True,
     execute: bool = False,
-    progress: Progress | None = None,
 ) -> tuple[dict, list[dict], bool]:
-    """Reuse today's matching baseline from `out_dir`, or measure and save one. Returns (doc, outputs, reused)."""
-    fp = run_fingerprint(loaded, "baseline", {}, workload, env, execute)
-    if reuse:
-        found = find_reusable_baseline(out_dir, fp)
-        if found is not None:
-            return found[0], found[1], True
-    prepared = PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, label="baseline", device=device)
+    """Reuse a baseline of the same fingerprint from `ctx.out_dir`, or measure and save one.
+
+    Returns (doc, outputs, reused).
+    """
+    fp = run_fingerprint(loaded, "baseline", {}, workload, ctx.env, execute, protocol=protocol,
+                         measure_ppl=measure_ppl)
+    if reuse and (found := find_result(ctx.out_dir, fp, "baseline")) is not None:
+        return found, results.load_outputs(found["_path"]), True
+    prepared = PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, label="baseline", device=ctx.device)
     doc, outputs = measure_prepared(loaded, prepared, inputs, workload, protocol, technique="baseline", config={},
-                                    env=env, measure_ppl=measure_ppl, execute=execute, progress=progress)
-    saved = results.save_run(out_dir, doc, outputs)
+                                    env=ctx.env, measure_ppl=measure_ppl, execute=execute, progress=ctx.progress)
+    saved = results.save_run(ctx.out_dir, doc, outputs)
     doc["_path"] = str(saved.run_dir)
     return doc, outputs, False
 
 
-def existing_result(out_dir: Path, fingerprint: str) -> dict | None:
-    """A finished result with this fingerprint in `out_dir` (for --resume)."""
-    if not Path(out_dir).exists():
-        return None
-    for doc in results.find_results(out_dir):
-        if doc.get("fingerprint") == fingerprint:
-            return doc
-    return None
+def resolve_configs(configs: list[TechniqueConfig], ctx: RunContext) -> list[TechniqueConfig]:
+    """Each config with its host-dependent choices settled (what the result will record)."""
+    out = []
+    for config in configs:
+        entry = technique_for(config)
+        out.append(entry.resolve(config, ctx) if entry.resolve else config)
+    return out
+
+
+def preflight(loaded: models.LoadedModel, workload: Workload, configs: list[TechniqueConfig], ctx: RunContext) -> None:
+    """Every check that can fail before a measurement: constraints, then each technique's own checks."""
+    for config in configs:
+        entry = technique_for(config)
+        entry.check_workload(workload)
+        if entry.preflight:
+            entry.preflight(loaded, config, ctx)
 
 
 def run_configs(
@@ -230,44 +225,49 @@ def run_configs(
     inputs: Inputs,
     workload: Workload,
     protocol: Protocol,
-    configs: list,
+    configs: list[TechniqueConfig],
+    ctx: RunContext,
     *,
-    env: dict,
-    out_dir: Path,
-    device: str = "cpu",
     resume: bool = False,
     reuse_baseline: bool = True,
     measure_ppl: bool = True,
     execute: bool = False,
-    progress: Progress | None = None,
-    prepare: Callable | None = None,
 ) -> tuple[dict, list[dict]]:
-    """Baseline (measured or reused), then every config applied and measured against it.
+    """Baseline (measured or reused), then every config prepared, measured by its runner and saved.
 
     Each finished config is saved at once (atomically), so an interrupted sweep keeps its rows and
-    `resume=True` skips them. `prepare(loaded, config)` defaults to the tuner registry's `apply`.
+    `resume=True` skips them. A technique's `annotate` hook sees the results measured before it.
     Returns (baseline document, candidate documents in config order).
     """
-    from infer_tune.tuners import apply as registry_apply
-
-    prepare = prepare or registry_apply
-    baseline, baseline_outputs, _ = ensure_baseline(loaded, inputs, workload, protocol, env=env, out_dir=out_dir,
-                                                    device=device, reuse=reuse_baseline, measure_ppl=measure_ppl,
-                                                    execute=execute, progress=progress)
-    docs = []
+    configs = resolve_configs(configs, ctx)
+    preflight(loaded, workload, configs, ctx)
+    baseline, baseline_outputs, _ = ensure_baseline(loaded, inputs, workload, protocol, ctx, reuse=reuse_baseline,
+                                                    measure_ppl=measure_ppl, execute=execute)
+    docs: list[dict] = []
     for config in configs:
+        entry = technique_for(config)
         config_dict = config.to_dict()
-        fp = run_fingerprint(loaded, config.technique, config_dict, workload, env, execute)
-        if resume and (done := existing_result(out_dir, fp)) is not None:
+        ppl = measure_ppl and entry.measure_ppl
+        fp = run_fingerprint(loaded, entry.name, config_dict, workload, ctx.env, execute, protocol=protocol,
+                             measure_ppl=ppl)
+        if resume and (done := find_result(ctx.out_dir, fp)) is not None:
             docs.append(done)
             continue
-        prepared = prepare(loaded, config)
-        prepared.device = device
-        doc, outputs = measure_prepared(loaded, prepared, inputs, workload, protocol, technique=config.technique,
-                                        config=config_dict, env=env, baseline=baseline,
-                                        baseline_outputs=baseline_outputs, measure_ppl=measure_ppl,
-                                        execute=execute, progress=progress)
-        saved = results.save_run(out_dir, doc, outputs)
+        prepared = entry.prepare(loaded, config, ctx)
+        prepared.device = ctx.device
+        try:
+            doc, outputs = measure_prepared(loaded, prepared, inputs, workload, protocol, technique=entry.name,
+                                            config=config_dict, env=ctx.env, runner=entry.runner, baseline=baseline,
+                                            baseline_outputs=baseline_outputs, measure_ppl=ppl, execute=execute,
+                                            progress=ctx.progress)
+        finally:
+            if prepared.cleanup:
+                prepared.cleanup()
+            del prepared
+            gc.collect()
+        if entry.annotate:
+            entry.annotate(doc, docs)
+        saved = results.save_run(ctx.out_dir, doc, outputs)
         doc["_path"] = str(saved.run_dir)
         docs.append(doc)
     return baseline, docs

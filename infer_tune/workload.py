@@ -1,13 +1,37 @@
-"""A workload: suite + sample size + seed + generation settings, and its tokenized batches."""
+"""A workload (suite + sample size + seed + generation settings), the measurement protocol, and the
+workload's inputs (selected prompts, rendered and tokenized into batches).
+
+Light on purpose: reading a recipe imports this module, not torch or transformers.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from infer_tune.errors import ConfigError
 from infer_tune.suites import Prompt, SuiteSpec, load_suite
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class Protocol:
+    """Warmup and repetition rules for a timed measurement (docs/architecture.md, "Measurement protocol")."""
+
+    warmup: int = 1
+    min_iterations: int = 2
+    min_duration_s: float = 5.0
+    pin_length: bool = True
+
+    def __post_init__(self) -> None:
+        if self.warmup < 0:
+            raise ConfigError(f"warmup must be >= 0, got {self.warmup}")
+        if self.min_iterations < 1:
+            raise ConfigError(f"min_iterations must be >= 1, got {self.min_iterations}")
+        if not 0 <= self.min_duration_s < float("inf"):
+            raise ConfigError(f"min_duration_s must be a finite number >= 0 seconds, got {self.min_duration_s}")
 
 
 @dataclass
@@ -27,13 +51,13 @@ class Workload:
 
     def __post_init__(self) -> None:
         if self.limit is not None and self.limit < 1:
-            raise ConfigError(f"--limit must be >= 1, got {self.limit}")
+            raise ConfigError(f"limit must be >= 1, got {self.limit}")
         if self.max_new_tokens < 1:
-            raise ConfigError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.batch_size < 1:
-            raise ConfigError(f"--batch-size must be >= 1, got {self.batch_size}")
+            raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.max_prompt_tokens < 1:
-            raise ConfigError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
+            raise ConfigError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
 
     def suite_spec(self) -> SuiteSpec:
         return SuiteSpec(name=self.suite, limit=None, seed=self.seed, lang=self.lang,
@@ -70,7 +94,7 @@ def select_prompts(workload: Workload, tokenizer, prompts: list[Prompt] | None =
         if workload.limit and len(chosen) >= workload.limit:
             break
     if not chosen:
-        raise ConfigError(f"no prompt of suite '{workload.suite}' fits in --max-prompt-tokens {workload.max_prompt_tokens}")
+        raise ConfigError(f"no prompt of suite '{workload.suite}' fits in max_prompt_tokens={workload.max_prompt_tokens}")
     return chosen, rendered
 
 
@@ -92,3 +116,28 @@ def encode_batches(
                         add_special_tokens=add_special_tokens)
         batches.append({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
     return batches
+
+
+@dataclass
+class Inputs:
+    """The workload's prompts as a runner sees them: chosen, rendered (chat template) and tokenized."""
+
+    prompts: list[Prompt]
+    rendered: list[str]
+    batches: list
+    templated: bool
+
+
+def prepare_inputs(loaded, workload: Workload, prompts: list[Prompt] | None = None) -> Inputs:
+    """Select the prompts that fit, render them (chat template) and tokenize them into batches."""
+    prompts, rendered = select_prompts(workload, loaded.tokenizer, prompts)
+    templated = uses_template(loaded.tokenizer, workload)
+    batches = encode_batches(loaded.tokenizer, rendered, workload.batch_size, add_special_tokens=not templated)
+    return Inputs(prompts=prompts, rendered=rendered, batches=batches, templated=templated)
+
+
+def workload_block(workload: Workload, inputs: Inputs) -> dict:
+    """The result's `workload` section: the settings plus what was really run."""
+    block = workload.to_dict()
+    block.update({"prompts": len(inputs.prompts), "chat_template_applied": inputs.templated})
+    return block

@@ -82,17 +82,30 @@ def prompts_file(tmp_path) -> Path:
     return path
 
 
+REAL_HOME = Path(os.environ.get("INFER_TUNE_HOME") or Path.home() / ".cache" / "infer-tune").expanduser()
+
+
+@pytest.fixture(scope="session")
+def _test_home(tmp_path_factory) -> Path:
+    """One temporary INFER_TUNE_HOME for the session. Models and suites already provisioned in the
+    real cache (SmolLM2, by `make test`) are linked in and only read; everything a test writes
+    (bandwidth readings, converted suites, GGUF conversions) stays in the temp home."""
+    home = tmp_path_factory.mktemp("infer-tune-home")
+    for sub in ("models", "data"):  # provisioned entries are linked (read), new ones land in the temp home
+        (home / sub).mkdir()
+        if (REAL_HOME / sub).is_dir():
+            for item in (REAL_HOME / sub).iterdir():
+                if not item.name.startswith("."):
+                    (home / sub / item.name).symlink_to(item)
+    return home
+
+
 @pytest.fixture(autouse=True)
-def _isolated_home(tmp_path_factory, monkeypatch):
-    """Keep each test's cache writes (bandwidth reading, suites) in a shared temp home, except the
-    real-model cache, which integration tests read from the user's home."""
-    real_home = os.environ.get("INFER_TUNE_HOME") or str(Path.home() / ".cache" / "infer-tune")
-    monkeypatch.setenv("INFER_TUNE_HOME", real_home)
+def _isolated_home(_test_home, monkeypatch):
+    monkeypatch.setenv("INFER_TUNE_HOME", str(_test_home))
     yield
 
 
 @pytest.fixture(scope="session")
 def smollm2_available() -> bool:
-    from infer_tune import paths
-
-    return (paths.models_dir() / "smollm2-135m" / "config.json").exists()
+    return (REAL_HOME / "models" / "smollm2-135m" / "config.json").exists()

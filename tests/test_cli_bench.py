@@ -1,6 +1,7 @@
 """`infer-tune bench` through typer's CliRunner: the JSON document, and every bad input -> exit 2."""
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -77,6 +78,30 @@ def test_bad_input_is_one_line_exit_2_and_no_run_dir(case, bad_files, tmp_path, 
 
 
 def test_debug_shows_traceback(tmp_path):
+    """--debug lets the error itself out (with its traceback); without it the same input is one line."""
+    import traceback
+
+    from infer_tune.errors import ModelError
+
     result = runner.invoke(app, ["bench", "--model", "no-such-model", "--out", str(tmp_path), "--debug"])
-    assert result.exit_code != 0
-    assert result.exception is not None
+    assert isinstance(result.exception, ModelError), result.exception
+    text = "".join(traceback.format_exception(result.exception))
+    assert "Traceback" in text and "models.py" in text and "unknown model" in text
+    plain = runner.invoke(app, ["bench", "--model", "no-such-model", "--out", str(tmp_path)])
+    assert plain.exit_code == 2 and isinstance(plain.exception, SystemExit)
+
+
+def test_internal_error_is_exit_3_with_a_log(tmp_path, monkeypatch, tiny_model_dir):
+    """An unexpected exception is not a regression (1) nor bad input (2): exit 3, one line, a log file."""
+    from infer_tune.scenarios import bench as bench_scenario
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(bench_scenario, "run_bench", boom)
+    result = runner.invoke(app, ["bench", "--model", str(tiny_model_dir), "--out", str(tmp_path)])
+    assert result.exit_code == 3, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "internal error: RuntimeError: simulated bug" in lines[0]
+    log = lines[0].split("traceback in ")[1].split(";")[0]
+    assert "simulated bug" in Path(log).read_text() and "Traceback" in Path(log).read_text()

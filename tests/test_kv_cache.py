@@ -13,14 +13,9 @@ from infer_tune.errors import ConfigError
 from infer_tune.metrics import kv
 from infer_tune.runners import Protocol
 from infer_tune.runners.generation import generate_once
-from infer_tune.tuners import apply
-from infer_tune.tuners.kv_cache import (
-    KVCacheConfig,
-    KVSweepSpec,
-    probe_cache,
-    run_kv_sweep,
-    suite_token_ids,
-)
+from infer_tune.scenarios.kv_cache import KVSweepSpec, probe_cache, run_kv_sweep, suite_token_ids
+from infer_tune.tuners import RunContext, apply
+from infer_tune.tuners.kv_cache import KVCacheConfig
 
 runner = CliRunner()
 FAST = Protocol(warmup=0, min_iterations=1, min_duration_s=0.0)
@@ -46,7 +41,7 @@ def test_none_dynamic_static_identical_greedy(tiny_loaded):
 def test_sweep_writes_results_with_kv_keys(tiny_loaded, tmp_path):
     spec = KVSweepSpec(impls=["none", "dynamic", "static", "offloaded"], context_lengths=[32], max_new_tokens=12,
                        suite="code")
-    sweep = run_kv_sweep(tiny_loaded, spec, FAST, env=ENV, out_dir=tmp_path)
+    sweep = run_kv_sweep(tiny_loaded, spec, FAST, RunContext(env=ENV, out_dir=tmp_path))
     by_impl = {d["config"]["impl"]: d for d in sweep.docs}
     assert set(by_impl) == {"none", "dynamic", "static"}
     assert [r["impl"] for r in sweep.not_applicable] == ["offloaded"]  # CPU: reported, not pretended
@@ -165,12 +160,10 @@ def test_kv_sweep_resume_reads_back_finished_context_lengths(tiny_loaded, tmp_pa
     from infer_tune import env as envinfo
     from infer_tune.results import find_results
     from infer_tune.runners import Protocol
-    from infer_tune.tuners.kv_cache import KVSweepSpec, run_kv_sweep
-
     spec = KVSweepSpec(impls=["dynamic", "static"], context_lengths=[16], max_new_tokens=4, suite="code")
     once = Protocol(warmup=0, min_iterations=1, min_duration_s=0)
     env = envinfo.collect_env(1)
-    first = run_kv_sweep(tiny_loaded, spec, once, env=env, out_dir=tmp_path)
-    again = run_kv_sweep(tiny_loaded, spec, once, env=env, out_dir=tmp_path, resume=True)
+    first = run_kv_sweep(tiny_loaded, spec, once, RunContext(env=env, out_dir=tmp_path))
+    again = run_kv_sweep(tiny_loaded, spec, once, RunContext(env=env, out_dir=tmp_path), resume=True)
     assert [d["run_id"] for d in again.docs] == [d["run_id"] for d in first.docs]
     assert len(find_results(tmp_path)) == 2

@@ -11,7 +11,6 @@ from rich.table import Table
 
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
-from infer_tune.cli.common import handle_errors
 from infer_tune.errors import InferTuneError
 
 FORMATS = ("table", "md", "json", "junit")
@@ -44,7 +43,6 @@ def print_plain(text: str) -> None:
     output.out.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True, end="")
 
 
-@handle_errors
 def compare(
     base: Annotated[Path, typer.Argument(help="Base run folder or its result.json (e.g. the stored baseline).")],
     candidates: Annotated[list[Path], typer.Argument(help="Candidate run folders or result.json files.")],

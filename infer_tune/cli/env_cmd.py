@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
-from infer_tune.cli.common import handle_errors, setup_threads
+from infer_tune.scenarios.common import setup_threads
 
 
-@handle_errors
 def env(threads: opt.Threads = None, json_out: opt.Json = False, debug: opt.Debug = False) -> None:
     """Print CPU, cores, threads, RAM, OS, Python/torch/transformers versions, GPU and memory bandwidth."""
     from infer_tune import env as envinfo

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -10,7 +9,8 @@ from rich.table import Table
 
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
-from infer_tune.cli.common import handle_errors, resolve_device, setup_threads
+from infer_tune.errors import ConfigError
+from infer_tune.tuners.kv_cache import IMPLS
 
 Impl = Annotated[str, typer.Option("--impl", help="Comma-separated variants: none (use_cache=False), dynamic, "
                                                   "static, quantized, offloaded (GPU only).")]
@@ -26,32 +26,41 @@ ModelConfig = Annotated[str | None, typer.Option("--model-config", help="Only co
 Context = Annotated[int, typer.Option("--context", help="Context length in tokens for --model-config.")]
 
 
-@handle_errors
+def parse_impls(text: str) -> list[str]:
+    """`none,dynamic,...` -> list; unknown names raise ConfigError."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in IMPLS]
+    if unknown or not names:
+        raise ConfigError(f"--impl: unknown '{','.join(unknown) or text}'; choose from {', '.join(IMPLS)}")
+    return list(dict.fromkeys(names))
+
+
+def parse_context_lengths(text: str) -> list[int]:
+    try:
+        values = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise ConfigError(f"--context-lengths must be comma-separated integers, got '{text}'") from None
+    if not values or values[0] < 1:
+        raise ConfigError(f"--context-lengths must be integers >= 1, got '{text}'")
+    return values
+
+
+@opt.measuring_command(max_new_tokens=256)
 def kv_cache(
-    model: opt.Model = "smollm2-135m",
+    opts: opt.MeasureOptions,
     impl: Impl = "none,dynamic,static,quantized,offloaded",
     context_lengths: ContextLengths = "128,512,1024",
-    max_new_tokens: opt.MaxNewTokens = 256,
     kv_bits: KvBits = 4,
     kv_backend: KvBackend = "quanto",
     compile_static: Compile = False,
     model_config: ModelConfig = None,
     context: Context = 131072,
-    suite: opt.Suite = "chat",
-    threads: opt.Threads = None,
-    seed: opt.Seed = 0,
-    warmup: opt.Warmup = 1,
-    min_iterations: opt.MinIterations = 2,
-    min_duration: opt.MinDuration = 5.0,
-    out: opt.Out = Path("runs"),
-    resume: opt.Resume = False,
-    dtype: opt.Dtype = "auto",
-    device: opt.Device = "cpu",
-    json_out: opt.Json = False,
-    debug: opt.Debug = False,
 ) -> None:
     """Compare no cache, dynamic, static, quantized and offloaded KV caches: per-token latency vs position,
     TTFT/TPOT, measured and analytic KV bytes, FLOPs with and without the cache, drift vs dynamic.
+
+    Each context length runs one prompt of exactly that many tokens of --suite text, at batch size 1;
+    perplexity is not measured (a cache does not change a teacher-forced pass).
 
     Examples:
       infer-tune kv-cache --impl none,dynamic,static --context-lengths 128,512 --max-new-tokens 64
@@ -61,27 +70,21 @@ def kv_cache(
     from infer_tune.metrics import kv
 
     if model_config is not None:
-        return _config_only(kv, model_config, context, json_out)
+        return _config_only(kv, model_config, context, opts.json_out)
 
-    from infer_tune import env as envinfo
-    from infer_tune import models
-    from infer_tune.runners import Protocol
-    from infer_tune.tuners import kv_cache as kvc
+    from infer_tune.cli.bench import run_spec
+    from infer_tune.scenarios import kv_cache as kvs
 
-    spec = kvc.KVSweepSpec(impls=kvc.parse_impls(impl), context_lengths=kvc.parse_context_lengths(context_lengths),
-                           max_new_tokens=max_new_tokens, kv_bits=kv_bits, kv_backend=kv_backend,
-                           compile=compile_static, suite=suite, seed=seed)
-    protocol = Protocol(warmup=warmup, min_iterations=min_iterations, min_duration_s=min_duration)
-    shape = kv.load_model_config(models.resolve(model))  # fail on a too-long context before loading weights
-    kvc.check_context_fits(shape, spec.context_lengths, max_new_tokens, model)
-    n_threads = setup_threads(threads)
-    device = resolve_device(device)
-    loaded = models.load(model, dtype=dtype, device=device)
-    env = envinfo.collect_env(n_threads)
-    with output.progress_bar(not json_out) as progress:
-        sweep = kvc.run_kv_sweep(loaded, spec, protocol, env=env, out_dir=out, device=device, resume=resume,
-                                 progress=progress)
-    if json_out:
+    for flag, name, value in (("--limit", "limit", opts.limit), ("--batch-size", "batch_size", opts.batch_size)):
+        if name in opts.explicit and value != 1:
+            raise ConfigError(f"{flag} {value}: kv-cache measures one prompt of exactly N tokens per context "
+                              "length at batch size 1; set the lengths with --context-lengths")
+    sweep_spec = kvs.KVSweepSpec(impls=parse_impls(impl), context_lengths=parse_context_lengths(context_lengths),
+                                 max_new_tokens=opts.max_new_tokens, kv_bits=kv_bits, kv_backend=kv_backend,
+                                 compile=compile_static, suite=opts.suite, seed=opts.seed)
+    with output.progress_bar(not opts.json_out) as progress:
+        sweep = kvs.run_kv_cache(run_spec(opts, measure_ppl=False), sweep_spec, progress=progress)
+    if opts.json_out:
         output.print_json({"results": sweep.docs, "not_applicable": sweep.not_applicable, "claims": sweep.claims})
         return
     render_sweep(sweep.docs, sweep.not_applicable)

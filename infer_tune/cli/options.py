@@ -1,11 +1,32 @@
-"""Shared options, spelled the same on every measuring command (DESIGN.md, "Common options")."""
+"""The shared option group: declared once, used by every measuring command (`@measuring_command`).
+
+A measuring command is written as `def cmd(opts: MeasureOptions, <its own options>)`; the decorator
+adds every common option to its signature (so `--help` lists them, spelled the same everywhere),
+collects them into one `MeasureOptions`, records which were given on the command line (a recipe's
+values yield only to those), and checks their ranges with one clear line naming the flag.
+Other shared options (`Json`, `Debug`, ...) are `Annotated` aliases used directly.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import typing
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+
+from infer_tune.errors import ConfigError
+
+
+def _set_debug(value: bool) -> bool:
+    from infer_tune.cli import output
+
+    output.state.debug = output.state.debug or bool(value)
+    return value
+
 
 Model = Annotated[str, typer.Option("--model", "-m", help="Built-in alias (smollm2-135m), Hugging Face id, checkpoint dir or .gguf file.")]
 Suite = Annotated[str, typer.Option("--suite", "-s", help="`chat` (ShareGPT), `code` (HumanEval), a .jsonl/.csv/.parquet file or a dataset name.")]
@@ -19,7 +40,7 @@ MinIterations = Annotated[int, typer.Option("--min-iterations", help="Minimum ti
 MinDuration = Annotated[float, typer.Option("--min-duration", help="Minimum timed seconds; passes repeat until both minimums are met.")]
 Out = Annotated[Path, typer.Option("--out", "-o", help="Runs directory; each run writes OUT/<run-id>/result.json.")]
 Json = Annotated[bool, typer.Option("--json", help="Print only the result document(s) as JSON on stdout.")]
-Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
+Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks.", callback=_set_debug, is_eager=True)]
 Lang = Annotated[str, typer.Option("--lang", help="Language of chat prompts: en, zh, ja, ko, ru or any.")]
 PromptField = Annotated[str, typer.Option("--prompt-field", help="Prompt column of a file/dataset suite.")]
 ReferenceField = Annotated[str | None, typer.Option("--reference-field", help="Reference column of a file/dataset suite.")]
@@ -29,5 +50,120 @@ Dtype = Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU, bfloa
 Device = Annotated[str, typer.Option("--device", help="cpu, cuda or auto.")]
 TrustRemoteCode = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the checkpoint (off by default).")]
 Ppl = Annotated[bool, typer.Option("--ppl/--no-ppl", help="Teacher-forced perplexity on the references.")]
-Resume = Annotated[bool, typer.Option("--resume", help="Skip configs whose result already exists in --out.")]
+Resume = Annotated[bool, typer.Option("--resume", help="Skip configs whose result (same model, config, workload, protocol, machine) is already in --out.")]
 Execute = Annotated[bool, typer.Option("--execute", help="code suite: run HumanEval's tests on the outputs (pass@1) in sandboxed subprocesses.")]
+
+
+@dataclass
+class MeasureOptions:
+    """The common options of every measuring command, after parsing."""
+
+    model: str = "smollm2-135m"
+    suite: str = "chat"
+    limit: int = 8
+    max_new_tokens: int = 64
+    batch_size: int = 1
+    threads: int | None = None
+    seed: int = 0
+    warmup: int = 1
+    min_iterations: int = 2
+    min_duration: float = 5.0
+    out: Path = Path("runs")
+    lang: str = "en"
+    prompt_field: str = "prompt"
+    reference_field: str | None = None
+    chat_template: bool = True
+    max_prompt_tokens: int = 512
+    dtype: str = "auto"
+    device: str = "cpu"
+    trust_remote_code: bool = False
+    ppl: bool = True
+    resume: bool = False
+    json_out: bool = False
+    debug: bool = False
+    explicit: frozenset[str] = field(default_factory=frozenset)
+
+    def check(self) -> None:
+        """Range checks with the flag's own name (the library's messages name config fields)."""
+        for flag, value, low in (("--limit", self.limit, 1), ("--max-new-tokens", self.max_new_tokens, 1),
+                                 ("--batch-size", self.batch_size, 1), ("--max-prompt-tokens", self.max_prompt_tokens, 1),
+                                 ("--warmup", self.warmup, 0), ("--min-iterations", self.min_iterations, 1)):
+            if value < low:
+                raise ConfigError(f"{flag} must be >= {low}, got {value}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {self.threads}")
+        if not 0 <= self.min_duration < float("inf"):
+            raise ConfigError(f"--min-duration must be a finite number of seconds >= 0, got {self.min_duration}")
+
+    def workload_values(self) -> dict[str, Any]:
+        return dict(suite=self.suite, limit=self.limit, seed=self.seed, max_new_tokens=self.max_new_tokens,
+                    batch_size=self.batch_size, chat_template=self.chat_template,
+                    max_prompt_tokens=self.max_prompt_tokens, lang=self.lang, prompt_field=self.prompt_field,
+                    reference_field=self.reference_field)
+
+    def protocol_values(self) -> dict[str, Any]:
+        return dict(warmup=self.warmup, min_iterations=self.min_iterations, min_duration_s=self.min_duration)
+
+    def given(self, values: dict[str, Any], renames: dict[str, str] | None = None) -> dict[str, Any]:
+        """The subset of `values` whose options were given on the command line."""
+        renames = renames or {"min_duration_s": "min_duration"}
+        return {k: v for k, v in values.items() if renames.get(k, k) in self.explicit}
+
+
+# option name -> its Annotated type, in the order --help lists them
+COMMON: dict[str, Any] = {
+    "model": Model, "suite": Suite, "limit": Limit, "max_new_tokens": MaxNewTokens, "batch_size": BatchSize,
+    "threads": Threads, "seed": Seed, "warmup": Warmup, "min_iterations": MinIterations,
+    "min_duration": MinDuration, "out": Out, "lang": Lang, "prompt_field": PromptField,
+    "reference_field": ReferenceField, "chat_template": ChatTemplate, "max_prompt_tokens": MaxPromptTokens,
+    "dtype": Dtype, "device": Device, "trust_remote_code": TrustRemoteCode, "ppl": Ppl, "resume": Resume,
+    "json_out": Json, "debug": Debug,
+}
+
+
+PANEL = "Common options (every measuring command)"
+
+
+def _in_panel(annotation: Any) -> Any:
+    """The same Annotated option, listed under PANEL in --help."""
+    from copy import copy
+
+    base, info = typing.get_args(annotation)
+    info = copy(info)
+    info.rich_help_panel = PANEL
+    return Annotated[base, info]
+
+
+def measuring_command(**defaults: Any):
+    """Give `fn(opts: MeasureOptions, ...)` every common option; `defaults` change a default for this command."""
+    base = {f.name: f.default for f in dataclasses.fields(MeasureOptions) if f.name != "explicit"}
+    unknown = set(defaults) - set(base)
+    if unknown:
+        raise TypeError(f"unknown common options: {', '.join(sorted(unknown))}")
+    base.update(defaults)
+
+    def decorator(fn):
+        hints = typing.get_type_hints(fn, include_extras=True)
+        own = [p.replace(annotation=hints.get(p.name, p.annotation))
+               for p in inspect.signature(fn).parameters.values() if p.name != "opts"]
+        common = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=_in_panel(annotation),
+                                    default=base[name])
+                  for name, annotation in COMMON.items()]
+        context = inspect.Parameter("typer_context", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)
+        params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + common + [context]
+
+        def command(**kwargs: Any) -> Any:
+            ctx = kwargs.pop("typer_context")
+            explicit = frozenset(name for name in COMMON
+                                 if ctx.get_parameter_source(name) is not None
+                                 and ctx.get_parameter_source(name).name not in ("DEFAULT", "DEFAULT_MAP"))
+            opts = MeasureOptions(**{name: kwargs.pop(name) for name in COMMON}, explicit=explicit)
+            opts.check()
+            return fn(opts, **kwargs)
+
+        command.__name__, command.__doc__, command.__module__ = fn.__name__, fn.__doc__, fn.__module__
+        command.__signature__ = inspect.Signature(params)
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+
+    return decorator

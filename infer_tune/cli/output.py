@@ -14,6 +14,15 @@ out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
 
+class _State:
+    """Per-invocation output state (set while options are parsed)."""
+
+    debug = False
+
+
+state = _State()
+
+
 def print_json(document) -> None:
     sys.stdout.write(json.dumps(document, indent=2, default=str) + "\n")
     sys.stdout.flush()

@@ -74,16 +74,16 @@ def load_model_config(ref: str) -> ModelShape:
     if path.is_dir():
         path = path / "config.json"
         if not path.is_file():
-            raise ConfigError(f"--model-config {ref}: directory has no config.json")
+            raise ConfigError(f"model config {ref}: directory has no config.json")
     if path.is_file():
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"--model-config {ref}: not a JSON model config ({type(exc).__name__})") from None
+            raise ConfigError(f"model config {ref}: not a JSON model config ({type(exc).__name__})") from None
         if not isinstance(data, dict):
-            raise ConfigError(f"--model-config {ref}: not a model config (expected a JSON object)")
+            raise ConfigError(f"model config {ref}: not a model config (expected a JSON object)")
     elif ref.startswith((".", "/", "~")):
-        raise ConfigError(f"--model-config {ref}: no such file or directory")
+        raise ConfigError(f"model config {ref}: no such file or directory")
     else:
         from transformers import AutoConfig
 
@@ -91,11 +91,11 @@ def load_model_config(ref: str) -> ModelShape:
             data = AutoConfig.from_pretrained(ref, trust_remote_code=False).to_dict()
         except (OSError, ValueError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise ConfigError(f"--model-config {ref}: cannot fetch the config ({first})") from None
+            raise ConfigError(f"model config {ref}: cannot fetch the config ({first})") from None
     try:
         return ModelShape.from_config(data)
     except ConfigError as exc:
-        raise ConfigError(f"--model-config {ref}: {exc}") from None
+        raise ConfigError(f"model config {ref}: {exc}") from None
 
 
 def kv_bytes(shape: ModelShape, tokens: int, bits: float, batch_size: int = 1) -> int:

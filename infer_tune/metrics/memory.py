@@ -74,5 +74,14 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def cuda_peak_bytes() -> int | None:
-    return int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else None
+def reset_cuda_peak(device: str) -> None:
+    """Start a new CUDA peak reading (a no-op off CUDA)."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def cuda_peak_bytes(device: str = "cuda") -> int | None:
+    """Max bytes allocated on the GPU since the last reset (None off CUDA)."""
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.max_memory_allocated())

@@ -3,15 +3,6 @@
 from __future__ import annotations
 
 
-def kv_bytes_per_token(config, bytes_per_element: int = 4) -> int:
-    """Analytic KV-cache bytes for one token: 2 (K and V) x layers x kv_heads x head_dim x bytes."""
-    layers = getattr(config, "num_hidden_layers", 0)
-    heads = getattr(config, "num_attention_heads", 1)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // max(heads, 1)
-    return 2 * layers * kv_heads * head_dim * bytes_per_element
-
-
 def ceiling_tok_s(bandwidth_gb_s: float, bytes_per_step: float, batch_size: int = 1) -> float | None:
     """Tokens/s if a decode step took exactly the time to stream `bytes_per_step` through memory."""
     if not bandwidth_gb_s or not bytes_per_step:

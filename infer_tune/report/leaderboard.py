@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pandas as pd
 
 from infer_tune import atomic
 from infer_tune.errors import InferTuneError
+from infer_tune.report.plots import per_position_png, png_bytes, pyplot
 
 COLUMNS = ("run_id", "technique", "config", "model", "suite", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
            "tpot_p99_ms", "output_throughput_tok_s", "speedup_vs_baseline", "peak_rss_bytes", "model_bytes", "bleu",
@@ -112,21 +112,12 @@ def to_markdown(frame: pd.DataFrame) -> str:
 
 
 def _png(fig) -> str:
-    import matplotlib.pyplot as plt
-
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+    return base64.b64encode(png_bytes(fig)).decode("ascii")
 
 
 def plots(frame: pd.DataFrame, positions: dict[str, list[float]]) -> dict[str, str]:
     """Title -> base64 PNG of each plot that has data."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     images = {}
     # technique, config and the run id's random suffix (tells repeated runs of one config apart)
     labels = [f"{t} {'' if c == '-' else c} #{r[-4:]}".replace("  ", " ")[:44]
@@ -157,15 +148,9 @@ def plots(frame: pd.DataFrame, positions: dict[str, list[float]]) -> dict[str, s
             ax.legend()
         images["TTFT and TPOT p50 / p99"] = _png(fig)
     if positions:
-        fig, ax = plt.subplots(figsize=(7, 4))
         names = dict(zip(frame["run_id"], labels, strict=True))
-        for run_id, values in positions.items():
-            ax.plot(range(len(values)), values, label=names.get(run_id, run_id[-40:]))
-        ax.set_yscale("log")
-        ax.set_xlabel("decoded token position")
-        ax.set_ylabel("latency (ms)")
-        ax.legend(fontsize=7)
-        images["Per-position decode latency"] = _png(fig)
+        curves = {names.get(run_id, run_id[-40:]): values for run_id, values in positions.items()}
+        images["Per-position decode latency"] = base64.b64encode(per_position_png(curves)).decode("ascii")
     return images
 
 

@@ -1,5 +1,23 @@
-"""Execute a workload against a prepared model and time every generated token."""
+"""Runners execute a workload against a prepared model and time every generated token.
 
-from infer_tune.runners.generation import GenerationRun, Protocol, RequestTiming, measure_generation
+One registry (`RUNNERS`, filled by `@register_runner`): `generation` (closed loop over fixed
+batches), `speculative` (multi-token steps, batch size 1), `trace` (open-loop arrival trace through
+a scheduler) and `multiprocess` (a worker on N torch.distributed ranks). See docs/architecture.md.
+"""
 
-__all__ = ["GenerationRun", "Protocol", "RequestTiming", "measure_generation"]
+from infer_tune.runners import generation, multiprocess, trace  # noqa: F401  (register the runners)
+from infer_tune.runners.base import (
+    RUNNERS,
+    GenerationRun,
+    Output,
+    Protocol,
+    RequestTiming,
+    TokenClock,
+    get_runner,
+    register_runner,
+)
+from infer_tune.runners.generation import measure_generation
+from infer_tune.runners.prepared import PreparedModel, RunCounters
+
+__all__ = ["RUNNERS", "GenerationRun", "Output", "PreparedModel", "Protocol", "RequestTiming", "RunCounters",
+           "TokenClock", "get_runner", "measure_generation", "register_runner"]

@@ -1,6 +1,6 @@
 """Greedy generation with the host timestamp of every generated token.
 
-Timing protocol (DESIGN.md): warmup runs (the first call timed and reported apart), then whole
+Timing protocol (docs/architecture.md, "Measurement protocol"): warmup runs (the first call timed and reported apart), then whole
 passes over the workload until both `min_iterations` and `min_duration_s` are met. Output length is
 pinned (end-of-sequence is suppressed, as `min_new_tokens == max_new_tokens` does) so that every
 configuration decodes the same number of tokens; the step at which greedy decoding *would* have
@@ -11,121 +11,24 @@ there — identical to an unpinned greedy run, without a second generation pass.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
-from transformers.generation.streamers import BaseStreamer
 
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import memory
+from infer_tune.runners.base import (
+    GenerationRun,
+    Output,
+    Progress,
+    Protocol,
+    RequestTiming,
+    TokenClock,
+    register_runner,
+    sync,
+)
 from infer_tune.runners.prepared import PreparedModel
-
-
-@dataclass
-class Protocol:
-    """Warmup and repetition rules for a timed measurement."""
-
-    warmup: int = 1
-    min_iterations: int = 2
-    min_duration_s: float = 5.0
-    pin_length: bool = True
-
-    def __post_init__(self) -> None:
-        if self.warmup < 0:
-            raise ConfigError(f"--warmup must be >= 0, got {self.warmup}")
-        if self.min_iterations < 1:
-            raise ConfigError(f"--min-iterations must be >= 1, got {self.min_iterations}")
-        if self.min_duration_s < 0:
-            raise ConfigError(f"--min-duration must be >= 0 seconds, got {self.min_duration_s}")
-
-
-@dataclass
-class RequestTiming:
-    """One request of one iteration: submission time and the host time of every generated token (ns)."""
-
-    prompt_index: int
-    iteration: int
-    prompt_tokens: int
-    submit_ns: int
-    token_ns: list[int]
-
-    @property
-    def ttft_ms(self) -> float:
-        return (self.token_ns[0] - self.submit_ns) / 1e6
-
-    @property
-    def e2e_ms(self) -> float:
-        return (self.token_ns[-1] - self.submit_ns) / 1e6
-
-    @property
-    def itl_ms(self) -> list[float]:
-        return [(b - a) / 1e6 for a, b in zip(self.token_ns, self.token_ns[1:])]
-
-    @property
-    def tpot_ms(self) -> float | None:
-        n = len(self.token_ns)
-        return (self.e2e_ms - self.ttft_ms) / (n - 1) if n > 1 else None
-
-
-@dataclass
-class Output:
-    """The natural (unpinned-equivalent) greedy output of one prompt."""
-
-    prompt_index: int
-    text: str
-    token_ids: list[int]
-    prompt_tokens: int
-    hit_eos: bool
-
-
-@dataclass
-class GenerationRun:
-    """Raw measurements of a workload run; statistics are computed by `metrics`."""
-
-    requests: list[RequestTiming]
-    outputs: list[Output]
-    measured_wall_s: float
-    iterations: int
-    first_call_ms: float | None
-    warmup_s: float
-    peak_rss_bytes: int
-    rss_before_bytes: int
-    generated_tokens: int
-    batch_size: int
-    extras: dict = field(default_factory=dict)
-
-    def per_position_ms(self) -> list[float]:
-        """Mean latency of each decode step, in order (element k: the gap before generated token k+1),
-        averaged over the requests that reached that step."""
-        sums: list[float] = []
-        counts: list[int] = []
-        for request in self.requests:
-            for k, gap in enumerate(request.itl_ms):
-                if k == len(sums):
-                    sums.append(0.0)
-                    counts.append(0)
-                sums[k] += gap
-                counts[k] += 1
-        return [total / n for total, n in zip(sums, counts)]
-
-
-class _TokenClock(BaseStreamer):
-    """Streamer that records `perf_counter_ns` each time `generate` hands over new tokens."""
-
-    def __init__(self) -> None:
-        self.token_ns: list[int] = []
-        self._prompt_seen = False
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self._prompt_seen:  # the first call carries the prompt
-            self._prompt_seen = True
-            return
-        self.token_ns.append(time.perf_counter_ns())
-
-    def end(self) -> None:
-        pass
 
 
 class _PinLength(LogitsProcessor):
@@ -171,23 +74,20 @@ def split_generate_kwargs(generate_kwargs: dict) -> tuple[dict, dict]:
     return config_fields, {k: v for k, v in generate_kwargs.items() if k not in config_fields}
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def generate_once(
-    prepared: PreparedModel, batch: dict[str, torch.Tensor], max_new_tokens: int, *, pin_length: bool = True
+    prepared: PreparedModel, batch: dict[str, torch.Tensor], max_new_tokens: int, *, pin_length: bool = True,
+    clock: TokenClock | None = None,
 ) -> tuple[int, list[int], torch.Tensor, list[int | None]]:
     """One timed `generate` call on a tokenized batch.
 
-    Returns (submit_ns, token_ns per step, generated ids [B, T], natural length per row or None).
+    Returns (submit_ns, token_ns per generated token, generated ids [B, T], natural length per row or
+    None). Pass a `clock` to read how many tokens each step delivered (`clock.step_tokens`).
     """
     model, tokenizer = prepared.model, prepared.tokenizer
     input_ids = batch["input_ids"].to(prepared.device)  # [B, S]
     attention_mask = batch["attention_mask"].to(prepared.device)  # [B, S]
     eos = eos_ids(model, tokenizer)
-    clock = _TokenClock()
+    clock = clock if clock is not None else TokenClock()
     processors = LogitsProcessorList()
     pin = None
     if pin_length:
@@ -201,7 +101,7 @@ def generate_once(
         eos_token_id=eos or None,
         **config_fields,
     )
-    _sync(prepared.device)
+    sync(prepared.device)
     submit_ns = time.perf_counter_ns()
     with torch.inference_mode():
         out = model.generate(
@@ -212,10 +112,41 @@ def generate_once(
             streamer=clock,
             **kwargs,
         )
-    _sync(prepared.device)
+    sync(prepared.device)
     generated = out[:, input_ids.shape[1]:]
     natural = pin.natural_len if pin is not None else [None] * input_ids.shape[0]
     return submit_ns, clock.token_ns, generated, natural
+
+
+def collect_rows(
+    tokenizer, eos: set[int], batch: dict[str, torch.Tensor], submit_ns: int, clock: TokenClock,
+    generated: torch.Tensor, natural: list[int | None], *, iteration: int, base_index: int,
+    pin_length: bool = True, start_ns: int | None = None,
+) -> tuple[list[RequestTiming], list[Output]]:
+    """Per-row timings and natural outputs of one `generate_once` call (shared by every runner).
+
+    Pinned runs time every generated token and cut the output where greedy would have stopped;
+    unpinned runs end each row at its first end-of-sequence token (kept in the timing).
+    """
+    step_tokens = list(clock.step_tokens) if clock.multi_token else None
+    prompt_tokens = batch["attention_mask"].sum(dim=1).tolist()
+    timings, outputs = [], []
+    for row in range(generated.shape[0]):
+        ids = generated[row].tolist()
+        if pin_length:
+            natural_len = natural[row]
+        else:
+            natural_len = next((k for k, t in enumerate(ids) if t in eos), None)
+        n_tokens = len(ids) if pin_length or natural_len is None else natural_len + 1
+        timing = RequestTiming(prompt_index=base_index + row, iteration=iteration,
+                               prompt_tokens=int(prompt_tokens[row]), submit_ns=submit_ns,
+                               token_ns=clock.token_ns, step_tokens=step_tokens, start_ns=start_ns)
+        timings.append(timing.truncated(n_tokens))
+        keep = ids if natural_len is None else ids[:natural_len]
+        outputs.append(Output(prompt_index=base_index + row, text=tokenizer.decode(keep, skip_special_tokens=True),
+                              token_ids=keep, prompt_tokens=int(prompt_tokens[row]),
+                              hit_eos=natural_len is not None))
+    return timings, outputs
 
 
 def measure_generation(
@@ -224,12 +155,13 @@ def measure_generation(
     max_new_tokens: int,
     protocol: Protocol,
     *,
-    progress: Callable[[str, int, int | None], None] | None = None,
+    progress: Progress | None = None,
 ) -> GenerationRun:
     """Warm up, then run every batch repeatedly until the protocol is satisfied.
 
     `batches` are tokenized, left-padded batches with an attention mask; `progress(stage, done, total)`
-    is called after each batch so a CLI can draw a bar (the runner itself prints nothing).
+    is called after each batch so a CLI can draw a bar (the runner itself prints nothing). The
+    technique's counters are reset after warmup, so they count the timed passes only.
     """
     tokenizer = prepared.tokenizer
     eos = set(eos_ids(prepared.model, tokenizer))
@@ -248,47 +180,35 @@ def measure_generation(
     iteration = 0
     measured_ns = 0
     generated_tokens = 0
+    steps = 0
+    if prepared.counters is not None:
+        prepared.counters.reset()
     rss_before = memory.release_and_reset_peak()
+    memory.reset_cuda_peak(prepared.device)
     total_batches = len(batches)
     while iteration < protocol.min_iterations or measured_ns / 1e9 < protocol.min_duration_s:
         base_index = 0
         for b, batch in enumerate(batches):
+            clock = TokenClock()
             start = time.perf_counter_ns()
             submit_ns, token_ns, generated, natural = generate_once(
-                prepared, batch, max_new_tokens, pin_length=protocol.pin_length
+                prepared, batch, max_new_tokens, pin_length=protocol.pin_length, clock=clock
             )
             measured_ns += time.perf_counter_ns() - start
+            steps += len(clock.step_ns)
+            timings, outs = collect_rows(tokenizer, eos, batch, submit_ns, clock, generated, natural,
+                                         iteration=iteration, base_index=base_index, pin_length=protocol.pin_length)
+            requests.extend(timings)
+            generated_tokens += sum(len(t.token_ns) for t in timings)
+            if iteration == 0:
+                outputs.extend(outs)
             rows = generated.shape[0]
-            prompt_tokens = batch["attention_mask"].sum(dim=1).tolist()
-            for row in range(rows):
-                ids = generated[row].tolist()
-                if not protocol.pin_length:  # natural run: the row ends at its first end-of-sequence
-                    cut = next((k for k, t in enumerate(ids) if t in eos), None)
-                    natural_len = cut
-                else:
-                    natural_len = natural[row]
-                n_tokens = len(ids) if protocol.pin_length or natural_len is None else natural_len + 1
-                generated_tokens += n_tokens
-                requests.append(RequestTiming(
-                    prompt_index=base_index + row,
-                    iteration=iteration,
-                    prompt_tokens=int(prompt_tokens[row]),
-                    submit_ns=submit_ns,
-                    token_ns=token_ns[:n_tokens],
-                ))
-                if iteration == 0:
-                    keep = ids if natural_len is None else ids[:natural_len]
-                    outputs.append(Output(
-                        prompt_index=base_index + row,
-                        text=tokenizer.decode(keep, skip_special_tokens=True),
-                        token_ids=keep,
-                        prompt_tokens=int(prompt_tokens[row]),
-                        hit_eos=natural_len is not None,
-                    ))
             base_index += rows
             if progress:
                 progress(f"iteration {iteration + 1}", b + 1, total_batches)
         iteration += 1
+    counters = prepared.counters.snapshot() if prepared.counters is not None else {}
+    counters["generate_steps"] = steps
     return GenerationRun(
         requests=requests,
         outputs=outputs,
@@ -300,4 +220,31 @@ def measure_generation(
         rss_before_bytes=rss_before,
         generated_tokens=generated_tokens,
         batch_size=int(batches[0]["input_ids"].shape[0]) if batches else 0,
+        counters=counters,
+        cuda_peak_bytes=memory.cuda_peak_bytes(prepared.device),
     )
+
+
+@register_runner("generation")
+def run_generation(prepared: PreparedModel, inputs, workload, protocol: Protocol,
+                   progress: Progress | None = None) -> GenerationRun:
+    """The closed-loop runner: fixed batches, one `generate` call each, repeated per the protocol."""
+    return measure_generation(prepared, inputs.batches, workload.max_new_tokens, protocol, progress=progress)
+
+
+@register_runner("speculative")
+def run_speculative(prepared: PreparedModel, inputs, workload, protocol: Protocol,
+                    progress: Progress | None = None) -> GenerationRun:
+    """Multi-token steps (assisted / speculative generation): the closed loop at batch size 1.
+
+    Tokens accepted in one verify step share its timestamp (TokenClock); `itl_ms` is then per step and
+    TPOT is the per-token figure. The technique's counters (drafted, accepted...) come back in
+    `counters`; `speculative_steps` counts the steps that delivered more than one token.
+    """
+    if any(int(b["input_ids"].shape[0]) != 1 for b in inputs.batches):
+        raise ConfigError("speculative generation runs one request at a time (transformers' assisted "
+                          f"generation is batch size 1); got batch size {workload.batch_size}")
+    run = measure_generation(prepared, inputs.batches, workload.max_new_tokens, protocol, progress=progress)
+    run.counters["multi_token_steps"] = sum(
+        1 for r in run.requests for n in (r.step_tokens or []) if n > 1)
+    return run

@@ -1,14 +1,17 @@
-"""One module per technique: a config dataclass plus a registered apply function."""
+"""Techniques: one package each, a config dataclass plus one registered entry (see `base`)."""
 
 from infer_tune.tuners.base import (
-    CONFIG_CLASSES,
-    TUNERS,
+    TECHNIQUES,
+    RunContext,
+    Technique,
     TechniqueConfig,
     apply,
-    config_from_dict,
     configs_by_technique,
-    register_tuner,
+    load_techniques,
+    register_technique,
+    technique_for,
+    unregister_technique,
 )
 
-__all__ = ["CONFIG_CLASSES", "TUNERS", "TechniqueConfig", "apply", "config_from_dict", "configs_by_technique",
-           "register_tuner"]
+__all__ = ["TECHNIQUES", "RunContext", "Technique", "TechniqueConfig", "apply", "configs_by_technique",
+           "load_techniques", "register_technique", "technique_for", "unregister_technique"]

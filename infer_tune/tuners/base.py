@@ -1,8 +1,11 @@
-"""The tuner registry: `apply(loaded, config)` dispatches on `type(config)` through one dict.
+"""The technique registry: one dict, filled by `@register_technique(ConfigClass, ...)`.
 
-A technique module defines a `TechniqueConfig` subclass (a dataclass that validates itself in
-`__post_init__` and names the field, the allowed values and what it received) and registers its
-apply function with `@register_tuner(ConfigClass)`. No string if/elif chains.
+A technique is a config dataclass (validates itself in `__post_init__`, naming the field, the
+allowed values and what it received) plus one registered entry: a `prepare(loaded, config, ctx)`
+function that returns a `PreparedModel`, the runner that measures it, its constraints, and two
+optional hooks (`resolve` a config for this host before it is fingerprinted; `annotate` a result
+with facts that need the results measured before it in the same sweep). How to add one:
+docs/architecture.md, "Adding a technique".
 """
 
 from __future__ import annotations
@@ -10,21 +13,20 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from infer_tune.errors import ConfigError
 from infer_tune.models import LoadedModel
 from infer_tune.runners.prepared import PreparedModel
 
-# Technique modules, imported on first use so that their configs register themselves.
-TECHNIQUE_MODULES = ("infer_tune.tuners.quantize", "infer_tune.tuners.kv_cache")
+TECHNIQUES_PACKAGE = "infer_tune.tuners"  # every module or package in it registers itself on import
 
-ApplyFn = Callable[[LoadedModel, "TechniqueConfig"], PreparedModel]
-TUNERS: dict[type, ApplyFn] = {}
-CONFIG_CLASSES: dict[str, type] = {}
+Progress = Callable[[str, int, int | None], None]
 
 
-@dataclasses.dataclass
+@dataclass
 class TechniqueConfig:
     """Base of every technique config; `technique` is the result's `technique` value."""
 
@@ -38,46 +40,133 @@ class TechniqueConfig:
         return ",".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items() if v is not None)
 
 
-def register_tuner(config_cls: type) -> Callable[[ApplyFn], ApplyFn]:
-    """Register `apply(loaded, config) -> PreparedModel` for `config_cls`."""
+@dataclass
+class RunContext:
+    """What a technique gets besides the model: where it runs and what it may use.
 
-    def decorator(fn: ApplyFn) -> ApplyFn:
-        TUNERS[config_cls] = fn
-        CONFIG_CLASSES[config_cls.__name__] = config_cls
+    `load_model(ref)` loads a secondary model (a draft, say) on the same device and dtype;
+    `artifact_dir(config)` is where a technique may save what it builds (a quantized checkpoint):
+    a folder the caller chose, or one in a scratch area deleted after the run.
+    """
+
+    device: str = "cpu"
+    dtype: str = "auto"
+    threads: int = 1
+    out_dir: Path = Path("runs")
+    env: dict = field(default_factory=dict)
+    progress: Progress | None = None
+    save_dirs: dict[str, Path] = field(default_factory=dict)
+    scratch_dir: Path | None = None
+    trust_remote_code: bool = False
+    cache: dict = field(default_factory=dict)  # shared by the configs of one run (calibration batches...)
+
+    def load_model(self, ref: str) -> LoadedModel:
+        from infer_tune import models
+
+        return models.load(ref, dtype=self.dtype, device=self.device, trust_remote_code=self.trust_remote_code)
+
+    def artifact_dir(self, config: TechniqueConfig) -> Path:
+        label = config.label()
+        if label in self.save_dirs:
+            return self.save_dirs[label]
+        if self.scratch_dir is None:  # callers that run sweeps pass their own and delete it
+            import atexit
+            import shutil
+            import tempfile
+
+            self.scratch_dir = Path(tempfile.mkdtemp(prefix="infer-tune-artifacts-"))
+            atexit.register(shutil.rmtree, self.scratch_dir, True)
+        return self.scratch_dir / "".join(c if c.isalnum() or c in "-._" else "-" for c in label)
+
+
+PrepareFn = Callable[[LoadedModel, Any, RunContext], PreparedModel]
+
+
+@dataclass(frozen=True)
+class Technique:
+    """One registry entry.
+
+    - `runner`: the runner that measures the prepared model (`generation`, `speculative`, `trace`,
+      `multiprocess`; see infer_tune.runners).
+    - `max_batch_size`: a constraint checked against the workload before anything loads.
+    - `resolve(config, ctx) -> config`: settle host-dependent choices (e.g. a backend `auto`) so the
+      result and the fingerprint record what really ran.
+    - `annotate(doc, earlier_docs)`: add facts that need the results measured before this one in the
+      same sweep (a claim judged against a 16-bit run), before the result is saved.
+    - `preflight(loaded, config, ctx)`: checks that need the model, run for every config of a sweep
+      before anything is measured, so bad input fails before a result is written.
+    - `measure_ppl`: whether perplexity means something for this technique (the model's logits change).
+    """
+
+    config_cls: type
+    prepare: PrepareFn
+    runner: str = "generation"
+    max_batch_size: int | None = None
+    resolve: Callable[[Any, RunContext], Any] | None = None
+    annotate: Callable[[dict, list[dict]], None] | None = None
+    preflight: Callable[[LoadedModel, Any, RunContext], None] | None = None
+    measure_ppl: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.config_cls.technique
+
+    def check_workload(self, workload) -> None:
+        if self.max_batch_size is not None and workload.batch_size > self.max_batch_size:
+            raise ConfigError(f"{self.name} runs at batch size <= {self.max_batch_size}; "
+                              f"the workload asks for batch size {workload.batch_size}")
+
+
+TECHNIQUES: dict[type, Technique] = {}
+
+
+def register_technique(config_cls: type, *, runner: str = "generation", max_batch_size: int | None = None,
+                       resolve: Callable | None = None, annotate: Callable | None = None,
+                       preflight: Callable | None = None, measure_ppl: bool = True) -> Callable[[PrepareFn], PrepareFn]:
+    """Register `prepare(loaded, config, ctx) -> PreparedModel` for `config_cls` (see `Technique`)."""
+    if not getattr(config_cls, "technique", ""):
+        raise TypeError(f"{config_cls.__name__} needs a `technique: ClassVar[str]` name")
+
+    def decorator(fn: PrepareFn) -> PrepareFn:
+        TECHNIQUES[config_cls] = Technique(config_cls, fn, runner, max_batch_size, resolve, annotate, preflight,
+                                           measure_ppl)
         return fn
 
     return decorator
 
 
+def unregister_technique(config_cls: type) -> None:
+    """Remove an entry (tests register techniques of their own and take them out again)."""
+    TECHNIQUES.pop(config_cls, None)
+
+
 def load_techniques() -> None:
-    for name in TECHNIQUE_MODULES:
-        importlib.import_module(name)
+    """Import every technique module of infer_tune/tuners (a new technique is a new folder there)."""
+    import pkgutil
+
+    package = importlib.import_module(TECHNIQUES_PACKAGE)
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name != "base" and not info.name.startswith("_"):
+            importlib.import_module(f"{TECHNIQUES_PACKAGE}.{info.name}")
 
 
-def apply(loaded: LoadedModel, config: TechniqueConfig) -> PreparedModel:
+def technique_for(config: TechniqueConfig) -> Technique:
     load_techniques()
     try:
-        fn = TUNERS[type(config)]
+        return TECHNIQUES[type(config)]
     except KeyError:
-        raise ConfigError(f"no tuner registered for {type(config).__name__}") from None
-    return fn(loaded, config)
+        raise ConfigError(f"no technique registered for {type(config).__name__}") from None
+
+
+def apply(loaded: LoadedModel, config: TechniqueConfig, ctx: RunContext | None = None) -> PreparedModel:
+    """Prepare `config` on `loaded` through its registry entry (the device comes from `ctx`)."""
+    ctx = ctx or RunContext(device=loaded.device)
+    prepared = technique_for(config).prepare(loaded, config, ctx)
+    prepared.device = ctx.device
+    return prepared
 
 
 def configs_by_technique() -> dict[str, type]:
     """Technique name -> its config class (the class a recipe's `technique:` key selects)."""
     load_techniques()
-    return {cls.technique: cls for cls in TUNERS if getattr(cls, "technique", "")}
-
-
-def config_from_dict(data: dict[str, Any]) -> TechniqueConfig:
-    """Rebuild a config from `to_dict()` output; only registered classes are accepted."""
-    load_techniques()
-    kind = data.get("kind")
-    cls = CONFIG_CLASSES.get(kind)
-    if cls is None:
-        raise ConfigError(f"unknown config kind {kind!r}; known: {', '.join(sorted(CONFIG_CLASSES)) or 'none'}")
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(data) - fields - {"kind"}
-    if unknown:
-        raise ConfigError(f"{kind}: unknown fields {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(fields))}")
-    return cls(**{k: v for k, v in data.items() if k != "kind"})
+    return {cls.technique: cls for cls in TECHNIQUES}

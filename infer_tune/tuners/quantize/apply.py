@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from infer_tune.errors import ConfigError
+from infer_tune.nn_utils import set_module
 from infer_tune.tuners.quantize import calibrate
 from infer_tune.tuners.quantize.config import QuantizeConfig
 from infer_tune.tuners.quantize.modules import (
@@ -46,14 +47,9 @@ def check_quantizable(model: nn.Module, config: QuantizeConfig) -> dict[str, nn.
             layers["<embeddings>"] = nn.Linear(emb.embedding_dim, 1, bias=False, device="meta")
         for name, layer in layers.items():
             if layer.in_features % config.group_size:
-                raise ConfigError(f"--group-size {config.group_size} does not divide in_features "
+                raise ConfigError(f"group_size {config.group_size} does not divide in_features "
                                   f"{layer.in_features} of layer {name}; pick a divisor (e.g. 32 or 64)")
     return targets
-
-
-def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
 def int4_quantize(weight: torch.Tensor, group_size: int, *, hqq: bool) -> dict[str, torch.Tensor]:

@@ -94,8 +94,8 @@ def parse_sweep(text: str) -> list[str]:
     """`int8-dynamic,int4-weight` -> validated method names (in order, no duplicates)."""
     methods = [m.strip() for m in text.split(",") if m.strip()]
     if not methods:
-        raise ConfigError(f"--sweep needs comma-separated methods from {', '.join(METHODS)}; got '{text}'")
+        raise ConfigError(f"a sweep needs comma-separated methods from {', '.join(METHODS)}; got '{text}'")
     for method in methods:
         if method not in METHODS:
-            raise ConfigError(f"--sweep: unknown method '{method}'; choose from {', '.join(METHODS)}")
+            raise ConfigError(f"sweep: unknown method '{method}'; choose from {', '.join(METHODS)}")
     return list(dict.fromkeys(methods))

@@ -1,4 +1,4 @@
-"""Quantize -> save -> reload, as a `prepare(loaded, config)` for `session.run_configs`, and the claim check.
+"""Quantize -> save -> reload (the technique's `prepare`), its preflight checks, and the INT8 claim check.
 
 The measured model is always the one reloaded from disk, so a result vouches for the saved checkpoint.
 """
@@ -7,19 +7,20 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from infer_tune import models
+from infer_tune.metrics import deltas
 from infer_tune.runners.prepared import PreparedModel
+from infer_tune.tuners.base import RunContext
 from infer_tune.tuners.quantize import apply as torch_backend
 from infer_tune.tuners.quantize import library, serialize
-from infer_tune.tuners.quantize.calibrate import Progress
+from infer_tune.tuners.quantize.calibrate import Progress, calibration_batches
 from infer_tune.tuners.quantize.config import QuantizeConfig, resolve_backend
 
-# The claim DESIGN.md lists for quantization, as thresholds (what "held" means here).
+# The claim usually made for INT8 (docs/architecture.md, "Claims"), as thresholds (what "held" means here).
 INT8_CLAIM = "INT8 halves weight memory vs 16-bit, decodes 2-3x faster, quality loss < 1% (BLEU drift ~0.7)"
 CLAIM_MAX_BYTES_RATIO = 0.55  # "halves": at most 55% of the 16-bit bytes
 CLAIM_MIN_SPEEDUP = 2.0
@@ -43,38 +44,51 @@ def quantize_in_memory(model: torch.nn.Module, config: QuantizeConfig, backend: 
     return library.quantize_torchao(model, config, targets)
 
 
-def make_prepare(
-    *,
-    save_dir: Callable[[QuantizeConfig], Path],
-    calib: list[torch.Tensor] | None,
-    device: str = "cpu",
-    progress: Progress | None = None,
-) -> Callable[[models.LoadedModel, QuantizeConfig], PreparedModel]:
-    """A `prepare` that quantizes a copy of the loaded model, saves it, and returns the reloaded model."""
+def calibration_for(loaded: models.LoadedModel, config: QuantizeConfig, ctx: RunContext) -> list[torch.Tensor] | None:
+    """Calibration batches of `config` (int8-static), computed once per run for each (suite, samples)."""
+    if not config.calibrated:
+        return None
+    key = ("quantize-calibration", config.calib_suite, config.calib_samples)
+    if key not in ctx.cache:
+        ctx.cache[key] = calibration_batches(loaded.tokenizer, config.calib_suite, config.calib_samples)
+    return ctx.cache[key]
 
-    def prepare(loaded: models.LoadedModel, config: QuantizeConfig) -> PreparedModel:
-        backend = resolve_backend(config, device)
-        started = time.perf_counter()
-        model = copy.deepcopy(loaded.model)
-        summary = quantize_in_memory(model, config, backend, calib if config.calibrated else None, progress)
-        quantize_s = time.perf_counter() - started
-        facts = {"backend_resolved": backend, "quantize_s": quantize_s,
-                 "model_bytes_16bit": bytes_16bit(loaded.model), "reloaded": backend != "torchao"}
-        if backend != "torchao":
-            target = save_dir(config)
-            manifest = {"method": config.method, "backend": backend, "config": _config_fields(config),
-                        "source_model": loaded.ref, "summary": summary}
-            serialize.save_quantized(model, loaded.tokenizer, target, manifest)
-            del model
-            model = serialize.load_quantized(target).to(device)
-            facts["save_dir"] = str(target)
-            facts["saved_bytes_on_disk"] = sum(f.stat().st_size for f in Path(target).iterdir() if f.is_file())
-        facts["quantized_layers"] = len(summary.get("layers", {}))
-        facts["bytes_ratio_vs_16bit"] = models.model_bytes(model) / facts["model_bytes_16bit"]
-        return PreparedModel(model=model, tokenizer=loaded.tokenizer, metrics=facts, label=config.label(),
-                             device=device)
 
-    return prepare
+def preflight(loaded: models.LoadedModel, config: QuantizeConfig, ctx: RunContext) -> None:
+    """Fail before any measurement: nothing to quantize, a group size that does not divide, no calibration text."""
+    torch_backend.check_quantizable(loaded.model, config)
+    calibration_for(loaded, config, ctx)
+
+
+def prepare_quantized(loaded: models.LoadedModel, config: QuantizeConfig, ctx: RunContext) -> PreparedModel:
+    """Quantize a copy of the loaded model, save it to `ctx.artifact_dir(config)`, return the reloaded model."""
+    device = ctx.device
+    backend = resolve_backend(config, device)
+    started = time.perf_counter()
+    model = copy.deepcopy(loaded.model)
+    summary = quantize_in_memory(model, config, backend, calibration_for(loaded, config, ctx), ctx.progress)
+    quantize_s = time.perf_counter() - started
+    facts = {"backend_resolved": backend, "quantize_s": quantize_s,
+             "model_bytes_16bit": bytes_16bit(loaded.model), "reloaded": backend != "torchao"}
+    if backend != "torchao":
+        target = ctx.artifact_dir(config)
+        manifest = {"method": config.method, "backend": backend, "config": _config_fields(config),
+                    "source_model": loaded.ref, "summary": summary}
+        serialize.save_quantized(model, loaded.tokenizer, target, manifest)
+        del model
+        model = serialize.load_quantized(target).to(device)
+        facts["save_dir"] = str(target)
+        facts["saved_bytes_on_disk"] = sum(f.stat().st_size for f in Path(target).iterdir() if f.is_file())
+    facts["quantized_layers"] = len(summary.get("layers", {}))
+    facts["bytes_ratio_vs_16bit"] = models.model_bytes(model) / facts["model_bytes_16bit"]
+    return PreparedModel(model=model, tokenizer=loaded.tokenizer, metrics=facts, label=config.label(), device=device)
+
+
+def annotate_claim(doc: dict, earlier: list[dict]) -> None:
+    """An int8 result carries the INT8 claim check, judged against a bf16 run measured earlier in the sweep."""
+    if doc["config"].get("method") in ("int8-dynamic", "int8-static"):
+        same_sweep = [d for d in earlier if d.get("technique") == doc["technique"]]
+        doc["metrics"]["claim_check"] = claim_check([*same_sweep, doc], method=doc["config"]["method"])
 
 
 def _config_fields(config: QuantizeConfig) -> dict:
@@ -83,10 +97,10 @@ def _config_fields(config: QuantizeConfig) -> dict:
     return data
 
 
-def claim_check(docs: list[dict]) -> dict | None:
-    """Check the INT8 claim on the int8 result (int8-dynamic first): size, speed, drift -> held or not."""
+def claim_check(docs: list[dict], method: str | None = None) -> dict | None:
+    """Check the INT8 claim on the int8 result (`method`, else int8-dynamic first): size, speed, drift -> held or not."""
     by_method = {d["config"]["method"]: d for d in docs}
-    doc = by_method.get("int8-dynamic") or by_method.get("int8-static")
+    doc = by_method.get(method) if method else (by_method.get("int8-dynamic") or by_method.get("int8-static"))
     if doc is None:
         return None
     m = doc["metrics"]
@@ -95,8 +109,7 @@ def claim_check(docs: list[dict]) -> dict | None:
     bf16 = by_method.get("bf16")
     speedup_vs_16bit = None
     if bf16 is not None:  # the claim is against 16-bit weights: judge speed against the bf16 run when there is one
-        b_tpot, c_tpot = bf16["metrics"]["tpot_ms"]["p50"], m["tpot_ms"]["p50"]
-        speedup_vs_16bit = b_tpot / c_tpot if b_tpot and c_tpot else None
+        speedup_vs_16bit = deltas.speedup(bf16["metrics"], m)
         speedup, reference = speedup_vs_16bit, "the bf16 run of the same sweep (16-bit weights)"
     ppl_delta, drift = m.get("ppl_delta_pct"), m.get("bleu_drift")
     size_held = ratio is not None and ratio <= CLAIM_MAX_BYTES_RATIO

@@ -22,6 +22,7 @@ from torch import nn
 
 from infer_tune import atomic
 from infer_tune.errors import ModelError
+from infer_tune.nn_utils import set_module
 from infer_tune.tuners.quantize.config import QuantizeConfig
 from infer_tune.tuners.quantize.modules import LINEAR_KINDS, QuantEmbedding
 
@@ -70,10 +71,6 @@ def save_quantized(model: nn.Module, tokenizer, target: Path, manifest: dict) ->
     return Path(target)
 
 
-def is_quantized_dir(path: str | Path) -> bool:
-    return (Path(path) / MANIFEST).is_file()
-
-
 def read_manifest(path: str | Path) -> dict:
     file = Path(path) / MANIFEST
     try:
@@ -106,7 +103,7 @@ def load_quantized(path: str | Path) -> nn.Module:
         return model.eval()
     summary = manifest["summary"]
     for name, kind in summary["layers"].items():
-        _swap(model, name, LINEAR_KINDS[kind].from_portable(_take(state, name), group_size=config.group_size))
+        set_module(model, name, LINEAR_KINDS[kind].from_portable(_take(state, name), group_size=config.group_size))
     _load_embeddings_and_head(model, state, summary, config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected:
@@ -146,7 +143,3 @@ def _take(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor
         raise ModelError(f"checkpoint has no tensors for quantized layer {prefix}")
     return {k[len(prefix) + 1:]: state.pop(k) for k in keys}
 
-
-def _swap(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, module)

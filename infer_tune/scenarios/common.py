@@ -1,0 +1,79 @@
+"""What every scenario does first: threads, device, suite, model, inputs, environment, run context."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from infer_tune import models
+from infer_tune.errors import ConfigError, InferTuneError
+from infer_tune.runners.base import Progress
+from infer_tune.tuners.base import RunContext
+from infer_tune.workload import Inputs, Protocol, Workload, load_prompts, prepare_inputs
+
+
+@dataclass
+class RunSpec:
+    """Where and how to measure: the model, the workload, the protocol and the run's settings."""
+
+    model: str = models.DEFAULT_MODEL
+    workload: Workload = field(default_factory=Workload)
+    protocol: Protocol = field(default_factory=Protocol)
+    threads: int | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    out_dir: Path = Path("runs")
+    trust_remote_code: bool = False
+    measure_ppl: bool = True
+    execute: bool = False
+    resume: bool = False
+
+
+@dataclass
+class OpenRun:
+    loaded: models.LoadedModel
+    inputs: Inputs
+    ctx: RunContext
+
+
+def setup_threads(threads: int | None) -> int:
+    """Apply a thread count (default: physical cores) to torch before any work."""
+    import psutil
+    import torch
+
+    if threads is not None and threads < 1:
+        raise InferTuneError(f"threads must be >= 1, got {threads}")
+    n = threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    torch.set_num_threads(n)
+    return n
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InferTuneError("device cuda asked for, but torch sees no CUDA device; use cpu")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise InferTuneError(f"unknown device '{device}': use cpu, cuda or auto")
+    return device
+
+
+def open_run(spec: RunSpec, progress: Progress | None = None, *, load_suite: bool = True) -> OpenRun:
+    """Threads and device set, the suite loaded (bad suites fail before the model loads), the model
+    loaded, the inputs tokenized, the environment recorded."""
+    from infer_tune import env as envinfo
+
+    n_threads = setup_threads(spec.threads)
+    device = resolve_device(spec.device)
+    prompts = load_prompts(spec.workload) if load_suite else None
+    if spec.execute and prompts is not None and not any(p.extra.get("test") for p in prompts):
+        raise ConfigError(f"pass@1 needs a suite with tests (e.g. code); '{spec.workload.suite}' has none")
+    loaded = models.load(spec.model, dtype=spec.dtype, device=device, trust_remote_code=spec.trust_remote_code)
+    inputs = prepare_inputs(loaded, spec.workload, prompts) if load_suite else None
+    ctx = RunContext(device=device, dtype=spec.dtype, threads=n_threads, out_dir=Path(spec.out_dir),
+                     env=envinfo.collect_env(n_threads), progress=progress,
+                     trust_remote_code=spec.trust_remote_code)
+    return OpenRun(loaded=loaded, inputs=inputs, ctx=ctx)

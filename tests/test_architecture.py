@@ -1,0 +1,225 @@
+"""The technique contract: one test technique per runner kind, registered here only and measured end to
+end through the same session code (`run_configs`); the multi-token clock; constraints; shared options."""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from infer_tune import env as envinfo
+from infer_tune.errors import ConfigError
+from infer_tune.results import find_results, load_outputs
+from infer_tune.runners import PreparedModel, Protocol, RunCounters, TokenClock
+from infer_tune.runners.base import RequestTiming
+from infer_tune.runners.trace import TraceRequest
+from infer_tune.session import prepare_inputs, run_configs
+from infer_tune.tuners import RunContext, TechniqueConfig, register_technique, unregister_technique
+from infer_tune.workload import Workload
+
+ONCE = Protocol(warmup=1, min_iterations=1, min_duration_s=0)
+
+
+# --------------------------------------------------------------------------- closed loop
+@dataclass
+class PlainConfig(TechniqueConfig):
+    technique: ClassVar[str] = "test-plain"
+
+
+def _prepare_plain(loaded, config, ctx):
+    return PreparedModel(loaded.model, loaded.tokenizer, label="plain", extra_model_bytes=1000)
+
+
+# --------------------------------------------------------------------------- speculative (multi-token steps)
+@dataclass
+class LookupConfig(TechniqueConfig):
+    """Prompt lookup through transformers' assisted generation: several tokens per step."""
+
+    technique: ClassVar[str] = "test-lookup"
+    tokens: int = 4
+
+
+class ForwardCounter(RunCounters):
+    def snapshot(self):
+        values = super().snapshot()
+        values["target_forward_passes"] = values.get("forwards", 0)
+        return values
+
+
+def _prepare_lookup(loaded, config, ctx):
+    model = copy.deepcopy(loaded.model)
+    counters = ForwardCounter()
+    model.register_forward_hook(lambda *_: counters.add("forwards"))
+    return PreparedModel(model, loaded.tokenizer, label=f"lookup{config.tokens}", counters=counters,
+                         generate_kwargs={"prompt_lookup_num_tokens": config.tokens, "max_matching_ngram_size": 2})
+
+
+# --------------------------------------------------------------------------- arrival trace
+@dataclass
+class TraceConfig(TechniqueConfig):
+    technique: ClassVar[str] = "test-trace"
+    gap_s: float = 0.05
+
+
+def _prepare_trace(loaded, config, ctx):
+    trace = [TraceRequest(prompt_index=i, arrival_s=i * config.gap_s) for i in range(3)]
+    return PreparedModel(loaded.model, loaded.tokenizer, label="trace", runner_options={"trace": trace})
+
+
+# --------------------------------------------------------------------------- multi-process
+@dataclass
+class AllReduceConfig(TechniqueConfig):
+    technique: ClassVar[str] = "test-allreduce"
+    procs: int = 2
+
+
+def allreduce_worker(rank: int, world: int, payload: dict) -> dict:
+    """Sums a tensor over the ranks with gloo; returns what it exchanged and the sum it saw."""
+    import torch.distributed as dist
+
+    tensor = torch.full((payload["numel"],), float(rank + 1))
+    dist.all_reduce(tensor)
+    return {"sum_seen": float(tensor[0]), "counters": {"bytes_exchanged": tensor.numel() * tensor.element_size()}}
+
+
+def _prepare_allreduce(loaded, config, ctx):
+    return PreparedModel(None, loaded.tokenizer, label=f"allreduce-{config.procs}",
+                         runner_options={"worker": allreduce_worker, "procs": config.procs, "payload": {"numel": 256}})
+
+
+ENTRIES = [
+    (PlainConfig, _prepare_plain, {"runner": "generation"}),
+    (LookupConfig, _prepare_lookup, {"runner": "speculative", "max_batch_size": 1}),
+    (TraceConfig, _prepare_trace, {"runner": "trace"}),
+    (AllReduceConfig, _prepare_allreduce, {"runner": "multiprocess", "measure_ppl": False}),
+]
+
+
+@pytest.fixture()
+def test_techniques():
+    for cls, fn, options in ENTRIES:
+        register_technique(cls, **options)(fn)
+    yield
+    for cls, _, _ in ENTRIES:
+        unregister_technique(cls)
+
+
+@pytest.fixture()
+def setup(tiny_loaded, prompts_file, tmp_path):
+    workload = Workload(suite=str(prompts_file), limit=3, max_new_tokens=12)
+    return workload, prepare_inputs(tiny_loaded, workload), RunContext(env=envinfo.collect_env(1), out_dir=tmp_path)
+
+
+def test_each_runner_kind_measures_a_technique_end_to_end(test_techniques, tiny_loaded, setup, tmp_path):
+    workload, inputs, ctx = setup
+    configs = [PlainConfig(), LookupConfig(), TraceConfig(), AllReduceConfig()]
+    baseline, docs = run_configs(tiny_loaded, inputs, workload, ONCE, configs, ctx)
+    by = {d["technique"]: d for d in docs}
+    assert [d["runner"] for d in docs] == ["generation", "speculative", "trace", "multiprocess"]
+    assert len(find_results(tmp_path)) == 5
+
+    plain = by["test-plain"]["metrics"]
+    assert plain["output_mismatches"] == 0
+    assert plain["model_bytes"] == baseline["metrics"]["model_bytes"] + 1000  # extra (draft) bytes count
+
+    lookup = by["test-lookup"]["metrics"]
+    assert lookup["output_mismatches"] == 0  # assisted generation is lossless under greedy
+    assert lookup["generated_tokens"] == 3 * 12
+    # the counters come from the timed pass only (warmup reset them): one forward per step
+    assert lookup["target_forward_passes"] == lookup["generate_steps"] + 0
+    assert lookup["generate_steps"] <= 3 * 12
+    assert lookup["tpot_ms"]["n"] == 3
+
+    trace = by["test-trace"]
+    m = trace["metrics"]
+    assert m["output_mismatches"] == 0
+    assert m["queue_ms"]["n"] == 3 and len(trace["samples"]["queue_ms"]) == 3
+    assert m["scheduler"] == "serial" and m["trace_requests"] == 3
+    assert all(t >= q for t, q in zip(trace["samples"]["ttft_ms"], trace["samples"]["queue_ms"]))
+
+    multi = by["test-allreduce"]["metrics"]
+    assert multi["procs"] == 2 and len(multi["ranks"]) == 2
+    assert [r["sum_seen"] for r in multi["ranks"]] == [3.0, 3.0]  # 1 + 2, reduced across two real processes
+    assert multi["bytes_exchanged"] == 2 * 256 * 4
+    assert all(r["peak_rss_bytes"] > 0 and r["elapsed_s"] > 0 for r in multi["ranks"])
+    assert load_outputs(trace["_path"])  # outputs saved with the result
+
+
+def test_speculative_steps_deliver_several_tokens_with_one_timestamp(test_techniques, tiny_loaded, setup):
+    """Prompt lookup on a repetitive random model accepts drafts: some steps carry several tokens."""
+    from infer_tune.session import measure_prepared
+
+    workload, inputs, ctx = setup
+    prepared = _prepare_lookup(tiny_loaded, LookupConfig(tokens=6), ctx)
+    doc, _ = measure_prepared(tiny_loaded, prepared, inputs, workload, ONCE, technique="test-lookup", config={},
+                              env=ctx.env, runner="speculative", measure_ppl=False)
+    m = doc["metrics"]
+    assert m["multi_token_steps"] > 0, "a random tiny model repeats itself; lookup should accept something"
+    assert m["generate_steps"] < m["generated_tokens"]
+    assert m["itl_ms"]["n"] == m["generate_steps"] - 3  # ITL is per step: one gap fewer than steps, per request
+
+
+def test_token_clock_multi_token_puts():
+    clock = TokenClock()
+    clock.put(torch.zeros(1, 7, dtype=torch.long))  # the prompt
+    clock.put(torch.tensor([5]))  # one token
+    clock.put(torch.tensor([[1, 2, 3]]))  # an accepted draft of two + the bonus token
+    clock.put(torch.tensor([[4]]))
+    assert clock.step_tokens == [1, 3, 1] and clock.multi_token
+    t = clock.step_ns
+    assert clock.token_ns == [t[0], t[1], t[1], t[1], t[2]]
+    timing = RequestTiming(0, 0, 7, submit_ns=t[0] - 1_000_000, token_ns=clock.token_ns,
+                           step_tokens=clock.step_tokens)
+    assert timing.itl_ms == [(t[1] - t[0]) / 1e6, (t[2] - t[1]) / 1e6]  # per step, not per token
+    assert timing.tpot_ms == pytest.approx((t[2] - t[0]) / 1e6 / 4)  # per token
+    cut = timing.truncated(3)
+    assert cut.step_tokens == [1, 2] and cut.token_ns == clock.token_ns[:3]
+
+
+def test_fake_multi_token_stream_gives_right_tpot_and_itl():
+    """Hand-made timestamps: 1 token at 10 ms, 4 tokens at 30 ms, 1 at 40 ms after submission at 0."""
+    ms = 1_000_000
+    timing = RequestTiming(0, 0, 5, submit_ns=0, token_ns=[10 * ms] + [30 * ms] * 4 + [40 * ms],
+                           step_tokens=[1, 4, 1])
+    assert timing.ttft_ms == 10.0 and timing.e2e_ms == 40.0
+    assert timing.tpot_ms == 6.0  # (40 - 10) / 5
+    assert timing.itl_ms == [20.0, 10.0]
+
+
+def test_batch_size_constraint_refused_before_anything_is_written(test_techniques, tiny_loaded, prompts_file,
+                                                                   tmp_path):
+    workload = Workload(suite=str(prompts_file), limit=2, max_new_tokens=4, batch_size=2)
+    ctx = RunContext(env=envinfo.collect_env(1), out_dir=tmp_path / "runs")
+    with pytest.raises(ConfigError, match="batch size <= 1"):
+        run_configs(tiny_loaded, prepare_inputs(tiny_loaded, workload), workload, ONCE, [LookupConfig()], ctx)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_device_comes_from_the_context(test_techniques, tiny_loaded):
+    from infer_tune.tuners import apply
+
+    prepared = apply(tiny_loaded, PlainConfig(), RunContext(device="cpu"))
+    assert prepared.device == "cpu"
+
+
+def _option_names(command: str) -> set[str]:
+    from infer_tune.cli import app
+
+    text = CliRunner().invoke(app, [command, "--help"], terminal_width=200).output
+    return set(re.findall(r"(--[a-z][a-z-]+)", text))
+
+
+def test_measuring_commands_share_one_option_group():
+    from infer_tune.cli.options import COMMON
+
+    shared = {"--model", "--suite", "--limit", "--max-new-tokens", "--batch-size", "--threads", "--seed", "--warmup",
+              "--min-iterations", "--min-duration", "--out", "--dtype", "--device", "--chat-template",
+              "--max-prompt-tokens", "--ppl", "--resume", "--json", "--debug"}
+    assert len(COMMON) >= len(shared)
+    for command in ("bench", "quantize", "kv-cache"):
+        assert shared <= _option_names(command), command
