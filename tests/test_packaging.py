@@ -1,7 +1,8 @@
 """The wheel ships every package: pyproject's explicit package list names each folder under infer_tune/."""
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ a *runtime* form the kernel wants (fbgemm's prepacked int8 matrix, torch's CPU i
 - `QuantEmbedding`: int8 rows or int4 groups; looked-up rows are dequantized (cheap: one row per token).
 
 fbgemm keeps its own prepacked copy next to the quantized weight, so resident memory of int8 layers is
-larger than `model_bytes` (which counts the stored weights, as DESIGN.md defines it).
+larger than `model_bytes` (which counts the stored weights, as docs/architecture.md defines it).
 """
 
 from __future__ import annotations
