@@ -32,13 +32,29 @@ def summarize(samples: Sequence[float], *, seed: int = 0, resamples: int = 1000)
     }
 
 
+def reduce_stat(x: np.ndarray, stat: str) -> np.ndarray:
+    """`p50`/`p90`/`p99`/`mean` over the last axis."""
+    if stat == "mean":
+        return x.mean(axis=-1)
+    return np.percentile(x, float(stat[1:]), axis=-1)
+
+
+def resampled(data: np.ndarray, rng: np.random.Generator, resamples: int) -> np.ndarray:
+    """`resamples` bootstrap resamples of `data` (one per row)."""
+    return data[rng.integers(0, data.size, size=(resamples, data.size))]
+
+
+def bootstrap_interval(values: Sequence[float], stat: str = "p50", *, seed: int = 0,
+                       resamples: int = 1000) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of one statistic of one sample set (the one bootstrap helper)."""
+    data = np.asarray(values, dtype=np.float64)
+    stats = reduce_stat(resampled(data, np.random.default_rng(seed), resamples), stat)
+    return float(np.percentile(stats, 2.5)), float(np.percentile(stats, 97.5))
+
+
 def median_interval(values: Sequence[float], *, seed: int = 0, resamples: int = 1000) -> tuple[float, float]:
     """95% percentile-bootstrap interval of the median."""
-    data = np.asarray(values, dtype=np.float64)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, data.size, size=(resamples, data.size))
-    medians = np.median(data[idx], axis=1)
-    return float(np.percentile(medians, 2.5)), float(np.percentile(medians, 97.5))
+    return bootstrap_interval(values, "p50", seed=seed, resamples=resamples)
 
 
 def ratio_interval(
@@ -53,16 +69,9 @@ def ratio_interval(
     if b.size == 0 or c.size == 0:
         raise ValueError("ratio_interval needs samples on both sides")
     rng = np.random.default_rng(seed)
-
-    def reduce(x: np.ndarray) -> np.ndarray:
-        if stat == "mean":
-            return x.mean(axis=-1)
-        return np.percentile(x, float(stat[1:]), axis=-1)
-
-    point = float(reduce(c) / reduce(b))
-    rb = reduce(b[rng.integers(0, b.size, size=(resamples, b.size))])
-    rc = reduce(c[rng.integers(0, c.size, size=(resamples, c.size))])
-    ratios = rc / rb
+    point = float(reduce_stat(c, stat) / reduce_stat(b, stat))
+    rb = reduce_stat(resampled(b, rng, resamples), stat)  # base first: the same random stream as before
+    ratios = reduce_stat(resampled(c, rng, resamples), stat) / rb
     return point, float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
 
 

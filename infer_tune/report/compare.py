@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from infer_tune.errors import InferTuneError
-from infer_tune.metrics.stats import paired_ratio_interval, ratio_interval
+from infer_tune.metrics.stats import bootstrap_interval, paired_ratio_interval, ratio_interval
 from infer_tune.results import DISTRIBUTION_METRICS
 
 SAMPLE_STATS = ("p50", "p90", "p99", "mean")
@@ -242,14 +242,6 @@ def delta(base: dict, cand: dict, metric: str, *, seed: int = 0) -> Delta:
     return Delta(metric, b, c, change)
 
 
-def stat_interval(values: Sequence[float], stat: str, *, seed: int = 0, resamples: int = 2000) -> tuple[float, float]:
-    """95% percentile-bootstrap interval of one statistic of one sample set."""
-    data = np.asarray(values, dtype=np.float64)
-    resampled = data[np.random.default_rng(seed).integers(0, data.size, size=(resamples, data.size))]
-    stats = resampled.mean(axis=1) if stat == "mean" else np.percentile(resampled, float(stat[1:]), axis=1)
-    return float(np.percentile(stats, 2.5)), float(np.percentile(stats, 97.5))
-
-
 def judge(expr: Expr, base: dict, cand: dict, *, seed: int = 0) -> Check:
     """Apply the gate rule (module docstring) of one expression to one candidate."""
     where = f"{expr.metric} of {cand['run_id']}"
@@ -275,7 +267,7 @@ def judge(expr: Expr, base: dict, cand: dict, *, seed: int = 0) -> Check:
             observed, interval, method = 100.0 * (c - b) / abs(b), None, "point"
     elif cs:
         observed = float(np.mean(cs)) if stat == "mean" else float(np.percentile(cs, float(stat[1:])))
-        interval, method = list(stat_interval(cs, stat, seed=seed)), "bootstrap value"
+        interval, method = list(bootstrap_interval(cs, stat, seed=seed, resamples=2000)), "bootstrap value"
     else:
         value = metric_value(cand, expr.metric)
         method = "point"
