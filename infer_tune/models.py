@@ -169,7 +169,7 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}
     if dtype not in table:
-        raise ModelError(f"unknown --dtype '{dtype}': use auto, float32, bfloat16 or float16")
+        raise ModelError(f"unknown dtype '{dtype}': use auto, float32, bfloat16 or float16")
     return table[dtype]
 
 

@@ -41,9 +41,9 @@ class SuiteSpec:
 
     def __post_init__(self) -> None:
         if self.limit is not None and self.limit < 1:
-            raise SuiteError(f"--limit must be >= 1, got {self.limit}")
+            raise SuiteError(f"limit must be >= 1, got {self.limit}")
         if self.lang not in LANGS:
-            raise SuiteError(f"--lang must be one of {', '.join(LANGS)}, got '{self.lang}'")
+            raise SuiteError(f"lang must be one of {', '.join(LANGS)}, got '{self.lang}'")
 
 
 def load_suite(spec: SuiteSpec) -> list[Prompt]:
@@ -182,11 +182,11 @@ def _from_file_or_dataset(spec: SuiteSpec) -> list[Prompt]:
     columns = table.column_names
     if spec.prompt_field not in columns:
         raise SuiteError(f"suite '{spec.name}' has no field '{spec.prompt_field}' (fields: {', '.join(columns)}); "
-                         "choose one with --prompt-field")
+                         "choose one as the prompt field")
     ref_field = spec.reference_field
     if ref_field is not None and ref_field not in columns:
         raise SuiteError(f"suite '{spec.name}' has no field '{ref_field}' (fields: {', '.join(columns)}); "
-                         "choose one with --reference-field")
+                         "choose one as the reference field")
     if ref_field is None:
         ref_field = next((c for c in ("reference", "completion", "answer", "response") if c in columns), None)
     order = list(range(len(table)))

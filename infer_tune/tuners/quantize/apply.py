@@ -178,7 +178,7 @@ def quantize_model(model: nn.Module, config: QuantizeConfig, calib: list[torch.T
     stats = None
     if config.calibrated:
         if not calib:
-            raise ConfigError("int8-static needs calibration prompts; give --calib-suite and --calib-samples >= 1")
+            raise ConfigError("int8-static needs calibration prompts; give a calib_suite and calib_samples >= 1")
         stats = calibrate.collect_activation_stats(model, targets, calib, progress)
     folded = fold_smoothing_into_norms(model, stats, config.alpha) if stats else {}
     layers, scales = {}, {}

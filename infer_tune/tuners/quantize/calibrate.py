@@ -45,7 +45,7 @@ def calibration_batches(tokenizer, suite: str, samples: int, *, seed: int = 1, c
         if len(batches) >= samples:
             break
     if not batches:
-        raise SuiteError(f"calibration suite '{suite}' has no usable prompts; give --calib-suite a suite with text")
+        raise SuiteError(f"calibration suite '{suite}' has no usable prompts; give a calibration suite with text")
     return batches
 
 

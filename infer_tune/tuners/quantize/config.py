@@ -63,7 +63,7 @@ class QuantizeConfig(TechniqueConfig):
                               f"got method '{self.method}'")
         if self.backend == "torchao" and importlib.util.find_spec("torchao") is None:
             raise ConfigError("quantize: backend 'torchao' is not installed; pip install 'infer-tune[torchao]' "
-                              "or use --backend torch|quanto")
+                              "or use backend torch or quanto")
 
     @property
     def calibrated(self) -> bool:
