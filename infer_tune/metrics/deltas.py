@@ -36,6 +36,10 @@ def versus_baseline(metrics: dict, outputs: list[dict], baseline: dict, baseline
                             if metrics.get("ppl") and base.get("ppl") else None)
     if not outputs:  # a run that generated nothing to compare (a multi-process kernel check, say)
         return out
+    if out["bleu_drift"] is not None and len(outputs) == len(baseline_outputs):
+        out["bleu_drift_ci95"] = quality.bleu_drift_interval(
+            [o["output"] for o in outputs], [o["output"] for o in baseline_outputs],
+            [o.get("reference") for o in outputs])
     out.update(quality.faithfulness([o["output"] for o in outputs], [o["output"] for o in baseline_outputs],
                                     [o["token_ids"] for o in outputs], [o["token_ids"] for o in baseline_outputs]))
     return out

@@ -27,6 +27,27 @@ def reference_scores(hypotheses: Sequence[str], references: Sequence[str | None]
     return {"bleu": float(bleu.score), "chrf": float(chrf.score), "bleu_tokenizer": tokenize}
 
 
+def bleu_drift_interval(cand: Sequence[str], base: Sequence[str], references: Sequence[str | None], *,
+                        seed: int = 0, resamples: int = 200) -> list[float] | None:
+    """95% paired bootstrap interval of BLEU(cand) - BLEU(base): prompts resampled with replacement,
+    both corpora scored on the same resample. With few prompts it is wide, which is the point: a
+    BLEU drift of a handful of short outputs says little on its own (read perplexity and faithfulness)."""
+    import numpy as np
+
+    idx = [i for i, r in enumerate(references) if r is not None]
+    if len(idx) < 2 or len(cand) != len(base):
+        return None
+    tokenize = bleu_tokenizer([references[i] for i in idx])
+    rng = np.random.default_rng(seed)
+    drifts = []
+    for _ in range(resamples):
+        pick = [idx[k] for k in rng.integers(0, len(idx), size=len(idx))]
+        refs = [[references[i] for i in pick]]
+        drifts.append(sacrebleu.corpus_bleu([cand[i] for i in pick], refs, tokenize=tokenize).score
+                      - sacrebleu.corpus_bleu([base[i] for i in pick], refs, tokenize=tokenize).score)
+    return [float(np.percentile(drifts, 2.5)), float(np.percentile(drifts, 97.5))]
+
+
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     """Index of the first token where two sequences differ (None when identical)."""
     for i, (x, y) in enumerate(zip(a, b)):
