@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: install model demo test lint clean
+.PHONY: install model demo test lint clean system-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 install: $(VENV)/.installed
+
+# Debian packages the tests use (chromium for the report's browser test, bubblewrap for the code sandbox)
+system-deps:
+	@bash scripts/install-system-deps.sh
 
 model: install
 	$(BIN)/infer-tune models pull smollm2-135m
@@ -35,7 +39,7 @@ demo: model
 	$(BIN)/infer-tune leaderboard $(DEMO_OUT)
 	@echo "leaderboard: $(DEMO_OUT)/leaderboard.md (.csv, .html); results: $(DEMO_OUT)/<run-id>/result.json"
 
-test: model
+test: model system-deps
 	$(BIN)/python -m pytest -q -ra
 
 lint: install

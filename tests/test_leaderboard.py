@@ -18,7 +18,7 @@ def docs() -> list[dict]:
     return [
         make_result("r-base", seed=1),
         make_result("r-int8", technique="quantize", config={"kind": "quantize", "method": "int8"}, tpot_ms=20.0,
-                    speedup_vs_baseline=2.0, bleu_drift=-0.7, exact_match_vs_baseline=0.5, seed=2),
+                    speedup_vs_baseline=2.0, bleu_drift=-0.7, exact_match_vs_baseline=0.5, ppl_delta_pct=1.5, seed=2),
         make_result("r-int4", technique="quantize", config={"kind": "quantize", "method": "int4"}, tpot_ms=30.0,
                     speedup_vs_baseline=1.3, bleu_drift=-3.0, seed=3),
         make_result("r-static", technique="kv-cache", config={"impl": "static"}, speedup_vs_baseline=1.1,
@@ -54,11 +54,58 @@ def test_write_all_formats(tmp_path):
     written = lb.write(lb.build(all_docs), all_docs, tmp_path)
     assert set(written) == {"md", "csv", "html"}
     assert len(pd.read_csv(written["csv"])) == 4
-    md_rows = [line for line in written["md"].read_text().splitlines() if line.startswith("| r-")]
+    md_rows = [line for line in written["md"].read_text().splitlines() if line.rstrip().endswith((" r-base |",
+               " r-int8 |", " r-int4 |", " r-static |"))]
     assert len(md_rows) == 4
+    assert md_rows[1].startswith("| quantize | method=int8 |")  # technique and config first, run id last
+    assert "2.00x" in md_rows[1] and "ms" in md_rows[1]  # human units, not raw floats
     page = written["html"].read_text()
     assert page.count("data:image/png;base64,") == 3  # scatter, bars, per-position
-    assert "r-int8" in page and "<script" not in page
+    assert "r-int8" in page and "src=\"http" not in page  # self-contained: no external resource
+
+
+def test_broken_results_are_marked_and_never_a_speedup():
+    from infer_tune.report import display
+
+    row = lb.flatten(make_result("r-bad", technique="quantize", speedup_vs_baseline=3.2, ppl_delta_pct=4e8,
+                                 output_mismatches=4, bleu_vs_baseline=0.1))
+    assert display.verdict(row) == "broken"
+    speed = next(c for c in display.COLUMNS if c.key == "speedup_vs_baseline")
+    assert speed.render(row) == "broken"
+
+
+def test_recommendation_respects_the_drift_budget_and_lossless():
+    from infer_tune.report.recommend import Budget, recommend
+
+    base = make_result("b", seed=1)
+    fast_lossy = make_result("fast", technique="quantize", speedup_vs_baseline=3.0, ppl_delta_pct=12.0,
+                             bleu_drift=-0.2, output_mismatches=3, seed=2)
+    ok = make_result("ok", technique="quantize", speedup_vs_baseline=1.8, ppl_delta_pct=1.0, bleu_drift=-0.1,
+                     output_mismatches=2, seed=3)
+    lossless = make_result("same", technique="kv-cache", speedup_vs_baseline=1.1, output_mismatches=0, seed=4)
+    for d in (fast_lossy, ok, lossless):
+        d["baseline_run_id"] = "b"
+    docs_ = [base, fast_lossy, ok, lossless]
+    assert recommend(docs_, Budget(max_ppl_delta=5.0)).doc["run_id"] == "ok"
+    assert recommend(docs_, Budget(max_ppl_delta=20.0)).doc["run_id"] == "fast"
+    assert recommend(docs_, Budget(require_lossless=True)).doc["run_id"] == "same"
+    slow = make_result("slow", technique="kv-cache", speedup_vs_baseline=0.9, output_mismatches=0, seed=5)
+    slow["baseline_run_id"] = "b"
+    none = recommend([base, slow], Budget(require_lossless=True))
+    assert none.doc is None and "beat the baseline" in none.reasons[-1]
+
+
+def test_claims_table_from_synthetic_results():
+    from infer_tune.report import claims
+
+    q = make_result("q", technique="quantize", claim_check={
+        "claim": "INT8 halves weight memory", "method": "int8-dynamic", "bytes_ratio_vs_16bit": 0.5,
+        "speedup_judged": 1.8, "speedup_vs_16bit": 1.8, "ppl_delta_pct": 1.2, "bleu_drift": 0.1, "held": False})
+    g = make_result("g", technique="speculate", claims=[{"statement": "2-4x on code", "measured": "1.3x",
+                                                          "held": None, "why": "no draft on this device"}])
+    rows = claims.collect([q, q, g])
+    assert [r.verdict for r in rows] == ["did not hold here", "not applicable"]
+    assert "1.80x decode vs bf16" in rows[0].measured and rows[1].why == "no draft on this device"
 
 
 def test_cli_writes_files_and_prints(tmp_path):
@@ -70,6 +117,7 @@ def test_cli_writes_files_and_prints(tmp_path):
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     assert len(payload["rows"]) == 4 and set(payload["files"]) == {"md", "csv", "html"}
+    assert "recommendation" in payload and "claims" in payload
     result = CliRunner().invoke(app, ["leaderboard", str(runs), "--format", "md,csv", "--technique", "quantize"])
     assert result.exit_code == 0, result.output
     assert (runs / "leaderboard.md").exists() and not (runs / "leaderboard.html").exists()

@@ -11,27 +11,21 @@ from rich.table import Table
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
 
-# (column, header, format): a compact subset; the files hold every column.
-TERMINAL_COLUMNS = (("technique", "technique", "s"), ("config", "config", "s"), ("ttft_p50_ms", "TTFT p50 ms", ".0f"),
-                    ("ttft_p99_ms", "p99", ".0f"), ("tpot_p50_ms", "TPOT p50 ms", ".1f"),
-                    ("output_throughput_tok_s", "tok/s", ".1f"), ("speedup_vs_baseline", "speedup", ".2f"),
-                    ("peak_rss_bytes", "peak RSS", "bytes"), ("model_bytes", "model", "bytes"), ("bleu", "BLEU", ".2f"),
-                    ("bleu_drift", "drift", "+.2f"), ("exact_match_vs_baseline", "exact", ".0%"),
-                    ("ppl_delta_pct", "ppl Δ%", "+.1f"), ("roofline_fraction", "roofline", ".0%"))
 
+def render(rows: list[dict]) -> None:
+    """The leaderboard on stdout: a rich table on a wide terminal; markdown of the narrow column set when
+    the output is not a terminal or narrower than the table (a CI log), so nothing is truncated."""
+    from infer_tune.report import display
 
-def render(frame) -> None:
-    """The leaderboard as a rich table on stdout."""
-    table = Table(title=f"infer-tune leaderboard ({len(frame)} results)")
-    for name, header, _ in TERMINAL_COLUMNS:
-        table.add_column(header, justify="left" if name in ("technique", "config") else "right")
-    for row in frame.to_dict(orient="records"):
-        cells = []
-        for name, _, spec in TERMINAL_COLUMNS:
-            value = row.get(name)
-            value = None if value != value else value  # NaN -> missing
-            cells.append(output.fmt_bytes(value) if spec == "bytes" else output.fmt(value, spec))
-        table.add_row(*cells)
+    if not (output.out.is_terminal and output.out.width >= 160):
+        output.out.print(display.markdown(rows, narrow=True), markup=False, highlight=False, soft_wrap=True)
+        return
+    table = Table(title=f"infer-tune leaderboard ({len(rows)} results)")
+    cols = display.columns()
+    for c in cols:
+        table.add_column(c.header, justify="right" if c.numeric else "left")
+    for row in rows:
+        table.add_row(*(c.render(row) for c in cols))
     output.out.print(table)
 
 
@@ -44,11 +38,16 @@ def leaderboard(
     technique: Annotated[list[str] | None, typer.Option("--technique", help="Keep only this technique (repeatable).")] = None,
     model: Annotated[list[str] | None, typer.Option("--model", help="Keep only this model ref (repeatable).")] = None,
     suite: Annotated[list[str] | None, typer.Option("--suite", help="Keep only this suite (repeatable).")] = None,
+    max_bleu_drift: Annotated[float, typer.Option("--max-bleu-drift", help="Recommendation budget: BLEU points lost at most.")] = 1.0,
+    max_ppl_delta: Annotated[float, typer.Option("--max-ppl-delta", help="Recommendation budget: perplexity change in % at most.")] = 5.0,
+    require_lossless: Annotated[bool, typer.Option("--require-lossless", help="Recommend only configs whose outputs equal the baseline's.")] = False,
     json_out: opt.Json = False,
     debug: opt.Debug = False,
 ) -> None:
     """Combine every result under RUNS_DIR into leaderboard.md, leaderboard.csv and a self-contained
-    leaderboard.html with plots (speedup vs BLEU drift with the Pareto front, TTFT/TPOT p50/p99).
+    leaderboard.html report: the table (sortable, filterable), the claims table, the recommended
+    configuration within a drift budget, and plots (speedup vs perplexity change with the Pareto
+    front, TTFT/TPOT p50/p99, per-position latency, each technique's own plots).
 
     Example: infer-tune leaderboard runs/ --sort speedup_vs_baseline --desc
     """
@@ -62,11 +61,23 @@ def leaderboard(
     wanted = [f.strip() for item in (formats or list(lb.FORMATS)) for f in item.split(",") if f.strip()]
     frame = lb.build(docs, technique=technique or (), model=model or (), suite=suite or (), sort=sort,
                      descending=desc)
-    written = lb.write(frame, docs, out or runs_dir, wanted)
+    from infer_tune.report.claims import collect
+    from infer_tune.report.recommend import Budget, recommend
+
+    budget = Budget(max_bleu_drift=max_bleu_drift, max_ppl_delta=max_ppl_delta, require_lossless=require_lossless)
+    written = lb.write(frame, docs, out or runs_dir, wanted, budget)
+    rows = frame.astype(object).where(frame.notna(), None).to_dict(orient="records")
+    shown = [d for d in docs if d["run_id"] in set(frame["run_id"])]
+    rec = recommend(shown, budget)
     if json_out:
-        output.print_json({"rows": frame.astype(object).where(frame.notna(), None).to_dict(orient="records"),
-                           "files": {k: str(v) for k, v in written.items()}})
+        output.print_json({"rows": rows, "claims": [c.to_dict() for c in collect(shown)],
+                           "recommendation": rec.to_dict(), "files": {k: str(v) for k, v in written.items()}})
         return
-    render(frame)
+    render(rows)
+    if rec.doc is not None:
+        output.out.print(f"recommended ({lb.budget_summary(budget)}): {rec.doc['technique']} {rec.doc.get('label', '')}"
+                         f"; reproduce: {rec.command}", markup=False, soft_wrap=True)
+    else:
+        output.out.print(f"no configuration to recommend within {lb.budget_summary(budget)}", soft_wrap=True)
     for path in written.values():
         output.note(f"wrote {path}")

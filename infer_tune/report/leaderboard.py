@@ -1,27 +1,32 @@
 """The combined leaderboard: one row per result across techniques, written as md / csv / html.
 
-Speed and quality drift of the same run sit in one row. The html file is self-contained: its
-plots (speedup vs BLEU drift with the Pareto front, TTFT/TPOT p50/p99 bars, per-position decode
-latency of kv-cache runs) are embedded as base64 PNG.
+Speed and quality drift of the same run sit in one row. The csv holds every column as raw numbers;
+the markdown and the self-contained HTML report (report/html.py) show human units, the claims table
+and the recommended configuration; the HTML embeds its plots (speedup vs perplexity change with the
+Pareto front, TTFT/TPOT p50/p99 bars, per-position decode latency, and each technique's own PNGs).
 """
 
 from __future__ import annotations
 
 import base64
-import html
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from infer_tune import atomic
 from infer_tune.errors import InferTuneError
+from infer_tune.report import claims, display
+from infer_tune.report import html as html_report
 from infer_tune.report.plots import per_position_png, png_bytes, pyplot
+from infer_tune.report.recommend import Budget, recommend
 
 COLUMNS = ("run_id", "technique", "config", "model", "suite", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
            "tpot_p99_ms", "output_throughput_tok_s", "speedup_vs_baseline", "peak_rss_bytes", "model_bytes", "bleu",
            "bleu_drift", "bleu_vs_baseline", "exact_match_vs_baseline", "ppl_delta_pct", "pass_at_1",
-           "roofline_fraction")
+           "roofline_fraction", "output_mismatches", "ttft_speedup_vs_baseline", "bleu_drift_ci95")
+OBJECT_COLUMNS = {"run_id", "technique", "config", "model", "suite", "bleu_drift_ci95"}
 FORMATS = ("md", "csv", "html")
 
 
@@ -65,8 +70,9 @@ def build(docs: Sequence[dict], *, technique: Sequence[str] = (), model: Sequenc
           suite: Sequence[str] = (), sort: str | None = None, descending: bool = False) -> pd.DataFrame:
     """A DataFrame of flattened results, filtered (any of the given values) and sorted."""
     frame = pd.DataFrame([flatten(d) for d in docs], columns=list(COLUMNS))
-    for column in COLUMNS[5:]:  # numeric columns: a missing value is NaN (rendered "-"), never "None"
-        frame[column] = pd.to_numeric(frame[column], errors="coerce")
+    for column in COLUMNS:  # numeric columns: a missing value is NaN (rendered "-"), never "None"
+        if column not in OBJECT_COLUMNS:
+            frame[column] = pd.to_numeric(frame[column], errors="coerce")
     for column, wanted in (("technique", technique), ("model", model), ("suite", suite)):
         if wanted:
             frame = frame[frame[column].isin(list(wanted))]
@@ -99,18 +105,6 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
     return front
 
 
-def to_markdown(frame: pd.DataFrame) -> str:
-    """A GitHub-flavoured markdown table (no extra dependency)."""
-    def cell(v: object) -> str:
-        if v is None or (isinstance(v, float) and pd.isna(v)):
-            return "-"
-        return f"{v:.4g}" if isinstance(v, float) else str(v).replace("|", "\\|")
-
-    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
-    return "\n".join(lines) + "\n"
-
-
 def _png(fig) -> str:
     return base64.b64encode(png_bytes(fig)).decode("ascii")
 
@@ -122,8 +116,13 @@ def plots(frame: pd.DataFrame, positions: dict[str, list[float]]) -> dict[str, s
     # technique, config and the run id's random suffix (tells repeated runs of one config apart)
     labels = [f"{t} {'' if c == '-' else c} #{r[-4:]}".replace("  ", " ")[:44]
               for t, c, r in zip(frame["technique"], frame["config"], frame["run_id"], strict=True)]
-    points = frame[["speedup_vs_baseline", "bleu_drift"]].astype(float)
-    has = points.notna().all(axis=1).to_numpy()
+    # quality axis: perplexity change (a stronger signal than BLEU on a few outputs); a run without
+    # perplexity whose outputs equal the baseline's (a lossless technique) sits at 0
+    quality = frame["ppl_delta_pct"].astype(float).copy()
+    quality[((frame["output_mismatches"] == 0) | (frame["technique"] == "baseline")) & quality.isna()] = 0.0
+    points = pd.DataFrame({"x": frame["speedup_vs_baseline"].astype(float), "y": -quality})
+    broken = [display.is_broken(row) for row in frame.to_dict(orient="records")]
+    has = points.notna().all(axis=1).to_numpy() & ~np.array(broken, dtype=bool)
     if has.any():
         fig, ax = plt.subplots(figsize=(7, 4.5))
         xy = [(float(x), float(y)) for x, y in points[has].itertuples(index=False)]
@@ -133,10 +132,10 @@ def plots(frame: pd.DataFrame, positions: dict[str, list[float]]) -> dict[str, s
             ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
         front = sorted((xy[i] for i in pareto_front(xy)), key=lambda p: p[0])
         ax.plot([p[0] for p in front], [p[1] for p in front], "o--", color="tab:red", label="Pareto front")
-        ax.set_xlabel("speedup vs baseline (x, TPOT p50)")
-        ax.set_ylabel("BLEU drift (points)")
+        ax.set_xlabel("decode speedup vs baseline (x, TPOT p50)")
+        ax.set_ylabel("perplexity change (%, negated: higher is better)")
         ax.legend()
-        images["Speedup vs BLEU drift"] = _png(fig)
+        images["Speedup vs quality drift (Pareto front)"] = _png(fig)
     if len(frame):
         fig, axes = plt.subplots(1, 2, figsize=(max(7, 1.2 * len(frame) + 4), 4))
         index = range(len(frame))
@@ -154,33 +153,59 @@ def plots(frame: pd.DataFrame, positions: dict[str, list[float]]) -> dict[str, s
     return images
 
 
-def to_html(frame: pd.DataFrame, images: dict[str, str]) -> str:
-    """A self-contained page: the table and the embedded plots."""
-    table = frame.to_html(index=False, na_rep="-", float_format=lambda v: f"{v:.4g}", border=0, classes="lb")
-    figures = "".join(f"<h2>{html.escape(title)}</h2><img alt=\"{html.escape(title)}\" "
-                      f"src=\"data:image/png;base64,{data}\">" for title, data in images.items())
-    style = ("body{font-family:sans-serif;margin:2em}table.lb{border-collapse:collapse;font-size:12px}"
-             "table.lb td,table.lb th{border:1px solid #ccc;padding:3px 6px;text-align:right}"
-             "img{max-width:100%}")
-    return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>infer-tune leaderboard</title>"
-            f"<style>{style}</style></head><body><h1>infer-tune leaderboard</h1>{table}{figures}</body></html>\n")
-
-
-def write(frame: pd.DataFrame, docs: Sequence[dict], out_dir: Path, formats: Sequence[str] = FORMATS) -> dict[str, Path]:
+def write(frame: pd.DataFrame, docs: Sequence[dict], out_dir: Path, formats: Sequence[str] = FORMATS,
+          budget: Budget | None = None) -> dict[str, Path]:
     """Write leaderboard.{md,csv,html} atomically into `out_dir`; returns format -> path."""
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         raise InferTuneError(f"unknown leaderboard format {', '.join(unknown)}; use {', '.join(FORMATS)}")
+    budget = budget or Budget()
+    shown = [d for d in docs if d["run_id"] in set(frame["run_id"])]
+    rows = frame.astype(object).where(frame.notna(), None).to_dict(orient="records")
+    found_claims = claims.collect(shown)
+    rec = recommend(shown, budget)
+    budget_text = budget_summary(budget)
     out_dir = Path(out_dir)
     written = {}
     for fmt in formats:
         path = out_dir / f"leaderboard.{fmt}"
         if fmt == "md":
-            text = to_markdown(frame)
+            text = to_markdown(rows, found_claims, rec, budget_text)
         elif fmt == "csv":
             text = frame.to_csv(index=False)
         else:
-            text = to_html(frame, plots(frame, per_position(docs, list(frame["run_id"]))))
+            images = {t: base64.b64decode(d) for t, d in plots(frame, per_position(docs, list(frame["run_id"]))).items()}
+            env = next((d.get("env") for d in shown if d.get("env")), {}) or {}
+            text = html_report.page(rows, env, found_claims, rec, budget_text, images, html_report.technique_images(shown))
         atomic.write_text(path, text)
         written[fmt] = path
     return written
+
+
+def budget_summary(budget: Budget) -> str:
+    parts = []
+    if budget.max_ppl_delta is not None:
+        parts.append(f"perplexity change <= {budget.max_ppl_delta:g}%")
+    if budget.max_bleu_drift is not None:
+        parts.append(f"BLEU drift >= -{budget.max_bleu_drift:g}")
+    if budget.require_lossless:
+        parts.append("outputs identical to the baseline's")
+    return ", ".join(parts) or "no drift budget"
+
+
+def to_markdown(rows: list[dict], found_claims: list, rec, budget_text: str) -> str:
+    """The leaderboard, the claims table and the recommendation as GitHub-flavoured markdown."""
+    parts = [f"# infer-tune leaderboard ({len(rows)} results)\n", display.markdown(rows)]
+    if found_claims:
+        parts.append("\n## Claims\n\n| claim | measured here | verdict |\n|---|---|---|")
+        parts.extend(f"| {c.claim} | {c.measured} | {c.verdict}{' (' + c.why + ')' if c.why and c.verdict != 'held' else ''} |"
+                     for c in found_claims)
+    parts.append("\n## Recommended configuration\n")
+    if rec.doc is None:
+        parts.append(f"None within {budget_text}: {'; '.join(rec.reasons[-3:]) or 'no candidate results'}.")
+    else:
+        m = rec.doc["metrics"]
+        parts.append(f"**{rec.doc['technique']} {rec.doc.get('label', '')}**: {display.times(m.get('speedup_vs_baseline'))} "
+                     f"decode, perplexity {display.signed_pct(m.get('ppl_delta_pct'))} (within {budget_text}).\n\n"
+                     f"Reproduce: `{rec.command}`" + (f"\n\nSaved model: `{rec.saved_model}`" if rec.saved_model else ""))
+    return "\n".join(parts) + "\n"

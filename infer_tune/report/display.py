@@ -1,0 +1,137 @@
+"""Human rendering of leaderboard rows: units (ms, tok/s, MiB, x, %), the technique and its config
+first, drift judged on perplexity and faithfulness with BLEU's interval beside it, and a verdict
+column (`broken`, `lossless`, `lossy`). Shared by the markdown, HTML and terminal renderings."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# A result whose drift says the model is broken is marked so and never called a speedup.
+BROKEN_PPL_DELTA_PCT = 100.0  # perplexity more than doubled
+BROKEN_FAITHFULNESS = 0.05  # BLEU against the baseline's own outputs near zero (0..1 scale: BLEU / 100)
+
+
+def _missing(v) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def ms(v) -> str:
+    if _missing(v):
+        return "-"
+    return f"{v / 1000:.2f} s" if v >= 10_000 else f"{v:.1f} ms" if v >= 10 else f"{v:.2f} ms"
+
+
+def tok_s(v) -> str:
+    return "-" if _missing(v) else f"{v:.1f}"
+
+
+def times(v) -> str:
+    return "-" if _missing(v) else f"{v:.2f}x"
+
+
+def pct(v) -> str:
+    return "-" if _missing(v) else f"{v:.0%}"
+
+
+def signed_pct(v) -> str:
+    return "-" if _missing(v) else f"{v:+.2f}%"
+
+
+def mib(v) -> str:
+    if _missing(v):
+        return "-"
+    return f"{v / 2**30:.2f} GiB" if v >= 2**30 else f"{v / 2**20:.1f} MiB"
+
+
+def text(v) -> str:
+    return "-" if _missing(v) or v == "" else str(v)
+
+
+def bleu_drift(row: dict) -> str:
+    v = row.get("bleu_drift")
+    if _missing(v):
+        return "-"
+    ci = row.get("bleu_drift_ci95")
+    if isinstance(ci, (list, tuple)) and len(ci) == 2 and not any(_missing(x) for x in ci):
+        return f"{v:+.2f} [{ci[0]:+.1f}, {ci[1]:+.1f}]"
+    return f"{v:+.2f}"
+
+
+def verdict(row: dict) -> str:
+    """`baseline`, `broken` (drift says the model no longer works), `lossless` (token-identical to the
+    baseline) or `lossy`; empty when nothing was compared."""
+    if row.get("technique") == "baseline":
+        return "baseline"
+    if is_broken(row):
+        return "broken"
+    mismatches = row.get("output_mismatches")
+    if not _missing(mismatches):
+        return "lossless" if mismatches == 0 else "lossy"
+    return ""
+
+
+def is_broken(row: dict) -> bool:
+    ppl = row.get("ppl_delta_pct")
+    faith = row.get("bleu_vs_baseline")
+    return (not _missing(ppl) and ppl > BROKEN_PPL_DELTA_PCT) or \
+        (not _missing(faith) and faith / 100.0 < BROKEN_FAITHFULNESS and row.get("output_mismatches"))
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str
+    header: str
+    render: Callable[[dict], str]
+    numeric: bool = True
+    narrow: bool = False  # kept in the narrow (CI log) rendering
+
+
+def _get(key: str, fn: Callable) -> Callable[[dict], str]:
+    return lambda row: fn(row.get(key))
+
+
+COLUMNS: tuple[Column, ...] = (
+    Column("technique", "technique", _get("technique", text), numeric=False, narrow=True),
+    Column("config", "config", _get("config", text), numeric=False, narrow=True),
+    Column("suite", "suite", _get("suite", text), numeric=False),
+    Column("ttft_p50_ms", "TTFT p50", _get("ttft_p50_ms", ms), narrow=True),
+    Column("ttft_p99_ms", "TTFT p99", _get("ttft_p99_ms", ms)),
+    Column("tpot_p50_ms", "TPOT p50", _get("tpot_p50_ms", ms), narrow=True),
+    Column("output_throughput_tok_s", "tok/s", _get("output_throughput_tok_s", tok_s)),
+    Column("speedup_vs_baseline", "decode speedup", lambda r: "broken" if is_broken(r) else times(r.get("speedup_vs_baseline")),
+           narrow=True),
+    Column("ppl_delta_pct", "ppl change", _get("ppl_delta_pct", signed_pct), narrow=True),
+    Column("exact_match_vs_baseline", "same output as baseline", _get("exact_match_vs_baseline", pct)),
+    Column("bleu_drift", "BLEU drift [95% CI]", bleu_drift),
+    Column("model_bytes", "model", _get("model_bytes", mib)),
+    Column("peak_rss_bytes", "peak RSS", _get("peak_rss_bytes", mib)),
+    Column("roofline_fraction", "of roofline", _get("roofline_fraction", pct)),
+    Column("verdict", "verdict", verdict, numeric=False, narrow=True),
+    Column("run_id", "run", _get("run_id", text), numeric=False),
+)
+
+
+def columns(narrow: bool = False) -> tuple[Column, ...]:
+    return tuple(c for c in COLUMNS if c.narrow) if narrow else COLUMNS
+
+
+def sort_value(row: dict, column: Column):
+    """What the HTML page sorts a cell by (the raw number, or the text)."""
+    if column.key == "verdict":
+        return verdict(row)
+    value = row.get(column.key)
+    if column.numeric:
+        return "" if _missing(value) else float(value)
+    return text(value)
+
+
+def markdown(rows: list[dict], narrow: bool = False) -> str:
+    """A GitHub-flavoured markdown table of the rows (the human columns)."""
+    cols = columns(narrow)
+    lines = ["| " + " | ".join(c.header for c in cols) + " |",
+             "|" + "|".join("---" if not c.numeric else "---:" for c in cols) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(c.render(row).replace("|", "\\|") for c in cols) + " |")
+    return "\n".join(lines) + "\n"

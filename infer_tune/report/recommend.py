@@ -1,0 +1,87 @@
+"""The recommended configuration: the fastest result within a drift budget, and how to reproduce it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from infer_tune.report.display import is_broken
+
+OBJECTIVES = {"decode": "speedup_vs_baseline", "ttft": "ttft_speedup_vs_baseline",
+              "throughput": "throughput_ratio_vs_baseline"}
+
+
+@dataclass
+class Budget:
+    """What a recommendation may cost in quality (None: no limit on that signal)."""
+
+    max_bleu_drift: float | None = 1.0  # points of BLEU lost at most
+    max_ppl_delta: float | None = 5.0  # perplexity change in % at most
+    require_lossless: bool = False  # token-identical to the baseline's outputs
+    objective: str = "decode"
+
+
+@dataclass
+class Recommendation:
+    doc: dict | None
+    reasons: list[str] = field(default_factory=list)  # why others were excluded (one per excluded run)
+    command: str = ""
+    saved_model: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"run_id": self.doc["run_id"] if self.doc else None, "command": self.command,
+                "saved_model": self.saved_model, "excluded": self.reasons}
+
+
+def _num(v) -> float | None:
+    return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+
+
+def excluded_because(doc: dict, budget: Budget) -> str | None:
+    m = doc.get("metrics") or {}
+    row = {**m, "technique": doc.get("technique")}
+    if is_broken(row):
+        return "broken (perplexity more than doubled or outputs unrelated to the baseline's)"
+    ppl, drift, mismatches = _num(m.get("ppl_delta_pct")), _num(m.get("bleu_drift")), m.get("output_mismatches")
+    if budget.require_lossless and mismatches != 0:
+        return f"not lossless ({mismatches} outputs differ from the baseline's)"
+    if budget.max_ppl_delta is not None and ppl is not None and ppl > budget.max_ppl_delta:
+        return f"perplexity {ppl:+.2f}% over the {budget.max_ppl_delta:g}% budget"
+    if budget.max_bleu_drift is not None and drift is not None and drift < -budget.max_bleu_drift:
+        return f"BLEU drift {drift:+.2f} over the {budget.max_bleu_drift:g}-point budget"
+    if _num(m.get(OBJECTIVES[budget.objective])) is None:
+        return "no measured speedup against a baseline"
+    return None
+
+
+def reproduce_command(doc: dict) -> str:
+    """A command that measures the same config again (a one-config recipe through `bench`)."""
+    w = doc.get("workload") or {}
+    config = {k: v for k, v in (doc.get("config") or {}).items() if k != "kind" and v is not None}
+    fields = ", ".join(f"{k}: {v}" for k, v in config.items())
+    recipe = f"configs: [{{technique: {doc.get('technique')}{', ' + fields if fields else ''}}}]"
+    return (f"printf '%s\\n' '{recipe}' > recommended.yaml && infer-tune bench --recipe recommended.yaml "
+            f"--model {doc.get('model', {}).get('ref')} --suite {w.get('suite')} --limit {w.get('limit')} "
+            f"--max-new-tokens {w.get('max_new_tokens')} --batch-size {w.get('batch_size', 1)}")
+
+
+def recommend(docs: list[dict], budget: Budget) -> Recommendation:
+    """The candidate with the best objective among those within the budget (baselines excluded)."""
+    key = OBJECTIVES[budget.objective]
+    eligible, reasons = [], []
+    for doc in docs:
+        if doc.get("technique") in ("baseline", None) or doc.get("baseline_run_id") is None:
+            continue
+        why = excluded_because(doc, budget)
+        if why:
+            reasons.append(f"{doc.get('technique')} {doc.get('label', '')}: {why}".strip())
+        else:
+            eligible.append(doc)
+    if not eligible:
+        return Recommendation(doc=None, reasons=reasons)
+    best = max(eligible, key=lambda d: _num(d["metrics"].get(key)) or 0.0)
+    if (_num(best["metrics"].get(key)) or 0.0) <= 1.0:
+        reasons.append("no configuration within the budget beat the baseline on this device")
+        return Recommendation(doc=None, reasons=reasons)
+    saved = best["metrics"].get("save_dir") if best.get("technique") == "quantize" else None
+    return Recommendation(doc=best, reasons=reasons, command=reproduce_command(best), saved_model=saved)
