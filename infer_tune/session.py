@@ -94,7 +94,8 @@ def measure_prepared(
     """Run the workload on `prepared` through `runner` and build its result document and outputs rows.
 
     `per_position=True` adds `per_position_ms` (mean latency of each decode step, in order);
-    `execute=True` also runs the code suite's tests on the outputs (pass@1, sandboxed subprocesses).
+    `execute=True` also runs the code suite's tests on the outputs (pass@1) in the OS sandbox
+    (metrics/sandbox.py); `execute="unsafe"` runs them without it (only where the user allowed that).
     """
     run = get_runner(runner)(prepared, inputs, workload, protocol, progress)
     metrics, samples = timing_metrics(run)
@@ -129,7 +130,10 @@ def measure_prepared(
     if execute:
         from infer_tune.metrics.passk import pass_at_1
 
-        metrics["pass_at_1"] = pass_at_1([inputs.prompts[o.prompt_index] for o in run.outputs], texts)
+        isolation = "unsafe" if execute == "unsafe" else "sandbox"
+        metrics["pass_at_1"] = pass_at_1([inputs.prompts[o.prompt_index] for o in run.outputs], texts,
+                                         isolation=isolation)
+        metrics["pass_at_1_isolation"] = isolation
     metrics.update(prepared.metrics)
     metrics.update(run.counters)
     if run.ranks:

@@ -26,7 +26,8 @@ class RunSpec:
     out_dir: Path = Path("runs")
     trust_remote_code: bool = False
     measure_ppl: bool = True
-    execute: bool = False
+    execute: bool | str = False  # True: pass@1 in the OS sandbox; "unsafe": without one (see open_run)
+    unsafe_execute: bool = False  # allow running generated code unsandboxed where no sandbox works
     resume: bool = False
 
 
@@ -61,11 +62,25 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def check_execute(spec: RunSpec) -> None:
+    """Before any work: pass@1 needs the OS sandbox, or the user's explicit consent to run without it
+    (then `spec.execute` becomes "unsafe", so the run and its fingerprint record how the code ran)."""
+    if not spec.execute or spec.execute == "unsafe":
+        return
+    from infer_tune.metrics import sandbox
+
+    if not sandbox.available() and spec.unsafe_execute:
+        spec.execute = "unsafe"
+        return
+    sandbox.require()
+
+
 def open_run(spec: RunSpec, progress: Progress | None = None, *, load_suite: bool = True) -> OpenRun:
     """Threads and device set, the suite loaded (bad suites fail before the model loads), the model
     loaded, the inputs tokenized, the environment recorded."""
     from infer_tune import env as envinfo
 
+    check_execute(spec)
     n_threads = setup_threads(spec.threads)
     device = resolve_device(spec.device)
     prompts = load_prompts(spec.workload) if load_suite else None
