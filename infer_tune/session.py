@@ -28,10 +28,15 @@ __all__ = ["Inputs", "ensure_baseline", "measure_prepared", "prepare_inputs", "r
 
 
 def run_fingerprint(loaded: models.LoadedModel, technique: str, config: dict, workload: Workload, env: dict,
-                    execute: bool = False, *, protocol: Protocol | None = None, measure_ppl: bool = True) -> str:
-    """What makes two runs the same measurement: model, technique, config, workload, protocol, what is
-    measured, threads, machine, and the tool's version."""
-    return results.fingerprint(loaded.path, loaded.dtype, loaded.device, technique, config, workload.to_dict(),
+                    execute: bool | str = False, *, protocol: Protocol | None = None, measure_ppl: bool = True) -> str:
+    """What makes two runs the same measurement: the model's bytes (weights, config, tokenizer) and the
+    suite's, dtype, device, technique, config, workload, protocol, what is measured, threads, machine,
+    and the tool's version. Paths are left out: the same bytes elsewhere are the same measurement."""
+    from infer_tune import suites
+
+    work = workload.to_dict()
+    work["suite"] = suites.content_id(workload.suite)
+    return results.fingerprint(models.content_id(loaded), loaded.dtype, loaded.device, technique, config, work,
                                asdict(protocol) if protocol else None, measure_ppl, env["threads"], env["machine"],
                                execute, envinfo.tool_info()["version"])
 
@@ -87,7 +92,7 @@ def measure_prepared(
     baseline: dict | None = None,
     baseline_outputs: list[dict] | None = None,
     measure_ppl: bool = True,
-    execute: bool = False,
+    execute: bool | str = False,
     per_position: bool = False,
     progress: Progress | None = None,
 ) -> tuple[dict, list[dict]]:
@@ -153,7 +158,7 @@ def measure_prepared(
         # params: the logical parameter count of the source model (a quantized copy stores fewer
         # nn.Parameters); model_bytes: what the prepared model really stores (+ a draft's weights)
         "model": {"ref": loaded.ref, "path": loaded.path, "params": models.count_params(loaded.model),
-                  "model_bytes": weight_bytes, "dtype": loaded.dtype},
+                  "model_bytes": weight_bytes, "dtype": loaded.dtype, "content_id": models.content_id(loaded)},
         "technique": technique,
         "label": prepared.label,
         "config": config,
@@ -245,6 +250,16 @@ def run_configs(
     """
     configs = resolve_configs(configs, ctx)
     preflight(loaded, workload, configs, ctx)
+    waiting = (lambda: ctx.progress(f"waiting for another infer-tune run in {ctx.out_dir}", 0, None)) \
+        if ctx.progress else None
+    with results.runs_lock(ctx.out_dir, on_wait=waiting):  # concurrent sweeps queue; none measures twice
+        return _sweep(loaded, inputs, workload, protocol, configs, ctx, resume=resume,
+                      reuse_baseline=reuse_baseline, measure_ppl=measure_ppl, execute=execute)
+
+
+def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, protocol: Protocol,
+           configs: list[TechniqueConfig], ctx: RunContext, *, resume: bool, reuse_baseline: bool,
+           measure_ppl: bool, execute: bool | str) -> tuple[dict, list[dict]]:
     baseline, baseline_outputs, _ = ensure_baseline(loaded, inputs, workload, protocol, ctx, reuse=reuse_baseline,
                                                     measure_ppl=measure_ppl, execute=execute)
     docs: list[dict] = []
