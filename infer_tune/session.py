@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from infer_tune import env as envinfo
-from infer_tune import models, results
+from infer_tune import models, results, suites
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import deltas, kv, quality, roofline
 from infer_tune.metrics.perplexity import reference_perplexity
@@ -32,8 +32,6 @@ def run_fingerprint(loaded: models.LoadedModel, technique: str, config: dict, wo
     """What makes two runs the same measurement: the model's bytes (weights, config, tokenizer) and the
     suite's, dtype, device, technique, config, workload, protocol, what is measured, threads, machine,
     and the tool's version. Paths are left out: the same bytes elsewhere are the same measurement."""
-    from infer_tune import suites
-
     work = workload.to_dict()
     work["suite"] = suites.content_id(workload.suite)
     return results.fingerprint(models.content_id(loaded), loaded.dtype, loaded.device, technique, config, work,
@@ -163,7 +161,7 @@ def measure_prepared(
         "label": prepared.label,
         "config": config,
         "runner": runner,
-        "workload": workload_block(workload, inputs),
+        "workload": {**workload_block(workload, inputs), "suite_id": suites.content_id(workload.suite)},
         "protocol": asdict(protocol),
         "metrics": metrics,
         "samples": samples,

@@ -205,6 +205,8 @@ def _from_file_or_dataset(spec: SuiteSpec) -> Iterator[Prompt]:
         builder = _BUILDERS.get(path.suffix.lower())
         if builder is None:
             raise SuiteError(f"suite file {spec.name}: unsupported type; use .jsonl, .json, .csv or .parquet")
+        if builder != "parquet":
+            _check_utf8(path, spec.name)
     elif not (hub.cached_dataset(spec.name) or hub.reachable()):
         raise SuiteError(f"unknown suite '{spec.name}' (no such file, and the hub is {hub.why_offline()}); "
                          f"use {ACCEPTED}")
@@ -222,12 +224,29 @@ def _from_file_or_dataset(spec: SuiteSpec) -> Iterator[Prompt]:
     return _rows(table, spec, ref_field)
 
 
+def _check_utf8(path: Path, name: str) -> None:
+    """A text suite must be UTF-8 (checked in chunks, before anything is parsed)."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as exc:
+                raise SuiteError(f"suite file {name} is not UTF-8 text (byte {offset + exc.start})") from None
+            offset += len(chunk)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise SuiteError(f"suite file {name} is not UTF-8 text (it ends inside a character)") from None
+
+
 def _open_table(spec: SuiteSpec, builder: str | None, path: Path):
     import datasets
-    from datasets.utils.logging import set_verbosity_error
 
     datasets.disable_progress_bars()
-    set_verbosity_error()
     try:
         if builder is not None:
             return datasets.load_dataset(builder, data_files=str(path), split="train")
@@ -242,7 +261,10 @@ def _rows(table, spec: SuiteSpec, ref_field: str | None) -> Iterator[Prompt]:
     order = list(range(len(table)))
     random.Random(spec.seed).shuffle(order)
     for i in order:
-        row = table[i]
+        try:
+            row = table[i]
+        except Exception as exc:  # an undecodable cell surfaces only when its row is read
+            raise SuiteError(f"suite '{spec.name}' row {i} cannot be read: {type(exc).__name__}") from None
         text = row[spec.prompt_field]
         if text is None or not str(text).strip():
             continue

@@ -7,6 +7,18 @@ from collections.abc import Sequence
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
+CHUNK_ELEMENTS = 1 << 22  # a bootstrap draws resamples x n indices; at most this many at a time (32 MiB)
+
+
+def bootstrap_stat(data: np.ndarray, reduce, *, rng: np.random.Generator, resamples: int) -> np.ndarray:
+    """`reduce(resampled, axis=1)` of `resamples` bootstrap resamples of `data`, drawn in chunks so
+    memory stays bounded however many samples there are (a long suite's pooled ITL)."""
+    out = np.empty(resamples)
+    step = max(1, CHUNK_ELEMENTS // max(data.size, 1))
+    for start in range(0, resamples, step):
+        count = min(step, resamples - start)
+        out[start:start + count] = reduce(data[rng.integers(0, data.size, size=(count, data.size))], axis=1)
+    return out
 
 
 def summarize(samples: Sequence[float], *, seed: int = 0, resamples: int = 1000) -> dict[str, float | int | None]:
@@ -35,9 +47,7 @@ def summarize(samples: Sequence[float], *, seed: int = 0, resamples: int = 1000)
 def median_interval(values: Sequence[float], *, seed: int = 0, resamples: int = 1000) -> tuple[float, float]:
     """95% percentile-bootstrap interval of the median."""
     data = np.asarray(values, dtype=np.float64)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, data.size, size=(resamples, data.size))
-    medians = np.median(data[idx], axis=1)
+    medians = bootstrap_stat(data, np.median, rng=np.random.default_rng(seed), resamples=resamples)
     return float(np.percentile(medians, 2.5)), float(np.percentile(medians, 97.5))
 
 
@@ -54,14 +64,14 @@ def ratio_interval(
         raise ValueError("ratio_interval needs samples on both sides")
     rng = np.random.default_rng(seed)
 
-    def reduce(x: np.ndarray) -> np.ndarray:
+    def reduce(x: np.ndarray, axis: int = -1) -> np.ndarray:
         if stat == "mean":
-            return x.mean(axis=-1)
-        return np.percentile(x, float(stat[1:]), axis=-1)
+            return x.mean(axis=axis)
+        return np.percentile(x, float(stat[1:]), axis=axis)
 
     point = float(reduce(c) / reduce(b))
-    rb = reduce(b[rng.integers(0, b.size, size=(resamples, b.size))])
-    rc = reduce(c[rng.integers(0, c.size, size=(resamples, c.size))])
+    rb = bootstrap_stat(b, reduce, rng=rng, resamples=resamples)
+    rc = bootstrap_stat(c, reduce, rng=rng, resamples=resamples)
     ratios = rc / rb
     return point, float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
 
