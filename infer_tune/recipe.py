@@ -15,10 +15,12 @@ Built-in recipes ship inside the wheel (`infer_tune.recipes`); a path to a .yaml
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Union
 
 import yaml
 
@@ -46,13 +48,25 @@ def builtin_recipes() -> dict[str, str]:
     return found
 
 
+def _read(path: Path, name_or_path: str) -> str:
+    if path.is_dir():
+        raise ConfigError(f"recipe {name_or_path} is a directory; give a .yaml file")
+    if not path.is_file():
+        raise ConfigError(f"recipe file not found: {name_or_path}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"recipe {name_or_path} is not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"recipe {name_or_path} is not readable: {exc.strerror or exc}") from None
+
+
 def load_recipe(name_or_path: str) -> Recipe:
-    """A built-in recipe by name, or a YAML file; unknown keys are refused with the allowed ones."""
+    """A built-in recipe by name, or a YAML file; unknown keys and values of the wrong type are refused
+    with one line naming the key."""
     path = Path(name_or_path).expanduser()
     if path.suffix in (".yaml", ".yml") or path.exists():
-        if not path.is_file():
-            raise ConfigError(f"recipe file not found: {name_or_path}")
-        text, name = path.read_text(encoding="utf-8"), path.stem
+        text, name = _read(path, name_or_path), path.stem
     else:
         entry = resources.files("infer_tune.recipes").joinpath(f"{name_or_path}.yaml")
         if not entry.is_file():
@@ -62,18 +76,82 @@ def load_recipe(name_or_path: str) -> Recipe:
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"recipe {name_or_path} is not valid YAML: {str(exc).splitlines()[0]}") from exc
+        raise ConfigError(f"recipe {name_or_path} is not valid YAML: {' '.join(str(exc).split())[:200]}") from None
+    except RecursionError:
+        raise ConfigError(f"recipe {name_or_path} is nested too deeply") from None
     if not isinstance(doc, dict):
         raise ConfigError(f"recipe {name_or_path} must be a mapping with workload/configs keys")
+    check_keys(doc, f"recipe {name_or_path}")
     allowed = {f.name for f in dataclasses.fields(Recipe)} - {"name"}
     unknown = set(doc) - allowed
     if unknown:
         raise ConfigError(f"recipe {name_or_path}: unknown keys {', '.join(sorted(unknown))}; "
                           f"allowed: {', '.join(sorted(allowed))}")
-    recipe = Recipe(name=name, **doc)
-    if not isinstance(recipe.configs, list):
-        raise ConfigError(f"recipe {name_or_path}: configs must be a list")
-    return recipe
+    check_types(Recipe, doc, f"recipe {name_or_path}")
+    for i, entry in enumerate(doc.get("configs") or []):
+        if isinstance(entry, dict):
+            check_keys(entry, f"recipe {name_or_path}: configs[{i}]")
+    return Recipe(name=name, **doc)
+
+
+# --------------------------------------------------------------------------- type checks
+def check_keys(mapping: dict, where: str) -> None:
+    """Every key of a mapping (and of mappings inside it) must be a string."""
+    for key, value in mapping.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{where}: key {key!r} is a {type(key).__name__}; keys must be names (strings)")
+        if isinstance(value, dict):
+            check_keys(value, f"{where}.{key}")
+
+
+def _describe(annotation: Any) -> str:
+    if annotation is type(None):
+        return "null"
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(annotation))
+    if typing.get_origin(annotation) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
+    if typing.get_origin(annotation) in (list, dict, tuple):
+        return {list: "a list", dict: "a mapping", tuple: "a list"}[typing.get_origin(annotation)]
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+            Path: "a path"}.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+
+def matches(value: Any, annotation: Any) -> bool:
+    """Whether a YAML value fits a dataclass annotation (bool is not an int; an int is a float)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is Any:
+        return True
+    if annotation is type(None) or annotation is None:
+        return value is None
+    if origin in (Union, types.UnionType):
+        return any(matches(value, a) for a in args)
+    if origin is Literal:
+        return value in args
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation in (str, Path):
+        return isinstance(value, str)
+    if origin in (list, tuple) or annotation in (list, tuple):
+        return isinstance(value, list) and (not args or all(matches(v, args[0]) for v in value))
+    if origin is dict or annotation is dict:
+        return isinstance(value, dict) and (not args or all(matches(v, args[1]) for v in value.values()))
+    return True  # an annotation this check does not know: the dataclass validates it itself
+
+
+def check_types(cls: type, values: dict, where: str) -> None:
+    """Each value of `values` must fit the annotation of `cls`'s field of that name (ConfigError naming
+    the key, the expected type and the value otherwise)."""
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        if key in hints and not matches(value, hints[key]):
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+            raise ConfigError(f"{where}: {key} must be {_describe(hints[key])}, got {shown} "
+                              f"({type(value).__name__})")
 
 
 def build_workload(recipe: Recipe, overrides: dict[str, Any]) -> Workload:
@@ -82,6 +160,7 @@ def build_workload(recipe: Recipe, overrides: dict[str, Any]) -> Workload:
     unknown = set(recipe.workload) - fields
     if unknown:
         raise ConfigError(f"recipe {recipe.name}: unknown workload keys {', '.join(sorted(unknown))}")
+    check_types(Workload, recipe.workload, f"recipe {recipe.name}: workload")
     return Workload(**{**recipe.workload, **overrides})
 
 
@@ -90,6 +169,7 @@ def build_protocol(recipe: Recipe, overrides: dict[str, Any]) -> Protocol:
     unknown = set(recipe.protocol) - fields
     if unknown:
         raise ConfigError(f"recipe {recipe.name}: unknown protocol keys {', '.join(sorted(unknown))}")
+    check_types(Protocol, recipe.protocol, f"recipe {recipe.name}: protocol")
     return Protocol(**{**recipe.protocol, **overrides})
 
 
@@ -103,6 +183,8 @@ def build_configs(recipe: Recipe) -> list:
         if not isinstance(entry, dict) or "technique" not in entry:
             raise ConfigError(f"recipe {recipe.name}: configs[{i}] needs a 'technique' key")
         technique = entry["technique"]
+        if not isinstance(technique, str):
+            raise ConfigError(f"recipe {recipe.name}: configs[{i}] technique must be a name, got {technique!r}")
         cls = by_technique.get(technique)
         if cls is None:
             raise ConfigError(f"recipe {recipe.name}: configs[{i}] technique '{technique}' is not one of "
@@ -113,5 +195,9 @@ def build_configs(recipe: Recipe) -> list:
         if unknown:
             raise ConfigError(f"recipe {recipe.name}: configs[{i}] ({technique}) unknown fields "
                               f"{', '.join(sorted(unknown))}; allowed: {', '.join(sorted(fields))}")
-        configs.append(cls(**params))
+        check_types(cls, params, f"recipe {recipe.name}: configs[{i}] ({technique})")
+        try:
+            configs.append(cls(**params))
+        except (TypeError, ValueError) as exc:  # a config's own validation that is not a ConfigError
+            raise ConfigError(f"recipe {recipe.name}: configs[{i}] ({technique}): {exc}") from None
     return configs

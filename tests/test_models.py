@@ -27,8 +27,18 @@ def test_resolve_dir_without_config(tmp_path):
         models.resolve(str(tmp_path))
 
 
-def test_hf_id_passes_through():
+def test_hf_id_passes_through_online_and_fails_at_once_offline(monkeypatch):
+    import pytest
+
+    from infer_tune import hub
+    from infer_tune.errors import ModelError
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hub, "_reachable", True)
     assert models.resolve("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelError, match="offline .*built-in alias .*smollm2-135m"):
+        models.resolve("HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
 def test_load_local_checkpoint(tiny_model_dir):

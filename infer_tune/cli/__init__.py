@@ -26,8 +26,12 @@ INTERNAL_ERROR = 3
 
 def _quiet_libraries() -> None:
     """Keep stdout clean for --json and stderr readable: library chatter is not our output."""
+    import logging
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore")
+    for name in ("datasets", "huggingface_hub", "transformers", "torch", "urllib3", "filelock"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # their errors come back to us as exceptions
     try:
         import transformers
 
@@ -45,6 +49,12 @@ def _write_crash_log(exc: BaseException) -> str:
     with os.fdopen(fd, "w") as handle:
         handle.write("".join(traceback.format_exception(exc)))
     return path
+
+
+def _is_click_error(exc: BaseException) -> bool:
+    """A click (or typer's vendored click) ClickException: a usage error of the command line."""
+    return any(cls.__name__ == "ClickException" and cls.__module__.startswith(("click", "typer._click"))
+               for cls in type(exc).__mro__)
 
 
 class ErrorMappingGroup(TyperGroup):
@@ -65,7 +75,12 @@ class ErrorMappingGroup(TyperGroup):
         except (typer.Exit, typer.Abort):
             raise
         except Exception as exc:
-            if output.state.debug or type(exc).__module__.startswith("click"):
+            if _is_click_error(exc) and not output.state.debug:  # bad flags or values: bad input, one line
+                message = " ".join(exc.format_message().split())
+                output.error(f"{message} (see {ctx.command_path} {ctx.invoked_subcommand or ''} --help)"
+                             .replace("  ", " "))
+                raise typer.Exit(2) from None
+            if output.state.debug or _is_click_error(exc):
                 raise
             where = _write_crash_log(exc)
             output.error(f"internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "

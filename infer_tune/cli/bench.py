@@ -69,6 +69,7 @@ def bench(
     opts: opt.MeasureOptions,
     recipe: Recipe = None,
     execute: opt.Execute = False,
+    unsafe_execute: opt.UnsafeExecute = False,
 ) -> None:
     """Measure the baseline (or every config of a --recipe against it): TTFT, ITL, TPOT, e2e, throughput,
     memory, roofline, BLEU/chrF and perplexity.
@@ -80,7 +81,7 @@ def bench(
     """
     from infer_tune.scenarios.bench import run_bench, spec_from_recipe
 
-    spec = run_spec(opts, execute=execute)
+    spec = run_spec(opts, execute=execute or unsafe_execute, unsafe_execute=unsafe_execute)
     configs: list = []
     if recipe is not None:
         spec, configs = spec_from_recipe(recipe, spec, workload_given=opts.given(opts.workload_values()),

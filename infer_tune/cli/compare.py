@@ -37,6 +37,7 @@ def render(comparison) -> None:
         for d in cand.deltas:
             deltas.add_row(*f.delta_row(d))
         output.out.print(deltas)
+        output.out.print(f"  timing medians: {cand.pairing}", soft_wrap=True)
 
 
 def print_plain(text: str) -> None:
@@ -49,7 +50,8 @@ def compare(
     fail_if: Annotated[list[str] | None, typer.Option("--fail-if", help="Gate EXPR 'METRIC OP VALUE[%]', repeatable: "
                                                       "'tpot_ms.p50 > +10%', 'bleu_drift < -1.0'.")] = None,
     fmt: Annotated[str, typer.Option("--format", "-f", help="table, md, json or junit.")] = "table",
-    allow_mismatch: Annotated[bool, typer.Option("--allow-mismatch", help="Compare results of different suites or models.")] = False,
+    allow_mismatch: Annotated[bool, typer.Option("--allow-mismatch", help="Compare results measured differently (suite, model, "
+                                                 "max new tokens, batch size, limit, dtype, threads, machine): a loud warning instead of exit 2.")] = False,
     seed: opt.Seed = 0,
     json_out: opt.Json = False,
     debug: opt.Debug = False,
@@ -58,7 +60,10 @@ def compare(
 
     A % threshold is the relative change cand vs base; a plain number is compared with the candidate's
     value (for bleu_drift, ppl_delta_pct, speedup_vs_baseline). Timing metrics with raw samples fail only
-    when the WHOLE bootstrap 95% interval is past the threshold. Exit 0 pass, 1 regression, 2 bad input.
+    when the WHOLE bootstrap 95% interval is past the threshold; each candidate says whether its medians
+    were paired per prompt. Results measured differently (suite, model, max new tokens, batch size, limit,
+    dtype, threads, machine) are refused unless --allow-mismatch.
+    Exit 0 pass, 1 regression, 2 bad input, 3 internal error.
     When GITHUB_STEP_SUMMARY is set, the markdown report is appended to that file.
 
     Example: infer-tune compare baseline/result.json runs/pr/*/ --fail-if "tpot_ms.p50 > +10%" --format md
@@ -74,6 +79,8 @@ def compare(
     base_doc = results.load_result(base)
     cand_docs = [results.load_result(c) for c in candidates]
     comparison = cmp.compare(base_doc, cand_docs, exprs, allow_mismatch=allow_mismatch, seed=seed)
+    for warning in comparison.warnings:
+        output.warn(warning)
     markdown = f.to_markdown(comparison)
     if summary := os.environ.get("GITHUB_STEP_SUMMARY"):
         try:

@@ -51,16 +51,25 @@ def leaderboard(
 
     Example: infer-tune leaderboard runs/ --sort speedup_vs_baseline --desc
     """
-    from infer_tune import results
+    from infer_tune import paths, results
     from infer_tune.errors import ResultError
     from infer_tune.report import leaderboard as lb
 
-    docs = results.find_results(runs_dir)
+    skipped: list[tuple[str, str]] = []
+    docs = results.find_results(runs_dir, skipped=skipped)
     if not docs:
-        raise ResultError(f"no readable result.json under {runs_dir}; run `infer-tune bench --out {runs_dir}` first")
+        why = f" ({len(skipped)} unreadable, e.g. {skipped[0][1]})" if skipped else ""
+        raise ResultError(f"no readable result.json under {runs_dir}{why}; run `infer-tune bench --out {runs_dir}` first")
     wanted = [f.strip() for item in (formats or list(lb.FORMATS)) for f in item.split(",") if f.strip()]
+    unknown = [f for f in wanted if f not in lb.FORMATS]
+    if unknown:
+        raise ResultError(f"unknown --format {', '.join(unknown)}; use {', '.join(lb.FORMATS)}")
+    paths.ensure_writable(out or runs_dir, "--out")
     frame = lb.build(docs, technique=technique or (), model=model or (), suite=suite or (), sort=sort,
                      descending=desc)
+    if skipped:
+        output.warn(f"skipped {len(skipped)} unreadable result file(s): "
+                    + "; ".join(f"{path} ({reason.rsplit(': ', 1)[-1]})" for path, reason in skipped))
     from infer_tune.report.claims import collect
     from infer_tune.report.recommend import Budget, recommend
 

@@ -51,7 +51,16 @@ Device = Annotated[str, typer.Option("--device", help="cpu, cuda or auto.")]
 TrustRemoteCode = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the checkpoint (off by default).")]
 Ppl = Annotated[bool, typer.Option("--ppl/--no-ppl", help="Teacher-forced perplexity on the references.")]
 Resume = Annotated[bool, typer.Option("--resume", help="Skip configs whose result (same model, config, workload, protocol, machine) is already in --out.")]
-Execute = Annotated[bool, typer.Option("--execute", help="code suite: run HumanEval's tests on the outputs (pass@1) in sandboxed subprocesses.")]
+Execute = Annotated[bool, typer.Option("--execute", help=(
+    "code suite: run HumanEval's tests on the outputs (pass@1) inside bubblewrap. Isolated: network (none), "
+    "filesystem (only /usr, /bin, /lib*, the Python install, read-only; a private writable /tmp; no home, no "
+    "working dir, no /etc), processes (own PID namespace, killed whole at the timeout or Ctrl-C), identity "
+    "(nobody / no capabilities), limits (1 GiB memory, CPU seconds, 1 MiB files and stderr, 64 files, 16 "
+    "processes). Not isolated: the kernel, CPU time up to the timeout. Refuses where bubblewrap cannot run "
+    "(apt-get install bubblewrap)."))]
+UnsafeExecute = Annotated[bool, typer.Option("--unsafe-execute", help=(
+    "With --execute where no sandbox works: run the generated code as you, with your files and network, "
+    "under rlimits only. Never for untrusted models."))]
 
 
 @dataclass
@@ -92,6 +101,10 @@ class MeasureOptions:
                 raise ConfigError(f"{flag} must be >= {low}, got {value}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
+        from infer_tune.suites import LANGS
+
+        if self.lang not in LANGS:
+            raise ConfigError(f"--lang must be one of {', '.join(LANGS)}, got '{self.lang}'")
         if not 0 <= self.min_duration < float("inf"):
             raise ConfigError(f"--min-duration must be a finite number of seconds >= 0, got {self.min_duration}")
 

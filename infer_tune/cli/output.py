@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 out = Console(highlight=False)
@@ -29,7 +30,12 @@ def print_json(document) -> None:
 
 
 def error(message: str) -> None:
-    err.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+
+
+def warn(message: str) -> None:
+    """A loud warning on stderr (the command goes on)."""
+    err.print(f"[bold yellow]warning:[/] {escape(message)}", soft_wrap=True)
 
 
 def note(message: str) -> None:

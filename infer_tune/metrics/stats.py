@@ -7,6 +7,18 @@ from collections.abc import Sequence
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
+CHUNK_ELEMENTS = 1 << 22  # a bootstrap draws resamples x n indices; at most this many at a time (32 MiB)
+
+
+def bootstrap_stat(data: np.ndarray, reduce, *, rng: np.random.Generator, resamples: int) -> np.ndarray:
+    """`reduce(resampled, axis=1)` of `resamples` bootstrap resamples of `data`, drawn in chunks so
+    memory stays bounded however many samples there are (a long suite's pooled ITL)."""
+    out = np.empty(resamples)
+    step = max(1, CHUNK_ELEMENTS // max(data.size, 1))
+    for start in range(0, resamples, step):
+        count = min(step, resamples - start)
+        out[start:start + count] = reduce(data[rng.integers(0, data.size, size=(count, data.size))], axis=1)
+    return out
 
 
 def summarize(samples: Sequence[float], *, seed: int = 0, resamples: int = 1000) -> dict[str, float | int | None]:
@@ -32,23 +44,19 @@ def summarize(samples: Sequence[float], *, seed: int = 0, resamples: int = 1000)
     }
 
 
-def reduce_stat(x: np.ndarray, stat: str) -> np.ndarray:
-    """`p50`/`p90`/`p99`/`mean` over the last axis."""
-    if stat == "mean":
-        return x.mean(axis=-1)
-    return np.percentile(x, float(stat[1:]), axis=-1)
+def reduce_stat(stat: str):
+    """`reduce(x, axis)` computing `p50`/`p90`/`p99`/`mean` along an axis."""
+    def reduce(x: np.ndarray, axis: int = -1) -> np.ndarray:
+        return x.mean(axis=axis) if stat == "mean" else np.percentile(x, float(stat[1:]), axis=axis)
 
-
-def resampled(data: np.ndarray, rng: np.random.Generator, resamples: int) -> np.ndarray:
-    """`resamples` bootstrap resamples of `data` (one per row)."""
-    return data[rng.integers(0, data.size, size=(resamples, data.size))]
+    return reduce
 
 
 def bootstrap_interval(values: Sequence[float], stat: str = "p50", *, seed: int = 0,
                        resamples: int = 1000) -> tuple[float, float]:
-    """95% percentile-bootstrap interval of one statistic of one sample set (the one bootstrap helper)."""
+    """95% percentile-bootstrap interval of one statistic of one sample set (the one interval helper)."""
     data = np.asarray(values, dtype=np.float64)
-    stats = reduce_stat(resampled(data, np.random.default_rng(seed), resamples), stat)
+    stats = bootstrap_stat(data, reduce_stat(stat), rng=np.random.default_rng(seed), resamples=resamples)
     return float(np.percentile(stats, 2.5)), float(np.percentile(stats, 97.5))
 
 
@@ -69,9 +77,11 @@ def ratio_interval(
     if b.size == 0 or c.size == 0:
         raise ValueError("ratio_interval needs samples on both sides")
     rng = np.random.default_rng(seed)
-    point = float(reduce_stat(c, stat) / reduce_stat(b, stat))
-    rb = reduce_stat(resampled(b, rng, resamples), stat)  # base first: the same random stream as before
-    ratios = reduce_stat(resampled(c, rng, resamples), stat) / rb
+    reduce = reduce_stat(stat)
+    point = float(reduce(c) / reduce(b))
+    rb = bootstrap_stat(b, reduce, rng=rng, resamples=resamples)
+    rc = bootstrap_stat(c, reduce, rng=rng, resamples=resamples)
+    ratios = rc / rb
     return point, float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
 
 

@@ -19,6 +19,11 @@ regression: the check fails when it holds.
   prompt's samples) for the interval. Pairing removes the prompt-to-prompt spread that makes an
   unpaired interval of a few requests wide.
 - Every other metric compares point values.
+
+Base and candidates must be the same measurement but for the change under test: the same suite
+and model (by content when recorded), max new tokens, batch size, limit, dtype, threads and machine.
+Otherwise `compare` refuses (exit 2); `--allow-mismatch` turns that into a loud warning. Each
+candidate says whether its timing medians were paired per prompt, and if not, why not.
 """
 
 from __future__ import annotations
@@ -143,15 +148,72 @@ def paired_ratio(base: dict, cand: dict, metric: str, *, seed: int = 0) -> tuple
     return paired_ratio_interval(bv, bi, cv, ci, seed=seed)
 
 
-def check_match(base: dict, candidates: Sequence[dict], *, allow_mismatch: bool = False) -> None:
-    """Refuse results of another suite or model than the base's (a comparison of different workloads)."""
-    if allow_mismatch:
-        return
+def _hardware(doc: dict) -> tuple | None:
+    env = doc.get("env") or {}
+    values = tuple(env.get(k) if not isinstance(env.get(k), list) else tuple(env[k])
+                   for k in ("cpu", "cpu_flags", "cores", "ram_bytes", "accelerator"))
+    return values if any(v is not None for v in values) else None
+
+
+def _identity(doc: dict, block: str, id_key: str, plain_key: str) -> object:
+    """A content id when the result recorded one, else the plain name (older results)."""
+    part = doc.get(block) or {}
+    return part.get(id_key) or part.get(plain_key)
+
+
+# what must be equal for a comparison to mean anything: name -> value of a document
+MATCH = {
+    "suite": lambda d: _identity(d, "workload", "suite_id", "suite"),
+    "model": lambda d: _identity(d, "model", "content_id", "ref"),
+    "max_new_tokens": lambda d: d["workload"].get("max_new_tokens"),
+    "batch_size": lambda d: d["workload"].get("batch_size"),
+    "limit": lambda d: d["workload"].get("limit"),
+    "dtype": lambda d: d["model"].get("dtype"),
+    "threads": lambda d: d["env"].get("threads"),
+    "machine": _hardware,
+}
+
+
+def mismatches(base: dict, cand: dict) -> list[str]:
+    """Each way `cand` was measured differently from `base` (MATCH), as a short phrase."""
+    found = []
+    for what, get in MATCH.items():
+        b, c = get(base), get(cand)
+        if b != c:
+            found.append("another machine (CPU, cores, RAM or accelerator)" if what == "machine"
+                         else f"{what} {c!r} vs {b!r}")
+    return found
+
+
+def check_match(base: dict, candidates: Sequence[dict], *, allow_mismatch: bool = False) -> list[str]:
+    """Refuse (MismatchError) a candidate measured differently from the base (suite, model, max new
+    tokens, batch size, limit, dtype, threads, machine); with `allow_mismatch`, return one loud
+    warning per such candidate instead."""
+    warnings = []
     for cand in candidates:
-        for what, get in (("suite", lambda d: d["workload"].get("suite")), ("model", lambda d: d["model"].get("ref"))):
-            if get(base) != get(cand):
-                raise MismatchError(f"{cand['run_id']} has {what} {get(cand)!r} but the base has {get(base)!r}; "
-                                    "compare like with like, or pass --allow-mismatch")
+        found = mismatches(base, cand)
+        if not found:
+            continue
+        text = f"{cand['run_id']} was measured differently from the base: {'; '.join(found)}"
+        if not allow_mismatch:
+            raise MismatchError(f"{text}; compare like with like, or pass --allow-mismatch")
+        warnings.append(f"{text}; its deltas mix that difference in")
+    return warnings
+
+
+def pairing(base: dict, cand: dict) -> str:
+    """Whether timing medians are compared per prompt (paired) and, if not, why not."""
+    bw, cw = base.get("workload", {}), cand.get("workload", {})
+    differ = [k for k in WORKLOAD_KEYS if bw.get(k) != cw.get(k)]
+    if differ:
+        return f"not paired: workloads differ in {', '.join(differ)}"
+    bi, ci = base["samples"].get("prompt_index"), cand["samples"].get("prompt_index")
+    if not bi or not ci:
+        return "not paired: a result has no per-prompt samples (samples.prompt_index)"
+    shared = len(set(bi) & set(ci))
+    if shared < 2:
+        return f"not paired: {shared} prompt(s) shared, 2 needed"
+    return f"paired per prompt ({shared} prompts)"
 
 
 def validate_exprs(exprs: Sequence[Expr], base: dict, candidates: Sequence[dict]) -> None:
@@ -199,6 +261,7 @@ class CandidateReport:
     technique: str
     deltas: list[Delta] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
+    pairing: str = ""  # "paired per prompt (N prompts)" or "not paired: why"
 
     @property
     def regressed(self) -> bool:
@@ -213,6 +276,7 @@ class Comparison:
     base_path: str | None
     exprs: list[str]
     candidates: list[CandidateReport]
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def regressed(self) -> bool:
@@ -285,18 +349,19 @@ def judge(expr: Expr, base: dict, cand: dict, *, seed: int = 0) -> Check:
 def compare(base: dict, candidates: Sequence[dict], exprs: Sequence[Expr] = (), *, allow_mismatch: bool = False,
             seed: int = 0) -> Comparison:
     """Deltas of the main metrics and every gate expression, for each candidate against `base`."""
-    check_match(base, candidates, allow_mismatch=allow_mismatch)
+    warnings = check_match(base, candidates, allow_mismatch=allow_mismatch)
     validate_exprs(exprs, base, candidates)
     reports = []
     for cand in candidates:
-        rep = CandidateReport(run_id=cand["run_id"], path=cand.get("_path"), technique=cand.get("technique", "?"))
+        rep = CandidateReport(run_id=cand["run_id"], path=cand.get("_path"), technique=cand.get("technique", "?"),
+                              pairing=pairing(base, cand))
         metrics = list(MAIN_METRICS) + [e.metric for e in exprs if e.metric not in MAIN_METRICS]
         rep.deltas = [delta(base, cand, m, seed=seed) for m in dict.fromkeys(metrics)
                       if metric_value(base, m) is not None or metric_value(cand, m) is not None]
         rep.checks = [judge(e, base, cand, seed=seed) for e in exprs]
         reports.append(rep)
     return Comparison(base_run_id=base["run_id"], base_path=base.get("_path"), exprs=[e.text for e in exprs],
-                      candidates=reports)
+                      candidates=reports, warnings=warnings)
 
 
 def _is_number(value: object) -> bool:

@@ -50,8 +50,9 @@ def to_markdown(comparison: Comparison) -> str:
     """A job-summary section: verdict, then per candidate the gate checks and the deltas."""
     verdict = "❌ regression" if comparison.regressed else "✅ pass"
     parts = [f"## infer-tune compare: {verdict}", "", f"Base: `{comparison.base_run_id}`", ""]
+    parts += [f"> ⚠️ warning: {w}" for w in comparison.warnings] + ([""] if comparison.warnings else [])
     for cand in comparison.candidates:
-        parts += [f"### `{cand.run_id}` ({cand.technique})", ""]
+        parts += [f"### `{cand.run_id}` ({cand.technique})", "", f"Timing medians: {cand.pairing}.", ""]
         if cand.checks:
             parts += [md_table(CHECK_HEADER, [check_row(c) for c in cand.checks]), ""]
         parts += [md_table(DELTA_HEADER, [delta_row(d) for d in cand.deltas]), ""]

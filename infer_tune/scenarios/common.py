@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,8 @@ class RunSpec:
     out_dir: Path = Path("runs")
     trust_remote_code: bool = False
     measure_ppl: bool = True
-    execute: bool = False
+    execute: bool | str = False  # True: pass@1 in the OS sandbox; "unsafe": without one (see open_run)
+    unsafe_execute: bool = False  # allow running generated code unsandboxed where no sandbox works
     resume: bool = False
 
 
@@ -61,19 +63,39 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def check_execute(spec: RunSpec) -> None:
+    """Before any work: pass@1 needs the OS sandbox, or the user's explicit consent to run without it
+    (then `spec.execute` becomes "unsafe", so the run and its fingerprint record how the code ran)."""
+    if not spec.execute or spec.execute == "unsafe":
+        return
+    from infer_tune.metrics import sandbox
+
+    if not sandbox.available() and spec.unsafe_execute:
+        spec.execute = "unsafe"
+        return
+    sandbox.require()
+
+
 def open_run(spec: RunSpec, progress: Progress | None = None, *, load_suite: bool = True) -> OpenRun:
     """Threads and device set, the suite loaded (bad suites fail before the model loads), the model
     loaded, the inputs tokenized, the environment recorded."""
     from infer_tune import env as envinfo
+    from infer_tune import paths
 
+    check_execute(spec)
+    paths.ensure_writable(spec.out_dir, "the runs directory (out_dir)")
+    paths.ensure_writable(paths.home(), "INFER_TUNE_HOME")
     n_threads = setup_threads(spec.threads)
     device = resolve_device(spec.device)
     prompts = load_prompts(spec.workload) if load_suite else None
-    if spec.execute and prompts is not None and not any(p.extra.get("test") for p in prompts):
-        raise ConfigError(f"pass@1 needs a suite with tests (e.g. code); '{spec.workload.suite}' has none")
+    if spec.execute and prompts is not None:
+        first = next(prompts)  # the suite is not empty (checked when it was opened)
+        if not first.extra.get("test"):
+            raise ConfigError(f"pass@1 needs a suite with tests (e.g. code); '{spec.workload.suite}' has none")
+        prompts = itertools.chain([first], prompts)
     loaded = models.load(spec.model, dtype=spec.dtype, device=device, trust_remote_code=spec.trust_remote_code)
     inputs = prepare_inputs(loaded, spec.workload, prompts) if load_suite else None
-    ctx = RunContext(device=device, dtype=spec.dtype, threads=n_threads, out_dir=Path(spec.out_dir),
+    ctx = RunContext(device=device, dtype=spec.dtype, threads=n_threads, out_dir=Path(spec.out_dir).expanduser(),
                      env=envinfo.collect_env(n_threads), progress=progress,
                      trust_remote_code=spec.trust_remote_code)
     return OpenRun(loaded=loaded, inputs=inputs, ctx=ctx)

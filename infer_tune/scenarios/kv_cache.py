@@ -265,7 +265,8 @@ def run_kv_cache(spec: RunSpec, sweep: KVSweepSpec, progress=None) -> KVSweepRes
     shape = kv.load_model_config(_resolve_model(spec.model))
     check_context_fits(shape, sweep.context_lengths, sweep.max_new_tokens, spec.model)
     run = open_run(spec, progress, load_suite=False)
-    return run_kv_sweep(run.loaded, sweep, spec.protocol, run.ctx, resume=spec.resume)
+    with results.runs_lock(run.ctx.out_dir):  # concurrent sweeps into one runs dir queue
+        return run_kv_sweep(run.loaded, sweep, spec.protocol, run.ctx, resume=spec.resume)
 
 
 def _resolve_model(ref: str) -> str:

@@ -58,6 +58,9 @@ def save_quantized(model: nn.Module, tokenizer, target: Path, manifest: dict) ->
     """Write the checkpoint to `target` atomically (a staged folder renamed at the end)."""
     from safetensors.torch import save_file
 
+    from infer_tune.models import model_bytes
+
+    atomic.check_free_space(Path(target).parent, model_bytes(model) + (64 << 20), f"the quantized model {Path(target).name}")
     with atomic.staged_dir(Path(target)) as staging:
         model.config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
@@ -91,9 +94,10 @@ def load_quantized(path: str | Path) -> nn.Module:
     manifest = read_manifest(path)
     config = QuantizeConfig(**manifest["config"])
     if manifest["method"] == "bf16":
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, use_safetensors=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, use_safetensors=True,
+                                                     trust_remote_code=False)
         return model.eval()
-    hf_config = AutoConfig.from_pretrained(path)
+    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)  # a saved dir never runs its code
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     state = load_file(str(path / "model.safetensors"))
     if manifest["backend"] == "quanto":

@@ -1,0 +1,174 @@
+"""Nothing lost on interrupt or concurrency: a sweep killed at a random point resumes to every config
+exactly once; two sweeps into one runs directory both complete with distinct results; run folders
+are never replaced; a swap on overwrite never leaves the target missing; staging leftovers go;
+result files are readable by the group; fingerprints follow content, not paths."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from infer_tune import atomic, results
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = """\
+workload: {limit: 2, max_new_tokens: 4}
+protocol: {warmup: 0, min_iterations: 1, min_duration_s: 0}
+configs:
+"""
+METHODS = ("bf16", "int8-dynamic", "int4-rtn")
+
+
+def recipe(tmp_path: Path, methods=METHODS) -> Path:
+    path = tmp_path / "sweep.yaml"
+    path.write_text(RECIPE + "".join(f"  - {{technique: quantize, method: {m}, backend: torch}}\n" for m in methods))
+    return path
+
+
+def bench(model: Path, suite: Path, recipe_file: Path, out: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "infer_tune", "bench", "--recipe", str(recipe_file), "--model",
+                             str(model), "--suite", str(suite), "--threads", "1", "--no-ppl", "--out", str(out),
+                             "--json", *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finished(out: Path) -> list[dict]:
+    return results.find_results(out) if out.exists() else []
+
+
+def test_sweep_killed_at_a_random_point_resumes_to_every_config_once(tiny_model_dir, prompts_file, tmp_path):
+    out = tmp_path / "runs"
+    sweep = recipe(tmp_path)
+    proc = bench(tiny_model_dir, prompts_file, sweep, out)
+    deadline = time.monotonic() + 300
+    while not finished(out) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(random.Random().uniform(0.0, 2.0))  # anywhere after the first save: mid-config, mid-save...
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    resumed = bench(tiny_model_dir, prompts_file, sweep, out, "--resume")
+    stdout, stderr = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, stderr
+    docs = finished(out)
+    labels = sorted(d["label"] for d in docs)
+    assert labels.count("baseline") == 1
+    assert sorted(d["config"].get("method") for d in docs if d["technique"] == "quantize") == sorted(METHODS)
+    assert len({d["fingerprint"] for d in docs}) == len(docs) == 1 + len(METHODS)
+    assert not [p for p in out.iterdir() if atomic.STAGING_TAG in p.name], "staging leftovers were not cleaned"
+    reported = json.loads(stdout)
+    assert {d["run_id"] for d in reported} == {d["run_id"] for d in docs}
+
+
+def test_two_sweeps_into_one_runs_dir_both_complete(tiny_model_dir, prompts_file, tmp_path):
+    out = tmp_path / "runs"
+    sweep = recipe(tmp_path, METHODS[:2])
+    procs = [bench(tiny_model_dir, prompts_file, sweep, out) for _ in range(2)]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    for proc, (_, stderr) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, stderr
+    reported = [json.loads(stdout) for stdout, _ in outputs]
+    docs = finished(out)
+    ids = [d["run_id"] for d in docs]
+    assert len(ids) == len(set(ids)) == 1 + 2 * 2  # one baseline (the second sweep waited and reused it)
+    assert [d["technique"] for d in docs].count("baseline") == 1
+    for sweep_docs in reported:
+        assert sweep_docs[0]["technique"] == "baseline" and sweep_docs[0]["run_id"] in ids
+        assert all(d["run_id"] in ids for d in sweep_docs)
+    assert {d["run_id"] for d in reported[0][1:]}.isdisjoint(d["run_id"] for d in reported[1][1:])
+
+
+def test_run_folders_are_never_replaced(tmp_path):
+    doc = {"run_id": "same-id", "technique": "baseline", "label": "baseline"}
+    first = results.save_run(tmp_path, dict(doc), [{"output": "a"}])
+    second = results.save_run(tmp_path, dict(doc), [{"output": "b"}])
+    assert first.run_dir.name == "same-id" and second.run_dir != first.run_dir
+    assert json.loads((first.run_dir / "outputs.jsonl").read_text())["output"] == "a"
+    assert second.result["run_id"] == second.run_dir.name
+    mode = (first.run_dir / "result.json").stat().st_mode & 0o777
+    assert mode & 0o044 == 0o044 & ~atomic.umask(), oct(mode)  # readable by group/others as umask allows
+
+
+def test_overwrite_swaps_without_a_missing_window(tmp_path):
+    target = tmp_path / "model"
+    with atomic.staged_dir(target) as staging:
+        (staging / "w").write_text("old")
+    seen_missing = []
+    with atomic.staged_dir(target, exists="replace") as staging:
+        (staging / "w").write_text("new")
+        seen_missing.append(not target.exists())
+    assert (target / "w").read_text() == "new" and seen_missing == [False]
+    with atomic.staged_dir(target, exists="keep") as staging:  # a concurrent converter finished first
+        (staging / "w").write_text("late")
+    assert (target / "w").read_text() == "new"
+    with pytest.raises(FileExistsError), atomic.staged_dir(target, exists="error") as staging:
+        (staging / "w").write_text("x")
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_stale_staging_is_cleaned(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".run{atomic.STAGING_TAG}{dead.pid}-abcd"
+    live = tmp_path / f".run{atomic.STAGING_TAG}{os.getpid()}-abcd"
+    for folder in (stale, live):
+        folder.mkdir()
+    with results.runs_lock(tmp_path):
+        pass
+    assert not stale.exists() and live.exists()
+
+
+def test_runs_lock_is_reentrant_and_exclusive(tmp_path):
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\nfrom infer_tune import results\n"
+            f"with results.runs_lock({str(tmp_path)!r}):\n    print('got it')\n")
+    with results.runs_lock(tmp_path), results.runs_lock(tmp_path):
+        other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        with pytest.raises(subprocess.TimeoutExpired):
+            other.wait(timeout=1.5)
+    assert other.communicate(timeout=60)[0].strip() == "got it"
+
+
+def test_fingerprint_follows_content_not_path(tiny_model_dir, tmp_path):
+    import shutil
+
+    from infer_tune import env as envinfo
+    from infer_tune import models
+    from infer_tune.session import run_fingerprint
+    from infer_tune.workload import Protocol, Workload
+
+    suite_a = tmp_path / "a.jsonl"
+    suite_a.write_text('{"prompt": "hi"}\n')
+    suite_b = tmp_path / "b.jsonl"
+    suite_b.write_text('{"prompt": "hi"}\n')
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_model_dir, copy)
+    environment = {"threads": 1, "machine": envinfo.machine_key()}
+
+    def fp(model_dir: Path, suite: Path) -> str:
+        return run_fingerprint(models.load(str(model_dir)), "baseline", {}, Workload(suite=str(suite)), environment,
+                               protocol=Protocol())
+
+    assert fp(tiny_model_dir, suite_a) == fp(copy, suite_b)  # same bytes elsewhere: same measurement
+    suite_b.write_text('{"prompt": "hello"}\n')
+    assert fp(tiny_model_dir, suite_a) != fp(tiny_model_dir, suite_b)
+    config = json.loads((copy / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-3
+    (copy / "config.json").write_text(json.dumps(config))
+    assert fp(tiny_model_dir, suite_a) != fp(copy, suite_a)
+
+
+def test_bootstrap_in_chunks_equals_one_draw(monkeypatch):
+    from infer_tune.metrics import stats
+
+    data = np.random.default_rng(1).lognormal(size=3000)
+    whole = stats.median_interval(data, seed=3, resamples=200)
+    monkeypatch.setattr(stats, "CHUNK_ELEMENTS", 3000 * 7)  # 7 resamples per chunk
+    assert stats.median_interval(data, seed=3, resamples=200) == whole

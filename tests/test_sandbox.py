@@ -1,0 +1,193 @@
+"""pass@1 runs hostile completions inside the OS sandbox: every escape attempt is contained and
+scored as failed, nothing leaks to the host (files, network, processes), nothing hangs the run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from infer_tune.metrics import passk, sandbox
+
+PROBLEM = {
+    "task_id": "Toy/0",
+    "prompt": 'def add(a, b):\n    """Return a + b."""\n',
+    "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n",
+    "entry_point": "add",
+}
+
+
+@pytest.fixture(scope="module")
+def box():
+    found = sandbox.find()
+    if not isinstance(found, sandbox.Sandbox):
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the sandbox tests: {found}")
+        pytest.skip(f"no sandbox here: {found}")
+    return found
+
+
+@pytest.fixture()
+def listener():
+    """A TCP server on loopback that records every connection it gets."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.settimeout(0.2)
+    seen: list[bytes] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.settimeout(1)
+                try:
+                    seen.append(conn.recv(100))
+                except OSError:
+                    seen.append(b"")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield server.getsockname()[1], seen
+    stop.set()
+    thread.join(2)
+    server.close()
+
+
+def body(code: str) -> str:
+    """A completion: the hostile code, then the right answer only if the code got its way."""
+    return textwrap.indent(textwrap.dedent(code).strip() + "\nreturn a + b\n", "    ")
+
+
+def program_processes(grace_s: float = 5.0) -> list[int]:
+    """PIDs of processes still running a sandboxed program.py after `grace_s` (killed namespaces
+    are torn down by the kernel asynchronously; none may survive)."""
+    import time
+
+    deadline = time.monotonic() + grace_s
+    while (found := _program_processes()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return found
+
+
+def _program_processes() -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"program.py" in cmdline and b"pytest" not in cmdline:
+                found.append(int(entry.name))
+    return found
+
+
+HOME_MARKER = Path.home() / "infer-tune-sandbox-escape-test"
+
+
+def home_entries() -> set[str]:
+    """Names in the real home (minus the way to the Python install, which the sandbox mounts)."""
+    python_prefix = Path(sandbox._interpreter()[1])
+    mounted = {python_prefix.relative_to(Path.home()).parts[0]} if python_prefix.is_relative_to(Path.home()) else set()
+    return set(os.listdir(Path.home())) - mounted or {"(empty home)"}
+
+
+def hostile(marker: Path, secret: Path, port: int) -> dict[str, str]:
+    write = f"echo pwned > {marker}"
+    check = f"assert open({str(marker)!r}).read().strip() == 'pwned'"
+    return {
+        "posix.system": body(f"import posix\nposix.system({write!r})\n{check}"),
+        "ctypes libc.system": body(f"import ctypes\nctypes.CDLL(None).system({write.encode()!r})\n{check}"),
+        "os.posix_spawn": body(f"import os\npid = os.posix_spawn('/bin/sh', ['sh', '-c', {write!r}], {{}})\n"
+                               f"os.waitpid(pid, 0)\n{check}"),
+        "importlib.reload(os)": body(f"import importlib, os\nos = importlib.reload(os)\nos.system({write!r})\n{check}"),
+        "_socket": body(f"import _socket\ns = _socket.socket()\ns.connect(('127.0.0.1', {port}))\ns.sendall(b'pwned')"),
+        "socket to loopback": body(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), 2).sendall(b'x')"),
+        "socket to the internet": body("import socket\nsocket.create_connection(('1.1.1.1', 53), 2)"),
+        "read a host secret": body(f"assert open({str(secret)!r}).read() == 'id_rsa'"),
+        "read the real home": body(f"import os\nassert set(os.listdir({str(Path.home())!r})) & {home_entries()!r}"),
+        "write into the real home": body(f"open({str(HOME_MARKER)!r}, 'w').write('pwned')"),
+        "write outside tmp": body(f"open({str(marker)!r}, 'w').write('pwned')\n{check}"),
+        "write into /usr": body("open('/usr/pwned', 'w').write('x')"),
+        "fork bomb": body("import os\nwhile True:\n    os.fork()"),
+        "10 GB on stderr": body("import sys\nchunk = 'x' * (1 << 20)\nfor _ in range(10240):\n"
+                                "    sys.stderr.write(chunk)\n    sys.stderr.flush()"),
+        "setsid grandchild": body(f"import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(3)\n"
+                                  f"    open({str(marker)!r}, 'w').write('pwned')\n    time.sleep(600)\n"
+                                  "assert False, 'parent gives up; the grandchild must not outlive the run'"),
+    }
+
+
+def test_hostile_completions_are_contained(box, tmp_path, listener):
+    port, seen = listener
+    marker = tmp_path / "escaped"
+    home = tmp_path / "home" / ".ssh"
+    home.mkdir(parents=True)
+    secret = home / "id_rsa"
+    secret.write_text("id_rsa")
+    cases = hostile(marker, secret, port)
+    items = passk.evaluate([PROBLEM] * len(cases), list(cases.values()), timeout_s=20.0)
+    outcome = {name: item.status for name, item in zip(cases, items, strict=True)}
+    assert all(status in ("failed", "timeout") for status in outcome.values()), outcome
+    assert outcome["fork bomb"] == "failed" and outcome["10 GB on stderr"] == "failed", outcome
+    escaped_home = HOME_MARKER.exists()
+    HOME_MARKER.unlink(missing_ok=True)
+    assert not marker.exists() and not escaped_home, "a sandboxed program wrote to the host"
+    assert seen == [], "a sandboxed program reached a host socket"
+    assert not (Path("/usr") / "pwned").exists()
+    assert program_processes() == [], "a sandboxed process outlived its run"
+    assert all(len(item.detail) <= 500 for item in items)
+
+
+def test_honest_completions_still_score(box):
+    items = passk.evaluate([PROBLEM] * 3, ["    return a + b\n", "    return a - b\n",
+                                           "    import os, tempfile\n    open('scratch', 'w').write('ok')\n"
+                                           "    assert tempfile.gettempdir() == '/tmp'\n    return a + b\n"],
+                           timeout_s=30.0)
+    assert [i.status for i in items] == ["passed", "failed", "passed"], items
+    assert "AssertionError" in items[1].detail
+
+
+def test_ctrl_c_kills_the_sandboxed_program(box):
+    program = passk.build_program(PROBLEM["prompt"], "    import time\n    time.sleep(600)\n", PROBLEM["test"], "add")
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            passk.run_program(program, timeout_s=60.0)
+    finally:
+        timer.cancel()
+    assert program_processes() == []
+
+
+def test_no_sandbox_refuses_with_the_install_command(monkeypatch):
+    monkeypatch.setattr(sandbox, "_found", {os.geteuid(): "bubblewrap is not installed (`apt-get install bubblewrap`)"})
+    with pytest.raises(sandbox.SandboxUnavailable, match="apt-get install bubblewrap"):
+        passk.pass_at_1([PROBLEM], ["    return a + b\n"])
+    # unsafe mode is explicit, and still scores (rlimits + prelude only)
+    assert passk.pass_at_1([PROBLEM], ["    return a + b\n"], timeout_s=30.0, isolation="unsafe") == 1.0
+
+
+def test_cli_execute_refuses_without_a_sandbox(monkeypatch, tmp_path, tiny_model_dir):
+    from typer.testing import CliRunner
+
+    from infer_tune.cli import app
+
+    monkeypatch.setattr(sandbox, "_found", {os.geteuid(): "bubblewrap is not installed (`apt-get install bubblewrap`)"})
+    out = tmp_path / "runs"
+    result = CliRunner().invoke(app, ["bench", "--model", str(tiny_model_dir), "--suite", "code", "--execute",
+                                      "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "apt-get install bubblewrap" in lines[0] and "unsafe" in lines[0]
+    assert not out.exists()
