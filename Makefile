@@ -22,7 +22,7 @@ install: $(VENV)/.installed
 
 # Debian packages the tests use (chromium for the report's browser test, bubblewrap for the code sandbox)
 system-deps:
-	@bash scripts/install-system-deps.sh
+	@sh scripts/install-system-deps.sh
 
 model: install
 	$(BIN)/infer-tune models pull smollm2-135m

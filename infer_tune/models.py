@@ -276,6 +276,7 @@ def convert_gguf(path: Path, *, target: Path | None = None, source: str | None =
         target = paths.models_dir() / f"gguf-{path.stem}-{digest.hexdigest()[:10]}"
     if (target / "config.json").exists():
         return target
+    atomic.clean_stale(target.parent)  # staging folders of conversions that were killed
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)

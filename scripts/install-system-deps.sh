@@ -1,20 +1,31 @@
-#!/usr/bin/env bash
-# System packages the test suite uses, from Debian's archive: chromium (the HTML report opened in a real
-# browser) and bubblewrap (the sandbox for generated code). Idempotent and quiet; skips what is present;
-# never fails the set-up (tests that need a missing tool say so and skip).
+#!/usr/bin/env sh
+# System packages infer-tune's tests need, from Debian's archive: bubblewrap (the OS sandbox `bench --execute` runs generated
+# code in) and chromium (the HTML report opened in a real browser). Idempotent and quiet; a machine without apt (or without root and sudo) is left as it is,
+# with a note (the sandbox tests then fail on CI, and `--execute` refuses with the install command).
 set -u
-want=()
-command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || want+=(chromium)
-command -v bwrap >/dev/null 2>&1 || want+=(bubblewrap)
-[ ${#want[@]} -eq 0 ] && exit 0
+PACKAGES="bubblewrap chromium"
+
+missing=""
+for pkg in $PACKAGES; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing="$missing $pkg"
+done
+[ -z "$missing" ] && exit 0
+
 if ! command -v apt-get >/dev/null 2>&1; then
-  echo "note: apt-get not found; install ${want[*]} yourself for the browser and sandbox tests" >&2
-  exit 0
+    echo "install-system-deps: no apt-get here; install$missing with your package manager" >&2
+    exit 0
 fi
-sudo=""
-[ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && sudo="sudo -n"
-echo "installing system packages: ${want[*]}" >&2
-$sudo apt-get update -qq >/dev/null 2>&1 || true
-DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${want[@]}" >/dev/null 2>&1 \
-  || echo "note: could not install ${want[*]}; the tests that need them will be skipped" >&2
+if [ "$(id -u)" -eq 0 ]; then
+    SUDO=""
+elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+    SUDO="sudo -n"
+else
+    echo "install-system-deps: not root and no passwordless sudo; run: apt-get install$missing" >&2
+    exit 0
+fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq >/dev/null 2>&1 || true
+if ! $SUDO apt-get install -y -qq --no-install-recommends $missing >/dev/null 2>&1; then
+    echo "install-system-deps: apt-get install$missing failed" >&2
+fi
 exit 0
