@@ -36,6 +36,36 @@ class Recipe:
     workload: dict[str, Any] = field(default_factory=dict)
     protocol: dict[str, Any] = field(default_factory=dict)
     configs: list[dict[str, Any]] = field(default_factory=list)
+    stages: list[dict[str, Any]] = field(default_factory=list)
+
+
+STAGE_KEYS = ("name", "description", "model", "workload", "protocol", "configs")
+
+
+def expand_stages(recipe: Recipe) -> list[Recipe]:
+    """The recipe as a list of stages, each measured against its own baseline: the top-level `configs`
+    (when there are any, or when there are no stages) and then every entry of `stages`, whose model,
+    workload and protocol default to (and are layered over) the top level's."""
+    out = []
+    if recipe.configs or not recipe.stages:
+        out.append(dataclasses.replace(recipe, stages=[]))
+    for i, stage in enumerate(recipe.stages):
+        where = f"recipe {recipe.name}: stages[{i}]"
+        if not isinstance(stage, dict):
+            raise ConfigError(f"{where} must be a mapping with name/model/workload/configs keys")
+        unknown = set(stage) - set(STAGE_KEYS)
+        if unknown:
+            raise ConfigError(f"{where}: unknown keys {', '.join(sorted(unknown))}; allowed: {', '.join(STAGE_KEYS)}")
+        check_types(Recipe, {k: v for k, v in stage.items() if k != "name"}, where)
+        name = stage.get("name", str(i))
+        if not isinstance(name, str):
+            raise ConfigError(f"{where}: name must be a string, got {name!r}")
+        out.append(Recipe(name=f"{recipe.name}/{name}", description=stage.get("description", ""),
+                          model=stage.get("model") or recipe.model,
+                          workload={**recipe.workload, **(stage.get("workload") or {})},
+                          protocol={**recipe.protocol, **(stage.get("protocol") or {})},
+                          configs=list(stage.get("configs") or [])))
+    return out
 
 
 def builtin_recipes() -> dict[str, str]:

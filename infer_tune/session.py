@@ -261,6 +261,8 @@ def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, proto
     baseline, baseline_outputs, _ = ensure_baseline(loaded, inputs, workload, protocol, ctx, reuse=reuse_baseline,
                                                     measure_ppl=measure_ppl, execute=execute)
     docs: list[dict] = []
+    if ctx.progress:
+        ctx.progress("configs", 1, len(configs) + 1)  # the baseline is done
     for config in configs:
         entry = technique_for(config)
         config_dict = config.to_dict()
@@ -269,6 +271,8 @@ def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, proto
                              measure_ppl=ppl)
         if resume and (done := find_result(ctx.out_dir, fp)) is not None:
             docs.append(done)
+            if ctx.progress:
+                ctx.progress("configs", len(docs) + 1, len(configs) + 1)
             continue
         prepared = entry.prepare(loaded, config, ctx)
         prepared.device = ctx.device
@@ -287,4 +291,6 @@ def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, proto
         saved = results.save_run(ctx.out_dir, doc, outputs)
         doc["_path"] = str(saved.run_dir)
         docs.append(doc)
+        if ctx.progress:
+            ctx.progress("configs", len(docs) + 1, len(configs) + 1)
     return baseline, docs

@@ -50,3 +50,24 @@ def test_yaml_is_safe_loaded(tmp_path):
     path.write_text("workload: !!python/object/apply:os.system ['echo pwned']\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_recipe(str(path))
+
+
+def test_stages_layer_over_the_top_level_and_are_validated(tmp_path):
+    from infer_tune.recipe import expand_stages
+
+    path = tmp_path / "r.yaml"
+    path.write_text("model: m1\nworkload: {suite: chat, limit: 4}\nconfigs: [{technique: quantize, method: bf16}]\n"
+                    "stages:\n  - {name: code, workload: {suite: code}, configs: [{technique: kv-cache, impl: static}]}\n"
+                    "  - {name: other, model: m2, configs: []}\n")
+    stages = expand_stages(load_recipe(str(path)))
+    assert [s.name for s in stages] == ["r", "r/code", "r/other"]
+    assert stages[1].workload == {"suite": "code", "limit": 4} and stages[1].model == "m1"
+    assert stages[2].model == "m2"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stages:\n  - {name: x, colour: red}\n")
+    with pytest.raises(ConfigError, match=r"stages\[0\]: unknown keys colour"):
+        expand_stages(load_recipe(str(bad)))
+    typed = tmp_path / "typed.yaml"
+    typed.write_text("stages:\n  - {name: x, workload: [1, 2]}\n")
+    with pytest.raises(ConfigError, match=r"stages\[0\]: workload must be a mapping"):
+        expand_stages(load_recipe(str(typed)))

@@ -79,19 +79,49 @@ def bench(
     With --recipe, the recipe's workload and protocol apply except for options given on the command line.
     With --resume, a baseline of the same measurement already in --out is reused instead of re-measured.
     """
-    from infer_tune.scenarios.bench import run_bench, spec_from_recipe
+    from infer_tune.scenarios.bench import run_bench, run_recipe, stages_from_recipe
 
     spec = run_spec(opts, execute=execute or unsafe_execute, unsafe_execute=unsafe_execute)
-    configs: list = []
-    if recipe is not None:
-        spec, configs = spec_from_recipe(recipe, spec, workload_given=opts.given(opts.workload_values()),
-                                         protocol_given=opts.given(opts.protocol_values()),
-                                         model_given="model" in opts.explicit)
-    with output.progress_bar(not opts.json_out) as progress:
-        outcome = run_bench(spec, configs, progress=progress)
-    docs = [outcome.baseline, *outcome.docs]
-    if opts.json_out:
-        output.print_json(docs if configs else outcome.baseline)
+    if recipe is None:
+        with output.progress_bar(not opts.json_out) as progress:
+            outcome = run_bench(spec, progress=progress)
+        if opts.json_out:
+            output.print_json(outcome.baseline)
+        else:
+            render_result(outcome.baseline, outcome.baseline.get("_path"))
         return
-    for doc in docs:
-        render_result(doc, doc.get("_path"))
+    stages = stages_from_recipe(recipe, spec, workload_given=opts.given(opts.workload_values()),
+                                protocol_given=opts.given(opts.protocol_values()),
+                                model_given="model" in opts.explicit)
+    with output.progress_bar(not opts.json_out) as progress:
+        outcomes = run_recipe(stages, progress=progress)
+    docs = [doc for o in outcomes for doc in (o.baseline, *o.docs)]
+    if opts.json_out:
+        output.print_json(docs)
+        return
+    render_recipe(docs, spec.out_dir)
+
+
+def render_recipe(docs: list[dict], out_dir: Path) -> None:
+    """The recipe's rows (narrow table), its claims, the recommendation, and the report's files."""
+    from infer_tune.report import claims, display
+    from infer_tune.report import leaderboard as lb
+    from infer_tune.report.recommend import Budget, recommend
+
+    frame = lb.build(docs)
+    written = lb.write(frame, docs, out_dir)
+    rows = frame.astype(object).where(frame.notna(), None).to_dict(orient="records")
+    output.out.print(display.markdown(rows, narrow=True), markup=False, highlight=False, soft_wrap=True)
+    for claim in claims.collect(docs):
+        output.out.print(f"claim: {claim.claim} -> {claim.measured}: {claim.verdict}"
+                         + (f" ({claim.why})" if claim.why and claim.verdict != "held" else ""),
+                         markup=False, soft_wrap=True)
+    budget = Budget()
+    rec = recommend(docs, budget)
+    if rec.doc is not None:
+        output.out.print(f"recommended ({lb.budget_summary(budget)}): {rec.doc['technique']} "
+                         f"{rec.doc.get('label', '')}; reproduce: {rec.command}", markup=False, soft_wrap=True)
+    else:
+        output.out.print(f"no configuration to recommend within {lb.budget_summary(budget)}", markup=False)
+    for path in written.values():
+        output.out.print(f"report: {path}", markup=False, soft_wrap=True)

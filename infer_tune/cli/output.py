@@ -9,7 +9,14 @@ from contextlib import contextmanager
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
@@ -49,7 +56,7 @@ def progress_bar(enabled: bool = True) -> Iterator:
         yield lambda stage, done, total: None
         return
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True) as bar:
+                  TextColumn("ETA"), TimeRemainingColumn(), console=err, transient=True) as bar:
         tasks: dict[str, int] = {}
 
         def update(stage: str, done: int, total: int | None) -> None:

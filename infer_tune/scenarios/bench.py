@@ -19,17 +19,54 @@ class BenchOutcome:
     docs: list[dict]
 
 
-def spec_from_recipe(name_or_path: str, spec: RunSpec, *, workload_given: dict[str, Any],
-                     protocol_given: dict[str, Any], model_given: bool) -> tuple[RunSpec, list]:
-    """The recipe's workload, protocol, model and configs; values the user gave explicitly win."""
+@dataclass
+class Stage:
+    name: str
+    spec: RunSpec
+    configs: list
+
+
+def stages_from_recipe(name_or_path: str, spec: RunSpec, *, workload_given: dict[str, Any],
+                       protocol_given: dict[str, Any], model_given: bool) -> list[Stage]:
+    """Each stage's workload, protocol, model and configs; values the user gave explicitly win. Every
+    stage is built (and so validated) before anything is measured."""
     from infer_tune import recipe as recipes
 
-    loaded_recipe = recipes.load_recipe(name_or_path)
-    workload = recipes.build_workload(loaded_recipe, workload_given)
-    protocol = recipes.build_protocol(loaded_recipe, protocol_given)
-    model = loaded_recipe.model if loaded_recipe.model and not model_given else spec.model
-    configs = recipes.build_configs(loaded_recipe)
-    return dataclasses.replace(spec, workload=workload, protocol=protocol, model=model), configs
+    stages = []
+    for part in recipes.expand_stages(recipes.load_recipe(name_or_path)):
+        workload = recipes.build_workload(part, workload_given)
+        protocol = recipes.build_protocol(part, protocol_given)
+        model = part.model if part.model and not model_given else spec.model
+        stage_spec = dataclasses.replace(spec, workload=workload, protocol=protocol, model=model)
+        stages.append(Stage(name=part.name, spec=stage_spec, configs=recipes.build_configs(part)))
+    return stages
+
+
+def spec_from_recipe(name_or_path: str, spec: RunSpec, *, workload_given: dict[str, Any],
+                     protocol_given: dict[str, Any], model_given: bool) -> tuple[RunSpec, list]:
+    """A single-stage recipe's run spec and configs (see `stages_from_recipe` for several stages)."""
+    stages = stages_from_recipe(name_or_path, spec, workload_given=workload_given, protocol_given=protocol_given,
+                                model_given=model_given)
+    return stages[0].spec, stages[0].configs
+
+
+def run_recipe(stages: list[Stage], *, progress: Progress | None = None) -> list[BenchOutcome]:
+    """Every stage in order, each against its own baseline; overall progress as `configs done / total`.
+    Finished results are saved as they come, so an interrupted recipe resumes with `resume`."""
+    total = sum(len(s.configs) + 1 for s in stages)
+    done = 0
+    outcomes = []
+
+    def overall(stage: str, step: int, count: int | None) -> None:
+        if progress:
+            progress(stage, step, count)
+            if stage == "configs":
+                progress("recipe", done + step, total)
+
+    for stage in stages:
+        outcomes.append(run_bench(stage.spec, stage.configs, progress=overall))
+        done += len(stage.configs) + 1
+    return outcomes
 
 
 def run_bench(spec: RunSpec, configs: list | None = None, *, progress: Progress | None = None) -> BenchOutcome:
