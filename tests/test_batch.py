@@ -32,6 +32,15 @@ runner = CliRunner()
 FAST = ["--warmup", "0", "--threads", "1"]
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: the tiny models gain nothing from two, and a shared CPU punishes them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def mixed_suite(tmp_path_factory):
     """Prompts of very different lengths, one with the pad token inside (as chat templates have)."""
@@ -139,6 +148,7 @@ def test_static_batch_waits_for_its_longest_request_and_continuous_does_not(tiny
     assert late.queue_ms > 0
     first, second = doc["metrics"]["batch_log"]
     assert first["size"] == 2 and first["steps"] == 40 and second["start_ms"] >= first["end_ms"]
+    assert 0 < doc["metrics"]["busy_share"] <= 1
 
     doc, (short, long, late) = _hand_trace_run(tiny_loaded, ContinuousBatcher(2, 256), trace, tmp_path)
     assert late.start_ns < long.token_ns[-1]  # joins when the short one leaves, while the long one still decodes
@@ -198,9 +208,8 @@ def test_knee_and_rates_meeting_slos():
     assert analysis.knee({1: 10.0, 4: 20.0, 16: 20.5})[1][1] == pytest.approx(2 ** 0.5 - 1)  # per doubling
     rows = [{"rate": 1, "slo_attainment": 1.0}, {"rate": 2, "slo_attainment": 0.95}, {"rate": 4, "slo_attainment": 0.5}]
     assert analysis.max_rate_meeting_slo(rows, 0.9) == 2 and analysis.max_rate_meeting_slo(rows, 0.99) == 1
-    static = [{"rate": 1, "offered_rate": 1.0, "request_throughput_req_s": 0.98},
-              {"rate": 2, "offered_rate": 2.0, "request_throughput_req_s": 1.5}]
-    assert analysis.loaded_rate(static) == (2, True)
+    static = [{"rate": 1, "busy_share": 0.5}, {"rate": 2, "busy_share": 0.93}, {"rate": 4, "busy_share": 0.99}]
+    assert analysis.loaded_rate(static) == (2, True) and analysis.loaded_rate(static[:1]) == (1, False)
 
 
 def test_sweep_reports_out_of_memory_and_memory_limit_and_goes_on(tiny_model_dir, mixed_suite, tmp_path, monkeypatch):

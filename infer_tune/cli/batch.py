@@ -94,36 +94,38 @@ def sweep(opts: opt.MeasureOptions, batch_sizes: BatchSizes = "1,2,4,8,16,32", m
 
 
 def render_sweep(result) -> None:
+    """One row per batch size (measured or not), the knee marked."""
     docs = result.docs
     first = docs[0] if docs else None
     table = Table(title=f"batch sweep · {first['model']['ref']} · {first['workload']['prompts']} prompts x "
                         f"{first['workload']['max_new_tokens']} tokens" if first else "batch sweep")
-    for col in ("batch", "tok/s", "gain/doubling", "TTFT p50 ms", "e2e p50 ms", "padding", "peak RSS",
-                "mismatches", "status"):
-        table.add_column(col, justify="left" if col in ("batch", "status") else "right")
+    for col in ("batch", "tok/s", "gain/2x", "TTFT ms", "e2e ms", "pad", "peak RSS", "diff"):
+        table.add_column(col, justify="left" if col == "batch" else "right")
     rows = [(d["metrics"]["batch_size"], d) for d in docs] + [(s["batch_size"], s) for s in result.skipped]
     for size, item in sorted(rows, key=lambda r: r[0]):
         if "status" in item:
-            table.add_row(str(size), "-", "-", "-", "-", "-", output.fmt_bytes(item["predicted_peak_bytes"]) + " (pred.)",
-                          "-", item["status"].replace("_", " "))
+            table.add_row(f"{size} {item['status'].replace('_', ' ')}", "-", "-", "-", "-", "-",
+                          output.fmt_bytes(item["predicted_peak_bytes"]) + "?", "-")
             continue
         m = item["metrics"]
-        status = "knee" if m["is_knee"] else ""
-        if m.get("exceeded_memory_limit"):
-            status = (status + " exceeded memory limit").strip()
-        table.add_row(str(size), output.fmt(m["output_throughput_tok_s"], ".1f"),
-                      output.fmt(100 * m["gain_per_doubling"] if m["gain_per_doubling"] is not None else None, "+.0f")
-                      + ("%" if m["gain_per_doubling"] is not None else ""),
-                      output.fmt(m["ttft_ms"]["p50"], ".0f"), output.fmt(m["e2e_ms"]["p50"], ".0f"),
-                      output.fmt(m["padding_share"], ".0%"), output.fmt_bytes(m["peak_rss_bytes"]),
-                      output.fmt(m.get("output_mismatches"), "d"), status)
+        gain = m["gain_per_doubling"]
+        note = " knee" if m["is_knee"] else ""
+        note += " over limit" if m.get("exceeded_memory_limit") else ""
+        table.add_row(f"{size}{note}", output.fmt(m["output_throughput_tok_s"], ".1f"),
+                      "-" if gain is None else f"{100 * gain:+.0f}%", output.fmt(m["ttft_ms"]["p50"], ".0f"),
+                      output.fmt(m["e2e_ms"]["p50"], ".0f"), output.fmt(m["padding_share"], ".0%"),
+                      output.fmt_bytes(m["peak_rss_bytes"]), output.fmt(m.get("output_mismatches"), "d"))
     output.out.print(table)
+    output.out.print("  gain/2x: output tok/s gained per doubling to the next size; TTFT / e2e: p50 per request; "
+                     "pad: padded share of the batch positions; diff: outputs differing from the smallest batch's",
+                     soft_wrap=True)
     knee = result.knee
-    output.out.print(f"  knee: {knee if knee is not None else 'not reached'} (first batch size from which one more "
-                     f"doubling gains < 5% output throughput); outputs compared with batch size "
-                     f"{docs[0]['metrics']['reference_batch_size'] if docs else '-'}")
+    output.out.print(f"  knee: {knee if knee is not None else 'not reached in this sweep'} (the first batch size from "
+                     "which one more doubling gains < 5% output throughput)", soft_wrap=True)
+    for item in result.skipped:
+        output.out.print(f"  batch {item['batch_size']}: {item['reason']}", soft_wrap=True)
     for run_dir in result.run_dirs:
-        output.out.print(f"  result {run_dir}/result.json")
+        output.out.print(f"  result {run_dir}/result.json", soft_wrap=True)
 
 
 @opt.measuring_command(batch_size=8, max_new_tokens=64, min_iterations=1, min_duration=0.0)
@@ -190,45 +192,62 @@ def serve_sim(
     render_serve(result)
 
 
-def _dist(m: dict, key: str, stats: tuple[str, ...] = ("mean", "p50", "p90", "p99"), scale: float = 1.0) -> str:
-    return "/".join(output.fmt(m[key][s] / scale if m[key][s] is not None else None, ".0f") for s in stats)
+def _dist(m: dict, key: str, stats: tuple[str, ...]) -> str:
+    return " / ".join(output.fmt(m[key][s], ".0f") for s in stats)
+
+
+SERVE_ROWS = (
+    ("TTFT ms mean/p50/p90/p99", lambda m: _dist(m, "ttft_ms", ("mean", "p50", "p90", "p99"))),
+    ("queue ms mean/p50/p90/p99", lambda m: _dist(m, "queue_ms", ("mean", "p50", "p90", "p99"))),
+    ("TPOT ms mean/p50/p90/p99", lambda m: _dist(m, "tpot_ms", ("mean", "p50", "p90", "p99"))),
+    ("e2e ms mean/p50/p90/p99", lambda m: _dist(m, "e2e_ms", ("mean", "p50", "p90", "p99"))),
+    ("output tok/s", lambda m: output.fmt(m["output_throughput_tok_s"], ".1f")),
+    ("requests/s (offered)", lambda m: f"{output.fmt(m['request_throughput_req_s'])} ({output.fmt(m['offered_rate'])})"),
+    ("goodput req/s", lambda m: output.fmt(m["goodput_req_s"])),
+    ("SLO attainment", lambda m: output.fmt(m["slo_attainment"], ".0%")),
+    ("mean batch / padding", lambda m: f"{output.fmt(m.get('mean_batch_size'), '.1f')} / "
+                                       f"{output.fmt(m.get('padding_share'), '.0%')}"),
+    ("output mismatches", lambda m: output.fmt(m.get("output_mismatches"), "d")),
+)
 
 
 def render_serve(result) -> None:
+    """One table per rate: a row per metric, a column per scheduler (side by side on the same trace)."""
     from infer_tune.tuners.batch.analysis import claim_line
 
+    by_rate: dict[float, dict[str, dict]] = {}
+    for doc in result.docs:
+        by_rate.setdefault(doc["config"]["rate"], {})[doc["config"]["scheduler"]] = doc
     first = result.docs[0]
-    table = Table(title=f"batch serve-sim · {first['model']['ref']} · {first['workload']['requests']} requests, "
-                        f"burstiness {first['workload']['burstiness']:g}, max batch {first['config']['batch_size']}")
-    for col in ("rate", "scheduler", "TTFT ms mean/p50/p90/p99", "queue ms p50/p90/p99", "TPOT ms p50",
-                "e2e ms mean/p50/p90/p99", "tok/s", "req/s", "goodput", "SLO met", "mismatches"):
-        table.add_column(col, justify="left" if col == "scheduler" else "right")
-    for doc in sorted(result.docs, key=lambda d: (d["config"]["rate"], d["config"]["scheduler"])):
-        m = doc["metrics"]
-        table.add_row(f"{doc['config']['rate']:g}", doc["config"]["scheduler"], _dist(m, "ttft_ms"),
-                      _dist(m, "queue_ms", ("p50", "p90", "p99")), output.fmt(m["tpot_ms"]["p50"], ".0f"),
-                      _dist(m, "e2e_ms"), output.fmt(m["output_throughput_tok_s"], ".1f"),
-                      output.fmt(m["request_throughput_req_s"], ".2f"), output.fmt(m["goodput_req_s"], ".2f"),
-                      output.fmt(m["slo_attainment"], ".0%"), output.fmt(m.get("output_mismatches"), "d"))
-    output.out.print(table)
+    for rate, docs in sorted(by_rate.items()):
+        names = sorted(docs, key=lambda n: n != "static")
+        table = Table(title=f"batch serve-sim · {first['model']['ref']} · {rate:g} req/s · "
+                            f"{first['workload']['requests']} requests, burstiness {first['workload']['burstiness']:g}, "
+                            f"max batch {first['config']['batch_size']}")
+        table.add_column("metric")
+        for name in names:
+            table.add_column(name, justify="right")
+        for label, cell in SERVE_ROWS:
+            table.add_row(label, *(cell(docs[name]["metrics"]) for name in names))
+        output.out.print(table)
     summary = result.summary
     if any(v is not None for v in summary["slo"].values()):
+        slo = ", ".join(f"{k.removesuffix('_ms')} <= {v:g} ms" for k, v in summary["slo"].items() if v is not None)
         for name, rate in summary["max_rate_meeting_slo"].items():
-            output.out.print(f"  highest rate meeting the SLOs ({summary['slo_target']:.0%} of requests) with {name}: "
-                             f"{'none of the rates' if rate is None else f'{rate:g} req/s'}")
+            output.out.print(f"  highest rate with {summary['slo_target']:.0%} of requests meeting {slo}, {name}: "
+                             f"{'none of the rates' if rate is None else f'{rate:g} req/s'}", soft_wrap=True)
     else:
         output.out.print("  no SLO given (--slo-ttft-ms / --slo-tpot-ms / --slo-e2e-ms): goodput not computed")
-    for doc in result.docs:
-        m = doc["metrics"]
-        if m.get("scheduler_setup_s") is not None and doc["config"]["scheduler"] == "continuous":
-            output.out.print(f"  continuous batching: {m['continuous_impl']}, attention {m['continuous_attn_impl']}, "
-                             f"set-up {m['scheduler_setup_s']:.2f} s (before the trace, not in TTFT)")
-            break
+    cont = next((d["metrics"] for d in result.docs if d["config"]["scheduler"] == "continuous"), None)
+    if cont is not None and cont.get("continuous_impl"):
+        output.out.print(f"  continuous batching: {cont['continuous_impl']}, attention {cont['continuous_attn_impl']}, "
+                         f"set-up {output.fmt(cont.get('scheduler_setup_s'))} s (before the trace, not in TTFT)",
+                         soft_wrap=True)
     if summary["claim_check"] is not None:
-        output.out.print(f"claim: {summary['claim_check']['claim']}: {claim_line(summary['claim_check'])}")
+        output.out.print(f"claim: {summary['claim_check']['claim']}: {claim_line(summary['claim_check'])}",
+                         soft_wrap=True)
     for run_dir in result.run_dirs:
-        output.out.print(f"  result {run_dir}/result.json")
-
+        output.out.print(f"  result {run_dir}/result.json", soft_wrap=True)
 
 app.command("sweep")(sweep)
 app.command("serve-sim")(serve_sim)

@@ -274,7 +274,7 @@ def _finish_serve(measured: list[tuple[dict, list[dict], list[dict]]], serve: Se
         m.update(goodput(timings_from_samples(doc["samples"]), serve.slo, m["trace_duration_s"]))
         table.setdefault(doc["config"]["scheduler"], []).append(
             {"rate": doc["config"]["rate"], "slo_attainment": m["slo_attainment"], "goodput_req_s": m["goodput_req_s"],
-             "request_throughput_req_s": m["request_throughput_req_s"], "offered_rate": m["offered_rate"] or 0.0,
+             "busy_share": m.get("busy_share"),
              "throughput": m["output_throughput_tok_s"], "e2e_mean_ms": m["e2e_ms"]["mean"],
              "e2e_p90_ms": m["e2e_ms"]["p90"], "metrics": m})
     summary: dict = {"slo": serve.slo.to_dict(), "slo_target": serve.slo_target, "max_rate_meeting_slo": {
@@ -282,9 +282,9 @@ def _finish_serve(measured: list[tuple[dict, list[dict], list[dict]]], serve: Se
         for name, rows in table.items()}}
     claim = None
     if {"static", "continuous"} <= set(table):
-        rate, saturated = analysis.loaded_rate(table["static"])
+        rate, loaded = analysis.loaded_rate(table["static"])
         pick = {name: next(r["metrics"] for r in table[name] if r["rate"] == rate) for name in ("static", "continuous")}
-        claim = analysis.claim_check(pick["static"], pick["continuous"], rate, saturated)
+        claim = analysis.claim_check(pick["static"], pick["continuous"], rate, loaded)
     summary["claim_check"] = claim
     per_rate: dict = {}
     for doc, _, _ in measured:

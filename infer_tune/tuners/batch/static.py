@@ -83,7 +83,9 @@ class StaticBatcher:
             if progress:
                 progress("requests", done, n)
         self.timings, self.outputs = timings, outputs
-        self._stats = {"padding_share": 1 - useful / positions if positions else None,
+        busy = sum(b["end_ms"] - b["start_ms"] for b in self.batch_log if b["end_ms"] is not None)
+        span = max((b["end_ms"] for b in self.batch_log if b["end_ms"] is not None), default=0.0)
+        self._stats = {"busy_share": busy / span if span else None,"padding_share": 1 - useful / positions if positions else None,
                        "batches": len(self.batch_log), "batches_full": full, "batches_by_timeout": by_timeout,
                        "mean_batch_size": n / len(self.batch_log) if self.batch_log else None,
                        "output_mismatches": count_mismatches(outputs, self.references, eos)}
