@@ -13,6 +13,7 @@ import warnings
 import typer
 from typer.core import TyperGroup
 
+from infer_tune.cli import batch as batch_cmd
 from infer_tune.cli import bench as bench_cmd
 from infer_tune.cli import compare as compare_cmd
 from infer_tune.cli import env_cmd, models_cmd, output
@@ -111,6 +112,7 @@ app.command("leaderboard")(leaderboard_cmd.leaderboard)
 app.command("compare")(compare_cmd.compare)
 app.command("quantize")(quantize_cmd.quantize)
 app.command("kv-cache")(kv_cache_cmd.kv_cache)
+app.add_typer(batch_cmd.app, name="batch")
 
 
 def main() -> None:

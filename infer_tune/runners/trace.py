@@ -4,9 +4,12 @@ Requests arrive on a trace (offsets in seconds from its start), whether or not e
 finished; a scheduler decides when each is served and with which others. A request's `submit_ns` is
 its arrival, so TTFT and e2e include queueing; `start_ns` is when service began (`queue_ms`).
 
-A technique puts `trace` (a list of `TraceRequest`) and `scheduler` (a `Scheduler`) into
-`PreparedModel.runner_options`. Without them every prompt arrives at time 0 and `SerialScheduler`
-serves them first-come first-served, one at a time.
+A technique puts `trace` (a list of `TraceRequest`, or a callable `(prepared, inputs, encoded, workload)
+-> list[TraceRequest]` called untimed when the runner starts, for traces that depend on the prompts)
+and `scheduler` (a `Scheduler`) into `PreparedModel.runner_options`. Without them every prompt arrives
+at time 0 and `SerialScheduler` serves them first-come first-served, one at a time. A scheduler may
+also have `setup(prepared, trace, encoded, max_new_tokens)`, run after warmup and before the trace
+starts (timed apart as `scheduler_setup_s`), and `run_counters() -> dict`, merged into the metrics.
 """
 
 from __future__ import annotations
@@ -85,9 +88,12 @@ def run_trace(prepared: PreparedModel, inputs, workload, protocol: Protocol,
               progress: Progress | None = None) -> GenerationRun:
     """Warm up on the first prompt, then replay the trace once through the technique's scheduler."""
     options = prepared.runner_options
-    trace: list[TraceRequest] = options.get("trace") or [TraceRequest(i, 0.0) for i in range(len(inputs.prompts))]
     scheduler: Scheduler = options.get("scheduler") or SerialScheduler()
     encoded = encode_batches(prepared.tokenizer, inputs.rendered, 1, add_special_tokens=not inputs.templated)
+    trace = options.get("trace")
+    if callable(trace):
+        trace = trace(prepared, inputs, encoded, workload)
+    trace = trace or [TraceRequest(i, 0.0) for i in range(len(inputs.prompts))]
     first_call_ms = None
     warmup_start = time.perf_counter()
     for i in range(protocol.warmup):
@@ -95,6 +101,11 @@ def run_trace(prepared: PreparedModel, inputs, workload, protocol: Protocol,
         if i == 0 and token_ns:
             first_call_ms = (token_ns[-1] - submit_ns) / 1e6
     warmup_s = time.perf_counter() - warmup_start
+    setup_s = None
+    if hasattr(scheduler, "setup"):
+        setup_start = time.perf_counter()
+        scheduler.setup(prepared, trace, encoded, workload.max_new_tokens)
+        setup_s = time.perf_counter() - setup_start
     if prepared.counters is not None:
         prepared.counters.reset()
     rss_before = memory.release_and_reset_peak()
@@ -104,7 +115,12 @@ def run_trace(prepared: PreparedModel, inputs, workload, protocol: Protocol,
     end_ns = max((t.token_ns[-1] for t in timings if t.token_ns), default=time.perf_counter_ns())
     counters = prepared.counters.snapshot() if prepared.counters is not None else {}
     counters.update(scheduler=scheduler.name, trace_requests=len(trace),
-                    trace_span_s=max((r.arrival_s for r in trace), default=0.0))
+                    trace_span_s=max((r.arrival_s for r in trace), default=0.0),
+                    trace_duration_s=(end_ns - origin_ns) / 1e9)
+    if setup_s is not None:
+        counters["scheduler_setup_s"] = setup_s
+    if hasattr(scheduler, "run_counters"):
+        counters.update(scheduler.run_counters())
     return GenerationRun(
         requests=timings,
         outputs=sorted(outputs, key=lambda o: o.prompt_index),

@@ -1,0 +1,125 @@
+"""Batching: static batches vs continuous (iteration-level) batching on an open-loop arrival trace,
+and the closed-loop batch-size sweep.
+
+A `BatchConfig` with scheduler `static` or `continuous` runs on the `trace` runner: its trace is built
+when the runner starts (the prompts' single-request greedy lengths are needed first, see
+`TraceFactory`), and the scheduler replays it. Scheduler `sweep` rows are measured by the
+`batch sweep` scenario on the closed-loop `generation` runner. The commands, metric definitions and
+design: docs/batch.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from infer_tune import models
+from infer_tune.errors import ConfigError
+from infer_tune.runners.prepared import PreparedModel
+from infer_tune.runners.trace import TraceRequest
+from infer_tune.tuners.base import RunContext, TechniqueConfig, register_technique
+from infer_tune.tuners.batch.arrivals import TraceRow, check_burstiness, check_rate, trace_plan
+from infer_tune.tuners.batch.common import reference_tokens
+from infer_tune.tuners.batch.continuous import ContinuousBatcher
+from infer_tune.tuners.batch.static import StaticBatcher
+
+SCHEDULERS = ("static", "continuous", "sweep")
+DEFAULT_TIMEOUT_MS = 250.0
+DEFAULT_MAX_BATCH_TOKENS = 512
+
+
+@dataclass
+class BatchConfig(TechniqueConfig):
+    """One batching run: the scheduler, its batch size, and (trace schedulers) the load it is offered."""
+
+    technique: ClassVar[str] = "batch"
+
+    scheduler: str = "continuous"
+    batch_size: int = 8
+    rate: float | None = None
+    burstiness: float | None = None
+    requests: int | None = None
+    timeout_ms: float | None = None
+    max_batch_tokens: int | None = None
+    seed: int = 0
+    allow_repeat: bool = False
+
+    def __post_init__(self) -> None:
+        if self.scheduler not in SCHEDULERS:
+            raise ConfigError(f"batch scheduler must be one of {', '.join(SCHEDULERS)}, got '{self.scheduler}'")
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ConfigError(f"batch batch_size must be an integer >= 1, got {self.batch_size}")
+        if self.scheduler == "sweep":
+            return
+        if self.rate is None:
+            raise ConfigError(f"batch scheduler '{self.scheduler}' needs a rate (requests/s)")
+        check_rate(self.rate)
+        self.burstiness = 1.0 if self.burstiness is None else float(self.burstiness)
+        check_burstiness(self.burstiness)
+        if self.requests is not None and self.requests < 1:
+            raise ConfigError(f"batch requests must be >= 1, got {self.requests}")
+        if self.scheduler == "static":
+            self.timeout_ms = DEFAULT_TIMEOUT_MS if self.timeout_ms is None else float(self.timeout_ms)
+            if not 0 <= self.timeout_ms < math.inf:
+                raise ConfigError(f"batch timeout_ms must be a finite number >= 0, got {self.timeout_ms}")
+            if self.max_batch_tokens is not None:
+                raise ConfigError("batch max_batch_tokens applies to the continuous scheduler only")
+        else:
+            self.max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS if self.max_batch_tokens is None else self.max_batch_tokens
+            if self.max_batch_tokens < 1:
+                raise ConfigError(f"batch max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
+            if self.timeout_ms is not None:
+                raise ConfigError("batch timeout_ms applies to the static scheduler only")
+
+    def label(self) -> str:
+        if self.scheduler == "sweep":
+            return f"sweep-b{self.batch_size}"
+        return f"{self.scheduler}-b{self.batch_size}-r{self.rate:g}" + (
+            f"-k{self.burstiness:g}" if self.burstiness != 1.0 else "")
+
+
+class TraceFactory:
+    """Builds a config's trace when the trace runner starts: seeded prompt picks and arrivals, each request's
+    output length = its prompt's single-request greedy length (capped at the workload's max_new_tokens).
+
+    The greedy references are computed once per prompt (untimed, memoized in the run context's cache) and
+    handed to the scheduler, which counts the requests whose output differs (`output_mismatches`).
+    """
+
+    def __init__(self, config: BatchConfig, scheduler, cache: dict, progress=None) -> None:
+        self.config, self.scheduler, self.cache, self.progress = config, scheduler, cache, progress
+        self.rows: list[TraceRow] = []
+
+    def __call__(self, prepared: PreparedModel, inputs, encoded: list[dict], workload) -> list[TraceRequest]:
+        c = self.config
+        plan = trace_plan(c.requests or len(encoded), len(encoded), c.rate, burstiness=c.burstiness, seed=c.seed,
+                          allow_repeat=c.allow_repeat)
+        refs = reference_tokens(prepared, encoded, [p for p, _ in plan], workload.max_new_tokens, self.cache,
+                                self.progress)
+        self.scheduler.references = refs
+        self.rows = [TraceRow(p, t, int(encoded[p]["input_ids"].shape[1]), max(len(refs[p]), 1)) for p, t in plan]
+        return [TraceRequest(r.prompt_index, r.arrival_s, r.output_tokens) for r in self.rows]
+
+
+def make_scheduler(config: BatchConfig):
+    if config.scheduler == "static":
+        return StaticBatcher(config.batch_size, config.timeout_ms)
+    return ContinuousBatcher(config.batch_size, config.max_batch_tokens)
+
+
+def _preflight(loaded: models.LoadedModel, config: BatchConfig, ctx: RunContext) -> None:
+    if config.scheduler == "sweep":
+        raise ConfigError("batch scheduler 'sweep' is the closed-loop batch-size sweep (infer-tune batch sweep); "
+                          "a recipe runs 'static' or 'continuous' on an arrival trace")
+
+
+@register_technique(BatchConfig, runner="trace", preflight=_preflight, measure_ppl=False)
+def prepare_batch(loaded: models.LoadedModel, config: BatchConfig, ctx: RunContext) -> PreparedModel:
+    """The model unchanged; the trace runner gets the trace factory and the scheduler (sweep: nothing)."""
+    options = {}
+    if config.scheduler != "sweep":
+        scheduler = make_scheduler(config)
+        options = {"trace": TraceFactory(config, scheduler, ctx.cache, ctx.progress), "scheduler": scheduler}
+    return PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, label=config.label(), device=ctx.device,
+                         runner_options=options)
