@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,7 +208,7 @@ class ServeResult:
 
 def check_prompt_count(spec: RunSpec, serve: ServeSpec) -> None:
     """More requests than the suite's prompts needs `allow_repeat` (checked before the model loads)."""
-    available = len(load_prompts(spec.workload))
+    available = sum(1 for _ in itertools.islice(load_prompts(spec.workload), serve.requests))  # lazy: stops early
     if serve.requests > available and not serve.allow_repeat:
         raise ConfigError(f"{serve.requests} requests but suite '{spec.workload.suite}' has {available} prompts; "
                           "ask for fewer requests or allow repeats (requests then sample prompts with replacement)")
