@@ -25,7 +25,8 @@ class StreamRecord:
 
     `start_ns`: when the request was handed to the connection; `delivery_ns[k]` / `texts[k]`: the
     time and text of the k-th content-bearing event (role-only, finish-only and usage events carry no
-    text and are not deliveries); `usage`: the server's `usage` block when it sent one.
+    text and are not deliveries); `usage`: the server's `usage` block when it sent one; `finish_ns`:
+    when the event with `finish_reason` arrived.
     `failure` (None on success) is one of FAILURE_KINDS; `status` the HTTP status; `message` a
     short explanation.
     """
@@ -35,6 +36,7 @@ class StreamRecord:
     texts: list[str] = field(default_factory=list)
     usage: dict | None = None
     finish_reason: str | None = None
+    finish_ns: int | None = None
     status: int | None = None
     failure: str | None = None
     message: str = ""
@@ -133,7 +135,7 @@ def _handle_event(record: StreamRecord, payload: str, now: int, api: str) -> boo
         record.texts.append(text)
     choices = event.get("choices") or []
     if choices and choices[0].get("finish_reason"):
-        record.finish_reason = choices[0]["finish_reason"]
+        record.finish_reason, record.finish_ns = choices[0]["finish_reason"], now
     if isinstance(event.get("usage"), dict):
         record.usage = event["usage"]
     return False

@@ -55,6 +55,9 @@ class _Handler:
         self.behaviour = behaviour
         self.completions = 0  # completion requests seen (the fault schedule counts these)
         self.requests: list[dict] = []  # bodies received, for tests
+        self.headers: list[dict[str, str]] = []  # their headers
+        self.in_flight = 0
+        self.max_in_flight = 0  # most completion requests served at once
 
     async def connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -64,14 +67,15 @@ class _Handler:
                 method, path, _ = lines[0].split(" ", 2)
                 headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
-                await self.respond(method, path, body, writer)
+                await self.respond(method, path, body, writer, headers)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
             pass
         finally:
             writer.close()
 
-    async def respond(self, method: str, path: str, body: bytes, writer: asyncio.StreamWriter) -> None:
+    async def respond(self, method: str, path: str, body: bytes, writer: asyncio.StreamWriter,
+                      headers: dict[str, str]) -> None:
         b = self.behaviour
         if method == "GET" and path.endswith("/models"):
             writer.write(_http("200 OK", json.dumps(
@@ -85,8 +89,18 @@ class _Handler:
             return
         request = json.loads(body)
         self.requests.append(request)
+        self.headers.append(headers)
         self.completions += 1
         n = self.completions
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await self.complete(request, n, writer)
+        finally:
+            self.in_flight -= 1
+
+    async def complete(self, request: dict, n: int, writer: asyncio.StreamWriter) -> None:
+        b = self.behaviour
         rejected = sorted(set(request) & set(b.reject_fields))
         if rejected:
             writer.write(_http("422 Unprocessable Entity", json.dumps({"detail": f"Unexpected fields: {rejected}"}).encode()))
@@ -148,6 +162,14 @@ class LoopbackServer:
     @property
     def requests(self) -> list[dict]:
         return self.handler.requests
+
+    @property
+    def headers(self) -> list[dict[str, str]]:
+        return self.handler.headers
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.handler.max_in_flight
 
     def start(self) -> LoopbackServer:
         ready = threading.Event()

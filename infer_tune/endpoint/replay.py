@@ -8,8 +8,9 @@ successful request as a `RequestTiming`, its output, and the failed requests wit
 
 Tokens: `usage.completion_tokens` when the server reports it (and it is not below the number of
 text-bearing events), else one token per text-bearing event. Events that arrive in one network read
-form one delivery (a step); tokens the stream did not deliver separately are counted in the last
-delivery. TTFT is the first delivery with text; ITL the gaps between deliveries.
+form one delivery (a step); tokens counted but not streamed as text (end-of-sequence) belong to the
+finishing event (`count_tokens`). TTFT is the first delivery with text; ITL the gaps between
+deliveries; e2e runs to the last delivery.
 """
 
 from __future__ import annotations
@@ -71,35 +72,43 @@ class ReplayResult:
         self.multi_token_deliveries += other.multi_token_deliveries
 
 
-def count_tokens(record: StreamRecord) -> tuple[int, str, list[int]]:
-    """(generated tokens, where the count came from, tokens per delivery) of a successful record."""
-    deliveries: list[int] = []  # events per network read
-    for k, t in enumerate(record.delivery_ns):
-        if k and t == record.delivery_ns[k - 1]:
-            deliveries[-1] += 1
+def count_tokens(record: StreamRecord) -> tuple[int, str, list[tuple[int, int]]]:
+    """(generated tokens, where the count came from, [(time, tokens)] per delivery) of a successful record.
+
+    Text-bearing events of one network read are one delivery. Tokens the server counted but did not
+    stream as text (an end-of-sequence token, bytes of an unfinished character) belong to the
+    delivery that followed them: the finishing event when it came later, else the last delivery.
+    """
+    steps: list[list[int]] = []
+    for t in record.delivery_ns:
+        if steps and steps[-1][0] == t:
+            steps[-1][1] += 1
         else:
-            deliveries.append(1)
+            steps.append([t, 1])
     events = len(record.delivery_ns)
     reported = (record.usage or {}).get("completion_tokens")
     if isinstance(reported, int) and reported >= events:
         tokens, source = reported, "usage"
     else:
         tokens, source = events, "deltas"
-    if deliveries:
-        deliveries[-1] += tokens - events
-    return tokens, source, deliveries
+    extra = tokens - events
+    if extra and steps:
+        if record.finish_ns is not None and record.finish_ns > steps[-1][0]:
+            steps.append([record.finish_ns, extra])
+        else:
+            steps[-1][1] += extra
+    return tokens, source, [(t, n) for t, n in steps]
 
 
 def to_timing(record: StreamRecord, prompt_index: int, submit_ns: int, start_ns: int | None, iteration: int,
               prompt_tokens: int) -> tuple[RequestTiming, str, bool]:
     """The record as a RequestTiming (one timestamp per token), the token-count source, and whether
     the server's usage disagreed with the events it streamed."""
-    tokens, source, steps = count_tokens(record)
-    times = sorted(set(record.delivery_ns))
-    token_ns = [t for t, n in zip(times, steps) for _ in range(n)]
+    _, source, steps = count_tokens(record)
+    token_ns = [t for t, n in steps for _ in range(n)]
     reported = (record.usage or {}).get("completion_tokens")
     mismatch = isinstance(reported, int) and reported != len(record.delivery_ns)
-    step_tokens = None if all(n == 1 for n in steps) else steps
+    step_tokens = None if all(n == 1 for _, n in steps) else [n for _, n in steps]
     return (RequestTiming(prompt_index, iteration, prompt_tokens, submit_ns, token_ns, step_tokens, start_ns),
             source, mismatch)
 

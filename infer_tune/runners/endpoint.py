@@ -116,6 +116,7 @@ def run_endpoint(prepared: PreparedModel, inputs, workload, protocol: Protocol,
         "token_count_source": sources.pop() if len(sources) == 1 else "mixed",
         "usage_token_mismatches": result.usage_mismatches,
         "multi_token_deliveries": result.multi_token_deliveries,
+        "generate_steps": sum(len(t.step_ns()) for t in result.timings),  # deliveries the client saw
         "nondeterministic_outputs": varied,
         "concurrency": config.concurrency,
         "client_peak_rss_bytes": memory.peak_rss_bytes(),
