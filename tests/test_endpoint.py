@@ -273,3 +273,25 @@ def test_client_overhead_on_ttft_is_small():
     with LoopbackServer() as server:
         result = measure_client_overhead(EndpointConfig(url=server.url, served_model="loopback"), rounds=40)
     assert result["overhead_ms"]["n"] == 40 and result["overhead_ms_p50"] < 50.0
+
+
+# --------------------------------------------------------------------------- reference engines
+def test_reference_engine_input_is_checked_before_anything_starts(tmp_path, monkeypatch):
+    from infer_tune.endpoint import servers
+
+    bad = runner.invoke(app, ["endpoint", "reference", "--engine", "vllm", "--out", str(tmp_path)])
+    assert bad.exit_code == 2 and "engine must be one of transformers, llama.cpp" in bad.output
+    monkeypatch.setattr(servers, "missing_modules", lambda engine: ["llama_cpp"])
+    missing = runner.invoke(app, ["endpoint", "reference", "--engine", "llama.cpp", "--out", str(tmp_path)])
+    assert missing.exit_code == 2 and "pip install 'infer-tune[llamacpp]'" in missing.output
+    with pytest.raises(ConfigError, match="GGUF"):
+        servers.gguf_for(str(tmp_path))
+    cmd, served = servers.engine_command("transformers", str(_tiny_checkpoint(tmp_path)), 8123,
+                                         continuous_batching=True)
+    assert "--continuous-batching" in cmd and "127.0.0.1" in cmd and served == str(tmp_path / "ckpt")
+
+
+def _tiny_checkpoint(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    return tmp_path / "ckpt"

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 out = Console(highlight=False)
@@ -29,11 +30,12 @@ def print_json(document) -> None:
 
 
 def error(message: str) -> None:
-    err.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    """One `error:` line; the message is literal text (brackets such as `infer-tune[serve]` survive)."""
+    err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
 
 
 def note(message: str) -> None:
-    err.print(message, soft_wrap=True)
+    err.print(escape(message), soft_wrap=True)
 
 
 @contextmanager

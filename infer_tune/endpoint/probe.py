@@ -88,7 +88,7 @@ async def probe(session, config: EndpointConfig) -> ServerInfo:
     """The model list, the server header and the engine's self-reports (errors: EndpointError)."""
     import aiohttp
 
-    headers = {k: v for k, v in config.headers().items() if k != "Content-Type"}
+    headers = {**{k: v for k, v in config.headers().items() if k == "Authorization"}, "Accept": "application/json"}
     info = ServerInfo()
     limit = min(config.timeout_s, 30.0)
     try:

@@ -66,7 +66,7 @@ class SweepOutcome:
     run_dirs: list[Path] = field(default_factory=list)
 
 
-def load_tokenizer(ref: str):
+def load_tokenizer(ref: str, trust_remote_code: bool = False):
     """The tokenizer of a model reference (checkpoint dir, alias, .gguf or hub id), without its weights."""
     from transformers import AutoTokenizer
 
@@ -75,7 +75,7 @@ def load_tokenizer(ref: str):
 
     location = models.resolve(ref)
     try:
-        return AutoTokenizer.from_pretrained(location)
+        return AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load the tokenizer of {ref}: {str(exc).splitlines()[0]}") from None
 
@@ -94,7 +94,7 @@ def open_endpoint(spec: RunSpec, config: EndpointConfig, *, model_given: bool) -
     from infer_tune import env as envinfo
 
     prompts = load_prompts(spec.workload)
-    tokenizer = load_tokenizer(spec.model) if model_given else None
+    tokenizer = load_tokenizer(spec.model, spec.trust_remote_code) if model_given else None
     if tokenizer is None and config.api == "completions" and spec.workload.chat_template:
         raise ConfigError("api 'completions' sends prompts rendered by the model's chat template: name the served "
                           "weights as model (for the tokenizer), or turn chat_template off")
