@@ -61,7 +61,8 @@ def main() -> None:
                                        parse_rates(args.rates), requests=args.requests, model_given=True)
             for d in sweep.docs:
                 lines.append(row(f"{name} @ {d['metrics']['offered_rate_req_s']} req/s", d))
-            lines.append(f"{name}: knee {sweep.knee_rate} req/s (saturated: {sweep.saturated})")
+            lines.append(f"{name}: knee {sweep.knee_rate} req/s ({sweep.knee_status} the sweep; saturated: "
+                         f"{sweep.saturated})")
     print("\n".join(lines))
 
 

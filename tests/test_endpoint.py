@@ -218,9 +218,12 @@ def test_goodput_and_knee():
     g = saturation.goodput(timings, failed=1, wall_s=2.0, slo={"ttft_ms": 50, "tpot_ms": 20})
     assert (g["good_requests"], g["goodput_req_s"], g["slo_attainment"]) == (1, 0.5, 0.25)
     assert saturation.goodput(timings, 0, 1.0, {})["good_requests"] == 3
-    assert saturation.knee([1, 2, 4, 8], [10, 12, 25, 90]) == (2, [False, False, True, True])
-    assert saturation.knee([1, 2], [10, 11]) == (None, [False, False])  # the knee lies beyond the sweep
-    assert saturation.knee([1, 2], [10, None]) == (1, [False, True])  # nothing succeeded: saturated
+    assert saturation.knee([1, 2, 4, 8], [10, 12, 25, 90]) == (2, [False, False, True, True], "within")
+    assert saturation.knee([1, 2], [10, 11]) == (None, [False, False], "beyond")
+    assert saturation.knee([1, 2], [10, None]) == (1, [False, True], "within")  # nothing succeeded: saturated
+    # the server served 0.1 req/s of the 1 req/s offered: the lowest rate is no reference, the knee is below
+    assert saturation.knee([1, 2], [900, 950], achieved=[0.1, 0.1]) == (None, [True, True], "below")
+    assert saturation.knee([1, 2], [10, 30], achieved=[0.9, 1.1])[2] == "within"
 
 
 def test_endpoint_sim_sweeps_rates_and_marks_the_knee(tmp_path):
@@ -236,6 +239,7 @@ def test_endpoint_sim_sweeps_rates_and_marks_the_knee(tmp_path):
         assert m["requests_ok"] == 6 and m["trace_requests"] == 6 and m["slo"] == {"ttft_ms": 10000}
         assert m["goodput_req_s"] > 0 and m["slo_attainment"] == 1.0 and "queue_ms" in m
         assert m["sweep_rates"] == [20.0, None] and "knee_rate_req_s" in m and isinstance(m["saturated"], bool)
+        assert m["knee_status"] in ("within", "beyond", "below")
         assert (tmp_path / doc["run_id"] / "rates.png").stat().st_size > 1000
     assert docs[0]["config"]["trace"]["rate_req_s"] == 20.0 and docs[1]["config"]["trace"]["requests"] == 6
 

@@ -132,7 +132,8 @@ def sim(
     if opts.json_out:
         output.print_json(outcome.docs)
         return
-    knee = "beyond the sweep" if outcome.knee_rate is None else f"{outcome.knee_rate:g} req/s"
+    knee = {"beyond": "beyond the swept rates", "below": "below the lowest rate (already saturated)"}.get(
+        outcome.knee_status, f"{outcome.knee_rate:g} req/s")
     table = Table(title=f"{config.display_label()} · {requests} requests per rate · knee {knee}")
     for name in ("rate", "done/s", "ok", "fail", "TTFT p50", "TTFT p99", "TPOT p50", "queue p50", "tok/s", "goodput",
                  "SLO met", "sat."):

@@ -6,12 +6,14 @@
   sent (failed requests count against it).
 - Knee: along the rates in ascending order, a rate is *saturated* when its TTFT p50 exceeds
   `factor` x the TTFT p50 at the lowest rate (requests queue faster than they are served); the knee
-  is the highest rate before the first saturated one (None when no swept rate is saturated: the knee
-  lies beyond the sweep).
+  is the highest rate before the first saturated one. The lowest rate is the reference only if the
+  server kept up with it (achieved request rate >= rate / `factor`); otherwise every rate is
+  saturated and the knee lies below the sweep. No saturated rate: the knee lies beyond the sweep.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from infer_tune.runners.base import RequestTiming
@@ -38,17 +40,23 @@ def goodput(timings: Sequence[RequestTiming], failed: int, wall_s: float, slo: d
             "slo_attainment": good / total if total else None, "good_requests": good, "slo": dict(slo)}
 
 
-def knee(rates: Sequence[float], ttft_p50: Sequence[float | None], factor: float = 2.0) -> tuple[float | None, list[bool]]:
-    """(knee rate, saturated flag per rate) for rates given in ascending order (see module docstring).
+def knee(rates: Sequence[float], ttft_p50: Sequence[float | None], achieved: Sequence[float | None] | None = None,
+         factor: float = 2.0) -> tuple[float | None, list[bool], str]:
+    """(knee rate, saturated flag per rate, status) for rates given in ascending order (module docstring).
 
-    A rate without a TTFT (nothing succeeded) counts as saturated.
+    status: `within` (the knee is one of the rates), `beyond` (no swept rate is saturated) or `below`
+    (the lowest rate already is: nothing succeeded there, or its achieved request rate fell below
+    rate / factor, so its TTFT is no reference). A rate without a TTFT (nothing succeeded) is saturated.
     """
     if not rates:
-        return None, []
+        return None, [], "beyond"
     reference = ttft_p50[0]
-    saturated = [v is None or reference is None or v > factor * reference for v in ttft_p50]
-    saturated[0] = reference is None
+    lowest_keeps_up = reference is not None and (
+        achieved is None or math.isinf(rates[0]) or (achieved[0] or 0.0) >= rates[0] / factor)
+    if not lowest_keeps_up:
+        return None, [True] * len(rates), "below"
+    saturated = [False] + [v is None or v > factor * reference for v in ttft_p50[1:]]
     first = next((i for i, s in enumerate(saturated) if s), None)
     if first is None:
-        return None, saturated
-    return (rates[first - 1] if first > 0 else None), saturated
+        return None, saturated, "beyond"
+    return rates[first - 1], saturated, "within"

@@ -63,6 +63,7 @@ class SweepOutcome:
     docs: list[dict]
     knee_rate: float | None
     saturated: list[bool]
+    knee_status: str  # within / beyond / below the swept rates (metrics.saturation.knee)
     run_dirs: list[Path] = field(default_factory=list)
 
 
@@ -211,13 +212,14 @@ def run_endpoint_sweep(spec: RunSpec, config: EndpointConfig, rates: list[float]
         trace = poisson_trace(requests, rate, len(run.inputs.prompts), seed=spec.workload.seed, burstiness=burstiness)
         info = {"rate_req_s": None if math.isinf(rate) else rate, "burstiness": burstiness, "seed": spec.workload.seed}
         measured.append(trace_document(run, spec, trace, slo or {}, info, progress))
-    knee_rate, saturated = saturation.knee(sorted(rates), [d["metrics"]["ttft_ms"]["p50"] for d, _ in measured],
-                                           knee_factor)
+    knee_rate, saturated, status = saturation.knee(
+        sorted(rates), [d["metrics"]["ttft_ms"]["p50"] for d, _ in measured],
+        [d["metrics"]["request_throughput_req_s"] for d, _ in measured], knee_factor)
     png = rates_png([d for d, _ in measured], sorted(rates), knee_rate, f"{config.display_label()}: rate sweep")
-    outcome = SweepOutcome(docs=[], knee_rate=knee_rate, saturated=saturated)
+    outcome = SweepOutcome(docs=[], knee_rate=knee_rate, saturated=saturated, knee_status=status)
     for rate, flag, (doc, outputs) in zip(sorted(rates), saturated, measured):
         doc["metrics"].update(offered_rate_req_s=None if math.isinf(rate) else rate, saturated=flag,
-                              knee_rate_req_s=knee_rate, knee_factor=knee_factor,
+                              knee_rate_req_s=knee_rate, knee_status=status, knee_factor=knee_factor,
                               sweep_rates=[None if math.isinf(r) else r for r in sorted(rates)])
         saved = results.save_run(spec.out_dir, doc, outputs, extra_files={"rates.png": png})
         doc["_path"] = str(saved.run_dir)
