@@ -84,7 +84,9 @@ def test_continuous_batching_and_default_mode_on_the_same_trace(transformers_ser
     docs = {}
     docs["default"] = run_endpoint_trace(spec, EndpointConfig(url=transformers_server.url, concurrency=3), trace,
                                          model_given=True, slo={"ttft_ms": 600_000})
-    context, cb_server = _start("transformers", str(smollm2_dir), continuous_batching=True)
+    # a small paged cache (16 blocks x 32 tokens holds the 3 requests): its allocation is most of CB's start-up
+    context, cb_server = _start("transformers", str(smollm2_dir), continuous_batching=True,
+                                extra_args=["--cb-num-blocks", "16", "--cb-block-size", "32"])
     try:
         docs["continuous"] = run_endpoint_trace(spec, EndpointConfig(url=cb_server.url, concurrency=3), trace,
                                                 model_given=True, slo={"ttft_ms": 600_000})

@@ -152,6 +152,7 @@ def sim(
 
 Engine = Annotated[str, typer.Option("--engine", help="llama.cpp (llama-cpp-python's server on the model's GGUF) or transformers (`transformers serve`).")]
 ContinuousBatching = Annotated[bool, typer.Option("--continuous-batching/--no-continuous-batching", help="transformers engine: serve with continuous batching.")]
+EngineArg = Annotated[list[str] | None, typer.Option("--engine-arg", help="An argument passed to the engine as is, repeatable (e.g. --engine-arg=--cb-num-blocks --engine-arg=64).")]
 StartupTimeout = Annotated[float, typer.Option("--startup-timeout", help="Seconds the engine may take to load before the run fails.")]
 
 
@@ -160,6 +161,7 @@ def reference(
     opts: opt.MeasureOptions,
     engine: Engine = "llama.cpp",
     continuous_batching: ContinuousBatching = False,
+    engine_arg: EngineArg = None,
     startup_timeout: StartupTimeout = 300.0,
     concurrency: Concurrency = 1,
     request_timeout: RequestTimeout = 300.0,
@@ -178,7 +180,7 @@ def reference(
     config = endpoint_config("http://127.0.0.1:1/v1", None, None, "chat", concurrency, request_timeout, False, label)
     with output.progress_bar(not opts.json_out) as progress:
         doc = run_reference(run_spec(opts), engine, config, continuous_batching=continuous_batching,
-                            startup_timeout_s=startup_timeout, progress=progress)
+                            extra_args=engine_arg or [], startup_timeout_s=startup_timeout, progress=progress)
     if opts.json_out:
         output.print_json(doc)
         return

@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,8 +107,9 @@ def gguf_for(model_ref: str) -> Path:
 
 
 def engine_command(engine: str, model_ref: str, port: int, *, continuous_batching: bool = False,
-                   threads: int | None = None, context_tokens: int = 2048) -> tuple[list[str], str]:
-    """(command line, served model name) of an engine on 127.0.0.1:port."""
+                   threads: int | None = None, context_tokens: int = 2048,
+                   extra_args: Sequence[str] = ()) -> tuple[list[str], str]:
+    """(command line, served model name) of an engine on 127.0.0.1:port; `extra_args` go to the engine as given."""
     if engine == "llama.cpp":
         gguf = gguf_for(model_ref)
         alias = Path(model_ref).stem if model_ref.endswith(".gguf") else model_ref
@@ -116,14 +117,14 @@ def engine_command(engine: str, model_ref: str, port: int, *, continuous_batchin
                "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(context_tokens)]
         if threads:
             cmd += ["--n_threads", str(threads)]
-        return cmd, alias
+        return cmd + list(extra_args), alias
     from infer_tune import models
 
     checkpoint = models.resolve(model_ref)
     cmd = [sys.executable, "-c", "from transformers.cli.transformers import main; main()", "serve", checkpoint,
            "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--log-level", "warning"]
     cmd.append("--continuous-batching" if continuous_batching else "--no-continuous-batching")
-    return cmd, checkpoint
+    return cmd + list(extra_args), checkpoint
 
 
 def wait_ready(url: str, process: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
@@ -160,11 +161,13 @@ def stop(process: subprocess.Popen, grace_s: float = 10.0) -> None:
 
 @contextlib.contextmanager
 def local_server(engine: str, model_ref: str, *, continuous_batching: bool = False, threads: int | None = None,
-                 startup_timeout_s: float = 300.0, log_dir: Path | None = None) -> Iterator[LocalServer]:
+                 startup_timeout_s: float = 300.0, log_dir: Path | None = None,
+                 extra_args: Sequence[str] = ()) -> Iterator[LocalServer]:
     """Start `engine` serving `model_ref` on loopback; always stopped on exit (see module docstring)."""
     check_engine(engine)
     port = free_port()
-    cmd, served = engine_command(engine, model_ref, port, continuous_batching=continuous_batching, threads=threads)
+    cmd, served = engine_command(engine, model_ref, port, continuous_batching=continuous_batching, threads=threads,
+                                 extra_args=extra_args)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)

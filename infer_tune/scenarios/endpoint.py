@@ -252,12 +252,13 @@ def rates_png(docs: list[dict], rates: list[float], knee_rate: float | None, tit
 
 
 def run_reference(spec: RunSpec, engine: str, config: EndpointConfig, *, continuous_batching: bool = False,
-                  startup_timeout_s: float = 300.0, progress: Progress | None = None) -> dict:
+                  extra_args: list[str] | None = None, startup_timeout_s: float = 300.0,
+                  progress: Progress | None = None) -> dict:
     """Start a reference engine on loopback with `spec.model`'s weights, bench it like any endpoint, stop it."""
     from infer_tune.endpoint.servers import local_server
 
     with local_server(engine, spec.model, continuous_batching=continuous_batching, threads=spec.threads,
-                      startup_timeout_s=startup_timeout_s) as server:
+                      startup_timeout_s=startup_timeout_s, extra_args=extra_args or ()) as server:
         config = dataclasses.replace(config, url=server.url, served_model=server.served_model,
                                      label=config.label or engine)
         launched = {"engine": engine, "continuous_batching": continuous_batching,
