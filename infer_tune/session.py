@@ -155,8 +155,10 @@ def measure_prepared(
         "env": env,
         # params: the logical parameter count of the source model (a quantized copy stores fewer
         # nn.Parameters); model_bytes: what the prepared model really stores (+ a draft's weights)
-        "model": {"ref": loaded.ref, "path": loaded.path, "params": models.count_params(loaded.model),
-                  "model_bytes": weight_bytes, "dtype": loaded.dtype, "content_id": models.content_id(loaded)},
+        "model": {"ref": loaded.ref, "path": loaded.path,
+                  "params": models.count_params(loaded.model) if loaded.model is not None else None,
+                  "model_bytes": weight_bytes, "dtype": loaded.dtype,
+                  "content_id": models.content_id(loaded) if loaded.model is not None else None},
         "technique": technique,
         "label": prepared.label,
         "config": config,

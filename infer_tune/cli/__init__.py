@@ -16,6 +16,7 @@ from typer.core import TyperGroup
 from infer_tune.cli import batch as batch_cmd
 from infer_tune.cli import bench as bench_cmd
 from infer_tune.cli import compare as compare_cmd
+from infer_tune.cli import endpoint as endpoint_cmd
 from infer_tune.cli import env_cmd, models_cmd, output
 from infer_tune.cli import kv_cache as kv_cache_cmd
 from infer_tune.cli import leaderboard as leaderboard_cmd
@@ -113,6 +114,7 @@ app.command("compare")(compare_cmd.compare)
 app.command("quantize")(quantize_cmd.quantize)
 app.command("kv-cache")(kv_cache_cmd.kv_cache)
 app.add_typer(batch_cmd.app, name="batch")
+app.add_typer(endpoint_cmd.app, name="endpoint")
 
 
 def main() -> None:

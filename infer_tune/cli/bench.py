@@ -8,8 +8,10 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from infer_tune.cli import endpoint as ep
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
+from infer_tune.errors import InferTuneError
 
 
 def render_result(doc: dict, run_dir: Path | str | None = None) -> None:
@@ -70,6 +72,15 @@ def bench(
     recipe: Recipe = None,
     execute: opt.Execute = False,
     unsafe_execute: opt.UnsafeExecute = False,
+    endpoint: ep.Endpoint = None,
+    served_model: ep.ServedModel = None,
+    api_key_env: ep.ApiKeyEnv = None,
+    api: ep.Api = "chat",
+    concurrency: ep.Concurrency = 1,
+    request_timeout: ep.RequestTimeout = 300.0,
+    ignore_eos: ep.IgnoreEos = False,
+    label: ep.Label = None,
+    baseline: ep.Baseline = None,
 ) -> None:
     """Measure the baseline (or every config of a --recipe against it): TTFT, ITL, TPOT, e2e, throughput,
     memory, roofline, BLEU/chrF and perplexity.
@@ -78,7 +89,16 @@ def bench(
 
     With --recipe, the recipe's workload and protocol apply except for options given on the command line.
     With --resume, a baseline of the same measurement already in --out is reused instead of re-measured.
+    With --endpoint, the server is measured over HTTP (docs/endpoint.md); --model, when given, names the
+    served weights (their tokenizer renders prompts and counts tokens):
+    infer-tune bench --endpoint http://127.0.0.1:8000/v1 --model smollm2-135m --limit 4 --max-new-tokens 32
     """
+    if endpoint is not None:
+        if recipe is not None:
+            raise InferTuneError("--recipe configs run in this process; --endpoint measures the server as it is")
+        config = ep.endpoint_config(endpoint, served_model, api_key_env, api, concurrency, request_timeout,
+                                    ignore_eos, label)
+        return ep.bench_endpoint(opts, config, baseline, execute)
     from infer_tune.scenarios.bench import run_bench, run_recipe, stages_from_recipe
 
     spec = run_spec(opts, execute=execute or unsafe_execute, unsafe_execute=unsafe_execute)

