@@ -299,3 +299,14 @@ def _tiny_checkpoint(tmp_path):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text("{}")
     return tmp_path / "ckpt"
+
+
+def test_batch_serve_sim_replays_its_trace_against_an_endpoint(tmp_path):
+    """`batch serve-sim --endpoint` sends the seeded arrival trace to the server instead of batching in process."""
+    with LoopbackServer(Behaviour(chunks=3, gap_s=0.002)) as server:
+        result = runner.invoke(app, ["batch", "serve-sim", "--endpoint", server.url, "--rates", "25", "--requests", "4",
+                                     "--max-new-tokens", "3", "--out", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    [doc] = json.loads(result.stdout)
+    assert doc["runner"] == "endpoint" and doc["metrics"]["requests_ok"] == 4
+    assert doc["config"]["trace"]["rate_req_s"] == 25.0

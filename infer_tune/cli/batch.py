@@ -142,6 +142,11 @@ def serve_sim(
     slo_target: SloTarget = 0.9,
     schedulers: Schedulers = "static,continuous",
     allow_repeat: AllowRepeat = False,
+    endpoint: Annotated[str | None, typer.Option("--endpoint", help="Replay the same kind of trace against a live "
+                                                 "OpenAI-compatible server instead (e.g. http://127.0.0.1:8000/v1); "
+                                                 "the server batches, so --schedulers does not apply. See `endpoint sim`.")] = None,
+    served_model: Annotated[str | None, typer.Option("--served-model", help="With --endpoint: the model name the server serves.")] = None,
+    api_key_env: Annotated[str | None, typer.Option("--api-key-env", help="With --endpoint: the environment variable holding the API key.")] = None,
 ) -> None:
     """Replay one seeded arrival trace per rate, open loop, through a static batcher (wait for B requests or
     --timeout-ms, run until the longest ends) and transformers' continuous batcher (requests join and leave
@@ -159,6 +164,14 @@ def serve_sim(
     from infer_tune.scenarios.batch import ServeSpec, run_serve
     from infer_tune.tuners.batch.slo import SLO
     from infer_tune.workload import Workload
+
+    if endpoint is not None:  # the server is the batcher: the endpoint runner replays the trace over HTTP
+        from infer_tune.cli import endpoint as endpoint_cmd
+
+        return endpoint_cmd.run_sim(opts, endpoint, rates=rates, requests=requests, burstiness=burstiness,
+                                    slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, slo_e2e_ms=slo_e2e_ms,
+                                    served_model=served_model, api_key_env=api_key_env,
+                                    concurrency=max(opts.batch_size, 1) * 8)
 
     if "limit" in opts.explicit:
         raise ConfigError("batch serve-sim takes the number of requests from --requests, not --limit")

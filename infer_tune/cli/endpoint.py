@@ -116,6 +116,18 @@ def sim(
     Example: infer-tune endpoint sim --endpoint http://127.0.0.1:8000/v1 --rates 1,2,4,8 --requests 32
     --slo-ttft-ms 500 --slo-tpot-ms 50 --limit 8 --max-new-tokens 64 --out runs/deploy
     """
+    run_sim(opts, endpoint, rates=rates, requests=requests, burstiness=burstiness, slo_ttft_ms=slo_ttft_ms,
+            slo_tpot_ms=slo_tpot_ms, slo_e2e_ms=slo_e2e_ms, knee_factor=knee_factor, served_model=served_model,
+            api_key_env=api_key_env, api=api, concurrency=concurrency, request_timeout=request_timeout,
+            ignore_eos=ignore_eos, label=label)
+
+
+def run_sim(opts: opt.MeasureOptions, endpoint: str, *, rates: str, requests: int, burstiness: float = 1.0,
+            slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, slo_e2e_ms: float | None = None,
+            knee_factor: float = 2.0, served_model: str | None = None, api_key_env: str | None = None,
+            api: str = "chat", concurrency: int = 64, request_timeout: float = 300.0, ignore_eos: bool = False,
+            label: str | None = None) -> None:
+    """`endpoint sim` (and `batch serve-sim --endpoint`): the rate sweep against a server, rendered."""
     from infer_tune.cli.bench import run_spec
     from infer_tune.endpoint.arrivals import parse_rates
     from infer_tune.scenarios.endpoint import run_endpoint_sweep

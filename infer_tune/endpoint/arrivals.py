@@ -10,28 +10,22 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from infer_tune.errors import ConfigError
 from infer_tune.runners.trace import TraceRequest
+from infer_tune.tuners.batch.arrivals import arrival_times
 
 
 def poisson_trace(requests: int, rate: float, n_prompts: int, *, seed: int = 0, burstiness: float = 1.0,
                   max_new_tokens: int | None = None) -> list[TraceRequest]:
     """`requests` arrivals at `rate` requests/s (math.inf: all at once), cycling over `n_prompts` prompts."""
-    if requests < 1:
-        raise ConfigError(f"requests must be >= 1, got {requests}")
-    if not rate > 0:
-        raise ConfigError(f"rate must be > 0 requests/s, got {rate}")
-    if not 0 < burstiness < math.inf:
-        raise ConfigError(f"burstiness must be a finite number > 0, got {burstiness}")
     if n_prompts < 1:
         raise ConfigError("a trace needs at least one prompt")
-    if math.isinf(rate):
-        arrivals = np.zeros(requests)
-    else:
-        gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=requests)
-        arrivals = np.cumsum(gaps) - gaps[0]
+    if math.isinf(rate):  # everything at once (a closed burst)
+        if requests < 1:
+            raise ConfigError(f"requests must be >= 1, got {requests}")
+        arrivals = [0.0] * requests
+    else:  # the same generator as `batch serve-sim` (one home for the arrival process)
+        arrivals = arrival_times(requests, rate, burstiness, seed)
     return [TraceRequest(prompt_index=i % n_prompts, arrival_s=float(t), max_new_tokens=max_new_tokens)
             for i, t in enumerate(arrivals)]
 
