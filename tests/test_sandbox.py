@@ -158,6 +158,15 @@ def test_honest_completions_still_score(box):
     assert "AssertionError" in items[1].detail
 
 
+def test_canonical_humaneval_solutions_pass_in_the_sandbox(box):
+    """The sandbox does not break honest programs: HumanEval's own solutions all pass in it."""
+    from infer_tune.suites import SuiteSpec, load_suite
+
+    problems = load_suite(SuiteSpec("code", limit=16))
+    items = passk.evaluate(problems, [p.reference for p in problems], timeout_s=30.0)
+    assert [i.task_id for i in items if not i.passed] == []
+
+
 def test_ctrl_c_kills_the_sandboxed_program(box):
     program = passk.build_program(PROBLEM["prompt"], "    import time\n    time.sleep(600)\n", PROBLEM["test"], "add")
     timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
