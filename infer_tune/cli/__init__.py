@@ -16,6 +16,7 @@ from typer.core import TyperGroup
 from infer_tune.cli import bench as bench_cmd
 from infer_tune.cli import compare as compare_cmd
 from infer_tune.cli import env_cmd, models_cmd, output
+from infer_tune.cli import experts as experts_cmd
 from infer_tune.cli import kv_cache as kv_cache_cmd
 from infer_tune.cli import leaderboard as leaderboard_cmd
 from infer_tune.cli import quantize as quantize_cmd
@@ -96,6 +97,7 @@ app.command("leaderboard")(leaderboard_cmd.leaderboard)
 app.command("compare")(compare_cmd.compare)
 app.command("quantize")(quantize_cmd.quantize)
 app.command("kv-cache")(kv_cache_cmd.kv_cache)
+app.add_typer(experts_cmd.app, name="experts")
 
 
 def main() -> None:
