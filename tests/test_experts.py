@@ -153,16 +153,16 @@ def test_load_file_round_trip_and_malformed_files(tmp_path):
 
 
 @pytest.mark.parametrize("strategy", planners.STRATEGIES)
-def test_planners_place_every_expert_within_capacity(strategy):
-    load = synthetic_load(experts=8)
-    topo = planners.Topology(devices=4, speeds=[1, 1, 0.5, 0.5], slots=3)
+@pytest.mark.parametrize(("speeds", "slots", "replicas"), [([1, 1, 0.5, 0.5], 3, 4), ([1, 0.5], 5, 2)])
+def test_planners_place_every_expert_within_capacity(strategy, speeds, slots, replicas):
+    load = synthetic_load(experts=8, skew=0.2)
+    topo = planners.Topology(devices=len(speeds), speeds=speeds, slots=slots)
     co = np.stack([layer.coactivation for layer in load.layers])
-    plan = planners.make_plan(strategy, load.loads(), topo, replicas=4, coactivation=co)
-    hosts = plan.hosts()
+    plan = planners.make_plan(strategy, load.loads(), topo, replicas=replicas, coactivation=co)
+    hosts = plan.hosts()  # check_plan already refused two replicas of one expert on one device
     assert (hosts.sum(2) >= 1).all()  # every expert placed in every layer
-    assert (hosts.sum(1) <= 3).all()  # slot capacity respected
-    assert (hosts.sum(2) <= 1).all() if strategy in ("round-robin", "locality") else True
-    expected = 4 if strategy in ("load-balanced", "speed-aware") else 0
+    assert (hosts.sum(1) <= slots).all()  # slot capacity respected
+    expected = replicas if strategy in ("load-balanced", "speed-aware") else 0
     assert plan.replicas == expected and (hosts.sum((1, 2)) == 8 + expected).all()  # replicas counted
     m = plan_metrics.evaluate(plan, load)
     assert m["physical_experts_per_layer"] == 8 + expected and sum(m["device_load_share"]) == pytest.approx(1)
@@ -221,9 +221,10 @@ def test_expected_copies_by_hand():
     assert plan_metrics.expected_copies([((0, 1), 1)], hosts, topo, 2)[0] == pytest.approx(0.5)
     # {0,2} on both devices: one copy from either home -> 1
     assert plan_metrics.expected_copies([((0, 2), 3)], hosts, topo, 2)[0] == pytest.approx(1.0)
-    # expert 0 replicated on both devices: always local
+    # expert 0 replicated on both devices: `local` routing never leaves the device, `even` half the time
     replicated = np.array([[1, 1], [1, 0], [0, 1], [0, 1]])
-    assert plan_metrics.expected_copies([((0,), 1)], replicated, topo, 2)[0] == 0.0
+    assert plan_metrics.expected_copies([((0,), 1)], replicated, topo, 2, "local")[0] == 0.0
+    assert plan_metrics.expected_copies([((0,), 1)], replicated, topo, 2, "even")[0] == pytest.approx(0.5)
 
 
 def test_topology_and_capacity_errors():
@@ -307,6 +308,7 @@ def test_two_process_expert_parallelism_matches_single_process(tiny_moe_dir, pro
     from infer_tune.cli import app
     from infer_tune.results import find_results
     from infer_tune.scenarios.experts import run_plan, run_profile, run_validate
+    from infer_tune.tuners.experts.worker import assign_batches
     from infer_tune.workload import prepare_inputs
 
     spec = _spec(tiny_moe_dir, prompts_file, tmp_path / "runs")
@@ -328,15 +330,18 @@ def test_two_process_expert_parallelism_matches_single_process(tiny_moe_dir, pro
         assert m["tpot_ms"]["n"] == 4 and m["generated_tokens"] > 0  # per-token timings came back from the ranks
         assert m["expert_bytes_per_rank"][0] < profile.load.model.expert_bytes * 8 * 2  # each rank keeps a share
 
-    # round-robin: the bytes sent equal a count by hand (prompt b lives on rank b mod 2; expert e on device e mod 2)
+    # round-robin: the bytes sent equal a count by hand (expert e on device e mod 2; prompts on ranks balanced
+    # by tokens)
     loaded = models.load(str(tiny_moe_dir))
     layers = routing.find_moe_layers(loaded.model)
     inputs = prepare_inputs(loaded, spec.workload)
+    home = {b: r for r, batches in enumerate(assign_batches([int(b["attention_mask"].sum()) for b in inputs.batches], 2))
+            for b in batches}
     expected_rows = 0
     for b, batch in enumerate(inputs.batches):
         recorder = routing.profile_batches(loaded.model, [batch], layers)
         for routes in recorder.routes:
-            expected_rows += sum(n * len({e % 2 for e in experts} - {b % 2}) for experts, n in routes.items())
+            expected_rows += sum(n * len({e % 2 for e in experts} - {home[b]}) for experts, n in routes.items())
     rr = outcome.docs[0]["metrics"]
     assert rr["prefill_remote_rows"] == expected_rows
     assert rr["prefill_payload_bytes"] == 2 * expected_rows * 64 * 4

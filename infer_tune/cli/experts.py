@@ -31,6 +31,12 @@ Memory = Annotated[str | None, typer.Option("--memory-per-device", help="Memory 
                                                                        "caps expert slots after the dense weights.")]
 Strategies = Annotated[str | None, typer.Option("--strategy", help="Comma-separated strategies (default: all): "
                                                                    "round-robin, load-balanced, locality, speed-aware.")]
+ReplicaRouting = Annotated[str, typer.Option("--replica-routing", help="How tokens pick among an expert's replicas: "
+                                                                     "even (round-robin: planned balance holds) or "
+                                                                     "local (own device first: less traffic).")]
+ReplicaRouting = Annotated[str, typer.Option("--replica-routing", help="How tokens pick among an expert's replicas: "
+                                                                     "even (round-robin: planned balance holds) or "
+                                                                     "local (own device first: less traffic).")]
 PlanSave = Annotated[Path | None, typer.Option("--save", help="Write every plan to this file (input of validate).")]
 PlanFile = Annotated[Path, typer.Option("--plan", help="Plan file from `experts plan --save`.")]
 Procs = Annotated[int, typer.Option("--procs", help="Processes (one per device of the plan).")]
@@ -151,6 +157,7 @@ def plan(
     nodes: Nodes = 1,
     memory_per_device: Memory = None,
     strategy: Strategies = None,
+    replica_routing: ReplicaRouting = "even",
     save: PlanSave = None,
     out: Out = Path("runs"),
     json_out: opt.Json = False,
@@ -174,7 +181,7 @@ def plan(
         raise ConfigError(f"--device-speeds has {len(speeds)} values but --devices is {devices}; give one per device")
     outcome = run_plan(load, devices=devices, strategies=parse_strategies(strategy), device_speeds=speeds,
                        replicas=replicas, nodes=nodes, memory_per_device=parse_bytes(memory_per_device),
-                       out_dir=out, save=save)
+                       replica_routing=replica_routing, out_dir=out, save=save)
     if json_out:
         output.print_json({"plans": [{"strategy": p.strategy, "metrics": m, "placement": p.placement,
                                       "run_dir": d.get("_path")} for (p, m), d in zip(outcome.rows, outcome.docs)],
@@ -229,7 +236,7 @@ def render_validation(docs: list[dict], procs: int) -> None:
     table = Table(title=f"expert-parallel validation · {docs[0]['model']['ref']} · {procs} processes · "
                         f"{docs[0]['metrics'].get('tokens_measured')} tokens")
     for col in ("strategy", "balancedness pred / meas", "cross-device tok/tok pred / meas",
-                "all-to-all B/tok pred / meas", "meta B/tok", "max |Δ| (tol)", "outputs", "TPOT p50 ms"):
+                "all-to-all B/tok pred / meas", "meta B/tok", "hidden |Δ| rel (tol)", "outputs", "TPOT p50 ms"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     def pair(m: dict, key: str, spec: str) -> str:
         return f"{output.fmt(m.get('predicted_' + key), spec)} / {output.fmt(m.get(key), spec)}"
@@ -244,7 +251,7 @@ def render_validation(docs: list[dict], procs: int) -> None:
         table.add_row(doc["config"]["strategy"], pair(m, "balancedness", ".3f"),
                       pair(m, "cross_device_tokens_per_token", ".3f"), bytes_cell,
                       output.fmt(m.get("meta_bytes_per_token"), ",.0f"),
-                      f"{output.fmt(m.get('max_abs_diff'), '.1e')} ({output.fmt(m.get('tolerance'), '.0e')} rel)",
+                      f"{output.fmt(m.get('relative_diff'), '.1e')} ({output.fmt(m.get('tolerance'), '.0e')})",
                       match, output.fmt((m.get("tpot_ms") or {}).get("p50"), ".1f"))
     output.out.print(table)
 

@@ -134,7 +134,7 @@ def plan_doc(load: loadfile.LoadFile, config: ExpertsConfig, metrics: dict, env:
 
 def run_plan(load_path: Path, *, devices: int, strategies: list[str] | None = None,
              device_speeds: list[float] | None = None, replicas: int = 0, nodes: int = 1,
-             memory_per_device: int | None = None, out_dir: Path | None = Path("runs"),
+             memory_per_device: int | None = None, replica_routing: str = "even", out_dir: Path | None = Path("runs"),
              save: Path | None = None) -> PlanOutcome:
     """Every strategy on the load file, side by side; a result document each (unless `out_dir` is None)."""
     strategies = strategies or list(STRATEGIES)
@@ -143,7 +143,8 @@ def run_plan(load_path: Path, *, devices: int, strategies: list[str] | None = No
         raise ConfigError(f"unknown strategy {', '.join(unknown)}; choose from {', '.join(STRATEGIES)}")
     load = loadfile.load(load_path)
     configs = [ExpertsConfig(strategy=s, devices=devices, replicas=replicas, device_speeds=device_speeds, nodes=nodes,
-                             memory_per_device=memory_per_device, load_file=str(load_path)) for s in strategies]
+                             memory_per_device=memory_per_device, load_file=str(load_path),
+                             replica_routing=replica_routing) for s in strategies]
     rows = []
     for config in configs:  # every plan is made (and can fail) before anything is written
         plan = plan_from_load(config, load)

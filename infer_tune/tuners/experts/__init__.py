@@ -21,7 +21,7 @@ from infer_tune.errors import ConfigError
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.tuners.base import RunContext, TechniqueConfig, register_technique
 from infer_tune.tuners.experts import loadfile, plan_metrics, routing
-from infer_tune.tuners.experts.planners import STRATEGIES, Plan, Topology, make_plan
+from infer_tune.tuners.experts.planners import REPLICA_ROUTINGS, STRATEGIES, Plan, Topology, make_plan
 
 PREDICTED_KEYS = ("balancedness", "cross_device_tokens_per_token", "alltoall_bytes_per_token")
 
@@ -40,6 +40,7 @@ class ExpertsConfig(TechniqueConfig):
     memory_per_device: int | None = None  # bytes
     load_file: str | None = None  # from `experts profile`
     plan_file: str | None = None  # from `experts plan --save` (holds every strategy)
+    replica_routing: str = "even"  # even | local (see planners.REPLICA_ROUTINGS)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -50,6 +51,9 @@ class ExpertsConfig(TechniqueConfig):
             raise ConfigError(f"experts replicas must be >= 0, got {self.replicas}")
         if self.memory_per_device is not None and self.memory_per_device < 1:
             raise ConfigError(f"experts memory_per_device must be a positive byte count, got {self.memory_per_device}")
+        if self.replica_routing not in REPLICA_ROUTINGS:
+            raise ConfigError(f"experts replica_routing must be one of {', '.join(REPLICA_ROUTINGS)}, "
+                              f"got '{self.replica_routing}'")
         self.topology()  # checks speeds and nodes
 
     def topology(self, slots: int | None = None) -> Topology:
@@ -78,7 +82,7 @@ def plan_from_load(config: ExpertsConfig, load: loadfile.LoadFile) -> Plan:
     slots = slots_for_memory(config, load.model, load.num_layers)
     coactivation = np.stack([layer.coactivation for layer in load.layers])
     return make_plan(config.strategy, load.loads(), config.topology(slots), replicas=config.replicas,
-                     coactivation=coactivation, groups=load.model.num_groups)
+                     coactivation=coactivation, groups=load.model.num_groups, replica_routing=config.replica_routing)
 
 
 def read_plan_file(path: str, strategy: str) -> tuple[Plan, dict]:

@@ -5,7 +5,8 @@ module's `forward(hidden_states, top_k_index, top_k_weights)` is replaced on the
 experts' math stays transformers' own (the module's `forward`, on a copy that holds this rank's
 expert slots, called top-1 with unit weights as transformers' `AllToAllEP` does). What transformers'
 EP cannot express and a plan needs is added here: any expert -> device map, replicas of hot experts
-(a token uses the replica on its own device, else on its node, else round-robin over the replicas),
+(round-robin over an expert's replicas, or with `local` replica routing the one on the token's own
+device first),
 and one copy of a token per destination device (its experts there are summed before it goes back).
 
 Per layer call: an all_to_all of the row counts, of the hidden states, of the (slot, weight) lists,
@@ -60,7 +61,8 @@ class RouteTable:
         num_experts = plan.num_experts
         self.local_slot = torch.full((num_experts,), -1, dtype=torch.long)
         for slot, expert in enumerate(devices[rank]):
-            self.local_slot[expert] = slot
+            if plan.replica_routing == "local" or sum(expert in dev for dev in devices) == 1:
+                self.local_slot[expert] = slot  # else `even`: every replica, this one too, in turn
         choices: list[list[tuple[int, int]]] = []
         for expert in range(num_experts):
             hosts = [(d, dev.index(expert)) for d, dev in enumerate(devices) if expert in dev]

@@ -2,8 +2,8 @@
 
 Definitions (docs/experts.md):
 - device load: the tokens its expert replicas compute; an expert's tokens split evenly over its
-  replicas (a token goes to a replica on its own device when there is one, else on its node, else
-  to any; homes are spread evenly, so every replica gets 1/replicas of the expert's tokens).
+  replicas (`even` replica routing spreads them round-robin; `local` routing sends a token to a
+  replica on its own device when there is one, which is an even split when tokens' homes are).
 - `balancedness`: mean device load / max device load, per layer; overall sum of the per-layer means
   over sum of the per-layer maxima (the figure DeepSeek's EPLB and vLLM's EPLB report). 1.0 = even.
 - `time_balancedness`: the same on load / speed (what a heterogeneous machine waits for).
@@ -25,17 +25,18 @@ from infer_tune.tuners.experts.loadfile import LoadFile
 from infer_tune.tuners.experts.planners import Plan, Topology
 
 
-def replica_choice(hosts: np.ndarray, topo: Topology) -> np.ndarray:
+def replica_choice(hosts: np.ndarray, topo: Topology, routing: str = "even") -> np.ndarray:
     """[E, D_home, D_dest]: probability a token homed on h sends its expert e to device d.
 
-    Own device first, then a replica on the own node, else any replica, evenly among the tier.
+    The replicas on the token's node (else all), evenly; with `local` routing a replica on the
+    token's own device first.
     """
     num_experts, devices = hosts.shape
     node = np.array([topo.node_of(d) for d in range(devices)])
     same_node = (node[:, None] == node[None, :]).astype(np.float64)  # [h, d]
     out = np.zeros((num_experts, devices, devices))
     for h in range(devices):
-        local = hosts[:, h] > 0
+        local = (hosts[:, h] > 0) & (routing == "local")
         near = hosts * same_node[h][None, :]
         tier = np.where(local[:, None], np.eye(devices)[h][None, :] * hosts,
                         np.where(near.sum(1, keepdims=True) > 0, near, hosts)).astype(np.float64)
@@ -44,12 +45,12 @@ def replica_choice(hosts: np.ndarray, topo: Topology) -> np.ndarray:
 
 
 def expected_copies(routes: list[tuple[tuple[int, ...], int]], hosts: np.ndarray, topo: Topology,
-                    top_k: int) -> tuple[float, float]:
+                    top_k: int, routing: str = "even") -> tuple[float, float]:
     """(remote device copies, remote node copies) per token, averaged over homes and the route sets."""
     if not routes:
         return 0.0, 0.0
     num_experts, devices = hosts.shape
-    choice = replica_choice(hosts, topo)  # [E, h, d]
+    choice = replica_choice(hosts, topo, routing)  # [E, h, d]
     pad = np.zeros((1, devices, devices))
     choice = np.concatenate([choice, pad])  # index E: no expert
     index = np.full((len(routes), top_k), num_experts, dtype=np.int64)
@@ -86,7 +87,7 @@ def evaluate(plan: Plan, load: LoadFile) -> dict[str, Any]:
     ideal = device_load.sum(1) / speeds.sum()
     device_copies, node_copies = [], []
     for layer, hosts_l in zip(load.layers, hosts):
-        d, n = expected_copies(layer.routes, hosts_l, topo, load.model.top_k)
+        d, n = expected_copies(layer.routes, hosts_l, topo, load.model.top_k, plan.replica_routing)
         device_copies.append(d)
         node_copies.append(n)
     wire = 2 * load.model.hidden_size * load.model.dtype_bytes

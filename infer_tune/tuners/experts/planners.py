@@ -27,6 +27,10 @@ import numpy as np
 from infer_tune.errors import ConfigError
 
 STRATEGIES = ("round-robin", "load-balanced", "locality", "speed-aware")
+# how a token picks among an expert's replicas: `even` spreads each expert's tokens evenly over its
+# replicas (round-robin; the planned loads hold whatever the tokens' homes); `local` uses a replica on
+# the token's own device when there is one (less traffic; loads then follow where the tokens live)
+REPLICA_ROUTINGS = ("even", "local")
 LOCALITY_SLACK = 0.10  # locality may make the heaviest device this much heavier than balanced packing
 _EPS = 1e-12
 
@@ -72,6 +76,7 @@ class Plan:
     placement: list[list[list[int]]]  # [layer][device] -> logical expert ids
     num_experts: int
     replicas: int = 0
+    replica_routing: str = "even"
 
     def hosts(self) -> np.ndarray:
         """[L, E, D] 1 where device d holds expert e in layer l."""
@@ -85,7 +90,7 @@ class Plan:
         t = self.topology
         return {"strategy": self.strategy, "devices": t.devices, "device_speeds": t.speeds, "nodes": t.nodes,
                 "slots": t.slots, "num_experts": self.num_experts, "replicas": self.replicas,
-                "placement": self.placement}
+                "replica_routing": self.replica_routing, "placement": self.placement}
 
     @classmethod
     def from_dict(cls, doc: Any, source: str = "plan") -> Plan:
@@ -94,7 +99,8 @@ class Plan:
                             nodes=int(doc.get("nodes", 1)), slots=doc.get("slots"))
             placement = [[[int(e) for e in dev] for dev in layer] for layer in doc["placement"]]
             plan = cls(strategy=str(doc["strategy"]), topology=topo, placement=placement,
-                       num_experts=int(doc["num_experts"]), replicas=int(doc.get("replicas", 0)))
+                       num_experts=int(doc["num_experts"]), replicas=int(doc.get("replicas", 0)),
+                       replica_routing=str(doc.get("replica_routing", "even")))
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{source} is not a placement plan ({type(exc).__name__}: {exc})") from None
         check_plan(plan, source)
@@ -103,6 +109,9 @@ class Plan:
 
 def check_plan(plan: Plan, source: str = "plan") -> None:
     """Every expert placed in every layer, every device used, slot capacity respected."""
+    if plan.replica_routing not in REPLICA_ROUTINGS:
+        raise ConfigError(f"{source}: replica_routing must be one of {', '.join(REPLICA_ROUTINGS)}, "
+                          f"got '{plan.replica_routing}'")
     for layer, devices in enumerate(plan.placement):
         if len(devices) != plan.topology.devices:
             raise ConfigError(f"{source}: layer {layer} places experts on {len(devices)} devices, "
@@ -131,18 +140,36 @@ def replicate(weights: np.ndarray, extra: int, max_copies: int) -> np.ndarray:
 
 def pack(items: list[tuple[int, float]], devices: list[int], slots: int, speeds: np.ndarray) -> dict[int, list[int]]:
     """Heaviest item first onto the device whose time (load / speed) stays lowest, one replica of an
-    expert per device, at most `slots` items per device."""
+    expert per device, at most `slots` items per device. When only devices that already hold the expert
+    have room, a device without it hands one of its items to a device with room first."""
     load = {d: 0.0 for d in devices}
-    held: dict[int, list[int]] = {d: [] for d in devices}
+    held: dict[int, dict[int, float]] = {d: {} for d in devices}
     for expert, weight in sorted(items, key=lambda it: (-it[1], it[0])):
         free = [d for d in devices if len(held[d]) < slots]
         if not free:
             raise ConfigError(f"{len(items)} expert replicas do not fit in {len(devices)} devices x {slots} slots")
-        fresh = [d for d in free if expert not in held[d]] or free
+        fresh = [d for d in free if expert not in held[d]]
+        if not fresh:
+            fresh = _make_room(held, load, expert, free)
         best = min(fresh, key=lambda d: ((load[d] + weight) / speeds[d], load[d], d))
-        held[best].append(expert)
+        held[best][expert] = weight
         load[best] += weight
-    return held
+    return {d: list(v) for d, v in held.items()}
+
+
+def _make_room(held: dict[int, dict[int, float]], load: dict[int, float], expert: int, free: list[int]) -> list[int]:
+    """Move one item from a full device that lacks `expert` to a device with room; that device is then fresh."""
+    for donor in sorted(held, key=lambda d: -load[d]):
+        if expert in held[donor] or donor in free:
+            continue
+        for item, weight in sorted(held[donor].items(), key=lambda kv: kv[1]):
+            target = next((f for f in free if item not in held[f]), None)
+            if target is not None:
+                held[target][item] = held[donor].pop(item)
+                load[target] += weight
+                load[donor] -= weight
+                return [donor]
+    raise ConfigError(f"cannot place the replicas of expert {expert} on distinct devices; use fewer replicas")
 
 
 def refine(held: dict[int, list[int]], share: dict[int, float], slots: int, speeds: np.ndarray,
@@ -330,12 +357,13 @@ PLANNERS = {"round-robin": round_robin, "load-balanced": load_balanced, "localit
 
 
 def make_plan(strategy: str, loads: np.ndarray, topo: Topology, *, replicas: int = 0,
-              coactivation: np.ndarray | None = None, groups: int = 1) -> Plan:
+              coactivation: np.ndarray | None = None, groups: int = 1, replica_routing: str = "even") -> Plan:
     """One strategy's placement over [L, E] loads (replicas apply to load-balanced and speed-aware)."""
     if strategy not in PLANNERS:
         raise ConfigError(f"strategy must be one of {', '.join(STRATEGIES)}, got '{strategy}'")
     used = replicas if strategy in ("load-balanced", "speed-aware") else 0
     placement = PLANNERS[strategy](loads, topo, replicas=used, coactivation=coactivation, groups=groups)
-    plan = Plan(strategy=strategy, topology=topo, placement=placement, num_experts=loads.shape[1], replicas=used)
+    plan = Plan(strategy=strategy, topology=topo, placement=placement, num_experts=loads.shape[1], replicas=used,
+                replica_routing=replica_routing)
     check_plan(plan, f"the {strategy} plan")
     return plan

@@ -13,9 +13,13 @@ def load_heatmap_png(load: LoadFile) -> bytes:
     plt = pyplot()
     loads = load.loads()
     share = loads / np.maximum(loads.sum(1, keepdims=True), 1)
-    pairs = sum(layer.coactivation.astype(np.float64) for layer in load.layers)
-    pairs = pairs / max(pairs.sum(), 1)
     n = load.model.num_experts
+    # the layer whose co-activation is least uniform (expert ids mean nothing across layers)
+    spread = [layer.coactivation.max() / max(layer.coactivation.sum() / max(n * (n - 1), 1), 1e-9)
+              for layer in load.layers]
+    pick = int(np.argmax(spread))
+    pairs = load.layers[pick].coactivation.astype(np.float64)
+    pairs = pairs / max(pairs.sum(), 1)
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, max(4.0, 0.18 * load.num_layers + 1.5)),
                                       gridspec_kw={"width_ratios": [1.4, 1]})
     image = left.imshow(share, aspect="auto", cmap="viridis", interpolation="nearest")
@@ -26,8 +30,8 @@ def load_heatmap_png(load: LoadFile) -> bytes:
     image = right.imshow(pairs, cmap="magma", interpolation="nearest")
     right.set_xlabel("expert")
     right.set_ylabel("expert")
-    right.set_title("co-activation: pairs chosen by one token (all layers)", fontsize=9)
-    fig.colorbar(image, ax=right, fraction=0.046)
+    right.set_title(f"co-activation in layer {pick}: share of expert pairs chosen by one token", fontsize=9)
+    fig.colorbar(image, ax=right, fraction=0.046, pad=0.08)
     fig.suptitle(f"{load.model.ref}: {load.tokens} tokens of {load.workload.get('suite', '?')}, "
                  f"top-{load.model.top_k} of {n} experts", fontsize=10)
     return png_bytes(fig)

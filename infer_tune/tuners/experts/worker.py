@@ -1,8 +1,8 @@
 """The validation worker: real expert parallelism over torch.distributed under a placement plan.
 
 Each rank (one process per device of the plan, started by the `multiprocess` runner):
-- `setup` (untimed): loads the checkpoint, takes its share of the workload (batch b goes to rank
-  b mod world: data-parallel attention, as DeepSeek-style serving runs it), computes the unsharded
+- `setup` (untimed): loads the checkpoint, takes its share of the workload (whole batches, balanced by
+  token count: data-parallel attention, as DeepSeek-style serving runs it), computes the unsharded
   single-process reference for those batches (final hidden states, greedy tokens), then keeps only
   the plan's experts and installs the plan's expert parallelism (`dispatch.install`);
 - `worker` (timed): a teacher-forced pass over its batches (the bytes and loads of this pass are
@@ -16,7 +16,6 @@ passes are not counted.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
 import torch
@@ -24,9 +23,22 @@ import torch
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}  # max |diff| / max |reference|
 
 
+def assign_batches(token_counts: list[int], world: int) -> list[list[int]]:
+    """Batches per rank: largest first onto the rank with the fewest tokens (ranks hold equal token shares
+    as far as whole batches allow, as a data-parallel scheduler would keep them)."""
+    tokens = [0] * world
+    ranks: list[list[int]] = [[] for _ in range(world)]
+    for b in sorted(range(len(token_counts)), key=lambda i: (-token_counts[i], i)):
+        r = min(range(world), key=lambda i: (tokens[i], i))
+        ranks[r].append(b)
+        tokens[r] += token_counts[b]
+    return [sorted(r) for r in ranks]
+
+
 def _batches(payload: dict, rank: int, world: int) -> tuple[list[int], int]:
-    total = len(payload["inputs"]["batches"])
-    return [b for b in range(total) if b % world == rank], math.ceil(total / world)
+    counts = [sum(map(sum, batch["attention_mask"])) for batch in payload["inputs"]["batches"]]
+    ranks = assign_batches(counts, world)
+    return ranks[rank], max(len(r) for r in ranks)
 
 
 def _tensors(batch: dict, device: str) -> dict[str, torch.Tensor]:
@@ -42,6 +54,8 @@ def _forward(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch
 
 def setup(rank: int, world: int, payload: dict) -> dict:
     """Load, compute the unsharded reference of this rank's batches, then shard the experts."""
+    import transformers
+
     from infer_tune import models
     from infer_tune.errors import ConfigError
     from infer_tune.runners.generation import generate_once
@@ -49,6 +63,8 @@ def setup(rank: int, world: int, payload: dict) -> dict:
     from infer_tune.tuners.experts import dispatch, routing
     from infer_tune.tuners.experts.planners import Plan
 
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     device = f"cuda:{rank}" if payload.get("backend") == "nccl" else "cpu"
     loaded = models.load(payload["model_path"], dtype=payload["dtype"], device=device)
     model = loaded.model
