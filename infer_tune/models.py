@@ -51,6 +51,38 @@ BUILTINS: dict[str, BuiltinModel] = {
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+@dataclass(frozen=True)
+class BuiltModel:
+    """A model infer-tune builds itself (no download): a name resolved to its folder in the cache."""
+
+    alias: str
+    build_command: str  # what the user runs to build it, e.g. `infer-tune experts build-demo`
+    description: str
+
+
+# Techniques register the models they build (`register_built_model`); models knows none.
+BUILT_MODELS: dict[str, BuiltModel] = {}
+
+
+def register_built_model(alias: str, build_command: str, description: str) -> None:
+    """Make `alias` a model name everywhere (`--model alias`), resolved to `$INFER_TUNE_HOME/models/alias`."""
+    if alias in BUILTINS:
+        raise ValueError(f"'{alias}' is already a built-in model")
+    BUILT_MODELS[alias] = BuiltModel(alias, build_command, description)
+
+
+def built_model_dir(alias: str) -> Path:
+    """Where a built model lives (whether or not it is built yet)."""
+    return paths.models_dir() / alias
+
+
+def _built_models() -> dict[str, BuiltModel]:
+    import importlib
+
+    importlib.import_module("infer_tune.tuners").load_techniques()  # technique packages register their models
+    return BUILT_MODELS
+
+
 @dataclass
 class LoadedModel:
     """A model ready to run, with the tokenizer and where it came from."""
@@ -106,6 +138,11 @@ def resolve(ref: str, *, pull: bool = True) -> str:
                 raise ModelError(f"model '{ref}' is not cached; run `infer-tune models pull {ref}`")
             pull_builtin(ref)
         return str(target)
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*", ref) and ref in _built_models():
+        target = built_model_dir(ref)
+        if not (target / "config.json").is_file():
+            raise ModelError(f"model '{ref}' is not built yet; run `{BUILT_MODELS[ref].build_command}`")
+        return str(target)
     path = Path(ref).expanduser()
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
@@ -119,7 +156,7 @@ def resolve(ref: str, *, pull: bool = True) -> str:
         raise ModelError(f"{ref} is a file, not a model; give a checkpoint directory, a .gguf file, or a model id")
     if ref.startswith((".", "/", "~")) or "\\" in ref:
         raise ModelError(f"model path not found: {ref}")
-    known = ", ".join(sorted(BUILTINS))
+    known = ", ".join(sorted(BUILTINS) + sorted(BUILT_MODELS))
     if _HF_ID.match(ref):
         if hub.cached_model(ref) or hub.reachable():
             return ref  # a Hugging Face id: transformers loads it from its cache or downloads it

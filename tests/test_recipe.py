@@ -71,3 +71,14 @@ def test_stages_layer_over_the_top_level_and_are_validated(tmp_path):
     typed.write_text("stages:\n  - {name: x, workload: [1, 2]}\n")
     with pytest.raises(ConfigError, match=r"stages\[0\]: workload must be a mapping"):
         expand_stages(load_recipe(str(typed)))
+
+
+def test_every_builtin_recipe_builds_its_configs():
+    """A shipped recipe that no longer matches a technique's fields fails here, not in a user's run."""
+    from infer_tune.recipe import build_configs, expand_stages
+
+    for name in builtin_recipes():
+        for stage in expand_stages(load_recipe(name)):
+            build_workload(stage, {})
+            build_protocol(stage, {})
+            assert build_configs(stage) or not stage.configs, (name, stage.name)

@@ -18,6 +18,7 @@ from infer_tune.cli import bench as bench_cmd
 from infer_tune.cli import compare as compare_cmd
 from infer_tune.cli import endpoint as endpoint_cmd
 from infer_tune.cli import env_cmd, models_cmd, output
+from infer_tune.cli import experts as experts_cmd
 from infer_tune.cli import kv_cache as kv_cache_cmd
 from infer_tune.cli import leaderboard as leaderboard_cmd
 from infer_tune.cli import quantize as quantize_cmd
@@ -115,6 +116,7 @@ app.command("quantize")(quantize_cmd.quantize)
 app.command("kv-cache")(kv_cache_cmd.kv_cache)
 app.add_typer(batch_cmd.app, name="batch")
 app.add_typer(endpoint_cmd.app, name="endpoint")
+app.add_typer(experts_cmd.app, name="experts")
 
 
 def main() -> None:

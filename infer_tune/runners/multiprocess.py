@@ -5,12 +5,19 @@ A technique puts into `PreparedModel.runner_options`:
             reference into spawned processes, so it must be importable);
   `procs`   the number of processes (default 2);
   `payload` any picklable object every rank receives (a model path, a placement plan...);
-  `backend` `gloo` (CPU, the default) or `nccl` (one GPU per rank).
+  `backend` `gloo` (CPU, the default) or `nccl` (one GPU per rank);
+  `setup`   (optional) a module-level `setup(rank, world_size, payload) -> state` run before the
+            timed section (loading a model, say); the worker then receives `state` as its payload;
+  `with_inputs` (optional, True) the payload (a dict) gets `inputs`: the workload's tokenized
+            batches as lists (`batches`, each {input_ids, attention_mask}), `max_new_tokens` and
+            `pin_length`, so workers can run the workload themselves.
 Each rank starts with the process group initialised (loopback rendezvous on a free port) and its
 torch threads set to threads // procs; the launcher times the worker between two barriers and reads
 the rank's peak RSS (and CUDA peak) itself. What a worker returns under `counters` is summed over
 ranks into the run's counters; the rest is kept per rank in `GenerationRun.ranks`. A worker may
-return `outputs` (a list of {prompt_index, token_ids, text}) on rank 0 for the quality metrics.
+return `outputs` (a list of {prompt_index, token_ids, text}) for the quality metrics and `requests`
+(a list of RequestTiming fields, host perf_counter_ns, which is one clock for every process of the
+machine) for TTFT / TPOT; those of every rank are merged, by prompt index.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import torch
 from infer_tune import atomic
 from infer_tune.errors import ConfigError, InferTuneError
 from infer_tune.metrics import memory
-from infer_tune.runners.base import GenerationRun, Output, Progress, Protocol, register_runner
+from infer_tune.runners.base import GenerationRun, Output, Progress, Protocol, RequestTiming, register_runner
 from infer_tune.runners.prepared import PreparedModel
 
 BACKENDS = ("gloo", "nccl")
@@ -40,7 +47,7 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, world: int, worker, payload, port: int, result_dir: str, backend: str,
-               threads: int) -> None:
+               threads: int, setup=None) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -51,6 +58,8 @@ def _rank_main(rank: int, world: int, worker, payload, port: int, result_dir: st
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
+        if setup is not None:
+            payload = setup(rank, world, payload)
         memory.release_and_reset_peak()
         memory.reset_cuda_peak(device)
         dist.barrier()
@@ -66,8 +75,9 @@ def _rank_main(rank: int, world: int, worker, payload, port: int, result_dir: st
     atomic.write_json(Path(result_dir) / f"rank{rank}.json", reading)
 
 
-def launch(worker, payload, *, procs: int, backend: str = "gloo", threads: int | None = None) -> list[dict]:
-    """Run `worker` on `procs` spawned ranks; returns each rank's reading, by rank."""
+def launch(worker, payload, *, procs: int, backend: str = "gloo", threads: int | None = None,
+           setup=None) -> list[dict]:
+    """Run `worker` on `procs` spawned ranks (after `setup`, untimed, when given); each rank's reading."""
     import torch.multiprocessing as mp
 
     if procs < 1:
@@ -79,7 +89,7 @@ def launch(worker, payload, *, procs: int, backend: str = "gloo", threads: int |
     per_rank = max(1, (threads or torch.get_num_threads()) // procs)
     with tempfile.TemporaryDirectory(prefix="infer-tune-ranks-") as result_dir:
         try:
-            mp.start_processes(_rank_main, args=(procs, worker, payload, free_port(), result_dir, backend, per_rank),
+            mp.start_processes(_rank_main, args=(procs, worker, payload, free_port(), result_dir, backend, per_rank, setup),
                                nprocs=procs, join=True, start_method="spawn")
         except mp.ProcessRaisedException as exc:
             last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
@@ -87,6 +97,12 @@ def launch(worker, payload, *, procs: int, backend: str = "gloo", threads: int |
         except mp.ProcessExitedException as exc:
             raise InferTuneError(f"a rank of the multi-process run died: {exc}") from exc
         return [json.loads((Path(result_dir) / f"rank{r}.json").read_text()) for r in range(procs)]
+
+
+def workload_inputs(inputs, workload, protocol: Protocol) -> dict:
+    """The workload as plain lists for workers (`with_inputs`)."""
+    batches = [{k: v.tolist() for k, v in batch.items()} for batch in inputs.batches]
+    return {"batches": batches, "max_new_tokens": workload.max_new_tokens, "pin_length": protocol.pin_length}
 
 
 @register_runner("multiprocess")
@@ -97,16 +113,20 @@ def run_multiprocess(prepared: PreparedModel, inputs, workload, protocol: Protoc
     if "worker" not in options:
         raise ConfigError("the multiprocess runner needs runner_options['worker']")
     procs = int(options.get("procs", 2))
-    args = dict(procs=procs, backend=options.get("backend", "gloo"), threads=torch.get_num_threads())
+    args = dict(procs=procs, backend=options.get("backend", "gloo"), threads=torch.get_num_threads(),
+                setup=options.get("setup"))
+    payload = options.get("payload")
+    if options.get("with_inputs"):
+        payload = dict(payload or {}, inputs=workload_inputs(inputs, workload, protocol))
     warmup_start = time.perf_counter()
     for i in range(protocol.warmup):
-        launch(options["worker"], options.get("payload"), **args)
+        launch(options["worker"], payload, **args)
         if progress:
             progress("warmup", i + 1, protocol.warmup)
     warmup_s = time.perf_counter() - warmup_start
     iterations, measured_s, ranks = 0, 0.0, []
     while iterations < protocol.min_iterations or measured_s < protocol.min_duration_s:
-        ranks = launch(options["worker"], options.get("payload"), **args)
+        ranks = launch(options["worker"], payload, **args)
         measured_s += max(r["elapsed_s"] for r in ranks)
         iterations += 1
         if progress:
@@ -115,15 +135,15 @@ def run_multiprocess(prepared: PreparedModel, inputs, workload, protocol: Protoc
     for reading in ranks:
         for key, value in (reading.pop("counters", None) or {}).items():
             counters[key] = counters.get(key, 0) + value
-    raw_outputs = ranks[0].pop("outputs", None) or []
-    for reading in ranks[1:]:
-        reading.pop("outputs", None)
+    raw_outputs = sorted((o for r in ranks for o in (r.pop("outputs", None) or [])), key=lambda o: o["prompt_index"])
+    requests = sorted((RequestTiming(**t) for r in ranks for t in (r.pop("requests", None) or [])),
+                      key=lambda t: (t.iteration, t.prompt_index))
     outputs = [Output(prompt_index=o["prompt_index"], text=o.get("text", ""), token_ids=list(o.get("token_ids", [])),
                       prompt_tokens=int(o.get("prompt_tokens", 0)), hit_eos=bool(o.get("hit_eos", False)))
                for o in raw_outputs]
     cuda = [r["cuda_peak_bytes"] for r in ranks if r.get("cuda_peak_bytes") is not None]
     return GenerationRun(
-        requests=[], outputs=outputs, measured_wall_s=measured_s, iterations=iterations, first_call_ms=None,
+        requests=requests, outputs=outputs, measured_wall_s=measured_s, iterations=iterations, first_call_ms=None,
         warmup_s=warmup_s, peak_rss_bytes=max(r["peak_rss_bytes"] for r in ranks),
         rss_before_bytes=memory.current_rss_bytes(), generated_tokens=sum(len(o.token_ids) for o in outputs),
-        batch_size=0, counters=counters, ranks=ranks, cuda_peak_bytes=max(cuda) if cuda else None)
+        batch_size=workload.batch_size if requests else 0, counters=counters, ranks=ranks, cuda_peak_bytes=max(cuda) if cuda else None)
