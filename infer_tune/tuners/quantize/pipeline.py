@@ -76,12 +76,30 @@ def prepare_quantized(loaded: models.LoadedModel, config: QuantizeConfig, ctx: R
                     "source_model": loaded.ref, "summary": summary}
         serialize.save_quantized(model, loaded.tokenizer, target, manifest)
         del model
-        model = serialize.load_quantized(target).to(device)
+        model = serialize.load_quantized(target, choose_kernels=False).to(device)
         facts["save_dir"] = str(target)
         facts["saved_bytes_on_disk"] = sum(f.stat().st_size for f in Path(target).iterdir() if f.is_file())
+    if backend == "torch" and config.method != "bf16":
+        facts["kernels"] = choose_kernels(model, config, ctx)
     facts["quantized_layers"] = len(summary.get("layers", {}))
     facts["bytes_ratio_vs_16bit"] = models.model_bytes(model) / facts["model_bytes_16bit"]
     return PreparedModel(model=model, tokenizer=loaded.tokenizer, metrics=facts, label=config.label(), device=device)
+
+
+def choose_kernels(model: torch.nn.Module, config: QuantizeConfig, ctx: RunContext) -> dict:
+    """Time the method's candidate kernels on this model's shapes (once per run) and apply the fastest."""
+    from infer_tune.tuners.quantize import kernels
+
+    rows = int(ctx.cache.get("prefill_rows", 64))
+    key = ("quantize-kernel-timings", kernels.family(config.method), config.group_size, rows)
+    timings = ctx.cache.setdefault(key, {})
+    if ctx.progress:
+        ctx.progress("timing kernels", 0, 1)
+    record = kernels.choose_for_model(model, config.method, prefill_rows=rows, group_size=config.group_size,
+                                      forced=config.forced_kernels(), timings=timings)
+    if ctx.progress:
+        ctx.progress("timing kernels", 1, 1)
+    return record
 
 
 def annotate_claim(doc: dict, earlier: list[dict]) -> None:
