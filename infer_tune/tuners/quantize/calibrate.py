@@ -20,6 +20,7 @@ class ActStats:
 
     minimum: torch.Tensor  # [K]
     maximum: torch.Tensor  # [K]
+    samples: torch.Tensor | None = None  # [rows, K]: evenly spaced calibration rows (to judge a layer's error)
 
     @property
     def absmax(self) -> torch.Tensor:
@@ -51,20 +52,26 @@ def calibration_batches(tokenizer, suite: str, samples: int, *, seed: int = 1, c
 
 @torch.no_grad()
 def collect_activation_stats(model: nn.Module, targets: dict[str, nn.Linear], batches: list[torch.Tensor],
-                             progress: Progress | None = None, *, wiring=None) -> dict[str, ActStats]:
+                             progress: Progress | None = None, *, wiring=None, keep_rows: int = 0) -> dict[str, ActStats]:
     """Run the calibration prompts once and record each target's input range per channel.
 
-    `wiring` (a wrap.NormWiring on the same model) observes which norm feeds which target meanwhile.
+    `wiring` (a wrap.NormWiring on the same model) observes which norm feeds which target meanwhile;
+    `keep_rows` keeps about that many evenly spaced input rows per target (`ActStats.samples`).
     """
     stats: dict[str, ActStats] = {}
+    per_batch = -(-keep_rows // max(len(batches), 1)) if keep_rows else 0
 
     def hook_for(name: str):
         def hook(_module, args):
             x = args[0].detach().float().reshape(-1, args[0].shape[-1])  # [tokens, K]
             lo, hi = x.amin(dim=0), x.amax(dim=0)
+            samples = stats[name].samples if name in stats else None
             if name in stats:
                 lo, hi = torch.minimum(stats[name].minimum, lo), torch.maximum(stats[name].maximum, hi)
-            stats[name] = ActStats(lo, hi)
+            if per_batch:
+                picked = x[torch.linspace(0, x.shape[0] - 1, min(per_batch, x.shape[0])).long()].clone()
+                samples = picked if samples is None else torch.cat([samples, picked])
+            stats[name] = ActStats(lo, hi, samples)
         return hook
 
     handles = [module.register_forward_pre_hook(hook_for(name)) for name, module in targets.items()]

@@ -30,20 +30,16 @@ from collections import Counter
 import torch
 from torch import nn
 
-KERNELS: dict[str, tuple[str, ...]] = {
+KERNELS: dict[str, tuple[str, ...]] = {  # quantized Linear kind -> its candidate kernels
     "int8-dynamic": ("fbgemm", "int_mm", "dequant"),
     "int8-static": ("fbgemm", "dequant"),
     "int4": ("int4pack", "dequant"),
 }
-# per-tensor activation scales lose the quiet tokens' precision when one token is an outlier (attention
-# sinks): fbgemm's dynamic path is a prefill candidate only where it quantizes per token (decode)
-PREFILL_EXCLUDED = {"int8-dynamic": ("fbgemm",)}
-DEFAULTS = {"int8-dynamic": ("fbgemm", "int_mm"), "int8-static": ("fbgemm", "fbgemm"), "int4": ("int4pack", "int4pack")}
 FORCE_REDUCE_RANGE_ENV = "INFER_TUNE_INT8_REDUCE_RANGE"  # "1"/"0": simulate (or deny) a saturating host
 
 
 def family(method: str) -> str:
-    """Kernel family of a quantize method (int4-weight and int4-rtn share one)."""
+    """The quantized Linear kind a method produces (int4-weight and int4-rtn share one)."""
     return "int4" if method.startswith("int4") else method
 
 
@@ -66,7 +62,15 @@ def saturation_probe() -> dict:
         out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, 1.0, 0, packed)
     exact = 255.0 * 127.0 * k
     measured = float(out.flatten()[0])
-    return {"exact": exact, "measured": measured, "saturates": abs(measured - exact) > 1e-3 * exact}
+    result = {"exact": exact, "measured": measured, "saturates": abs(measured - exact) > 1e-3 * exact}
+    try:  # symmetric s8 x s8 through torch._int_mm (oneDNN shifts s8 to u8 internally on some paths)
+        a = torch.full((32, k), 127, dtype=torch.int8)
+        b = torch.full((k, 32), 127, dtype=torch.int8)
+        got = float(torch._int_mm(a, b)[0, 0])
+        result["int_mm_saturates"] = abs(got - 127.0 * 127.0 * k) > 1e-3 * 127.0 * 127.0 * k
+    except RuntimeError:
+        result["int_mm_saturates"] = None
+    return result
 
 
 def activation_range() -> dict:
@@ -115,9 +119,15 @@ def choose(timings_ms: dict[str, float], fp32_ms: float, *, forced: str | None =
             "speedup_vs_fp32": ratio, "slower_than_fp32": slower}
 
 
-def linear_shapes(model: nn.Module, kinds: tuple[type, ...]) -> Counter:
-    """(in_features, out_features, kind) -> how many layers of the model have it."""
-    return Counter((m.in_features, m.out_features, type(m).kind) for m in model.modules() if isinstance(m, kinds))
+def linear_shapes(model: nn.Module) -> dict[str, Counter]:
+    """Quantized Linear kind -> Counter of (in_features, out_features) -> how many layers have it."""
+    from infer_tune.tuners.quantize.modules import LINEAR_KINDS
+
+    shapes: dict[str, Counter] = {}
+    for m in model.modules():
+        if isinstance(m, tuple(LINEAR_KINDS.values())):
+            shapes.setdefault(m.kind, Counter())[(m.in_features, m.out_features)] += 1
+    return shapes
 
 
 def _best_ms(fn, reps: int) -> float:
@@ -147,19 +157,18 @@ def sample_module(kind: str, k: int, n: int, group_size: int) -> nn.Module:
     return modules.Int8DynamicLinear(q, scale)
 
 
-def benchmark(shapes: Counter, rows: int, method: str, *, group_size: int = 32,
+def benchmark(shapes: Counter, rows: int, kind: str, *, group_size: int = 32,
               reps: int = 5) -> tuple[dict[str, float | None], float]:
-    """Time every candidate kernel of `method` on the model's Linear shapes at `rows` rows.
+    """Time every candidate kernel of `kind` on the model's Linear shapes of that kind at `rows` rows.
 
     Returns (kernel -> ms, fp32 ms). Each distinct shape is timed once and weighted by how many layers
-    have it (the per-step cost of the model's Linears, head included). A kernel that fails on this
-    host is recorded as None.
+    have it (the per-step cost of those Linears). A kernel that fails on this host is recorded as None.
     """
-    candidates = KERNELS[family(method)]
+    candidates = KERNELS[kind]
     totals: dict[str, float | None] = dict.fromkeys(candidates, 0.0)
     fp32_total = 0.0
     with torch.inference_mode():
-        for (k, n, kind), count in shapes.items():
+        for (k, n), count in shapes.items():
             module = sample_module(kind, k, n, group_size)
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
             w = torch.randn(n, k)
@@ -175,43 +184,68 @@ def benchmark(shapes: Counter, rows: int, method: str, *, group_size: int = 32,
     return totals, fp32_total
 
 
+def excluded(kind: str, regime: str) -> dict[str, str]:
+    """Candidates not eligible for a regime on this host, and why (numerics, not speed)."""
+    out = {}
+    if kind == "int8-dynamic" and regime == "prefill":
+        out["fbgemm"] = ("one activation scale per call is per tensor at prefill: an outlier token (attention "
+                         "sinks) would flatten every other token's precision")
+    if kind == "int8-dynamic" and saturation_probe().get("int_mm_saturates"):
+        out["int_mm"] = "torch._int_mm saturates on this host (measured by the probe)"
+    return out
+
+
 def choose_for_model(model: nn.Module, method: str, *, prefill_rows: int = 64, group_size: int = 32,
                      forced: tuple[str | None, str | None] = (None, None),
                      timings: dict | None = None) -> dict:
-    """Measure and apply the decode and prefill kernels of every quantized Linear of `model`.
+    """Measure and apply the decode and prefill kernels of every quantized Linear of `model`, per kind.
 
-    `forced` = (decode, prefill) kernel names from the config (None: choose); `timings` injects
-    benchmark results {"decode": (kernel -> ms, fp32 ms), "prefill": ...} instead of measuring (tests,
-    or a choice measured once and reused). Returns the record stored in the result.
+    An int8-static model also holds int8-dynamic Linears (its head, layers whose static error was too
+    large); each kind gets its own choice. `forced` = (decode, prefill) kernel names from the config for
+    the method's own kind (None: choose); `timings` holds benchmark results {(kind, regime): (kernel ->
+    ms, fp32 ms)}: given ones are used instead of measuring (tests inject them), missing ones are
+    measured and stored there (a run reuses them across configs). Returns the record of the result.
     """
-    from infer_tune.tuners.quantize.modules import LINEAR_KINDS
-
-    shapes = linear_shapes(model, tuple(LINEAR_KINDS.values()))
+    shapes = linear_shapes(model)
     if not shapes:
         return {}
-    fam = family(method)
-    record: dict = {"family": fam, "prefill_rows": prefill_rows}
-    measured = timings or {}
-    for regime, rows, force in (("decode", 1, forced[0]), ("prefill", prefill_rows, forced[1])):
-        if regime not in measured:
-            measured[regime] = benchmark(shapes, rows, method, group_size=group_size)
-        kernel_ms, fp32_ms = measured[regime]
-        if regime == "prefill":
-            kernel_ms = {k: v for k, v in kernel_ms.items() if k not in PREFILL_EXCLUDED.get(fam, ())}
-        record[regime] = choose(kernel_ms, fp32_ms, forced=force)
-    apply_kernels(model, record["decode"]["chosen"], record["prefill"]["chosen"])
-    if fam.startswith("int8"):
+    own = family(method)
+    timings = {} if timings is None else timings
+    record: dict = {"prefill_rows": prefill_rows, "by_kind": {}}
+    totals = {"decode": [0.0, 0.0], "prefill": [0.0, 0.0]}
+    for kind, kind_shapes in shapes.items():
+        force = forced if kind == own else (None, None)
+        chosen = {}
+        for regime, rows, name in (("decode", 1, force[0]), ("prefill", prefill_rows, force[1])):
+            if (kind, regime) not in timings:
+                timings[(kind, regime)] = benchmark(kind_shapes, rows, kind, group_size=group_size)
+            kernel_ms, fp32_ms = timings[(kind, regime)]
+            skip = excluded(kind, regime)
+            choice = choose({k: v for k, v in kernel_ms.items() if k not in skip}, fp32_ms, forced=name)
+            if skip:
+                choice["excluded"] = skip
+            chosen[regime] = choice
+            totals[regime][0] += choice["timings_ms"].get(choice["chosen"]) or kernel_ms.get(choice["chosen"]) or 0.0
+            totals[regime][1] += fp32_ms
+        apply_kernels(model, chosen["decode"]["chosen"], chosen["prefill"]["chosen"], kind=kind)
+        record["by_kind"][kind] = chosen
+    for regime, (ms, fp32_ms) in totals.items():
+        ratio = fp32_ms / ms if ms else None
+        record[regime] = {"ms": ms, "fp32_ms": fp32_ms, "speedup_vs_fp32": ratio,
+                          "slower_than_fp32": ratio is not None and ratio < 1.0,
+                          "chosen": {k: v[regime]["chosen"] for k, v in record["by_kind"].items()}}
+    if any(k.startswith("int8") for k in shapes):
         record["activation_range"] = activation_range()
     return record
 
 
-def apply_kernels(model: nn.Module, decode: str, prefill: str) -> int:
-    """Set the decode / prefill kernel of every quantized Linear of `model`; returns how many."""
+def apply_kernels(model: nn.Module, decode: str, prefill: str, *, kind: str | None = None) -> int:
+    """Set the decode / prefill kernel of the quantized Linears of `model` (of `kind`, or all); returns how many."""
     from infer_tune.tuners.quantize.modules import LINEAR_KINDS
 
     n = 0
     for module in model.modules():
-        if isinstance(module, tuple(LINEAR_KINDS.values())):
+        if isinstance(module, tuple(LINEAR_KINDS.values())) and (kind is None or module.kind == kind):
             module.set_kernels(decode, prefill)
             n += 1
     return n

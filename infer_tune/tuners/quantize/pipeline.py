@@ -91,8 +91,8 @@ def choose_kernels(model: torch.nn.Module, config: QuantizeConfig, ctx: RunConte
     from infer_tune.tuners.quantize import kernels
 
     rows = int(ctx.cache.get("prefill_rows", 64))
-    key = ("quantize-kernel-timings", kernels.family(config.method), config.group_size, rows)
-    timings = ctx.cache.setdefault(key, {})
+    shapes = tuple(sorted((kind, tuple(sorted(c.items()))) for kind, c in kernels.linear_shapes(model).items()))
+    timings = ctx.cache.setdefault(("quantize-kernel-timings", shapes, config.group_size, rows), {})
     if ctx.progress:
         ctx.progress("timing kernels", 0, 1)
     record = kernels.choose_for_model(model, config.method, prefill_rows=rows, group_size=config.group_size,
