@@ -16,7 +16,7 @@ from pathlib import Path
 from infer_tune import env as envinfo
 from infer_tune import models, results
 from infer_tune.errors import ConfigError
-from infer_tune.metrics import deltas, kv, quality, roofline
+from infer_tune.metrics import deltas, kv, noise, quality, roofline
 from infer_tune.metrics.perplexity import reference_perplexity
 from infer_tune.metrics.stats import summarize
 from infer_tune.runners import GenerationRun, PreparedModel, get_runner
@@ -96,8 +96,11 @@ def measure_prepared(
     `per_position=True` adds `per_position_ms` (mean latency of each decode step, in order);
     `execute=True` also runs the code suite's tests on the outputs (pass@1, sandboxed subprocesses).
     """
+    before = noise.HostSnapshot.take()
     run = get_runner(runner)(prepared, inputs, workload, protocol, progress)
+    after = noise.HostSnapshot.take()
     metrics, samples = timing_metrics(run)
+    metrics["noise"] = noise.figure(run.requests, before, after)
     if per_position:
         metrics["per_position_ms"] = run.per_position_ms()
     weight_bytes = (models.model_bytes(prepared.model) if prepared.model is not None else 0) \

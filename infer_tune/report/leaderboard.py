@@ -55,6 +55,11 @@ def flatten(doc: dict) -> dict:
     }
     for key in COLUMNS:
         row.setdefault(key, m.get(key))
+    if m.get("broken"):  # a broken model is never shown as a speedup (metrics.verdict)
+        row["config"] = f"{row['config']} [BROKEN: {m.get('broken_why')}]"
+        row["speedup_vs_baseline"] = None
+    elif (m.get("noise") or {}).get("noisy"):
+        row["config"] = f"{row['config']} [noisy]"
     if row["technique"] == "baseline":  # the baseline is its own reference point
         row["speedup_vs_baseline"] = 1.0 if row["speedup_vs_baseline"] is None else row["speedup_vs_baseline"]
         row["bleu_drift"] = 0.0 if row["bleu_drift"] is None else row["bleu_drift"]
