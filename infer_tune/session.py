@@ -218,7 +218,7 @@ def preflight(loaded: models.LoadedModel, workload: Workload, configs: list[Tech
     """Every check that can fail before a measurement: constraints, then each technique's own checks."""
     for config in configs:
         entry = technique_for(config)
-        entry.check_workload(workload)
+        entry.check_workload(workload, config)
         if entry.preflight:
             entry.preflight(loaded, config, ctx)
 
@@ -260,7 +260,8 @@ def run_configs(
         prepared.device = ctx.device
         try:
             doc, outputs = measure_prepared(loaded, prepared, inputs, workload, protocol, technique=entry.name,
-                                            config=config_dict, env=ctx.env, runner=entry.runner, baseline=baseline,
+                                            config=config_dict, env=ctx.env, runner=prepared.runner or entry.runner,
+                                            baseline=baseline,
                                             baseline_outputs=baseline_outputs, measure_ppl=ppl, execute=execute,
                                             progress=ctx.progress)
         finally:

@@ -85,6 +85,10 @@ class PortableModule(nn.Module):
             if kernel not in self.KERNELS:
                 raise ValueError(f"{type(self).__name__} has no kernel '{kernel}'; it has {', '.join(self.KERNELS)}")
         self.decode_kernel, self.prefill_kernel = decode, prefill
+        self._prepare_kernels()
+
+    def _prepare_kernels(self) -> None:
+        """Build what the chosen kernels read, before any forward (a compiled graph must not mutate it)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K]
         rows = x.reshape(-1, x.shape[-1])  # [tokens, K]
@@ -132,6 +136,7 @@ class Int8DynamicLinear(PortableModule):
         self._packed = prepack_int8(qweight.contiguous(), self.weight_scale, None)
         self.reduce_range = reduce_range()  # measured on this host: see kernels.saturation_probe
         self.tied = False  # a tied head is rebuilt from the embedding's tensors and stores nothing
+        self._prepare_kernels()
 
     def _run_fbgemm(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic(rows.float(), self._packed, self.reduce_range)
@@ -146,8 +151,12 @@ class Int8DynamicLinear(PortableModule):
         weight = self._weight_t().t().float() * self.weight_scale[:, None]  # [N, K], dequantized per call
         return torch.nn.functional.linear(rows.float(), weight)
 
+    def _prepare_kernels(self) -> None:
+        if {self.decode_kernel, self.prefill_kernel} & {"int_mm", "dequant"}:
+            self._weight_t()
+
     def _weight_t(self) -> torch.Tensor:
-        """int8 weight as [K, N], unpacked from fbgemm's copy once, on first use."""
+        """int8 weight as [K, N], unpacked from fbgemm's copy once (kernels int_mm and dequant read it)."""
         if getattr(self, "_wq_t", None) is None:
             self._wq_t = self.qweight().t().contiguous()
         return self._wq_t
