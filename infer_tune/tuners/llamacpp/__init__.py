@@ -132,8 +132,12 @@ def _version() -> str | None:
         return None
 
 
-def decode(llm, prompt: str, max_new_tokens: int, *, pin_length: bool) -> tuple[int, list[int], list[int], int | None]:
-    """One greedy request: (submit_ns, token_ns, token ids, natural length or None), as the generation runner."""
+def decode(llm, prompt: str, max_new_tokens: int, *, pin_length: bool,
+           add_bos: bool = False) -> tuple[int, list[int], list[int], int | None]:
+    """One greedy request: (submit_ns, token_ns, token ids, natural length or None), as the generation runner.
+
+    `add_bos`: the prompt is raw text (no chat template), so the tokenizer's BOS goes first as it does
+    for the torch rows; a templated prompt already holds its special tokens."""
     import numpy as np
 
     eos = llm.token_eos()
@@ -146,7 +150,7 @@ def decode(llm, prompt: str, max_new_tokens: int, *, pin_length: bool) -> tuple[
         scores[eos] = -np.inf
         return scores
 
-    tokens = llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
+    tokens = llm.tokenize(prompt.encode("utf-8"), add_bos=add_bos, special=True)
     llm.reset()  # no prompt-prefix reuse: every request pays its prefill
     token_ns, out = [], []
     submit_ns = time.perf_counter_ns()
@@ -165,10 +169,11 @@ def run_llamacpp(prepared: PreparedModel, inputs, workload, protocol: Protocol,
     """The closed loop (warmup, whole passes until the protocol is met) through llama.cpp, one request at a time."""
     llm = prepared.runner_options["llama"]
     prompts, max_new = inputs.rendered, workload.max_new_tokens
+    bos = not inputs.templated
     first_call_ms = None
     started = time.perf_counter()
     for i in range(protocol.warmup):
-        submit, token_ns, _, _ = decode(llm, prompts[0], max_new, pin_length=protocol.pin_length)
+        submit, token_ns, _, _ = decode(llm, prompts[0], max_new, pin_length=protocol.pin_length, add_bos=bos)
         if i == 0 and token_ns:
             first_call_ms = (token_ns[-1] - submit) / 1e6
     warmup_s = time.perf_counter() - started
@@ -178,9 +183,9 @@ def run_llamacpp(prepared: PreparedModel, inputs, workload, protocol: Protocol,
     while iteration < protocol.min_iterations or measured_ns / 1e9 < protocol.min_duration_s:
         for index, prompt in enumerate(prompts):
             t0 = time.perf_counter_ns()
-            submit, token_ns, ids, natural = decode(llm, prompt, max_new, pin_length=protocol.pin_length)
+            submit, token_ns, ids, natural = decode(llm, prompt, max_new, pin_length=protocol.pin_length, add_bos=bos)
             measured_ns += time.perf_counter_ns() - t0
-            n_prompt = len(llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True))
+            n_prompt = len(llm.tokenize(prompt.encode("utf-8"), add_bos=bos, special=True))
             timing = RequestTiming(prompt_index=index, iteration=iteration, prompt_tokens=n_prompt, submit_ns=submit,
                                    token_ns=token_ns)
             requests.append(timing)

@@ -102,11 +102,27 @@ def choose_kernels(model: torch.nn.Module, config: QuantizeConfig, ctx: RunConte
     return record
 
 
+TTFT_NOTE_RATIO = 3.0  # a TTFT this many times the baseline's gets an explanation in the result
+
+
 def annotate_claim(doc: dict, earlier: list[dict]) -> None:
-    """An int8 result carries the INT8 claim check, judged against a bf16 run measured earlier in the sweep."""
+    """An int8 result carries the INT8 claim check, judged against a bf16 run measured earlier in the sweep;
+    a result whose TTFT is over TTFT_NOTE_RATIO x the baseline's says why (its measured prefill kernels)."""
+    m = doc["metrics"]
+    ttft_speedup = m.get("ttft_speedup_vs_baseline")
+    if ttft_speedup is not None and ttft_speedup < 1 / TTFT_NOTE_RATIO:
+        prefill = (m.get("kernels") or {}).get("prefill") or {}
+        m["ttft_note"] = (f"TTFT {1 / ttft_speedup:.1f}x the baseline's: the fastest prefill kernels measured here "
+                          f"({prefill.get('chosen')}) run this model's Linears at "
+                          f"{output_ratio(prefill.get('speedup_vs_fp32'))} fp32 speed" if prefill else
+                          f"TTFT {1 / ttft_speedup:.1f}x the baseline's; no kernel choice was recorded")
     if doc["config"].get("method") in ("int8-dynamic", "int8-static"):
         same_sweep = [d for d in earlier if d.get("technique") == doc["technique"]]
         doc["metrics"]["claim_check"] = claim_check([*same_sweep, doc], method=doc["config"]["method"])
+
+
+def output_ratio(value: float | None) -> str:
+    return "an unmeasured fraction of" if value is None else f"{value:.2f}x"
 
 
 def _config_fields(config: QuantizeConfig) -> dict:
