@@ -16,7 +16,7 @@ from pathlib import Path
 from infer_tune import env as envinfo
 from infer_tune import models, results, suites
 from infer_tune.errors import ConfigError
-from infer_tune.metrics import deltas, kv, quality, roofline
+from infer_tune.metrics import deltas, kv, noise, quality, roofline
 from infer_tune.metrics.perplexity import reference_perplexity
 from infer_tune.metrics.stats import summarize
 from infer_tune.runners import GenerationRun, PreparedModel, get_runner
@@ -100,8 +100,11 @@ def measure_prepared(
     `execute=True` also runs the code suite's tests on the outputs (pass@1) in the OS sandbox
     (metrics/sandbox.py); `execute="unsafe"` runs them without it (only where the user allowed that).
     """
+    before = noise.HostSnapshot.take()
     run = get_runner(runner)(prepared, inputs, workload, protocol, progress)
+    after = noise.HostSnapshot.take()
     metrics, samples = timing_metrics(run)
+    metrics["noise"] = noise.figure(run.requests, before, after)
     if per_position:
         metrics["per_position_ms"] = run.per_position_ms()
     weight_bytes = (models.model_bytes(prepared.model) if prepared.model is not None else 0) \
@@ -224,7 +227,7 @@ def preflight(loaded: models.LoadedModel, workload: Workload, configs: list[Tech
     """Every check that can fail before a measurement: constraints, then each technique's own checks."""
     for config in configs:
         entry = technique_for(config)
-        entry.check_workload(workload)
+        entry.check_workload(workload, config)
         if entry.preflight:
             entry.preflight(loaded, config, ctx)
 
@@ -280,7 +283,8 @@ def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, proto
         prepared.device = ctx.device
         try:
             doc, outputs = measure_prepared(loaded, prepared, inputs, workload, protocol, technique=entry.name,
-                                            config=config_dict, env=ctx.env, runner=entry.runner, baseline=baseline,
+                                            config=config_dict, env=ctx.env, runner=prepared.runner or entry.runner,
+                                            baseline=baseline,
                                             baseline_outputs=baseline_outputs, measure_ppl=ppl, execute=execute,
                                             progress=ctx.progress)
         finally:

@@ -22,6 +22,7 @@ from infer_tune.cli import experts as experts_cmd
 from infer_tune.cli import kv_cache as kv_cache_cmd
 from infer_tune.cli import leaderboard as leaderboard_cmd
 from infer_tune.cli import quantize as quantize_cmd
+from infer_tune.cli import tune as tune_cmd
 from infer_tune.errors import InferTuneError
 
 INTERNAL_ERROR = 3
@@ -117,6 +118,7 @@ app.command("kv-cache")(kv_cache_cmd.kv_cache)
 app.add_typer(batch_cmd.app, name="batch")
 app.add_typer(endpoint_cmd.app, name="endpoint")
 app.add_typer(experts_cmd.app, name="experts")
+app.command("tune")(tune_cmd.tune)
 
 
 def main() -> None:

@@ -38,12 +38,18 @@ def render_result(doc: dict, run_dir: Path | str | None = None) -> None:
     ]
     if m.get("pass_at_1") is not None:
         facts.append(("pass@1", output.fmt(m["pass_at_1"], ".1%")))
-    if m.get("speedup_vs_baseline") is not None:
+    if m.get("broken"):
+        facts.append(("verdict", f"BROKEN, not a speedup: {m.get('broken_why')}"))
+    elif m.get("speedup_vs_baseline") is not None:
         facts.append(("speedup vs baseline", f"{output.fmt(m['speedup_vs_baseline'])}x decode, "
                                              f"{output.fmt(m.get('ttft_speedup_vs_baseline'))}x TTFT"))
+    if m.get("speedup_vs_baseline") is not None:
         facts.append(("drift", f"BLEU {output.fmt(m.get('bleu_drift'), '+.2f')}, exact match "
                                f"{output.fmt(m.get('exact_match_vs_baseline'), '.0%')}, ppl "
                                f"{output.fmt(m.get('ppl_delta_pct'), '+.2f')}%"))
+    noise = m.get("noise") or {}
+    if noise.get("noisy"):
+        facts.append(("noise", "SHAKY: " + "; ".join(noise.get("why") or [])))
     for name, value in facts:
         output.out.print(f"  {name:<22} {value}", soft_wrap=True)
     if run_dir is not None:

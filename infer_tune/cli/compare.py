@@ -31,6 +31,9 @@ def render(comparison) -> None:
                 row[-1] = "[bold red]REGRESSED[/]" if check.regressed else "[green]pass[/]"
                 checks.add_row(*row[:-1], row[-1])
             output.out.print(checks)
+            for check in cand.checks:
+                if check.noise:
+                    output.out.print(f"  note: {check.expr}: {check.noise}", soft_wrap=True)
         deltas = Table(title=f"deltas: {title}")
         for name in f.DELTA_HEADER:
             deltas.add_column(name, justify="left" if name == "metric" else "right")

@@ -21,5 +21,11 @@ def env(threads: opt.Threads = None, json_out: opt.Json = False, debug: opt.Debu
         elif key == "ram_bytes":
             value = output.fmt_bytes(value)
         elif key == "mem_bandwidth_gb_s":
-            value = f"{value:.1f} GB/s (measured, cached)"
+            value = f"{value:.1f} GB/s (measured on this host)"
+        elif key == "mem_bandwidth":
+            quick = value.get("quick_check_gb_s")
+            value = (f"{value['source']}, measured {value.get('measured_at')}"
+                     + (f", quick check now {quick:.1f} GB/s" if quick else ""))
+        elif key == "cpu_flags":
+            value = " ".join(value) or "-"
         output.out.print(f"{key:<20} {value}")

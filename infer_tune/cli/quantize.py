@@ -72,5 +72,12 @@ def quantize(
         output.out.print(f"  {'quantized':<22} {doc['config']['method']} via {m.get('backend_resolved')}, "
                          f"{m.get('quantized_layers')} layers, {output.fmt(m.get('bytes_ratio_vs_16bit'), '.0%')} "
                          f"of 16-bit bytes, saved to {m.get('save_dir') if outcome.saved else '(temporary)'}")
+        chosen = m.get("kernels") or {}
+        if chosen.get("decode"):
+            rng = chosen.get("activation_range")
+            output.out.print(f"  {'kernels (measured)':<22} decode {chosen['decode']['chosen']} "
+                             f"({output.fmt(chosen['decode']['speedup_vs_fp32'])}x fp32), prefill "
+                             f"{chosen['prefill']['chosen']} ({output.fmt(chosen['prefill']['speedup_vs_fp32'])}x fp32)"
+                             + (f"; activations 0..{rng['qmax']} ({rng['why']})" if rng else ""), soft_wrap=True)
     if outcome.claim is not None:
         render_claim(outcome.claim)

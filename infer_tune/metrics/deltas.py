@@ -7,7 +7,7 @@ change in percent; faithfulness to the baseline's own outputs (metrics.quality).
 
 from __future__ import annotations
 
-from infer_tune.metrics import quality
+from infer_tune.metrics import quality, verdict
 
 
 def ratio_of_p50(base: dict, cand: dict, key: str) -> float | None:
@@ -34,12 +34,12 @@ def versus_baseline(metrics: dict, outputs: list[dict], baseline: dict, baseline
         out["pass_at_1_delta"] = metrics["pass_at_1"] - base["pass_at_1"]
     out["ppl_delta_pct"] = (100.0 * (metrics["ppl"] - base["ppl"]) / base["ppl"]
                             if metrics.get("ppl") and base.get("ppl") else None)
-    if not outputs:  # a run that generated nothing to compare (a multi-process kernel check, say)
-        return out
-    if out["bleu_drift"] is not None and len(outputs) == len(baseline_outputs):
-        out["bleu_drift_ci95"] = quality.bleu_drift_interval(
-            [o["output"] for o in outputs], [o["output"] for o in baseline_outputs],
-            [o.get("reference") for o in outputs])
-    out.update(quality.faithfulness([o["output"] for o in outputs], [o["output"] for o in baseline_outputs],
-                                    [o["token_ids"] for o in outputs], [o["token_ids"] for o in baseline_outputs]))
+    if outputs:  # a run that generated nothing to compare (a multi-process kernel check, say) has none
+        if out["bleu_drift"] is not None and len(outputs) == len(baseline_outputs):
+            out["bleu_drift_ci95"] = quality.bleu_drift_interval(
+                [o["output"] for o in outputs], [o["output"] for o in baseline_outputs],
+                [o.get("reference") for o in outputs])
+        out.update(quality.faithfulness([o["output"] for o in outputs], [o["output"] for o in baseline_outputs],
+                                        [o["token_ids"] for o in outputs], [o["token_ids"] for o in baseline_outputs]))
+    out.update(verdict.verdict(out, baseline_outputs))
     return out

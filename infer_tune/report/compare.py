@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from infer_tune.errors import InferTuneError
+from infer_tune.metrics import noise
 from infer_tune.metrics.stats import bootstrap_interval, paired_ratio_interval, ratio_interval
 from infer_tune.results import DISTRIBUTION_METRICS
 
@@ -260,6 +261,7 @@ class Check:
     relative: bool
     method: str
     regressed: bool
+    noise: str | None = None  # set when a noisy input widened the interval (metrics.noise)
 
 
 @dataclass
@@ -348,10 +350,35 @@ def judge(expr: Expr, base: dict, cand: dict, *, seed: int = 0) -> Check:
         if value is None:
             raise ExprError(f"{where}: the candidate has no value for it")
         observed, interval = value, None
+    interval, note = widen_for_noise(expr, base, cand, observed, interval)
     # Whole interval past the threshold: its nearest end to the threshold must satisfy the expression.
     edge = observed if interval is None else (interval[0] if expr.op in (">", ">=") else interval[1])
     return Check(expr=expr.text, metric=expr.metric, observed=observed, interval=interval, threshold=expr.value,
-                 relative=expr.relative, method=method, regressed=bool(passes(edge, expr.value)))
+                 relative=expr.relative, method=method, regressed=bool(passes(edge, expr.value)), noise=note)
+
+
+NOISE_WIDENING = 2.0  # a noisy input widens a timing interval by this many times its measured CV, each side
+
+
+def widen_for_noise(expr: Expr, base: dict, cand: dict, observed: float,
+                    interval: list[float] | None) -> tuple[list[float] | None, str | None]:
+    """Widen a timing metric's interval when either input's noise figure flags it (metrics.noise).
+
+    The bootstrap interval covers the spread of the samples a run kept, not a host that was busy for
+    the whole run; the widening adds NOISE_WIDENING x the largest per-iteration CV (at least 5%) on
+    each side, so a verdict on a noisy input is withheld unless the change is larger than the noise.
+    """
+    if expr.metric.partition(".")[0] not in DISTRIBUTION_METRICS or not (noise.is_noisy(base) or noise.is_noisy(cand)):
+        return interval, None
+    width = NOISE_WIDENING * max(noise.widest_cv(base, cand), noise.NOISE_CV_LIMIT)
+    low, high = interval if interval is not None else (observed, observed)
+    if expr.relative:
+        pad = 100.0 * width
+        widened = [low - pad, high + pad]
+    else:
+        widened = [low * (1 - width), high * (1 + width)]
+    noisy = [d["run_id"] for d in (base, cand) if noise.is_noisy(d)]
+    return widened, f"interval widened by {width:.0%} each side: noisy input ({', '.join(noisy)})"
 
 
 def compare(base: dict, candidates: Sequence[dict], exprs: Sequence[Expr] = (), *, allow_mismatch: bool = False,

@@ -8,9 +8,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-# A result whose drift says the model is broken is marked so and never called a speedup.
-BROKEN_PPL_DELTA_PCT = 100.0  # perplexity more than doubled
-BROKEN_FAITHFULNESS = 0.05  # BLEU against the baseline's own outputs near zero (0..1 scale: BLEU / 100)
+from infer_tune.metrics import verdict as drift_verdict
 
 
 def _missing(v) -> bool:
@@ -73,10 +71,11 @@ def verdict(row: dict) -> str:
 
 
 def is_broken(row: dict) -> bool:
-    ppl = row.get("ppl_delta_pct")
-    faith = row.get("bleu_vs_baseline")
-    return (not _missing(ppl) and ppl > BROKEN_PPL_DELTA_PCT) or \
-        (not _missing(faith) and faith / 100.0 < BROKEN_FAITHFULNESS and row.get("output_mismatches"))
+    """Marked broken when measured (metrics.verdict), or by the same rules on a row that predates it."""
+    if row.get("broken") is True:
+        return True
+    clean = {k: (None if _missing(v) else v) for k, v in row.items()}
+    return bool(drift_verdict.broken_reasons(clean))
 
 
 @dataclass(frozen=True)

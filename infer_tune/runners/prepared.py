@@ -52,6 +52,7 @@ class PreparedModel:
     - `runner_options` are read by the runner the technique names (an arrival trace and a scheduler,
       a worker function and a process count, ...); the generation runner ignores them.
     - `device` is where inputs go.
+    - `runner` (optional) names the runner when it depends on the config (a stack's parts decide).
     """
 
     model: torch.nn.Module | None
@@ -64,3 +65,4 @@ class PreparedModel:
     extra_model_bytes: int = 0
     runner_options: dict[str, Any] = field(default_factory=dict)
     cleanup: Callable[[], None] | None = None
+    runner: str | None = None  # overrides the registry entry's runner (a stack picks its parts' runner)

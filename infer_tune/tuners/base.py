@@ -111,10 +111,13 @@ class Technique:
     def name(self) -> str:
         return self.config_cls.technique
 
-    def check_workload(self, workload) -> None:
+    def check_workload(self, workload, config: Any = None) -> None:
+        """The entry's constraints, then the config's own `check_workload(workload)` when it has one."""
         if self.max_batch_size is not None and workload.batch_size > self.max_batch_size:
             raise ConfigError(f"{self.name} runs at batch size <= {self.max_batch_size}; "
                               f"the workload asks for batch size {workload.batch_size}")
+        if config is not None and hasattr(config, "check_workload"):
+            config.check_workload(workload)
 
 
 TECHNIQUES: dict[type, Technique] = {}

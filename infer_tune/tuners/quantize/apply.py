@@ -1,28 +1,31 @@
 """Apply a `QuantizeConfig` to a model with torch's low-bit CPU kernels (the `torch` backend).
 
-Targets: every `nn.Linear` of the decoder (attention and MLP projections). The input embedding and
+Targets: every plain `nn.Linear` of the decoder (attention and MLP projections; a Linear subclass
+may do more than a matmul and is kept in float). The input embedding and
 the output head are not "targeted" Linears, but they are stored low-bit too: in small models they
 are a large share of the weights (21% of SmolLM2-135M, one tensor since it ties them), so leaving
 them in float would keep "INT8 halves memory" from ever holding. Int8 methods store them int8 per
 row; int4 methods store them int4 per group. A tied head is rebuilt from the embedding's tensors
 at load time and stores nothing itself. The head always runs dynamic int8 or int4 weights (no
-static activation scale: its input is the final norm, calibrated by nothing else).
+static activation scale: its input is the final norm, calibrated by nothing else). Embeddings, heads
+and norms are wrapped, never replaced by a generic module (wrap.py says why and how).
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from torch import nn
 
 from infer_tune.errors import ConfigError
 from infer_tune.nn_utils import set_module
-from infer_tune.tuners.quantize import calibrate
+from infer_tune.tuners.quantize import calibrate, wrap
 from infer_tune.tuners.quantize.config import QuantizeConfig
 from infer_tune.tuners.quantize.modules import (
     Int4Linear,
     Int8DynamicLinear,
     Int8StaticLinear,
-    QuantEmbedding,
     int8_per_channel,
     int8_per_tensor,
     pack_nibbles,
@@ -30,9 +33,14 @@ from infer_tune.tuners.quantize.modules import (
 
 
 def targeted_linears(model: nn.Module) -> dict[str, nn.Linear]:
-    """Every nn.Linear except the output head, by qualified name."""
+    """Every plain nn.Linear except the output head, by qualified name (subclasses stay float)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
+    return {name: m for name, m in model.named_modules() if type(m) is nn.Linear and m is not head}
+
+
+def skipped_linears(model: nn.Module) -> list[str]:
+    """Linear subclasses left in float (their forward may do more than x @ W.T + b)."""
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and type(m) is not nn.Linear]
 
 
 def check_quantizable(model: nn.Module, config: QuantizeConfig) -> dict[str, nn.Linear]:
@@ -99,61 +107,76 @@ def quantize_linear(layer: nn.Linear, config: QuantizeConfig, stats: calibrate.A
     return module, summary
 
 
-# Llama-family decoder layers: a norm feeds these projections, so SmoothQuant's 1/s folds into it.
-NORM_GROUPS = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-               ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")))
+def fold_smoothing_into_norms(model: nn.Module, stats: dict[str, calibrate.ActStats], fed_by: dict[str, str],
+                              alpha: float) -> tuple[dict[int, torch.Tensor], dict]:
+    """Fold each group's shared 1/s into the norm observed to feed it (costs nothing at run time).
 
-
-def fold_smoothing_into_norms(model: nn.Module, stats: dict[str, calibrate.ActStats],
-                              alpha: float) -> dict[int, torch.Tensor]:
-    """Divide each norm's weight by the group's shared s (costs nothing at run time, stores nothing).
-
-    Returns {id(linear): s} for the linears whose input is now pre-divided; the rest keep an
-    explicit `smooth_inv` vector (o_proj, down_proj: their inputs do not come from a norm).
+    `fed_by` maps a projection to the norm whose output it reads as is (observed during calibration,
+    wrap.NormWiring). Returns ({id(linear): s} for the projections whose input is now pre-divided,
+    a summary); the others keep an explicit `smooth_inv` vector (o_proj, down_proj: no norm feeds
+    them; or a norm whose fold did not verify).
     """
+    groups: dict[str, list[str]] = {}
+    for linear, norm in fed_by.items():
+        if linear in stats:
+            groups.setdefault(norm, []).append(linear)
     folded: dict[int, torch.Tensor] = {}
-    for prefix, block in model.named_modules():
-        for norm_name, proj_names in NORM_GROUPS:
-            norm = getattr(block, norm_name, None)
-            try:
-                projs = {f"{prefix}.{p}": block.get_submodule(p) for p in proj_names}
-            except AttributeError:
-                continue
-            if norm is None or getattr(norm, "weight", None) is None or not all(n in stats for n in projs):
-                continue
-            act_absmax = torch.stack([stats[n].absmax for n in projs]).amax(0)
-            w_absmax = torch.cat([p.weight.detach().float() for p in projs.values()]).abs().amax(0)
-            s = calibrate.smoothing_factors(act_absmax, w_absmax[None, :], alpha)
-            norm.weight.data = (norm.weight.data.float() / s).to(norm.weight.dtype)
-            for proj in projs.values():
-                folded[id(proj)] = s
-    return folded
+    summary = {"folded_norms": 0, "unfoldable_norms": []}
+    for norm_name, linear_names in groups.items():
+        norm = model.get_submodule(norm_name)
+        projs = [model.get_submodule(n) for n in linear_names]
+        act_absmax = torch.stack([stats[n].absmax for n in linear_names]).amax(0)
+        w_absmax = torch.cat([p.weight.detach().float() for p in projs]).abs().amax(0)
+        s = calibrate.smoothing_factors(act_absmax, w_absmax[None, :], alpha)
+        if not wrap.fold_scale_into_norm(norm, s):
+            summary["unfoldable_norms"].append(norm_name)
+            continue
+        summary["folded_norms"] += 1
+        for proj in projs:
+            folded[id(proj)] = s
+    return folded, summary
 
 
 def quantize_embeddings_and_head(model: nn.Module, config: QuantizeConfig) -> dict:
-    """Store the input embedding low-bit and make the head a low-bit Linear (sharing it when tied)."""
+    """Store the input embedding low-bit (wrapped: its own forward still runs) and make a plain Linear
+    head a low-bit Linear (sharing the embedding's tensors when tied)."""
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     info: dict = {}
-    if isinstance(emb, nn.Embedding):
-        int4 = config.method.startswith("int4")
+    int4 = config.method.startswith("int4")
+    if isinstance(emb, nn.Embedding) and not wrap.is_wrapped(emb):
         if int4:
             tensors = int4_quantize(emb.weight, config.group_size, hqq=config.method == "int4-weight")
         else:
             q, scale = int8_per_channel(emb.weight)
             tensors = {"qweight": q, "weight_scale": scale}
         tied = head is not None and getattr(head, "weight", None) is emb.weight
-        model.set_input_embeddings(QuantEmbedding(tensors, config.group_size if int4 else None, emb.padding_idx))
-        info["embedding"] = {"bits": 4 if int4 else 8, "tied_head": tied}
-        if tied:
-            model.set_output_embeddings(build_head(tensors, config, tied=True))
-            info["head"] = {"kind": "int4" if int4 else "int8-dynamic", "tied": True}
-            return info
-    if isinstance(head, nn.Linear):
+        original = copy.deepcopy(emb)
+        wrap.wrap_embedding(emb, tensors, config.group_size if int4 else None)
+        error = wrap.verify_embedding(original, emb)
+        if not error <= wrap.MAX_EMBEDDING_REL_ERROR:  # e.g. a forward that bypasses the lookup it inherits
+            model.set_input_embeddings(original)
+            if tied:
+                head.weight = original.weight
+            info["embedding"] = {"bits": None, "kept_float": f"{type(original).__name__} did not match its "
+                                 f"quantized wrap on probe ids (relative error {error:.3g})"}
+        else:
+            info["embedding"] = {"bits": 4 if int4 else 8, "tied_head": tied, "class": type(original).__name__,
+                                 "probe_rel_error": error}
+            if tied and type(head) is nn.Linear:
+                model.set_output_embeddings(build_head(tensors, config, tied=True))
+                info["head"] = {"kind": "int4" if int4 else "int8-dynamic", "tied": True}
+                return info
+            if tied:
+                raise ConfigError(f"the output head ({type(head).__name__}) is tied to the embedding but is not a "
+                                  "plain Linear; it cannot share the quantized table")
+    if type(head) is nn.Linear:
         fake = QuantizeConfig(method="int8-dynamic" if config.method == "int8-static" else config.method,
                               group_size=config.group_size)
         module, _ = quantize_linear(head, fake)
         model.set_output_embeddings(module)
         info["head"] = {"kind": type(module).kind, "tied": False}
+    elif head is not None:
+        info["head"] = {"kind": None, "kept_float": f"{type(head).__name__} is not a plain Linear"}
     return info
 
 
@@ -175,24 +198,71 @@ def quantize_model(model: nn.Module, config: QuantizeConfig, calib: list[torch.T
         model.to(torch.bfloat16)
         return {"dtype": "bfloat16"}
     targets = check_quantizable(model, config)
-    stats = None
+    stats, fed_by, fold_summary = None, {}, {}
     if config.calibrated:
         if not calib:
             raise ConfigError("int8-static needs calibration prompts; give a calib_suite and calib_samples >= 1")
-        stats = calibrate.collect_activation_stats(model, targets, calib, progress)
-    folded = fold_smoothing_into_norms(model, stats, config.alpha) if stats else {}
-    layers, scales = {}, {}
+        wiring = wrap.NormWiring(model, targets)
+        stats = calibrate.collect_activation_stats(model, targets, calib, progress, wiring=wiring,
+                                                   keep_rows=ERROR_SAMPLE_ROWS)
+        fed_by = wiring.fed_by
+    folded = {}
+    if stats:
+        folded, fold_summary = fold_smoothing_into_norms(model, stats, fed_by, config.alpha)
+    layers, scales, fallbacks = {}, {}, {}
     for i, (name, layer) in enumerate(targets.items()):
         module, summary = quantize_linear(layer, config, stats[name] if stats else None, folded_smoothing=folded)
+        if isinstance(module, Int8StaticLinear) and stats[name].samples is not None:
+            module, judged = static_or_dynamic(layer, module, stats[name].samples, folded.get(id(layer)))
+            summary.update(judged)
+            if isinstance(module, Int8DynamicLinear) and not isinstance(module, Int8StaticLinear):
+                fallbacks[name] = judged
         set_module(model, name, module)
         layers[name] = type(module).kind
         if summary:
             scales[name] = summary
         if progress:
             progress("quantizing", i + 1, len(targets))
-    summary = {"layers": layers, "group_size": config.group_size if config.method.startswith("int4") else None}
+    summary = {"layers": layers, "group_size": config.group_size if config.method.startswith("int4") else None,
+               "kept_float": skipped_linears(model), **fold_summary}
     summary.update(quantize_embeddings_and_head(model, config))
     if scales:
         summary["activation_scales"] = scales
         summary["alpha"] = config.alpha
+    if config.calibrated:
+        summary["dynamic_fallback_layers"] = sorted(fallbacks)
+        summary["static_error_budget"] = STATIC_ERROR_BUDGET
     return summary
+
+
+ERROR_SAMPLE_ROWS = 256  # calibration rows kept per layer to judge its static error
+# A layer runs with a static activation scale when its output error on the calibration rows is at most
+# this many times the error of per-token dynamic activations; beyond, it runs per-token dynamic. On
+# SmolLM2 the down_proj inputs carry token outliers that one fixed 7-bit grid (hosts that saturate)
+# cannot hold: static-everywhere measured +44% perplexity there, +12% with the full 8-bit range.
+STATIC_ERROR_BUDGET = 2.0
+
+
+@torch.no_grad()
+def static_or_dynamic(layer: nn.Linear, static: Int8StaticLinear, samples: torch.Tensor,
+                      folded: torch.Tensor | None) -> tuple[nn.Module, dict]:
+    """Keep `static` unless its error on the calibration rows exceeds STATIC_ERROR_BUDGET x per-token dynamic's.
+
+    `folded`: the smoothing vector already divided into the feeding norm (the layer then receives x / s,
+    so the dynamic alternative quantizes W * s).
+    """
+    reference = layer(samples)
+    x = samples / folded if folded is not None else samples
+    weight = layer.weight.detach().float() * folded[None, :] if folded is not None else layer.weight
+    bias = layer.bias.detach().float() if layer.bias is not None else None
+    dynamic = Int8DynamicLinear(*int8_per_channel(weight), bias)
+    errors = {}
+    for label, module, kernel in (("static", static, "dequant"), ("dynamic", dynamic, "int_mm")):
+        module.set_kernels(kernel, kernel)  # the numerics of each path, whatever kernel runs later
+        errors[label] = float((module(x) - reference).norm() / reference.norm().clamp(min=1e-12))
+    static.set_kernels(type(static).decode_kernel, type(static).prefill_kernel)
+    dynamic.set_kernels(type(dynamic).decode_kernel, type(dynamic).prefill_kernel)
+    judged = {"static_rel_error": errors["static"], "dynamic_rel_error": errors["dynamic"]}
+    if errors["static"] > STATIC_ERROR_BUDGET * errors["dynamic"]:
+        return dynamic, judged
+    return static, judged

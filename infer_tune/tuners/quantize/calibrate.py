@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from infer_tune.errors import ConfigError, SuiteError
-from infer_tune.tuners.quantize.modules import ACT_QMAX
+from infer_tune.tuners.quantize.kernels import activation_qmax
 
 Progress = Callable[[str, int, int | None], None]
 
@@ -20,6 +20,7 @@ class ActStats:
 
     minimum: torch.Tensor  # [K]
     maximum: torch.Tensor  # [K]
+    samples: torch.Tensor | None = None  # [rows, K]: evenly spaced calibration rows (to judge a layer's error)
 
     @property
     def absmax(self) -> torch.Tensor:
@@ -51,28 +52,41 @@ def calibration_batches(tokenizer, suite: str, samples: int, *, seed: int = 1, c
 
 @torch.no_grad()
 def collect_activation_stats(model: nn.Module, targets: dict[str, nn.Linear], batches: list[torch.Tensor],
-                             progress: Progress | None = None) -> dict[str, ActStats]:
-    """Run the calibration prompts once and record each target's input range per channel."""
+                             progress: Progress | None = None, *, wiring=None, keep_rows: int = 0) -> dict[str, ActStats]:
+    """Run the calibration prompts once and record each target's input range per channel.
+
+    `wiring` (a wrap.NormWiring on the same model) observes which norm feeds which target meanwhile;
+    `keep_rows` keeps about that many evenly spaced input rows per target (`ActStats.samples`).
+    """
     stats: dict[str, ActStats] = {}
+    per_batch = -(-keep_rows // max(len(batches), 1)) if keep_rows else 0
 
     def hook_for(name: str):
         def hook(_module, args):
             x = args[0].detach().float().reshape(-1, args[0].shape[-1])  # [tokens, K]
             lo, hi = x.amin(dim=0), x.amax(dim=0)
+            samples = stats[name].samples if name in stats else None
             if name in stats:
                 lo, hi = torch.minimum(stats[name].minimum, lo), torch.maximum(stats[name].maximum, hi)
-            stats[name] = ActStats(lo, hi)
+            if per_batch:
+                picked = x[torch.linspace(0, x.shape[0] - 1, min(per_batch, x.shape[0])).long()].clone()
+                samples = picked if samples is None else torch.cat([samples, picked])
+            stats[name] = ActStats(lo, hi, samples)
         return hook
 
     handles = [module.register_forward_pre_hook(hook_for(name)) for name, module in targets.items()]
     try:
         for i, ids in enumerate(batches):
             model(input_ids=ids, use_cache=False)
+            if wiring is not None:
+                wiring.step_done()
             if progress:
                 progress("calibrating", i + 1, len(batches))
     finally:
         for handle in handles:
             handle.remove()
+        if wiring is not None:
+            wiring.remove()
     missing = set(targets) - set(stats)
     if missing:
         raise ConfigError(f"calibration never reached {len(missing)} layers (e.g. {sorted(missing)[0]})")
@@ -87,11 +101,13 @@ def smoothing_factors(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: flo
 
 
 def static_act_qparams(stats: ActStats, smooth: torch.Tensor | None) -> tuple[float, int]:
-    """Fixed asymmetric uint8 (reduce_range) scale and zero point covering the calibrated range."""
+    """Fixed asymmetric uint8 scale and zero point covering the calibrated range, within the range this
+    host's int8 GEMM holds without saturating (0..255, or 0..127 where u8 x s8 pairs saturate int16)."""
+    qmax = activation_qmax()
     lo, hi = stats.minimum, stats.maximum
     if smooth is not None:
         lo, hi = lo / smooth, hi / smooth
     lo_v, hi_v = min(float(lo.min()), 0.0), max(float(hi.max()), 0.0)
-    scale = max((hi_v - lo_v) / ACT_QMAX, 1e-8)
-    zero_point = int(min(max(round(-lo_v / scale), 0), ACT_QMAX))
+    scale = max((hi_v - lo_v) / qmax, 1e-8)
+    zero_point = int(min(max(round(-lo_v / scale), 0), qmax))
     return scale, zero_point

@@ -8,6 +8,8 @@ from typing import ClassVar
 
 from infer_tune.errors import ConfigError
 from infer_tune.tuners.base import TechniqueConfig
+from infer_tune.tuners.quantize.kernels import KERNELS
+from infer_tune.tuners.quantize.kernels import family as kernel_family
 
 METHODS = ("bf16", "int8-dynamic", "int8-static", "int4-weight", "int4-rtn")
 BACKENDS = ("auto", "torch", "quanto", "torchao")
@@ -33,6 +35,10 @@ class QuantizeConfig(TechniqueConfig):
         Default 32: on SmolLM2 (itself distributed as GGUF Q4_1, groups of 32) group 32 measured
         +5.2% perplexity against +31.6% for group 64, for 33% instead of 29% of the 16-bit bytes.
     calib_suite / calib_samples: prompts whose activations calibrate int8-static.
+    decode_kernel / prefill_kernel: `auto` times the method's candidate kernels on the model's own
+        Linear shapes on this host and runs the fastest (recorded in the result's `kernels`); a
+        kernel name forces it (int8-dynamic: fbgemm, int_mm, dequant; int8-static: fbgemm, dequant;
+        int4-*: int4pack, dequant).
     """
 
     technique: ClassVar[str] = "quantize"
@@ -43,6 +49,8 @@ class QuantizeConfig(TechniqueConfig):
     group_size: int = 32
     calib_suite: str = "chat"
     calib_samples: int = 16
+    decode_kernel: str = "auto"
+    prefill_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -61,6 +69,12 @@ class QuantizeConfig(TechniqueConfig):
         if self.backend != "auto" and self.method not in SUPPORTED[self.backend]:
             raise ConfigError(f"quantize: backend '{self.backend}' implements {', '.join(SUPPORTED[self.backend])}; "
                               f"got method '{self.method}'")
+        for name in ("decode_kernel", "prefill_kernel"):
+            value = getattr(self, name)
+            allowed = KERNELS.get(kernel_family(self.method), ())
+            if value != "auto" and value not in allowed:
+                choices = ", ".join(allowed) if allowed else f"(none: {self.method} has no kernel choice)"
+                raise ConfigError(f"quantize: {name} must be auto or one of {choices}; got '{value}'")
         if self.backend == "torchao" and importlib.util.find_spec("torchao") is None:
             raise ConfigError("quantize: backend 'torchao' is not installed; pip install 'infer-tune[torchao]' "
                               "or use backend torch or quanto")
@@ -76,7 +90,13 @@ class QuantizeConfig(TechniqueConfig):
             parts.append(f"a{self.alpha:g}")
         if self.method.startswith("int4"):
             parts.append(f"g{self.group_size}")
+        if (self.decode_kernel, self.prefill_kernel) != ("auto", "auto"):
+            parts.append(f"k{self.decode_kernel}.{self.prefill_kernel}")
         return "-".join(parts)
+
+    def forced_kernels(self) -> tuple[str | None, str | None]:
+        """(decode, prefill) kernel names the config forces (None: measured choice)."""
+        return tuple(None if k == "auto" else k for k in (self.decode_kernel, self.prefill_kernel))
 
 
 def resolve_backend(config: QuantizeConfig, device: str) -> str:

@@ -10,7 +10,10 @@ a *runtime* form the kernel wants (fbgemm's prepacked int8 matrix, torch's CPU i
   (`torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32`: int8 x int8 GEMM, fp32 out).
 - `Int4Linear`: group-wise 4-bit weights (two per byte) with bf16 scale and zero per group
   (`aten._weight_int4pack_mm_for_cpu`; it runs in bf16, measured faster than fp32 matmul here).
-- `QuantEmbedding`: int8 rows or int4 groups; looked-up rows are dequantized (cheap: one row per token).
+
+Which kernel runs is chosen per regime (decode: one row, prefill: many) by measuring on the host
+(`kernels.choose_for_model`); every module can run each of its family's candidates (`set_kernels`).
+Embeddings are quantized by wrapping the original module (wrap.py), not by a module of this file.
 
 fbgemm keeps its own prepacked copy next to the quantized weight, so resident memory of int8 layers is
 larger than `model_bytes` (which counts the stored weights, as docs/architecture.md defines it).
@@ -22,19 +25,6 @@ import warnings
 
 import torch
 from torch import nn
-
-
-def _cpu_has_vnni() -> bool:
-    """VNNI int8 dot products do not saturate; without them fbgemm needs 7-bit activations (reduce_range)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            return "vnni" in handle.read(1 << 16)
-    except OSError:
-        return False
-
-
-REDUCE_RANGE = not _cpu_has_vnni()
-ACT_QMAX = 127 if REDUCE_RANGE else 255  # static activation range, uint8
 
 
 # --------------------------------------------------------------------------- packing helpers
@@ -72,7 +62,7 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     return ((q - 8) * scale.float()[..., None] + zero.float()[..., None]).view(n, k)
 
 
-def _prepack_int8(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+def prepack_int8(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
     zero_points = torch.zeros(qweight.shape[0], dtype=torch.long)
     with warnings.catch_warnings():  # torch.ao deprecation notices are not ours to print
         warnings.simplefilter("ignore")
@@ -82,9 +72,31 @@ def _prepack_int8(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor
 
 class PortableModule(nn.Module):
     """Saves its `portable()` tensors (plain int8 / uint8 / float) instead of parameters; a tied head
-    (rebuilt from the embedding's tensors) saves nothing."""
+    (rebuilt from the embedding's tensors) saves nothing. Runs `decode_kernel` on one row and
+    `prefill_kernel` on more (set by `set_kernels`, chosen by measuring: kernels.py)."""
 
     tied = False
+    decode_kernel = "fbgemm"
+    prefill_kernel = "fbgemm"
+    KERNELS: tuple[str, ...] = ()
+
+    def set_kernels(self, decode: str, prefill: str) -> None:
+        for kernel in (decode, prefill):
+            if kernel not in self.KERNELS:
+                raise ValueError(f"{type(self).__name__} has no kernel '{kernel}'; it has {', '.join(self.KERNELS)}")
+        self.decode_kernel, self.prefill_kernel = decode, prefill
+        self._prepare_kernels()
+
+    def _prepare_kernels(self) -> None:
+        """Build what the chosen kernels read, before any forward (a compiled graph must not mutate it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K]
+        rows = x.reshape(-1, x.shape[-1])  # [tokens, K]
+        kernel = self.decode_kernel if rows.shape[0] == 1 else self.prefill_kernel
+        y = getattr(self, f"_run_{kernel}")(rows)  # [tokens, N] float32
+        if self.bias_f is not None:
+            y = y + self.bias_f
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def portable(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -102,34 +114,49 @@ class PortableModule(nn.Module):
 
 # --------------------------------------------------------------------------- int8
 class Int8DynamicLinear(PortableModule):
-    """int8 per-channel weights, activations quantized per call (fbgemm dynamic linear)."""
+    """int8 per-channel weights, activations quantized per call.
+
+    Kernels: `fbgemm` (torch.ops.quantized.linear_dynamic: one activation scale per call, i.e. per
+    token at decode), `int_mm` (per-token symmetric int8 and one int8 x int8 -> int32 GEMM, so an
+    outlier token (attention sinks) does not flatten every other token's precision at prefill),
+    `dequant` (the weight dequantized per call and an fp32 matmul: weight-only numerics).
+    """
 
     kind = "int8-dynamic"
+    KERNELS = ("fbgemm", "int_mm", "dequant")
+    decode_kernel, prefill_kernel = "fbgemm", "int_mm"
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
+        from infer_tune.tuners.quantize.kernels import reduce_range
+
         self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
         self.weight_scale = scale.float().contiguous()
         self.bias_f = None if bias is None else bias.detach().float().contiguous()
-        self._packed = _prepack_int8(qweight.contiguous(), self.weight_scale, self.bias_f)
+        self._packed = prepack_int8(qweight.contiguous(), self.weight_scale, None)
+        self.reduce_range = reduce_range()  # measured on this host: see kernels.saturation_probe
         self.tied = False  # a tied head is rebuilt from the embedding's tensors and stores nothing
+        self._prepare_kernels()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] float32
-        rows = x.float().reshape(-1, x.shape[-1])  # [tokens, K]
-        if rows.shape[0] == 1:  # decode: one token, the kernel's per-tensor scale is per token
-            return torch.ops.quantized.linear_dynamic(x.float(), self._packed, REDUCE_RANGE)
-        # Prefill: fbgemm would pick one activation scale for all tokens, so an outlier token (attention
-        # sinks) would flatten every other token's precision. Quantize per token (symmetric int8) and
-        # run one int8 x int8 -> int32 GEMM instead, rescaled by token scale x channel scale.
+    def _run_fbgemm(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic(rows.float(), self._packed, self.reduce_range)
+
+    def _run_int_mm(self, rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.float()
         scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127.0  # [tokens, 1]
         xq = torch.clamp(torch.round(rows / scale), -127, 127).to(torch.int8)  # [tokens, K]
-        y = torch._int_mm(xq, self._weight_t()).float() * scale * self.weight_scale  # [tokens, N]
-        if self.bias_f is not None:
-            y = y + self.bias_f
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return torch._int_mm(xq, self._weight_t()).float() * scale * self.weight_scale  # [tokens, N]
+
+    def _run_dequant(self, rows: torch.Tensor) -> torch.Tensor:
+        weight = self._weight_t().t().float() * self.weight_scale[:, None]  # [N, K], dequantized per call
+        return torch.nn.functional.linear(rows.float(), weight)
+
+    def _prepare_kernels(self) -> None:
+        if {self.decode_kernel, self.prefill_kernel} & {"int_mm", "dequant"}:
+            self._weight_t()
 
     def _weight_t(self) -> torch.Tensor:
-        """int8 weight as [K, N] for `torch._int_mm`, unpacked from fbgemm's copy once, on first prefill."""
+        """int8 weight as [K, N], unpacked from fbgemm's copy once (kernels int_mm and dequant read it)."""
         if getattr(self, "_wq_t", None) is None:
             self._wq_t = self.qweight().t().contiguous()
         return self._wq_t
@@ -140,19 +167,25 @@ class Int8DynamicLinear(PortableModule):
     def portable(self) -> dict[str, torch.Tensor]:
         return self._with_bias({"qweight": self.qweight(), "weight_scale": self.weight_scale})
 
-
     @classmethod
     def from_portable(cls, t: dict[str, torch.Tensor], **_: object) -> Int8DynamicLinear:
         return cls(t["qweight"], t["weight_scale"], t.get("bias"))
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel, "
+                f"kernels decode={self.decode_kernel} prefill={self.prefill_kernel}")
 
 
 class Int8StaticLinear(Int8DynamicLinear):
-    """SmoothQuant int8: x * smooth_inv is quantized with a fixed calibrated scale, int8 GEMM, fp32 out."""
+    """SmoothQuant int8: x * smooth_inv is quantized with a fixed calibrated scale, int8 GEMM, fp32 out.
+
+    Kernels: `fbgemm` (linear_with_input_q_dq_qweight_dq_output_fp32) or `dequant` (the same
+    activation grid, fake-quantized, times the dequantized weight in fp32).
+    """
 
     kind = "int8-static"
+    KERNELS = ("fbgemm", "dequant")
+    decode_kernel, prefill_kernel = "fbgemm", "fbgemm"
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  smooth_inv: torch.Tensor | None, act_scale: float, act_zero_point: int) -> None:
@@ -160,10 +193,20 @@ class Int8StaticLinear(Int8DynamicLinear):
         self.smooth_inv = None if smooth_inv is None else smooth_inv.float().contiguous()
         self.act_scale, self.act_zero_point = float(act_scale), int(act_zero_point)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float() if self.smooth_inv is None else x.float() * self.smooth_inv
+    def _smoothed(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.float() if self.smooth_inv is None else rows.float() * self.smooth_inv
+
+    def _run_fbgemm(self, rows: torch.Tensor) -> torch.Tensor:
+        x = self._smoothed(rows)
+        if self.reduce_range:  # the op clamps to 0..255; a saturating host must stay within 0..127
+            x = x.clamp((0 - self.act_zero_point) * self.act_scale, (127 - self.act_zero_point) * self.act_scale)
         return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
             x, self.act_scale, self.act_zero_point, self._packed)
+
+    def _run_dequant(self, rows: torch.Tensor) -> torch.Tensor:
+        qmax = 127 if self.reduce_range else 255
+        q = torch.clamp(torch.round(self._smoothed(rows) / self.act_scale) + self.act_zero_point, 0, qmax)
+        return super()._run_dequant((q - self.act_zero_point) * self.act_scale)
 
     def portable(self) -> dict[str, torch.Tensor]:
         tensors = super().portable()
@@ -183,9 +226,15 @@ class Int8StaticLinear(Int8DynamicLinear):
 
 # --------------------------------------------------------------------------- int4
 class Int4Linear(PortableModule):
-    """Group-wise 4-bit weights (uint8 holds two), bf16 scale + zero per group; bf16 int4 GEMM kernel."""
+    """Group-wise 4-bit weights (uint8 holds two), bf16 scale + zero per group.
+
+    Kernels: `int4pack` (aten._weight_int4pack_mm_for_cpu, bf16 activations) or `dequant` (the
+    weight dequantized per call, fp32 matmul).
+    """
 
     kind = "int4"
+    KERNELS = ("int4pack", "dequant")
+    decode_kernel, prefill_kernel = "int4pack", "int4pack"
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
                  bias: torch.Tensor | None = None) -> None:
@@ -200,56 +249,24 @@ class Int4Linear(PortableModule):
         self._scales_and_zeros = torch.stack([self.scale.t(), self.zero.t()], dim=-1).contiguous()  # [K/g, N, 2]
         self.tied = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K]
-        shape = x.shape
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16), self._tiles,
-                                                       self.group_size, self._scales_and_zeros)
-        y = y.float().reshape(*shape[:-1], self.out_features)
-        return y if self.bias_f is None else y + self.bias_f
+    def _run_int4pack(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(torch.bfloat16), self._tiles, self.group_size,
+                                                          self._scales_and_zeros).float()
+
+    def _run_dequant(self, rows: torch.Tensor) -> torch.Tensor:
+        weight = dequantize_int4(self.packed, self.scale, self.zero, self.group_size)  # [N, K] fp32, per call
+        return torch.nn.functional.linear(rows.float(), weight)
 
     def portable(self) -> dict[str, torch.Tensor]:
         return self._with_bias({"qweight_int4": self.packed, "scale": self.scale, "zero": self.zero})
-
 
     @classmethod
     def from_portable(cls, t: dict[str, torch.Tensor], *, group_size: int, **_: object) -> Int4Linear:
         return cls(t["qweight_int4"], t["scale"], t["zero"], group_size, t.get("bias"))
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group={self.group_size}"
-
-
-# --------------------------------------------------------------------------- embeddings
-class QuantEmbedding(PortableModule):
-    """Embedding table stored as int8 rows (scale per row) or int4 groups; rows dequantized at lookup."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], group_size: int | None = None, padding_idx=None) -> None:
-        super().__init__()
-        self.tensors = {k: v.contiguous() for k, v in tensors.items()}
-        self.group_size = group_size
-        self.padding_idx = padding_idx
-        q = self.tensors.get("qweight", self.tensors.get("qweight_int4"))
-        self.num_embeddings = q.shape[0]
-
-    @property
-    def bits(self) -> int:
-        return 8 if "qweight" in self.tensors else 4
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [B, T] -> [B, T, H]
-        flat = ids.reshape(-1)
-        t = self.tensors
-        if self.bits == 8:
-            rows = t["qweight"][flat].float() * t["weight_scale"][flat, None]
-        else:
-            rows = dequantize_int4(t["qweight_int4"][flat], t["scale"][flat], t["zero"][flat], self.group_size)
-        return rows.view(*ids.shape, -1)
-
-    def portable(self) -> dict[str, torch.Tensor]:
-        return dict(self.tensors)
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        for name, tensor in self.tensors.items():
-            destination[prefix + name] = tensor
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int4 group={self.group_size}, "
+                f"kernels decode={self.decode_kernel} prefill={self.prefill_kernel}")
 
 
 LINEAR_KINDS: dict[str, type] = {cls.kind: cls for cls in (Int8DynamicLinear, Int8StaticLinear, Int4Linear)}

@@ -76,19 +76,53 @@ def prepare_quantized(loaded: models.LoadedModel, config: QuantizeConfig, ctx: R
                     "source_model": loaded.ref, "summary": summary}
         serialize.save_quantized(model, loaded.tokenizer, target, manifest)
         del model
-        model = serialize.load_quantized(target).to(device)
+        model = serialize.load_quantized(target, choose_kernels=False).to(device)
         facts["save_dir"] = str(target)
         facts["saved_bytes_on_disk"] = sum(f.stat().st_size for f in Path(target).iterdir() if f.is_file())
+    if backend == "torch" and config.method != "bf16":
+        facts["kernels"] = choose_kernels(model, config, ctx)
     facts["quantized_layers"] = len(summary.get("layers", {}))
     facts["bytes_ratio_vs_16bit"] = models.model_bytes(model) / facts["model_bytes_16bit"]
     return PreparedModel(model=model, tokenizer=loaded.tokenizer, metrics=facts, label=config.label(), device=device)
 
 
+def choose_kernels(model: torch.nn.Module, config: QuantizeConfig, ctx: RunContext) -> dict:
+    """Time the method's candidate kernels on this model's shapes (once per run) and apply the fastest."""
+    from infer_tune.tuners.quantize import kernels
+
+    rows = int(ctx.cache.get("prefill_rows", 64))
+    shapes = tuple(sorted((kind, tuple(sorted(c.items()))) for kind, c in kernels.linear_shapes(model).items()))
+    timings = ctx.cache.setdefault(("quantize-kernel-timings", shapes, config.group_size, rows), {})
+    if ctx.progress:
+        ctx.progress("timing kernels", 0, 1)
+    record = kernels.choose_for_model(model, config.method, prefill_rows=rows, group_size=config.group_size,
+                                      forced=config.forced_kernels(), timings=timings)
+    if ctx.progress:
+        ctx.progress("timing kernels", 1, 1)
+    return record
+
+
+TTFT_NOTE_RATIO = 3.0  # a TTFT this many times the baseline's gets an explanation in the result
+
+
 def annotate_claim(doc: dict, earlier: list[dict]) -> None:
-    """An int8 result carries the INT8 claim check, judged against a bf16 run measured earlier in the sweep."""
+    """An int8 result carries the INT8 claim check, judged against a bf16 run measured earlier in the sweep;
+    a result whose TTFT is over TTFT_NOTE_RATIO x the baseline's says why (its measured prefill kernels)."""
+    m = doc["metrics"]
+    ttft_speedup = m.get("ttft_speedup_vs_baseline")
+    if ttft_speedup is not None and ttft_speedup < 1 / TTFT_NOTE_RATIO:
+        prefill = (m.get("kernels") or {}).get("prefill") or {}
+        m["ttft_note"] = (f"TTFT {1 / ttft_speedup:.1f}x the baseline's: the fastest prefill kernels measured here "
+                          f"({prefill.get('chosen')}) run this model's Linears at "
+                          f"{output_ratio(prefill.get('speedup_vs_fp32'))} fp32 speed" if prefill else
+                          f"TTFT {1 / ttft_speedup:.1f}x the baseline's; no kernel choice was recorded")
     if doc["config"].get("method") in ("int8-dynamic", "int8-static"):
         same_sweep = [d for d in earlier if d.get("technique") == doc["technique"]]
         doc["metrics"]["claim_check"] = claim_check([*same_sweep, doc], method=doc["config"]["method"])
+
+
+def output_ratio(value: float | None) -> str:
+    return "an unmeasured fraction of" if value is None else f"{value:.2f}x"
 
 
 def _config_fields(config: QuantizeConfig) -> dict:

@@ -23,8 +23,9 @@ from torch import nn
 from infer_tune import atomic
 from infer_tune.errors import ModelError
 from infer_tune.nn_utils import set_module
+from infer_tune.tuners.quantize import wrap
 from infer_tune.tuners.quantize.config import QuantizeConfig
-from infer_tune.tuners.quantize.modules import LINEAR_KINDS, QuantEmbedding
+from infer_tune.tuners.quantize.modules import LINEAR_KINDS
 
 FORMAT = "infer-tune-quantized"
 FORMAT_VERSION = 1
@@ -85,8 +86,12 @@ def read_manifest(path: str | Path) -> dict:
     return manifest
 
 
-def load_quantized(path: str | Path) -> nn.Module:
-    """Rebuild the quantized model saved in `path` (CPU, eval mode)."""
+def load_quantized(path: str | Path, *, choose_kernels: bool = True) -> nn.Module:
+    """Rebuild the quantized model saved in `path` (CPU, eval mode).
+
+    `choose_kernels`: time the candidate kernels on this host and run the fastest (kernels.py); the
+    record is kept on the model as `infer_tune_kernels`.
+    """
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -116,6 +121,11 @@ def load_quantized(path: str | Path) -> nn.Module:
     float_missing = [k for k in missing if not k.endswith("inv_freq")]
     if float_missing:
         raise ModelError(f"{path}: missing tensors {', '.join(float_missing[:3])}")
+    if choose_kernels:
+        from infer_tune.tuners.quantize.kernels import choose_for_model
+
+        model.infer_tune_kernels = choose_for_model(model, manifest["method"], group_size=config.group_size,
+                                                    forced=config.forced_kernels())
     return model.eval()
 
 
@@ -124,15 +134,14 @@ def _load_embeddings_and_head(model: nn.Module, state: dict, summary: dict, conf
 
     emb_name = _module_name(model, model.get_input_embeddings())
     head_name = _module_name(model, model.get_output_embeddings())
-    if "embedding" in summary:
-        padding_idx = getattr(model.get_input_embeddings(), "padding_idx", None)
+    if summary.get("embedding", {}).get("bits"):  # wrapped in place: the family's own forward still runs
         tensors = _take(state, emb_name)
-        model.set_input_embeddings(QuantEmbedding(tensors, config.group_size if "qweight_int4" in tensors else None,
-                                                  padding_idx))
+        wrap.wrap_embedding(model.get_input_embeddings(), tensors,
+                            config.group_size if "qweight_int4" in tensors else None)
         if summary["embedding"]["tied_head"]:
             model.set_output_embeddings(build_head(tensors, config, tied=True))
             return
-    if "head" in summary:
+    if summary.get("head", {}).get("kind"):
         model.set_output_embeddings(build_head(_take(state, head_name), config, tied=False))
 
 

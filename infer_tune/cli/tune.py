@@ -1,0 +1,115 @@
+"""`infer-tune tune`: the fastest configuration within a drift budget, found and measured on this machine."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from infer_tune.cli import options as opt
+from infer_tune.cli import output
+from infer_tune.errors import ConfigError
+
+MaxPplDelta = Annotated[float, typer.Option("--max-ppl-delta", help="Largest perplexity change allowed, in percent.")]
+MaxBleuDrift = Annotated[float, typer.Option("--max-bleu-drift", help="Largest BLEU loss allowed vs the baseline (points).")]
+RequireLossless = Annotated[bool, typer.Option("--require-lossless", help="Only configs whose outputs equal the baseline's token for token.")]
+Objective = Annotated[str, typer.Option("--objective", help="decode (TPOT p50), ttft (TTFT p50) or throughput (output tok/s).")]
+BudgetMinutes = Annotated[float, typer.Option("--budget-minutes", help="Wall-clock budget for the whole search.")]
+Methods = Annotated[str | None, typer.Option("--methods", help="Quantize methods to consider, comma-separated "
+                                                               "(default: int4-rtn,int4-weight,int8-dynamic,int8-static,bf16).")]
+Reference = Annotated[bool, typer.Option("--reference/--no-reference", help="Measure llama.cpp on the same GGUF as a reference row (needs infer-tune[llamacpp]).")]
+Compile = Annotated[bool, typer.Option("--compile/--no-compile", help="Allow candidates that compile the decode step (minutes each on few cores).")]
+
+
+def render(outcome) -> None:
+    """The tried table, the winner, the reference verdict and how to reproduce."""
+    table = Table(title=f"tune · {outcome.baseline['model']['ref']} · {outcome.baseline['workload']['suite']} "
+                        f"({outcome.elapsed_s / 60:.1f} min)")
+    for name in ("config", "status", "decode tok/s", "TTFT p50 ms", "speedup", "ppl Δ%", "BLEU drift", "why not"):
+        table.add_column(name, justify="left" if name in ("config", "status", "why not") else "right")
+    base = outcome.baseline["metrics"]
+    table.add_row("baseline", "measured", output.fmt(1000 / base["tpot_ms"]["p50"] if base["tpot_ms"]["p50"] else None, ".1f"),
+                  output.fmt(base["ttft_ms"]["p50"], ".0f"), "1.00", "-", "-", "")
+    if outcome.reference is not None:
+        ref = outcome.reference["metrics"]
+        table.add_row(outcome.reference["label"], "reference",
+                      output.fmt(1000 / ref["tpot_ms"]["p50"] if ref["tpot_ms"]["p50"] else None, ".1f"),
+                      output.fmt(ref["ttft_ms"]["p50"], ".0f"), output.fmt(ref.get("speedup_vs_baseline")), "-",
+                      output.fmt(ref.get("bleu_drift"), "+.2f"), "")
+    for row in outcome.tried():
+        status = row["status"] + (" ✓" if row["eligible"] else "")
+        table.add_row(row["label"], status, output.fmt(row["decode_tok_s"], ".1f"), output.fmt(row["ttft_p50_ms"], ".0f"),
+                      output.fmt(row["speedup_vs_baseline"]), output.fmt(row["ppl_delta_pct"], "+.2f"),
+                      output.fmt(row["bleu_drift"], "+.2f"), row["reason"] or "")
+    output.out.print(table)
+    winner = outcome.winner
+    m = winner["metrics"]
+    output.out.print(f"winner: {winner['label']} ({winner['technique']}): "
+                     f"{output.fmt(1000 / m['tpot_ms']['p50'], '.1f')} tok/s decode, TTFT p50 "
+                     f"{output.fmt(m['ttft_ms']['p50'], '.0f')} ms, speedup "
+                     f"{output.fmt(m.get('speedup_vs_baseline') or 1.0)}x, ppl "
+                     f"{output.fmt(m.get('ppl_delta_pct'), '+.2f')}%, BLEU drift {output.fmt(m.get('bleu_drift'), '+.2f')}",
+                     soft_wrap=True)
+    vs = outcome.versus_reference
+    if vs is not None:
+        verdict = "beat" if vs["beat_decode"] else "did not beat"
+        output.out.print(f"vs llama.cpp (same GGUF, same run): {verdict} it on decode "
+                         f"({output.fmt(vs['decode_tok_s'], '.1f')} vs {output.fmt(vs['reference_decode_tok_s'], '.1f')} "
+                         f"tok/s, {output.fmt(vs['decode_ratio'])}x); TTFT {output.fmt(vs['ttft_ms'], '.0f')} vs "
+                         f"{output.fmt(vs['reference_ttft_ms'], '.0f')} ms ({output.fmt(vs['ttft_ratio'])}x)", soft_wrap=True)
+    for line in outcome.notes:
+        output.out.print(f"note: {line}", soft_wrap=True)
+    output.out.print(f"result: {winner.get('_path', '-')}/result.json", soft_wrap=True)
+    output.out.print(f"reproduce: {outcome.command}", soft_wrap=True)
+    if outcome.weights_dir:
+        output.out.print(f"weights: {outcome.weights_dir} (load with --model {outcome.weights_dir})", soft_wrap=True)
+
+
+@opt.measuring_command(limit=4, max_new_tokens=64, min_duration=2.0)
+def tune(
+    opts: opt.MeasureOptions,
+    max_ppl_delta: MaxPplDelta = 5.0,
+    max_bleu_drift: MaxBleuDrift = 1.0,
+    require_lossless: RequireLossless = False,
+    objective: Objective = "decode",
+    budget_minutes: BudgetMinutes = 20.0,
+    methods: Methods = None,
+    reference: Reference = True,
+    compile: Compile = True,
+) -> None:
+    """Search the configurations the techniques offer (and their stacks) for the fastest one within the
+    drift budget, on this machine; print the winner, its numbers and how to reproduce it.
+
+    Example: infer-tune tune --model smollm2-135m --max-ppl-delta 5 --objective decode --budget-minutes 20
+
+    Kernels are timed on the model's own shapes first and what cannot win on this host is pruned; the
+    survivors are measured against the baseline in one run (each a saved result in --out), stacks of the
+    best after them; llama.cpp on the same GGUF is a reference row when installed. --json prints
+    {"winner": <result document>, "tried": [...], ...}.
+    """
+    from infer_tune.cli.bench import run_spec
+    from infer_tune.scenarios.tune import run_tune
+    from infer_tune.scenarios.tune_plan import QUANT_METHODS, TuneSpec
+
+    if budget_minutes <= 0:
+        raise ConfigError(f"--budget-minutes must be > 0, got {budget_minutes}")
+    if max_ppl_delta < 0:
+        raise ConfigError(f"--max-ppl-delta must be >= 0 (percent), got {max_ppl_delta}")
+    if max_bleu_drift < 0:
+        raise ConfigError(f"--max-bleu-drift must be >= 0 (BLEU points lost), got {max_bleu_drift}")
+    chosen = tuple(m.strip() for m in methods.split(",") if m.strip()) if methods else QUANT_METHODS
+    if objective not in ("decode", "ttft", "throughput"):
+        raise ConfigError(f"--objective must be decode, ttft or throughput, got '{objective}'")
+    if set(chosen) - set(QUANT_METHODS):
+        raise ConfigError(f"--methods: unknown {', '.join(sorted(set(chosen) - set(QUANT_METHODS)))}; "
+                          f"choose from {', '.join(QUANT_METHODS)}")
+    spec = TuneSpec(max_ppl_delta=max_ppl_delta, max_bleu_drift=max_bleu_drift, require_lossless=require_lossless,
+                    objective=objective, budget_s=budget_minutes * 60, reference=reference, compile=compile,
+                    methods=chosen)
+    with output.progress_bar(not opts.json_out) as progress:
+        outcome = run_tune(run_spec(opts), spec, progress=progress)
+    if opts.json_out:
+        output.print_json(outcome.to_dict())
+        return
+    render(outcome)

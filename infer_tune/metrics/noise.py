@@ -1,0 +1,105 @@
+"""How far a result's timings can be trusted: repeatability across its own iterations and how busy
+the host was while it ran.
+
+- `tpot_p50_cv` / `ttft_p50_cv`: coefficient of variation (stdev / mean) of the per-iteration medians
+  (each timed pass over the workload gives one median); None with a single iteration.
+- `loadavg_before` / `loadavg_after`: the 1-minute load average when the runner started and ended.
+- `other_cpu_share`: CPU time used by every other process during the run, as a share of the host's
+  capacity (wall time x logical CPUs): the direct measure of contention that load averages blur.
+- `noisy`: CV above NOISE_CV_LIMIT or another process's share above OTHER_CPU_LIMIT; `why` lists which.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import psutil
+
+NOISE_CV_LIMIT = 0.05
+OTHER_CPU_LIMIT = 0.10
+
+
+@dataclass
+class HostSnapshot:
+    """CPU counters at one instant: host busy seconds, this process's (and children's) CPU seconds."""
+
+    wall_s: float
+    host_busy_s: float
+    own_cpu_s: float
+    loadavg_1m: float | None
+
+    @classmethod
+    def take(cls) -> HostSnapshot:
+        times = psutil.cpu_times()
+        busy = times.user + times.system + getattr(times, "nice", 0.0) + getattr(times, "irq", 0.0) \
+            + getattr(times, "softirq", 0.0) + getattr(times, "steal", 0.0)
+        own = psutil.Process().cpu_times()
+        own_s = own.user + own.system + getattr(own, "children_user", 0.0) + getattr(own, "children_system", 0.0)
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            load = None
+        return cls(time.perf_counter(), busy, own_s, load)
+
+
+def cv(values: list[float]) -> float | None:
+    """stdev / mean of `values` (None for fewer than two values or a zero mean)."""
+    values = [v for v in values if v is not None]
+    if len(values) < 2 or statistics.fmean(values) == 0:
+        return None
+    return statistics.stdev(values) / statistics.fmean(values)
+
+
+def per_iteration_medians(requests, attr: str) -> list[float]:
+    """Median of `attr` (ttft_ms / tpot_ms) over the requests of each iteration, in iteration order."""
+    by_iteration: dict[int, list[float]] = {}
+    for request in requests:
+        if not request.token_ns:
+            continue
+        value = getattr(request, attr)
+        if value is not None:
+            by_iteration.setdefault(request.iteration, []).append(value)
+    return [statistics.median(v) for _, v in sorted(by_iteration.items()) if v]
+
+
+def figure(requests, before: HostSnapshot, after: HostSnapshot, *, cv_limit: float = NOISE_CV_LIMIT,
+           other_limit: float = OTHER_CPU_LIMIT) -> dict:
+    """The noise figure of one run (module docstring) from its request timings and two host snapshots."""
+    wall = max(after.wall_s - before.wall_s, 1e-9)
+    host_busy = max(after.host_busy_s - before.host_busy_s, 0.0)
+    own = max(after.own_cpu_s - before.own_cpu_s, 0.0)
+    capacity = wall * (psutil.cpu_count() or 1)
+    other_share = max(host_busy - own, 0.0) / capacity
+    out = {
+        "tpot_p50_cv": cv(per_iteration_medians(requests, "tpot_ms")),
+        "ttft_p50_cv": cv(per_iteration_medians(requests, "ttft_ms")),
+        "loadavg_before": before.loadavg_1m,
+        "loadavg_after": after.loadavg_1m,
+        "other_cpu_share": other_share,
+        "cv_limit": cv_limit,
+        "other_cpu_limit": other_limit,
+    }
+    why = [f"{key} {out[key]:.1%} > {cv_limit:.0%}" for key in ("tpot_p50_cv", "ttft_p50_cv")
+           if out[key] is not None and out[key] > cv_limit]
+    if other_share > other_limit:
+        why.append(f"other processes used {other_share:.0%} of the host's CPU during the run")
+    out["noisy"] = bool(why)
+    out["why"] = why
+    return out
+
+
+def is_noisy(doc: dict) -> bool:
+    """Whether a result document's noise figure flags it (False when it has none)."""
+    return bool(((doc.get("metrics") or {}).get("noise") or {}).get("noisy"))
+
+
+def widest_cv(*docs: dict) -> float:
+    """The largest timing CV among the documents' noise figures (0 when none recorded)."""
+    values = []
+    for doc in docs:
+        noise = (doc.get("metrics") or {}).get("noise") or {}
+        values += [noise.get(k) for k in ("tpot_p50_cv", "ttft_p50_cv") if isinstance(noise.get(k), (int, float))]
+    return max(values, default=0.0)

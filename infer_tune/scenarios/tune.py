@@ -1,0 +1,232 @@
+"""`tune`: find the fastest configuration within a drift budget on the machine in front of it.
+
+1. The kernel screen (tune_plan.host_screen): every quantize method's candidate kernels timed on the
+   model's own Linear shapes against fp32; what cannot win on this host is pruned with the reason.
+2. The baseline (reused from `out` when one of the same fingerprint is there), then llama.cpp on the
+   same GGUF as a reference row when it is installed and the model came from a GGUF.
+3. Single techniques, most promising first, each measured against the baseline in the same run and
+   judged (tune_plan.judge); then stacks of the methods that may win, with the lean decode path.
+   Before each candidate the remaining time budget is checked against what similar candidates cost;
+   what does not fit is skipped and listed.
+4. The winner (best objective among eligible results, else the baseline), a recipe that reproduces
+   it (`bench --recipe`), its quantized weights copied out of the scratch area, and whether it beat
+   the reference.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from infer_tune.errors import InferTuneError
+from infer_tune.runners.base import Progress
+from infer_tune.scenarios.common import RunSpec, open_run
+from infer_tune.scenarios.tune_plan import (
+    Candidate,
+    TuneSpec,
+    decode_tok_s,
+    host_screen,
+    judge,
+    pick_winner,
+    score,
+    single_candidates,
+    stack_candidates,
+)
+from infer_tune.session import ensure_baseline, run_configs
+
+COMPILE_ALLOWANCE_S = 150.0  # first guess of a compiled candidate's extra cost (2 cores); refined once measured
+
+
+@dataclass
+class TuneOutcome:
+    baseline: dict
+    winner: dict
+    candidates: list[Candidate]
+    reference: dict | None
+    screen: dict
+    tune_dir: Path
+    recipe_path: Path
+    command: str
+    weights_dir: Path | None
+    versus_reference: dict | None
+    elapsed_s: float
+    notes: list[str] = field(default_factory=list)
+
+    def tried(self) -> list[dict]:
+        return [c.summary() for c in self.candidates]
+
+    def to_dict(self) -> dict:
+        """The --json document: `winner` (a result document) and `tried`, plus where things are."""
+        return {"winner": self.winner, "tried": self.tried(), "baseline_run_id": self.baseline["run_id"],
+                "reference": self.reference, "versus_reference": self.versus_reference,
+                "kernel_screen": self.screen, "recipe": str(self.recipe_path), "command": self.command,
+                "weights_dir": str(self.weights_dir) if self.weights_dir else None, "elapsed_s": self.elapsed_s,
+                "notes": self.notes}
+
+
+class Budget:
+    """Wall-clock budget of the search, and what a candidate is expected to cost."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.start = time.monotonic()
+        self.costs: list[float] = []
+        self.compile_costs: list[float] = []
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def expected(self, cand: Candidate) -> float:
+        base = statistics.median(self.costs) if self.costs else 0.0
+        if cand.compiles:
+            return statistics.median(self.compile_costs) if self.compile_costs else base + COMPILE_ALLOWANCE_S
+        return base
+
+    def fits(self, cand: Candidate) -> bool:
+        return self.elapsed + self.expected(cand) <= self.seconds
+
+    def record(self, cand: Candidate, seconds: float) -> None:
+        (self.compile_costs if cand.compiles else self.costs).append(seconds)
+
+
+def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None) -> TuneOutcome:
+    """The search (module docstring); every measured row is a saved result in `spec.out_dir`."""
+    budget = Budget(tune.budget_s)
+    note = progress or (lambda stage, done, total: None)
+    run = open_run(spec, progress)
+    ctx = run.ctx
+    prompt_tokens = [int(b["attention_mask"].sum()) for b in run.inputs.batches]
+    ctx.cache["prefill_rows"] = max(1, int(statistics.median(prompt_tokens))) if prompt_tokens else 64
+    tune_dir = Path(spec.out_dir) / time.strftime("tune-%Y%m%d-%H%M%S")
+    scratch = Path(tempfile.mkdtemp(prefix="infer-tune-tune-"))
+    ctx.scratch_dir = scratch
+    try:
+        note("tune: timing kernels on this model's shapes", 0, 1)
+        screen = host_screen(run.loaded.model, tune.methods, ctx.cache["prefill_rows"])
+        note("tune: timing kernels on this model's shapes", 1, 1)
+        started = time.monotonic()
+        baseline, _, _ = ensure_baseline(run.loaded, run.inputs, spec.workload, spec.protocol, ctx,
+                                         reuse=spec.resume, measure_ppl=spec.measure_ppl)
+        budget.costs.append(time.monotonic() - started)
+        reference, notes = _reference(run, spec, tune, ctx)
+        candidates = single_candidates(tune, screen)
+        best: list = [None]
+
+        def measure(cands: list[Candidate]) -> None:
+            pending = [c for c in cands if c.status == "pending"]
+            for i, cand in enumerate(pending):
+                if not budget.fits(cand):
+                    cand.status = "skipped"
+                    cand.reason = (f"time budget: {budget.elapsed:.0f} s used of {budget.seconds:.0f}, this one "
+                                   f"expected to take {budget.expected(cand):.0f} s")
+                    continue
+                shown = f"{best[0][0]} {best[0][1]:.1f}" if best[0] else "baseline"
+                note(f"tune: trying {cand.label} ({i + 1}/{len(pending)}), best so far {shown}", i, len(pending))
+                t0 = time.monotonic()
+                try:
+                    _, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol, [cand.config], ctx,
+                                          resume=spec.resume, reuse_baseline=True, measure_ppl=spec.measure_ppl)
+                except InferTuneError as exc:  # a candidate this model or host cannot run: listed, not fatal
+                    cand.status, cand.reason = "failed", str(exc)
+                    budget.record(cand, time.monotonic() - t0)
+                    continue
+                budget.record(cand, time.monotonic() - t0)
+                cand.doc, cand.status = docs[0], "measured"
+                verdict = judge(cand.doc, tune, lossless_claimed=cand.lossless)
+                cand.eligible, cand.reason = verdict.eligible, "; ".join(verdict.reasons) or None
+                value = score(cand.doc, tune.objective)
+                if cand.eligible and value is not None and (best[0] is None or value > best[0][2]):
+                    best[0] = (cand.label, abs(value), value)
+
+        measure(candidates)
+        stacks = stack_candidates(tune, candidates)
+        candidates += stacks
+        measure(stacks)
+        winner = pick_winner(candidates, baseline, tune.objective)
+        if winner is baseline:
+            notes.append("nothing measured beat the baseline within the budgets; ship the plain model")
+        weights = _copy_weights(winner, tune_dir)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    recipe_path = write_recipe(tune_dir, winner, spec)
+    command = f"infer-tune bench --recipe {recipe_path} --out {spec.out_dir}"
+    return TuneOutcome(baseline=baseline, winner=winner, candidates=candidates, reference=reference, screen=screen,
+                       tune_dir=tune_dir, recipe_path=recipe_path, command=command, weights_dir=weights,
+                       versus_reference=versus_reference(winner, reference), elapsed_s=budget.elapsed, notes=notes)
+
+
+def _reference(run, spec: RunSpec, tune: TuneSpec, ctx) -> tuple[dict | None, list[str]]:
+    """llama.cpp on the same GGUF, measured like every row (None, with why, when it cannot run here)."""
+    if not tune.reference:
+        return None, []
+    from infer_tune.tuners import llamacpp
+
+    if not llamacpp.available():
+        return None, ["llama.cpp reference not measured: llama-cpp-python is not installed "
+                      "(pip install 'infer-tune[llamacpp]')"]
+    config = llamacpp.LlamaCppConfig()
+    try:
+        llamacpp.gguf_for(run.loaded, config)
+        _, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol, [config], ctx,
+                              resume=spec.resume, reuse_baseline=True, measure_ppl=False)
+    except InferTuneError as exc:
+        return None, [f"llama.cpp reference not measured: {exc}"]
+    return docs[0], []
+
+
+def versus_reference(winner: dict, reference: dict | None) -> dict | None:
+    """Decode tok/s and TTFT of the winner against llama.cpp's in the same run."""
+    if reference is None:
+        return None
+    ours, theirs = decode_tok_s(winner), decode_tok_s(reference)
+    ttft_ours = (winner["metrics"].get("ttft_ms") or {}).get("p50")
+    ttft_theirs = (reference["metrics"].get("ttft_ms") or {}).get("p50")
+    decode_ratio = ours / theirs if ours and theirs else None
+    ttft_ratio = ttft_ours / ttft_theirs if ttft_ours and ttft_theirs else None
+    return {"decode_tok_s": ours, "reference_decode_tok_s": theirs, "decode_ratio": decode_ratio,
+            "ttft_ms": ttft_ours, "reference_ttft_ms": ttft_theirs, "ttft_ratio": ttft_ratio,
+            "beat_decode": decode_ratio is not None and decode_ratio >= 1.0,
+            "ttft_within_2x": ttft_ratio is not None and ttft_ratio <= 2.0,
+            "reference_bleu_drift": reference["metrics"].get("bleu_drift")}
+
+
+def _copy_weights(winner: dict, tune_dir: Path) -> Path | None:
+    """The winner's saved quantized checkpoint, copied out of the scratch area (None when it has none)."""
+    saved = (winner.get("metrics") or {}).get("save_dir")
+    if not saved or not Path(saved).is_dir():
+        return None
+    target = tune_dir / "weights"
+    shutil.copytree(saved, target, dirs_exist_ok=True)
+    return target
+
+
+def recipe_entry(config: dict) -> dict:
+    """A config's dict as a recipe `configs` entry (`technique:` + fields; stacks nest their parts)."""
+    entry = {k: v for k, v in config.items() if k not in ("kind", "technique")}
+    if "configs" in entry:
+        entry["configs"] = [recipe_entry(part) for part in entry["configs"]]
+    return {"technique": config.get("technique"), **entry}
+
+
+def write_recipe(tune_dir: Path, winner: dict, spec: RunSpec) -> Path:
+    """A recipe that reproduces the winner with `infer-tune bench --recipe` (the baseline when it won)."""
+    import dataclasses
+
+    import yaml
+
+    from infer_tune import atomic
+
+    configs = [] if winner.get("technique") == "baseline" else \
+        [recipe_entry({"technique": winner["technique"], **winner["config"]})]
+    doc = {"description": f"tune winner: {winner.get('label')} ({winner['technique']})",
+           "model": spec.model, "workload": spec.workload.to_dict(),
+           "protocol": dataclasses.asdict(spec.protocol), "configs": configs}
+    tune_dir.mkdir(parents=True, exist_ok=True)
+    path = tune_dir / "recipe.yaml"
+    atomic.write_text(path, yaml.safe_dump(doc, sort_keys=False))
+    return path

@@ -1,0 +1,193 @@
+"""Stacked configurations: several techniques applied in a defined order and measured as one row.
+
+`StackConfig(configs=[QuantizeConfig(method="int4-rtn"), KVCacheConfig(impl="static", compile=True)])`
+(in a recipe: `{technique: stack, configs: [{technique: quantize, method: int4-rtn}, {technique:
+kv-cache, impl: static, compile: true}]}`). Each part is prepared by its own registry entry on the
+model the previous part returned, in phase order whatever order they were given in: weights
+(quantize) first, then the cache (kv-cache), then the decoding loop (speculate, lean). The parts'
+`generate_kwargs`, `metrics`, `runner_options` and counters are merged (a key two parts set to
+different values is refused), extra model bytes add up, and the runner is the one part that needs a
+runner other than `generation` (two such parts cannot stack). Drift is against the plain baseline of
+the same run, like every other row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from infer_tune.errors import ConfigError
+from infer_tune.models import LoadedModel
+from infer_tune.runners.prepared import PreparedModel, RunCounters
+from infer_tune.tuners.base import (
+    RunContext,
+    TechniqueConfig,
+    configs_by_technique,
+    register_technique,
+    technique_for,
+)
+
+# lower runs first; a technique not listed runs after the weights, in the order given
+PHASES = {"quantize": 0, "kv-cache": 1, "speculate": 2, "lean": 3}
+DEFAULT_PHASE = 1
+# pairs that cannot share a stack, and why
+CONFLICTS = {frozenset({"lean", "kv-cache"}): "lean runs its own static cache; drop kv-cache from the stack",
+             frozenset({"lean", "speculate"}): "lean and speculate each run their own decoding loop"}
+
+
+@dataclass
+class StackConfig(TechniqueConfig):
+    """Techniques applied in phase order (weights, cache, decoding loop) and measured as one row.
+
+    configs: the parts, as technique configs or as recipe-style dicts `{technique: NAME, **fields}`.
+    """
+
+    technique: ClassVar[str] = "stack"
+
+    configs: list[Any] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.configs, list) or not self.configs:
+            raise ConfigError("stack: configs must be a non-empty list of technique configs")
+        parts = [self._part(i, c) for i, c in enumerate(self.configs)]
+        names = [p.technique for p in parts]
+        for name in set(names):
+            if names.count(name) > 1:
+                raise ConfigError(f"stack: technique '{name}' appears {names.count(name)} times; a stack applies "
+                                  "each technique once")
+        for pair, why in CONFLICTS.items():
+            if pair <= set(names):
+                raise ConfigError(f"stack: {' and '.join(sorted(pair))} cannot stack: {why}")
+        self.configs = sorted(parts, key=lambda p: PHASES.get(p.technique, DEFAULT_PHASE))
+
+    @staticmethod
+    def _part(index: int, part: Any) -> TechniqueConfig:
+        if isinstance(part, StackConfig):
+            raise ConfigError(f"stack: configs[{index}] is itself a stack; list its parts instead")
+        if isinstance(part, TechniqueConfig):
+            return part
+        if not isinstance(part, dict) or "technique" not in part:
+            raise ConfigError(f"stack: configs[{index}] needs a 'technique' key (got {part!r})")
+        by_name = configs_by_technique()
+        cls = by_name.get(part["technique"])
+        if cls is None or cls is StackConfig:
+            raise ConfigError(f"stack: configs[{index}] technique '{part['technique']}' is not one of "
+                              f"{', '.join(sorted(n for n in by_name if n != 'stack'))}")
+        params = {k: v for k, v in part.items() if k != "technique"}
+        allowed = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(params) - allowed
+        if unknown:
+            raise ConfigError(f"stack: configs[{index}] ({part['technique']}) unknown fields "
+                              f"{', '.join(sorted(unknown))}; allowed: {', '.join(sorted(allowed))}")
+        return cls(**params)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": type(self).__name__,
+                "configs": [{"technique": p.technique, **p.to_dict()} for p in self.configs]}
+
+    def label(self) -> str:
+        return "+".join(p.label() for p in self.configs)
+
+    def techniques(self) -> list[str]:
+        return [p.technique for p in self.configs]
+
+    def check_workload(self, workload) -> None:
+        """Every part's registry constraints (batch size) hold for the workload."""
+        for part in self.configs:
+            technique_for(part).check_workload(workload, part)
+
+
+class StackCounters(RunCounters):
+    """The parts' counters behind one object: reset and snapshot reach every part."""
+
+    def __init__(self, parts: list[RunCounters]) -> None:
+        super().__init__()
+        self.parts = parts
+
+    def reset(self) -> None:
+        super().reset()
+        for part in self.parts:
+            part.reset()
+
+    def snapshot(self) -> dict[str, Any]:
+        merged = super().snapshot()
+        for part in self.parts:
+            merged.update(part.snapshot())
+        return merged
+
+
+def _merge(into: dict, new: dict, what: str, label: str) -> None:
+    for key, value in new.items():
+        if key in into and into[key] is not value and into[key] != value:
+            raise ConfigError(f"stack: {label} sets {what} '{key}' to {value!r}, an earlier part set {into[key]!r}")
+        into[key] = value
+
+
+def _resolve(config: StackConfig, ctx: RunContext) -> StackConfig:
+    parts = []
+    for part in config.configs:
+        entry = technique_for(part)
+        parts.append(entry.resolve(part, ctx) if entry.resolve else part)
+    return StackConfig(configs=parts)
+
+
+def _preflight(loaded: LoadedModel, config: StackConfig, ctx: RunContext) -> None:
+    for part in config.configs:
+        entry = technique_for(part)
+        if entry.preflight:
+            entry.preflight(loaded, part, ctx)
+
+
+def runner_of(config: StackConfig) -> str:
+    """The one non-`generation` runner among the parts (else `generation`)."""
+    runners = {technique_for(p).runner for p in config.configs} - {"generation"}
+    if len(runners) > 1:
+        raise ConfigError(f"stack: parts need different runners ({', '.join(sorted(runners))}); they cannot stack")
+    return runners.pop() if runners else "generation"
+
+
+@register_technique(StackConfig, resolve=_resolve, preflight=_preflight)
+def prepare_stack(loaded: LoadedModel, config: StackConfig, ctx: RunContext) -> PreparedModel:
+    """Prepare each part on the previous part's model, in phase order, and merge what they hand the runner."""
+    runner = runner_of(config)
+    current = loaded
+    generate_kwargs: dict[str, Any] = {}
+    metrics: dict[str, Any] = {}
+    options: dict[str, Any] = {}
+    counters: list[RunCounters] = []
+    cleanups = []
+    extra_bytes = 0
+    parts_info = []
+    model = loaded.model
+    try:
+        for part in config.configs:
+            entry = technique_for(part)
+            prepared = entry.prepare(current, part, ctx)
+            label = f"{part.technique} ({part.label()})"
+            _merge(generate_kwargs, prepared.generate_kwargs, "generate setting", label)
+            _merge(options, prepared.runner_options, "runner option", label)
+            metrics.update(prepared.metrics)
+            if prepared.counters is not None:
+                counters.append(prepared.counters)
+            if prepared.cleanup:
+                cleanups.append(prepared.cleanup)
+            extra_bytes += prepared.extra_model_bytes
+            parts_info.append({"technique": part.technique, "label": part.label(), "runner": entry.runner})
+            if prepared.model is not None:
+                model = prepared.model
+                current = LoadedModel(model=model, tokenizer=prepared.tokenizer, ref=loaded.ref, path=loaded.path)
+    except BaseException:
+        for fn in reversed(cleanups):
+            fn()
+        raise
+    metrics["stack"] = parts_info
+
+    def cleanup() -> None:
+        for fn in reversed(cleanups):
+            fn()
+
+    return PreparedModel(model=model, tokenizer=loaded.tokenizer, generate_kwargs=generate_kwargs, metrics=metrics,
+                         label=config.label(), device=ctx.device,
+                         counters=StackCounters(counters) if counters else None, extra_model_bytes=extra_bytes,
+                         runner_options=options, cleanup=cleanup if cleanups else None, runner=runner)

@@ -1,0 +1,317 @@
+"""tune and what it builds on: host-measured kernels and activation range, stacked configs, the lean decode
+path, broken-result marking, the noise figure, and the search itself (tiny random models; no timing asserts)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections import Counter
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from infer_tune.cli import app
+from infer_tune.errors import ConfigError
+from infer_tune.tuners.base import RunContext, apply
+from infer_tune.tuners.quantize import QuantizeConfig, kernels
+from infer_tune.tuners.quantize.modules import Int4Linear, Int8DynamicLinear, int8_per_channel
+from infer_tune.tuners.quantize.pipeline import quantize_in_memory
+
+runner = CliRunner()
+
+
+# --------------------------------------------------------------------------- kernels and numerics
+def test_choice_takes_the_fastest_and_flags_a_path_slower_than_fp32():
+    fast = kernels.choose({"fbgemm": 2.0, "int_mm": 1.0, "dequant": 9.0}, fp32_ms=1.5)
+    assert fast["chosen"] == "int_mm" and not fast["slower_than_fp32"]
+    avx2_like = kernels.choose({"int_mm": 354.0, "dequant": 9.0}, fp32_ms=7.8)  # the issue's AVX2 prefill numbers
+    assert avx2_like["chosen"] == "dequant" and avx2_like["slower_than_fp32"] and "slower than fp32" in avx2_like["why"]
+    forced = kernels.choose({"fbgemm": 2.0, "int_mm": 1.0}, fp32_ms=1.5, forced="fbgemm")
+    assert forced["chosen"] == "fbgemm" and forced["why"].startswith("forced by the config") and forced["slower_than_fp32"]
+
+
+def test_injected_timings_decide_what_runs(tiny_loaded, monkeypatch):
+    """A host where torch._int_mm is 40x slower than fp32 (the AVX2 report): prefill must not use it."""
+    model = copy.deepcopy(tiny_loaded.model)
+    quantize_in_memory(model, QuantizeConfig(method="int8-dynamic"), "torch")
+    timings = {("int8-dynamic", "decode"): ({"fbgemm": 1.0, "int_mm": 3.0, "dequant": 5.0}, 2.0),
+               ("int8-dynamic", "prefill"): ({"fbgemm": 1.0, "int_mm": 400.0, "dequant": 10.0}, 8.0)}
+    record = kernels.choose_for_model(model, "int8-dynamic", timings=timings)
+    by_kind = record["by_kind"]["int8-dynamic"]
+    assert by_kind["decode"]["chosen"] == "fbgemm"
+    assert by_kind["prefill"]["chosen"] == "dequant"  # fbgemm excluded at prefill (per-tensor numerics)
+    assert "fbgemm" in by_kind["prefill"]["excluded"] and record["prefill"]["slower_than_fp32"]
+    calls = []
+    real = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.shape) or real(a, b))
+    model(torch.tensor([[5, 6, 7, 8, 9]]))
+    assert not calls  # the measured choice (dequant) ran, not int_mm
+    kernels.apply_kernels(model, "fbgemm", "int_mm")
+    model(torch.tensor([[5, 6, 7, 8, 9]]))
+    assert calls  # forcing the slow path really runs it
+
+
+@pytest.mark.parametrize("kind,module_kernels", [("int8", ("fbgemm", "int_mm", "dequant")), ("int4", ("int4pack", "dequant"))])
+def test_every_kernel_of_a_layer_computes_the_same_product(kind, module_kernels):
+    torch.manual_seed(0)
+    weight = torch.randn(48, 64) * 0.05
+    x = torch.randn(7, 64)
+    if kind == "int8":
+        module = Int8DynamicLinear(*int8_per_channel(weight))
+    else:
+        from infer_tune.tuners.quantize.apply import int4_quantize
+
+        t = int4_quantize(weight, 32, hqq=False)
+        module = Int4Linear(t["qweight_int4"], t["scale"], t["zero"], 32)
+    reference = x @ weight.t()
+    for kernel in module_kernels:
+        module.set_kernels(kernel, kernel)
+        out = module(x)
+        assert float((out - reference).norm() / reference.norm()) < 0.2, kernel
+
+
+def test_activation_range_follows_the_probe_or_the_override(monkeypatch):
+    probe = kernels.saturation_probe()
+    assert probe["exact"] == pytest.approx(255 * 127 * 64)
+    monkeypatch.setattr(kernels, "saturation_probe", lambda: {"saturates": True, "int_mm_saturates": False})
+    monkeypatch.delenv(kernels.FORCE_REDUCE_RANGE_ENV, raising=False)
+    assert kernels.activation_range()["qmax"] == 127 and "saturate" in kernels.activation_range()["why"]
+    monkeypatch.setattr(kernels, "saturation_probe", lambda: {"saturates": False, "int_mm_saturates": True})
+    assert kernels.activation_qmax() == 255
+    assert "int_mm" in kernels.excluded("int8-dynamic", "decode")  # a saturating _int_mm is never chosen
+    monkeypatch.setenv(kernels.FORCE_REDUCE_RANGE_ENV, "1")
+    assert kernels.activation_range()["reduce_range"] is True
+
+
+def test_static_scales_stay_within_the_reduced_range(tiny_loaded, prompts_file, monkeypatch):
+    from infer_tune.tuners.quantize.calibrate import calibration_batches
+    from infer_tune.tuners.quantize.modules import Int8StaticLinear
+
+    monkeypatch.setenv(kernels.FORCE_REDUCE_RANGE_ENV, "1")
+    model = copy.deepcopy(tiny_loaded.model)
+    calib = calibration_batches(tiny_loaded.tokenizer, str(prompts_file), 4)
+    summary = quantize_in_memory(model, QuantizeConfig(method="int8-static"), "torch", calib)
+    statics = [m for m in model.modules() if isinstance(m, Int8StaticLinear)]
+    assert all(m.reduce_range and 0 <= m.act_zero_point <= 127 for m in statics)
+    assert "dynamic_fallback_layers" in summary and summary["static_error_budget"] == 2.0
+
+
+# --------------------------------------------------------------------------- stacks
+def test_stack_orders_parts_and_refuses_what_cannot_stack():
+    from infer_tune.tuners.kv_cache import KVCacheConfig
+    from infer_tune.tuners.lean import LeanConfig
+    from infer_tune.tuners.stack import StackConfig
+
+    stack = StackConfig(configs=[{"technique": "kv-cache", "impl": "static"}, {"technique": "quantize", "method": "int4-rtn"}])
+    assert stack.techniques() == ["quantize", "kv-cache"] and stack.label() == "int4-rtn-auto-g32+static"
+    assert stack.to_dict()["configs"][0]["technique"] == "quantize"
+    for bad, fragment in ([[], "non-empty"], [[{"technique": "nope"}], "not one of"],
+                          [[QuantizeConfig(), QuantizeConfig(method="bf16")], "appears 2 times"],
+                          [[LeanConfig(), KVCacheConfig(impl="static")], "cannot stack"],
+                          [[{"technique": "quantize", "bits": 3}], "unknown fields"]):
+        with pytest.raises(ConfigError, match=fragment):
+            StackConfig(configs=bad)
+
+
+def test_stack_applies_every_part_on_the_previous_parts_model(tiny_loaded):
+    from infer_tune.tuners.stack import StackConfig
+
+    stack = StackConfig(configs=[{"technique": "kv-cache", "impl": "static"},
+                                 {"technique": "quantize", "method": "int8-dynamic", "backend": "torch"}])
+    prepared = apply(tiny_loaded, stack, RunContext())
+    try:
+        assert any(isinstance(m, Int8DynamicLinear) for m in prepared.model.modules())  # the weights part ran
+        assert prepared.generate_kwargs["cache_implementation"] == "static"  # and the cache part
+        assert [p["technique"] for p in prepared.metrics["stack"]] == ["quantize", "kv-cache"]
+        assert prepared.runner == "generation" and "kernels" in prepared.metrics
+    finally:
+        if prepared.cleanup:
+            prepared.cleanup()
+
+
+def test_stack_in_a_recipe_measures_one_row(tiny_model_dir, prompts_file, tmp_path):
+    recipe = tmp_path / "stack.yaml"
+    recipe.write_text("configs:\n  - technique: stack\n    configs:\n      - {technique: quantize, method: int4-rtn}\n"
+                      "      - {technique: lean, compile: false}\n")
+    result = runner.invoke(app, ["bench", "--recipe", str(recipe), "--model", str(tiny_model_dir), "--suite",
+                                 str(prompts_file), "--limit", "2", "--max-new-tokens", "4", "--min-iterations", "1",
+                                 "--min-duration", "0", "--no-ppl", "--out", str(tmp_path / "runs"), "--json"])
+    assert result.exit_code == 0, result.output
+    base, doc = json.loads(result.stdout)
+    assert doc["technique"] == "stack" and doc["runner"] == "lean" and doc["label"] == "int4-rtn-torch-g32+lean"
+    assert doc["metrics"]["lean_decode_steps"] > 0 and doc["metrics"]["bytes_ratio_vs_16bit"] < 0.4
+    assert base["technique"] == "baseline" and "noise" in doc["metrics"]
+
+
+# --------------------------------------------------------------------------- lean decode path
+@pytest.mark.parametrize("compile_step", [False, True])
+def test_lean_is_bit_identical_to_generate(tiny_loaded, compile_step):
+    from transformers import GenerationConfig
+
+    from infer_tune.runners.generation import _PinLength, eos_ids
+    from infer_tune.tuners.lean.loop import LeanDecoder
+
+    model, tok = tiny_loaded.model, tiny_loaded.tokenizer
+    ids = tok(["Question 3: what is 3 plus 3?"], return_tensors="pt")["input_ids"]
+    eos = eos_ids(model, tok)
+    decoder = LeanDecoder(model, compile=compile_step)
+    for cache in ("static", "dynamic"):
+        pin = _PinLength(eos, ids.shape[1], 1)
+        config = GenerationConfig(max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=eos,
+                                  cache_implementation=cache if cache == "static" else None)
+        with torch.inference_mode():
+            reference = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                                       logits_processor=[pin], disable_compile=True)[0, ids.shape[1]:].tolist()
+        _, token_ns, tokens, natural = decoder.generate(ids, 12, eos)
+        assert tokens == reference and natural == pin.natural_len[0] and len(token_ns) == 12, cache
+    assert decoder.counters.snapshot()["lean_decode_steps"] == 2 * 11
+
+
+def test_lean_runs_through_its_runner(tiny_model_dir, prompts_file, tmp_path):
+    from infer_tune.scenarios.bench import run_bench
+    from infer_tune.scenarios.common import RunSpec
+    from infer_tune.tuners.lean import LeanConfig
+    from infer_tune.workload import Protocol, Workload
+
+    spec = RunSpec(model=str(tiny_model_dir), workload=Workload(suite=str(prompts_file), limit=2, max_new_tokens=6),
+                   protocol=Protocol(warmup=1, min_iterations=2, min_duration_s=0), out_dir=tmp_path / "runs")
+    outcome = run_bench(spec, [LeanConfig(compile=False)])
+    doc = outcome.docs[0]
+    assert doc["runner"] == "lean" and doc["metrics"]["exact_match_vs_baseline"] == 1.0
+    assert doc["metrics"]["lean_overhead_ms_per_token"] >= 0 and doc["metrics"]["iterations"] == 2
+    with pytest.raises(ConfigError, match="batch size"):
+        run_bench(RunSpec(model=str(tiny_model_dir), workload=Workload(suite=str(prompts_file), limit=2, batch_size=2),
+                          out_dir=tmp_path / "runs"), [LeanConfig(compile=False)])
+
+
+# --------------------------------------------------------------------------- verdicts and noise
+def test_broken_results_are_marked_and_never_a_speedup():
+    from infer_tune.metrics.verdict import verdict
+    from infer_tune.report.leaderboard import flatten
+
+    outputs = [{"token_ids": list(range(20))}] * 3
+    assert verdict({"ppl_delta_pct": 4.0e8}, outputs)["broken"]  # the GGUF int4-rtn report: 29.9 -> 120,612,490
+    assert verdict({"bleu_vs_baseline": 0.0, "exact_match_vs_baseline": 0.0}, outputs)["broken"]
+    assert not verdict({"bleu_vs_baseline": 0.0, "exact_match_vs_baseline": 0.0}, [{"token_ids": [1]}])["broken"]
+    assert not verdict({"ppl_delta_pct": 12.0, "bleu_vs_baseline": 40.0}, outputs)["broken"]
+    doc = {"run_id": "r", "technique": "quantize", "label": "int4-rtn", "metrics": {
+        "speedup_vs_baseline": 3.24, "broken": True, "broken_why": "perplexity +403395953%"}}
+    row = flatten(doc)
+    assert row["speedup_vs_baseline"] is None and "BROKEN" in row["config"]
+
+
+def test_noise_figure_flags_a_busy_host_and_compare_withholds():
+    from infer_tune.metrics import noise
+    from infer_tune.report import compare as cmp
+    from infer_tune.runners.base import RequestTiming
+
+    def request(iteration: int, tpot_ms: float) -> RequestTiming:
+        return RequestTiming(0, iteration, 5, 0, [int(10e6 + k * tpot_ms * 1e6) for k in range(5)])
+
+    steady = [request(i, 10.0) for i in range(3)]
+    shaky = [request(i, t) for i, t in enumerate((10.0, 14.0, 9.0))]
+    idle = noise.HostSnapshot(0.0, 0.0, 0.0, 0.1), noise.HostSnapshot(10.0, 20.0, 19.5, 0.2)
+    busy = noise.HostSnapshot(0.0, 0.0, 0.0, 3.0), noise.HostSnapshot(10.0, 20.0, 10.0, 3.5)
+    assert not noise.figure(steady, *idle)["noisy"]
+    assert noise.figure(shaky, *idle)["noisy"] and noise.figure(shaky, *idle)["tpot_p50_cv"] > 0.05
+    flagged = noise.figure(steady, *busy)
+    assert flagged["noisy"] and flagged["other_cpu_share"] == pytest.approx(10.0 / (10.0 * __import__("psutil").cpu_count()))
+
+    def doc(run_id, tpot, noisy):
+        samples = [tpot] * 8
+        return {"run_id": run_id, "workload": {"suite": "s"}, "model": {"ref": "m"},
+                "metrics": {"tpot_ms": {"p50": tpot}, "noise": {"noisy": noisy, "tpot_p50_cv": 0.08}},
+                "samples": {"tpot_ms": samples}}
+
+    expr = cmp.parse_expr("tpot_ms.p50 > +5%")
+    calm = cmp.judge(expr, doc("b", 10.0, False), doc("c", 10.8, False))
+    assert calm.regressed and calm.noise is None  # 8% slower on quiet inputs: a regression
+    noisy = cmp.judge(expr, doc("b", 10.0, False), doc("c", 10.8, True))
+    assert not noisy.regressed and "noisy input" in noisy.noise  # within the noise: the verdict is withheld
+
+
+# --------------------------------------------------------------------------- tune
+def _doc(tpot, **metrics):
+    base = {"tpot_ms": {"p50": tpot}, "ttft_ms": {"p50": 50.0}, "output_throughput_tok_s": 1000 / tpot}
+    return {"run_id": f"r{tpot}", "label": "x", "technique": "quantize", "metrics": {**base, **metrics}}
+
+
+def test_judge_and_pick_winner():
+    from infer_tune.scenarios.tune_plan import Candidate, TuneSpec, judge, pick_winner
+
+    spec = TuneSpec(max_ppl_delta=5, max_bleu_drift=1.0)
+    fast_broken = _doc(5.0, speedup_vs_baseline=4.0, broken=True, broken_why="perplexity doubled")
+    over_budget = _doc(6.0, speedup_vs_baseline=3.3, ppl_delta_pct=9.0)
+    slow_kernel = _doc(7.0, speedup_vs_baseline=2.8, kernels={"decode": {"slower_than_fp32": True}})
+    good = _doc(8.0, speedup_vs_baseline=2.5, ppl_delta_pct=3.0, bleu_drift=-0.5)
+    assert "broken" in judge(fast_broken, spec, lossless_claimed=False).reasons[0]
+    assert "perplexity" in judge(over_budget, spec, lossless_claimed=False).reasons[0]
+    assert "slower than fp32" in judge(slow_kernel, spec, lossless_claimed=False).reasons[0]
+    cands = []
+    for doc in (fast_broken, over_budget, slow_kernel, good):
+        c = Candidate(QuantizeConfig(), lossless=False, doc=doc, status="measured")
+        c.eligible = judge(doc, spec, lossless_claimed=False).eligible
+        cands.append(c)
+    baseline = _doc(20.0)
+    assert pick_winner(cands, baseline, "decode") is good
+    assert pick_winner(cands[:3], baseline, "decode") is baseline
+    lossless = TuneSpec(require_lossless=True)
+    assert "not lossless" in " ".join(judge(good, lossless, lossless_claimed=False).reasons)
+
+
+def test_host_screen_prunes_what_cannot_win_here(tiny_loaded):
+    from infer_tune.scenarios.tune_plan import TuneSpec, host_screen, single_candidates
+
+    avx2 = {("int8-dynamic", "decode"): ({"fbgemm": 0.5, "int_mm": 20.0, "dequant": 9.0}, 1.0),
+            ("int8-dynamic", "prefill"): ({"fbgemm": 1.0, "int_mm": 354.0, "dequant": 9.0}, 7.8),
+            ("int4", "decode"): ({"int4pack": 2.0, "dequant": 30.0}, 1.0),
+            ("int4", "prefill"): ({"int4pack": 9.0, "dequant": 10.0}, 7.8)}
+    screen = host_screen(tiny_loaded.model, ("int8-dynamic", "int4-rtn"), 33, timings=avx2)
+    assert screen["int8-dynamic"]["decode"] == pytest.approx(2.0) and screen["int4-rtn"]["decode"] == pytest.approx(0.5)
+    cands = {c.label: c for c in single_candidates(TuneSpec(methods=("int8-dynamic", "int4-rtn")), screen)}
+    assert cands["int4-rtn-auto-g32"].status == "pruned" and "slower than fp32" in cands["int4-rtn-auto-g32"].reason
+    assert cands["int8-dynamic-auto"].status == "pending"
+    lossless = single_candidates(TuneSpec(require_lossless=True), screen)
+    assert all(c.lossless for c in lossless)
+
+
+def test_tune_end_to_end_json(tiny_model_dir, prompts_file, tmp_path):
+    out = tmp_path / "runs"
+    result = runner.invoke(app, ["tune", "--model", str(tiny_model_dir), "--suite", str(prompts_file), "--limit", "2",
+                                 "--max-new-tokens", "4", "--min-iterations", "1", "--min-duration", "0",
+                                 "--methods", "int8-dynamic,int4-rtn", "--no-compile", "--max-ppl-delta", "1000",
+                                 "--max-bleu-drift", "100", "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert set(doc) >= {"winner", "tried", "recipe", "command", "kernel_screen"}
+    assert doc["winner"]["run_id"] and (out / doc["winner"]["run_id"] / "result.json").is_file() \
+        or doc["winner"]["technique"] == "baseline"
+    statuses = Counter(t["status"] for t in doc["tried"])
+    assert statuses["measured"] + statuses["pruned"] >= 3
+    eligible_quantized = any(t["eligible"] and t["technique"] == "quantize" for t in doc["tried"])
+    assert any(t["technique"] == "stack" for t in doc["tried"]) == eligible_quantized  # stacks build on survivors
+    assert "llama" in " ".join(doc["notes"])  # no GGUF behind a random model: said, not fatal
+    replay = runner.invoke(app, ["bench", "--recipe", doc["recipe"], "--model", str(tiny_model_dir), "--suite",
+                                 str(prompts_file), "--no-ppl", "--out", str(tmp_path / "replay"), "--json"])
+    assert replay.exit_code == 0, replay.output
+
+
+@pytest.mark.parametrize("extra,fragment", [(["--objective", "speed"], "--objective"),
+                                            (["--max-ppl-delta", "-1"], "--max-ppl-delta"),
+                                            (["--methods", "int3"], "--methods"),
+                                            (["--budget-minutes", "0"], "--budget-minutes")])
+def test_tune_bad_input_exits_2_and_writes_nothing(tiny_model_dir, prompts_file, tmp_path, extra, fragment):
+    result = runner.invoke(app, ["tune", "--model", str(tiny_model_dir), "--suite", str(prompts_file),
+                                 "--out", str(tmp_path / "runs"), *extra])
+    assert result.exit_code == 2 and fragment in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_llamacpp_reference_needs_a_gguf(tiny_loaded):
+    from infer_tune.tuners.llamacpp import LlamaCppConfig, gguf_for
+
+    with pytest.raises(ConfigError, match="not converted from a GGUF"):
+        gguf_for(tiny_loaded, LlamaCppConfig())
+    with pytest.raises(ConfigError, match="not found"):
+        gguf_for(tiny_loaded, LlamaCppConfig(gguf="/nonexistent/model.gguf"))
