@@ -27,17 +27,16 @@ system-deps:
 model: install
 	$(BIN)/infer-tune models pull smollm2-135m
 
-# The main job: baseline, every quantization method and the KV-cache variants on SmolLM2-135M,
-# each measured against its baseline in the same session, then one combined leaderboard.
+# The main job: every technique once on SmolLM2-135M (the `quick` recipe: quantization, KV cache,
+# batching, speculative decoding, MoE expert placement on the MoEfied demo model), each stage against
+# its own baseline measured in the same session, then one combined report with the claims table and
+# the recommended configuration. --resume: a rerun continues where an interrupted one stopped.
 DEMO_OUT ?= runs/demo
-DEMO_WORKLOAD ?= --suite chat --limit 4 --max-new-tokens 32
+DEMO_RECIPE ?= quick
 demo: model
-	$(BIN)/infer-tune bench $(DEMO_WORKLOAD) --out $(DEMO_OUT)
-	$(BIN)/infer-tune quantize --sweep bf16,int8-dynamic,int8-static,int4-weight,int4-rtn $(DEMO_WORKLOAD) --out $(DEMO_OUT)
-	$(BIN)/infer-tune kv-cache --impl none,dynamic,static,quantized,offloaded --context-lengths 128,512 \
-		--max-new-tokens 32 --min-iterations 1 --out $(DEMO_OUT)
-	$(BIN)/infer-tune leaderboard $(DEMO_OUT)
-	@echo "leaderboard: $(DEMO_OUT)/leaderboard.md (.csv, .html); results: $(DEMO_OUT)/<run-id>/result.json"
+	$(BIN)/infer-tune experts build-demo
+	$(BIN)/infer-tune bench --recipe $(DEMO_RECIPE) --out $(DEMO_OUT) --resume
+	@echo "report: $(DEMO_OUT)/leaderboard.html (.md, .csv); results: $(DEMO_OUT)/<run-id>/result.json"
 
 test: model system-deps
 	$(BIN)/python -m pytest -q -ra
