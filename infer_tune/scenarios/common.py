@@ -11,7 +11,7 @@ from infer_tune import models
 from infer_tune.errors import ConfigError, InferTuneError
 from infer_tune.runners.base import Progress
 from infer_tune.tuners.base import RunContext
-from infer_tune.workload import Inputs, Protocol, Workload, load_prompts, prepare_inputs
+from infer_tune.workload import Inputs, Protocol, Workload, iter_prompts, prepare_inputs
 
 
 @dataclass
@@ -87,7 +87,7 @@ def open_run(spec: RunSpec, progress: Progress | None = None, *, load_suite: boo
     paths.ensure_writable(paths.home(), "INFER_TUNE_HOME")
     n_threads = setup_threads(spec.threads)
     device = resolve_device(spec.device)
-    prompts = load_prompts(spec.workload) if load_suite else None
+    prompts = iter_prompts(spec.workload) if load_suite else None
     if spec.execute and prompts is not None:
         first = next(prompts)  # the suite is not empty (checked when it was opened)
         if not first.extra.get("test"):
