@@ -149,14 +149,15 @@ def max_positions(config) -> int | None:
     return None
 
 
-def check_context(config, prompt_tokens: int, max_new_tokens: int, model: str) -> None:
+def check_context(config, prompt_tokens: int, max_new_tokens: int, model: str, *, prompt: str | None = None) -> None:
     """Prompt (padded batch width) + generated tokens must fit the model's positions: refuse up front
     instead of running far past what the model can attend to."""
     limit = max_positions(config)
     if limit is not None and prompt_tokens + max_new_tokens > limit:
         room = limit - prompt_tokens
         hint = f"use max_new_tokens <= {room}" if room >= 1 else "use shorter prompts (max_prompt_tokens)"
-        raise ConfigError(f"the longest prompt ({prompt_tokens} tokens) + max_new_tokens {max_new_tokens} = "
+        prompt = prompt or f"the longest prompt ({prompt_tokens} tokens)"
+        raise ConfigError(f"{prompt} + max_new_tokens {max_new_tokens} = "
                           f"{prompt_tokens + max_new_tokens} tokens exceeds {model}'s context of {limit} positions; "
                           f"{hint}")
 
