@@ -77,7 +77,13 @@ def render_prompt(tokenizer, text: str, chat_template: bool) -> str:
     return text
 
 
-def load_prompts(workload: Workload) -> Iterator[Prompt]:
+def load_prompts(workload: Workload) -> list[Prompt]:
+    """All the suite's prompts in deterministic order (call before loading a model: bad suites fail fast).
+    `iter_prompts` builds only those that are used."""
+    return list(iter_suite(workload.suite_spec()))
+
+
+def iter_prompts(workload: Workload) -> Iterator[Prompt]:
     """The suite's prompts in deterministic order, built lazily: selection stops at `limit`, so a large
     suite costs only what is used (call before loading a model: bad suites fail here, fast)."""
     return iter_suite(workload.suite_spec())
@@ -87,7 +93,7 @@ def select_prompts(workload: Workload, tokenizer, prompts: Iterable[Prompt] | No
     """Keep, in the suite's deterministic order, the first `limit` prompts that fit in the token cap."""
     chosen: list[Prompt] = []
     rendered: list[str] = []
-    for prompt in prompts if prompts is not None else load_prompts(workload):
+    for prompt in prompts if prompts is not None else iter_prompts(workload):
         text = render_prompt(tokenizer, prompt.text, workload.chat_template)
         if len(tokenizer(text, add_special_tokens=False)["input_ids"]) > workload.max_prompt_tokens:
             continue
@@ -143,14 +149,15 @@ def max_positions(config) -> int | None:
     return None
 
 
-def check_context(config, prompt_tokens: int, max_new_tokens: int, model: str) -> None:
+def check_context(config, prompt_tokens: int, max_new_tokens: int, model: str, *, prompt: str | None = None) -> None:
     """Prompt (padded batch width) + generated tokens must fit the model's positions: refuse up front
     instead of running far past what the model can attend to."""
     limit = max_positions(config)
     if limit is not None and prompt_tokens + max_new_tokens > limit:
         room = limit - prompt_tokens
         hint = f"use max_new_tokens <= {room}" if room >= 1 else "use shorter prompts (max_prompt_tokens)"
-        raise ConfigError(f"the longest prompt ({prompt_tokens} tokens) + max_new_tokens {max_new_tokens} = "
+        prompt = prompt or f"the longest prompt ({prompt_tokens} tokens)"
+        raise ConfigError(f"{prompt} + max_new_tokens {max_new_tokens} = "
                           f"{prompt_tokens + max_new_tokens} tokens exceeds {model}'s context of {limit} positions; "
                           f"{hint}")
 

@@ -11,7 +11,7 @@ from infer_tune import models
 from infer_tune.errors import ConfigError, InferTuneError
 from infer_tune.runners.base import Progress
 from infer_tune.tuners.base import RunContext
-from infer_tune.workload import Inputs, Protocol, Workload, load_prompts, prepare_inputs
+from infer_tune.workload import Inputs, Protocol, Workload, check_context, iter_prompts, prepare_inputs
 
 
 @dataclass
@@ -76,6 +76,24 @@ def check_execute(spec: RunSpec) -> None:
     sandbox.require()
 
 
+def check_context_early(spec: RunSpec) -> None:
+    """Before the weights load: max_new_tokens alone must leave room for a prompt in the model's
+    context (read from a local config.json; prepare_inputs checks the real prompts afterwards)."""
+    import json
+    from types import SimpleNamespace
+
+    try:
+        folder = Path(models.resolve(spec.model, pull=False))
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (InferTuneError, OSError, ValueError):
+        return  # not local, or unreadable: the load says why
+    if isinstance(config, dict):
+        nested = config.get("text_config")
+        namespace = SimpleNamespace(**{k: v for k, v in config.items() if k.isidentifier() and k != "text_config"},
+                                    text_config=SimpleNamespace(**nested) if isinstance(nested, dict) else None)
+        check_context(namespace, 1, spec.workload.max_new_tokens, spec.model, prompt="a prompt (at least 1 token)")
+
+
 def open_run(spec: RunSpec, progress: Progress | None = None, *, load_suite: bool = True) -> OpenRun:
     """Threads and device set, the suite loaded (bad suites fail before the model loads), the model
     loaded, the inputs tokenized, the environment recorded."""
@@ -87,12 +105,13 @@ def open_run(spec: RunSpec, progress: Progress | None = None, *, load_suite: boo
     paths.ensure_writable(paths.home(), "INFER_TUNE_HOME")
     n_threads = setup_threads(spec.threads)
     device = resolve_device(spec.device)
-    prompts = load_prompts(spec.workload) if load_suite else None
+    prompts = iter_prompts(spec.workload) if load_suite else None
     if spec.execute and prompts is not None:
         first = next(prompts)  # the suite is not empty (checked when it was opened)
         if not first.extra.get("test"):
             raise ConfigError(f"pass@1 needs a suite with tests (e.g. code); '{spec.workload.suite}' has none")
         prompts = itertools.chain([first], prompts)
+    check_context_early(spec)
     loaded = models.load(spec.model, dtype=spec.dtype, device=device, trust_remote_code=spec.trust_remote_code)
     inputs = prepare_inputs(loaded, spec.workload, prompts) if load_suite else None
     ctx = RunContext(device=device, dtype=spec.dtype, threads=n_threads, out_dir=Path(spec.out_dir).expanduser(),
