@@ -21,6 +21,7 @@ from infer_tune import results
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import kv, memory
 from infer_tune.runners.base import Progress, RequestTiming
+from infer_tune.runners.generation import generate_once
 from infer_tune.scenarios.common import RunSpec, open_run
 from infer_tune.session import find_result, measure_prepared, run_fingerprint
 from infer_tune.tuners.base import apply
@@ -84,6 +85,8 @@ def run_sweep(spec: RunSpec, sweep: SweepSpec, progress: Progress | None = None)
     if len(run.inputs.prompts) < largest:
         raise ConfigError(f"only {len(run.inputs.prompts)} prompts of '{workload.suite}' fit in max_prompt_tokens="
                           f"{workload.max_prompt_tokens}; batch size {largest} needs {largest}")
+    # one untimed token first: safetensors weights are paged in lazily, and the prediction starts from the RSS
+    generate_once(apply(loaded, BatchConfig(scheduler="sweep", batch_size=1), ctx), run.inputs.batches[0], 1)
     shape = kv.ModelShape.from_config(loaded.model.config)
     value_bytes = next(loaded.model.parameters()).element_size()
     docs: list[tuple[dict, list[dict]]] = []
