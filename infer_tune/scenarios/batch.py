@@ -62,8 +62,8 @@ class SweepResult:
     run_dirs: list[Path]
 
 
-def _padded(inputs: Inputs, max_new_tokens: int) -> tuple[float, int, int]:
-    """(padding share, longest padded prompt, positions) of the batches, with pinned output length."""
+def _padded(inputs: Inputs, max_new_tokens: int) -> tuple[float, int]:
+    """(padding share, longest padded prompt) of the batches, with the output length pinned."""
     positions = pads = 0
     width = 0
     for batch in inputs.batches:
@@ -71,7 +71,7 @@ def _padded(inputs: Inputs, max_new_tokens: int) -> tuple[float, int, int]:
         width = max(width, int(prompt))
         positions += int(rows) * (int(prompt) + max_new_tokens)
         pads += int(rows) * int(prompt) - int(batch["attention_mask"].sum())
-    return pads / positions if positions else 0.0, width, positions
+    return pads / positions if positions else 0.0, width
 
 
 def run_sweep(spec: RunSpec, sweep: SweepSpec, progress: Progress | None = None) -> SweepResult:
@@ -99,7 +99,7 @@ def run_sweep(spec: RunSpec, sweep: SweepSpec, progress: Progress | None = None)
                         batches=encode_batches(loaded.tokenizer, run.inputs.rendered, size,
                                                add_special_tokens=not run.inputs.templated))
         sized = dataclasses.replace(workload, batch_size=size)
-        share, width, _ = _padded(inputs, t)
+        share, width = _padded(inputs, t)
         predicted = memory.current_rss_bytes() + analysis.predicted_delta(
             size, size * (width + t), measured, analysis.analytic_batch_bytes(shape, size, width, t, value_bytes))
         if sweep.memory_limit_bytes is not None and predicted > sweep.memory_limit_bytes:
