@@ -125,6 +125,14 @@ def test_pad_id_inside_a_prompt_needs_the_length_mask(tiny_loaded):
         batched = tiny_loaded.model(**batch).logits[0, -1]
     assert (corrupted - alone).abs().max() > 1e-3  # masking the in-prompt pads changes the next-token scores
     assert torch.allclose(batched, alone, atol=1e-5)  # the length mask keeps them
+    # plain `generate` without a mask infers one from the pad id and scores the wrong context; with the mask it is right
+    def first_scores(**mask):
+        return tiny_loaded.model.generate(input_ids=ids[None], max_new_tokens=1, do_sample=False, output_scores=True,
+                                          return_dict_in_generate=True, pad_token_id=tok.pad_token_id,
+                                          **mask).scores[0][0]
+
+    assert (first_scores() - alone).abs().max() > 1e-3
+    assert torch.allclose(first_scores(attention_mask=torch.ones_like(ids[None])), alone, atol=1e-5)
 
 
 def _hand_trace_run(loaded, scheduler, trace, tmp_path):

@@ -22,6 +22,7 @@ from infer_tune import results
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import kv, memory
 from infer_tune.runners.base import Progress, RequestTiming
+from infer_tune.runners.generation import generate_once
 from infer_tune.scenarios.common import RunSpec, open_run
 from infer_tune.session import find_result, measure_prepared, run_fingerprint
 from infer_tune.tuners.base import apply
@@ -62,8 +63,8 @@ class SweepResult:
     run_dirs: list[Path]
 
 
-def _padded(inputs: Inputs, max_new_tokens: int) -> tuple[float, int, int]:
-    """(padding share, longest padded prompt, positions) of the batches, with pinned output length."""
+def _padded(inputs: Inputs, max_new_tokens: int) -> tuple[float, int]:
+    """(padding share, longest padded prompt) of the batches, with the output length pinned."""
     positions = pads = 0
     width = 0
     for batch in inputs.batches:
@@ -71,7 +72,7 @@ def _padded(inputs: Inputs, max_new_tokens: int) -> tuple[float, int, int]:
         width = max(width, int(prompt))
         positions += int(rows) * (int(prompt) + max_new_tokens)
         pads += int(rows) * int(prompt) - int(batch["attention_mask"].sum())
-    return pads / positions if positions else 0.0, width, positions
+    return pads / positions if positions else 0.0, width
 
 
 def run_sweep(spec: RunSpec, sweep: SweepSpec, progress: Progress | None = None) -> SweepResult:
@@ -85,6 +86,8 @@ def run_sweep(spec: RunSpec, sweep: SweepSpec, progress: Progress | None = None)
     if len(run.inputs.prompts) < largest:
         raise ConfigError(f"only {len(run.inputs.prompts)} prompts of '{workload.suite}' fit in max_prompt_tokens="
                           f"{workload.max_prompt_tokens}; batch size {largest} needs {largest}")
+    # one untimed token first: safetensors weights are paged in lazily, and the prediction starts from the RSS
+    generate_once(apply(loaded, BatchConfig(scheduler="sweep", batch_size=1), ctx), run.inputs.batches[0], 1)
     shape = kv.ModelShape.from_config(loaded.model.config)
     value_bytes = next(loaded.model.parameters()).element_size()
     docs: list[tuple[dict, list[dict]]] = []
@@ -97,7 +100,7 @@ def run_sweep(spec: RunSpec, sweep: SweepSpec, progress: Progress | None = None)
                         batches=encode_batches(loaded.tokenizer, run.inputs.rendered, size,
                                                add_special_tokens=not run.inputs.templated))
         sized = dataclasses.replace(workload, batch_size=size)
-        share, width, _ = _padded(inputs, t)
+        share, width = _padded(inputs, t)
         predicted = memory.current_rss_bytes() + analysis.predicted_delta(
             size, size * (width + t), measured, analysis.analytic_batch_bytes(shape, size, width, t, value_bytes))
         if sweep.memory_limit_bytes is not None and predicted > sweep.memory_limit_bytes:
