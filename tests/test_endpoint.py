@@ -268,7 +268,10 @@ def test_baseline_of_another_workload_is_refused(tiny_model_dir, echo_suite, tmp
         base = bench(server.url, tmp_path, "--model", str(tiny_model_dir), "--suite", str(echo_suite))
         other = bench(server.url, tmp_path, "--model", str(tiny_model_dir), "--suite", str(echo_suite),
                       "--max-new-tokens", "4", "--baseline", json.loads(base.stdout)["_path"])
+        no_tokenizer = bench(server.url, tmp_path, "--suite", str(echo_suite), "--baseline",
+                             json.loads(base.stdout)["_path"])
     assert other.exit_code == 2 and "max_new_tokens" in other.output
+    assert no_tokenizer.exit_code == 2 and "name the served weights as model" in no_tokenizer.output
 
 
 # --------------------------------------------------------------------------- client overhead

@@ -157,10 +157,11 @@ def measure_endpoint(run: EndpointRun, spec: RunSpec, *, trace: list[TraceReques
     return doc, outputs
 
 
-def load_baseline(path: Path | None, run: EndpointRun, spec: RunSpec) -> tuple[dict, list[dict]] | None:
+def load_baseline(path: Path | None, spec: RunSpec, model_given: bool) -> tuple[dict, list[dict]] | None:
+    """The baseline document and outputs, checked against the workload (before the endpoint is contacted)."""
     if path is None:
         return None
-    if run.model.tokenizer is None:
+    if not model_given:
         raise ConfigError("drift against a baseline compares token sequences: name the served weights as model "
                           "(their tokenizer)")
     doc = results.load_result(path)
@@ -172,10 +173,10 @@ def run_endpoint_bench(spec: RunSpec, config: EndpointConfig, *, model_given: bo
                        launched: dict | None = None, progress: Progress | None = None) -> dict:
     """`bench --endpoint`: closed-loop passes per the protocol; the saved document (with `_path`).
     `launched`: how infer-tune started the server itself (a reference engine), recorded in `env.endpoint`."""
+    reference = load_baseline(baseline, spec, model_given)
     run = open_endpoint(spec, config, model_given=model_given)
     if launched:
         run.env["endpoint"]["launched"] = launched
-    reference = load_baseline(baseline, run, spec)
     extra = {"engine": launched["engine"], "continuous_batching": launched["continuous_batching"]} if launched else None
     doc, outputs = measure_endpoint(run, spec, baseline=reference, extra_config=extra, progress=progress)
     saved = results.save_run(spec.out_dir, doc, outputs)
