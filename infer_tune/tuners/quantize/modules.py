@@ -255,7 +255,7 @@ class Int4Linear(PortableModule):
 
     def _run_dequant(self, rows: torch.Tensor) -> torch.Tensor:
         weight = dequantize_int4(self.packed, self.scale, self.zero, self.group_size)  # [N, K] fp32, per call
-        return torch.nn.functional.linear(rows.float(), weight)
+        return torch.nn.functional.linear(rows.to(torch.bfloat16).float(), weight)  # int4pack's bf16 activations
 
     def portable(self) -> dict[str, torch.Tensor]:
         return self._with_bias({"qweight_int4": self.packed, "scale": self.scale, "zero": self.zero})
