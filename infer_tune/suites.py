@@ -1,4 +1,4 @@
-"""Prompt suites: HumanEval (`code`), ShareGPT (`chat`), and any local JSONL/CSV/Parquet file or dataset."""
+"""Prompt suites: HumanEval (`code`), edits of its solutions (`code-edit`), ShareGPT (`chat`), and any local JSONL/CSV/Parquet file or dataset."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 from infer_tune import atomic, paths
 from infer_tune.errors import SuiteError
 
-BUILTIN_SUITES = ("code", "chat")
+BUILTIN_SUITES = ("code", "code-edit", "chat")
 LANGS = ("en", "zh", "ja", "ko", "ru", "any")
 
 
@@ -50,6 +50,8 @@ def load_suite(spec: SuiteSpec) -> list[Prompt]:
     """Load the prompts of `spec`: deterministic order by `seed`, the first `limit` of them."""
     if spec.name == "code":
         prompts = _humaneval()
+    elif spec.name == "code-edit":
+        prompts = _code_edit()
     elif spec.name == "chat":
         prompts = _sharegpt(spec.lang, spec.seed)
         prompts = [p for p in prompts if len(p.text) <= spec.max_prompt_chars]
@@ -74,6 +76,39 @@ def _humaneval() -> list[Prompt]:
         )
         for row in rows
     ]
+
+
+# --------------------------------------------------------------------------- code-edit: HumanEval rewritten
+CODE_EDIT_KINDS = ("rename", "annotate", "rewrite")
+
+
+def _code_edit() -> list[Prompt]:
+    """Edit requests on HumanEval's canonical solutions, the copy-heavy work prompt lookup is made for.
+
+    Task i gets kind `CODE_EDIT_KINDS[i % 3]` (so any first few prompts mix the three): `rename` the
+    function (the reference is the exact renamed code), `annotate` each line with a comment, or
+    `rewrite` it for readability (for these two the reference is the original code, a near-copy).
+    """
+    import re
+
+    prompts = []
+    for i, task in enumerate(_humaneval()):
+        code = (task.text + task.reference).strip("\n") + "\n"
+        entry = task.extra["entry_point"]
+        kind = CODE_EDIT_KINDS[i % len(CODE_EDIT_KINDS)]
+        reference = code
+        if kind == "rename":
+            new_name = f"{entry}_v2"
+            instruction = f"Rename the function `{entry}` to `{new_name}`. Return the complete code."
+            reference = re.sub(rf"\b{re.escape(entry)}\b", new_name, code)
+        elif kind == "annotate":
+            instruction = ("Add a short comment above each line of the function body explaining what it does. "
+                           "Return the complete code.")
+        else:
+            instruction = "Rewrite this function so that it is easier to read, keeping its behaviour. Return the complete code."
+        prompts.append(Prompt(id=f"{task.id}/{kind}", text=f"{instruction}\n\n```python\n{code}```\n",
+                              reference=reference, extra={"kind": kind, "entry_point": entry}))
+    return prompts
 
 
 # --------------------------------------------------------------------------- chat: ShareGPT

@@ -19,6 +19,7 @@ from infer_tune.cli import env_cmd, models_cmd, output
 from infer_tune.cli import kv_cache as kv_cache_cmd
 from infer_tune.cli import leaderboard as leaderboard_cmd
 from infer_tune.cli import quantize as quantize_cmd
+from infer_tune.cli import speculate as speculate_cmd
 from infer_tune.errors import InferTuneError
 
 INTERNAL_ERROR = 3
@@ -96,6 +97,7 @@ app.command("leaderboard")(leaderboard_cmd.leaderboard)
 app.command("compare")(compare_cmd.compare)
 app.command("quantize")(quantize_cmd.quantize)
 app.command("kv-cache")(kv_cache_cmd.kv_cache)
+app.add_typer(speculate_cmd.app, name="speculate")
 
 
 def main() -> None:
