@@ -134,24 +134,23 @@ def render_suite(suite) -> None:
     wl = suite.baseline["workload"]
     table = Table(title=f"speculate · {suite.baseline['model']['ref']} · {suite.suite} ({wl['prompts']} prompts x "
                         f"{wl['max_new_tokens']} tokens, batch 1, greedy)")
-    for col in ("draft", "K", "accept", "mean len", "tok/pass", "by position", "TTFT ms", "TPOT ms", "tok/s",
-                "speedup", "round ms draft/verify/other", "mismatch"):
-        table.add_column(col, justify="left" if col in ("draft", "by position") else "right")
-    table.add_row("target alone", "-", "-", "-", "1.00", "-", output.fmt(base["ttft_ms"]["p50"], ".1f"),
+    for col in ("draft-K", "accept", "len", "tok/pass", "accept by position", "TTFT ms", "TPOT ms", "tok/s",
+                "speedup", "ms/round draft/verify/other", "output"):
+        table.add_column(col, justify="left" if col in ("draft-K", "accept by position", "output") else "right")
+    table.add_row("target alone", "-", "-", "1.00", "-", output.fmt(base["ttft_ms"]["p50"], ".1f"),
                   output.fmt(base["tpot_ms"]["p50"], ".1f"), output.fmt(base["output_throughput_tok_s"], ".1f"),
-                  "1.00x", "-", "-")
+                  "1.00x", "-", "reference")
     for doc in suite.docs:
         m = doc["metrics"]
         curve = " ".join(f"{v:.2f}" for v in (m.get("acceptance_by_position") or [])[:6])
         rounds = "/".join(output.fmt(m.get(k), ".1f") for k in ("draft_ms_per_round", "verify_ms_per_round",
                                                                 "overhead_ms_per_round"))
         mismatch = m.get("output_mismatches")
-        table.add_row(doc["label"], str(doc["config"]["num_draft_tokens"]), _pct(m.get("acceptance_rate")),
-                      output.fmt(m.get("mean_acceptance_length")), output.fmt(m.get("tokens_per_target_pass")),
-                      curve or "-", output.fmt(m["ttft_ms"]["p50"], ".1f"), output.fmt(m["tpot_ms"]["p50"], ".1f"),
-                      output.fmt(m["output_throughput_tok_s"], ".1f"),
+        table.add_row(doc["label"], _pct(m.get("acceptance_rate")), output.fmt(m.get("mean_acceptance_length")),
+                      output.fmt(m.get("tokens_per_target_pass")), curve or "-", output.fmt(m["ttft_ms"]["p50"], ".1f"),
+                      output.fmt(m["tpot_ms"]["p50"], ".1f"), output.fmt(m["output_throughput_tok_s"], ".1f"),
                       f"{output.fmt(m.get('speedup_vs_baseline'))}x", rounds,
-                      "0" if mismatch == 0 else f"[bold red]{mismatch} MISMATCH[/]")
+                      "identical" if mismatch == 0 else f"[bold red]MISMATCH ({mismatch})[/]")
     output.out.print(table)
     if suite.docs and suite.docs[0].get("_path"):
         output.out.print(f"  acceptance per position plotted in each result's acceptance.png; results: "

@@ -222,6 +222,15 @@ def training_prompts(loaded, spec: RunSpec, distill: DistillSpec) -> list[tuple[
     return out
 
 
+def output_token_counts(samples, keep: int = 16384) -> dict[str, int]:
+    """How often each token id appears in the target's outputs (the most frequent `keep`): what a draft
+    with a pruned output vocabulary keeps."""
+    from collections import Counter
+
+    counts = Counter(t for s in samples for t in s.ids[s.prompt_tokens:])
+    return {str(t): n for t, n in counts.most_common(keep)}
+
+
 def run_distill(spec: RunSpec, distill: DistillSpec, progress=None) -> DistillOutcome:
     """Train a self-draft of `distill.layers` layers on the target's greedy outputs within `distill.minutes`."""
     from infer_tune.tuners.speculate import distill as train_lib
@@ -252,6 +261,7 @@ def run_distill(spec: RunSpec, distill: DistillSpec, progress=None) -> DistillOu
         "elapsed_s": time.monotonic() - start, "data_s": data_s, "suites": distill.suites,
         "holdout_per_suite": distill.holdout, "seed": spec.workload.seed, "samples": len(samples),
         "train_prompt_ids": [s.prompt_id for s in samples], **stats,
+        "output_token_counts": output_token_counts(samples),
         "settings": dataclasses.asdict(settings),
     }
     with atomic.staged_dir(target) as staging:
