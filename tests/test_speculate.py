@@ -124,6 +124,7 @@ def test_every_draft_source_and_engine_reproduces_greedy(dirs, suite, tmp_path, 
         assert m["draft_tokens_accepted"] == m["generated_tokens"] - m["target_forward_passes"], doc["label"]
         assert sum(m["proposed_by_position"]) == m["draft_tokens_proposed"]
         assert 0 < m["draft_time_share"] < 1 and 0 < m["verify_time_share"] < 1
+        assert m["draft_time_share"] + m["verify_time_share"] <= 1, doc["label"]
         if doc["config"]["draft"] != "prompt-lookup":
             assert m["draft_steps"] > 0, doc["label"]  # the draft really ran
             assert m["draft_tokenizer"] == "same"
@@ -142,7 +143,7 @@ def test_lean_counters_hand_checked(tiny_loaded):
     wrong = (plain[6] + 1) % len(tiny_loaded.tokenizer)
 
     class Scripted:
-        def reset(self):
+        def reset(self, prompt=None):
             pass
 
         def propose(self, seq, k, processors=None):

@@ -129,6 +129,16 @@ def test_distill_cli_saves_a_usable_draft_and_the_overlap_is_reported(target_dir
     m = json.loads(result.stdout)["results"][0]["metrics"]
     assert m["draft_distilled"] and m["draft_train_overlap"] == min(2, manifest["samples"])
     assert "distillation data" in result.stderr
+    cut = _invoke(["--model", str(target_dir), "--draft", str(save), "-k", "2", "--engine", "lean", "--draft-vocab",
+                   "20", "--suite", str(suites[1]), "--limit", "2", "--max-new-tokens", "6",
+                   "--out", str(tmp_path / "runs"), "--json", *FAST])
+    assert cut.exit_code == 0, cut.output
+    m = json.loads(cut.stdout)["results"][0]["metrics"]
+    assert m["output_mismatches"] == 0 and 0 < m["draft_vocab_kept"] <= 20 and 0 < m["draft_vocab_coverage"] <= 1
+    assert m["draft_steps"] > 0
+    no_counts = _invoke(["--model", str(target_dir), "--draft", str(target_dir), "--engine", "lean", "--draft-vocab",
+                         "20", "--suite", str(suites[1]), "--out", str(tmp_path / "runs2"), *FAST])
+    assert no_counts.exit_code == 2 and "needs a draft made by" in no_counts.output
 
 
 def test_distillation_raises_acceptance_on_its_prompts(target_dir, suites):

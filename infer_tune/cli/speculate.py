@@ -27,6 +27,9 @@ NumDraftTokens = Annotated[str, typer.Option("--num-draft-tokens", "-k", help="C
                                                                               "(tokens proposed per verify pass).")]
 Engine = Annotated[str, typer.Option("--engine", help="hf (transformers' assisted generation), lean (infer-tune's "
                                                       "own loop), or hf,lean for both.")]
+DraftVocab = Annotated[int | None, typer.Option("--draft-vocab", help="Lean engine, a draft from `speculate distill`: "
+                                                                      "keep only the N tokens the target emitted most "
+                                                                      "(+ the prompt's) in the draft's output head.")]
 NgramSize = Annotated[int | None, typer.Option("--max-matching-ngram-size", help="Prompt lookup: longest n-gram "
                                                                                 "matched (default 2).")]
 
@@ -70,6 +73,7 @@ def speculate(
     num_draft_tokens: NumDraftTokens = "2,4,6,8,10",
     engine: Engine = "hf",
     max_matching_ngram_size: NgramSize = None,
+    draft_vocab: DraftVocab = None,
 ) -> None:
     """Measure every (draft source, K) against the target alone, per suite (--suite takes a comma-separated list):
     acceptance rate, mean acceptance length, acceptance per draft position (plotted), target forward passes,
@@ -91,6 +95,9 @@ def speculate(
     if opts.batch_size != 1:
         raise ConfigError(f"--batch-size {opts.batch_size}: speculative decoding runs one request at a time "
                           "(transformers' assisted generation and the lean loop are batch size 1); drop --batch-size")
+    if draft_vocab is not None and (draft_vocab < 1 or "lean" not in engine or not draft):
+        raise ConfigError(f"--draft-vocab {draft_vocab}: give N >= 1, with --engine lean and a --draft model made "
+                          "by `speculate distill`")
     if max_matching_ngram_size is not None and max_matching_ngram_size < 1:
         raise ConfigError(f"--max-matching-ngram-size must be >= 1, got {max_matching_ngram_size}")
     try:
@@ -99,7 +106,8 @@ def speculate(
         raise ConfigError(f"--num-draft-tokens must be comma-separated integers >= 1, got '{num_draft_tokens}'") from None
     sweep = scen.SpeculateSweep(drafts=draft_sources(draft, self_draft_layers, early_exit, prompt_lookup),
                                 draft_lengths=lengths, suites=[s.strip() for s in opts.suite.split(",") if s.strip()],
-                                engines=parse_engines(engine), max_matching_ngram_size=max_matching_ngram_size)
+                                engines=parse_engines(engine), max_matching_ngram_size=max_matching_ngram_size,
+                                draft_vocab=draft_vocab)
     sweep.configs()  # every config validated before anything loads
     with output.progress_bar(not opts.json_out) as progress:
         outcome = scen.run_speculate(run_spec(opts, measure_ppl=False), sweep, progress=progress)

@@ -43,6 +43,7 @@ class SpeculateSweep:
     suites: list[str] = field(default_factory=lambda: ["code"])
     engines: list[str] = field(default_factory=lambda: ["hf"])
     max_matching_ngram_size: int | None = None
+    draft_vocab: int | None = None  # lean engine, draft models: cut the draft's head (SpeculateConfig)
 
     def configs(self) -> list[SpeculateConfig]:
         """Every (draft, engine, K), validated (early exit pairs with the hf engine only)."""
@@ -60,8 +61,9 @@ class SpeculateSweep:
             for engine in self.engines:
                 if parse_draft(draft).kind == EARLY_EXIT and engine != "hf":
                     continue
+                cut = self.draft_vocab if engine == "lean" and parse_draft(draft).kind == "model" else None
                 for k in self.draft_lengths:
-                    out.append(SpeculateConfig(draft=draft, num_draft_tokens=k, engine=engine,
+                    out.append(SpeculateConfig(draft=draft, num_draft_tokens=k, engine=engine, draft_vocab=cut,
                                                max_matching_ngram_size=self.max_matching_ngram_size if lookup else None))
         return out
 
@@ -197,6 +199,7 @@ class DistillSpec:
     holdout: int = 16
     max_new_tokens: int = 64
     overwrite: bool = False
+    max_prompts_per_suite: int = 1000  # more than a 2-core CPU answers in minutes; keeps prompt selection quick
 
 
 @dataclass
@@ -207,10 +210,10 @@ class DistillOutcome:
 
 def training_prompts(loaded, spec: RunSpec, distill: DistillSpec) -> list[tuple[str, str]]:
     """(id, rendered) prompts of every suite, without each suite's first `holdout` (what a measurement with
-    --limit <= holdout and the same seed picks), interleaved suite by suite."""
+    --limit <= holdout and the same seed picks), at most `max_prompts_per_suite` each, interleaved."""
     per_suite = []
     for suite in distill.suites:
-        workload = dataclasses.replace(spec.workload, suite=suite, limit=None)
+        workload = dataclasses.replace(spec.workload, suite=suite, limit=distill.holdout + distill.max_prompts_per_suite)
         chosen, rendered = select_prompts(workload, loaded.tokenizer)
         per_suite.append([(p.id, text) for p, text in zip(chosen, rendered)][distill.holdout:])
     out = []

@@ -11,7 +11,9 @@ The sweep, the per-suite recommendation and the claim check: infer_tune.scenario
 
 from __future__ import annotations
 
-from infer_tune.tuners.base import register_technique
+import dataclasses
+
+from infer_tune.tuners.base import RunContext, register_technique
 from infer_tune.tuners.speculate.config import (
     EARLY_EXIT,
     ENGINES,
@@ -27,5 +29,16 @@ from infer_tune.tuners.speculate.prepare import annotate, preflight, prepare
 __all__ = ["EARLY_EXIT", "ENGINES", "PROMPT_LOOKUP", "SELF_DRAFT", "DraftSource", "SpeculateConfig", "parse_draft",
            "parse_draft_lengths"]
 
-register_technique(SpeculateConfig, runner="speculative", max_batch_size=1, preflight=preflight, annotate=annotate,
-                   measure_ppl=False)(prepare)
+
+
+def _resolve(config: SpeculateConfig, ctx: RunContext) -> SpeculateConfig:
+    """Record which weights a draft directory holds (its digest goes into the result and the fingerprint)."""
+    from infer_tune.tuners.speculate.drafts import draft_digest
+
+    if config.source.kind != "model":
+        return config
+    return dataclasses.replace(config, draft_digest=draft_digest(config.source.ref))
+
+
+register_technique(SpeculateConfig, runner="speculative", max_batch_size=1, resolve=_resolve, preflight=preflight,
+                   annotate=annotate, measure_ppl=False)(prepare)

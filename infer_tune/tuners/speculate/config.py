@@ -65,7 +65,9 @@ def parse_draft(text: str) -> DraftSource:
 class SpeculateConfig(TechniqueConfig):
     """One draft source at one draft length K (`num_draft_tokens`), run by one engine.
 
-    `max_matching_ngram_size` applies to prompt lookup (the longest suffix n-gram searched for).
+    `max_matching_ngram_size` applies to prompt lookup (the longest suffix n-gram searched for);
+    `draft_vocab` (lean engine, a draft made by `speculate distill`) cuts the draft's output head to
+    the tokens the target emitted most in the distillation data, plus each prompt's own tokens.
     """
 
     technique: ClassVar[str] = "speculate"
@@ -74,6 +76,8 @@ class SpeculateConfig(TechniqueConfig):
     num_draft_tokens: int = 4
     engine: str = "hf"
     max_matching_ngram_size: int | None = None
+    draft_vocab: int | None = None
+    draft_digest: str | None = None  # set by the registry's resolve: which weights a draft directory held
 
     def __post_init__(self) -> None:
         source = parse_draft(self.draft)
@@ -90,6 +94,12 @@ class SpeculateConfig(TechniqueConfig):
         elif self.max_matching_ngram_size is not None:
             raise ConfigError("speculate max_matching_ngram_size applies to draft 'prompt-lookup' only, "
                               f"got draft '{self.draft}'")
+        if self.draft_vocab is not None:
+            if self.draft_vocab < 1:
+                raise ConfigError(f"speculate draft_vocab must be >= 1, got {self.draft_vocab}")
+            if self.engine != "lean" or source.kind != "model":
+                raise ConfigError("speculate draft_vocab cuts the head of a draft model in the lean engine; got "
+                                  f"draft '{self.draft}' with engine '{self.engine}'")
         if source.kind == EARLY_EXIT and self.engine != "hf":
             raise ConfigError("speculate draft early-exit is transformers' own loop (engine 'hf'); the lean "
                               "engine's equivalent is self-draft:N")
@@ -104,6 +114,8 @@ class SpeculateConfig(TechniqueConfig):
             source.kind, f"{source.kind}{source.layers}")
         if source.kind == PROMPT_LOOKUP and self.max_matching_ngram_size != 2:
             name += f"-ngram{self.max_matching_ngram_size}"
+        if self.draft_vocab is not None:
+            name += f"-v{self.draft_vocab}"
         return f"{name}-k{self.num_draft_tokens}" + ("-lean" if self.engine == "lean" else "")
 
 

@@ -169,6 +169,18 @@ def unshared_bytes(draft: torch.nn.Module, target: torch.nn.Module) -> int:
     return total
 
 
+def draft_digest(ref: str) -> str | None:
+    """A short digest of a local draft directory's files (names, sizes, modification times), so a result
+    and `--resume` tell a re-trained draft in the same folder from the old one (None: not a local dir)."""
+    import hashlib
+
+    folder = Path(models.resolve(ref))
+    if not folder.is_dir():
+        return None
+    listing = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir() if f.is_file())
+    return hashlib.sha256(repr(listing).encode()).hexdigest()[:12]
+
+
 def distill_manifest(ref: str) -> dict | None:
     """What `speculate distill` recorded about a draft directory (None for any other draft)."""
     path = Path(ref).expanduser() / DISTILL_MANIFEST

@@ -33,7 +33,7 @@ class LookupDrafter:
         self.max_ngram = max_ngram
         self.eos = set(eos_ids)
 
-    def reset(self) -> None:
+    def reset(self, prompt: torch.Tensor | None = None) -> None:
         pass
 
     def propose(self, seq: torch.Tensor, k: int, processors=None) -> list[int]:
@@ -52,28 +52,50 @@ class LookupDrafter:
 
 
 class ModelDrafter:
-    """A draft model proposing greedily, with its own KV cache kept in step with the accepted text."""
+    """A draft model proposing greedily, with its own KV cache kept in step with the accepted text.
 
-    def __init__(self, model: torch.nn.Module, counters: SpeculativeCounters, device: str) -> None:
+    With `vocab` (token ids), the draft's output head is cut to those tokens plus the prompt's own
+    (end-of-sequence excluded): a head of 49152 x 576 is most of a 4-layer draft's step on a CPU.
+    A token outside the cut head cannot be proposed, only rejected or not offered: still lossless.
+    """
+
+    def __init__(self, model: torch.nn.Module, counters: SpeculativeCounters, device: str,
+                 vocab: list[int] | None = None, eos_ids: list[int] | None = None) -> None:
         self.model = model
         self.counters = counters
         self.device = device
+        self.vocab = None if vocab is None else torch.tensor(sorted(set(vocab) - set(eos_ids or [])))
+        self.eos = torch.tensor(sorted(set(eos_ids or [])), dtype=torch.long)
+        self.head_ids: torch.Tensor | None = None
+        self.head_weight: torch.Tensor | None = None
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, prompt: torch.Tensor | None = None) -> None:
         self.cache = new_cache(self.model)
         self.cached: list[int] = []  # the tokens whose keys and values are in `cache`
+        if self.vocab is not None and prompt is not None:
+            ids = torch.unique(torch.cat([self.vocab, prompt[0].cpu()]))
+            self.head_ids = ids[~torch.isin(ids, self.eos)]
+            head = self.model.get_output_embeddings()
+            self.head_weight = head.weight[self.head_ids.to(head.weight.device)]  # [kept, H]
+            self.head_bias = None if getattr(head, "bias", None) is None else head.bias[self.head_ids]
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         sync(self.device)
         start = time.perf_counter_ns()
-        out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.cache,
-                         use_cache=True, logits_to_keep=1)
+        inputs = torch.tensor([ids], device=self.device)
+        if self.head_weight is None:
+            logits = self.model(input_ids=inputs, past_key_values=self.cache, use_cache=True,
+                                logits_to_keep=1).logits[:, -1, :].float()
+        else:
+            base = getattr(self.model, self.model.base_model_prefix)
+            hidden = base(input_ids=inputs, past_key_values=self.cache, use_cache=True).last_hidden_state[:, -1]
+            logits = torch.nn.functional.linear(hidden, self.head_weight, self.head_bias).float()  # [1, kept]
         sync(self.device)
         self.counters.time_ns("draft_forward_ns", start)
         self.counters.add("draft_steps")
         self.cached.extend(ids)
-        return out.logits[:, -1, :].float()
+        return logits
 
     def propose(self, seq: torch.Tensor, k: int, processors=None) -> list[int]:
         text = seq[0].tolist()
@@ -89,9 +111,12 @@ class ModelDrafter:
         prefix = seq
         for _ in range(k):
             logits = self._forward(feed)
-            if processors is not None:
-                logits = processors(prefix, logits)
-            token = int(logits.argmax(dim=-1))
+            if self.head_ids is not None:  # a cut head: no processor can read its columns; EOS is not in it
+                token = int(self.head_ids[int(logits.argmax(dim=-1))])
+            else:
+                if processors is not None:
+                    logits = processors(prefix, logits)
+                token = int(logits.argmax(dim=-1))
             proposal.append(token)
             feed = [token]
             prefix = torch.cat([prefix, prefix.new_tensor([[token]])], dim=1)
@@ -142,7 +167,7 @@ def speculative_generate(target: torch.nn.Module, drafter, num_draft_tokens: int
         sync(device)
         start = time.perf_counter_ns()
         cache = new_cache(target)
-        drafter.reset()
+        drafter.reset(input_ids)
         if streamer is not None:
             streamer.put(input_ids.cpu())
 

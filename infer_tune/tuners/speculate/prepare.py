@@ -54,6 +54,8 @@ def draft_facts(loaded: models.LoadedModel, config: SpeculateConfig, ctx: RunCon
         facts["draft_tokenizer"] = drafts.tokenizer_relation(loaded, draft, engine=config.engine)
         facts["draft_params"] = models.count_params(draft.model)
         facts["draft_path"] = draft.path
+        if config.draft_vocab:
+            draft_vocabulary(dict(facts), config.draft_vocab)  # refuses a draft without token counts, up front
         if facts["draft_params"] >= target_params:
             _warn(ctx, f"draft '{source.ref}' has {facts['draft_params']:,} parameters, not fewer than the "
                        f"target's {target_params:,}: it cannot be cheaper per step than the target itself")
@@ -93,6 +95,19 @@ def _training_overlap(manifest: dict, ctx: RunContext) -> dict[str, Any]:
     return {"draft_distilled": True, "draft_train_prompts": len(trained), "draft_train_overlap": len(overlap)}
 
 
+def draft_vocabulary(facts: dict[str, Any], size: int) -> list[int]:
+    """The `size` tokens the target emitted most in the draft's distillation data (its manifest)."""
+    manifest = drafts.distill_manifest(facts.get("draft_path") or "") or {}
+    counts = manifest.get("output_token_counts")
+    if not counts:
+        raise ConfigError("speculate draft_vocab needs a draft made by `speculate distill` (its manifest records "
+                          "which tokens the target emits); this draft has none")
+    ranked = sorted(counts.items(), key=lambda item: -item[1])[:size]
+    facts["draft_vocab_kept"] = len(ranked)
+    facts["draft_vocab_coverage"] = sum(n for _, n in ranked) / sum(counts.values())
+    return [int(token) for token, _ in ranked]
+
+
 def preflight(loaded: models.LoadedModel, config: SpeculateConfig, ctx: RunContext) -> None:
     """Every check that needs the model, before anything of the sweep is measured."""
     draft_facts(loaded, config, ctx)
@@ -129,8 +144,12 @@ def prepare(loaded: models.LoadedModel, config: SpeculateConfig, ctx: RunContext
             undo.append(hf.configure_assistant(draft_model, config.num_draft_tokens))
         undo.append(hf.instrument(target, counters, draft=draft_model, device=ctx.device))
     else:
-        drafter = (lean.LookupDrafter(config.max_matching_ngram_size, eos_ids(target, loaded.tokenizer))
-                   if source.kind == PROMPT_LOOKUP else lean.ModelDrafter(draft_model, counters, ctx.device))
+        eos = eos_ids(target, loaded.tokenizer)
+        if source.kind == PROMPT_LOOKUP:
+            drafter = lean.LookupDrafter(config.max_matching_ngram_size, eos)
+        else:
+            vocab = draft_vocabulary(facts, config.draft_vocab) if config.draft_vocab else None
+            drafter = lean.ModelDrafter(draft_model, counters, ctx.device, vocab=vocab, eos_ids=eos)
         target.generate = lean.speculative_generate(target, drafter, config.num_draft_tokens, counters, ctx.device)
         undo.append(lambda: target.__dict__.pop("generate", None))
 
