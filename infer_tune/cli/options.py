@@ -148,7 +148,11 @@ def _in_panel(annotation: Any) -> Any:
 
 
 def measuring_command(**defaults: Any):
-    """Give `fn(opts: MeasureOptions, ...)` every common option; `defaults` change a default for this command."""
+    """Give `fn(opts: MeasureOptions, ...)` every common option; `defaults` change a default for this command.
+
+    A parameter of `fn` annotated `typer.Context` receives the command's context (e.g. a group callback
+    reading `invoked_subcommand`).
+    """
     base = {f.name: f.default for f in dataclasses.fields(MeasureOptions) if f.name != "explicit"}
     unknown = set(defaults) - set(base)
     if unknown:
@@ -159,6 +163,9 @@ def measuring_command(**defaults: Any):
         hints = typing.get_type_hints(fn, include_extras=True)
         own = [p.replace(annotation=hints.get(p.name, p.annotation))
                for p in inspect.signature(fn).parameters.values() if p.name != "opts"]
+        # a parameter annotated typer.Context gets the command's context (typer injects only one)
+        context_names = [p.name for p in own if p.annotation is typer.Context]
+        own = [p for p in own if p.name not in context_names]
         common = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=_in_panel(annotation),
                                     default=base[name])
                   for name, annotation in COMMON.items()]
@@ -172,7 +179,7 @@ def measuring_command(**defaults: Any):
                                  and ctx.get_parameter_source(name).name not in ("DEFAULT", "DEFAULT_MAP"))
             opts = MeasureOptions(**{name: kwargs.pop(name) for name in COMMON}, explicit=explicit)
             opts.check()
-            return fn(opts, **kwargs)
+            return fn(opts, **kwargs, **dict.fromkeys(context_names, ctx))
 
         command.__name__, command.__doc__, command.__module__ = fn.__name__, fn.__doc__, fn.__module__
         command.__signature__ = inspect.Signature(params)

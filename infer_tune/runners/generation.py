@@ -32,12 +32,19 @@ from infer_tune.runners.prepared import PreparedModel
 
 
 class _PinLength(LogitsProcessor):
-    """Suppress end-of-sequence so every step decodes, recording where greedy would have stopped."""
+    """Suppress end-of-sequence so every step decodes, recording where greedy would have stopped.
+
+    Under assisted generation the processor also sees logits that decide nothing: a draft model's,
+    prompt lookup's probe with constant logits, and the target's logits past a rejected draft token.
+    So a would-be stop is recorded with the exact prefix it was seen after, the last call at a prefix
+    wins (the target's verify pass comes after the draft's calls at the same prefix), and
+    `natural_lengths` keeps only stops whose prefix is what was finally generated.
+    """
 
     def __init__(self, eos_ids: Sequence[int], prompt_len: int, batch: int) -> None:
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long)
         self.prompt_len = prompt_len
-        self.natural_len: list[int | None] = [None] * batch
+        self.stops: list[dict[int, dict[tuple[int, ...], bool]]] = [{} for _ in range(batch)]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.eos.numel() == 0:
@@ -46,11 +53,22 @@ class _PinLength(LogitsProcessor):
         eos = self.eos.to(scores.device)
         top = scores.argmax(dim=-1)
         hits = torch.isin(top, eos).tolist()
-        for row, hit in enumerate(hits):
-            if hit and self.natural_len[row] is None:
-                self.natural_len[row] = step
+        for row, hit in enumerate(hits[: len(self.stops)]):
+            seen = self.stops[row].get(step)
+            if hit or seen:  # the prefix is read only when it can matter (rarely)
+                prefix = tuple(input_ids[row, self.prompt_len:].tolist())
+                self.stops[row].setdefault(step, {})[prefix] = bool(hit)
         scores[:, eos] = -float("inf")
         return scores
+
+    def natural_lengths(self, generated: torch.Tensor) -> list[int | None]:
+        """Per row, the first step where greedy would have picked end-of-sequence after the tokens
+        really generated (`generated`: [B, T]), or None."""
+        out: list[int | None] = []
+        for row, stops in enumerate(self.stops):
+            ids = generated[row].tolist()
+            out.append(min((step for step, seen in stops.items() if seen.get(tuple(ids[:step]))), default=None))
+        return out
 
 
 def eos_ids(model: torch.nn.Module, tokenizer) -> list[int]:
@@ -114,7 +132,7 @@ def generate_once(
         )
     sync(prepared.device)
     generated = out[:, input_ids.shape[1]:]
-    natural = pin.natural_len if pin is not None else [None] * input_ids.shape[0]
+    natural = pin.natural_lengths(generated) if pin is not None else [None] * input_ids.shape[0]
     return submit_ns, clock.token_ns, generated, natural
 
 

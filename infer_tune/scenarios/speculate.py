@@ -1,0 +1,274 @@
+"""`speculate`: every (draft source, K) pair against the target alone, suite by suite, in one run.
+
+For each suite the baseline (target alone, greedy, batch size 1) and every config are measured by
+the shared sweep (`run_configs`: preflight first, each result saved as it finishes, `--resume`);
+the acceptance-per-position curves of the suite are plotted into each of its results
+(`acceptance.png`). Then, across suites: the best lossless (draft, K) per suite or "no speedup on
+this device", the claim check ("2-4x on code, TTFT unchanged, a draft about 1/10 of the target"),
+the warnings the checks raised, and the rows whose output differed from the target's (which
+make the command fail). `run_distill` trains a self-draft (infer_tune.tuners.speculate.distill).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from infer_tune import atomic
+from infer_tune.errors import ConfigError
+from infer_tune.report.plots import png_bytes, pyplot
+from infer_tune.runners.base import Progress
+from infer_tune.scenarios.common import RunSpec, open_run
+from infer_tune.session import run_configs
+from infer_tune.tuners.speculate import EARLY_EXIT, SpeculateConfig, parse_draft
+from infer_tune.tuners.speculate.prepare import PROMPT_IDS_KEY, WARNINGS_KEY
+from infer_tune.workload import load_prompts, prepare_inputs, select_prompts
+
+WIN_THRESHOLD = 1.05  # a decode speedup below this is within run-to-run noise on a shared CPU: no win
+CLAIM = ("a small draft model (about 1/10 of the target) proposes 8-10 tokens and the target verifies them in "
+         "one pass: 2-4x faster on code and structured text, TTFT unchanged")
+CLAIM_SPEEDUP = 2.0
+CLAIM_TTFT_RATIO = 1.10  # "TTFT unchanged": at most 10% longer than the target alone
+CODE_SUITES = ("code", "code-edit")
+
+
+@dataclass
+class SpeculateSweep:
+    """The draft sources, draft lengths, engines and suites of one `speculate` run."""
+
+    drafts: list[str]
+    draft_lengths: list[int] = field(default_factory=lambda: [2, 4, 6, 8, 10])
+    suites: list[str] = field(default_factory=lambda: ["code"])
+    engines: list[str] = field(default_factory=lambda: ["hf"])
+    max_matching_ngram_size: int | None = None
+    draft_vocab: int | None = None  # lean engine, draft models: cut the draft's head (SpeculateConfig)
+
+    def configs(self) -> list[SpeculateConfig]:
+        """Every (draft, engine, K), validated (early exit pairs with the hf engine only)."""
+        if not self.drafts:
+            raise ConfigError("speculate needs at least one draft source (a draft model, self-draft:N, "
+                              "early-exit:N or prompt-lookup)")
+        if not self.suites:
+            raise ConfigError("speculate needs at least one suite")
+        out = []
+        for draft in dict.fromkeys(self.drafts):
+            lookup = parse_draft(draft).kind == "prompt-lookup"
+            if parse_draft(draft).kind == EARLY_EXIT and "hf" not in self.engines:
+                raise ConfigError(f"speculate draft '{draft}' is transformers' own early exit: it needs engine 'hf' "
+                                  "(self-draft:N is the same draft for the lean engine)")
+            for engine in self.engines:
+                if parse_draft(draft).kind == EARLY_EXIT and engine != "hf":
+                    continue
+                cut = self.draft_vocab if engine == "lean" and parse_draft(draft).kind == "model" else None
+                for k in self.draft_lengths:
+                    out.append(SpeculateConfig(draft=draft, num_draft_tokens=k, engine=engine, draft_vocab=cut,
+                                               max_matching_ngram_size=self.max_matching_ngram_size if lookup else None))
+        return out
+
+
+@dataclass
+class SuiteOutcome:
+    suite: str
+    baseline: dict
+    docs: list[dict]
+
+
+@dataclass
+class SpeculateOutcome:
+    suites: list[SuiteOutcome]
+    recommendations: list[dict]
+    claim: dict | None
+    warnings: list[str]
+    mismatched: list[dict]
+
+
+def check_batch_size(batch_size: int) -> None:
+    if batch_size != 1:
+        raise ConfigError(f"batch size {batch_size}: speculative decoding here runs one request at a time "
+                          "(transformers' assisted generation and the lean loop are batch size 1)")
+
+
+def run_speculate(spec: RunSpec, sweep: SpeculateSweep, progress: Progress | None = None) -> SpeculateOutcome:
+    """Measure the target alone and every (draft, K) on every suite; recommend and judge the claim."""
+    configs = sweep.configs()
+    check_batch_size(spec.workload.batch_size)
+    workloads = [dataclasses.replace(spec.workload, suite=s) for s in dict.fromkeys(sweep.suites)]
+    prompts = [load_prompts(w) for w in workloads]  # every suite loads before the model does
+    run = open_run(dataclasses.replace(spec, workload=workloads[0], measure_ppl=False), progress, load_suite=False)
+    outcomes = []
+    for workload, suite_prompts in zip(workloads, prompts):
+        inputs = prepare_inputs(run.loaded, workload, suite_prompts)
+        run.ctx.cache[PROMPT_IDS_KEY] = [p.id for p in inputs.prompts]
+        baseline, docs = run_configs(run.loaded, inputs, workload, spec.protocol, configs, run.ctx,
+                                     resume=spec.resume, measure_ppl=False)
+        write_acceptance_plot(docs, f"{run.loaded.ref} on {workload.suite}: acceptance per draft position")
+        outcomes.append(SuiteOutcome(workload.suite, baseline, docs))
+    docs = [d for o in outcomes for d in o.docs]
+    return SpeculateOutcome(suites=outcomes, recommendations=[recommend(o) for o in outcomes],
+                            claim=claim_check(outcomes), warnings=list(run.ctx.cache.get(WARNINGS_KEY, [])),
+                            mismatched=[d for d in docs if d["metrics"].get("output_mismatches")])
+
+
+def write_acceptance_plot(docs: list[dict], title: str) -> None:
+    """acceptance_by_position of every config of one suite, as `acceptance.png` in each of their run dirs."""
+    curves = {d["label"]: d["metrics"].get("acceptance_by_position") or [] for d in docs}
+    if not docs or not any(curves.values()):
+        return
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, ys in curves.items():
+        if ys:
+            ax.plot(range(1, len(ys) + 1), ys, marker="o", markersize=3, linewidth=1, label=name)
+    ax.set_xlabel("draft position (1 = first proposed token)")
+    ax.set_ylabel("accepted / proposed at this position")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    data = png_bytes(fig, 110)
+    for doc in docs:
+        if doc.get("_path"):
+            target = Path(doc["_path"]) / "acceptance.png"
+            tmp = target.with_name(".acceptance.png.tmp")
+            tmp.write_bytes(data)
+            tmp.replace(target)
+
+
+def _lossless(doc: dict) -> bool:
+    return doc["metrics"].get("output_mismatches") == 0
+
+
+def recommend(outcome: SuiteOutcome) -> dict:
+    """The fastest lossless (draft, K) of a suite when it beats the target alone by WIN_THRESHOLD, else none."""
+    ranked = sorted((d for d in outcome.docs if _lossless(d) and d["metrics"].get("speedup_vs_baseline")),
+                    key=lambda d: d["metrics"]["speedup_vs_baseline"], reverse=True)
+    best = ranked[0] if ranked else None
+    if best is None or best["metrics"]["speedup_vs_baseline"] < WIN_THRESHOLD:
+        return {"suite": outcome.suite, "best": None, "verdict": "no speedup on this device",
+                "best_speedup": best["metrics"]["speedup_vs_baseline"] if best else None,
+                "best_label": best["label"] if best else None, "threshold": WIN_THRESHOLD}
+    m = best["metrics"]
+    return {"suite": outcome.suite, "best": {"draft": best["config"]["draft"],
+                                             "num_draft_tokens": best["config"]["num_draft_tokens"],
+                                             "engine": best["config"]["engine"]},
+            "best_label": best["label"], "best_speedup": m["speedup_vs_baseline"],
+            "throughput_ratio": m.get("throughput_ratio_vs_baseline"), "acceptance_rate": m.get("acceptance_rate"),
+            "mean_acceptance_length": m.get("mean_acceptance_length"), "threshold": WIN_THRESHOLD,
+            "verdict": f"use {best['config']['draft']} with K={best['config']['num_draft_tokens']} "
+                       f"({best['config']['engine']} engine)"}
+
+
+def claim_check(outcomes: list[SuiteOutcome]) -> dict | None:
+    """The usual claim judged on each code suite of the run by its fastest lossless config (None: no code suite)."""
+    judged = {}
+    for outcome in outcomes:
+        if outcome.suite not in CODE_SUITES:
+            continue
+        ranked = sorted((d for d in outcome.docs if _lossless(d) and d["metrics"].get("speedup_vs_baseline")),
+                        key=lambda d: d["metrics"]["speedup_vs_baseline"], reverse=True)
+        if not ranked:
+            continue
+        m = ranked[0]["metrics"]
+        ttft = m.get("ttft_speedup_vs_baseline")
+        ttft_ratio = 1 / ttft if ttft else None
+        judged[outcome.suite] = {
+            "best": ranked[0]["label"], "speedup": m["speedup_vs_baseline"], "ttft_ratio_vs_baseline": ttft_ratio,
+            "num_draft_tokens": ranked[0]["config"]["num_draft_tokens"],
+            "draft_target_param_ratio": m.get("draft_target_param_ratio"),
+            "speed_held": m["speedup_vs_baseline"] >= CLAIM_SPEEDUP,
+            "ttft_held": ttft_ratio is not None and ttft_ratio <= CLAIM_TTFT_RATIO,
+        }
+        judged[outcome.suite]["held"] = judged[outcome.suite]["speed_held"] and judged[outcome.suite]["ttft_held"]
+    if not judged:
+        return None
+    return {"claim": CLAIM, "thresholds": {"speedup_at_least": CLAIM_SPEEDUP, "ttft_ratio_at_most": CLAIM_TTFT_RATIO},
+            "suites": judged, "held": any(v["held"] for v in judged.values())}
+
+
+# --------------------------------------------------------------------------- distill
+@dataclass
+class DistillSpec:
+    """Where the distilled self-draft goes and how it is trained (infer_tune.tuners.speculate.distill)."""
+
+    layers: int
+    minutes: float
+    save: Path
+    suites: list[str] = field(default_factory=lambda: ["code", "code-edit", "chat"])
+    holdout: int = 16
+    max_new_tokens: int = 64
+    overwrite: bool = False
+    max_prompts_per_suite: int = 1000  # more than a 2-core CPU answers in minutes; keeps prompt selection quick
+
+
+@dataclass
+class DistillOutcome:
+    save_dir: Path
+    manifest: dict
+
+
+def training_prompts(loaded, spec: RunSpec, distill: DistillSpec) -> list[tuple[str, str]]:
+    """(id, rendered) prompts of every suite, without each suite's first `holdout` (what a measurement with
+    --limit <= holdout and the same seed picks), at most `max_prompts_per_suite` each, interleaved."""
+    per_suite = []
+    for suite in distill.suites:
+        workload = dataclasses.replace(spec.workload, suite=suite, limit=distill.holdout + distill.max_prompts_per_suite)
+        chosen, rendered = select_prompts(workload, loaded.tokenizer)
+        per_suite.append([(p.id, text) for p, text in zip(chosen, rendered)][distill.holdout:])
+    out = []
+    for k in range(max((len(s) for s in per_suite), default=0)):
+        out += [s[k] for s in per_suite if k < len(s)]
+    if not out:
+        raise ConfigError(f"no training prompts left in {', '.join(distill.suites)} after holding out the first "
+                          f"{distill.holdout} of each")
+    return out
+
+
+def output_token_counts(samples, keep: int = 16384) -> dict[str, int]:
+    """How often each token id appears in the target's outputs (the most frequent `keep`): what a draft
+    with a pruned output vocabulary keeps."""
+    from collections import Counter
+
+    counts = Counter(t for s in samples for t in s.ids[s.prompt_tokens:])
+    return {str(t): n for t, n in counts.most_common(keep)}
+
+
+def run_distill(spec: RunSpec, distill: DistillSpec, progress=None) -> DistillOutcome:
+    """Train a self-draft of `distill.layers` layers on the target's greedy outputs within `distill.minutes`."""
+    from infer_tune.tuners.speculate import distill as train_lib
+    from infer_tune.tuners.speculate.drafts import DISTILL_MANIFEST
+
+    settings = train_lib.DistillSettings(layers=distill.layers, minutes=distill.minutes,
+                                         max_new_tokens=distill.max_new_tokens, seed=spec.workload.seed)
+    if distill.holdout < 0:
+        raise ConfigError(f"distill holdout must be >= 0, got {distill.holdout}")
+    target = Path(distill.save).expanduser()
+    if target.exists() and any(target.iterdir()) and not distill.overwrite:
+        raise ConfigError(f"save folder {target} already exists; allow overwriting to replace it")
+    for suite in distill.suites:
+        load_prompts(dataclasses.replace(spec.workload, suite=suite))
+    run = open_run(dataclasses.replace(spec, measure_ppl=False), None, load_suite=False)
+    loaded = run.loaded
+    prompts = training_prompts(loaded, spec, distill)
+    draft = train_lib.trainable_draft(loaded.model, distill.layers)
+    start = time.monotonic()
+    budget = distill.minutes * 60
+    samples = train_lib.generate_samples(loaded.model, loaded.tokenizer, prompts, settings,
+                                         start + settings.data_share * budget, progress)
+    data_s = time.monotonic() - start
+    stats = train_lib.train(draft, samples, settings, start + budget, progress)
+    manifest = {
+        "kind": "self-draft distilled on the target's greedy outputs", "target_ref": loaded.ref,
+        "target_path": loaded.path, "layers": distill.layers, "minutes": distill.minutes,
+        "elapsed_s": time.monotonic() - start, "data_s": data_s, "suites": distill.suites,
+        "holdout_per_suite": distill.holdout, "seed": spec.workload.seed, "samples": len(samples),
+        "train_prompt_ids": [s.prompt_id for s in samples], **stats,
+        "output_token_counts": output_token_counts(samples),
+        "settings": dataclasses.asdict(settings),
+    }
+    with atomic.staged_dir(target) as staging:
+        draft.save_pretrained(staging)
+        loaded.tokenizer.save_pretrained(staging)
+        atomic.write_json(staging / DISTILL_MANIFEST, manifest)
+    return DistillOutcome(save_dir=target, manifest=manifest)

@@ -1,0 +1,44 @@
+"""Speculative decoding: a draft proposes K tokens, the target verifies them in one forward pass.
+
+Draft sources (`SpeculateConfig.draft`): another model (same tokenizer, or another one through
+transformers' universal assisted generation), a self-draft cut from the target's first N layers,
+transformers' early-exit self-speculation, and n-gram prompt lookup; `distill` trains a self-draft
+on the target's own greedy outputs. Two engines run the loop: transformers' assisted generation
+(`hf`) and infer-tune's lean loop (`lean`). Under greedy decoding both must reproduce the target's
+own output token for token; the result's `output_mismatches` says whether they did.
+The sweep, the per-suite recommendation and the claim check: infer_tune.scenarios.speculate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from infer_tune.tuners.base import RunContext, register_technique
+from infer_tune.tuners.speculate.config import (
+    EARLY_EXIT,
+    ENGINES,
+    PROMPT_LOOKUP,
+    SELF_DRAFT,
+    DraftSource,
+    SpeculateConfig,
+    parse_draft,
+    parse_draft_lengths,
+)
+from infer_tune.tuners.speculate.prepare import annotate, preflight, prepare
+
+__all__ = ["EARLY_EXIT", "ENGINES", "PROMPT_LOOKUP", "SELF_DRAFT", "DraftSource", "SpeculateConfig", "parse_draft",
+           "parse_draft_lengths"]
+
+
+
+def _resolve(config: SpeculateConfig, ctx: RunContext) -> SpeculateConfig:
+    """Record which weights a draft directory holds (its digest goes into the result and the fingerprint)."""
+    from infer_tune.tuners.speculate.drafts import draft_digest
+
+    if config.source.kind != "model":
+        return config
+    return dataclasses.replace(config, draft_digest=draft_digest(config.source.ref))
+
+
+register_technique(SpeculateConfig, runner="speculative", max_batch_size=1, resolve=_resolve, preflight=preflight,
+                   annotate=annotate, measure_ppl=False)(prepare)
