@@ -35,6 +35,8 @@ DEMO_OUT ?= runs/demo
 DEMO_RECIPE ?= quick
 demo: model
 	$(BIN)/infer-tune experts build-demo
+	$(BIN)/infer-tune experts profile --model moe-demo --suite chat --limit 8 --out $(DEMO_OUT) \
+		--save $(DEMO_OUT)/moe-demo-load.json
 	$(BIN)/infer-tune bench --recipe $(DEMO_RECIPE) --out $(DEMO_OUT) --resume
 	@echo "report: $(DEMO_OUT)/leaderboard.html (.md, .csv); results: $(DEMO_OUT)/<run-id>/result.json"
 
