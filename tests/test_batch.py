@@ -164,7 +164,9 @@ def test_static_batch_waits_for_its_longest_request_and_continuous_does_not(tiny
     # tokens of one step share its timestamp: every token time is a step's time, shared by the requests in it
     stamps = set(short.token_ns) | set(long.token_ns) | set(late.token_ns)
     assert len(stamps) <= doc["metrics"]["forward_steps"] < 3 + 40 + 4
-    assert set(short.token_ns[1:]) <= set(long.token_ns) and set(late.token_ns[1:]) <= set(long.token_ns)
+    # once the long request decodes (its prompt may be prefilled in chunks first), a step serves both
+    shared = [t for t in short.token_ns[1:] if t >= long.token_ns[0]]
+    assert set(shared) <= set(long.token_ns) and set(late.token_ns[1:]) <= set(long.token_ns) | set(short.token_ns)
 
 
 def test_trace_is_reproducible_and_its_cv_matches_the_burstiness():

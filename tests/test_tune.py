@@ -161,10 +161,11 @@ def test_lean_is_bit_identical_to_generate(tiny_loaded, compile_step):
         config = GenerationConfig(max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=eos,
                                   cache_implementation=cache if cache == "static" else None)
         with torch.inference_mode():
-            reference = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                                       logits_processor=[pin], disable_compile=True)[0, ids.shape[1]:].tolist()
+            generated = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                                       logits_processor=[pin], disable_compile=True)[:, ids.shape[1]:]
+        reference = generated[0].tolist()
         _, token_ns, tokens, natural = decoder.generate(ids, 12, eos)
-        assert tokens == reference and natural == pin.natural_len[0] and len(token_ns) == 12, cache
+        assert tokens == reference and natural == pin.natural_lengths(generated)[0] and len(token_ns) == 12, cache
     assert decoder.counters.snapshot()["lean_decode_steps"] == 2 * 11
 
 
@@ -198,7 +199,9 @@ def test_broken_results_are_marked_and_never_a_speedup():
     doc = {"run_id": "r", "technique": "quantize", "label": "int4-rtn", "metrics": {
         "speedup_vs_baseline": 3.24, "broken": True, "broken_why": "perplexity +403395953%"}}
     row = flatten(doc)
-    assert row["speedup_vs_baseline"] is None and "BROKEN" in row["config"]
+    from infer_tune.report import display
+
+    assert row["speedup_vs_baseline"] is None and display.verdict(row) == "broken"
 
 
 def test_noise_figure_flags_a_busy_host_and_compare_withholds():
