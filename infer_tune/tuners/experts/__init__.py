@@ -82,7 +82,8 @@ def plan_from_load(config: ExpertsConfig, load: loadfile.LoadFile) -> Plan:
     slots = slots_for_memory(config, load.model, load.num_layers)
     coactivation = np.stack([layer.coactivation for layer in load.layers])
     return make_plan(config.strategy, load.loads(), config.topology(slots), replicas=config.replicas,
-                     coactivation=coactivation, groups=load.model.num_groups, replica_routing=config.replica_routing)
+                     coactivation=coactivation, groups=load.model.num_groups, replica_routing=config.replica_routing,
+                     routes=[layer.routes for layer in load.layers])
 
 
 def read_plan_file(path: str, strategy: str) -> tuple[Plan, dict]:

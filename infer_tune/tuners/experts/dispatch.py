@@ -10,7 +10,8 @@ device first),
 and one copy of a token per destination device (its experts there are summed before it goes back).
 
 Per layer call: an all_to_all of the row counts, of the hidden states, of the (slot, weight) lists,
-and one back with the partial sums. Every byte this rank sends to another rank is counted.
+and one back with the partial sums. The bytes are counted for the rank whose tokens they carry (its
+copies out, their partial sums back), so passes a rank runs only to join the collectives add nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class ExchangeStats:
     enabled: bool = True
     tokens: int = 0  # token-layer visits homed on this rank
     remote_rows: int = 0  # token copies sent to other ranks (dispatch)
-    payload_bytes: int = 0  # hidden states sent: dispatch copies + combined results returned
+    payload_bytes: int = 0  # hidden states of this rank's tokens on the wire: copies out + partial sums back
     meta_bytes: int = 0  # row counts, expert slots and routing weights sent
     local_pairs: int = 0
     remote_pairs: int = 0
@@ -208,7 +209,7 @@ class PlacedExperts:
             element = x.element_size()
             s.tokens += tokens
             s.remote_rows += len(rows)
-            s.payload_bytes += (len(rows) + partial.shape[0]) * hidden * element
+            s.payload_bytes += 2 * len(rows) * hidden * element  # its copies out, their partial sums back
             s.meta_bytes += (self.world - 1) * send_counts.element_size() + len(rows) * k * (
                 send_slots.element_size() + send_weights.element_size())
             s.local_pairs += n_local

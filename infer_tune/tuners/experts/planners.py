@@ -7,7 +7,7 @@
   search: moves and swaps that lighten the heaviest device until none does. With `nodes > 1` it is
   hierarchical: experts (or the model's expert groups) are packed onto nodes first, replicas are
   made within each node and packed onto that node's devices, so replicas never cross a node.
-- `locality`: no replicas; starts from the balanced packing and swaps / moves experts to keep
+- `locality` (locality.py): no replicas; starts from the balanced packing and swaps / moves experts to keep
   co-activated experts (pairs chosen by the same token) on one device, as long as the heaviest device
   stays within `LOCALITY_SLACK` of the balanced packing's.
 - `speed-aware`: `load-balanced` for heterogeneous devices: the objective is time, load / speed, so
@@ -31,7 +31,6 @@ STRATEGIES = ("round-robin", "load-balanced", "locality", "speed-aware")
 # replicas (round-robin; the planned loads hold whatever the tokens' homes); `local` uses a replica on
 # the token's own device when there is one (less traffic; loads then follow where the tokens live)
 REPLICA_ROUTINGS = ("even", "local")
-LOCALITY_SLACK = 0.10  # locality may make the heaviest device this much heavier than balanced packing
 _EPS = 1e-12
 
 
@@ -301,68 +300,25 @@ def speed_aware(loads: np.ndarray, topo: Topology, replicas: int = 0, groups: in
     return [_balance_layer(w, topo, replicas, speeds, groups) for w in loads]
 
 
-def locality(loads: np.ndarray, topo: Topology, coactivation: np.ndarray | None = None, replicas: int = 0,
-             groups: int = 1, **_: Any) -> list[list[list[int]]]:
-    """Balanced packing without replicas, then swaps / moves that keep co-activated experts together."""
-    num_experts = loads.shape[1]
-    check_fits(num_experts, topo, 0)
-    slots = _slots(topo, num_experts)
-    start = load_balanced(loads, topo, 0, groups)
-    if coactivation is None:
-        return start
-    return [_cluster_layer(w, coactivation[i].astype(np.float64), layer, topo.devices, slots)
-            for i, (w, layer) in enumerate(zip(loads, start))]
+def _locality(*args: Any, **kwargs: Any) -> list[list[list[int]]]:
+    from infer_tune.tuners.experts.locality import locality
+
+    return locality(*args, **kwargs)
 
 
-def _cluster_layer(weights: np.ndarray, pair: np.ndarray, start: list[list[int]], devices: int,
-                   slots: int) -> list[list[int]]:
-    """Greedy best-gain swaps / moves that raise the co-activation kept on one device."""
-    num_experts = len(weights)
-    where = np.zeros(num_experts, dtype=np.int64)
-    for d, experts in enumerate(start):
-        where[experts] = d
-    limit = max(np.bincount(where, weights=weights, minlength=devices).max() * (1 + LOCALITY_SLACK), _EPS)
-    for _ in range(num_experts * num_experts):
-        member = np.eye(devices)[where]  # [E, D]
-        with_dev = pair @ member  # co-activation of expert e with the members of device d
-        load = np.bincount(where, weights=weights, minlength=devices)
-        size = np.bincount(where, minlength=devices)
-        own = with_dev[np.arange(num_experts), where]
-        # moves: e to device d with a free slot
-        move_gain = with_dev - own[:, None]
-        move_ok = (size[None, :] < slots) & (np.arange(devices)[None, :] != where[:, None]) \
-            & (load[None, :] + weights[:, None] <= limit)
-        move_gain = np.where(move_ok, move_gain, -np.inf)
-        # swaps: a (on i) with b (on j)
-        cross = with_dev[:, where]  # [a, b] = co-activation of a with b's device
-        swap_gain = cross - own[:, None] + cross.T - own[None, :] - 2 * pair
-        delta = weights[:, None] - weights[None, :]
-        swap_ok = (where[:, None] != where[None, :]) \
-            & (load[where][:, None] - delta <= limit) & (load[where][None, :] + delta <= limit)
-        swap_gain = np.where(swap_ok, swap_gain, -np.inf)
-        best_move, best_swap = move_gain.max(), swap_gain.max()
-        if max(best_move, best_swap) <= _EPS:
-            break
-        if best_move >= best_swap:
-            e, d = np.unravel_index(int(np.argmax(move_gain)), move_gain.shape)
-            where[e] = d
-        else:
-            a, b = np.unravel_index(int(np.argmax(swap_gain)), swap_gain.shape)
-            where[a], where[b] = where[b], where[a]
-    return [sorted(int(e) for e in np.nonzero(where == d)[0]) for d in range(devices)]
-
-
-PLANNERS = {"round-robin": round_robin, "load-balanced": load_balanced, "locality": locality,
+PLANNERS = {"round-robin": round_robin, "load-balanced": load_balanced, "locality": _locality,
             "speed-aware": speed_aware}
 
 
 def make_plan(strategy: str, loads: np.ndarray, topo: Topology, *, replicas: int = 0,
-              coactivation: np.ndarray | None = None, groups: int = 1, replica_routing: str = "even") -> Plan:
+              coactivation: np.ndarray | None = None, groups: int = 1, replica_routing: str = "even",
+              routes: list | None = None) -> Plan:
     """One strategy's placement over [L, E] loads (replicas apply to load-balanced and speed-aware)."""
     if strategy not in PLANNERS:
         raise ConfigError(f"strategy must be one of {', '.join(STRATEGIES)}, got '{strategy}'")
     used = replicas if strategy in ("load-balanced", "speed-aware") else 0
-    placement = PLANNERS[strategy](loads, topo, replicas=used, coactivation=coactivation, groups=groups)
+    placement = PLANNERS[strategy](loads, topo, replicas=used, coactivation=coactivation, groups=groups,
+                                   routes=routes)
     plan = Plan(strategy=strategy, topology=topo, placement=placement, num_experts=loads.shape[1], replicas=used,
                 replica_routing=replica_routing)
     check_plan(plan, f"the {strategy} plan")

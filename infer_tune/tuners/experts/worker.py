@@ -9,8 +9,8 @@ Each rank (one process per device of the plan, started by the `multiprocess` run
   the headline measurement: the same tokens a profile of the workload routes), checked against the
   reference, then greedy generation of the workload under expert parallelism (per-token timings,
   tokens checked against the reference generation).
-Ranks with fewer batches run a copy of one of theirs so every rank joins every collective; those
-passes are not counted.
+A rank with fewer batches runs one-token dummy passes so it joins every collective (as data-parallel
+serving engines do for idle ranks); those add nothing to its counts.
 """
 
 from __future__ import annotations
@@ -83,7 +83,10 @@ def setup(rank: int, world: int, payload: dict) -> dict:
         _, _, generated, _ = generate_once(prepared, batch, n, pin_length=pin)
         reference[b] = (hidden, top1, generated)
     stats, kept = dispatch.install(layers, plan, rank, world)
-    return {"model": model, "prepared": prepared, "batches": batches, "mine": mine, "rounds": rounds,
+    first = payload["inputs"]["batches"][0]["input_ids"][0][-1]
+    spare = {"input_ids": torch.tensor([[first]], device=device), "attention_mask": torch.ones(1, 1, dtype=torch.long,
+                                                                                            device=device)}
+    return {"model": model, "prepared": prepared, "batches": batches, "mine": mine, "rounds": rounds, "spare": spare,
             "reference": reference, "stats": stats, "expert_bytes": kept, "max_new_tokens": n, "pin": pin,
             "dtype": loaded.dtype, "batch_size": len(payload["inputs"]["batches"][0]["input_ids"])}
 
@@ -94,7 +97,7 @@ def worker(rank: int, world: int, state: dict) -> dict:
     from infer_tune.runners.generation import collect_rows, eos_ids, generate_once
 
     model, stats, mine = state["model"], state["stats"], state["mine"]
-    spare = state["batches"][mine[0]] if mine else None
+    spare = state["spare"]
     diff, scale, top1_equal, top1_total = 0.0, 0.0, 0, 0
     stats.reset()
     start = time.perf_counter()
