@@ -55,7 +55,7 @@ def flatten(doc: dict) -> dict:
     }
     for key in COLUMNS:
         row.setdefault(key, m.get(key))
-    if m.get("broken"):  # a broken model is never shown as a speedup (metrics.verdict)
+    if m.get("broken"):  # a broken model is never shown as a speedup (metrics.deltas.verdict)
         row["config"] = f"{row['config']} [BROKEN: {m.get('broken_why')}]"
         row["speedup_vs_baseline"] = None
     elif (m.get("noise") or {}).get("noisy"):
