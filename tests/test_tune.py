@@ -188,7 +188,7 @@ def test_lean_runs_through_its_runner(tiny_model_dir, prompts_file, tmp_path):
 
 # --------------------------------------------------------------------------- verdicts and noise
 def test_broken_results_are_marked_and_never_a_speedup():
-    from infer_tune.metrics.verdict import verdict
+    from infer_tune.metrics.deltas import verdict
     from infer_tune.report.leaderboard import flatten
 
     outputs = [{"token_ids": list(range(20))}] * 3

@@ -18,7 +18,7 @@ Objective = Annotated[str, typer.Option("--objective", help="decode (TPOT p50), 
 BudgetMinutes = Annotated[float, typer.Option("--budget-minutes", help="Wall-clock budget for the whole search.")]
 Methods = Annotated[str | None, typer.Option("--methods", help="Quantize methods to consider, comma-separated "
                                                                "(default: int4-rtn,int4-weight,int8-dynamic,int8-static,bf16).")]
-Reference = Annotated[bool, typer.Option("--reference/--no-reference", help="Measure llama.cpp on the same GGUF as a reference row (needs infer-tune[llamacpp]).")]
+Reference = Annotated[bool, typer.Option("--reference/--no-reference", help="Measure llama.cpp on the same GGUF as a reference row (needs the llamacpp extra: pip install infer-tune\\[llamacpp]).")]
 Compile = Annotated[bool, typer.Option("--compile/--no-compile", help="Allow candidates that compile the decode step (minutes each on few cores).")]
 
 
@@ -84,8 +84,9 @@ def tune(
     Example: infer-tune tune --model smollm2-135m --max-ppl-delta 5 --objective decode --budget-minutes 20
 
     Kernels are timed on the model's own shapes first and what cannot win on this host is pruned; the
-    survivors are measured against the baseline in one run (each a saved result in --out), stacks of the
-    best after them; llama.cpp on the same GGUF is a reference row when installed. --json prints
+    survivors are measured against the baseline in one run (each a saved result in --out), and a method
+    that may win has its stacks (with the lean decode path) measured right after it; llama.cpp on the
+    same GGUF is a reference row when installed. --json prints
     {"winner": <result document>, "tried": [...], ...}.
     """
     from infer_tune.cli.bench import run_spec

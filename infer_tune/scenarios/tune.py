@@ -5,7 +5,8 @@
 2. The baseline (reused from `out` when one of the same fingerprint is there), then llama.cpp on the
    same GGUF as a reference row when it is installed and the model came from a GGUF.
 3. Single techniques, most promising first, each measured against the baseline in the same run and
-   judged (tune_plan.judge); then stacks of the methods that may win, with the lean decode path.
+   judged (tune_plan.judge); a quantize method that may win has its stacks (with the lean decode
+   path) measured right after it, so the likely winner is measured early in the budget.
    Before each candidate the remaining time budget is checked against what similar candidates cost;
    what does not fit is skipped and listed.
 4. The winner (best objective among eligible results, else the baseline), a recipe that reproduces
@@ -39,6 +40,7 @@ from infer_tune.scenarios.tune_plan import (
 from infer_tune.session import ensure_baseline, run_configs
 
 COMPILE_ALLOWANCE_S = 150.0  # first guess of a compiled candidate's extra cost (2 cores); refined once measured
+STACKED_METHODS = 2  # the first quantize methods found eligible get stacked with the lean decode path
 
 
 @dataclass
@@ -115,38 +117,31 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
         budget.costs.append(time.monotonic() - started)
         reference, notes = _reference(run, spec, tune, ctx)
         candidates = single_candidates(tune, screen)
-        best: list = [None]
-
-        def measure(cands: list[Candidate]) -> None:
-            pending = [c for c in cands if c.status == "pending"]
-            for i, cand in enumerate(pending):
-                if not budget.fits(cand):
-                    cand.status = "skipped"
-                    cand.reason = (f"time budget: {budget.elapsed:.0f} s used of {budget.seconds:.0f}, this one "
-                                   f"expected to take {budget.expected(cand):.0f} s")
-                    continue
-                shown = f"{best[0][0]} {best[0][1]:.1f}" if best[0] else "baseline"
-                note(f"tune: trying {cand.label} ({i + 1}/{len(pending)}), best so far {shown}", i, len(pending))
-                t0 = time.monotonic()
-                try:
-                    _, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol, [cand.config], ctx,
-                                          resume=spec.resume, reuse_baseline=True, measure_ppl=spec.measure_ppl)
-                except InferTuneError as exc:  # a candidate this model or host cannot run: listed, not fatal
-                    cand.status, cand.reason = "failed", str(exc)
-                    budget.record(cand, time.monotonic() - t0)
-                    continue
-                budget.record(cand, time.monotonic() - t0)
-                cand.doc, cand.status = docs[0], "measured"
-                verdict = judge(cand.doc, tune, lossless_claimed=cand.lossless)
-                cand.eligible, cand.reason = verdict.eligible, "; ".join(verdict.reasons) or None
-                value = score(cand.doc, tune.objective)
-                if cand.eligible and value is not None and (best[0] is None or value > best[0][2]):
-                    best[0] = (cand.label, abs(value), value)
-
-        measure(candidates)
-        stacks = stack_candidates(tune, candidates)
-        candidates += stacks
-        measure(stacks)
+        queue = [c for c in candidates if c.status == "pending"]
+        best: tuple | None = None
+        stacked = 0
+        done = 0
+        while queue:
+            cand = queue.pop(0)
+            done += 1
+            total = done + len(queue)
+            if not budget.fits(cand):
+                cand.status = "skipped"
+                cand.reason = (f"time budget: {budget.elapsed:.0f} s used of {budget.seconds:.0f}, this one expected "
+                               f"to take {budget.expected(cand):.0f} s")
+                continue
+            unit = {"decode": "tok/s", "ttft": "ms TTFT", "throughput": "tok/s out"}[tune.objective]
+            shown = f"{best[0]} {best[1]:.1f} {unit}" if best else "the baseline"
+            note(f"tune: trying {cand.label} ({done}/{total}), best so far {shown}", done - 1, total)
+            _measure(cand, run, spec, tune, ctx, budget)
+            value = score(cand.doc, tune.objective) if cand.doc else None
+            if cand.eligible and value is not None and (best is None or value > best[2]):
+                best = (cand.label, abs(value), value)
+            if cand.eligible and cand.method and cand.config.technique == "quantize" and stacked < STACKED_METHODS:
+                stacks = stack_candidates(tune, [cand], first=stacked == 0)
+                stacked += 1
+                candidates += stacks
+                queue[:0] = stacks  # the stacks of a method that may win are measured next
         winner = pick_winner(candidates, baseline, tune.objective)
         if winner is baseline:
             notes.append("nothing measured beat the baseline within the budgets; ship the plain model")
@@ -158,6 +153,22 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
     return TuneOutcome(baseline=baseline, winner=winner, candidates=candidates, reference=reference, screen=screen,
                        tune_dir=tune_dir, recipe_path=recipe_path, command=command, weights_dir=weights,
                        versus_reference=versus_reference(winner, reference), elapsed_s=budget.elapsed, notes=notes)
+
+
+def _measure(cand: Candidate, run, spec: RunSpec, tune: TuneSpec, ctx, budget: Budget) -> None:
+    """Measure one candidate against the baseline (a saved result) and judge it; failures are listed."""
+    started = time.monotonic()
+    try:
+        _, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol, [cand.config], ctx,
+                              resume=spec.resume, reuse_baseline=True, measure_ppl=spec.measure_ppl)
+    except InferTuneError as exc:  # a candidate this model or host cannot run: listed, not fatal
+        cand.status, cand.reason = "failed", str(exc)
+        return
+    finally:
+        budget.record(cand, time.monotonic() - started)
+    cand.doc, cand.status = docs[0], "measured"
+    verdict = judge(cand.doc, tune, lossless_claimed=cand.lossless)
+    cand.eligible, cand.reason = verdict.eligible, "; ".join(verdict.reasons) or None
 
 
 def _reference(run, spec: RunSpec, tune: TuneSpec, ctx) -> tuple[dict | None, list[str]]:

@@ -4,8 +4,8 @@
   shapes at decode (1 row) and prefill rows, against fp32 on the same shapes. A method whose best
   kernel is slower than fp32 for the objective's regime cannot win on this host and is pruned with
   the measured reason, before anything is quantized.
-- `plan`: the candidates in the order they are measured: single techniques first (the kernel screen's
-  most promising quantize methods first, then lossless ones), stacks of the survivors after.
+- `single_candidates` / `stack_candidates`: what is measured: quantize methods (the kernel screen's most
+  promising first), the lossless lean path, and stacks of the methods that may win with the lean path.
 - `judge`: whether a measured result may win (not broken, within the drift budget, lossless when
   required, faster than the baseline on the objective, no kernel slower than fp32), and why not.
 """
@@ -202,23 +202,21 @@ def single_candidates(spec: TuneSpec, screen: dict) -> list[Candidate]:
     return out
 
 
-def stack_candidates(spec: TuneSpec, measured: list[Candidate], *, top: int = 2) -> list[Candidate]:
-    """Stacks of the best measured quantize methods that may win, with the lean decode path (and a static
-    compiled cache through generate() for the best one)."""
+def stack_candidates(spec: TuneSpec, methods: list[Candidate], *, first: bool = True) -> list[Candidate]:
+    """Stacks of measured quantize candidates that may win: with the lean decode path, and (for the first)
+    a static compiled cache through generate(). None for the ttft objective (they speed decode)."""
     from infer_tune.tuners.kv_cache import KVCacheConfig
     from infer_tune.tuners.lean import LeanConfig
     from infer_tune.tuners.stack import StackConfig
 
-    winners = sorted((c for c in measured if c.method and c.eligible and c.doc),
-                     key=lambda c: -(score(c.doc, spec.objective) or 0.0))[:top]
     out = []
-    for i, cand in enumerate(winners):
-        if spec.objective == "ttft":
-            continue  # the lean path and compiled caches speed decode, not the prefill
+    if spec.objective == "ttft":
+        return out
+    for cand in methods:
         lean = LeanConfig(compile=spec.compile)
         out.append(Candidate(StackConfig(configs=[cand.config, lean]), lossless=False, method=cand.method,
                              estimate=cand.estimate, compiles=spec.compile))
-        if i == 0 and spec.compile:
+        if first and spec.compile:
             static = KVCacheConfig(impl="static", compile=True)
             out.append(Candidate(StackConfig(configs=[cand.config, static]), lossless=False, method=cand.method,
                                  estimate=cand.estimate, compiles=True))
