@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from infer_tune.metrics import verdict as drift_verdict
+from infer_tune.metrics import deltas as drift_verdict
 
 
 def _missing(v) -> bool:
@@ -71,7 +71,7 @@ def verdict(row: dict) -> str:
 
 
 def is_broken(row: dict) -> bool:
-    """Marked broken when measured (metrics.verdict), or by the same rules on a row that predates it."""
+    """Marked broken when measured (metrics.deltas.verdict), or by the same rules on a row that predates it."""
     if row.get("broken") is True:
         return True
     clean = {k: (None if _missing(v) else v) for k, v in row.items()}

@@ -60,7 +60,7 @@ def flatten(doc: dict) -> dict:
     }
     for key in COLUMNS:
         row.setdefault(key, m.get(key))
-    if m.get("broken"):  # a broken model is never shown as a speedup (metrics.verdict; the verdict column says why)
+    if m.get("broken"):  # a broken model is never shown as a speedup (metrics.deltas.verdict; the verdict column says why)
         row["speedup_vs_baseline"] = None
     elif (m.get("noise") or {}).get("noisy"):
         row["config"] = f"{row['config']} [noisy]"
