@@ -49,6 +49,8 @@ def excluded_because(doc: dict, budget: Budget) -> str | None:
         return f"perplexity {ppl:+.2f}% over the {budget.max_ppl_delta:g}% budget"
     if budget.max_bleu_drift is not None and drift is not None and drift < -budget.max_bleu_drift:
         return f"BLEU drift {drift:+.2f} over the {budget.max_bleu_drift:g}-point budget"
+    if (m.get("noise") or {}).get("noisy"):
+        return "timing flagged noisy (the machine was not idle while it ran): measure again before choosing"
     if _num(m.get(OBJECTIVES[budget.objective])) is None:
         return "no measured speedup against a baseline"
     return None
