@@ -75,6 +75,17 @@ def test_deeper_self_draft_refused_before_anything_is_measured(target_dir, suite
     assert not (tmp_path / "runs").exists()
 
 
+def test_draft_with_another_vocabulary_and_no_universal_path_is_refused(target_dir, suites, tmp_path):
+    from test_speculate import _model_dir, _other_tokenizer
+
+    other = _model_dir(tmp_path / "other", "llama", layers=1, hidden=32, tokenizer=_other_tokenizer(300),
+                       vocab_size=320)  # the target's vocabulary size: transformers would feed ids across
+    result = _invoke(["--model", str(target_dir), "--draft", str(other), "--suite", str(suites[0]),
+                      "--out", str(tmp_path / "runs"), *FAST])
+    assert result.exit_code == 2 and "no universal path" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()
+
+
 def test_sweep_over_suites_json_plot_and_warning(target_dir, suites, tmp_path):
     big = build_tiny_model_dir(tmp_path / "big", layers=4, seed=3)
     out = tmp_path / "runs"
@@ -167,10 +178,10 @@ def _acceptance(target, draft, samples) -> float:
     return hits / total
 
 
-def _doc(label, suite, speedup, mismatches=0, ttft=1.0, k=4):
+def _doc(label, suite, speedup, mismatches=0, ttft=1.0, k=4, kind="model"):
     return {"label": label, "config": {"draft": label, "num_draft_tokens": k, "engine": "lean"},
             "workload": {"suite": suite},
-            "metrics": {"speedup_vs_baseline": speedup, "output_mismatches": mismatches,
+            "metrics": {"speedup_vs_baseline": speedup, "output_mismatches": mismatches, "draft_kind": kind,
                         "ttft_speedup_vs_baseline": ttft, "draft_target_param_ratio": 0.1,
                         "acceptance_rate": 0.5, "mean_acceptance_length": 2.0, "throughput_ratio_vs_baseline": 1.0}}
 
@@ -183,10 +194,14 @@ def test_recommendation_and_claim_logic():
     assert rec["best_label"] == "b"  # the faster row changed the output: never recommended
     assert recommend(chat)["best"] is None and recommend(chat)["verdict"] == "no speedup on this device"
     claim = claim_check([code, chat])
-    assert set(claim["suites"]) == {"code"} and claim["held"]
-    assert claim["suites"]["code"]["ttft_ratio_vs_baseline"] == pytest.approx(1 / 0.95)
+    assert set(claim["suites"]) == {"code"} and claim["held"] and claim["held_with_draft_model"]
+    assert claim["suites"]["code"]["any_source"]["ttft_ratio_vs_baseline"] == pytest.approx(1 / 0.95)
     slow_ttft = claim_check([SuiteOutcome("code", {}, [_doc("b", "code", 2.2, ttft=0.5)])])
-    assert not slow_ttft["held"] and slow_ttft["suites"]["code"]["speed_held"]
+    assert not slow_ttft["held"] and slow_ttft["suites"]["code"]["any_source"]["speed_held"]
+    lookup_only = claim_check([SuiteOutcome("code-edit", {}, [_doc("l", "code-edit", 2.3, kind="prompt-lookup"),
+                                                               _doc("m", "code-edit", 0.7)])])
+    assert lookup_only["held"] and not lookup_only["held_with_draft_model"]
+    assert lookup_only["suites"]["code-edit"]["draft_model"]["best"] == "m"
 
 
 def test_code_edit_suite():

@@ -150,7 +150,7 @@ def render_suite(suite) -> None:
                   "1.00x", "-", "reference")
     for doc in suite.docs:
         m = doc["metrics"]
-        curve = " ".join(f"{v:.2f}" for v in (m.get("acceptance_by_position") or [])[:6])
+        curve = ",".join(f"{v:.2f}" for v in (m.get("acceptance_by_position") or [])[:8])
         rounds = "/".join(output.fmt(m.get(k), ".1f") for k in ("draft_ms_per_round", "verify_ms_per_round",
                                                                 "overhead_ms_per_round"))
         mismatch = m.get("output_mismatches")
@@ -176,14 +176,18 @@ def render_recommendation(rec: dict) -> str:
 
 
 def render_claim(claim: dict) -> str:
-    parts = []
-    for suite, v in claim["suites"].items():
-        parts.append(f"{suite}: best {v['best']} {output.fmt(v['speedup'])}x ({'ok' if v['speed_held'] else 'no'}), "
-                     f"TTFT x{output.fmt(v['ttft_ratio_vs_baseline'])} ({'ok' if v['ttft_held'] else 'no'}), "
-                     f"draft/target params {output.fmt(v['draft_target_param_ratio'], '.2f')}")
-    verdict = "held" if claim["held"] else "did not hold here"
-    return f"\"2-4x on code, TTFT unchanged\" -> {verdict}; " + "; ".join(parts)
+    def one(v: dict | None) -> str:
+        if v is None:
+            return "no draft model in the run"
+        return (f"{v['best']} {output.fmt(v['speedup'])}x ({'ok' if v['speed_held'] else 'no'}), TTFT "
+                f"x{output.fmt(v['ttft_ratio_vs_baseline'])} ({'ok' if v['ttft_held'] else 'no'}), draft/target "
+                f"params {output.fmt(v['draft_target_param_ratio'], '.2f')}")
 
+    parts = [f"{suite}: best of any source {one(v['any_source'])}; best draft model {one(v['draft_model'])}"
+             for suite, v in claim["suites"].items()]
+    return (f"\"2-4x on code, TTFT unchanged\" -> {'held' if claim['held'] else 'did not hold here'} "
+            f"(with a draft model: {'held' if claim['held_with_draft_model'] else 'did not hold here'}); "
+            + "; ".join(parts))
 
 Minutes = Annotated[float, typer.Option("--minutes", help="Wall-clock budget: generating the target's outputs "
                                                           "(up to 40%) and training (the rest).")]
