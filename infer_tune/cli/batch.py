@@ -244,8 +244,11 @@ def render_serve(result) -> None:
                          f"set-up {output.fmt(cont.get('scheduler_setup_s'))} s (before the trace, not in TTFT)",
                          soft_wrap=True)
     if summary["claim_check"] is not None:
-        output.out.print(f"claim: {summary['claim_check']['claim']}: {claim_line(summary['claim_check'])}",
-                         soft_wrap=True)
+        output.out.print(f"claim: {summary['claim_check']['claim']}", soft_wrap=True)
+        output.out.print(f"  judged where the machine is loaded: {claim_line(summary['claim_check'])}", soft_wrap=True)
+        for other in summary["claim_by_rate"]:
+            if other["rate"] != summary["claim_check"]["rate"]:
+                output.out.print(f"  also: {claim_line(other)}", soft_wrap=True)
     for run_dir in result.run_dirs:
         output.out.print(f"  result {run_dir}/result.json", soft_wrap=True)
 
