@@ -6,7 +6,7 @@ saw 11x), and at the rate where the static batcher is loaded, continuous batchin
 static batcher's output throughput with a lower mean e2e latency. The claim usually made (mean latency
 -40%, throughput 1.5x) is judged too and printed, but it is a claim, not a target.
 
-    flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/batch_serving.py [--requests 32] [--rates 0.25,0.5,1]
+    flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/batch_serving.py [--requests 32] [--rates 0.4,1.2,3.6]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--rates", default="0.25,0.5,1")
+    parser.add_argument("--rates", default="0.4,1.2,3.6")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--skip-sweep", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("/tmp/infer-tune-batch-bench"))

@@ -219,7 +219,7 @@ def test_knee_and_rates_meeting_slos():
     rows = [{"rate": 1, "slo_attainment": 1.0}, {"rate": 2, "slo_attainment": 0.95}, {"rate": 4, "slo_attainment": 0.5}]
     assert analysis.max_rate_meeting_slo(rows, 0.9) == 2 and analysis.max_rate_meeting_slo(rows, 0.99) == 1
     static = [{"rate": 1, "busy_share": 0.5}, {"rate": 2, "busy_share": 0.93}, {"rate": 4, "busy_share": 0.99}]
-    assert analysis.loaded_rate(static) == (2, True) and analysis.loaded_rate(static[:1]) == (1, False)
+    assert analysis.loaded_rate(static) == (4, True) and analysis.loaded_rate(static[:1]) == (1, False)
 
 
 def test_sweep_reports_out_of_memory_and_memory_limit_and_goes_on(tiny_model_dir, mixed_suite, tmp_path, monkeypatch):
@@ -306,6 +306,7 @@ def test_serve_sim_cli_json(tiny_model_dir, prompts_file, tmp_path):
         assert len(trace) == 8 and all(r["output_tokens"] >= 1 for r in trace)
     claim = report["summary"]["claim_check"]
     assert claim["rate"] in (20.0, 200.0) and isinstance(claim["held"], bool)
+    assert [c["rate"] for c in report["summary"]["claim_by_rate"]] == [20.0, 200.0]
 
 
 BAD = {

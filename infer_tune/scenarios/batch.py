@@ -284,12 +284,19 @@ def _finish_serve(measured: list[tuple[dict, list[dict], list[dict]]], serve: Se
     summary: dict = {"slo": serve.slo.to_dict(), "slo_target": serve.slo_target, "max_rate_meeting_slo": {
         name: analysis.max_rate_meeting_slo(rows, serve.slo_target) if serve.slo.given else None
         for name, rows in table.items()}}
-    claim = None
+    claim, by_rate = None, []
     if {"static", "continuous"} <= set(table):
         rate, loaded = analysis.loaded_rate(table["static"])
-        pick = {name: next(r["metrics"] for r in table[name] if r["rate"] == rate) for name in ("static", "continuous")}
-        claim = analysis.claim_check(pick["static"], pick["continuous"], rate, loaded)
+        pairs = {r["rate"]: {"static": r["metrics"]} for r in table["static"]}
+        for r in table["continuous"]:
+            pairs.setdefault(r["rate"], {})["continuous"] = r["metrics"]
+        for at, pair in sorted(pairs.items()):
+            if len(pair) == 2:
+                by_rate.append(analysis.claim_check(pair["static"], pair["continuous"], at,
+                                                    (pair["static"].get("busy_share") or 0) >= analysis.LOADED))
+        claim = next((c for c in by_rate if c["rate"] == rate), None)
     summary["claim_check"] = claim
+    summary["claim_by_rate"] = by_rate
     per_rate: dict = {}
     for doc, _, _ in measured:
         per_rate.setdefault(doc["config"]["rate"], {})[doc["config"]["scheduler"]] = {

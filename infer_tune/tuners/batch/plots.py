@@ -11,23 +11,25 @@ from infer_tune.report.plots import png_bytes, pyplot
 def sweep_png(rows: list[dict], knee: int | None, title: str) -> bytes:
     """rows: {batch_size, throughput, e2e_p50_ms, padding_share}; the knee marked."""
     plt = pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10.5, 4))
+    fig.subplots_adjust(wspace=0.4)
     sizes = [r["batch_size"] for r in rows]
     left.plot(sizes, [r["throughput"] for r in rows], marker="o")
     if knee is not None:
         left.axvline(knee, color="tab:red", linestyle="--", label=f"knee (next doubling < 5%): {knee}")
         left.legend(fontsize=8)
     left.set_xscale("log", base=2)
+    left.set_xticks(sizes, [str(b) for b in sizes])
     left.set_xlabel("batch size")
     left.set_ylabel("output tokens/s")
-    right.plot(sizes, [r["e2e_p50_ms"] for r in rows], marker="o", label="e2e p50 (ms)")
+    right.plot(sizes, [r["e2e_p50_ms"] for r in rows], marker="o")
     right.set_xscale("log", base=2)
+    right.set_xticks(sizes, [str(b) for b in sizes])
     right.set_xlabel("batch size")
     right.set_ylabel("per-request latency p50 (ms)")
     twin = right.twinx()
-    twin.plot(sizes, [100 * (r["padding_share"] or 0) for r in rows], color="tab:gray", linestyle=":",
-              label="padding share (%)")
-    twin.set_ylabel("padded positions (%)")
+    twin.plot(sizes, [100 * (r["padding_share"] or 0) for r in rows], color="tab:gray", linestyle=":")
+    twin.set_ylabel("padded positions (%, dotted)")
     for ax in (left, right):
         ax.grid(True, alpha=0.3)
     fig.suptitle(title)
@@ -59,6 +61,8 @@ def latency_cdf_png(per_rate: dict[float, dict[str, dict[str, list[float]]]], ti
 def throughput_latency_png(curves: dict[str, list[dict]], title: str) -> bytes:
     """curves: scheduler -> [{rate, throughput, e2e_mean_ms, e2e_p90_ms}] over the rates."""
     plt = pyplot()
+    from matplotlib.ticker import ScalarFormatter
+
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for name, points in sorted(curves.items()):
         points = sorted(points, key=lambda p: p["rate"])
@@ -72,6 +76,8 @@ def throughput_latency_png(curves: dict[str, list[dict]], title: str) -> bytes:
     ax.set_xlabel("output throughput (tokens/s)")
     ax.set_ylabel("e2e latency (s)")
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(ScalarFormatter())
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title)
