@@ -266,8 +266,23 @@ def _balance_layer(weights: np.ndarray, topo: Topology, replicas: int, speeds: n
     node_speed = np.array([speeds[n * topo.per_node:(n + 1) * topo.per_node].sum() for n in range(topo.nodes)])
     unit_share = {u: float(unit_load[u]) for u in range(units)}
     per_node_units = units // topo.nodes
-    nodes = refine(pack([(u, unit_share[u]) for u in range(units)], list(range(topo.nodes)), per_node_units,
-                        node_speed), unit_share, per_node_units, node_speed)
+    packed = pack([(u, unit_share[u]) for u in range(units)], list(range(topo.nodes)), per_node_units, node_speed)
+    candidates = [packed, refine({n: list(v) for n, v in packed.items()}, unit_share, per_node_units, node_speed)]
+    # a better-balanced node split can pack worse onto devices: keep whichever ends lighter
+    placements = [_fill_nodes(nodes, weights, topo, replicas, speeds, unit, slots) for nodes in candidates]
+    return min(placements, key=lambda p: max(_time(p, weights, speeds)))
+
+
+def _time(placement: list[list[int]], weights: np.ndarray, speeds: np.ndarray) -> list[float]:
+    copies = np.zeros(len(weights))
+    for experts in placement:
+        copies[experts] += 1
+    return [sum(weights[e] / copies[e] for e in experts) / speeds[d] for d, experts in enumerate(placement)]
+
+
+def _fill_nodes(nodes: dict[int, list[int]], weights: np.ndarray, topo: Topology, replicas: int, speeds: np.ndarray,
+                unit: int, slots: int) -> list[list[int]]:
+    """Replicate and pack each node's experts onto that node's devices."""
     placement: list[list[int]] = [[] for _ in range(topo.devices)]
     for node, node_units in nodes.items():
         experts = [u * unit + i for u in node_units for i in range(unit)]

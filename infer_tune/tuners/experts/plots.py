@@ -20,8 +20,8 @@ def load_heatmap_png(load: LoadFile) -> bytes:
     pick = int(np.argmax(spread))
     pairs = load.layers[pick].coactivation.astype(np.float64)
     pairs = pairs / max(pairs.sum(), 1)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, max(4.0, 0.18 * load.num_layers + 1.5)),
-                                      gridspec_kw={"width_ratios": [1.4, 1]})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, max(4.0, 0.18 * load.num_layers + 1.5)),
+                                      gridspec_kw={"width_ratios": [1.4, 1], "wspace": 0.45})
     image = left.imshow(share, aspect="auto", cmap="viridis", interpolation="nearest")
     left.set_xlabel("expert")
     left.set_ylabel("MoE layer")
