@@ -129,6 +129,10 @@ def main() -> None:
             snap = decoder.counters.snapshot()
             print(f"{'':<30}lean forward {snap.get('lean_forward_ms_per_token', 0):.2f} ms/token, loop overhead "
                   f"{snap.get('lean_overhead_ms_per_token', 0):.3f} ms/token")
+    for gen, lean in (("int4-generate", "int4-lean"), ("int4-generate-static", "int4-lean")):
+        if gen in rows and lean in rows:  # same weights, both eager: what generate() adds per token
+            extra = statistics.median(rows[gen]["tpot"]) - statistics.median(rows[lean]["tpot"])
+            print(f"{gen} per-token overhead over the lean loop (same weights, eager): {extra:.2f} ms/token")
     reference = "int4-generate-static" if "int4-generate-static" in rows else "int4-generate"
     same = [n for n in rows if n.startswith("int4") and rows[n]["ids"] == rows.get(reference, {}).get("ids")]
     print(f"int4 rows with outputs identical to {reference} (same weights, same static cache):", ", ".join(same))

@@ -71,6 +71,24 @@ def test_every_kernel_of_a_layer_computes_the_same_product(kind, module_kernels)
         assert float((out - reference).norm() / reference.norm()) < 0.2, kernel
 
 
+def test_compiled_paths_get_traceable_kernels_with_the_same_numerics(tiny_loaded, prompts_file):
+    """fbgemm's prepacked ops break a torch.compile graph; the static int8 grid through torch._int_mm is exact."""
+    from infer_tune.tuners.quantize.calibrate import calibration_batches
+    from infer_tune.tuners.quantize.modules import Int8StaticLinear
+
+    model = copy.deepcopy(tiny_loaded.model)
+    calib = calibration_batches(tiny_loaded.tokenizer, str(prompts_file), 4)
+    quantize_in_memory(model, QuantizeConfig(method="int8-static"), "torch", calib)
+    layer = next(m for m in model.modules() if isinstance(m, Int8StaticLinear))
+    x = torch.randn(3, layer.in_features)
+    reference = layer(x)
+    swaps = kernels.make_traceable(model)
+    assert swaps["int8-static"]["decode"] == ("fbgemm", "int_mm")
+    assert all(m.decode_kernel in kernels.TRACEABLE and m.prefill_kernel in kernels.TRACEABLE
+               for m in model.modules() if hasattr(m, "decode_kernel"))
+    assert torch.equal(layer(x), reference)  # exact integer math on the same grid
+
+
 def test_activation_range_follows_the_probe_or_the_override(monkeypatch):
     probe = kernels.saturation_probe()
     assert probe["exact"] == pytest.approx(255 * 127 * 64)

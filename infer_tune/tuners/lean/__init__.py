@@ -41,8 +41,15 @@ class LeanConfig(TechniqueConfig):
 def prepare_lean(loaded: LoadedModel, config: LeanConfig, ctx: RunContext) -> PreparedModel:
     """The model unchanged; a decoder that owns its static cache and compiled step."""
     counters = LeanCounters()
+    facts: dict = {"lean_compile": config.compile}
+    if config.compile:  # fbgemm's prepacked int8 ops break a compiled graph: run traceable kernels instead
+        from infer_tune.tuners.quantize.kernels import make_traceable
+
+        swaps = make_traceable(loaded.model, getattr(loaded.model, "infer_tune_kernels", None))
+        if swaps:
+            facts["lean_kernel_swaps"] = swaps
     decoder = LeanDecoder(loaded.model, compile=config.compile, counters=counters)
-    return PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, metrics={"lean_compile": config.compile},
+    return PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, metrics=facts,
                          label=config.label(), device=ctx.device, counters=counters,
                          runner_options={"lean_decoder": decoder}, runner="lean")
 

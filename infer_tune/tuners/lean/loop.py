@@ -2,7 +2,8 @@
 
 What `generate()` does per step and this loop does not: logits-processor and stopping-criteria
 lists, cache bookkeeping objects, streamer calls, `model_kwargs` updates, attention-mask growth.
-What it keeps: the same model forward on the same cache layout, fp32 logits of the last position,
+What it keeps: the same model forward on the same cache layout (asked for the last position's logits
+only, as `generate()` asks), fp32 logits of that position,
 end-of-sequence suppressed exactly as the generation runner pins length (the step where greedy would
 have stopped is recorded), argmax. Greedy output is therefore bit-identical to `generate()` with a
 static cache on the same weights (tests/test_tune.py checks it).
@@ -12,6 +13,7 @@ Batch size 1, no padding: one sequence, positions from `cache_position`.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Sequence
 
@@ -32,6 +34,9 @@ class LeanDecoder:
         self.cache = None
         self.cache_len = 0
         self._step = None
+        # only the last position's logits: the prompt's other positions would cost a head matmul each
+        forward_params = inspect.signature(model.forward).parameters
+        self._extra = {"logits_to_keep": 1} if "logits_to_keep" in forward_params else {}
 
     def _ensure_cache(self, needed: int, device: torch.device) -> None:
         from transformers import StaticCache
@@ -64,7 +69,7 @@ class LeanDecoder:
         forward_ns = 0
         submit_ns = time.perf_counter_ns()
         logits = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
-                            cache_position=torch.arange(prompt_len, device=input_ids.device)).logits
+                            cache_position=torch.arange(prompt_len, device=input_ids.device), **self._extra).logits
         position = torch.tensor([prompt_len], device=input_ids.device)
         for step in range(max_new_tokens):
             scores = logits[:, -1, :].to(copy=True, dtype=torch.float32)  # as generate() takes them
@@ -83,7 +88,7 @@ class LeanDecoder:
                 break
             started = time.perf_counter_ns()
             logits = self._step(input_ids=token[:, None], past_key_values=self.cache, use_cache=True,
-                                cache_position=position).logits
+                                cache_position=position, **self._extra).logits
             forward_ns += time.perf_counter_ns() - started
             position = position + 1
         decode_steps = max(len(tokens) - 1, 0)

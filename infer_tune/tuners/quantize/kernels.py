@@ -15,8 +15,13 @@ Two decisions, both recorded in the result (`metrics.kernels`):
 Candidates (numerics noted where they differ): int8-dynamic: `fbgemm` (activation scale per call:
 per token at decode, per tensor at prefill), `int_mm` (per-token int8 x int8 -> int32, torch._int_mm),
 `dequant` (the int8 weight dequantized per call, fp32 matmul: weight-only numerics);
-int8-static: `fbgemm` (calibrated scale, int8 GEMM), `dequant` (the same activation grid, fake-quantized,
-fp32 matmul); int4: `int4pack` (torch's int4 CPU kernel, bf16 activations), `dequant` (fp32).
+int8-static: `fbgemm` (calibrated scale, int8 GEMM), `int_mm` (the same grid through torch._int_mm),
+`dequant` (the same activation grid, fake-quantized, fp32 matmul); int4: `int4pack` (torch's int4 CPU
+kernel, bf16 activations), `dequant` (fp32).
+
+`TRACEABLE`: kernels torch.compile traces into its graph; fbgemm's prepacked ops break the graph
+(and recompile per layer shape), so a compiled decode step swaps them for the fastest traceable
+candidate measured (`make_traceable`).
 """
 
 from __future__ import annotations
@@ -32,10 +37,13 @@ from torch import nn
 
 KERNELS: dict[str, tuple[str, ...]] = {  # quantized Linear kind -> its candidate kernels
     "int8-dynamic": ("fbgemm", "int_mm", "dequant"),
-    "int8-static": ("fbgemm", "dequant"),
+    "int8-static": ("fbgemm", "int_mm", "dequant"),
     "int4": ("int4pack", "dequant"),
 }
 FORCE_REDUCE_RANGE_ENV = "INFER_TUNE_INT8_REDUCE_RANGE"  # "1"/"0": simulate (or deny) a saturating host
+
+
+TRACEABLE = ("int_mm", "dequant", "int4pack")
 
 
 def family(method: str) -> str:
@@ -190,7 +198,7 @@ def excluded(kind: str, regime: str) -> dict[str, str]:
     if kind == "int8-dynamic" and regime == "prefill":
         out["fbgemm"] = ("one activation scale per call is per tensor at prefill: an outlier token (attention "
                          "sinks) would flatten every other token's precision")
-    if kind == "int8-dynamic" and saturation_probe().get("int_mm_saturates"):
+    if kind.startswith("int8") and saturation_probe().get("int_mm_saturates"):
         out["int_mm"] = "torch._int_mm saturates on this host (measured by the probe)"
     return out
 
@@ -249,3 +257,31 @@ def apply_kernels(model: nn.Module, decode: str, prefill: str, *, kind: str | No
             module.set_kernels(decode, prefill)
             n += 1
     return n
+
+
+def make_traceable(model: nn.Module, record: dict | None = None) -> dict:
+    """Swap every non-traceable kernel (fbgemm) of `model` for a traceable one, per kind and regime.
+
+    The replacement is the fastest traceable candidate in `record` (the model's kernel record, its
+    measured timings) when there is one, else `int_mm`. Returns {kind: {regime: (old, new)}} of what changed.
+    """
+    from infer_tune.tuners.quantize.modules import LINEAR_KINDS
+
+    by_kind = (record or {}).get("by_kind") or {}
+    changed: dict = {}
+    for module in model.modules():
+        if not isinstance(module, tuple(LINEAR_KINDS.values())):
+            continue
+        picks = []
+        for regime, current in (("decode", module.decode_kernel), ("prefill", module.prefill_kernel)):
+            if current in TRACEABLE:
+                picks.append(current)
+                continue
+            timings = ((by_kind.get(module.kind) or {}).get(regime) or {}).get("timings_ms") or {}
+            usable = {k: v for k, v in timings.items() if k in TRACEABLE and k in module.KERNELS and v is not None
+                      and k not in excluded(module.kind, regime)}
+            new = min(usable, key=usable.get) if usable else "int_mm"
+            picks.append(new)
+            changed.setdefault(module.kind, {})[regime] = (current, new)
+        module.set_kernels(*picks)
+    return changed

@@ -179,12 +179,13 @@ class Int8DynamicLinear(PortableModule):
 class Int8StaticLinear(Int8DynamicLinear):
     """SmoothQuant int8: x * smooth_inv is quantized with a fixed calibrated scale, int8 GEMM, fp32 out.
 
-    Kernels: `fbgemm` (linear_with_input_q_dq_qweight_dq_output_fp32) or `dequant` (the same
-    activation grid, fake-quantized, times the dequantized weight in fp32).
+    Kernels: `fbgemm` (linear_with_input_q_dq_qweight_dq_output_fp32), `int_mm` (the same activation
+    grid shifted to int8, torch._int_mm, exact integer math: traceable by torch.compile) or `dequant`
+    (the same grid, fake-quantized, times the dequantized weight in fp32).
     """
 
     kind = "int8-static"
-    KERNELS = ("fbgemm", "dequant")
+    KERNELS = ("fbgemm", "int_mm", "dequant")
     decode_kernel, prefill_kernel = "fbgemm", "fbgemm"
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -203,10 +204,30 @@ class Int8StaticLinear(Int8DynamicLinear):
         return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
             x, self.act_scale, self.act_zero_point, self._packed)
 
-    def _run_dequant(self, rows: torch.Tensor) -> torch.Tensor:
+    def _quantized_input(self, rows: torch.Tensor) -> torch.Tensor:
+        """The activation on the static grid, 0..qmax (uint8 values, held in float)."""
         qmax = 127 if self.reduce_range else 255
-        q = torch.clamp(torch.round(self._smoothed(rows) / self.act_scale) + self.act_zero_point, 0, qmax)
-        return super()._run_dequant((q - self.act_zero_point) * self.act_scale)
+        return torch.clamp(torch.round(self._smoothed(rows) / self.act_scale) + self.act_zero_point, 0, qmax)
+
+    def _run_int_mm(self, rows: torch.Tensor) -> torch.Tensor:
+        # the same grid as fbgemm's static op, as int8 x int8 -> int32 (traceable by torch.compile):
+        # (q - zp) @ W = (q - 128) @ W + (128 - zp) * colsum(W), with q - 128 in int8
+        shifted = (self._quantized_input(rows) - 128).to(torch.int8)
+        acc = torch._int_mm(shifted, self._weight_t()) + (128 - self.act_zero_point) * self._colsum()
+        return acc.float() * (self.act_scale * self.weight_scale)
+
+    def _colsum(self) -> torch.Tensor:
+        if getattr(self, "_wq_colsum", None) is None:
+            self._wq_colsum = self._weight_t().sum(dim=0, dtype=torch.int32)  # [N]
+        return self._wq_colsum
+
+    def _prepare_kernels(self) -> None:
+        super()._prepare_kernels()
+        if "int_mm" in (self.decode_kernel, self.prefill_kernel):
+            self._colsum()
+
+    def _run_dequant(self, rows: torch.Tensor) -> torch.Tensor:
+        return super()._run_dequant((self._quantized_input(rows) - self.act_zero_point) * self.act_scale)
 
     def portable(self) -> dict[str, torch.Tensor]:
         tensors = super().portable()

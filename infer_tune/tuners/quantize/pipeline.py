@@ -80,7 +80,7 @@ def prepare_quantized(loaded: models.LoadedModel, config: QuantizeConfig, ctx: R
         facts["save_dir"] = str(target)
         facts["saved_bytes_on_disk"] = sum(f.stat().st_size for f in Path(target).iterdir() if f.is_file())
     if backend == "torch" and config.method != "bf16":
-        facts["kernels"] = choose_kernels(model, config, ctx)
+        facts["kernels"] = model.infer_tune_kernels = choose_kernels(model, config, ctx)
     facts["quantized_layers"] = len(summary.get("layers", {}))
     facts["bytes_ratio_vs_16bit"] = models.model_bytes(model) / facts["model_bytes_16bit"]
     return PreparedModel(model=model, tokenizer=loaded.tokenizer, metrics=facts, label=config.label(), device=device)
