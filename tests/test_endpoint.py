@@ -242,6 +242,7 @@ def test_endpoint_sim_sweeps_rates_and_marks_the_knee(tmp_path):
         assert m["knee_status"] in ("within", "beyond", "below")
         assert (tmp_path / doc["run_id"] / "rates.png").stat().st_size > 1000
     assert docs[0]["config"]["trace"]["rate_req_s"] == 20.0 and docs[1]["config"]["trace"]["requests"] == 6
+    assert [d["label"].rsplit(" ", 1)[-1] for d in docs] == ["@20rps", "@infrps"]  # one leaderboard row per rate
 
 
 # --------------------------------------------------------------------------- quality gate

@@ -138,11 +138,11 @@ def check_baseline(baseline: dict, workload) -> None:
 def measure_endpoint(run: EndpointRun, spec: RunSpec, *, trace: list[TraceRequest] | None = None,
                      protocol: Protocol | None = None, baseline: tuple[dict, list[dict]] | None = None,
                      slo: dict[str, float] | None = None, extra_config: dict | None = None,
-                     progress: Progress | None = None) -> tuple[dict, list[dict]]:
+                     label_suffix: str = "", progress: Progress | None = None) -> tuple[dict, list[dict]]:
     """One result document of the endpoint (closed loop, or one replay of `trace`), optionally against a
     baseline; with `slo`, goodput and SLO attainment (metrics.saturation)."""
     config = run.config
-    prepared = PreparedModel(model=None, tokenizer=run.model.tokenizer, label=config.display_label(),
+    prepared = PreparedModel(model=None, tokenizer=run.model.tokenizer, label=config.display_label() + label_suffix,
                              device="endpoint", metrics={"model_bytes": None},
                              runner_options={"endpoint": config, "trace": trace, "slo": slo})
     config_dict = {**config.to_dict(), **(extra_config or {})}
@@ -198,9 +198,11 @@ def run_endpoint_trace(spec: RunSpec, config: EndpointConfig, trace: list[TraceR
 def trace_document(run: EndpointRun, spec: RunSpec, trace: list[TraceRequest], slo: dict[str, float],
                    trace_info: dict, progress: Progress | None) -> tuple[dict, list[dict]]:
     protocol = Protocol(warmup=spec.protocol.warmup, min_iterations=1, min_duration_s=0.0)
+    rate = trace_info.get("rate_req_s", "")
+    suffix = "" if "rate_req_s" not in trace_info else f" @{'inf' if rate is None else format(rate, 'g')}rps"
     return measure_endpoint(run, spec, trace=trace, protocol=protocol, slo=slo,
                             extra_config={"trace": {**trace_info, "requests": len(trace)}, "slo": dict(slo)},
-                            progress=progress)
+                            label_suffix=suffix, progress=progress)
 
 
 def run_endpoint_sweep(spec: RunSpec, config: EndpointConfig, rates: list[float], *, requests: int,
