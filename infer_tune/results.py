@@ -76,6 +76,13 @@ _fds: dict[str, int] = {}
 _guard = threading.Lock()
 
 
+def update_result(doc: dict) -> None:
+    """Rewrite the `result.json` of a saved run (`doc["_path"]`) in place, atomically (a sweep adds a
+    claim judged on all of its results); the run's other files stay as they are."""
+    path = Path(doc["_path"]) / "result.json"
+    atomic.write_json(path, {k: v for k, v in doc.items() if k != "_path"})
+
+
 @contextmanager
 def runs_lock(out_dir: str | Path, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
     """Hold the exclusive lock of a runs directory (an flock on OUT/.infer-tune.lock, released by the

@@ -108,6 +108,38 @@ def test_claims_table_from_synthetic_results():
     assert "1.80x decode vs bf16" in rows[0].measured and rows[1].why == "no draft on this device"
 
 
+def test_sweep_level_claims_reach_the_claims_table(tmp_path):
+    """Batch, speculate and experts judge their claims on a whole sweep (`summarize`); the sweep stores
+    the claim in each result on disk, and the claims table shows each once, with its finding."""
+    from infer_tune import results
+    from infer_tune.report import claims
+    from infer_tune.session import summarize_claims
+
+    batch = [make_result(f"b-{s}", technique="batch", config={"scheduler": s, "rate": 2.0}, seed=i,
+                         e2e_ms={"mean": 1000.0 if s == "static" else 500.0}, busy_share=0.95,
+                         output_throughput_tok_s=10.0 if s == "static" else 16.0)
+             for i, s in enumerate(("static", "continuous"))]
+    spec = [make_result(f"s-{k}", technique="speculate", suite="code-edit", seed=5 + k,
+                        config={"draft": "prompt-lookup", "num_draft_tokens": k, "engine": "hf"},
+                        speedup_vs_baseline=1.5 + k / 10, output_mismatches=0, draft_kind="prompt-lookup",
+                        ttft_speedup_vs_baseline=1.0) for k in (2, 4)]
+    experts = [make_result(f"x-{s}", technique="experts", config={"strategy": s}, seed=9 + i,
+                           alltoall_bytes_per_token=b)
+               for i, (s, b) in enumerate((("round-robin", 1000.0), ("locality", 300.0)))]
+    for doc in batch + spec + experts:
+        doc["label"] = doc["run_id"]
+        doc["_path"] = str(save(doc, tmp_path))
+    summarize_claims(batch + spec + experts)
+    on_disk = results.find_results(tmp_path)
+    rows = claims.collect(on_disk)
+    by = {r.technique: r for r in rows}
+    assert len(rows) == 3 and set(by) == {"batch", "speculate", "experts"}
+    assert by["batch"].verdict == "held" and "-50%" in by["batch"].measured and "1.60x" in by["batch"].measured
+    assert by["speculate"].verdict == "did not hold here" and "s-4 1.90x" in by["speculate"].measured
+    assert by["experts"].verdict == "held" and "-70.0%" in by["experts"].measured
+    assert all(d["metrics"]["claim_check"] for d in on_disk)
+
+
 def test_cli_writes_files_and_prints(tmp_path):
     runs = tmp_path / "runs"
     for doc in docs():

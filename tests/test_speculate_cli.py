@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 from infer_tune import models
 from infer_tune.cli import app
 from infer_tune.runners.generation import _PinLength
-from infer_tune.scenarios.speculate import SuiteOutcome, claim_check, recommend
+from infer_tune.scenarios.speculate import SuiteOutcome, recommend
+from infer_tune.tuners.speculate.claim import claim_check, summarize
 from infer_tune.suites import SuiteSpec, load_suite
 from infer_tune.tuners.speculate import distill, lean
 
@@ -193,15 +194,18 @@ def test_recommendation_and_claim_logic():
     rec = recommend(code)
     assert rec["best_label"] == "b"  # the faster row changed the output: never recommended
     assert recommend(chat)["best"] is None and recommend(chat)["verdict"] == "no speedup on this device"
-    claim = claim_check([code, chat])
+    claim = claim_check({"code": code.docs, "chat": chat.docs})
     assert set(claim["suites"]) == {"code"} and claim["held"] and claim["held_with_draft_model"]
     assert claim["suites"]["code"]["any_source"]["ttft_ratio_vs_baseline"] == pytest.approx(1 / 0.95)
-    slow_ttft = claim_check([SuiteOutcome("code", {}, [_doc("b", "code", 2.2, ttft=0.5)])])
+    slow_ttft = claim_check({"code": [_doc("b", "code", 2.2, ttft=0.5)]})
     assert not slow_ttft["held"] and slow_ttft["suites"]["code"]["any_source"]["speed_held"]
-    lookup_only = claim_check([SuiteOutcome("code-edit", {}, [_doc("l", "code-edit", 2.3, kind="prompt-lookup"),
-                                                               _doc("m", "code-edit", 0.7)])])
+    lookup_only = claim_check({"code-edit": [_doc("l", "code-edit", 2.3, kind="prompt-lookup"),
+                                             _doc("m", "code-edit", 0.7)]})
     assert lookup_only["held"] and not lookup_only["held_with_draft_model"]
     assert lookup_only["suites"]["code-edit"]["draft_model"]["best"] == "m"
+    assert lookup_only["finding"].startswith("\"2-4x on code, TTFT unchanged\" -> held (with a draft model: did not")
+    # the sweep-level hook groups results by the suite they were measured on
+    assert summarize(code.docs + chat.docs)["suites"].keys() == {"code"}
 
 
 def test_code_edit_suite():

@@ -62,6 +62,15 @@ def _is_click_error(exc: BaseException) -> bool:
                for cls in type(exc).__mro__)
 
 
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise on the closed pipe."""
+    import os
+    import sys
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
 class ErrorMappingGroup(TyperGroup):
     """The root group: every command's errors become one line and an exit code, here and only here."""
 
@@ -79,6 +88,9 @@ class ErrorMappingGroup(TyperGroup):
             raise typer.Exit(130) from None
         except (typer.Exit, typer.Abort):
             raise
+        except BrokenPipeError:  # `infer-tune ... | head`: the reader left; nothing went wrong here
+            _silence_stdout()
+            raise typer.Exit(0) from None
         except Exception as exc:
             if _is_click_error(exc) and not output.state.debug:  # bad flags or values: bad input, one line
                 message = " ".join(exc.format_message().split())

@@ -122,7 +122,7 @@ def speculate(
         for rec in outcome.recommendations:
             output.out.print(f"recommendation ({rec['suite']}): {render_recommendation(rec)}", soft_wrap=True)
         if outcome.claim is not None:
-            output.out.print(f"claim check: {render_claim(outcome.claim)}", soft_wrap=True)
+            output.out.print(f"claim check: {outcome.claim['finding']}", soft_wrap=True)
     for warning in outcome.warnings:
         output.note(f"warning: {warning}")
     if outcome.mismatched:
@@ -174,20 +174,6 @@ def render_recommendation(rec: dict) -> str:
             f"tok/s, acceptance {_pct(rec['acceptance_rate'])}, {output.fmt(rec['mean_acceptance_length'])} "
             "tokens per verify pass")
 
-
-def render_claim(claim: dict) -> str:
-    def one(v: dict | None) -> str:
-        if v is None:
-            return "no draft model in the run"
-        return (f"{v['best']} {output.fmt(v['speedup'])}x ({'ok' if v['speed_held'] else 'no'}), TTFT "
-                f"x{output.fmt(v['ttft_ratio_vs_baseline'])} ({'ok' if v['ttft_held'] else 'no'}), draft/target "
-                f"params {output.fmt(v['draft_target_param_ratio'], '.2f')}")
-
-    parts = [f"{suite}: best of any source {one(v['any_source'])}; best draft model {one(v['draft_model'])}"
-             for suite, v in claim["suites"].items()]
-    return (f"\"2-4x on code, TTFT unchanged\" -> {'held' if claim['held'] else 'did not hold here'} "
-            f"(with a draft model: {'held' if claim['held_with_draft_model'] else 'did not hold here'}); "
-            + "; ".join(parts))
 
 Minutes = Annotated[float, typer.Option("--minutes", help="Wall-clock budget: generating the target's outputs "
                                                           "(up to 40%) and training (the rest).")]

@@ -65,7 +65,8 @@ def _generic(c: dict, doc: dict) -> ClaimRow | None:
     statement = c.get("statement") or c.get("claim")
     if not statement:
         return None
-    return ClaimRow(claim=str(statement), measured=str(c.get("measured", "")),
+    measured = c.get("finding") or c.get("measured")  # `finding`: the technique's own human line
+    return ClaimRow(claim=str(statement), measured=measured if isinstance(measured, str) else "",
                     verdict=c.get("verdict") or _verdict(c.get("held")), value=c.get("value"),
                     interval=c.get("interval"), why=str(c.get("why", "")))
 

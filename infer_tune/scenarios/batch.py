@@ -286,15 +286,8 @@ def _finish_serve(measured: list[tuple[dict, list[dict], list[dict]]], serve: Se
         for name, rows in table.items()}}
     claim, by_rate = None, []
     if {"static", "continuous"} <= set(table):
-        rate, loaded = analysis.loaded_rate(table["static"])
-        pairs = {r["rate"]: {"static": r["metrics"]} for r in table["static"]}
-        for r in table["continuous"]:
-            pairs.setdefault(r["rate"], {})["continuous"] = r["metrics"]
-        for at, pair in sorted(pairs.items()):
-            if len(pair) == 2:
-                by_rate.append(analysis.claim_check(pair["static"], pair["continuous"], at,
-                                                    (pair["static"].get("busy_share") or 0) >= analysis.LOADED))
-        claim = next((c for c in by_rate if c["rate"] == rate), None)
+        claim, by_rate = analysis.claims_by_rate({r["rate"]: r["metrics"] for r in table["static"]},
+                                                 {r["rate"]: r["metrics"] for r in table["continuous"]})
     summary["claim_check"] = claim
     summary["claim_by_rate"] = by_rate
     per_rate: dict = {}
@@ -307,6 +300,8 @@ def _finish_serve(measured: list[tuple[dict, list[dict], list[dict]]], serve: Se
     run_dirs = []
     for doc, outputs, rows in measured:
         doc["metrics"]["max_rate_meeting_slo"] = summary["max_rate_meeting_slo"].get(doc["config"]["scheduler"])
+        if claim is not None:
+            doc["metrics"]["claim_check"] = claim  # the claims table reads it from every result
         doc["serve_summary"] = summary
         doc.pop("_path", None)
         saved = results.save_run(out_dir, doc, outputs, {**files, **_trace_file(rows)})

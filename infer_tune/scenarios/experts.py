@@ -25,11 +25,10 @@ from infer_tune.runners.base import Progress
 from infer_tune.scenarios.common import RunSpec, open_run
 from infer_tune.session import run_configs
 from infer_tune.tuners.experts import ExpertsConfig, loadfile, plan_from_load, plan_metrics, plots, routing
+from infer_tune.tuners.experts.claim import communication_claim
 from infer_tune.tuners.experts.planners import STRATEGIES, Plan
 from infer_tune.workload import workload_block
 
-CLAIM = "MoE experts spread over devices (hot ones replicated or on fast devices): per-token communication -60%"
-CLAIM_REDUCTION = 0.60
 PLAN_FILE_KIND = "infer-tune-expert-plans"
 
 
@@ -89,22 +88,6 @@ class PlanOutcome:
     claim: dict | None
     saved: Path | None
     images: dict[str, bytes] = field(default_factory=dict)
-
-
-def communication_claim(rows: list[tuple[str, dict]], *, measured: bool) -> dict | None:
-    """The communication claim judged on all-to-all bytes per token against round-robin placement."""
-    by = dict(rows)
-    base = by.get("round-robin")
-    others = [(name, m) for name, m in rows if name != "round-robin" and m.get("alltoall_bytes_per_token") is not None]
-    if base is None or not others or not base.get("alltoall_bytes_per_token"):
-        return None
-    best_name, best = min(others, key=lambda r: r[1]["alltoall_bytes_per_token"])
-    reduction = 1.0 - best["alltoall_bytes_per_token"] / base["alltoall_bytes_per_token"]
-    return {"claim": CLAIM, "threshold_reduction": CLAIM_REDUCTION, "measured": measured,
-            "baseline_strategy": "round-robin", "baseline_bytes_per_token": base["alltoall_bytes_per_token"],
-            "best_strategy": best_name, "best_bytes_per_token": best["alltoall_bytes_per_token"],
-            "reduction": reduction, "held": reduction >= CLAIM_REDUCTION,
-            "by_strategy": {name: m["alltoall_bytes_per_token"] for name, m in rows}}
 
 
 def plan_doc(load: loadfile.LoadFile, config: ExpertsConfig, metrics: dict, env: dict, load_path: str) -> dict:

@@ -21,17 +21,13 @@ from infer_tune.errors import ConfigError
 from infer_tune.report.plots import png_bytes, pyplot
 from infer_tune.runners.base import Progress
 from infer_tune.scenarios.common import RunSpec, open_run
-from infer_tune.session import run_configs
+from infer_tune.session import run_configs, store_claim
 from infer_tune.tuners.speculate import EARLY_EXIT, SpeculateConfig, parse_draft
+from infer_tune.tuners.speculate.claim import claim_check, lossless
 from infer_tune.tuners.speculate.prepare import PROMPT_IDS_KEY, WARNINGS_KEY
 from infer_tune.workload import load_prompts, prepare_inputs, select_prompts
 
 WIN_THRESHOLD = 1.05  # a decode speedup below this is within run-to-run noise on a shared CPU: no win
-CLAIM = ("a small draft model (about 1/10 of the target) proposes 8-10 tokens and the target verifies them in "
-         "one pass: 2-4x faster on code and structured text, TTFT unchanged")
-CLAIM_SPEEDUP = 2.0
-CLAIM_TTFT_RATIO = 1.10  # "TTFT unchanged": at most 10% longer than the target alone
-CODE_SUITES = ("code", "code-edit")
 
 
 @dataclass
@@ -106,8 +102,10 @@ def run_speculate(spec: RunSpec, sweep: SpeculateSweep, progress: Progress | Non
         write_acceptance_plot(docs, f"{run.loaded.ref} on {workload.suite}: acceptance per draft position")
         outcomes.append(SuiteOutcome(workload.suite, baseline, docs))
     docs = [d for o in outcomes for d in o.docs]
+    claim = claim_check({o.suite: o.docs for o in outcomes})
+    store_claim(docs, claim)  # across suites: each result carries the run's claim (the claims table reads it)
     return SpeculateOutcome(suites=outcomes, recommendations=[recommend(o) for o in outcomes],
-                            claim=claim_check(outcomes), warnings=list(run.ctx.cache.get(WARNINGS_KEY, [])),
+                            claim=claim, warnings=list(run.ctx.cache.get(WARNINGS_KEY, [])),
                             mismatched=[d for d in docs if d["metrics"].get("output_mismatches")])
 
 
@@ -136,13 +134,9 @@ def write_acceptance_plot(docs: list[dict], title: str) -> None:
             tmp.replace(target)
 
 
-def _lossless(doc: dict) -> bool:
-    return doc["metrics"].get("output_mismatches") == 0
-
-
 def recommend(outcome: SuiteOutcome) -> dict:
     """The fastest lossless (draft, K) of a suite when it beats the target alone by WIN_THRESHOLD, else none."""
-    ranked = sorted((d for d in outcome.docs if _lossless(d) and d["metrics"].get("speedup_vs_baseline")),
+    ranked = sorted((d for d in outcome.docs if lossless(d) and d["metrics"].get("speedup_vs_baseline")),
                     key=lambda d: d["metrics"]["speedup_vs_baseline"], reverse=True)
     best = ranked[0] if ranked else None
     if best is None or best["metrics"]["speedup_vs_baseline"] < WIN_THRESHOLD:
@@ -158,45 +152,6 @@ def recommend(outcome: SuiteOutcome) -> dict:
             "mean_acceptance_length": m.get("mean_acceptance_length"), "threshold": WIN_THRESHOLD,
             "verdict": f"use {best['config']['draft']} with K={best['config']['num_draft_tokens']} "
                        f"({best['config']['engine']} engine)"}
-
-
-def _judge(doc: dict) -> dict:
-    m = doc["metrics"]
-    ttft = m.get("ttft_speedup_vs_baseline")
-    ttft_ratio = 1 / ttft if ttft else None
-    verdict = {"best": doc["label"], "speedup": m["speedup_vs_baseline"], "ttft_ratio_vs_baseline": ttft_ratio,
-               "num_draft_tokens": doc["config"]["num_draft_tokens"],
-               "draft_target_param_ratio": m.get("draft_target_param_ratio"),
-               "speed_held": m["speedup_vs_baseline"] >= CLAIM_SPEEDUP,
-               "ttft_held": ttft_ratio is not None and ttft_ratio <= CLAIM_TTFT_RATIO}
-    verdict["held"] = verdict["speed_held"] and verdict["ttft_held"]
-    return verdict
-
-
-def claim_check(outcomes: list[SuiteOutcome]) -> dict | None:
-    """The usual claim judged on each code suite of the run (None: no code suite, or nothing lossless).
-
-    Per suite: `any_source` is the fastest lossless config of any draft source (prompt lookup
-    included: "2-4x on code, TTFT unchanged"); `draft_model` the fastest one whose draft is a model
-    (a draft model, self-draft or early exit: what the claim is really about), when the run has one.
-    """
-    judged = {}
-    for outcome in outcomes:
-        if outcome.suite not in CODE_SUITES:
-            continue
-        ranked = sorted((d for d in outcome.docs if _lossless(d) and d["metrics"].get("speedup_vs_baseline")),
-                        key=lambda d: d["metrics"]["speedup_vs_baseline"], reverse=True)
-        if not ranked:
-            continue
-        models = [d for d in ranked if d["metrics"].get("draft_kind") != "prompt-lookup"]
-        judged[outcome.suite] = {"any_source": _judge(ranked[0]),
-                                 "draft_model": _judge(models[0]) if models else None}
-    if not judged:
-        return None
-    return {"claim": CLAIM, "thresholds": {"speedup_at_least": CLAIM_SPEEDUP, "ttft_ratio_at_most": CLAIM_TTFT_RATIO},
-            "suites": judged, "held": any(v["any_source"]["held"] for v in judged.values()),
-            "held_with_draft_model": any(v["draft_model"] is not None and v["draft_model"]["held"]
-                                         for v in judged.values())}
 
 
 # --------------------------------------------------------------------------- distill

@@ -96,6 +96,9 @@ class Technique:
     - `preflight(loaded, config, ctx)`: checks that need the model, run for every config of a sweep
       before anything is measured, so bad input fails before a result is written.
     - `measure_ppl`: whether perplexity means something for this technique (the model's logits change).
+    - `summarize(docs) -> claim | None`: a claim check that needs every result of the technique in
+      one sweep (static vs continuous at the same rate, each suite's fastest draft); the sweep stores
+      it as `metrics.claim_check` in each of those results (the claims table reads it there).
     """
 
     config_cls: type
@@ -106,6 +109,7 @@ class Technique:
     annotate: Callable[[dict, list[dict]], None] | None = None
     preflight: Callable[[LoadedModel, Any, RunContext], None] | None = None
     measure_ppl: bool = True
+    summarize: Callable[[list[dict]], dict | None] | None = None
 
     @property
     def name(self) -> str:
@@ -125,14 +129,15 @@ TECHNIQUES: dict[type, Technique] = {}
 
 def register_technique(config_cls: type, *, runner: str = "generation", max_batch_size: int | None = None,
                        resolve: Callable | None = None, annotate: Callable | None = None,
-                       preflight: Callable | None = None, measure_ppl: bool = True) -> Callable[[PrepareFn], PrepareFn]:
+                       preflight: Callable | None = None, measure_ppl: bool = True,
+                       summarize: Callable | None = None) -> Callable[[PrepareFn], PrepareFn]:
     """Register `prepare(loaded, config, ctx) -> PreparedModel` for `config_cls` (see `Technique`)."""
     if not getattr(config_cls, "technique", ""):
         raise TypeError(f"{config_cls.__name__} needs a `technique: ClassVar[str]` name")
 
     def decorator(fn: PrepareFn) -> PrepareFn:
         TECHNIQUES[config_cls] = Technique(config_cls, fn, runner, max_batch_size, resolve, annotate, preflight,
-                                           measure_ppl)
+                                           measure_ppl, summarize)
         return fn
 
     return decorator

@@ -19,6 +19,7 @@ from infer_tune.errors import ConfigError
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.runners.trace import TraceRequest
 from infer_tune.tuners.base import RunContext, TechniqueConfig, register_technique
+from infer_tune.tuners.batch import analysis
 from infer_tune.tuners.batch.arrivals import TraceRow, check_burstiness, check_rate, trace_plan
 from infer_tune.tuners.batch.common import reference_tokens
 from infer_tune.tuners.batch.continuous import ContinuousBatcher
@@ -114,7 +115,8 @@ def _preflight(loaded: models.LoadedModel, config: BatchConfig, ctx: RunContext)
                           "a recipe runs 'static' or 'continuous' on an arrival trace")
 
 
-@register_technique(BatchConfig, runner="trace", preflight=_preflight, measure_ppl=False)
+@register_technique(BatchConfig, runner="trace", preflight=_preflight, measure_ppl=False,
+                    summarize=analysis.summarize)
 def prepare_batch(loaded: models.LoadedModel, config: BatchConfig, ctx: RunContext) -> PreparedModel:
     """The model unchanged; the trace runner gets the trace factory and the scheduler (sweep: nothing)."""
     options = {}

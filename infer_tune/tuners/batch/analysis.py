@@ -72,7 +72,7 @@ def claim_check(static: dict, continuous: dict, rate: float, loaded: bool) -> di
     throughput = continuous["output_throughput_tok_s"] / static["output_throughput_tok_s"]
     latency_held = latency <= CLAIM_LATENCY_RATIO
     throughput_held = throughput >= CLAIM_THROUGHPUT_RATIO
-    return {
+    out = {
         "claim": CLAIM,
         "rate": rate,
         "static_loaded": loaded,
@@ -89,6 +89,28 @@ def claim_check(static: dict, continuous: dict, rate: float, loaded: bool) -> di
         "throughput_held": throughput_held,
         "held": latency_held and throughput_held,
     }
+    out["finding"] = claim_line(out)
+    return out
+
+
+def claims_by_rate(static: dict[float, dict], continuous: dict[float, dict]) -> tuple[dict | None, list[dict]]:
+    """The claim at every rate measured with both schedulers (rate -> metrics each), and the one that
+    counts: at the highest rate where the static batcher was loaded (`loaded_rate`)."""
+    by_rate = [claim_check(static[rate], continuous[rate], rate, (static[rate].get("busy_share") or 0) >= LOADED)
+               for rate in sorted(set(static) & set(continuous))]
+    rate, _ = loaded_rate([{"rate": r, "busy_share": m.get("busy_share")} for r, m in static.items()])
+    claim = next((c for c in by_rate if c["rate"] == rate), None)
+    return claim, by_rate
+
+
+def summarize(docs: list[dict]) -> dict | None:
+    """The claim over a sweep's batch results: static and continuous runs of the same trace, paired by rate."""
+    by: dict[str, dict[float, dict]] = {"static": {}, "continuous": {}}
+    for doc in docs:
+        config = doc.get("config") or {}
+        if config.get("scheduler") in by and config.get("rate") is not None:
+            by[config["scheduler"]][config["rate"]] = doc["metrics"]
+    return claims_by_rate(by["static"], by["continuous"])[0]
 
 
 def claim_line(claim: dict) -> str:
