@@ -23,7 +23,7 @@ from infer_tune.tuners import RunContext, apply
 from infer_tune.tuners.batch import BatchConfig, analysis, arrivals
 from infer_tune.tuners.batch.common import left_pad
 from infer_tune.tuners.batch.continuous import ContinuousBatcher
-from infer_tune.tuners.batch.slo import SLO, goodput
+from infer_tune.metrics.saturation import SLO, goodput
 from infer_tune.tuners.batch.static import StaticBatcher
 from infer_tune.workload import Workload, encode_batches
 
@@ -201,9 +201,9 @@ def test_goodput_on_hand_made_timings():
                timing(80, 880, 11),  # TPOT 80 ms
                timing(90, 90, 1)]  # one token: meets any TPOT objective
     g = goodput(timings, SLO(ttft_ms=100, tpot_ms=50), duration_s=2.0)
-    assert g["slo_met"] == 2 and g["goodput_req_s"] == 1.0 and g["slo_attainment"] == 0.5
+    assert g["good_requests"] == 2 and g["goodput_req_s"] == 1.0 and g["slo_attainment"] == 0.5
     assert g["slo_attainment_by_objective"] == {"ttft_ms": 0.75, "tpot_ms": 0.75}
-    assert goodput(timings, SLO(e2e_ms=300), 2.0)["slo_met"] == 2
+    assert goodput(timings, SLO(e2e_ms=300), 2.0)["good_requests"] == 2
     assert goodput(timings, SLO(ttft_ms=100), 2.0, submitted=8)["slo_attainment"] == 3 / 8
     assert goodput(timings, SLO(), 2.0)["goodput_req_s"] is None
     with pytest.raises(ConfigError, match="tpot_ms"):

@@ -215,9 +215,9 @@ def _timing(ttft_ms: float, tpot_ms: float, n: int = 3) -> RequestTiming:
 
 def test_goodput_and_knee():
     timings = [_timing(10, 5), _timing(100, 5), _timing(10, 50)]
-    g = saturation.goodput(timings, failed=1, wall_s=2.0, slo={"ttft_ms": 50, "tpot_ms": 20})
+    g = saturation.goodput(timings, saturation.SLO(ttft_ms=50, tpot_ms=20), 2.0, submitted=len(timings) + 1)
     assert (g["good_requests"], g["goodput_req_s"], g["slo_attainment"]) == (1, 0.5, 0.25)
-    assert saturation.goodput(timings, 0, 1.0, {})["good_requests"] == 3
+    assert saturation.goodput(timings, saturation.SLO(), 1.0)["goodput_req_s"] is None  # no objectives, no goodput
     assert saturation.knee([1, 2, 4, 8], [10, 12, 25, 90]) == (2, [False, False, True, True], "within")
     assert saturation.knee([1, 2], [10, 11]) == (None, [False, False], "beyond")
     assert saturation.knee([1, 2], [10, None]) == (1, [False, True], "within")  # nothing succeeded: saturated

@@ -163,7 +163,7 @@ def serve_sim(
     """
     from infer_tune.cli.bench import run_spec
     from infer_tune.scenarios.batch import ServeSpec, run_serve
-    from infer_tune.tuners.batch.slo import SLO
+    from infer_tune.metrics.saturation import SLO
     from infer_tune.workload import Workload
 
     if endpoint is not None:  # the server is the batcher: the endpoint runner replays the trace over HTTP

@@ -1,9 +1,12 @@
-"""Serving under load: goodput against latency SLOs, and the saturation knee of a request-rate sweep.
+"""Serving under load: latency SLOs, goodput, and the saturation knee of a request-rate sweep.
 
-- A request is *good* when it succeeded and meets every SLO given: TTFT <= `ttft_ms`, TPOT <=
-  `tpot_ms` (requests of one token have no TPOT and pass it), e2e <= `e2e_ms`.
-  `goodput_req_s` = good requests / wall time of the replay; `slo_attainment` = good / all requests
-  sent (failed requests count against it).
+- A request is *good* when it completed and meets every SLO given: TTFT <= `ttft_ms`, TPOT <=
+  `tpot_ms` (a request's TPOT is (e2e - TTFT) / (tokens - 1); a one-token request has no inter-token
+  time and passes it, as vLLM counts it 0), e2e <= `e2e_ms`.
+- Goodput is the DistServe definition vLLM's and AIPerf's benchmarks use: `goodput_req_s` = good
+  requests / duration of the run; `slo_attainment` = good / all requests submitted (failed or
+  unfinished ones count against it). Without any SLO both are None: goodput needs objectives.
+  Batch traces (`batch serve-sim`) and live endpoints (`bench --endpoint --slo`) both use these.
 - Knee: along the rates in ascending order, a rate is *saturated* when its TTFT p50 exceeds
   `factor` x the TTFT p50 at the lowest rate (requests queue faster than they are served); the knee
   is the highest rate before the first saturated one. The lowest rate is the reference only if the
@@ -15,29 +18,82 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 
+from infer_tune.errors import ConfigError
 from infer_tune.runners.base import RequestTiming
 
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
 
 
-def meets(timing: RequestTiming, slo: dict[str, float]) -> bool:
-    """Whether one successful request meets every SLO in `slo` (keys from SLO_KEYS)."""
+@dataclass(frozen=True)
+class SLO:
+    """Latency objectives in milliseconds; None: not constrained."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if value is not None and (not value > 0 or math.isinf(value)):
+                raise ConfigError(f"SLO {name} must be a finite number of milliseconds > 0, got {value}")
+
+    @classmethod
+    def from_dict(cls, slo: dict[str, float] | None) -> SLO:
+        unknown = set(slo or {}) - set(SLO_KEYS)
+        if unknown:
+            raise ConfigError(f"unknown SLO keys {sorted(unknown)}; known: {', '.join(SLO_KEYS)}")
+        return cls(**(slo or {}))
+
+    @property
+    def given(self) -> bool:
+        return any(v is not None for v in asdict(self).values())
+
+    def to_dict(self) -> dict:
+        """The objectives given (unconstrained ones left out)."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def request_tpot_ms(timing: RequestTiming) -> float:
+    """Per-request TPOT; 0 for a one-token request (it has no inter-token time)."""
+    tpot = timing.tpot_ms
+    return 0.0 if tpot is None else tpot
+
+
+def meets(timing: RequestTiming, slo: SLO) -> bool:
+    """Whether one completed request meets every objective of `slo`."""
     if not timing.token_ns:
         return False
-    values = {"ttft_ms": timing.ttft_ms, "tpot_ms": timing.tpot_ms, "e2e_ms": timing.e2e_ms}
-    return all(values[k] is None or values[k] <= limit for k, limit in slo.items())
+    return ((slo.ttft_ms is None or timing.ttft_ms <= slo.ttft_ms)
+            and (slo.tpot_ms is None or request_tpot_ms(timing) <= slo.tpot_ms)
+            and (slo.e2e_ms is None or timing.e2e_ms <= slo.e2e_ms))
 
 
-def goodput(timings: Sequence[RequestTiming], failed: int, wall_s: float, slo: dict[str, float]) -> dict:
-    """`goodput_req_s`, `slo_attainment`, `good_requests` and the SLO itself (empty SLO: every success is good)."""
-    unknown = set(slo) - set(SLO_KEYS)
-    if unknown:
-        raise ValueError(f"unknown SLO keys {sorted(unknown)}; known: {', '.join(SLO_KEYS)}")
+def goodput(timings: Sequence[RequestTiming], slo: SLO, duration_s: float, *, submitted: int | None = None) -> dict:
+    """`goodput_req_s`, `slo_attainment`, `good_requests`, the SLO and per-objective attainment.
+
+    `submitted` counts requests that never completed too (default: one per timing); a request without
+    tokens is not completed and meets nothing. Without any SLO the goodput figures are None.
+    """
+    total = len(timings) if submitted is None else submitted
+    if not slo.given:
+        return {"goodput_req_s": None, "slo_attainment": None, "good_requests": None, "slo": slo.to_dict(),
+                "slo_attainment_by_objective": {}}
     good = sum(1 for t in timings if meets(t, slo))
-    total = len(timings) + failed
-    return {"goodput_req_s": good / wall_s if wall_s > 0 else None,
-            "slo_attainment": good / total if total else None, "good_requests": good, "slo": dict(slo)}
+    by_objective = {}
+    for name in SLO_KEYS:
+        limit = getattr(slo, name)
+        if limit is not None:
+            one = SLO(**{name: limit})
+            by_objective[name] = sum(1 for t in timings if meets(t, one)) / total if total else None
+    return {
+        "goodput_req_s": good / duration_s if duration_s > 0 else None,
+        "slo_attainment": good / total if total else None,
+        "good_requests": good,
+        "slo": slo.to_dict(),
+        "slo_attainment_by_objective": by_objective,
+    }
 
 
 def knee(rates: Sequence[float], ttft_p50: Sequence[float | None], achieved: Sequence[float | None] | None = None,

@@ -125,7 +125,8 @@ def run_endpoint(prepared: PreparedModel, inputs, workload, protocol: Protocol,
     }
     slo = prepared.runner_options.get("slo")
     if slo is not None:
-        counters.update(saturation.goodput(result.timings, len(result.failures), result.wall_s, slo))
+        counters.update(saturation.goodput(result.timings, saturation.SLO.from_dict(slo), result.wall_s,
+                                           submitted=len(result.timings) + len(result.failures)))
     if trace:
         counters.update(trace_requests=len(trace), trace_span_s=max((r.arrival_s for r in trace), default=0.0),
                         client_lateness_ms=summarize(result.lateness_ms))

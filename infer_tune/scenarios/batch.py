@@ -35,7 +35,7 @@ from infer_tune.tuners.batch import (
 )
 from infer_tune.tuners.batch import plots as batch_plots
 from infer_tune.tuners.batch.common import is_out_of_memory
-from infer_tune.tuners.batch.slo import SLO, goodput
+from infer_tune.metrics.saturation import SLO, goodput
 from infer_tune.workload import Inputs, encode_batches, load_prompts
 
 
