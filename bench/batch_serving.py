@@ -15,10 +15,10 @@ import argparse
 import json
 from pathlib import Path
 
+from infer_tune.metrics.saturation import SLO
 from infer_tune.scenarios.batch import ServeSpec, SweepSpec, run_serve, run_sweep
 from infer_tune.scenarios.common import RunSpec
 from infer_tune.tuners.batch.analysis import claim_line
-from infer_tune.metrics.saturation import SLO
 from infer_tune.workload import Protocol, Workload
 
 

@@ -15,6 +15,7 @@ from infer_tune import env as envinfo
 from infer_tune import models
 from infer_tune.cli import app
 from infer_tune.errors import ConfigError
+from infer_tune.metrics.saturation import SLO, goodput
 from infer_tune.runners import PreparedModel, Protocol
 from infer_tune.runners.base import RequestTiming
 from infer_tune.runners.trace import TraceRequest
@@ -23,7 +24,6 @@ from infer_tune.tuners import RunContext, apply
 from infer_tune.tuners.batch import BatchConfig, analysis, arrivals
 from infer_tune.tuners.batch.common import left_pad
 from infer_tune.tuners.batch.continuous import ContinuousBatcher
-from infer_tune.metrics.saturation import SLO, goodput
 from infer_tune.tuners.batch.static import StaticBatcher
 from infer_tune.workload import Workload, encode_batches
 

@@ -16,9 +16,9 @@ from infer_tune import models
 from infer_tune.cli import app
 from infer_tune.runners.generation import _PinLength
 from infer_tune.scenarios.speculate import SuiteOutcome, recommend
-from infer_tune.tuners.speculate.claim import claim_check, summarize
 from infer_tune.suites import SuiteSpec, load_suite
 from infer_tune.tuners.speculate import distill, lean
+from infer_tune.tuners.speculate.claim import claim_check, render_claim, summarize
 
 runner = CliRunner()
 FAST = ["--warmup", "0", "--min-iterations", "1", "--min-duration", "0", "--threads", "1", "--no-chat-template"]
@@ -203,7 +203,7 @@ def test_recommendation_and_claim_logic():
                                              _doc("m", "code-edit", 0.7)]})
     assert lookup_only["held"] and not lookup_only["held_with_draft_model"]
     assert lookup_only["suites"]["code-edit"]["draft_model"]["best"] == "m"
-    assert lookup_only["finding"].startswith("\"2-4x on code, TTFT unchanged\" -> held (with a draft model: did not")
+    assert render_claim(lookup_only).startswith("\"2-4x on code, TTFT unchanged\" -> held (with a draft model: did not")
     # the sweep-level hook groups results by the suite they were measured on
     assert summarize(code.docs + chat.docs)["suites"].keys() == {"code"}
 

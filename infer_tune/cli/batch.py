@@ -162,8 +162,8 @@ def serve_sim(
              --max-new-tokens 32 --slo-ttft-ms 5000 --slo-tpot-ms 500 --threads 1
     """
     from infer_tune.cli.bench import run_spec
-    from infer_tune.scenarios.batch import ServeSpec, run_serve
     from infer_tune.metrics.saturation import SLO
+    from infer_tune.scenarios.batch import ServeSpec, run_serve
     from infer_tune.workload import Workload
 
     if endpoint is not None:  # the server is the batcher: the endpoint runner replays the trace over HTTP

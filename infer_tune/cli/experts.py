@@ -139,7 +139,9 @@ def render_plans(outcome) -> None:
 
 
 def claim_line(claim: dict | None) -> str | None:
-    return None if claim is None else f"claim check: {claim['finding']}"
+    from infer_tune.tuners.experts.claim import claim_line as line
+
+    return None if claim is None else f"claim check: {line(claim)}"
 
 
 @app.command("plan")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,8 +19,20 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+# Piped or in a CI log there is no terminal width: rich would use 80 columns and cut every table to
+# "tar… │ smo…". Tables there are as wide as they need (up to PIPE_WIDTH); COLUMNS still wins.
+PIPE_WIDTH = 200
+
+
+def _console(**kwargs) -> Console:
+    console = Console(highlight=False, **kwargs)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(highlight=False, width=PIPE_WIDTH, **kwargs)
+    return console
+
+
+out = _console()
+err = _console(stderr=True)
 
 
 class _State:

@@ -91,6 +91,7 @@ def speculate(
     from infer_tune.cli.bench import run_spec
     from infer_tune.scenarios import speculate as scen
     from infer_tune.tuners.speculate import parse_draft_lengths
+    from infer_tune.tuners.speculate.claim import render_claim
 
     if opts.batch_size != 1:
         raise ConfigError(f"--batch-size {opts.batch_size}: speculative decoding runs one request at a time "
@@ -122,7 +123,7 @@ def speculate(
         for rec in outcome.recommendations:
             output.out.print(f"recommendation ({rec['suite']}): {render_recommendation(rec)}", soft_wrap=True)
         if outcome.claim is not None:
-            output.out.print(f"claim check: {outcome.claim['finding']}", soft_wrap=True)
+            output.out.print(f"claim check: {render_claim(outcome.claim)}", soft_wrap=True)
     for warning in outcome.warnings:
         output.note(f"warning: {warning}")
     if outcome.mismatched:

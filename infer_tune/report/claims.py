@@ -40,8 +40,10 @@ def _quantize(c: dict, doc: dict) -> ClaimRow:
                 f"{f(c.get('speedup_judged'), '.2f')}x decode vs "
                 f"{'bf16' if c.get('speedup_vs_16bit') is not None else 'the baseline'}; "
                 f"perplexity {f(c.get('ppl_delta_pct'), '+.2f')}%, BLEU drift {f(c.get('bleu_drift'), '+.2f')}")
+    missed = [part for part, key in (("size", "size_held"), ("speed", "speed_held"), ("quality", "quality_held"))
+              if c.get(key) is False]
     return ClaimRow(claim=c["claim"], measured=measured, verdict=_verdict(c.get("held")),
-                    value=c.get("speedup_judged"), why=c.get("speed_reference", ""))
+                    value=c.get("speedup_judged"), why=f"{', '.join(missed)} missed" if missed else "")
 
 
 def _kv(c: dict, doc: dict) -> ClaimRow | None:

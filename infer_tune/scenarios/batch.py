@@ -21,6 +21,7 @@ from pathlib import Path
 from infer_tune import results
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import kv, memory
+from infer_tune.metrics.saturation import SLO, goodput
 from infer_tune.runners.base import Progress, RequestTiming
 from infer_tune.runners.generation import generate_once
 from infer_tune.scenarios.common import RunSpec, open_run
@@ -35,7 +36,6 @@ from infer_tune.tuners.batch import (
 )
 from infer_tune.tuners.batch import plots as batch_plots
 from infer_tune.tuners.batch.common import is_out_of_memory
-from infer_tune.metrics.saturation import SLO, goodput
 from infer_tune.workload import Inputs, encode_batches, load_prompts
 
 

@@ -89,7 +89,7 @@ def claim_check(static: dict, continuous: dict, rate: float, loaded: bool) -> di
         "throughput_held": throughput_held,
         "held": latency_held and throughput_held,
     }
-    out["finding"] = claim_line(out)
+    out["finding"] = finding(out)
     return out
 
 
@@ -114,12 +114,15 @@ def summarize(docs: list[dict]) -> dict | None:
 
 
 def claim_line(claim: dict) -> str:
-    """One human line for a claim check."""
-    verdict = "held" if claim["held"] else "did not hold here"
+    """One human line for a claim check: what was measured, then the verdict."""
+    return f"{claim['finding']} -> {'held' if claim['held'] else 'did not hold here'}"
+
+
+def finding(claim: dict) -> str:
+    """What was measured, in one line (the claims table shows the verdict beside it)."""
     busy = claim.get("static_busy_share")
     load = (f"static batcher busy {busy:.0%} of the time" if busy is not None else "static batcher busy: -")
     load += "" if claim["static_loaded"] else ", not loaded"
     return (f"at {claim['rate']:g} req/s ({load}): mean e2e {claim['mean_latency_change_pct']:+.0f}% "
             f"(claim <= -40%: {'ok' if claim['latency_held'] else 'no'}), output throughput "
-            f"{claim['throughput_ratio']:.2f}x (claim >= 1.5x: {'ok' if claim['throughput_held'] else 'no'}) "
-            f"-> {verdict}")
+            f"{claim['throughput_ratio']:.2f}x (claim >= 1.5x: {'ok' if claim['throughput_held'] else 'no'})")

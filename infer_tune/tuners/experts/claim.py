@@ -24,17 +24,21 @@ def communication_claim(rows: list[tuple[str, dict]], *, measured: bool) -> dict
              "best_strategy": best_name, "best_bytes_per_token": best["alltoall_bytes_per_token"],
              "reduction": reduction, "held": reduction >= CLAIM_REDUCTION,
              "by_strategy": {name: m["alltoall_bytes_per_token"] for name, m in rows}}
-    claim["finding"] = claim_line(claim)
+    claim["finding"] = finding(claim)
     return claim
 
 
 def claim_line(claim: dict) -> str:
-    """One human line: predicted or measured bytes per token, best strategy vs round-robin, the verdict."""
-    verdict = "held" if claim["held"] else "did not hold here"
+    """One human line: what was predicted or measured, then the verdict."""
+    return f"{claim['finding']} -> {'held' if claim['held'] else 'did not hold here'}"
+
+
+def finding(claim: dict) -> str:
+    """Predicted or measured bytes per token, best strategy vs round-robin (the verdict apart)."""
     what = "measured" if claim["measured"] else "predicted"
     return (f"{what} all-to-all bytes/token {claim['best_bytes_per_token']:,.0f} ({claim['best_strategy']}) vs "
             f"{claim['baseline_bytes_per_token']:,.0f} (round-robin) = {-claim['reduction']:+.1%} "
-            f"(claim -{claim['threshold_reduction']:.0%}) -> {verdict}")
+            f"(claim -{claim['threshold_reduction']:.0%})")
 
 
 def summarize(docs: list[dict]) -> dict | None:

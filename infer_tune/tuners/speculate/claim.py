@@ -54,7 +54,7 @@ def claim_check(by_suite: dict[str, list[dict]]) -> dict | None:
              "suites": judged, "held": any(v["any_source"]["held"] for v in judged.values()),
              "held_with_draft_model": any(v["draft_model"] is not None and v["draft_model"]["held"]
                                           for v in judged.values())}
-    claim["finding"] = render_claim(claim)
+    claim["finding"] = finding(claim)
     return claim
 
 
@@ -62,20 +62,25 @@ def _num(value, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def render_claim(claim: dict) -> str:
-    """One human line: the verdict, then per code suite the best config of any source and of a draft model."""
+def finding(claim: dict) -> str:
+    """Per code suite, the fastest lossless config of any source and of a draft model (the verdict apart)."""
     def one(v: dict | None) -> str:
         if v is None:
             return "no draft model in the run"
+        ratio = v["draft_target_param_ratio"]
         return (f"{v['best']} {_num(v['speedup'])}x ({'ok' if v['speed_held'] else 'no'}), TTFT "
-                f"x{_num(v['ttft_ratio_vs_baseline'])} ({'ok' if v['ttft_held'] else 'no'}), draft/target "
-                f"params {_num(v['draft_target_param_ratio'])}")
+                f"x{_num(v['ttft_ratio_vs_baseline'])} ({'ok' if v['ttft_held'] else 'no'})"
+                + (f", draft/target params {_num(ratio)}" if ratio else ""))
 
-    parts = [f"{suite}: best of any source {one(v['any_source'])}; best draft model {one(v['draft_model'])}"
-             for suite, v in claim["suites"].items()]
+    return "; ".join(f"{suite}: best of any source {one(v['any_source'])}; best draft model {one(v['draft_model'])}"
+                     for suite, v in claim["suites"].items())
+
+
+def render_claim(claim: dict) -> str:
+    """One human line: the verdict (of any source, and with a draft model), then what was measured."""
     return (f"\"2-4x on code, TTFT unchanged\" -> {'held' if claim['held'] else 'did not hold here'} "
             f"(with a draft model: {'held' if claim['held_with_draft_model'] else 'did not hold here'}); "
-            + "; ".join(parts))
+            + claim["finding"])
 
 
 def summarize(docs: list[dict]) -> dict | None:
