@@ -83,6 +83,12 @@ def update_result(doc: dict) -> None:
     atomic.write_json(path, {k: v for k, v in doc.items() if k != "_path"})
 
 
+def add_files(doc: dict, files: dict[str, bytes]) -> None:
+    """Write `files` into a saved run's folder (`doc["_path"]`), each atomically."""
+    for name, data in files.items():
+        atomic.write_bytes(Path(doc["_path"]) / name, data)
+
+
 @contextmanager
 def runs_lock(out_dir: str | Path, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
     """Hold the exclusive lock of a runs directory (an flock on OUT/.infer-tune.lock, released by the

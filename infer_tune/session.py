@@ -21,7 +21,7 @@ from infer_tune.metrics.perplexity import reference_perplexity
 from infer_tune.metrics.stats import summarize
 from infer_tune.runners import GenerationRun, PreparedModel, get_runner
 from infer_tune.runners.base import Progress
-from infer_tune.tuners.base import TECHNIQUES, RunContext, TechniqueConfig, technique_for
+from infer_tune.tuners.base import TECHNIQUES, RunContext, TechniqueConfig, load_techniques, technique_for
 from infer_tune.workload import Inputs, Protocol, Workload, prepare_inputs, workload_block
 
 __all__ = ["Inputs", "ensure_baseline", "measure_prepared", "prepare_inputs", "run_configs", "run_fingerprint"]
@@ -299,19 +299,26 @@ def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, proto
         docs.append(doc)
         if ctx.progress:
             ctx.progress("configs", len(docs) + 1, len(configs) + 1)
-    summarize_claims(docs)
+    summarize_sweep(docs)
     return baseline, docs
 
 
-def summarize_claims(docs: list[dict]) -> None:
-    """Each technique's sweep-level claim (its `summarize` hook) stored into its results and saved."""
+def summarize_sweep(docs: list[dict]) -> None:
+    """Each technique's sweep-level claim (`summarize`) and figures (`plots`), stored in its results."""
+    load_techniques()
     by_technique: dict[str, list[dict]] = {}
     for doc in docs:
         by_technique.setdefault(doc["technique"], []).append(doc)
     for entry in TECHNIQUES.values():
         group = by_technique.get(entry.name)
-        if entry.summarize and group:
+        if not group:
+            continue
+        if entry.summarize:
             store_claim(group, entry.summarize(group))
+        files = entry.plots(group) if entry.plots else {}
+        for doc in group:
+            if files and doc.get("_path"):
+                results.add_files(doc, files)
 
 
 def store_claim(docs: list[dict], claim: dict | None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -113,23 +114,23 @@ def test_sweep_level_claims_reach_the_claims_table(tmp_path):
     the claim in each result on disk, and the claims table shows each once, with its finding."""
     from infer_tune import results
     from infer_tune.report import claims
-    from infer_tune.session import summarize_claims
+    from infer_tune.session import summarize_sweep
 
     batch = [make_result(f"b-{s}", technique="batch", config={"scheduler": s, "rate": 2.0}, seed=i,
-                         e2e_ms={"mean": 1000.0 if s == "static" else 500.0}, busy_share=0.95,
+                         e2e_ms={"mean": 1000.0 if s == "static" else 500.0, "p90": 1500.0}, busy_share=0.95,
                          output_throughput_tok_s=10.0 if s == "static" else 16.0)
              for i, s in enumerate(("static", "continuous"))]
     spec = [make_result(f"s-{k}", technique="speculate", suite="code-edit", seed=5 + k,
                         config={"draft": "prompt-lookup", "num_draft_tokens": k, "engine": "hf"},
                         speedup_vs_baseline=1.5 + k / 10, output_mismatches=0, draft_kind="prompt-lookup",
-                        ttft_speedup_vs_baseline=1.0) for k in (2, 4)]
+                        ttft_speedup_vs_baseline=1.0, acceptance_by_position=[0.5] * k) for k in (2, 4)]
     experts = [make_result(f"x-{s}", technique="experts", config={"strategy": s}, seed=9 + i,
-                           alltoall_bytes_per_token=b)
+                           alltoall_bytes_per_token=b, measured_device_load_share=[0.5, 0.5], balancedness=1.0)
                for i, (s, b) in enumerate((("round-robin", 1000.0), ("locality", 300.0)))]
     for doc in batch + spec + experts:
         doc["label"] = doc["run_id"]
         doc["_path"] = str(save(doc, tmp_path))
-    summarize_claims(batch + spec + experts)
+    summarize_sweep(batch + spec + experts)
     on_disk = results.find_results(tmp_path)
     rows = claims.collect(on_disk)
     by = {r.technique: r for r in rows}
@@ -138,6 +139,11 @@ def test_sweep_level_claims_reach_the_claims_table(tmp_path):
     assert by["speculate"].verdict == "did not hold here" and "s-4 1.90x" in by["speculate"].measured
     assert by["experts"].verdict == "held" and "-70.0%" in by["experts"].measured
     assert all(d["metrics"]["claim_check"] for d in on_disk)
+    # and each technique's own figures, in every result folder of the sweep (the HTML report shows them)
+    figures = {"batch": {"latency_cdf.png", "throughput_latency.png"}, "speculate": {"acceptance.png"},
+               "experts": {"plan_loads.png"}}
+    for doc in on_disk:
+        assert {p.name for p in Path(doc["_path"]).glob("*.png")} == figures[doc["technique"]]
 
 
 def test_cli_writes_files_and_prints(tmp_path):

@@ -290,13 +290,7 @@ def _finish_serve(measured: list[tuple[dict, list[dict], list[dict]]], serve: Se
                                                  {r["rate"]: r["metrics"] for r in table["continuous"]})
     summary["claim_check"] = claim
     summary["claim_by_rate"] = by_rate
-    per_rate: dict = {}
-    for doc, _, _ in measured:
-        per_rate.setdefault(doc["config"]["rate"], {})[doc["config"]["scheduler"]] = {
-            "e2e_ms": doc["samples"]["e2e_ms"], "ttft_ms": doc["samples"]["ttft_ms"]}
-    title = f"{model}: {serve.requests} requests, burstiness {serve.burstiness:g}, batch {serve.batch_size}"
-    files = {"latency_cdf.png": batch_plots.latency_cdf_png(per_rate, title),
-             "throughput_latency.png": batch_plots.throughput_latency_png(table, title)}
+    files = batch_plots.sweep_plots([doc for doc, _, _ in measured])
     run_dirs = []
     for doc, outputs, rows in measured:
         doc["metrics"]["max_rate_meeting_slo"] = summary["max_rate_meeting_slo"].get(doc["config"]["scheduler"])

@@ -18,7 +18,6 @@ from pathlib import Path
 
 from infer_tune import atomic
 from infer_tune.errors import ConfigError
-from infer_tune.report.plots import png_bytes, pyplot
 from infer_tune.runners.base import Progress
 from infer_tune.scenarios.common import RunSpec, open_run
 from infer_tune.session import run_configs, store_claim
@@ -99,7 +98,6 @@ def run_speculate(spec: RunSpec, sweep: SpeculateSweep, progress: Progress | Non
         run.ctx.cache[PROMPT_IDS_KEY] = [p.id for p in inputs.prompts]
         baseline, docs = run_configs(run.loaded, inputs, workload, spec.protocol, configs, run.ctx,
                                      resume=spec.resume, measure_ppl=False)
-        write_acceptance_plot(docs, f"{run.loaded.ref} on {workload.suite}: acceptance per draft position")
         outcomes.append(SuiteOutcome(workload.suite, baseline, docs))
     docs = [d for o in outcomes for d in o.docs]
     claim = claim_check({o.suite: o.docs for o in outcomes})
@@ -107,31 +105,6 @@ def run_speculate(spec: RunSpec, sweep: SpeculateSweep, progress: Progress | Non
     return SpeculateOutcome(suites=outcomes, recommendations=[recommend(o) for o in outcomes],
                             claim=claim, warnings=list(run.ctx.cache.get(WARNINGS_KEY, [])),
                             mismatched=[d for d in docs if d["metrics"].get("output_mismatches")])
-
-
-def write_acceptance_plot(docs: list[dict], title: str) -> None:
-    """acceptance_by_position of every config of one suite, as `acceptance.png` in each of their run dirs."""
-    curves = {d["label"]: d["metrics"].get("acceptance_by_position") or [] for d in docs}
-    if not docs or not any(curves.values()):
-        return
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name, ys in curves.items():
-        if ys:
-            ax.plot(range(1, len(ys) + 1), ys, marker="o", markersize=3, linewidth=1, label=name)
-    ax.set_xlabel("draft position (1 = first proposed token)")
-    ax.set_ylabel("accepted / proposed at this position")
-    ax.set_ylim(0, 1.02)
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    data = png_bytes(fig, 110)
-    for doc in docs:
-        if doc.get("_path"):
-            target = Path(doc["_path"]) / "acceptance.png"
-            tmp = target.with_name(".acceptance.png.tmp")
-            tmp.write_bytes(data)
-            tmp.replace(target)
 
 
 def recommend(outcome: SuiteOutcome) -> dict:

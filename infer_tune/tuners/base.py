@@ -99,6 +99,9 @@ class Technique:
     - `summarize(docs) -> claim | None`: a claim check that needs every result of the technique in
       one sweep (static vs continuous at the same rate, each suite's fastest draft); the sweep stores
       it as `metrics.claim_check` in each of those results (the claims table reads it there).
+    - `plots(docs) -> {file name: PNG bytes}`: the technique's own figures over the sweep (acceptance
+      by position, latency CDFs, device load per plan), written into each of those results' folders,
+      where the HTML report finds them.
     """
 
     config_cls: type
@@ -110,6 +113,7 @@ class Technique:
     preflight: Callable[[LoadedModel, Any, RunContext], None] | None = None
     measure_ppl: bool = True
     summarize: Callable[[list[dict]], dict | None] | None = None
+    plots: Callable[[list[dict]], dict[str, bytes]] | None = None
 
     @property
     def name(self) -> str:
@@ -130,14 +134,15 @@ TECHNIQUES: dict[type, Technique] = {}
 def register_technique(config_cls: type, *, runner: str = "generation", max_batch_size: int | None = None,
                        resolve: Callable | None = None, annotate: Callable | None = None,
                        preflight: Callable | None = None, measure_ppl: bool = True,
-                       summarize: Callable | None = None) -> Callable[[PrepareFn], PrepareFn]:
+                       summarize: Callable | None = None, plots: Callable | None = None,
+                       ) -> Callable[[PrepareFn], PrepareFn]:
     """Register `prepare(loaded, config, ctx) -> PreparedModel` for `config_cls` (see `Technique`)."""
     if not getattr(config_cls, "technique", ""):
         raise TypeError(f"{config_cls.__name__} needs a `technique: ClassVar[str]` name")
 
     def decorator(fn: PrepareFn) -> PrepareFn:
         TECHNIQUES[config_cls] = Technique(config_cls, fn, runner, max_batch_size, resolve, annotate, preflight,
-                                           measure_ppl, summarize)
+                                           measure_ppl, summarize, plots)
         return fn
 
     return decorator

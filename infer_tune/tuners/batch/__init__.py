@@ -20,6 +20,7 @@ from infer_tune.runners.prepared import PreparedModel
 from infer_tune.runners.trace import TraceRequest
 from infer_tune.tuners.base import RunContext, TechniqueConfig, register_technique
 from infer_tune.tuners.batch import analysis
+from infer_tune.tuners.batch import plots as batch_plots
 from infer_tune.tuners.batch.arrivals import TraceRow, check_burstiness, check_rate, trace_plan
 from infer_tune.tuners.batch.common import reference_tokens
 from infer_tune.tuners.batch.continuous import ContinuousBatcher
@@ -116,7 +117,7 @@ def _preflight(loaded: models.LoadedModel, config: BatchConfig, ctx: RunContext)
 
 
 @register_technique(BatchConfig, runner="trace", preflight=_preflight, measure_ppl=False,
-                    summarize=analysis.summarize)
+                    summarize=analysis.summarize, plots=batch_plots.sweep_plots)
 def prepare_batch(loaded: models.LoadedModel, config: BatchConfig, ctx: RunContext) -> PreparedModel:
     """The model unchanged; the trace runner gets the trace factory and the scheduler (sweep: nothing)."""
     options = {}

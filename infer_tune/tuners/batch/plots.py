@@ -58,6 +58,30 @@ def latency_cdf_png(per_rate: dict[float, dict[str, dict[str, list[float]]]], ti
     return png_bytes(fig, 110)
 
 
+def sweep_plots(docs: list[dict]) -> dict[str, bytes]:
+    """Latency CDFs and the throughput-vs-latency curve of a sweep's trace results (static and
+    continuous runs of one trace at one or more rates); nothing for a batch-size sweep."""
+    traced = [d for d in docs if (d.get("config") or {}).get("rate") is not None and d.get("samples")]
+    if not traced:
+        return {}
+    per_rate: dict[float, dict[str, dict[str, list[float]]]] = {}
+    curves: dict[str, list[dict]] = {}
+    for d in traced:
+        config, m, samples = d["config"], d["metrics"], d["samples"]
+        per_rate.setdefault(config["rate"], {})[config["scheduler"]] = {
+            "e2e_ms": samples.get("e2e_ms") or [], "ttft_ms": samples.get("ttft_ms") or []}
+        curves.setdefault(config["scheduler"], []).append(
+            {"rate": config["rate"], "throughput": m["output_throughput_tok_s"], "e2e_mean_ms": m["e2e_ms"]["mean"],
+             "e2e_p90_ms": m["e2e_ms"]["p90"]})
+    first = traced[0]
+    trace = first.get("workload") or {}
+    title = (f"{(first.get('model') or {}).get('ref', '')}: {trace.get('requests') or first['config'].get('requests')} "
+             f"requests, burstiness {trace.get('burstiness') or first['config'].get('burstiness') or 1:g}, "
+             f"batch {first['config'].get('batch_size')}")
+    return {"latency_cdf.png": latency_cdf_png(per_rate, title),
+            "throughput_latency.png": throughput_latency_png(curves, title)}
+
+
 def throughput_latency_png(curves: dict[str, list[dict]], title: str) -> bytes:
     """curves: scheduler -> [{rate, throughput, e2e_mean_ms, e2e_p90_ms}] over the rates."""
     plt = pyplot()

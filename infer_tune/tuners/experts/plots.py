@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from infer_tune.report.plots import png_bytes, pyplot
-from infer_tune.tuners.experts.loadfile import LoadFile
+from infer_tune.tuners.experts.loadfile import LoadFile, load
 
 
 def load_heatmap_png(load: LoadFile) -> bytes:
@@ -35,6 +37,21 @@ def load_heatmap_png(load: LoadFile) -> bytes:
     fig.suptitle(f"{load.model.ref}: {load.tokens} tokens of {load.workload.get('suite', '?')}, "
                  f"top-{load.model.top_k} of {n} experts", fontsize=10)
     return png_bytes(fig)
+
+
+def validation_plots(docs: list[dict]) -> dict[str, bytes]:
+    """A sweep's expert-parallel runs: the measured device load per plan, and the load file's heatmap."""
+    rows = [(d["config"]["strategy"], {"device_load_share": d["metrics"]["measured_device_load_share"],
+                                       "balancedness": d["metrics"]["balancedness"]})
+            for d in docs if d["metrics"].get("measured_device_load_share")]
+    files = {}
+    if rows:
+        speeds = docs[0]["config"].get("device_speeds") or [1.0] * len(rows[0][1]["device_load_share"])
+        files["plan_loads.png"] = plan_loads_png(rows, speeds)
+    load_file = docs[0]["config"].get("load_file") if docs else None
+    if load_file and Path(load_file).is_file():
+        files["heatmap.png"] = load_heatmap_png(load(load_file))
+    return files
 
 
 def plan_loads_png(rows: list[tuple[str, dict]], speeds: list[float]) -> bytes:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from infer_tune.tuners.base import RunContext, register_technique
-from infer_tune.tuners.speculate import claim
+from infer_tune.tuners.speculate import claim, plots
 from infer_tune.tuners.speculate.config import (
     EARLY_EXIT,
     ENGINES,
@@ -42,4 +42,4 @@ def _resolve(config: SpeculateConfig, ctx: RunContext) -> SpeculateConfig:
 
 
 register_technique(SpeculateConfig, runner="speculative", max_batch_size=1, resolve=_resolve, preflight=preflight,
-                   annotate=annotate, measure_ppl=False, summarize=claim.summarize)(prepare)
+                   annotate=annotate, measure_ppl=False, summarize=claim.summarize, plots=plots.plots)(prepare)
