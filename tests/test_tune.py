@@ -15,6 +15,7 @@ from infer_tune.cli import app
 from infer_tune.errors import ConfigError
 from infer_tune.tuners.base import RunContext, apply
 from infer_tune.tuners.quantize import QuantizeConfig, kernels
+from infer_tune.tuners.quantize.apply import STATIC_ERROR_BUDGET
 from infer_tune.tuners.quantize.modules import Int4Linear, Int8DynamicLinear, int8_per_channel
 from infer_tune.tuners.quantize.pipeline import quantize_in_memory
 
@@ -112,7 +113,7 @@ def test_static_scales_stay_within_the_reduced_range(tiny_loaded, prompts_file, 
     summary = quantize_in_memory(model, QuantizeConfig(method="int8-static"), "torch", calib)
     statics = [m for m in model.modules() if isinstance(m, Int8StaticLinear)]
     assert all(m.reduce_range and 0 <= m.act_zero_point <= 127 for m in statics)
-    assert "dynamic_fallback_layers" in summary and summary["static_error_budget"] == 2.0
+    assert "dynamic_fallback_layers" in summary and summary["static_error_budget"] == STATIC_ERROR_BUDGET
 
 
 # --------------------------------------------------------------------------- stacks
