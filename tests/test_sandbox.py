@@ -169,6 +169,8 @@ def test_canonical_humaneval_solutions_pass_in_the_sandbox(box):
 
 def test_ctrl_c_kills_the_sandboxed_program(box):
     program = passk.build_program(PROBLEM["prompt"], "    import time\n    time.sleep(600)\n", PROBLEM["test"], "add")
+    # a process started in the background by a shell inherits SIGINT ignored: Ctrl-C as a terminal delivers it
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     try:
@@ -176,6 +178,7 @@ def test_ctrl_c_kills_the_sandboxed_program(box):
             passk.run_program(program, timeout_s=60.0)
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert program_processes() == []
 
 
