@@ -138,10 +138,10 @@ def run_sweep(spec: RunSpec, sweep: SweepSpec, progress: Progress | None = None)
         reference = reference or (doc, outputs)
         measured[size] = (doc["metrics"]["peak_rss_delta_bytes"], size * (width + t))
         docs.append((doc, outputs))
-    return _finish_sweep(docs, skipped, loaded.ref, ctx.out_dir)
+    return _finish_sweep(docs, skipped, loaded.ref)
 
 
-def _finish_sweep(docs: list[tuple[dict, list[dict]]], skipped: list[dict], model: str, out_dir: Path) -> SweepResult:
+def _finish_sweep(docs: list[tuple[dict, list[dict]]], skipped: list[dict], model: str) -> SweepResult:
     throughput = {d["metrics"]["batch_size"]: d["metrics"]["output_throughput_tok_s"] for d, _ in docs}
     knee, gains = analysis.knee(throughput)
     rows = [{"batch_size": d["metrics"]["batch_size"], "throughput": d["metrics"]["output_throughput_tok_s"],
@@ -150,16 +150,16 @@ def _finish_sweep(docs: list[tuple[dict, list[dict]]], skipped: list[dict], mode
     png = batch_plots.sweep_png(rows, knee, f"{model}: padded static batches, closed loop") if rows else None
     reference = docs[0][0]["metrics"]["batch_size"] if docs else None
     run_dirs = []
-    for doc, outputs in docs:
+    for doc, _ in docs:
         size = doc["metrics"]["batch_size"]
         doc["metrics"].update(knee_batch_size=knee, is_knee=size == knee, reference_batch_size=reference,
                               gain_per_doubling=gains.get(size))
         doc["sweep"] = {"throughput_by_batch_size": {str(k): v for k, v in throughput.items()},
                         "knee_batch_size": knee, "not_measured": skipped}
-        doc.pop("_path", None)
-        saved = results.save_run(out_dir, doc, outputs, extra_files={"sweep.png": png})
-        doc["_path"] = str(saved.run_dir)
-        run_dirs.append(saved.run_dir)
+        results.update_result(doc)  # its folder exists since its measurement: complete it there
+        if png:
+            results.add_files(doc, {"sweep.png": png})
+        run_dirs.append(Path(doc["_path"]))
     return SweepResult(docs=[d for d, _ in docs], skipped=skipped, knee=knee, run_dirs=run_dirs)
 
 
@@ -262,15 +262,14 @@ def run_serve(spec: RunSpec, serve: ServeSpec, progress: Progress | None = None)
             measured.append((doc, outputs, rows))
             del prepared, scheduler, factory
             gc.collect()
-    return _finish_serve(measured, serve, loaded.ref, ctx.out_dir)
+    return _finish_serve(measured, serve)
 
 
 def _trace_file(rows: list[dict]) -> dict[str, bytes]:
     return {"trace.jsonl": "".join(json.dumps(r) + "\n" for r in rows).encode()}
 
 
-def _finish_serve(measured: list[tuple[dict, list[dict], list[dict]]], serve: ServeSpec, model: str,
-                  out_dir: Path) -> ServeResult:
+def _finish_serve(measured: list[tuple[dict, list[dict], list[dict]]], serve: ServeSpec) -> ServeResult:
     """Goodput under the SLOs, the highest rate meeting them, the claim check and the plots; saved into every result."""
     table: dict[str, list[dict]] = {}
     for doc, _, _ in measured:
@@ -292,13 +291,13 @@ def _finish_serve(measured: list[tuple[dict, list[dict], list[dict]]], serve: Se
     summary["claim_by_rate"] = by_rate
     files = batch_plots.sweep_plots([doc for doc, _, _ in measured])
     run_dirs = []
-    for doc, outputs, rows in measured:
+    for doc, _, _ in measured:
         doc["metrics"]["max_rate_meeting_slo"] = summary["max_rate_meeting_slo"].get(doc["config"]["scheduler"])
         if claim is not None:
             doc["metrics"]["claim_check"] = claim  # the claims table reads it from every result
         doc["serve_summary"] = summary
-        doc.pop("_path", None)
-        saved = results.save_run(out_dir, doc, outputs, {**files, **_trace_file(rows)})
-        doc["_path"] = str(saved.run_dir)
-        run_dirs.append(saved.run_dir)
+        # the run folder exists since its measurement (trace.jsonl included): complete it there
+        results.update_result(doc)
+        results.add_files(doc, files)
+        run_dirs.append(Path(doc["_path"]))
     return ServeResult(docs=[d for d, _, _ in measured], summary=summary, run_dirs=run_dirs)
