@@ -26,9 +26,6 @@ Burstiness = Annotated[float, typer.Option("--burstiness", help="Gamma shape K o
 TimeoutMs = Annotated[float, typer.Option("--timeout-ms", help="Static batcher: dispatch a partial batch once its "
                                           "oldest request waited this long.")]
 MaxBatchTokens = Annotated[int, typer.Option("--max-batch-tokens", help="Continuous batcher: token budget per forward pass.")]
-SloTtft = Annotated[float | None, typer.Option("--slo-ttft-ms", help="SLO on time to first token (ms, from arrival).")]
-SloTpot = Annotated[float | None, typer.Option("--slo-tpot-ms", help="SLO on time per output token (ms).")]
-SloE2e = Annotated[float | None, typer.Option("--slo-e2e-ms", help="SLO on end-to-end latency (ms, from arrival).")]
 SloTarget = Annotated[float, typer.Option("--slo-target", help="Share of requests that must meet every SLO for a "
                                           "rate to count as meeting them.")]
 Schedulers = Annotated[str, typer.Option("--schedulers", help="Comma-separated: static, continuous.")]
@@ -137,9 +134,9 @@ def serve_sim(
     burstiness: Burstiness = 1.0,
     timeout_ms: TimeoutMs = 250.0,
     max_batch_tokens: MaxBatchTokens = 512,
-    slo_ttft_ms: SloTtft = None,
-    slo_tpot_ms: SloTpot = None,
-    slo_e2e_ms: SloE2e = None,
+    slo_ttft_ms: opt.SloTtft = None,
+    slo_tpot_ms: opt.SloTpot = None,
+    slo_e2e_ms: opt.SloE2e = None,
     slo_target: SloTarget = 0.9,
     schedulers: Schedulers = "static,continuous",
     allow_repeat: AllowRepeat = False,

@@ -130,6 +130,7 @@ def bench(
 
 def render_recipe(docs: list[dict], out_dir: Path) -> None:
     """The recipe's rows (narrow table), its claims, the recommendation, and the report's files."""
+    from infer_tune.cli.leaderboard import print_recommendation
     from infer_tune.report import claims, display
     from infer_tune.report import leaderboard as lb
     from infer_tune.report.recommend import Budget, recommend
@@ -143,11 +144,6 @@ def render_recipe(docs: list[dict], out_dir: Path) -> None:
                          + (f" ({claim.why})" if claim.why and claim.verdict != "held" else ""),
                          markup=False, soft_wrap=True)
     budget = Budget()
-    rec = recommend(docs, budget)
-    if rec.doc is not None:
-        output.out.print(f"recommended ({lb.budget_summary(budget)}): {rec.doc['technique']} "
-                         f"{rec.doc.get('label', '')}; reproduce: {rec.command}", markup=False, soft_wrap=True)
-    else:
-        output.out.print(f"no configuration to recommend within {lb.budget_summary(budget)}", markup=False)
+    print_recommendation(recommend(docs, budget), budget)
     for path in written.values():
         output.out.print(f"report: {path}", markup=False, soft_wrap=True)

@@ -84,9 +84,6 @@ app = typer.Typer(help="Benchmark a live OpenAI-compatible server: a rate sweep,
 Rates = Annotated[str, typer.Option("--rates", help="Comma-separated offered rates in requests/s (inf: all at once), one result each.")]
 Requests = Annotated[int, typer.Option("--requests", help="Requests per rate (prompts taken in turn).")]
 Burstiness = Annotated[float, typer.Option("--burstiness", help="Gamma shape of inter-arrival gaps: 1 Poisson, <1 burstier, >1 more regular.")]
-SloTtft = Annotated[float | None, typer.Option("--slo-ttft-ms", help="Goodput SLO: TTFT at most this many ms.")]
-SloTpot = Annotated[float | None, typer.Option("--slo-tpot-ms", help="Goodput SLO: TPOT at most this many ms.")]
-SloE2e = Annotated[float | None, typer.Option("--slo-e2e-ms", help="Goodput SLO: end-to-end latency at most this many ms.")]
 KneeFactor = Annotated[float, typer.Option("--knee-factor", help="A rate is saturated when its TTFT p50 exceeds this multiple of the lowest rate's.")]
 
 
@@ -97,9 +94,9 @@ def sim(
     rates: Rates = "1,2,4",
     requests: Requests = 16,
     burstiness: Burstiness = 1.0,
-    slo_ttft_ms: SloTtft = None,
-    slo_tpot_ms: SloTpot = None,
-    slo_e2e_ms: SloE2e = None,
+    slo_ttft_ms: opt.SloTtft = None,
+    slo_tpot_ms: opt.SloTpot = None,
+    slo_e2e_ms: opt.SloE2e = None,
     knee_factor: KneeFactor = 2.0,
     served_model: ServedModel = None,
     api_key_env: ApiKeyEnv = None,
@@ -130,12 +127,13 @@ def run_sim(opts: opt.MeasureOptions, endpoint: str, *, rates: str, requests: in
     """`endpoint sim` (and `batch serve-sim --endpoint`): the rate sweep against a server, rendered."""
     from infer_tune.cli.bench import run_spec
     from infer_tune.endpoint.arrivals import parse_rates
+    from infer_tune.metrics.saturation import SLO
     from infer_tune.scenarios.endpoint import run_endpoint_sweep
 
     for flag, value in (("--requests", requests), ("--burstiness", burstiness), ("--knee-factor", knee_factor)):
         if not value > 0:
             raise ConfigError(f"{flag} must be > 0, got {value}")
-    slo = {k: v for k, v in (("ttft_ms", slo_ttft_ms), ("tpot_ms", slo_tpot_ms), ("e2e_ms", slo_e2e_ms)) if v is not None}
+    slo = SLO(ttft_ms=slo_ttft_ms, tpot_ms=slo_tpot_ms, e2e_ms=slo_e2e_ms).to_dict()
     config = endpoint_config(endpoint, served_model, api_key_env, api, concurrency, request_timeout, ignore_eos, label)
     with output.progress_bar(not opts.json_out) as progress:
         outcome = run_endpoint_sweep(run_spec(opts), config, parse_rates(rates), requests=requests,

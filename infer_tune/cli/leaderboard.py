@@ -29,6 +29,18 @@ def render(rows: list[dict]) -> None:
     output.out.print(table)
 
 
+def print_recommendation(rec, budget) -> None:
+    """The recommended configuration and its reproduce command, or why there is none, in one line."""
+    from infer_tune.report import leaderboard as lb
+
+    if rec.doc is not None:
+        output.out.print(f"recommended ({lb.budget_summary(budget)}): {rec.doc['technique']} {rec.doc.get('label', '')}"
+                         f"; reproduce: {rec.command}", markup=False, soft_wrap=True)
+    else:
+        output.out.print(f"no configuration to recommend within {lb.budget_summary(budget)}", markup=False,
+                         soft_wrap=True)
+
+
 def leaderboard(
     runs_dir: Annotated[Path, typer.Argument(help="Runs directory holding <run-id>/result.json folders.")],
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Where to write the files (default: RUNS_DIR).")] = None,
@@ -83,10 +95,6 @@ def leaderboard(
                            "recommendation": rec.to_dict(), "files": {k: str(v) for k, v in written.items()}})
         return
     render(rows)
-    if rec.doc is not None:
-        output.out.print(f"recommended ({lb.budget_summary(budget)}): {rec.doc['technique']} {rec.doc.get('label', '')}"
-                         f"; reproduce: {rec.command}", markup=False, soft_wrap=True)
-    else:
-        output.out.print(f"no configuration to recommend within {lb.budget_summary(budget)}", soft_wrap=True)
+    print_recommendation(rec, budget)
     for path in written.values():
         output.note(f"wrote {path}")

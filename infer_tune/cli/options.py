@@ -38,6 +38,11 @@ Seed = Annotated[int, typer.Option("--seed", help="Seed for prompt sampling and 
 Warmup = Annotated[int, typer.Option("--warmup", help="Untimed warmup generate calls (the first is reported as first_call_ms).")]
 MinIterations = Annotated[int, typer.Option("--min-iterations", help="Minimum timed passes over the workload.")]
 MinDuration = Annotated[float, typer.Option("--min-duration", help="Minimum timed seconds; passes repeat until both minimums are met.")]
+# latency objectives of the serving commands (batch serve-sim, endpoint sim, bench --endpoint): goodput counts the
+# requests that meet all of those given (metrics/saturation.py)
+SloTtft = Annotated[float | None, typer.Option("--slo-ttft-ms", help="Goodput SLO: TTFT at most this many ms (from arrival).")]
+SloTpot = Annotated[float | None, typer.Option("--slo-tpot-ms", help="Goodput SLO: TPOT at most this many ms.")]
+SloE2e = Annotated[float | None, typer.Option("--slo-e2e-ms", help="Goodput SLO: end-to-end latency at most this many ms (from arrival).")]
 Out = Annotated[Path, typer.Option("--out", "-o", help="Runs directory; each run writes OUT/<run-id>/result.json.")]
 Json = Annotated[bool, typer.Option("--json", help="Print only the result document(s) as JSON on stdout.")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks.", callback=_set_debug, is_eager=True)]
