@@ -11,7 +11,7 @@ there — identical to an unpinned greedy run, without a second generation pass.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
@@ -90,6 +90,10 @@ def split_generate_kwargs(generate_kwargs: dict) -> tuple[dict, dict]:
     defaults = GenerationConfig()
     config_fields = {k: v for k, v in generate_kwargs.items() if hasattr(defaults, k)}
     return config_fields, {k: v for k, v in generate_kwargs.items() if k not in config_fields}
+
+
+# one request batch decoded, its token times stamped on the clock: (submit_ns, generated ids [B, T], natural lengths)
+Decode = Callable[[dict[str, torch.Tensor], TokenClock], tuple[int, torch.Tensor, list[int | None]]]
 
 
 def generate_once(
@@ -174,21 +178,31 @@ def measure_generation(
     protocol: Protocol,
     *,
     progress: Progress | None = None,
+    decode: Decode | None = None,
 ) -> GenerationRun:
     """Warm up, then run every batch repeatedly until the protocol is satisfied.
 
     `batches` are tokenized, left-padded batches with an attention mask; `progress(stage, done, total)`
     is called after each batch so a CLI can draw a bar (the runner itself prints nothing). The
-    technique's counters are reset after warmup, so they count the timed passes only.
+    technique's counters are reset after warmup, so they count the timed passes only. `decode(batch,
+    clock) -> (submit_ns, generated ids [B, T], natural length per row)` runs one request batch and
+    stamps `clock`; default: one `generate` call (`generate_once`). A runner with its own decode loop
+    (the lean path) passes its own and keeps this protocol.
     """
+    if decode is None:
+        def decode(batch: dict[str, torch.Tensor], clock: TokenClock):
+            submit_ns, _, generated, natural = generate_once(prepared, batch, max_new_tokens,
+                                                             pin_length=protocol.pin_length, clock=clock)
+            return submit_ns, generated, natural
     tokenizer = prepared.tokenizer
     eos = set(eos_ids(prepared.model, tokenizer))
     first_call_ms = None
     warmup_start = time.perf_counter()
     for i in range(protocol.warmup):
-        submit_ns, token_ns, _, _ = generate_once(prepared, batches[0], max_new_tokens, pin_length=protocol.pin_length)
-        if i == 0 and token_ns:
-            first_call_ms = (token_ns[-1] - submit_ns) / 1e6
+        clock = TokenClock()
+        submit_ns, _, _ = decode(batches[0], clock)
+        if i == 0 and clock.step_ns:
+            first_call_ms = (clock.step_ns[-1] - submit_ns) / 1e6
         if progress:
             progress("warmup", i + 1, protocol.warmup)
     warmup_s = time.perf_counter() - warmup_start
@@ -209,9 +223,7 @@ def measure_generation(
         for b, batch in enumerate(batches):
             clock = TokenClock()
             start = time.perf_counter_ns()
-            submit_ns, token_ns, generated, natural = generate_once(
-                prepared, batch, max_new_tokens, pin_length=protocol.pin_length, clock=clock
-            )
+            submit_ns, generated, natural = decode(batch, clock)
             measured_ns += time.perf_counter_ns() - start
             steps += len(clock.step_ns)
             timings, outs = collect_rows(tokenizer, eos, batch, submit_ns, clock, generated, natural,

@@ -12,14 +12,12 @@ method: int4-rtn}, {technique: lean}]}`).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import ClassVar
 
-from infer_tune.metrics import memory
 from infer_tune.models import LoadedModel
 from infer_tune.runners.base import GenerationRun, Progress, Protocol, TokenClock, register_runner
-from infer_tune.runners.generation import collect_rows, eos_ids
+from infer_tune.runners.generation import eos_ids, measure_generation
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.tuners.base import RunContext, TechniqueConfig, register_technique
 from infer_tune.tuners.lean.loop import LeanCounters, LeanDecoder
@@ -54,56 +52,21 @@ def prepare_lean(loaded: LoadedModel, config: LeanConfig, ctx: RunContext) -> Pr
                          runner_options={"lean_decoder": decoder}, runner="lean")
 
 
-def _one(prepared: PreparedModel, decoder: LeanDecoder, batch: dict, max_new_tokens: int, pin: bool):
-    import torch
-
-    ids = batch["input_ids"].to(prepared.device)
-    submit_ns, token_ns, tokens, natural = decoder.generate(ids, max_new_tokens, eos_ids(prepared.model,
-                                                                                       prepared.tokenizer),
-                                                            pin_length=pin)
-    clock = TokenClock()
-    clock.step_ns, clock.step_tokens = list(token_ns), [1] * len(token_ns)
-    return submit_ns, clock, torch.tensor([tokens], dtype=torch.long), [natural]
-
-
 @register_runner("lean")
 def run_lean(prepared: PreparedModel, inputs, workload, protocol: Protocol,
              progress: Progress | None = None) -> GenerationRun:
-    """The closed loop of the generation runner, each request decoded by the lean loop (batch size 1)."""
+    """The generation runner's protocol, each request decoded by the lean loop (batch size 1)."""
+    import torch
+
     decoder: LeanDecoder = prepared.runner_options.get("lean_decoder") or LeanDecoder(prepared.model)
-    batches, max_new = inputs.batches, workload.max_new_tokens
-    tokenizer = prepared.tokenizer
-    eos = set(eos_ids(prepared.model, tokenizer))
-    first_call_ms = None
-    warmup_start = time.perf_counter()
-    for i in range(protocol.warmup):
-        submit_ns, clock, _, _ = _one(prepared, decoder, batches[0], max_new, protocol.pin_length)
-        if i == 0 and clock.step_ns:
-            first_call_ms = (clock.step_ns[-1] - submit_ns) / 1e6
-        if progress:
-            progress("warmup", i + 1, protocol.warmup)
-    warmup_s = time.perf_counter() - warmup_start
-    if prepared.counters is not None:
-        prepared.counters.reset()
-    rss_before = memory.release_and_reset_peak()
-    requests, outputs = [], []
-    iteration, measured_ns, generated_tokens = 0, 0, 0
-    while iteration < protocol.min_iterations or measured_ns / 1e9 < protocol.min_duration_s:
-        for b, batch in enumerate(batches):
-            start = time.perf_counter_ns()
-            submit_ns, clock, generated, natural = _one(prepared, decoder, batch, max_new, protocol.pin_length)
-            measured_ns += time.perf_counter_ns() - start
-            timings, outs = collect_rows(tokenizer, eos, batch, submit_ns, clock, generated, natural,
-                                         iteration=iteration, base_index=b, pin_length=protocol.pin_length)
-            requests.extend(timings)
-            generated_tokens += sum(len(t.token_ns) for t in timings)
-            if iteration == 0:
-                outputs.extend(outs)
-            if progress:
-                progress(f"iteration {iteration + 1}", b + 1, len(batches))
-        iteration += 1
-    counters = prepared.counters.snapshot() if prepared.counters is not None else {}
-    return GenerationRun(requests=requests, outputs=outputs, measured_wall_s=measured_ns / 1e9, iterations=iteration,
-                         first_call_ms=first_call_ms, warmup_s=warmup_s, peak_rss_bytes=memory.peak_rss_bytes(),
-                         rss_before_bytes=rss_before, generated_tokens=generated_tokens, batch_size=1,
-                         counters=counters, cuda_peak_bytes=memory.cuda_peak_bytes(prepared.device))
+    eos = eos_ids(prepared.model, prepared.tokenizer)
+
+    def decode(batch: dict, clock: TokenClock):
+        ids = batch["input_ids"].to(prepared.device)
+        submit_ns, token_ns, tokens, natural = decoder.generate(ids, workload.max_new_tokens, eos,
+                                                                pin_length=protocol.pin_length)
+        clock.step_ns, clock.step_tokens = list(token_ns), [1] * len(token_ns)
+        return submit_ns, torch.tensor([tokens], dtype=torch.long), [natural]
+
+    return measure_generation(prepared, inputs.batches, workload.max_new_tokens, protocol, progress=progress,
+                              decode=decode)
