@@ -109,3 +109,15 @@ def _isolated_home(_test_home, monkeypatch):
 @pytest.fixture(scope="session")
 def smollm2_available() -> bool:
     return (REAL_HOME / "models" / "smollm2-135m" / "config.json").exists()
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: tiny models gain nothing from more, and on a busy shared CPU thread hand-offs
+    cost milliseconds (`pytestmark = pytest.mark.usefixtures("one_thread")` in modules that time them)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

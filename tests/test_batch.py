@@ -32,13 +32,7 @@ runner = CliRunner()
 FAST = ["--warmup", "0", "--threads", "1"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: the tiny models gain nothing from two, and a shared CPU punishes them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

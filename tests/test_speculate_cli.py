@@ -25,12 +25,8 @@ FAST = ["--warmup", "0", "--min-iterations", "1", "--min-duration", "0", "--thre
 
 
 @pytest.fixture(autouse=True)
-def _one_thread(monkeypatch):
+def _wide_and_one_thread(monkeypatch, one_thread):
     monkeypatch.setenv("COLUMNS", "200")  # the report table, unwrapped
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
