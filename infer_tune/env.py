@@ -117,15 +117,11 @@ def measure_bandwidth_gb_s(size_mb: int = 256, repeats: int = 5) -> float:
 REVALIDATE_TOLERANCE = 0.4  # a quick check this far (either way) from the cached reading re-measures
 
 
-def memory_bandwidth_gb_s() -> float:
-    """Measured once per machine (the machine key: CPU, flags, cores, RAM, boot) and cached in
-    `$INFER_TUNE_HOME/bandwidth.json`; every use re-validates the cached reading with a quick copy
-    (128 MiB, tens of ms) and re-measures when the two disagree by more than REVALIDATE_TOLERANCE."""
-    return bandwidth_reading()["gb_s"]
-
-
 def bandwidth_reading() -> dict:
-    """{gb_s, measured_at, quick_check_gb_s, source}: the cached (re-validated) or freshly measured bandwidth."""
+    """{gb_s, measured_at, quick_check_gb_s, source}: the bandwidth measured once per machine (the machine key:
+    CPU, flags, cores, RAM, boot), cached in `$INFER_TUNE_HOME/bandwidth.json`; every use re-validates the
+    cached reading with a quick copy (128 MiB, tens of ms) and re-measures when the two disagree by more than
+    REVALIDATE_TOLERANCE."""
     cache = paths.home() / "bandwidth.json"
     key = machine_key()
     try:

@@ -42,14 +42,6 @@ def stages_from_recipe(name_or_path: str, spec: RunSpec, *, workload_given: dict
     return stages
 
 
-def spec_from_recipe(name_or_path: str, spec: RunSpec, *, workload_given: dict[str, Any],
-                     protocol_given: dict[str, Any], model_given: bool) -> tuple[RunSpec, list]:
-    """A single-stage recipe's run spec and configs (see `stages_from_recipe` for several stages)."""
-    stages = stages_from_recipe(name_or_path, spec, workload_given=workload_given, protocol_given=protocol_given,
-                                model_given=model_given)
-    return stages[0].spec, stages[0].configs
-
-
 def run_recipe(stages: list[Stage], *, progress: Progress | None = None) -> list[BenchOutcome]:
     """Every stage in order, each against its own baseline; overall progress as `configs done / total`.
     Finished results are saved as they come, so an interrupted recipe resumes with `resume`."""
