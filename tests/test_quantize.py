@@ -49,20 +49,25 @@ def test_int8_targets_hold_int8_and_halve_bytes(tiny_loaded, prompts_file, metho
     assert models.model_bytes(model) <= 0.55 * bytes_16bit(tiny_loaded.model)  # >= 45% below 16-bit
 
 
-@pytest.mark.parametrize("method", ["int4-weight", "int4-rtn"])
-def test_int4_targets_hold_packed_4bit(tiny_loaded, prompts_file, method):
-    model, _, _ = quantized_copy(tiny_loaded, method, prompts_file, group_size=64)
+@pytest.mark.parametrize("method,head_bits,share", [("int4-weight", 4, 0.30), ("int4-rtn", 4, 0.30),
+                                                     ("int4-rtn", 8, 0.40)])
+def test_int4_targets_hold_packed_4bit(tiny_loaded, prompts_file, method, head_bits, share):
+    model, _, summary = quantized_copy(tiny_loaded, method, prompts_file, group_size=64, head_bits=head_bits)
     for name, original in targeted_linears(tiny_loaded.model).items():
         layer = model.get_submodule(name)
         assert isinstance(layer, Int4Linear)
         packed = layer.state_dict()["qweight_int4"]
         assert packed.dtype == torch.uint8 and packed.shape == (original.out_features, original.in_features // 2)
-    assert models.model_bytes(model) <= 0.30 * bytes_16bit(tiny_loaded.model)  # >= 70% below 16-bit
+    assert summary["embedding"]["bits"] == head_bits
+    assert isinstance(model.get_output_embeddings(), Int4Linear if head_bits == 4 else Int8DynamicLinear)
+    # the tiny model's embedding table is 28% of its weights: an int8 table keeps it above 30%
+    assert models.model_bytes(model) <= share * bytes_16bit(tiny_loaded.model)
 
 
-@pytest.mark.parametrize("method", ["bf16", "int8-dynamic", "int8-static", "int4-weight"])
-def test_save_reload_gives_identical_greedy_outputs(tiny_loaded, prompts_file, tmp_path, method):
-    model, config, summary = quantized_copy(tiny_loaded, method, prompts_file)
+@pytest.mark.parametrize("method,kw", [("bf16", {}), ("int8-dynamic", {}), ("int8-static", {}), ("int4-weight", {}),
+                                       ("int4-rtn", {"compute_dtype": "bfloat16", "head_bits": 4})])
+def test_save_reload_gives_identical_greedy_outputs(tiny_loaded, prompts_file, tmp_path, method, kw):
+    model, config, summary = quantized_copy(tiny_loaded, method, prompts_file, **kw)
     save_quantized(model, tiny_loaded.tokenizer, tmp_path / "q",
                    {"method": method, "backend": "torch", "summary": summary,
                     "config": {k: v for k, v in config.to_dict().items() if k != "kind"}})
@@ -72,6 +77,10 @@ def test_save_reload_gives_identical_greedy_outputs(tiny_loaded, prompts_file, t
     assert torch.equal(model.generate(ids, **kwargs), reloaded.generate(ids, **kwargs))
     assert models.model_bytes(reloaded) == models.model_bytes(model)
     assert models.load(str(tmp_path / "q")).model.__class__ is reloaded.__class__  # the `bench --model DIR` path
+    if kw.get("compute_dtype") == "bfloat16":  # activations in bf16 between the int4 layers, after reload too
+        for m in (model, reloaded):
+            assert m.model(input_ids=ids).last_hidden_state.dtype == torch.bfloat16
+            assert m.model.norm.weight.dtype == torch.bfloat16
 
 
 def test_calibrated_static_beats_uncalibrated_per_tensor(tiny_loaded, prompts_file):

@@ -5,7 +5,8 @@ may do more than a matmul and is kept in float). The input embedding and
 the output head are not "targeted" Linears, but they are stored low-bit too: in small models they
 are a large share of the weights (21% of SmolLM2-135M, one tensor since it ties them), so leaving
 them in float would keep "INT8 halves memory" from ever holding. Int8 methods store them int8 per
-row; int4 methods store them int4 per group. A tied head is rebuilt from the embedding's tensors
+row; int4 methods too by default (`head_bits: 8`: the head is the layer whose error shows most in
+perplexity), or int4 per group (`head_bits: 4`). A tied head is rebuilt from the embedding's tensors
 at load time and stores nothing itself. The head always runs dynamic int8 or int4 weights (no
 static activation scale: its input is the final norm, calibrated by nothing else). Embeddings, heads
 and norms are wrapped, never replaced by a generic module (wrap.py says why and how).
@@ -51,7 +52,7 @@ def check_quantizable(model: nn.Module, config: QuantizeConfig) -> dict[str, nn.
     if config.method.startswith("int4"):
         layers = dict(targets)
         emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        if isinstance(emb, nn.Embedding):
+        if isinstance(emb, nn.Embedding) and config.head_bits == 4:
             layers["<embeddings>"] = nn.Linear(emb.embedding_dim, 1, bias=False, device="meta")
         for name, layer in layers.items():
             if layer.in_features % config.group_size:
@@ -142,7 +143,7 @@ def quantize_embeddings_and_head(model: nn.Module, config: QuantizeConfig) -> di
     head a low-bit Linear (sharing the embedding's tensors when tied)."""
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     info: dict = {}
-    int4 = config.method.startswith("int4")
+    int4 = config.method.startswith("int4") and config.head_bits == 4
     if isinstance(emb, nn.Embedding) and not wrap.is_wrapped(emb):
         if int4:
             tensors = int4_quantize(emb.weight, config.group_size, hqq=config.method == "int4-weight")
@@ -170,8 +171,8 @@ def quantize_embeddings_and_head(model: nn.Module, config: QuantizeConfig) -> di
                 raise ConfigError(f"the output head ({type(head).__name__}) is tied to the embedding but is not a "
                                   "plain Linear; it cannot share the quantized table")
     if type(head) is nn.Linear:
-        fake = QuantizeConfig(method="int8-dynamic" if config.method == "int8-static" else config.method,
-                              group_size=config.group_size)
+        fake = QuantizeConfig(method=config.method if int4 else "int8-dynamic", group_size=config.group_size,
+                              head_bits=config.head_bits if int4 else 8)
         module, _ = quantize_linear(head, fake)
         model.set_output_embeddings(module)
         info["head"] = {"kind": type(module).kind, "tied": False}
@@ -232,7 +233,16 @@ def quantize_model(model: nn.Module, config: QuantizeConfig, calib: list[torch.T
     if config.calibrated:
         summary["dynamic_fallback_layers"] = sorted(fallbacks)
         summary["static_error_budget"] = STATIC_ERROR_BUDGET
+    summary["compute_dtype"] = apply_compute_dtype(model, config)
     return summary
+
+
+def apply_compute_dtype(model: nn.Module, config: QuantizeConfig) -> str:
+    """Float parameters (norms, a float head, biases) and thus the activations in `config.compute_dtype`;
+    the quantized layers keep their low-bit tensors and return what they are given."""
+    if config.compute_dtype == "bfloat16":
+        model.to(torch.bfloat16)
+    return config.compute_dtype
 
 
 ERROR_SAMPLE_ROWS = 256  # calibration rows kept per layer to judge its static error

@@ -19,9 +19,10 @@ int8-static: `fbgemm` (calibrated scale, int8 GEMM), `int_mm` (the same grid thr
 `dequant` (the same activation grid, fake-quantized, fp32 matmul); int4: `int4pack` (torch's int4 CPU
 kernel, bf16 activations), `dequant` (fp32).
 
-`TRACEABLE`: kernels torch.compile traces into its graph; fbgemm's prepacked ops break the graph
-(and recompile per layer shape), so a compiled decode step swaps them for the fastest traceable
-candidate measured (`make_traceable`).
+`TRACEABLE`: kernels torch.compile traces into its graph, per kind. int8-dynamic's fbgemm op is one
+(a custom op, modules.fbgemm_linear_dynamic); int8-static's fbgemm op breaks the graph (and recompiles
+per layer shape), so a compiled decode step swaps it for the fastest traceable candidate measured
+(`make_traceable`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,11 @@ KERNELS: dict[str, tuple[str, ...]] = {  # quantized Linear kind -> its candidat
 FORCE_REDUCE_RANGE_ENV = "INFER_TUNE_INT8_REDUCE_RANGE"  # "1"/"0": simulate (or deny) a saturating host
 
 
-TRACEABLE = ("int_mm", "dequant", "int4pack")
+TRACEABLE: dict[str, tuple[str, ...]] = {
+    "int8-dynamic": ("fbgemm", "int_mm", "dequant"),
+    "int8-static": ("int_mm", "dequant"),
+    "int4": ("int4pack", "dequant"),
+}
 
 
 def family(method: str) -> str:
@@ -274,11 +279,11 @@ def make_traceable(model: nn.Module, record: dict | None = None) -> dict:
             continue
         picks = []
         for regime, current in (("decode", module.decode_kernel), ("prefill", module.prefill_kernel)):
-            if current in TRACEABLE:
+            if current in TRACEABLE[module.kind]:
                 picks.append(current)
                 continue
             timings = ((by_kind.get(module.kind) or {}).get(regime) or {}).get("timings_ms") or {}
-            usable = {k: v for k, v in timings.items() if k in TRACEABLE and k in module.KERNELS and v is not None
+            usable = {k: v for k, v in timings.items() if k in TRACEABLE[module.kind] and k in module.KERNELS and v is not None
                       and k not in excluded(module.kind, regime)}
             new = min(usable, key=usable.get) if usable else "int_mm"
             picks.append(new)

@@ -5,7 +5,8 @@ float tensors, so the model saves with safetensors and `models.model_bytes` coun
 a *runtime* form the kernel wants (fbgemm's prepacked int8 matrix, torch's CPU int4 tile layout).
 
 - `Int8DynamicLinear`: int8 weights per output channel; activations quantized per call at run time
-  (`torch.ops.quantized.linear_dynamic`, fbgemm/x86).
+  (`torch.ops.quantized.linear_dynamic`, fbgemm/x86, registered as the custom op
+  `infer_tune::fbgemm_linear_dynamic` so a compiled graph can hold it).
 - `Int8StaticLinear`: SmoothQuant-smoothed int8 weights and a fixed, calibrated activation scale
   (`torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32`: int8 x int8 GEMM, fp32 out).
 - `Int4Linear`: group-wise 4-bit weights (two per byte) with bf16 scale and zero per group
@@ -62,6 +63,21 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     return ((q - 8) * scale.float()[..., None] + zero.float()[..., None]).view(n, k)
 
 
+_PACKED = torch.utils.weak.WeakIdKeyDictionary()  # a module's weight_scale tensor -> its fbgemm prepacked weight
+
+
+@torch.library.custom_op("infer_tune::fbgemm_linear_dynamic", mutates_args=())
+def fbgemm_linear_dynamic(x: torch.Tensor, key: torch.Tensor, out_features: int, reduce_range: bool) -> torch.Tensor:
+    """fbgemm's dynamic int8 linear as an op torch.compile can put in its graph (the prepacked weight is an
+    opaque object dynamo cannot trace; it is found through `key`, the calling module's own scale tensor)."""
+    return torch.ops.quantized.linear_dynamic(x, _PACKED[key], reduce_range)
+
+
+@fbgemm_linear_dynamic.register_fake
+def _(x: torch.Tensor, key: torch.Tensor, out_features: int, reduce_range: bool) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
 def prepack_int8(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
     zero_points = torch.zeros(qweight.shape[0], dtype=torch.long)
     with warnings.catch_warnings():  # torch.ao deprecation notices are not ours to print
@@ -93,10 +109,10 @@ class PortableModule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K]
         rows = x.reshape(-1, x.shape[-1])  # [tokens, K]
         kernel = self.decode_kernel if rows.shape[0] == 1 else self.prefill_kernel
-        y = getattr(self, f"_run_{kernel}")(rows)  # [tokens, N] float32
+        y = getattr(self, f"_run_{kernel}")(rows)  # [tokens, N], float32 or the kernel's bfloat16
         if self.bias_f is not None:
             y = y + self.bias_f
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # the model's compute dtype
 
     def portable(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -134,12 +150,17 @@ class Int8DynamicLinear(PortableModule):
         self.weight_scale = scale.float().contiguous()
         self.bias_f = None if bias is None else bias.detach().float().contiguous()
         self._packed = prepack_int8(qweight.contiguous(), self.weight_scale, None)
+        _PACKED[self.weight_scale] = self._packed
         self.reduce_range = reduce_range()  # measured on this host: see kernels.saturation_probe
         self.tied = False  # a tied head is rebuilt from the embedding's tensors and stores nothing
         self._prepare_kernels()
 
+    def __setstate__(self, state: dict) -> None:  # a deep copy holds a new scale tensor: register it
+        super().__setstate__(state)
+        _PACKED[self.weight_scale] = self._packed
+
     def _run_fbgemm(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic(rows.float(), self._packed, self.reduce_range)
+        return fbgemm_linear_dynamic(rows.float(), self.weight_scale, self.out_features, self.reduce_range)
 
     def _run_int_mm(self, rows: torch.Tensor) -> torch.Tensor:
         rows = rows.float()
@@ -270,9 +291,9 @@ class Int4Linear(PortableModule):
         self._scales_and_zeros = torch.stack([self.scale.t(), self.zero.t()], dim=-1).contiguous()  # [K/g, N, 2]
         self.tied = False
 
-    def _run_int4pack(self, rows: torch.Tensor) -> torch.Tensor:
+    def _run_int4pack(self, rows: torch.Tensor) -> torch.Tensor:  # bf16 out: forward casts to the model's dtype
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(torch.bfloat16), self._tiles, self.group_size,
-                                                          self._scales_and_zeros).float()
+                                                          self._scales_and_zeros)
 
     def _run_dequant(self, rows: torch.Tensor) -> torch.Tensor:
         weight = dequantize_int4(self.packed, self.scale, self.zero, self.group_size)  # [N, K] fp32, per call

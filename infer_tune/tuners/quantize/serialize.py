@@ -121,6 +121,9 @@ def load_quantized(path: str | Path, *, choose_kernels: bool = True) -> nn.Modul
     float_missing = [k for k in missing if not k.endswith("inv_freq")]
     if float_missing:
         raise ModelError(f"{path}: missing tensors {', '.join(float_missing[:3])}")
+    from infer_tune.tuners.quantize.apply import apply_compute_dtype
+
+    apply_compute_dtype(model, config)
     if choose_kernels:
         from infer_tune.tuners.quantize.kernels import choose_for_model
 

@@ -46,7 +46,7 @@ class QuantLookup(nn.Embedding):
             rows = t["qweight"][flat].float() * t["weight_scale"][flat, None]
         else:
             rows = dequantize_int4(t["qweight_int4"][flat], t["scale"][flat], t["zero"][flat], self.group_size)
-        return rows.view(*ids.shape, -1)
+        return rows.to(self.weight.dtype).view(*ids.shape, -1)  # the placeholder's dtype: the model's
 
     @property
     def bits(self) -> int:
@@ -61,6 +61,9 @@ class QuantLookup(nn.Embedding):
 
     def _apply(self, fn, recurse=True):
         self.qtensors = {k: fn(v) for k, v in self.qtensors.items()}
+        probe = fn(self.weight[:1, :1])  # the placeholder follows dtype / device moves without materializing
+        self.weight = torch.full((1, 1), float("nan"), dtype=probe.dtype, device=probe.device).expand(
+            *self.weight.shape)
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
