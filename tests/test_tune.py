@@ -85,7 +85,7 @@ def test_compiled_paths_get_traceable_kernels_with_the_same_numerics(tiny_loaded
     reference = layer(x)
     swaps = kernels.make_traceable(model)
     assert swaps["int8-static"]["decode"] == ("fbgemm", "int_mm")
-    assert all(m.decode_kernel in kernels.TRACEABLE and m.prefill_kernel in kernels.TRACEABLE
+    assert all(m.decode_kernel in kernels.TRACEABLE[m.kind] and m.prefill_kernel in kernels.TRACEABLE[m.kind]
                for m in model.modules() if hasattr(m, "decode_kernel"))
     assert torch.equal(layer(x), reference)  # exact integer math on the same grid
 
@@ -186,6 +186,8 @@ def test_lean_is_bit_identical_to_generate(tiny_loaded, compile_step):
         _, token_ns, tokens, natural = decoder.generate(ids, 12, eos)
         assert tokens == reference and natural == pin.natural_lengths(generated)[0] and len(token_ns) == 12, cache
     assert decoder.counters.snapshot()["lean_decode_steps"] == 2 * 11
+    # compiled: the step was captured once and runs without guards (not the guarded fallback)
+    assert decoder.facts["lean_step"] == ("captured" if compile_step else "eager"), decoder.facts
 
 
 def test_lean_runs_through_its_runner(tiny_model_dir, prompts_file, tmp_path):
@@ -337,3 +339,41 @@ def test_llamacpp_reference_needs_a_gguf(tiny_loaded):
         gguf_for(tiny_loaded, LlamaCppConfig())
     with pytest.raises(ConfigError, match="not found"):
         gguf_for(tiny_loaded, LlamaCppConfig(gguf="/nonexistent/model.gguf"))
+
+
+def test_int4_siblings_merge_into_one_call_with_the_same_result():
+    """fuse.py: three int4 Linears reading one input become one int4 call; outputs bit-equal."""
+    from infer_tune.tuners.lean.fuse import fuse_int4_siblings
+    from infer_tune.tuners.quantize.apply import int4_quantize
+    from infer_tune.tuners.quantize.modules import Int4Linear
+
+    def int4(n, k):
+        t = int4_quantize(torch.randn(n, k), 32, hqq=False)
+        return Int4Linear(t["qweight_int4"], t["scale"], t["zero"], 32)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v, self.o = int4(128, 64), int4(64, 64), int4(64, 64), int4(64, 192)
+            self.a, self.b = int4(32, 64), int4(64, 64)  # a is 32 wide: the kernel packs rows in 64s
+
+        def forward(self, x):  # o reads another input; a and b one that q, k, v do not
+            y = self.o(torch.cat([self.q(x), self.k(x) * self.v(x)], -1).bfloat16())
+            return y + torch.cat([self.a(y), self.b(y)], -1)[:, :64]
+
+    block, x = Block(), torch.randn(1, 64).bfloat16()
+    captured = {}
+
+    def record(gm, example_inputs):
+        captured.update(gm=gm, inputs=list(example_inputs))
+        return gm.forward
+
+    with torch.no_grad():
+        reference = block(x)
+        torch.compile(block, backend=record, fullgraph=True)(x)
+        gm, inputs = captured["gm"], captured["inputs"]
+        calls = lambda: sum("int4pack" in str(n.target) for n in gm.graph.nodes)  # noqa: E731
+        assert calls() == 6
+        inputs, removed = fuse_int4_siblings(gm, inputs)
+        assert removed == 2 and calls() == 4  # q, k, v merged; a and b left apart
+        assert torch.equal(gm(*inputs)[0], reference)

@@ -25,14 +25,17 @@ from infer_tune.tuners.lean.loop import LeanCounters, LeanDecoder
 
 @dataclass
 class LeanConfig(TechniqueConfig):
-    """compile: compile the decode step with torch.compile (False: the same loop, eager)."""
+    """compile: compile the decode step (captured once, called without guards: loop.py; False: the same
+    loop, eager). cpp_wrapper: inductor's C++ wrapper around the compiled step's kernels (compiles
+    minutes longer; measured no faster here, loop.py)."""
 
     technique: ClassVar[str] = "lean"
 
     compile: bool = True
+    cpp_wrapper: bool = False
 
     def label(self) -> str:
-        return "lean" + ("+compile" if self.compile else "")
+        return "lean" + ("+compile" if self.compile else "") + ("+cpp" if self.compile and self.cpp_wrapper else "")
 
 
 @register_technique(LeanConfig, runner="lean", max_batch_size=1, measure_ppl=False)
@@ -46,7 +49,8 @@ def prepare_lean(loaded: LoadedModel, config: LeanConfig, ctx: RunContext) -> Pr
         swaps = make_traceable(loaded.model, getattr(loaded.model, "infer_tune_kernels", None))
         if swaps:
             facts["lean_kernel_swaps"] = swaps
-    decoder = LeanDecoder(loaded.model, compile=config.compile, counters=counters)
+    decoder = LeanDecoder(loaded.model, compile=config.compile, cpp_wrapper=config.cpp_wrapper, counters=counters,
+                          facts=facts)  # the decoder records how its step ran (`lean_step`) in the result
     return PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, metrics=facts,
                          label=config.label(), device=ctx.device, counters=counters,
                          runner_options={"lean_decoder": decoder}, runner="lean")
@@ -68,5 +72,7 @@ def run_lean(prepared: PreparedModel, inputs, workload, protocol: Protocol,
         clock.step_ns, clock.step_tokens = list(token_ns), [1] * len(token_ns)
         return submit_ns, torch.tensor([tokens], dtype=torch.long), [natural]
 
-    return measure_generation(prepared, inputs.batches, workload.max_new_tokens, protocol, progress=progress,
-                              decode=decode)
+    run = measure_generation(prepared, inputs.batches, workload.max_new_tokens, protocol, progress=progress,
+                             decode=decode)
+    prepared.metrics.update(decoder.facts)  # how the step ran, also when a stack merged the parts' metrics
+    return run
