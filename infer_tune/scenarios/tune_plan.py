@@ -203,8 +203,10 @@ def single_candidates(spec: TuneSpec, screen: dict) -> list[Candidate]:
 
 
 def stack_candidates(spec: TuneSpec, methods: list[Candidate], *, first: bool = True) -> list[Candidate]:
-    """Stacks of measured quantize candidates that may win: with the lean decode path, and (for the first)
-    a static compiled cache through generate(). None for the ttft objective (they speed decode)."""
+    """Stacks of measured quantize candidates that may win: with the lean decode path, and for the first
+    also with the lean path's C++ wrapper (measured faster on some runs, slower on others here: so
+    measured) and a static compiled cache through generate(). None for the ttft objective (they
+    speed decode)."""
     from infer_tune.tuners.kv_cache import KVCacheConfig
     from infer_tune.tuners.lean import LeanConfig
     from infer_tune.tuners.stack import StackConfig
@@ -213,13 +215,12 @@ def stack_candidates(spec: TuneSpec, methods: list[Candidate], *, first: bool = 
     if spec.objective == "ttft":
         return out
     for cand in methods:
-        lean = LeanConfig(compile=spec.compile)
-        out.append(Candidate(StackConfig(configs=[cand.config, lean]), lossless=False, method=cand.method,
-                             estimate=cand.estimate, compiles=spec.compile))
+        parts = [LeanConfig(compile=spec.compile)]
         if first and spec.compile:
-            static = KVCacheConfig(impl="static", compile=True)
-            out.append(Candidate(StackConfig(configs=[cand.config, static]), lossless=False, method=cand.method,
-                                 estimate=cand.estimate, compiles=True))
+            parts += [LeanConfig(compile=True, cpp_wrapper=True), KVCacheConfig(impl="static", compile=True)]
+        for part in parts:
+            out.append(Candidate(StackConfig(configs=[cand.config, part]), lossless=False, method=cand.method,
+                                 estimate=cand.estimate, compiles=spec.compile))
     return out
 
 
