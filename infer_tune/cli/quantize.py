@@ -19,6 +19,10 @@ CalibSuite = Annotated[str, typer.Option("--calib-suite", help="Suite whose acti
 CalibSamples = Annotated[int, typer.Option("--calib-samples", help="Calibration prompts (int8-static).")]
 Alpha = Annotated[float, typer.Option("--alpha", help="SmoothQuant migration strength for int8-static, 0..1.")]
 GroupSize = Annotated[int, typer.Option("--group-size", help="Weights per 4-bit group (int4-*); must divide in_features.")]
+HeadBits = Annotated[int, typer.Option("--head-bits", help="int4 methods: embedding table and head in 8 bits "
+                                                           "(default: 4 bits cost most there) or 4.")]
+ComputeDtype = Annotated[str, typer.Option("--compute-dtype", help="Activations between quantized layers: float32 "
+                                                                   "or bfloat16 (faster only with native bf16).")]
 Save = Annotated[Path | None, typer.Option("--save", help="Where the quantized model goes (a sweep writes DIR/<method>); "
                                                           "default: a temporary folder, deleted at the end.")]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an existing --save folder.")]
@@ -44,6 +48,8 @@ def quantize(
     calib_samples: CalibSamples = 16,
     alpha: Alpha = 0.5,
     group_size: GroupSize = 32,
+    head_bits: HeadBits = 8,
+    compute_dtype: ComputeDtype = "float32",
     save: Save = None,
     overwrite: Overwrite = False,
 ) -> None:
@@ -60,7 +66,8 @@ def quantize(
 
     methods = parse_sweep(sweep) if sweep else [method]
     configs = [QuantizeConfig(method=m, backend=backend, alpha=alpha, group_size=group_size, calib_suite=calib_suite,
-                              calib_samples=calib_samples) for m in methods]
+                              calib_samples=calib_samples, head_bits=head_bits if m.startswith("int4") else 8,
+                              compute_dtype=compute_dtype) for m in methods]
     with output.progress_bar(not opts.json_out) as progress:
         outcome = run_quantize(run_spec(opts), configs, save=save, overwrite=overwrite, progress=progress)
     if opts.json_out:
