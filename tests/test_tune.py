@@ -188,6 +188,9 @@ def test_lean_is_bit_identical_to_generate(tiny_loaded, compile_step):
     assert decoder.counters.snapshot()["lean_decode_steps"] == 2 * 11
     # compiled: the step was captured once and runs without guards (not the guarded fallback)
     assert decoder.facts["lean_step"] == ("captured" if compile_step else "eager"), decoder.facts
+    decoder.generate(ids, 150, eos)  # a 256-position cache of its own; then back to the 128 one
+    _, _, again, _ = decoder.generate(ids, 12, eos)
+    assert again == reference and decoder.facts["lean_cache_buckets"] == [128, 256]
 
 
 def test_lean_runs_through_its_runner(tiny_model_dir, prompts_file, tmp_path):

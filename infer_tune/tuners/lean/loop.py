@@ -38,7 +38,7 @@ import torch
 from infer_tune.runners.prepared import RunCounters
 
 _STEP_IDS = itertools.count()
-CACHE_BUCKET = 128  # the static cache is sized to a multiple of this, so one compiled graph serves a run
+CACHE_BUCKET = 128  # static caches are sized to multiples of this: one compiled graph per size a run needs
 
 
 class LeanDecoder:
@@ -52,27 +52,33 @@ class LeanDecoder:
         self.counters = counters if counters is not None else RunCounters()
         self.facts = facts if facts is not None else {}  # how the step ran (`lean_step`), for the result
         self.cache = None
-        self.cache_len = 0
         self._step = None
+        self._buckets: dict[int, tuple] = {}  # static cache size -> (cache, its decode step)
         # only the last position's logits: the prompt's other positions would cost a head matmul each
         forward_params = inspect.signature(model.forward).parameters
         self._extra = {"logits_to_keep": 1} if "logits_to_keep" in forward_params else {}
 
     def _ensure_cache(self, needed: int, device: torch.device) -> None:
+        """The cache (and compiled step) of the smallest bucket that holds `needed` positions.
+
+        One per bucket, not one of the largest size: attention reads the whole static cache (masked),
+        so a 33-token prompt decoding in a 640-position cache sized for a 511-token one pays for 640.
+        """
         from transformers import StaticCache
 
         size = -(-needed // CACHE_BUCKET) * CACHE_BUCKET
-        if self.cache is None or size > self.cache_len:
-            self.cache = StaticCache(config=self.model.config, max_cache_len=size)
-            self.cache_len = size
-            self._step = None  # a new cache shape: compile again
-        else:
-            self.cache.reset()
-        if self._step is None:
-            self._step = CapturedStep(self.model, self.cache, self.cpp_wrapper, self.facts) if self.compile \
-                else _call_model(self.model, self.cache)
+        entry = self._buckets.get(size)
+        if entry is None:
+            cache = StaticCache(config=self.model.config, max_cache_len=size)
+            step = CapturedStep(self.model, cache, self.cpp_wrapper, self.facts) if self.compile \
+                else _call_model(self.model, cache)
             if not self.compile:
                 self.facts["lean_step"] = "eager"
+            entry = self._buckets[size] = (cache, step)
+        else:
+            entry[0].reset()
+        self.cache, self._step = entry
+        self.facts["lean_cache_buckets"] = sorted(self._buckets)
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_ids: Sequence[int], *,
