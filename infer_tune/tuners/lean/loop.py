@@ -41,6 +41,11 @@ _STEP_IDS = itertools.count()
 CACHE_BUCKET = 128  # static caches are sized to multiples of this: one compiled graph per size a run needs
 
 
+def bucket(needed: int) -> int:
+    """The static cache size that holds `needed` positions."""
+    return -(-needed // CACHE_BUCKET) * CACHE_BUCKET
+
+
 class LeanDecoder:
     """Owns the static cache and the compiled decode step of one model."""
 
@@ -66,7 +71,7 @@ class LeanDecoder:
         """
         from transformers import StaticCache
 
-        size = -(-needed // CACHE_BUCKET) * CACHE_BUCKET
+        size = bucket(needed)
         entry = self._buckets.get(size)
         if entry is None:
             cache = StaticCache(config=self.model.config, max_cache_len=size)
