@@ -75,7 +75,7 @@ def test_broken_results_are_marked_and_never_a_speedup():
     assert speed.render(row) == "broken"
 
 
-def test_recommendation_respects_the_drift_budget_and_lossless():
+def test_recommendation_respects_the_drift_budget_and_lossless(tmp_path):
     from infer_tune.report.recommend import Budget, recommend
 
     base = make_result("b", seed=1)
@@ -88,6 +88,11 @@ def test_recommendation_respects_the_drift_budget_and_lossless():
         d["baseline_run_id"] = "b"
     docs_ = [base, fast_lossy, ok, lossless]
     assert recommend(docs_, Budget(max_ppl_delta=5.0)).doc["run_id"] == "ok"
+    # a saved model is named only while it exists (a run without --save deletes its temporary one)
+    ok["metrics"]["save_dir"] = str(tmp_path / "gone")
+    assert recommend(docs_, Budget(max_ppl_delta=5.0)).saved_model is None
+    ok["metrics"]["save_dir"] = str(tmp_path)
+    assert recommend(docs_, Budget(max_ppl_delta=5.0)).saved_model == str(tmp_path)
     assert recommend(docs_, Budget(max_ppl_delta=20.0)).doc["run_id"] == "fast"
     assert recommend(docs_, Budget(require_lossless=True)).doc["run_id"] == "same"
     slow = make_result("slow", technique="kv-cache", speedup_vs_baseline=0.9, output_mismatches=0, seed=5)

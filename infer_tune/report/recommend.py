@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from infer_tune.report.display import is_broken
 
@@ -86,4 +87,6 @@ def recommend(docs: list[dict], budget: Budget) -> Recommendation:
         reasons.append("no configuration within the budget beat the baseline on this device")
         return Recommendation(doc=None, reasons=reasons)
     saved = best["metrics"].get("save_dir") if best.get("technique") == "quantize" else None
+    if saved and not Path(saved).is_dir():  # a temporary save, deleted when its run ended
+        saved = None
     return Recommendation(doc=best, reasons=reasons, command=reproduce_command(best), saved_model=saved)
