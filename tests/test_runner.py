@@ -82,3 +82,21 @@ def test_per_position_is_the_mean_gap_at_each_step():
                         measured_wall_s=1.0, iterations=1, first_call_ms=None, warmup_s=0.0, peak_rss_bytes=0,
                         rss_before_bytes=0, generated_tokens=8, batch_size=1)
     assert run.per_position_ms() == [2.0, 3.0, 4.0]
+
+
+def test_compiled_generate_warms_every_prompt_shape(tiny_loaded):
+    """A compiled generate() specializes on the cache length: its warmup runs every prompt once, so no
+    compile lands in a timed request; an uncompiled one warms the first prompt only."""
+    batches = encode_batches(tiny_loaded.tokenizer, PROMPTS, 1)
+    for kwargs, warm_calls in (({}, 1), ({"compile_config": object()}, len(PROMPTS))):
+        seen = []
+
+        def decode(batch, clock, seen=seen):
+            seen.append(batch["input_ids"].shape[1])
+            clock.step_ns, clock.step_tokens = [1, 2], [1, 1]
+            return 0, torch.zeros(1, 2, dtype=torch.long), [None]
+
+        prepared = PreparedModel(tiny_loaded.model, tiny_loaded.tokenizer, generate_kwargs=kwargs)
+        run = measure_generation(prepared, batches, 2, Protocol(warmup=1, min_iterations=1, min_duration_s=0),
+                                 decode=decode)
+        assert len(seen) == warm_calls + len(PROMPTS) and run.iterations == 1, kwargs
