@@ -85,10 +85,11 @@ def test_per_position_is_the_mean_gap_at_each_step():
 
 
 def test_compiled_generate_warms_every_prompt_shape(tiny_loaded):
-    """A compiled generate() specializes on the cache length: its warmup runs every prompt once, so no
-    compile lands in a timed request; an uncompiled one warms the first prompt only."""
+    """A compiled step specializes on the cache length: its warmup runs every prompt once, so no compile
+    lands in a timed request; an uncompiled one warms the first prompt only."""
     batches = encode_batches(tiny_loaded.tokenizer, PROMPTS, 1)
-    for kwargs, warm_calls in (({}, 1), ({"compile_config": object()}, len(PROMPTS))):
+    cases = (({}, False, 1), ({"compile_config": object()}, False, len(PROMPTS)), ({}, True, len(PROMPTS)))
+    for kwargs, every, warm_calls in cases:  # plain; compiled generate(); a runner that asks (lean compiled)
         seen = []
 
         def decode(batch, clock, seen=seen):
@@ -98,5 +99,5 @@ def test_compiled_generate_warms_every_prompt_shape(tiny_loaded):
 
         prepared = PreparedModel(tiny_loaded.model, tiny_loaded.tokenizer, generate_kwargs=kwargs)
         run = measure_generation(prepared, batches, 2, Protocol(warmup=1, min_iterations=1, min_duration_s=0),
-                                 decode=decode)
+                                 decode=decode, warm_every_batch=every)
         assert len(seen) == warm_calls + len(PROMPTS) and run.iterations == 1, kwargs

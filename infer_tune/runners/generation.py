@@ -179,6 +179,7 @@ def measure_generation(
     *,
     progress: Progress | None = None,
     decode: Decode | None = None,
+    warm_every_batch: bool = False,
 ) -> GenerationRun:
     """Warm up, then run every batch repeatedly until the protocol is satisfied.
 
@@ -198,9 +199,9 @@ def measure_generation(
     eos = set(eos_ids(prepared.model, tokenizer))
     first_call_ms = None
     warmup_start = time.perf_counter()
-    # a compiled generate() specializes on the cache length (prompt + new tokens): its first warmup
-    # runs every prompt once, so no compile lands inside a timed request
-    every_shape = "compile_config" in prepared.generate_kwargs
+    # a compiled step specializes on the cache length (prompt + new tokens): its first warmup runs every
+    # prompt once, so no compile lands inside a timed request (generate()'s compile_config, or the caller)
+    every_shape = warm_every_batch or "compile_config" in prepared.generate_kwargs
     for i in range(protocol.warmup):
         for j, batch in enumerate(batches if every_shape and i == 0 else batches[:1]):
             clock = TokenClock()

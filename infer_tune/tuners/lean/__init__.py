@@ -20,7 +20,7 @@ from infer_tune.runners.base import GenerationRun, Progress, Protocol, TokenCloc
 from infer_tune.runners.generation import eos_ids, measure_generation
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.tuners.base import RunContext, TechniqueConfig, register_technique
-from infer_tune.tuners.lean.loop import LeanCounters, LeanDecoder, bucket
+from infer_tune.tuners.lean.loop import LeanCounters, LeanDecoder
 
 
 @dataclass
@@ -49,8 +49,7 @@ def prepare_lean(loaded: LoadedModel, config: LeanConfig, ctx: RunContext) -> Pr
         swaps = make_traceable(loaded.model, getattr(loaded.model, "infer_tune_kernels", None))
         if swaps:
             facts["lean_kernel_swaps"] = swaps
-    decoder = LeanDecoder(loaded.model, compile=config.compile, cpp_wrapper=config.cpp_wrapper, counters=counters,
-                          facts=facts)  # the decoder records how its step ran (`lean_step`) in the result
+    decoder = LeanDecoder(loaded.model, compile=config.compile, cpp_wrapper=config.cpp_wrapper, counters=counters)
     return PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, metrics=facts,
                          label=config.label(), device=ctx.device, counters=counters,
                          runner_options={"lean_decoder": decoder}, runner="lean")
@@ -60,22 +59,10 @@ def prepare_lean(loaded: LoadedModel, config: LeanConfig, ctx: RunContext) -> Pr
 def run_lean(prepared: PreparedModel, inputs, workload, protocol: Protocol,
              progress: Progress | None = None) -> GenerationRun:
     """The generation runner's protocol, each request decoded by the lean loop (batch size 1)."""
-    import time
-
     import torch
 
     decoder: LeanDecoder = prepared.runner_options.get("lean_decoder") or LeanDecoder(prepared.model)
     eos = eos_ids(prepared.model, prepared.tokenizer)
-    # the protocol's warmup runs the first prompt only; every cache size the prompts need compiles here
-    # (else a compile lands inside a timed request), timed apart as `lean_warmup_s`
-    started, warmed = time.perf_counter(), set()
-    for batch in inputs.batches:
-        ids = batch["input_ids"].to(prepared.device)
-        size = bucket(ids.shape[1] + workload.max_new_tokens)
-        if size not in warmed:
-            warmed.add(size)
-            decoder.generate(ids, workload.max_new_tokens, eos, pin_length=protocol.pin_length)
-    decoder.facts["lean_warmup_s"] = time.perf_counter() - started
 
     def decode(batch: dict, clock: TokenClock):
         ids = batch["input_ids"].to(prepared.device)
@@ -84,7 +71,8 @@ def run_lean(prepared: PreparedModel, inputs, workload, protocol: Protocol,
         clock.step_ns, clock.step_tokens = list(token_ns), [1] * len(token_ns)
         return submit_ns, torch.tensor([tokens], dtype=torch.long), [natural]
 
+    # compiled: every prompt warms once, so each cache size compiles its step outside the timed passes
     run = measure_generation(prepared, inputs.batches, workload.max_new_tokens, protocol, progress=progress,
-                             decode=decode)
-    prepared.metrics.update(decoder.facts)  # how the step ran, also when a stack merged the parts' metrics
+                             decode=decode, warm_every_batch=decoder.compile)
+    prepared.metrics.update(decoder.facts)  # how the step ran (`lean_step`, cache sizes), for the result
     return run
