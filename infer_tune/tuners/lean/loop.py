@@ -18,9 +18,9 @@ same graph at the next position (a cache that keeps per-step Python state, such 
 counter, fails this and the step falls back to plain `torch.compile`), int4 matmuls that read the same
 input merged into one (fuse.py), compiled by inductor, and then
 called directly with the new token: the parameters and cache tensors it reads are the same objects
-every step, mutated in place. Measured on SmolLM2 int4 (bf16 activations, 2 threads, 64 tokens after a
-173-token prompt): guarded `torch.compile` 6.85 ms/token, captured 6.35, captured with the int4
-matmuls merged 5.9. Inductor's C++ wrapper (`cpp_wrapper=True`) compiles for 66-115 s instead of about
+every step, mutated in place. Measured on SmolLM2 int4 layers (2 threads, 64 tokens after a 173-token
+prompt, one-off scripts): with an int4 head, guarded `torch.compile` 6.85 ms/token, captured 6.35;
+with the int8 head and the int4 matmuls merged, captured 6.04. Inductor's C++ wrapper (`cpp_wrapper=True`) compiles for 66-115 s instead of about
 20 s; interleaved in one process with the Python wrapper it decoded at 177.8 against 165.5 tok/s in one
 run and 151.7 against 165.4 in another: an option, off by default, that `tune` measures.
 """
@@ -75,8 +75,8 @@ class LeanDecoder:
         entry = self._buckets.get(size)
         if entry is None:
             cache = StaticCache(config=self.model.config, max_cache_len=size)
-            step = CapturedStep(self.model, cache, self.cpp_wrapper, self.facts) if self.compile \
-                else _call_model(self.model, cache)
+            step = CapturedStep(self.model, cache, self._extra, self.cpp_wrapper, self.facts) if self.compile \
+                else _call_model(self.model, cache, self._extra)
             if not self.compile:
                 self.facts["lean_step"] = "eager"
             entry = self._buckets[size] = (cache, step)
@@ -121,7 +121,7 @@ class LeanDecoder:
             if step + 1 == max_new_tokens:
                 break
             started = time.perf_counter_ns()
-            logits = self._step(token[:, None], position, self._extra)
+            logits = self._step(token[:, None], position)
             forward_ns += time.perf_counter_ns() - started
             position = position + 1
         decode_steps = max(len(tokens) - 1, 0)
@@ -133,8 +133,9 @@ class LeanDecoder:
         return submit_ns, token_ns, tokens, natural
 
 
-def _call_model(model: torch.nn.Module, cache):
-    def step(input_ids: torch.Tensor, cache_position: torch.Tensor, extra: dict) -> torch.Tensor:
+def _call_model(model, cache, extra: dict):
+    """The decode step as a function of (token ids, positions) on `cache`: `model` eager or compiled."""
+    def step(input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         return model(input_ids=input_ids, past_key_values=cache, use_cache=True, cache_position=cache_position,
                      **extra).logits
     return step
@@ -150,20 +151,16 @@ class CapturedStep:
     `captured+cpp` / `captured` / `guarded` (and `lean_step_fallback` why).
     """
 
-    def __init__(self, model: torch.nn.Module, cache, cpp_wrapper: bool, facts: dict) -> None:
-        self.model, self.cache, self.cpp_wrapper, self.facts = model, cache, cpp_wrapper, facts
+    def __init__(self, model: torch.nn.Module, cache, extra: dict, cpp_wrapper: bool, facts: dict) -> None:
+        self.model, self.cache, self.extra, self.cpp_wrapper, self.facts = model, cache, extra, cpp_wrapper, facts
         self.calls = 0
         self.graphs: list = []
         self._current: tuple | None = None
         self._compiled = None
         self._user_slots: tuple[int | None, int | None] = (None, None)
         self._args: list | None = None
-        self._extra: dict = {}
 
-        def forward(input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
-            return model(input_ids=input_ids, past_key_values=cache, use_cache=True, cache_position=cache_position,
-                         **self._extra).logits
-
+        forward = _call_model(model, cache, extra)
         # dynamo keeps compiled entries per code object (8 at most): each step gets its own
         code = forward.__code__.replace(co_name=f"lean_step_{next(_STEP_IDS)}")
         forward = types.FunctionType(code, forward.__globals__, code.co_name, None, forward.__closure__)
@@ -181,8 +178,7 @@ class CapturedStep:
         self.graphs.append((gm, list(example_inputs), slots))
         return gm.forward
 
-    def __call__(self, input_ids: torch.Tensor, cache_position: torch.Tensor, extra: dict) -> torch.Tensor:
-        self._extra = extra
+    def __call__(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         if self._compiled is not None:
             args = self._args
             ids_slot, position_slot = self._user_slots
@@ -192,15 +188,14 @@ class CapturedStep:
             out = self._compiled(*args)
             return out[0] if isinstance(out, (list, tuple)) else out
         if self._guarded is not None:
-            return self._guarded(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
-                                 cache_position=cache_position, **extra).logits
+            return self._guarded(input_ids, cache_position)
         self.calls += 1
         self._current = (input_ids, cache_position)
         try:
             logits = self._capture(input_ids, cache_position)
         except Exception as exc:  # a graph break (fullgraph) or a capture failure: the guarded path
             return self._fall_back(f"capture failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}",
-                                   input_ids, cache_position, extra)
+                                   input_ids, cache_position)
         if self.calls == 2:
             if len(self.graphs) != 1 or self.graphs[0][2][0] is None:
                 self._fall_back("the step's graph changes with the position (per-step Python state)")
@@ -234,7 +229,7 @@ class CapturedStep:
     def _fall_back(self, why: str, *call) -> torch.Tensor | None:
         self.facts["lean_step"], self.facts["lean_step_fallback"] = "guarded", why
         self.graphs = []
-        self._guarded = torch.compile(self.model, dynamic=False, fullgraph=False)
+        self._guarded = _call_model(torch.compile(self.model, dynamic=False, fullgraph=False), self.cache, self.extra)
         if call:
             return self(*call)
         return None
