@@ -52,7 +52,7 @@ def check_quantizable(model: nn.Module, config: QuantizeConfig) -> dict[str, nn.
     if config.method.startswith("int4"):
         layers = dict(targets)
         emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        if isinstance(emb, nn.Embedding) and config.head_bits == 4:
+        if isinstance(emb, nn.Embedding) and config.head_bits == 4:  # the table is int4 groups too
             layers["<embeddings>"] = nn.Linear(emb.embedding_dim, 1, bias=False, device="meta")
         for name, layer in layers.items():
             if layer.in_features % config.group_size:
@@ -143,7 +143,7 @@ def quantize_embeddings_and_head(model: nn.Module, config: QuantizeConfig) -> di
     head a low-bit Linear (sharing the embedding's tensors when tied)."""
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     info: dict = {}
-    int4 = config.method.startswith("int4") and config.head_bits == 4
+    int4 = config.head_bits == 4  # (an int4 method: QuantizeConfig checks it)
     if isinstance(emb, nn.Embedding) and not wrap.is_wrapped(emb):
         if int4:
             tensors = int4_quantize(emb.weight, config.group_size, hqq=config.method == "int4-weight")
@@ -172,7 +172,7 @@ def quantize_embeddings_and_head(model: nn.Module, config: QuantizeConfig) -> di
                                   "plain Linear; it cannot share the quantized table")
     if type(head) is nn.Linear:
         fake = QuantizeConfig(method=config.method if int4 else "int8-dynamic", group_size=config.group_size,
-                              head_bits=config.head_bits if int4 else 8)
+                              head_bits=config.head_bits)
         module, _ = quantize_linear(head, fake)
         model.set_output_embeddings(module)
         info["head"] = {"kind": type(module).kind, "tied": False}
