@@ -24,16 +24,23 @@ from infer_tune.tuners.batch import plots as batch_plots
 from infer_tune.tuners.batch.arrivals import TraceRow, check_burstiness, check_rate, trace_plan
 from infer_tune.tuners.batch.common import reference_tokens
 from infer_tune.tuners.batch.continuous import ContinuousBatcher
+from infer_tune.tuners.batch.slots import SlotBatcher, prepare_model
 from infer_tune.tuners.batch.static import StaticBatcher
 
 SCHEDULERS = ("static", "continuous", "sweep")
+ENGINES = ("transformers", "lean")
 DEFAULT_TIMEOUT_MS = 250.0
 DEFAULT_MAX_BATCH_TOKENS = 512
 
 
 @dataclass
 class BatchConfig(TechniqueConfig):
-    """One batching run: the scheduler, its batch size, and (trace schedulers) the load it is offered."""
+    """One batching run: the scheduler, its batch size, and (trace schedulers) the load it is offered.
+
+    engine: `transformers` (static: left-padded `generate` calls; continuous: transformers' manager over a
+    paged cache) or `lean` (both schedulers on a static per-slot cache with compiled prefill buckets and a
+    compiled batched decode step, slots.py); stacks after quantize like any technique.
+    """
 
     technique: ClassVar[str] = "batch"
 
@@ -46,13 +53,18 @@ class BatchConfig(TechniqueConfig):
     max_batch_tokens: int | None = None
     seed: int = 0
     allow_repeat: bool = False
+    engine: str = "transformers"
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"batch engine must be one of {', '.join(ENGINES)}, got '{self.engine}'")
         if self.scheduler not in SCHEDULERS:
             raise ConfigError(f"batch scheduler must be one of {', '.join(SCHEDULERS)}, got '{self.scheduler}'")
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ConfigError(f"batch batch_size must be an integer >= 1, got {self.batch_size}")
         if self.scheduler == "sweep":
+            if self.engine != "transformers":
+                raise ConfigError("batch engine 'lean' runs the static and continuous schedulers, not 'sweep'")
             return
         if self.rate is None:
             raise ConfigError(f"batch scheduler '{self.scheduler}' needs a rate (requests/s)")
@@ -78,7 +90,7 @@ class BatchConfig(TechniqueConfig):
         if self.scheduler == "sweep":
             return f"sweep-b{self.batch_size}"
         return f"{self.scheduler}-b{self.batch_size}-r{self.rate:g}" + (
-            f"-k{self.burstiness:g}" if self.burstiness != 1.0 else "")
+            f"-k{self.burstiness:g}" if self.burstiness != 1.0 else "") + ("-lean" if self.engine == "lean" else "")
 
 
 class TraceFactory:
@@ -105,6 +117,8 @@ class TraceFactory:
 
 
 def make_scheduler(config: BatchConfig):
+    if config.engine == "lean":
+        return SlotBatcher(config.batch_size, config.scheduler, timeout_ms=config.timeout_ms)
     if config.scheduler == "static":
         return StaticBatcher(config.batch_size, config.timeout_ms)
     return ContinuousBatcher(config.batch_size, config.max_batch_tokens)
@@ -120,9 +134,12 @@ def _preflight(loaded: models.LoadedModel, config: BatchConfig, ctx: RunContext)
                     summarize=analysis.summarize, plots=batch_plots.sweep_plots)
 def prepare_batch(loaded: models.LoadedModel, config: BatchConfig, ctx: RunContext) -> PreparedModel:
     """The model unchanged; the trace runner gets the trace factory and the scheduler (sweep: nothing)."""
-    options = {}
+    options: dict = {}
+    facts: dict = {}
     if config.scheduler != "sweep":
+        if config.engine == "lean":  # before the references: they decode with the kernels the slots will run
+            facts = prepare_model(loaded.model, config.batch_size)
         scheduler = make_scheduler(config)
         options = {"trace": TraceFactory(config, scheduler, ctx.cache, ctx.progress), "scheduler": scheduler}
     return PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, label=config.label(), device=ctx.device,
-                         runner_options=options)
+                         runner_options=options, metrics=facts)

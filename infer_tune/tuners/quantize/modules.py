@@ -88,10 +88,12 @@ def prepack_int8(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor 
 
 class PortableModule(nn.Module):
     """Saves its `portable()` tensors (plain int8 / uint8 / float) instead of parameters; a tied head
-    (rebuilt from the embedding's tensors) saves nothing. Runs `decode_kernel` on one row and
+    (rebuilt from the embedding's tensors) saves nothing. Runs `decode_kernel` on up to `decode_rows` rows
+    (1; a batched decode step whose kernel treats rows independently raises it, tuners/batch/slots.py) and
     `prefill_kernel` on more (set by `set_kernels`, chosen by measuring: kernels.py)."""
 
     tied = False
+    decode_rows = 1
     decode_kernel = "fbgemm"
     prefill_kernel = "fbgemm"
     KERNELS: tuple[str, ...] = ()
@@ -108,7 +110,7 @@ class PortableModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K]
         rows = x.reshape(-1, x.shape[-1])  # [tokens, K]
-        kernel = self.decode_kernel if rows.shape[0] == 1 else self.prefill_kernel
+        kernel = self.decode_kernel if rows.shape[0] <= self.decode_rows else self.prefill_kernel
         y = getattr(self, f"_run_{kernel}")(rows)  # [tokens, N], float32 or the kernel's bfloat16
         if self.bias_f is not None:
             y = y + self.bias_f

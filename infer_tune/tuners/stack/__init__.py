@@ -33,7 +33,9 @@ PHASES = {"quantize": 0, "kv-cache": 1, "speculate": 2, "lean": 3}
 DEFAULT_PHASE = 1
 # pairs that cannot share a stack, and why
 CONFLICTS = {frozenset({"lean", "kv-cache"}): "lean runs its own static cache; drop kv-cache from the stack",
-             frozenset({"lean", "speculate"}): "lean and speculate each run their own decoding loop"}
+             frozenset({"lean", "speculate"}): "lean and speculate each run their own decoding loop",
+             frozenset({"lean", "batch"}): "a batch of slots runs the lean path as the batch part's engine: "
+                                           "drop lean and set the batch part's engine: lean"}
 
 
 @dataclass
