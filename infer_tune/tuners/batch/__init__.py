@@ -116,9 +116,9 @@ class TraceFactory:
         return [TraceRequest(r.prompt_index, r.arrival_s, r.output_tokens) for r in self.rows]
 
 
-def make_scheduler(config: BatchConfig):
+def make_scheduler(config: BatchConfig, shared: dict | None = None):
     if config.engine == "lean":
-        return SlotBatcher(config.batch_size, config.scheduler, timeout_ms=config.timeout_ms)
+        return SlotBatcher(config.batch_size, config.scheduler, timeout_ms=config.timeout_ms, shared=shared)
     if config.scheduler == "static":
         return StaticBatcher(config.batch_size, config.timeout_ms)
     return ContinuousBatcher(config.batch_size, config.max_batch_tokens)
@@ -139,7 +139,7 @@ def prepare_batch(loaded: models.LoadedModel, config: BatchConfig, ctx: RunConte
     if config.scheduler != "sweep":
         if config.engine == "lean":  # before the references: they decode with the kernels the slots will run
             facts = prepare_model(loaded.model, config.batch_size)
-        scheduler = make_scheduler(config)
+        scheduler = make_scheduler(config, ctx.cache)
         options = {"trace": TraceFactory(config, scheduler, ctx.cache, ctx.progress), "scheduler": scheduler}
     return PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, label=config.label(), device=ctx.device,
                          runner_options=options, metrics=facts)

@@ -186,8 +186,10 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 class SlotBatcher:
     """Serves a trace on a `SlotEngine` with the `continuous` or `static` policy (module docstring)."""
 
-    def __init__(self, batch_size: int, policy: str, *, timeout_ms: float | None = None, compile: bool = True) -> None:
+    def __init__(self, batch_size: int, policy: str, *, timeout_ms: float | None = None, compile: bool = True,
+                 shared: dict | None = None) -> None:
         self.batch_size, self.policy, self.compile = batch_size, policy, compile
+        self.shared = shared  # the run's cache: configs with the same weights and shapes share one engine
         self.name = f"{policy}-lean"
         self.timeout_ns = int((timeout_ms or 0.0) * 1e6)
         self.references: dict[int, list[int]] = {}
@@ -200,9 +202,19 @@ class SlotBatcher:
         """Size the slot cache to the trace; compile and run every prefill bucket and step bucket it needs."""
         from infer_tune.tuners.lean.loop import bucket
 
+        from infer_tune.tuners.batch.common import weights_key
+
         longest = max(int(encoded[r.prompt_index]["input_ids"].shape[1]) + (r.max_new_tokens or max_new_tokens)
                       for r in trace)
-        engine = self.engine = SlotEngine(prepared.model, self.batch_size, bucket(longest + 1), compile=self.compile)
+        size = bucket(longest + 1)
+        key = ("slot-engine", weights_key(prepared), self.batch_size, size, self.compile)
+        shared = self.shared if self.shared is not None else {}
+        if key in shared:  # compiled for another config of this run (same weights, slots, cache): reused
+            self.engine = shared[key]
+            self.engine.facts["slot_engine_reused"] = True
+        else:
+            self.engine = shared[key] = SlotEngine(prepared.model, self.batch_size, size, compile=self.compile)
+        engine = self.engine
         with torch.inference_mode():
             for index in sorted({r.prompt_index for r in trace}, key=lambda i: encoded[i]["input_ids"].shape[1]):
                 engine.admit(0, encoded[index]["input_ids"].to(prepared.device))
