@@ -69,7 +69,8 @@ def test_int4_slots_equal_single_request_greedy(arch, scheduler, compiled, tiny_
                               env=ctx.env, runner="trace", measure_ppl=False)
     sched = prepared.runner_options["scheduler"]
     m = doc["metrics"]
-    assert m["output_mismatches"] == 0 and m["scheduler"] == f"{scheduler}-lean" and m["ttft_ms"]["n"] == 10
+    assert m["output_mismatches"] == 0 and m["output_mismatches_vs_generate"] == 0, m
+    assert m["scheduler"] == f"{scheduler}-lean" and m["ttft_ms"]["n"] == 10
     # an independent reference: the same int4 model decoding each prompt alone through generate()
     encoded = encode_batches(loaded.tokenizer, inputs.rendered, 1, add_special_tokens=True)
     eos = loaded.tokenizer.eos_token_id

@@ -16,8 +16,11 @@ continuous scheduler of an arrival trace.
 Policies: `continuous` admits waiting requests into free slots before every step (prefill first);
 `static` admits a batch only when every slot is free, when `batch_size` requests wait or the oldest
 waited `timeout_ms`, and runs it until its longest request ends. Each request decodes greedily
-until end-of-sequence or its trace length; outputs are checked against single-request greedy
-(`output_mismatches`) like the transformers engine's.
+until end-of-sequence or its trace length. Single-request greedy, the reference of `output_mismatches`
+and of the trace's output lengths, is this engine serving each prompt alone (one slot, the one-row
+step: `own_references`), so the check isolates what batching changes; `output_mismatches_vs_generate`
+counts the requests that differ from `generate()` on the same weights (compiled kernels round
+differently from eager ones, docs/tune.md).
 """
 
 from __future__ import annotations
@@ -193,6 +196,7 @@ class SlotBatcher:
         self.name = f"{policy}-lean"
         self.timeout_ns = int((timeout_ms or 0.0) * 1e6)
         self.references: dict[int, list[int]] = {}
+        self.generate_references: dict[int, list[int]] = {}
         self.engine: SlotEngine | None = None
         self.timings: list[RequestTiming] = []
         self.outputs: list = []
@@ -200,28 +204,60 @@ class SlotBatcher:
 
     def setup(self, prepared, trace, encoded, max_new_tokens) -> None:
         """Size the slot cache to the trace; compile and run every prefill bucket and step bucket it needs."""
-        from infer_tune.tuners.lean.loop import bucket
-
-        from infer_tune.tuners.batch.common import weights_key
-
         longest = max(int(encoded[r.prompt_index]["input_ids"].shape[1]) + (r.max_new_tokens or max_new_tokens)
                       for r in trace)
+        self._build(prepared, [encoded[i] for i in sorted({r.prompt_index for r in trace})], longest)
+
+    def _build(self, prepared, prompts: list[dict], longest: int) -> None:
+        """The engine for caches of `longest` positions (or one shared by an earlier config of the run that
+        holds them), every prefill bucket of `prompts` and every step bucket compiled and run once."""
+        from infer_tune.tuners.batch.common import weights_key
+        from infer_tune.tuners.lean.loop import bucket
+
+        started = time.perf_counter()
         size = bucket(longest + 1)
-        key = ("slot-engine", weights_key(prepared), self.batch_size, size, self.compile)
-        shared = self.shared if self.shared is not None else {}
-        if key in shared:  # compiled for another config of this run (same weights, slots, cache): reused
-            self.engine = shared[key]
-            self.engine.facts["slot_engine_reused"] = True
-        else:
-            self.engine = shared[key] = SlotEngine(prepared.model, self.batch_size, size, compile=self.compile)
+        if self.engine is None or self.engine.max_cache_len < size:
+            key = ("slot-engine", weights_key(prepared), self.batch_size, size, self.compile)
+            shared = self.shared if self.shared is not None else {}
+            if key in shared:  # compiled for another config of this run (same weights, slots, cache): reused
+                self.engine = shared[key]
+                self.engine.facts["slot_engine_reused"] = True
+            else:
+                self.engine = shared[key] = SlotEngine(prepared.model, self.batch_size, size, compile=self.compile)
         engine = self.engine
         with torch.inference_mode():
-            for index in sorted({r.prompt_index for r in trace}, key=lambda i: encoded[i]["input_ids"].shape[1]):
-                engine.admit(0, encoded[index]["input_ids"].to(prepared.device))
+            for ids in sorted(prompts, key=lambda e: e["input_ids"].shape[1]):
+                engine.admit(0, ids["input_ids"].to(prepared.device))
             for rows in step_buckets(self.batch_size):
                 for _ in range(3):  # capture, capture again (same graph?), then compiled
                     engine.step(rows, torch.zeros(rows, dtype=torch.long))
         engine.positions.zero_()
+        engine.facts["slot_engine_build_s"] = engine.facts.get("slot_engine_build_s", 0.0) + time.perf_counter() - started
+
+    def own_references(self, prepared, encoded: list[dict], indices: list[int], max_new_tokens: int,
+                       cache: dict | None = None) -> dict[int, list[int]]:
+        """Prompt index -> the tokens this engine decodes for it alone (one slot, the one-row step), up to
+        and including end-of-sequence, at most `max_new_tokens`: what batching must not change."""
+        from infer_tune.tuners.batch.common import weights_key
+
+        unique = sorted(set(indices))
+        self._build(prepared, [encoded[i] for i in unique],
+                    max(int(encoded[i]["input_ids"].shape[1]) for i in unique) + max_new_tokens)
+        eos = set(eos_ids(prepared.model, prepared.tokenizer))
+        cache = {} if cache is None else cache
+        out: dict[int, list[int]] = {}
+        with torch.inference_mode():
+            for i in unique:
+                ids = encoded[i]["input_ids"].to(prepared.device)
+                key = ("slot-greedy", weights_key(prepared), self.batch_size, tuple(ids[0].tolist()), max_new_tokens)
+                if key not in cache:
+                    tokens = [int(greedy(self.engine.admit(0, ids)[None])[0])]
+                    while tokens[-1] not in eos and len(tokens) < max_new_tokens:
+                        tokens.append(int(greedy(self.engine.step(1, torch.tensor(tokens[-1:])))[0]))
+                    cache[key] = tokens
+                out[i] = list(cache[key])
+        self.engine.positions.zero_()
+        return out
 
     def serve(self, prepared, trace, encoded, max_new_tokens, origin_ns, progress=None):
         with torch.inference_mode():
@@ -298,7 +334,8 @@ class SlotBatcher:
         self._stats = {"forward_steps": steps, "mean_batch_size": busy_rows / steps if steps else None,
                        "padding_share": 1 - busy_rows / computed_rows if computed_rows else None,
                        "max_submit_lag_ms": lag / 1e6,
-                       "output_mismatches": count_mismatches(outputs, self.references, eos)}
+                       "output_mismatches": count_mismatches(outputs, self.references, eos),
+                       "output_mismatches_vs_generate": count_mismatches(outputs, self.generate_references, eos)}
         self.timings, self.outputs = timings, outputs
         return timings, outputs
 
