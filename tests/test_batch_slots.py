@@ -104,3 +104,18 @@ def test_decode_rows_only_where_rows_are_independent(tiny_loaded):
         together = linears[0](x)
         alone = torch.cat([linears[0](x[i:i + 1]) for i in range(4)])
     assert torch.equal(together, alone)
+
+
+def test_tune_throughput_objective_plans_batched_stacks():
+    """`tune --objective throughput` measures int4 + continuous batching on the slot engine first; the
+    decode objective plans none (one request at a time is what it measures)."""
+    from infer_tune.scenarios.tune_plan import BURST_RATE, Candidate, TuneSpec, stack_candidates
+
+    cand = Candidate(QuantizeConfig(method="int4-rtn"), lossless=False, method="int4-rtn")
+    stacks = stack_candidates(TuneSpec(objective="throughput"), [cand])
+    batched = [c for c in stacks if "batch" in c.config.techniques()]
+    assert [c.config.configs[1].batch_size for c in batched] == [4, 8] and stacks[:2] == batched
+    assert all(c.config.configs[1].engine == "lean" and c.config.configs[1].rate == BURST_RATE for c in batched)
+    assert not [c for c in stack_candidates(TuneSpec(objective="decode"), [cand]) if "batch" in c.config.techniques()]
+    assert not [c for c in stack_candidates(TuneSpec(objective="throughput", compile=False), [cand])
+                if "batch" in c.config.techniques()]
