@@ -107,6 +107,8 @@ def phase_llamacpp(args, state: dict) -> None:
                                 concurrency=max(64, args.requests), label=f"llama.cpp server x{args.batch}")
         run = open_endpoint(spec, config, model_given=True)
         run.weight_bytes = served_weight_bytes(server)
+        if args.ttft_rounds:
+            state["ttft_llamacpp"] = ttft_probe(server.url, run.model.tokenizer, args.ttft_rounds)
         lengths = {r["prompt_index"]: r["output_tokens"] for rows in state["trace"].values() for r in rows}
         alone = dataclasses.replace(run, config=dataclasses.replace(run.config, concurrency=1))
         _, single = trace_document(alone, spec, [TraceRequest(p, 0.0, n) for p, n in sorted(lengths.items())], {}, {},
@@ -128,6 +130,37 @@ def phase_llamacpp(args, state: dict) -> None:
             save(args, state)
 
 
+def ttft_probe(url: str, tokenizer, rounds: int) -> dict:
+    """llama.cpp's TTFT on bench/lean_prefill.py's ~20- and ~500-token prompts, one request at a time:
+    the client's wall time of a 1-token completion, and the server's own prompt time (`timings.prompt_ms`)."""
+    import statistics
+    import urllib.request
+
+    from bench.lean_prefill import prompts
+
+    root = url.rsplit("/v1", 1)[0]
+    out = {}
+    for name, ids in prompts(tokenizer, 20, 500).items():
+        text = tokenizer.decode(ids[0])
+        body = json.dumps({"prompt": text, "n_predict": 1, "cache_prompt": False, "temperature": 0}).encode()
+        walls, server_ms, n = [], [], None
+        for _ in range(rounds + 1):
+            request = urllib.request.Request(f"{root}/completion", data=body,
+                                             headers={"Content-Type": "application/json"})
+            started = time.perf_counter()
+            with urllib.request.urlopen(request, timeout=120) as response:  # noqa: S310 (loopback)
+                answer = json.loads(response.read())
+            walls.append((time.perf_counter() - started) * 1e3)
+            server_ms.append(answer["timings"]["prompt_ms"])
+            n = answer["timings"].get("prompt_n")
+        walls, server_ms = walls[1:], server_ms[1:]  # the first request warms the server
+        out[name] = {"prompt_tokens_here": int(ids.shape[1]), "prompt_tokens_llamacpp": n,
+                     "client_ms_median": statistics.median(walls), "server_prompt_ms_median": statistics.median(server_ms)}
+        print(f"llama.cpp TTFT {name} ({n} tokens): client {out[name]['client_ms_median']:.2f} ms, "
+              f"server prompt {out[name]['server_prompt_ms_median']:.2f} ms (median of {rounds})", flush=True)
+    return out
+
+
 def table(state: dict) -> None:
     head = (f"{'engine':<58}{'rate':>5}{'tok/s':>8}{'TTFT p50':>10}{'p90':>8}{'p99':>8}{'TPOT p50':>10}"
             f"{'p90':>7}{'p99':>7}{'goodput':>9}{'SLO %':>7}{'mism':>6}{'roofl':>7}")
@@ -140,6 +173,8 @@ def table(state: dict) -> None:
               f"{r['ttft_p90']:>8.1f}{r['ttft_p99']:>8.1f}{r['tpot_p50']:>10.2f}{r['tpot_p90']:>7.2f}"
               f"{r['tpot_p99']:>7.2f}{good:>9}{att:>7}{str(r['mismatches']):>6}{roof:>7}")
     print(f"SLOs: {state.get('slo')}")
+    if state.get("ttft_llamacpp"):
+        print(f"llama.cpp TTFT probe: {json.dumps(state['ttft_llamacpp'])}")
 
 
 def save(args, state: dict) -> None:
@@ -166,6 +201,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="/tmp/infer-tune-serving-bench")
     p.add_argument("--state", default="/tmp/infer-tune-serving-bench.json")
+    p.add_argument("--ttft-rounds", type=int, default=7, help="llama.cpp TTFT probe rounds (0: none)")
     p.add_argument("--fresh", action="store_true", help="forget the rows of earlier phases in the state file")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
