@@ -158,6 +158,17 @@ def ttft_probe(url: str, tokenizer, rounds: int) -> dict:
                      "client_ms_median": statistics.median(walls), "server_prompt_ms_median": statistics.median(server_ms)}
         print(f"llama.cpp TTFT {name} ({n} tokens): client {out[name]['client_ms_median']:.2f} ms, "
               f"server prompt {out[name]['server_prompt_ms_median']:.2f} ms (median of {rounds})", flush=True)
+    # single-stream decode: 128 tokens after the short prompt, end-of-sequence ignored, three passes
+    text = tokenizer.decode(prompts(tokenizer, 20, 500)["short"][0])
+    body = json.dumps({"prompt": text, "n_predict": 128, "cache_prompt": False, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    speeds = []
+    for _ in range(3):
+        request = urllib.request.Request(f"{root}/completion", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:  # noqa: S310 (loopback)
+            speeds.append(json.loads(response.read())["timings"]["predicted_per_second"])
+    out["decode_tok_s_passes"] = speeds
+    print(f"llama.cpp single-stream decode, 128 tokens: {', '.join(f'{v:.1f}' for v in speeds)} tok/s", flush=True)
     return out
 
 
