@@ -49,6 +49,7 @@ def prompts(tokenizer, short: int, long: int) -> dict[str, torch.Tensor]:
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=16, help="greedy tokens compared between the two rows")
+    p.add_argument("--decode-tokens", type=int, default=128, help="single-stream decode row (0: none)")
     p.add_argument("--short", type=int, default=20)
     p.add_argument("--long", type=int, default=500)
     p.add_argument("--method", default="int4-rtn")
@@ -98,6 +99,16 @@ def main() -> None:
                 ttft[("llama.cpp", case)].append((token_ns[0] - submit) / 1e6)
     for (name, decoder), case in ((r, c) for r in rows.items() for c in cases):
         runs[(name, case)] = decoder.generate(cases[case], args.tokens, eos)[2]
+    if args.decode_tokens:  # single-stream decode of the whole lean path (compiled step), three passes
+        full = LeanDecoder(model, compile=True)
+        full._prefill = rows["compiled prefill"]._prefill  # the prefill graphs compiled above
+        full.generate(cases["short"], args.decode_tokens, eos)
+        speeds = []
+        for _ in range(3):
+            _, token_ns, _, _ = full.generate(cases["short"], args.decode_tokens, eos)
+            speeds.append((len(token_ns) - 1) * 1e9 / (token_ns[-1] - token_ns[0]))
+        print(f"lean+compile single-stream decode, {args.decode_tokens} tokens after the short prompt: "
+              f"{', '.join(f'{v:.1f}' for v in speeds)} tok/s ({full.facts.get('lean_step')})")
     print(f"{args.method} weights, {torch.get_num_threads()} threads, {args.rounds} interleaved rounds, "
           f"TTFT median ms (min-max)")
     for case, ids in cases.items():
