@@ -102,6 +102,13 @@ class Technique:
     - `plots(docs) -> {file name: PNG bytes}`: the technique's own figures over the sweep (acceptance
       by position, latency CDFs, device load per plan), written into each of those results' folders,
       where the HTML report finds them.
+    - `per_position`: the result carries `per_position_ms` (the latency of each decode step).
+    - `finalize(doc, outputs, prepared, inputs, ctx) -> {file name: bytes} | None`: facts measured
+      after the runner ran, while the prepared model still exists (a cache probe, the trace that was
+      replayed), added to `doc` in place; the files returned are saved with the result. Whatever
+      command or recipe ran the technique, its document is the same.
+    - `objective`: what the recommender and `tune` rank this technique's rows on (a key of
+      report.recommend.OBJECTIVES: `decode` for single-stream techniques, `throughput` for batching).
     """
 
     config_cls: type
@@ -114,6 +121,9 @@ class Technique:
     measure_ppl: bool = True
     summarize: Callable[[list[dict]], dict | None] | None = None
     plots: Callable[[list[dict]], dict[str, bytes]] | None = None
+    per_position: bool = False
+    finalize: Callable[..., dict[str, bytes] | None] | None = None
+    objective: str = "decode"
 
     @property
     def name(self) -> str:
@@ -135,6 +145,7 @@ def register_technique(config_cls: type, *, runner: str = "generation", max_batc
                        resolve: Callable | None = None, annotate: Callable | None = None,
                        preflight: Callable | None = None, measure_ppl: bool = True,
                        summarize: Callable | None = None, plots: Callable | None = None,
+                       per_position: bool = False, finalize: Callable | None = None, objective: str = "decode",
                        ) -> Callable[[PrepareFn], PrepareFn]:
     """Register `prepare(loaded, config, ctx) -> PreparedModel` for `config_cls` (see `Technique`)."""
     if not getattr(config_cls, "technique", ""):
@@ -142,7 +153,7 @@ def register_technique(config_cls: type, *, runner: str = "generation", max_batc
 
     def decorator(fn: PrepareFn) -> PrepareFn:
         TECHNIQUES[config_cls] = Technique(config_cls, fn, runner, max_batch_size, resolve, annotate, preflight,
-                                           measure_ppl, summarize, plots)
+                                           measure_ppl, summarize, plots, per_position, finalize, objective)
         return fn
 
     return decorator
