@@ -449,8 +449,9 @@ class _Sweep:
             config=config.to_dict(), env=self.ctx.env, runner=prepared.runner or entry.runner, host=host,
             baseline=self.baseline, baseline_outputs=self.baseline_outputs,
             measure_ppl=self.measure_ppl and entry.measure_ppl, execute=self.execute,
-            per_position=entry.per_position, rounds_block=rounds_block, ratios=ratios)
-        files = entry.finalize(doc, outputs, prepared, self.inputs, self.ctx) if entry.finalize else None
+            per_position=any(technique_for(p).per_position for p in config.parts()), rounds_block=rounds_block,
+            ratios=ratios)
+        files = entry.finalize(config, doc, outputs, prepared, self.inputs, self.ctx) if entry.finalize else None
         if entry.annotate:
             entry.annotate(doc, [d for d in earlier if d is not None])
         saved = results.save_run(self.ctx.out_dir, doc, outputs, extra_files=files or None)
