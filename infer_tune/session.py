@@ -451,6 +451,8 @@ class _Sweep:
             measure_ppl=self.measure_ppl and entry.measure_ppl, execute=self.execute,
             per_position=any(technique_for(p).per_position for p in config.parts()), rounds_block=rounds_block,
             ratios=ratios)
+        objectives = [technique_for(p).objective for p in config.parts()]
+        doc["objective"] = next((o for o in objectives if o != "decode"), "decode")  # what it is ranked on
         files = entry.finalize(config, doc, outputs, prepared, self.inputs, self.ctx) if entry.finalize else None
         if entry.annotate:
             entry.annotate(doc, [d for d in earlier if d is not None])
