@@ -41,7 +41,11 @@ class LeanConfig(TechniqueConfig):
             + ("+eager-prefill" if self.compile and not self.compile_prefill else "")
 
 
-@register_technique(LeanConfig, runner="lean", max_batch_size=1, measure_ppl=False)
+@register_technique(LeanConfig, runner="lean", max_batch_size=1, measure_ppl=False, phase=3,
+                    conflicts={"kv-cache": "lean runs its own static cache; drop kv-cache from the stack",
+                               "speculate": "lean and speculate each run their own decoding loop",
+                               "batch": "a batch of slots runs the lean path as the batch part's engine: "
+                                        "drop lean and set the batch part's engine: lean"})
 def prepare_lean(loaded: LoadedModel, config: LeanConfig, ctx: RunContext) -> PreparedModel:
     """The model unchanged; a decoder that owns its static cache and compiled step."""
     counters = LeanCounters()
