@@ -325,6 +325,9 @@ class SlotBatcher:
             computed_rows += rows
             for slot in busy:
                 emit(slot, slots[slot], picks[slot], stamp)
+            free = [slot for slot in range(rows) if slots[slot] is None]
+            if free:  # a free row's write position stays inside its row (it writes harmlessly at 0)
+                engine.positions[free] = 0
         timings, outputs = [], []
         for k, request in enumerate(trace):
             prompt_tokens = int(encoded[request.prompt_index]["input_ids"].shape[1])
