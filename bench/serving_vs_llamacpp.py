@@ -2,6 +2,9 @@
 engine: static per-slot cache, compiled prefill buckets, compiled batched decode step; docs/batch.md) and
 llama.cpp's own C++ server with as many parallel slots, on the model's own GGUF (docs/endpoint.md).
 
+By default the slot engine compiles one graph (the step over all slots; prefill eager), which bounds the
+compile time on a busy host; `--step-buckets all --compiled-prefill` runs the whole engine.
+
 The trace: `--requests` ShareGPT prompts (seeded picks, the same at every rate), Poisson arrivals per rate,
 each request's output length = its prompt's single-request greedy length under infer-tune's int4 weights
 (capped at --max-new-tokens). llama.cpp gets the same prompts, arrivals and lengths (`ignore_eos`, so both
@@ -69,7 +72,8 @@ def phase_infer_tune(args, state: dict) -> None:
         for rate in args.rates:
             started = time.perf_counter()
             batch = BatchConfig(scheduler=scheduler, batch_size=args.batch, rate=rate, requests=args.requests,
-                                seed=args.seed, engine="lean")
+                                seed=args.seed, engine="lean", compile_prefill=args.compile_prefill,
+                                step_buckets=args.step_buckets)
             config = StackConfig(configs=[QuantizeConfig(method=args.method), batch])
             prepared = apply(run.loaded, config, run.ctx)
             doc, outputs = measure_prepared(run.loaded, prepared, run.inputs, spec.workload, spec.protocol,
@@ -209,6 +213,12 @@ def main() -> None:
     p.add_argument("--slo-ttft", type=float, default=1000.0)
     p.add_argument("--slo-tpot", type=float, default=50.0)
     p.add_argument("--seed", type=int, default=0)
+    # defaults bound the compile work to one graph (a compile took ~150 s on the shared 2-core host):
+    # --step-buckets all --compiled-prefill is the whole engine
+    p.add_argument("--step-buckets", choices=("all", "full"), default="full",
+                   help="full: one batched step graph; all: one per 1, 2, 4 ... rows")
+    p.add_argument("--compiled-prefill", dest="compile_prefill", action="store_true",
+                   help="prefill through compiled length buckets (one compile per bucket the prompts need)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="/tmp/infer-tune-serving-bench")
     p.add_argument("--state", default="/tmp/infer-tune-serving-bench.json")

@@ -40,6 +40,9 @@ class BatchConfig(TechniqueConfig):
     engine: `transformers` (static: left-padded `generate` calls; continuous: transformers' manager over a
     paged cache) or `lean` (both schedulers on a static per-slot cache with compiled prefill buckets and a
     compiled batched decode step, slots.py); stacks after quantize like any technique.
+    compile_prefill (lean): prompts prefill through compiled length buckets (False: eager, nothing to
+    compile per prompt length). step_buckets (lean): `all` compiles the step for 1, 2, 4 ... batch_size
+    rows; `full` for batch_size rows only (one graph: every step computes every slot).
     """
 
     technique: ClassVar[str] = "batch"
@@ -54,10 +57,14 @@ class BatchConfig(TechniqueConfig):
     seed: int = 0
     allow_repeat: bool = False
     engine: str = "transformers"
+    compile_prefill: bool = True
+    step_buckets: str = "all"
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ConfigError(f"batch engine must be one of {', '.join(ENGINES)}, got '{self.engine}'")
+        if self.step_buckets not in ("all", "full"):
+            raise ConfigError(f"batch step_buckets must be 'all' or 'full', got '{self.step_buckets}'")
         if self.scheduler not in SCHEDULERS:
             raise ConfigError(f"batch scheduler must be one of {', '.join(SCHEDULERS)}, got '{self.scheduler}'")
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -121,7 +128,8 @@ class TraceFactory:
 
 def make_scheduler(config: BatchConfig, shared: dict | None = None):
     if config.engine == "lean":
-        return SlotBatcher(config.batch_size, config.scheduler, timeout_ms=config.timeout_ms, shared=shared)
+        return SlotBatcher(config.batch_size, config.scheduler, timeout_ms=config.timeout_ms, shared=shared,
+                           compile_prefill=config.compile_prefill, every_bucket=config.step_buckets == "all")
     if config.scheduler == "static":
         return StaticBatcher(config.batch_size, config.timeout_ms)
     return ContinuousBatcher(config.batch_size, config.max_batch_tokens)

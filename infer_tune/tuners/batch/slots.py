@@ -38,8 +38,11 @@ from infer_tune.tuners.batch.common import count_mismatches, make_output
 IMPL = "infer-tune lean slots (static per-slot KV cache, compiled prefill buckets, compiled batched decode step)"
 
 
-def step_buckets(batch_size: int) -> list[int]:
-    """Row counts a decode step is compiled for: powers of two below `batch_size`, and `batch_size`."""
+def step_buckets(batch_size: int, every: bool = True) -> list[int]:
+    """Row counts a decode step is compiled for: powers of two below `batch_size`, and `batch_size`
+    (`every` False: `batch_size` alone, one graph, every step computes every slot)."""
+    if not every:
+        return [batch_size]
     sizes, k = [], 1
     while k < batch_size:
         sizes.append(k)
@@ -47,9 +50,9 @@ def step_buckets(batch_size: int) -> list[int]:
     return sizes + [batch_size]
 
 
-def rows_for(highest_busy: int, batch_size: int) -> int:
+def rows_for(highest_busy: int, batch_size: int, every: bool = True) -> int:
     """The smallest step bucket holding slots 0..highest_busy."""
-    return next(k for k in step_buckets(batch_size) if k > highest_busy)
+    return next(k for k in step_buckets(batch_size, every) if k > highest_busy)
 
 
 def prepare_model(model: torch.nn.Module, batch_size: int) -> dict:
@@ -107,18 +110,23 @@ def _slot_layer_class():
 class SlotEngine:
     """The slot cache, the compiled prefill and one compiled decode step per row bucket."""
 
-    def __init__(self, model: torch.nn.Module, batch_size: int, max_cache_len: int, *, compile: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, batch_size: int, max_cache_len: int, *, compile: bool = True,
+                 compile_prefill: bool = True, every_bucket: bool = True) -> None:
         from infer_tune.tuners.lean.prefill import CompiledPrefill
 
         self.model, self.batch_size, self.max_cache_len, self.compile = model, batch_size, max_cache_len, compile
         self.facts: dict = {}
-        self.prefill = CompiledPrefill(model, logits_to_keep=True, facts=self.facts) if compile else None
+        self.every_bucket = every_bucket
+        self.prefill = CompiledPrefill(model, logits_to_keep=True, facts=self.facts) if compile and compile_prefill \
+            else None
+        if self.prefill is None:
+            self.facts["lean_prefill"] = "eager"
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.positions = torch.zeros(batch_size, dtype=torch.long)
         self.ids = torch.zeros((batch_size, 1), dtype=torch.long)
         # one view per row bucket, the same object in the cache layers and as the step's argument
-        self._views = {rows: (self.ids[:rows], self.positions[:rows]) for rows in step_buckets(batch_size)}
+        self._views = {rows: (self.ids[:rows], self.positions[:rows]) for rows in step_buckets(batch_size, every_bucket)}
         self._steps: dict[int, object] = {}
 
     # ------------------------------------------------------------------ prefill into a slot
@@ -190,8 +198,9 @@ class SlotBatcher:
     """Serves a trace on a `SlotEngine` with the `continuous` or `static` policy (module docstring)."""
 
     def __init__(self, batch_size: int, policy: str, *, timeout_ms: float | None = None, compile: bool = True,
-                 shared: dict | None = None) -> None:
+                 compile_prefill: bool = True, every_bucket: bool = True, shared: dict | None = None) -> None:
         self.batch_size, self.policy, self.compile = batch_size, policy, compile
+        self.compile_prefill, self.every_bucket = compile_prefill, every_bucket
         self.shared = shared  # the run's cache: configs with the same weights and shapes share one engine
         self.name = f"{policy}-lean"
         self.timeout_ns = int((timeout_ms or 0.0) * 1e6)
@@ -217,18 +226,21 @@ class SlotBatcher:
         started = time.perf_counter()
         size = bucket(longest + 1)
         if self.engine is None or self.engine.max_cache_len < size:
-            key = ("slot-engine", weights_key(prepared), self.batch_size, size, self.compile)
+            key = ("slot-engine", weights_key(prepared), self.batch_size, size, self.compile, self.compile_prefill,
+                   self.every_bucket)
             shared = self.shared if self.shared is not None else {}
             if key in shared:  # compiled for another config of this run (same weights, slots, cache): reused
                 self.engine = shared[key]
                 self.engine.facts["slot_engine_reused"] = True
             else:
-                self.engine = shared[key] = SlotEngine(prepared.model, self.batch_size, size, compile=self.compile)
+                self.engine = shared[key] = SlotEngine(prepared.model, self.batch_size, size, compile=self.compile,
+                                                       compile_prefill=self.compile_prefill,
+                                                       every_bucket=self.every_bucket)
         engine = self.engine
         with torch.inference_mode():
             for ids in sorted(prompts, key=lambda e: e["input_ids"].shape[1]):
                 engine.admit(0, ids["input_ids"].to(prepared.device))
-            for rows in step_buckets(self.batch_size):
+            for rows in step_buckets(self.batch_size, self.every_bucket):
                 for _ in range(3):  # capture, capture again (same graph?), then compiled
                     engine.step(rows, torch.zeros(rows, dtype=torch.long))
         engine.positions.zero_()
@@ -317,7 +329,7 @@ class SlotBatcher:
                 if arrived < n and not queue:
                     wait_until(arrival_ns[order[arrived]])
                 continue
-            rows = rows_for(busy[-1], size)
+            rows = rows_for(busy[-1], size, self.every_bucket)
             picks = greedy(engine.step(rows, nxt[:rows])).tolist()
             stamp = time.perf_counter_ns()
             steps += 1
