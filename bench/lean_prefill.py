@@ -49,7 +49,8 @@ def prompts(tokenizer, short: int, long: int) -> dict[str, torch.Tensor]:
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=16, help="greedy tokens compared between the two rows")
-    p.add_argument("--decode-tokens", type=int, default=128, help="single-stream decode row (0: none)")
+    p.add_argument("--decode-tokens", type=int, default=0,
+                   help="also a single-stream decode row of the compiled lean path (compiles its step; 0: none)")
     p.add_argument("--short", type=int, default=20)
     p.add_argument("--long", type=int, default=500)
     p.add_argument("--method", default="int4-rtn")
@@ -99,6 +100,15 @@ def main() -> None:
                 ttft[("llama.cpp", case)].append((token_ns[0] - submit) / 1e6)
     for (name, decoder), case in ((r, c) for r in rows.items() for c in cases):
         runs[(name, case)] = decoder.generate(cases[case], args.tokens, eos)[2]
+    print(f"{args.method} weights, {torch.get_num_threads()} threads, {args.rounds} interleaved rounds, "
+          f"TTFT median ms (min-max)")
+    for case, ids in cases.items():
+        eager = statistics.median(ttft[("eager prefill", case)])
+        for name in [r for r in ttft if r[1] == case]:
+            values = ttft[name]
+            print(f"  {case} prompt ({ids.shape[1]} tokens)  {name[0]:<17} {statistics.median(values):8.2f} "
+                  f"({min(values):.2f}-{max(values):.2f})  eager/this {eager / statistics.median(values):.2f}x")
+        print(f"  {case}: outputs identical: {runs[('eager prefill', case)] == runs[('compiled prefill', case)]}")
     if args.decode_tokens:  # single-stream decode of the whole lean path (compiled step), three passes
         full = LeanDecoder(model, compile=True)
         full._prefill = rows["compiled prefill"]._prefill  # the prefill graphs compiled above
@@ -109,15 +119,6 @@ def main() -> None:
             speeds.append((len(token_ns) - 1) * 1e9 / (token_ns[-1] - token_ns[0]))
         print(f"lean+compile single-stream decode, {args.decode_tokens} tokens after the short prompt: "
               f"{', '.join(f'{v:.1f}' for v in speeds)} tok/s ({full.facts.get('lean_step')})")
-    print(f"{args.method} weights, {torch.get_num_threads()} threads, {args.rounds} interleaved rounds, "
-          f"TTFT median ms (min-max)")
-    for case, ids in cases.items():
-        eager = statistics.median(ttft[("eager prefill", case)])
-        for name in [r for r in ttft if r[1] == case]:
-            values = ttft[name]
-            print(f"  {case} prompt ({ids.shape[1]} tokens)  {name[0]:<17} {statistics.median(values):8.2f} "
-                  f"({min(values):.2f}-{max(values):.2f})  eager/this {eager / statistics.median(values):.2f}x")
-        print(f"  {case}: outputs identical: {runs[('eager prefill', case)] == runs[('compiled prefill', case)]}")
 
 
 if __name__ == "__main__":
