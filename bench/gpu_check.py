@@ -120,7 +120,7 @@ def compiled_step():
     model = tiny_llama().to(dev)
     ids = torch.randint(0, 512, (1, 20), device=dev)
     eager = LeanDecoder(model, compile=False).generate(ids, 32, [])[2]
-    decoder = LeanDecoder(model, compile=True)
+    decoder = LeanDecoder(model, compile=True, compile_prefill=True)
     decoder.generate(ids, 32, [])  # compiles
     _, token_ns, tokens, _ = decoder.generate(ids, 32, [])
     assert tokens == eager, "compiled tokens differ from eager"

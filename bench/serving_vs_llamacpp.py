@@ -55,6 +55,14 @@ def row_of(engine: str, rate: float, doc: dict, goodput: dict, mismatches, extra
             "duration_s": m.get("trace_duration_s"), "run_id": doc.get("run_id"), **(extra or {})}
 
 
+def progress(started: float):
+    """Print each stage of a measurement when it completes (a run cut by its time limit still says where)."""
+    def report(what: str, done: int, total: int) -> None:
+        if done == total:
+            print(f"  {what}: {total} done at {time.perf_counter() - started:.0f} s", flush=True)
+    return report
+
+
 def phase_infer_tune(args, state: dict) -> None:
     from infer_tune import results
     from infer_tune.metrics.saturation import SLO, goodput
@@ -78,7 +86,7 @@ def phase_infer_tune(args, state: dict) -> None:
             prepared = apply(run.loaded, config, run.ctx)
             doc, outputs = measure_prepared(run.loaded, prepared, run.inputs, spec.workload, spec.protocol,
                                             technique="stack", config=config.to_dict(), env=run.ctx.env,
-                                            runner="trace", measure_ppl=False)
+                                            runner="trace", measure_ppl=False, progress=progress(started))
             sched, factory = prepared.runner_options["scheduler"], prepared.runner_options["trace"]
             good = goodput(sched.timings, slo, doc["metrics"]["trace_duration_s"])
             doc["metrics"].update(good)

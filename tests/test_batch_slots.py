@@ -54,7 +54,9 @@ def test_step_buckets():
 def test_int4_slots_equal_single_request_greedy(arch, scheduler, compiled, tiny_model_dir, qwen3_dir, mixed_suite,
                                                 tmp_path, monkeypatch):
     if not compiled:  # the same engine with its prefill and step eager (fast): the slot logic alone
-        monkeypatch.setattr(slots_module.SlotBatcher.__init__, "__kwdefaults__", {"timeout_ms": None, "compile": False})
+        monkeypatch.setattr(slots_module.SlotBatcher.__init__, "__kwdefaults__",
+                            {"timeout_ms": None, "compile": False, "compile_prefill": False, "every_bucket": True,
+                             "shared": None})
     loaded = models.load(str(tiny_model_dir if arch == "llama" else qwen3_dir))
     # compiled: 3 short prompts and 2 slots (prefill buckets 16, 32, 64 and step buckets 1, 2 to compile)
     size = 2 if compiled else 3
@@ -62,7 +64,8 @@ def test_int4_slots_equal_single_request_greedy(arch, scheduler, compiled, tiny_
     inputs = prepare_inputs(loaded, workload)
     config = StackConfig(configs=[
         QuantizeConfig(method="int4-rtn", backend="torch", decode_kernel="int4pack", prefill_kernel="int4pack"),
-        BatchConfig(scheduler=scheduler, batch_size=size, rate=200.0, requests=10, allow_repeat=True, engine="lean")])
+        BatchConfig(scheduler=scheduler, batch_size=size, rate=200.0, requests=10, allow_repeat=True, engine="lean",
+                    compile_prefill=compiled)])
     ctx = RunContext(env=envinfo.collect_env(1), out_dir=tmp_path)
     prepared = apply(loaded, config, ctx)
     doc, _ = measure_prepared(loaded, prepared, inputs, workload, ONCE, technique="stack", config=config.to_dict(),

@@ -40,8 +40,8 @@ class BatchConfig(TechniqueConfig):
     engine: `transformers` (static: left-padded `generate` calls; continuous: transformers' manager over a
     paged cache) or `lean` (both schedulers on a static per-slot cache with compiled prefill buckets and a
     compiled batched decode step, slots.py); stacks after quantize like any technique.
-    compile_prefill (lean): prompts prefill through compiled length buckets (False: eager, nothing to
-    compile per prompt length). step_buckets (lean): `all` compiles the step for 1, 2, 4 ... batch_size
+    compile_prefill (lean): prompts prefill through compiled length buckets (default off: measured no
+    faster than eager here, docs/tune.md). step_buckets (lean): `all` compiles the step for 1, 2, 4 ... batch_size
     rows; `full` for batch_size rows only (one graph: every step computes every slot).
     """
 
@@ -57,7 +57,7 @@ class BatchConfig(TechniqueConfig):
     seed: int = 0
     allow_repeat: bool = False
     engine: str = "transformers"
-    compile_prefill: bool = True
+    compile_prefill: bool = False
     step_buckets: str = "all"
 
     def __post_init__(self) -> None:

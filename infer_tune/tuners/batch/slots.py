@@ -5,8 +5,8 @@ continuous scheduler of an arrival trace.
   before it starts. Every row keeps its own position: a decode step writes each row's new key and
   value at that row's position (`SlotLayer.update`) and attends under a per-row mask (key j visible
   to row b iff j <= position[b]), passed to the model as a ready 4-D mask.
-- A request is admitted into a free slot by the lean compiled prefill (tuners/lean/prefill.py:
-  batch 1, its prompt-length bucket), whose cache rows are copied into the slot's row.
+- A request is admitted into a free slot by a batch-1 prefill (eager, or with `compile_prefill` the
+  lean compiled prefill, tuners/lean/prefill.py), whose cache rows are copied into the slot's row.
 - The decode step of the active slots runs as one batched forward, captured and compiled once per
   shape bucket (1, 2, 4 ... `batch_size` rows: the lowest rows up to the highest busy slot; free
   slots are always the lowest free ones) by the lean `CapturedStep` (no guards, int4 siblings
@@ -111,7 +111,7 @@ class SlotEngine:
     """The slot cache, the compiled prefill and one compiled decode step per row bucket."""
 
     def __init__(self, model: torch.nn.Module, batch_size: int, max_cache_len: int, *, compile: bool = True,
-                 compile_prefill: bool = True, every_bucket: bool = True) -> None:
+                 compile_prefill: bool = False, every_bucket: bool = True) -> None:
         from infer_tune.tuners.lean.prefill import CompiledPrefill
 
         self.model, self.batch_size, self.max_cache_len, self.compile = model, batch_size, max_cache_len, compile
@@ -198,7 +198,7 @@ class SlotBatcher:
     """Serves a trace on a `SlotEngine` with the `continuous` or `static` policy (module docstring)."""
 
     def __init__(self, batch_size: int, policy: str, *, timeout_ms: float | None = None, compile: bool = True,
-                 compile_prefill: bool = True, every_bucket: bool = True, shared: dict | None = None) -> None:
+                 compile_prefill: bool = False, every_bucket: bool = True, shared: dict | None = None) -> None:
         self.batch_size, self.policy, self.compile = batch_size, policy, compile
         self.compile_prefill, self.every_bucket = compile_prefill, every_bucket
         self.shared = shared  # the run's cache: configs with the same weights and shapes share one engine

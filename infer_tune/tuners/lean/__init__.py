@@ -28,17 +28,17 @@ class LeanConfig(TechniqueConfig):
     """compile: compile the decode step (captured once, called without guards: loop.py; False: the same
     loop, eager). cpp_wrapper: inductor's C++ wrapper around the compiled step's kernels (compiles
     minutes longer; measured no faster here, loop.py). compile_prefill: with `compile`, prompts prefill
-    through compiled length buckets (prefill.py); False: the eager prefill."""
+    through compiled length buckets (prefill.py); off by default: measured no faster here (docs/tune.md)."""
 
     technique: ClassVar[str] = "lean"
 
     compile: bool = True
     cpp_wrapper: bool = False
-    compile_prefill: bool = True
+    compile_prefill: bool = False
 
     def label(self) -> str:
         return "lean" + ("+compile" if self.compile else "") + ("+cpp" if self.compile and self.cpp_wrapper else "") \
-            + ("+eager-prefill" if self.compile and not self.compile_prefill else "")
+            + ("+prefill" if self.compile and self.compile_prefill else "")
 
 
 @register_technique(LeanConfig, runner="lean", max_batch_size=1, measure_ppl=False, phase=3,

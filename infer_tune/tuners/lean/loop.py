@@ -51,7 +51,7 @@ class LeanDecoder:
 
     def __init__(self, model: torch.nn.Module, *, compile: bool = True, cpp_wrapper: bool = False,
                  counters: RunCounters | None = None, facts: dict | None = None,
-                 compile_prefill: bool | None = None) -> None:
+                 compile_prefill: bool = False) -> None:
         self.model = model
         self.compile = compile
         self.cpp_wrapper = cpp_wrapper
@@ -63,9 +63,9 @@ class LeanDecoder:
         # only the last position's logits: the prompt's other positions would cost a head matmul each
         forward_params = inspect.signature(model.forward).parameters
         self._extra = {"logits_to_keep": 1} if "logits_to_keep" in forward_params else {}
-        # prompts prefill through compiled length buckets (prefill.py) unless told otherwise; default: with the step
+        # prompts prefill through compiled length buckets (prefill.py) when asked; default eager (docs/tune.md)
         self._prefill = None
-        if compile if compile_prefill is None else compile_prefill:
+        if compile_prefill:
             from infer_tune.tuners.lean.prefill import CompiledPrefill
 
             self._prefill = CompiledPrefill(model, logits_to_keep=bool(self._extra), facts=self.facts)
