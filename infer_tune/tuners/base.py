@@ -39,6 +39,11 @@ class TechniqueConfig:
         """Short human summary for leaderboards and run ids."""
         return ",".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items() if v is not None)
 
+    def applicable_fields(self) -> tuple[str, ...]:
+        """The fields that mean something for this config (what is printed and saved in a recipe);
+        a technique whose knobs depend on its method overrides this (quantize: no alpha for int8-dynamic)."""
+        return tuple(f.name for f in dataclasses.fields(self))
+
 
 @dataclass
 class RunContext:
@@ -102,6 +107,9 @@ class Technique:
     - `plots(docs) -> {file name: PNG bytes}`: the technique's own figures over the sweep (acceptance
       by position, latency CDFs, device load per plan), written into each of those results' folders,
       where the HTML report finds them.
+    - `report_columns(doc, docs) -> Lead`: what the combined report leads this technique's row with (the
+      figures its claim is about and what they are compared with; infer_tune/report/leads.py). None:
+      decode speedup vs the baseline.
     """
 
     config_cls: type
@@ -114,6 +122,7 @@ class Technique:
     measure_ppl: bool = True
     summarize: Callable[[list[dict]], dict | None] | None = None
     plots: Callable[[list[dict]], dict[str, bytes]] | None = None
+    report_columns: Callable[[dict, list[dict]], Any] | None = None
 
     @property
     def name(self) -> str:
@@ -135,6 +144,7 @@ def register_technique(config_cls: type, *, runner: str = "generation", max_batc
                        resolve: Callable | None = None, annotate: Callable | None = None,
                        preflight: Callable | None = None, measure_ppl: bool = True,
                        summarize: Callable | None = None, plots: Callable | None = None,
+                       report_columns: Callable | None = None,
                        ) -> Callable[[PrepareFn], PrepareFn]:
     """Register `prepare(loaded, config, ctx) -> PreparedModel` for `config_cls` (see `Technique`)."""
     if not getattr(config_cls, "technique", ""):
@@ -142,7 +152,7 @@ def register_technique(config_cls: type, *, runner: str = "generation", max_batc
 
     def decorator(fn: PrepareFn) -> PrepareFn:
         TECHNIQUES[config_cls] = Technique(config_cls, fn, runner, max_batch_size, resolve, annotate, preflight,
-                                           measure_ppl, summarize, plots)
+                                           measure_ppl, summarize, plots, report_columns)
         return fn
 
     return decorator

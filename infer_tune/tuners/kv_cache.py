@@ -93,7 +93,14 @@ def _preflight(loaded: models.LoadedModel, config: KVCacheConfig, ctx: RunContex
         raise ConfigError(f"kv-cache impl '{config.impl}' is not applicable here: {reason}")
 
 
-@register_technique(KVCacheConfig, preflight=_preflight, measure_ppl=False)
+def report_columns(doc: dict, docs: list[dict]):
+    """The report's lead: decode speedup against the default dynamic cache of the same session."""
+    from infer_tune.report.leads import decode_speedup
+
+    return decode_speedup(doc, docs, vs="the dynamic cache (the baseline), same session")
+
+
+@register_technique(KVCacheConfig, preflight=_preflight, measure_ppl=False, report_columns=report_columns)
 def apply_kv_cache(loaded: models.LoadedModel, config: KVCacheConfig, ctx: RunContext) -> PreparedModel:
     """Choose how `generate` builds its cache; the model itself is unchanged."""
     model = loaded.model

@@ -22,6 +22,7 @@ from infer_tune.runners.prepared import PreparedModel
 from infer_tune.tuners.base import RunContext, TechniqueConfig, register_technique
 from infer_tune.tuners.experts import claim, loadfile, plan_metrics, plots, routing
 from infer_tune.tuners.experts.planners import REPLICA_ROUTINGS, STRATEGIES, Plan, Topology, make_plan
+from infer_tune.tuners.experts.report import report_columns
 
 PREDICTED_KEYS = ("balancedness", "cross_device_tokens_per_token", "alltoall_bytes_per_token")
 
@@ -160,7 +161,8 @@ def finish_validation(doc: dict, earlier: list[dict] | None = None) -> None:
 
 
 @register_technique(ExpertsConfig, runner="multiprocess", preflight=_preflight, annotate=finish_validation,
-                    measure_ppl=False, summarize=claim.summarize, plots=plots.validation_plots)
+                    measure_ppl=False, summarize=claim.summarize, plots=plots.validation_plots,
+                    report_columns=report_columns)
 def prepare_experts(loaded: models.LoadedModel, config: ExpertsConfig, ctx: RunContext) -> PreparedModel:
     """A multi-process run of the workload under the plan: one rank per device."""
     from infer_tune.tuners.experts import worker
