@@ -30,5 +30,13 @@ def lines(docs: list[dict], out_dir: Path | str, budget: Budget | None = None, *
     else:
         out.append(f"no configuration to recommend within {lb.budget_summary(budget)}: "
                    f"{'; '.join(rec.reasons[-2:]) or 'no candidate results'}")
+    if not write:
+        written = {fmt: Path(out_dir) / f"leaderboard.{fmt}" for fmt in lb.FORMATS
+                   if (Path(out_dir) / f"leaderboard.{fmt}").is_file()}
     out.extend(f"report: {path}" for key, path in written.items() if key != "recommended")
-    return out
+    return [_printable(line) for line in out]
+
+
+def _printable(line: str) -> str:
+    """No escape sequence from a result's text reaches the terminal."""
+    return "".join(ch if ch.isprintable() else " " for ch in line)

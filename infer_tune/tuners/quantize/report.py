@@ -1,4 +1,4 @@
-"""What the combined report leads a quantization row with (README, docs/metrics.md): decode and TTFT
+"""What the combined report leads a quantization row with (docs/report.md): decode and TTFT
 speedup of the reloaded quantized model against the unquantized baseline of the same session."""
 
 from __future__ import annotations
