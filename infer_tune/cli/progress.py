@@ -143,12 +143,13 @@ class LineProgress:
             self.thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         self.stop.set()
         if self.thread is not None:
             self.thread.join(timeout=2)
         with self.lock:
-            self._flush(self.clock())
+            if exc_type is None:  # on an error the command's one `error:` line is what the log ends with
+                self._flush(self.clock())
 
 
 def describe(doc: dict, docs: list[dict]) -> str:
