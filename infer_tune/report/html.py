@@ -22,7 +22,8 @@ table{border-collapse:collapse;width:100%;font-size:12px;table-layout:auto}
 .tablewrap{overflow-x:auto;max-width:100%}
 th,td{border-bottom:1px solid #ddd;padding:3px 4px;text-align:right;white-space:nowrap}
 td.wrap{white-space:normal}
-td.text,td.run{white-space:normal;overflow-wrap:break-word}th{white-space:normal}
+td.text{white-space:normal;overflow-wrap:break-word}th{white-space:normal}
+td.run{max-width:8em;overflow:hidden;text-overflow:ellipsis;direction:rtl;text-align:left}
 th{background:#f4f4f4;cursor:pointer;user-select:none;position:sticky;top:0}
 th.sorted-asc::after{content:" \\25B2"}th.sorted-desc::after{content:" \\25BC"}
 td.text,th.text{text-align:left}td.run{font-size:10.5px;color:#777}
@@ -95,7 +96,8 @@ def leaderboard_table(rows: list[dict]) -> str:
             classes.append("recommended")
         cells = []
         for c in cols:
-            cells.append(f"<td class=\"{_cell_class(c.key, c.numeric)}\" data-v=\"{_esc(display.sort_value(row, c))}\">"
+            title = f" title=\"{_esc(c.render(row))}\"" if c.key == "run_id" else ""
+            cells.append(f"<td class=\"{_cell_class(c.key, c.numeric)}\"{title} data-v=\"{_esc(display.sort_value(row, c))}\">"
                          f"{_esc(c.render(row))}</td>")
         lines.append(f"<tr class=\"{' '.join(classes)}\">{''.join(cells)}</tr>")
     return (f"<div class=\"tablewrap\"><table id=\"leaderboard\"><thead><tr>{head}</tr></thead>"
