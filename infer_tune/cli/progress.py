@@ -3,10 +3,11 @@ a terminal. One line per finished config (`[3/14] quantize int8-dynamic-torch: d
 recipe ETA 5m10s`) and, while a step stays silent (compilation, distillation, a long measurement), a
 heartbeat line at most every `heartbeat_s` seconds naming the step and how long it has run.
 
-The sweep reports a finished config as the stage `configs` (done / total, the baseline counted first)
-and a recipe's overall count as `recipe` right after; the label and key figure of the config that
-finished are read from the result it has just saved in `out_dir` (report/leads.py says what each
-technique is judged on).
+The sweep reports a finished config as the stage `configs` (done / total of its configs; a first tick
+when it starts) and a recipe's overall count as `recipe` right after; the label and key figure of the
+config that finished are read from the result it has just saved in `out_dir`, and a baseline saved with
+it gets a line of its own (report/leads.py says what each technique is judged on). Configs measured
+together in interleaved rounds finish together: the first one's line carries the group's time.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ class LineProgress:
         self.stage: tuple[str, float, float | None] | None = None
         self.stage_started = self.started
         self.recipe: tuple[int, int] | None = None
-        self.pending: tuple[float, int, int, str] | None = None  # (when, done, total, what finished)
+        self.pending: tuple[float, int, int, list[str]] | None = None  # (when, done, total, what finished)
         self.seen = self._saved_runs()
+        self.configs_done = 0
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True) if start_thread else None
@@ -65,7 +67,15 @@ class LineProgress:
                 return
             self._flush(now)
             if stage == "configs":
-                self.pending = (now, int(done), int(total or 0), self._finished())
+                done, total = int(done), int(total or 0)
+                if done <= self.configs_done:  # a sweep (a recipe's stage) starts: nothing finished yet
+                    self.configs_done = done
+                    self.seen = self._saved_runs()
+                    if done:
+                        self.pending = (now, done, total, [f"{done} config(s) already measured (--resume)"])
+                    return
+                self.configs_done = done
+                self.pending = (now, done, total, self._finished())
                 return
             if self.stage is None or self.stage[0] != stage:
                 self.stage_started = now
@@ -82,10 +92,11 @@ class LineProgress:
         elapsed = when - self.started
         eta = ""
         if 0 < count_done < count_total:
-            eta = f" · ETA {duration(elapsed / count_done * (count_total - count_done))}"
-        scope = "recipe" if self.recipe else "configs"
-        self._line(f"[{count_done}/{count_total}] {what} · took {duration(step)} · {scope} elapsed "
-                   f"{duration(elapsed)}{eta}", now)
+            eta = f" · {'recipe ' if self.recipe else ''}ETA {duration(elapsed / count_done * (count_total - count_done))}"
+        *earlier, last = what
+        for line in earlier:  # the baseline saved with the first config of its group
+            self._line(f"      {line}", now)
+        self._line(f"[{done}/{total}] {last} · took {duration(step)} · elapsed {duration(elapsed)}{eta}", now)
         self.stage = None
 
     def _line(self, text: str, now: float) -> None:
@@ -114,24 +125,24 @@ class LineProgress:
             return set()
         return {p.parent.name for p in self.out_dir.glob("*/result.json")}
 
-    def _finished(self) -> str:
-        """`technique label: key figure` of the result saved since the last tick, or a plain word."""
+    def _finished(self) -> list[str]:
+        """`technique label: key figure` of each result saved since the last tick (a baseline saved with
+        them first), or a plain word."""
         if self.out_dir is None:
-            return "config done"
+            return ["config done"]
         new = self._saved_runs() - self.seen
         if not new:
-            return "config already measured (resumed)"
+            return ["config done"]
         self.seen |= new
         try:
             from infer_tune import results
 
             docs = results.find_results(self.out_dir)
-            doc = next((d for d in reversed(docs) if Path(str(d.get("_path", ""))).name in new), None)
-            if doc is None:
-                return "config done"
-            return _printable(describe(doc, docs))
+            fresh = [d for d in docs if Path(str(d.get("_path", ""))).name in new]
+            fresh.sort(key=lambda d: d.get("technique") != "baseline")
+            return [_printable(describe(d, docs)) for d in fresh] or ["config done"]
         except Exception:  # noqa: BLE001 - a progress line must never stop a measurement
-            return "config done"
+            return ["config done"]
 
     # -- the heartbeat thread
     def _run(self) -> None:

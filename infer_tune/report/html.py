@@ -135,7 +135,8 @@ def recommendation_block(rec: Recommendation, budget_text: str, rows: list[dict]
     ttft = m.get("ttft_ms") if isinstance(m.get("ttft_ms"), dict) else {}
     return (f"<div class=\"rec\"><p><b>{_esc(recommendation_line(rec, rows))}</b>, TTFT {_esc(display.ms(ttft.get('p50')))}, "
             f"same output as baseline {_esc(display.pct(m.get('exact_match_vs_baseline')))} "
-            f"(within {_esc(budget_text)}).</p><p>Reproduce: <code>{_esc(rec.command)}</code></p>{saved}</div>")
+            f"(within {_esc(budget_text)}).</p><p>{_esc(rec.decision())}.</p>"
+            f"<p>Reproduce: <code>{_esc(rec.command)}</code></p>{saved}</div>")
 
 
 def environment_block(env: dict) -> str:

@@ -194,7 +194,8 @@ def to_markdown(rows: list[dict], found_claims: list, rec, budget_text: str) -> 
         why = display.md_cell("; ".join(rec.reasons[-3:]) or "no candidate results")
         parts.append(f"None within {budget_text}: {why}.")
     else:
-        parts.append(f"{display.md_cell(recommendation_line(rec, rows))} (within {budget_text}).\n\n"
+        parts.append(f"{display.md_cell(recommendation_line(rec, rows))} (within {budget_text}); "
+                     f"{display.md_cell(rec.decision())}.\n\n"
                      f"Reproduce: `{rec.command}`" + (f"\n\nSaved model: `{rec.saved_model}`" if rec.saved_model else ""))
     return "\n".join(parts) + "\n"
 

@@ -27,4 +27,4 @@ def _resolve(config: QuantizeConfig, ctx: RunContext) -> QuantizeConfig:
 
 
 register_technique(QuantizeConfig, resolve=_resolve, annotate=pipeline.annotate_claim,
-                   preflight=pipeline.preflight, report_columns=report_columns)(pipeline.prepare_quantized)
+                   preflight=pipeline.preflight, phase=0, report_columns=report_columns)(pipeline.prepare_quantized)

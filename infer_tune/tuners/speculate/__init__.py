@@ -44,4 +44,4 @@ def _resolve(config: SpeculateConfig, ctx: RunContext) -> SpeculateConfig:
 
 register_technique(SpeculateConfig, runner="speculative", max_batch_size=1, resolve=_resolve, preflight=preflight,
                    annotate=annotate, measure_ppl=False, summarize=claim.summarize, plots=plots.plots,
-                   report_columns=report_columns)(prepare)
+                   phase=2, report_columns=report_columns)(prepare)
