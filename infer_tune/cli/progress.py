@@ -52,7 +52,7 @@ class LineProgress:
         self.recipe: tuple[int, int] | None = None
         self.pending: tuple[float, int, int, list[str]] | None = None  # (when, done, total, what finished)
         self.seen = self._saved_runs()
-        self.configs_done = 0
+        self.configs_done: int | None = None  # configs done in the current sweep (None: none started)
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True) if start_thread else None
@@ -68,7 +68,7 @@ class LineProgress:
             self._flush(now)
             if stage == "configs":
                 done, total = int(done), int(total or 0)
-                if done <= self.configs_done:  # a sweep (a recipe's stage) starts: nothing finished yet
+                if self.configs_done is None or done <= self.configs_done:  # a sweep (a recipe's stage) starts
                     self.configs_done = done
                     self.seen = self._saved_runs()
                     if done:
