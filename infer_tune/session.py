@@ -288,10 +288,11 @@ def run_configs(
     measure_ppl: bool = True,
     execute: bool = False,
 ) -> tuple[dict, list[dict]]:
-    """Baseline (measured or reused), then every config prepared, measured by its runner and saved.
+    """Every config prepared, measured beside the baseline (interleaved rounds where its runner runs in
+    passes, else alone against the baseline) and saved (module docstring; docs/architecture.md).
 
-    Each finished config is saved at once (atomically), so an interrupted sweep keeps its rows and
-    `resume=True` skips them. A technique's `annotate` hook sees the results measured before it.
+    Results are saved atomically as each group finishes, so an interrupted sweep keeps its rows and
+    `resume=True` skips them. A technique's `annotate` hook sees the results finished before it.
     Returns (baseline document, candidate documents in config order).
     """
     configs = resolve_configs(configs, ctx)
@@ -339,16 +340,11 @@ def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, proto
             if prepared.cleanup:
                 prepared.cleanup()
     measured = [d for d in docs if d is not None]
-    baseline = sweep.baseline or _existing_baseline(sweep, measured, reuse_baseline)
+    if sweep.baseline is None:  # every config was found done (resume), or there were none: reuse or measure one
+        sweep.baseline, _, _ = ensure_baseline(loaded, inputs, workload, protocol, ctx, reuse=True,
+                                               measure_ppl=measure_ppl, execute=execute)
     summarize_sweep(measured)
-    return baseline, measured
-
-
-def _existing_baseline(sweep: _Sweep, docs: list[dict], reuse: bool) -> dict:
-    """The baseline of a sweep whose configs were all found done (resume), or one measured now."""
-    doc, _, _ = ensure_baseline(sweep.loaded, sweep.inputs, sweep.workload, sweep.protocol, sweep.ctx, reuse=True,
-                                measure_ppl=sweep.measure_ppl, execute=sweep.execute)
-    return doc
+    return sweep.baseline, measured
 
 
 def fits_another(loaded: models.LoadedModel, group: list) -> bool:
