@@ -46,6 +46,7 @@ import numpy as np
 from infer_tune.errors import InferTuneError, ResultError
 from infer_tune.metrics.stats import bootstrap_interval, paired_ratio_interval, ratio_interval
 from infer_tune.report import gate
+from infer_tune.report.match import MATCH, SERVER_SIDE, MismatchError, check_match, mismatches  # noqa: F401
 from infer_tune.results import DISTRIBUTION_METRICS
 
 SAMPLE_STATS = ("p50", "p90", "p99", "mean")
@@ -60,10 +61,6 @@ _EXPR = re.compile(r"^\s*(?P<metric>[A-Za-z_][\w.]*)\s*(?P<op>>=|<=|>|<)\s*"
 
 class ExprError(InferTuneError):
     """A --fail-if expression that does not parse or names an unknown metric."""
-
-
-class MismatchError(InferTuneError):
-    """Results of different suites or models compared without --allow-mismatch."""
 
 
 @dataclass(frozen=True)
@@ -154,71 +151,6 @@ def paired_ratio(base: dict, cand: dict, metric: str, *, seed: int = 0) -> tuple
     if not bi or not ci or not bv or not cv or len(bi) != len(bv) or len(ci) != len(cv):
         return None
     return paired_ratio_interval(bv, bi, cv, ci, seed=seed)
-
-
-def _hardware(doc: dict) -> tuple | None:
-    env = doc.get("env") or {}
-    values = tuple(env.get(k) if not isinstance(env.get(k), list) else tuple(env[k])
-                   for k in ("cpu", "cpu_flags", "cores", "ram_bytes", "accelerator"))
-    return values if any(v is not None for v in values) else None
-
-
-def _identity(doc: dict, block: str, id_key: str, plain_key: str) -> object:
-    """A content id when the result recorded one, else the plain name (older results)."""
-    part = doc.get(block) or {}
-    return part.get(id_key) or part.get(plain_key)
-
-
-# what must be equal for a comparison to mean anything: name -> value of a document
-MATCH = {
-    "suite": lambda d: _identity(d, "workload", "suite_id", "suite"),
-    "model": lambda d: _identity(d, "model", "content_id", "ref"),
-    "max_new_tokens": lambda d: d["workload"].get("max_new_tokens"),
-    "batch_size": lambda d: d["workload"].get("batch_size"),
-    "limit": lambda d: d["workload"].get("limit"),
-    "dtype": lambda d: d["model"].get("dtype"),
-    "threads": lambda d: d["env"].get("threads"),
-    "machine": _hardware,
-}
-
-
-# two servers measured over HTTP each have their own weights' format, dtype, threads and machine:
-# comparing one deployment with another is the point, so those are not compared when BOTH results are
-# endpoint runs. One side's `runner` is only its own claim: an in-process run against an endpoint run
-# (or a result that merely says `runner: endpoint`) is held to every check (--allow-mismatch to proceed).
-SERVER_SIDE = ("model", "dtype", "threads", "machine")
-
-
-def mismatches(base: dict, cand: dict) -> list[str]:
-    """Each way `cand` was measured differently from `base` (MATCH), as a short phrase."""
-    found = []
-    remote = base.get("runner") == "endpoint" and cand.get("runner") == "endpoint"
-    if (base.get("runner") == "endpoint") != (cand.get("runner") == "endpoint"):
-        found.append(f"runner {cand.get('runner')!r} vs {base.get('runner')!r} (a live server against an in-process run)")
-    for what, get in MATCH.items():
-        if remote and what in SERVER_SIDE:
-            continue
-        b, c = get(base), get(cand)
-        if b != c:
-            found.append("another machine (CPU, cores, RAM or accelerator)" if what == "machine"
-                         else f"{what} {c!r} vs {b!r}")
-    return found
-
-
-def check_match(base: dict, candidates: Sequence[dict], *, allow_mismatch: bool = False) -> list[str]:
-    """Refuse (MismatchError) a candidate measured differently from the base (suite, model, max new
-    tokens, batch size, limit, dtype, threads, machine); with `allow_mismatch`, return one loud
-    warning per such candidate instead."""
-    warnings = []
-    for cand in candidates:
-        found = mismatches(base, cand)
-        if not found:
-            continue
-        text = f"{cand['run_id']} was measured differently from the base: {'; '.join(found)}"
-        if not allow_mismatch:
-            raise MismatchError(f"{text}; compare like with like, or pass --allow-mismatch")
-        warnings.append(f"{text}; its deltas mix that difference in")
-    return warnings
 
 
 def pairing(base: dict, cand: dict) -> str:
@@ -347,7 +279,6 @@ def delta(base: dict, cand: dict, metric: str, *, seed: int = 0) -> Delta:
 def judge(expr: Expr, base: dict, cand: dict, *, seed: int = 0) -> Check:
     """Apply the gate rule (module docstring) of one expression to one candidate."""
     where = f"{expr.metric} of {cand['run_id']}"
-    passes = OPS[expr.op]
     stat = expr.metric.partition(".")[2]
     bs, cs = samples_of(base, expr.metric), samples_of(cand, expr.metric)
     paired = paired_ratio(base, cand, expr.metric, seed=seed) if expr.relative else None
