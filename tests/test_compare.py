@@ -307,3 +307,16 @@ def test_impossible_timings_are_bad_input(tmp_path, where):
         result = invoke(*args, "--fail-if", "tpot_ms.p50 > +10%")
         assert result.exit_code == 2 and "impossible timings" in result.output
         assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_cli_noise_never_exits_0_on_a_real_slowdown(tmp_path):
+    gate = ["--fail-if", "tpot_ms.p50 > +10%"]
+    base = save(make_result("base", seed=1), tmp_path)
+    twice = save(_noisy(make_result("twice", tpot_ms=80.0, seed=2)), tmp_path)  # 2x slower, says it is noisy
+    assert invoke(str(base), str(twice), *gate).exit_code == 1
+    noisy_base = save(_noisy(make_result("noisy-base", n=12, noise=0.10, seed=3)), tmp_path)
+    slower = save(make_result("slower", tpot_ms=40.0 * 1.18, n=12, noise=0.03, seed=4), tmp_path)
+    assert invoke(str(noisy_base), str(slower), *gate).exit_code in (1, 4)
+    bad_count = save(make_result("bad-count", seed=5, requests_failed=-3), tmp_path)
+    for args in ((str(base), str(bad_count)), (str(bad_count), str(base))):
+        assert invoke(*args).exit_code == 2

@@ -354,7 +354,9 @@ def compare(base: dict, candidates: Sequence[dict], exprs: Sequence[Expr] = (), 
     for doc in (base, *candidates):
         check_timings(doc)
     warnings = check_match(base, candidates, allow_mismatch=allow_mismatch)
-    if (base_failed := gate.failed_requests(base)) and base_failed > 0:
+    if (base_failed := gate.failed_requests(base)) == -1:
+        raise ResultError(f"{base['run_id']}: metrics.{'/'.join(gate.FAILURE_KEYS)} must be counts (non-negative integers)")
+    if base_failed and base_failed > 0:
         warnings.append(f"the base {base['run_id']} records {base_failed} failed request(s): its timings describe "
                         "only the requests that succeeded")
     validate_exprs(exprs, base, candidates)
