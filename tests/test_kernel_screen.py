@@ -113,3 +113,26 @@ def test_the_screen_runs_real_kernels_and_records_intervals(tiny_loaded):
     decode = record["by_kind"]["int8-dynamic"]["decode"]
     assert decode["rounds"] == result.rounds and set(decode["vs_fp32_ci95"]) == set(result.kernels())
     assert all(low <= mid <= high for mid, low, high in decode["vs_fp32_ci95"].values())
+
+
+def test_a_regime_is_slower_than_fp32_only_when_an_interval_says_so(tiny_loaded):
+    import copy
+
+    from infer_tune.tuners.quantize import QuantizeConfig
+    from infer_tune.tuners.quantize.pipeline import quantize_in_memory
+
+    model = copy.deepcopy(tiny_loaded.model)
+    quantize_in_memory(model, QuantizeConfig(method="int8-dynamic"), "torch")
+
+    def screened(kernel_ms: dict[str, list[float]]) -> screen.Screen:
+        measure, _ = scripted({"fp32": [10.0, 10.2, 9.8], **kernel_ms})
+        return screen.run(measure, ["fp32", *kernel_ms], max_rounds=9, clock=FakeClock(0.0))
+
+    near = screened({"fbgemm": [10.3, 9.9, 10.1], "int_mm": [20.0], "dequant": [30.0]})  # median above fp32's
+    far = screened({"fbgemm": [14.0, 14.2, 13.9], "int_mm": [20.0], "dequant": [30.0]})
+    prefill = ({"int_mm": 1.0, "dequant": 2.0}, 1.5)
+    for result, slower in ((near, False), (far, True)):
+        timings = {("int8-dynamic", "decode"): result, ("int8-dynamic", "prefill"): prefill}
+        record = kernels.choose_for_model(model, "int8-dynamic", timings=timings)
+        assert record["by_kind"]["int8-dynamic"]["decode"]["chosen"] == "fbgemm"
+        assert record["decode"]["slower_than_fp32"] is slower

@@ -283,8 +283,11 @@ def choose_for_model(model: nn.Module, method: str, *, prefill_rows: int = 64, g
         record["by_kind"][kind] = chosen
     for regime, (ms, fp32_ms) in totals.items():
         ratio = fp32_ms / ms if ms else None
-        record[regime] = {"ms": ms, "fp32_ms": fp32_ms, "speedup_vs_fp32": ratio,
-                          "slower_than_fp32": ratio is not None and ratio < 1.0,
+        choices = [v[regime] for v in record["by_kind"].values()]
+        slower = ratio is not None and ratio < 1.0
+        if slower and all("vs_fp32_ci95" in c for c in choices):  # screened: an interval must say so too
+            slower = any(c["slower_than_fp32"] for c in choices)
+        record[regime] = {"ms": ms, "fp32_ms": fp32_ms, "speedup_vs_fp32": ratio, "slower_than_fp32": slower,
                           "chosen": {k: v[regime]["chosen"] for k, v in record["by_kind"].items()}}
     if any(k.startswith("int8") for k in shapes):
         record["activation_range"] = activation_range()
