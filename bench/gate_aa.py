@@ -27,17 +27,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 BENCH_TECHNIQUE = "bench-busy-wait"
 
 
 # --------------------------------------------------------------------------- child: the bench-only technique
 def register_busy_wait() -> None:
-    """Register a technique that adds a fixed busy-wait to every forward call (bench-only)."""
-    from dataclasses import dataclass
-    from typing import ClassVar
-
+    """Register a technique that adds a fixed busy-wait to every forward call (bench-only): one per
+    decode step (and one per prefill)."""
+    from infer_tune.nn_utils import shallow_clone
     from infer_tune.runners.prepared import PreparedModel
     from infer_tune.tuners import TechniqueConfig, register_technique
 
@@ -58,9 +59,11 @@ def register_busy_wait() -> None:
             while time.perf_counter_ns() < end:
                 pass
 
-        handle = loaded.model.register_forward_pre_hook(spin)
-        return PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, label=config.label(),
-                             metrics={"busy_wait_us": config.wait_us}, cleanup=handle.remove)
+        # a clone over the same weights: the baseline, measured in the same rounds, stays untouched
+        model = shallow_clone(loaded.model)
+        model.register_forward_pre_hook(spin)
+        return PreparedModel(model=model, tokenizer=loaded.tokenizer, label=config.label(),
+                             metrics={"busy_wait_us": config.wait_us})
 
 
 def child(argv: list[str]) -> int:
@@ -118,7 +121,7 @@ def run_scenario(name: str, i: int, root: Path, args: argparse.Namespace, wait_u
     else:
         recipe = out / "busy.yaml"
         recipe.parent.mkdir(parents=True, exist_ok=True)
-        recipe.write_text(f"name: busy\nconfigs:\n  - {{technique: {BENCH_TECHNIQUE}, wait_us: {wait_us}}}\n")
+        recipe.write_text(f"description: busy-wait\nconfigs:\n  - {{technique: {BENCH_TECHNIQUE}, wait_us: {wait_us}}}\n")
         folders = bench(out, args.model, "--recipe", str(recipe))
         row = gate(folders[0], folders[-1], args.fail_if)
     row.update(scenario=name, run=i, seconds=round(time.perf_counter() - started, 1))
