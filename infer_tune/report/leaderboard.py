@@ -25,8 +25,10 @@ from infer_tune.report.recommend import Budget, recommend
 COLUMNS = ("run_id", "technique", "config", "model", "suite", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
            "tpot_p99_ms", "output_throughput_tok_s", "speedup_vs_baseline", "peak_rss_bytes", "model_bytes", "bleu",
            "bleu_drift", "bleu_vs_baseline", "exact_match_vs_baseline", "ppl_delta_pct", "pass_at_1",
-           "roofline_fraction", "output_mismatches", "ttft_speedup_vs_baseline", "bleu_drift_ci95", "broken", "broken_why")
-OBJECT_COLUMNS = {"run_id", "technique", "config", "model", "suite", "bleu_drift_ci95", "broken", "broken_why"}
+           "roofline_fraction", "output_mismatches", "ttft_speedup_vs_baseline", "bleu_drift_ci95", "broken", "broken_why",
+           "verdict_evidence")
+OBJECT_COLUMNS = {"run_id", "technique", "config", "model", "suite", "bleu_drift_ci95", "broken", "broken_why",
+                  "verdict_evidence"}
 FORMATS = ("md", "csv", "html")
 
 
@@ -60,7 +62,7 @@ def flatten(doc: dict) -> dict:
     }
     for key in COLUMNS:
         row.setdefault(key, m.get(key))
-    if m.get("broken"):  # a broken model is never shown as a speedup (metrics.deltas.verdict; the verdict column says why)
+    if display.is_broken(row):  # a broken model is never shown as a speedup (metrics.deltas.verdict; the verdict column says why)
         row["speedup_vs_baseline"] = None
     elif (m.get("noise") or {}).get("noisy"):
         row["config"] = f"{row['config']} [noisy]"
