@@ -47,6 +47,8 @@ def render_result(doc: dict, run_dir: Path | str | None = None) -> None:
         facts.append(("drift", f"BLEU {output.fmt(m.get('bleu_drift'), '+.2f')}, exact match "
                                f"{output.fmt(m.get('exact_match_vs_baseline'), '.0%')}, ppl "
                                f"{output.fmt(m.get('ppl_delta_pct'), '+.2f')}%"))
+    if m.get("verdict_evidence"):
+        facts.append(("verdict evidence", str(m["verdict_evidence"])))
     noise = m.get("noise") or {}
     if noise.get("noisy"):
         facts.append(("noise", "SHAKY: " + "; ".join(noise.get("why") or [])))

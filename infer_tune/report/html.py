@@ -81,7 +81,8 @@ CLAIM_CLASSES = {"held": "verdict-held", "did not hold here": "verdict-did-not-h
 
 
 def _cell_class(key: str, numeric: bool) -> str:
-    return {"run_id": "run", "lead_value": "lead", "lead_vs": "vs", "bleu_drift": "wrap"}.get(key, "" if numeric else "text")
+    return {"run_id": "run", "lead_value": "lead", "lead_vs": "vs", "verdict_evidence": "vs", "bleu_drift": "wrap"}.get(
+        key, "" if numeric else "text")
 
 
 def leaderboard_table(rows: list[dict]) -> str:

@@ -25,9 +25,11 @@ COLUMNS = ("run_id", "technique", "config", "model", "suite", "ttft_p50_ms", "tt
            "tpot_p99_ms", "output_throughput_tok_s", "speedup_vs_baseline", "peak_rss_bytes", "model_bytes", "bleu",
            "bleu_drift", "bleu_vs_baseline", "exact_match_vs_baseline", "ppl_delta_pct", "pass_at_1",
            "roofline_fraction", "output_mismatches", "ttft_speedup_vs_baseline", "bleu_drift_ci95", "broken", "broken_why",
-           "speedup_vs_baseline_ci95", "ttft_speedup_vs_baseline_ci95", "lead", "lead_value", "lead_vs", "lead_decode")
+           "verdict_evidence", "speedup_vs_baseline_ci95", "ttft_speedup_vs_baseline_ci95", "lead", "lead_value",
+           "lead_vs", "lead_decode")
 OBJECT_COLUMNS = {"run_id", "technique", "config", "model", "suite", "bleu_drift_ci95", "broken", "broken_why",
-                  "speedup_vs_baseline_ci95", "ttft_speedup_vs_baseline_ci95", "lead", "lead_vs", "lead_decode"}
+                  "verdict_evidence", "speedup_vs_baseline_ci95", "ttft_speedup_vs_baseline_ci95", "lead", "lead_vs",
+                  "lead_decode"}
 FORMATS = ("md", "csv", "html")
 CSV_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 
@@ -66,7 +68,7 @@ def flatten(doc: dict) -> dict:
     for key in COLUMNS:
         if not key.startswith("lead"):
             row.setdefault(key, m.get(key))
-    if m.get("broken"):  # a broken model is never shown as a speedup (metrics.deltas.verdict; the verdict column says why)
+    if display.is_broken(row):  # a broken model is never shown as a speedup (metrics.deltas.verdict; the verdict column says why)
         row["speedup_vs_baseline"] = None
     elif (m.get("noise") or {}).get("noisy"):
         row["config"] = f"{row['config']} [noisy]"

@@ -181,8 +181,9 @@ def prune_reason(screen_row: dict, objective: str) -> str | None:
 
 # --------------------------------------------------------------------------- plan
 def single_candidates(spec: TuneSpec, screen: dict) -> list[Candidate]:
-    """Quantize methods (most promising first; pruned ones carry the reason) and the lossless lean path."""
-    from infer_tune.tuners.lean import LeanConfig
+    """Quantize methods (most promising first; pruned ones carry the reason), then what every other
+    technique's registry entry offers `tune` (`tune_candidates`: the lossless lean path, ...)."""
+    from infer_tune.tuners.base import TECHNIQUES, load_techniques
     from infer_tune.tuners.quantize import QuantizeConfig
 
     regime = "prefill" if spec.objective == "ttft" else "decode"
@@ -196,9 +197,12 @@ def single_candidates(spec: TuneSpec, screen: dict) -> list[Candidate]:
                 cand.status, cand.reason = "pruned", reason
             out.append(cand)
         out.sort(key=lambda c: (c.status == "pruned", -(c.estimate or 0.0)))
-    if spec.compile and spec.objective != "ttft":
-        out.append(Candidate(LeanConfig(compile=True), lossless=True, compiles=True))
-    out.append(Candidate(LeanConfig(compile=False), lossless=True))
+    load_techniques()
+    for entry in list(TECHNIQUES.values()):
+        for config, attrs in (entry.tune_candidates(spec) if entry.tune_candidates else []):
+            if spec.require_lossless and not attrs.get("lossless"):
+                continue
+            out.append(Candidate(config, lossless=bool(attrs.get("lossless")), compiles=bool(attrs.get("compiles"))))
     return out
 
 

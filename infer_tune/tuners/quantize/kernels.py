@@ -9,8 +9,11 @@ Two decisions, both recorded in the result (`metrics.kernels`):
   call `reduce_range`), otherwise the full 0..255.
 - **GEMM kernel per regime.** Decode (one row) and prefill (many rows) each get the fastest of the
   candidate kernels for the method, timed on the model's own Linear shapes against an fp32 matmul
-  of the same shapes. A regime whose best quantized kernel is still slower than fp32 is reported as
-  such (`slower_than_fp32`), and `tune` never chooses it.
+  of the same shapes, in interleaved rounds until the fastest is separated by its 95% interval
+  (screen.py: the rounds, the stopping rule, and why a kernel whose interval says slower than fp32
+  is not chosen while one that is not exists). A regime whose chosen kernel is still slower than
+  fp32 is reported as such (`slower_than_fp32`), and `tune` never chooses it. The intervals are
+  recorded (`vs_fp32_ci95`, `rounds`, `separated`).
 
 Candidates (numerics noted where they differ): int8-dynamic: `fbgemm` (activation scale per call:
 per token at decode, per tensor at prefill), `int_mm` (per-token int8 x int8 -> int32, torch._int_mm),
@@ -35,6 +38,8 @@ from collections import Counter
 
 import torch
 from torch import nn
+
+from infer_tune.tuners.quantize import screen
 
 KERNELS: dict[str, tuple[str, ...]] = {  # quantized Linear kind -> its candidate kernels
     "int8-dynamic": ("fbgemm", "int_mm", "dequant"),
@@ -109,27 +114,37 @@ def activation_qmax() -> int:
 
 
 # --------------------------------------------------------------------------- choice
-def choose(timings_ms: dict[str, float], fp32_ms: float, *, forced: str | None = None) -> dict:
+def choose(timings_ms: dict[str, float], fp32_ms: float, *, forced: str | None = None,
+           vs_fp32: dict[str, list[float]] | None = None) -> dict:
     """The kernel to run for one regime, from measured (or injected) timings.
 
-    `timings_ms`: candidate -> time of the model's Linears at that regime; `fp32_ms`: the same shapes
-    in fp32. `forced` names a kernel to use regardless (the config's choice); otherwise the fastest.
+    `timings_ms`: candidate -> time (median over rounds) of the model's Linears at that regime;
+    `fp32_ms`: the same shapes in fp32; `vs_fp32`: candidate -> [median, low, high] of its per-round
+    time over fp32's (screen.Screen.vs_fp32; None for point timings). `forced` names a kernel to use
+    regardless (the config's choice); otherwise screen.pick. Slower than fp32: the interval's low end
+    above 1 when there is an interval, else the point ratio.
     """
     usable = {k: v for k, v in timings_ms.items() if v is not None}
+    vs_fp32 = {k: v for k, v in (vs_fp32 or {}).items() if k in usable} or None
     if forced is not None:
         chosen, why = forced, "forced by the config"
     elif usable:
-        chosen = min(usable, key=usable.get)
-        why = "fastest measured on this host"
+        chosen, why = screen.pick(usable, vs_fp32)
     else:
         raise ValueError("no kernel timings to choose from")
     chosen_ms = usable.get(chosen)
     ratio = fp32_ms / chosen_ms if chosen_ms else None
-    slower = ratio is not None and ratio < 1.0
+    if vs_fp32 and chosen in vs_fp32:
+        slower = vs_fp32[chosen][1] > 1.0
+    else:
+        slower = ratio is not None and ratio < 1.0
     if slower:
         why += f"; still {1 / ratio:.2f}x slower than fp32 on these shapes"
-    return {"chosen": chosen, "why": why, "timings_ms": timings_ms, "fp32_ms": fp32_ms,
-            "speedup_vs_fp32": ratio, "slower_than_fp32": slower}
+    out = {"chosen": chosen, "why": why, "timings_ms": timings_ms, "fp32_ms": fp32_ms,
+           "speedup_vs_fp32": ratio, "slower_than_fp32": slower}
+    if vs_fp32:
+        out["vs_fp32_ci95"] = vs_fp32
+    return out
 
 
 def linear_shapes(model: nn.Module) -> dict[str, Counter]:
@@ -144,13 +159,12 @@ def linear_shapes(model: nn.Module) -> dict[str, Counter]:
 
 
 def _best_ms(fn, reps: int) -> float:
-    fn()
     times = []
     for _ in range(reps):
         start = time.perf_counter_ns()
         fn()
         times.append(time.perf_counter_ns() - start)
-    return min(times) / 1e6  # the best of a few: other processes on a shared host only ever add time
+    return min(times) / 1e6  # the best of a couple within a round: another process only ever adds time
 
 
 def sample_module(kind: str, k: int, n: int, group_size: int) -> nn.Module:
@@ -170,31 +184,53 @@ def sample_module(kind: str, k: int, n: int, group_size: int) -> nn.Module:
     return modules.Int8DynamicLinear(q, scale)
 
 
-def benchmark(shapes: Counter, rows: int, kind: str, *, group_size: int = 32,
-              reps: int = 5) -> tuple[dict[str, float | None], float]:
-    """Time every candidate kernel of `kind` on the model's Linear shapes of that kind at `rows` rows.
+def screen_kernels(shapes: Counter, rows: int, kind: str, *, group_size: int = 32, inner: int = 2,
+                   seed: int = 0, **limits) -> screen.Screen:
+    """Time every candidate kernel of `kind` and fp32 on the model's Linear shapes of that kind at `rows`
+    rows, in interleaved rounds (screen.run; `limits`: min_rounds, max_rounds, budget_s).
 
-    Returns (kernel -> ms, fp32 ms). Each distinct shape is timed once and weighted by how many layers
-    have it (the per-step cost of those Linears). A kernel that fails on this host is recorded as None.
+    One sample of a candidate is the per-step cost of those Linears: each distinct shape timed (best of
+    `inner` calls) and weighted by how many layers have it. One layer per distinct shape is held for
+    the whole screen (a few hundred MB for a 7B model's shapes, in fp32 for the reference).
     """
-    candidates = KERNELS[kind]
-    totals: dict[str, float | None] = dict.fromkeys(candidates, 0.0)
-    fp32_total = 0.0
+    layers = []
+    for (k, n), count in shapes.items():
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        layers.append((count, sample_module(kind, k, n, group_size), x, torch.randn(n, k)))
+
+    def measure(name: str) -> float:
+        total = 0.0
+        for count, module, x, w in layers:
+            if name == screen.FP32:
+                call = functools.partial(torch.nn.functional.linear, x, w)
+            else:
+                module.set_kernels(name, name)
+                call = functools.partial(module, x)
+            total += count * _best_ms(call, inner)
+        return total
+
     with torch.inference_mode():
-        for (k, n), count in shapes.items():
-            module = sample_module(kind, k, n, group_size)
-            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-            w = torch.randn(n, k)
-            fp32_total += count * _best_ms(functools.partial(torch.nn.functional.linear, x, w), reps)
-            for kernel in candidates:
-                if totals[kernel] is None:
-                    continue
-                module.set_kernels(kernel, kernel)
-                try:
-                    totals[kernel] += count * _best_ms(functools.partial(module, x), reps)
-                except RuntimeError:  # a kernel this build / CPU does not provide
-                    totals[kernel] = None
-    return totals, fp32_total
+        for name in (screen.FP32, *KERNELS[kind]):  # warm every path once (first calls allocate, pack)
+            try:
+                measure(name)
+            except RuntimeError:  # a kernel this build / CPU does not provide: screen.run drops it
+                pass
+        return screen.run(measure, [screen.FP32, *KERNELS[kind]], seed=seed, **limits)
+
+
+def benchmark(shapes: Counter, rows: int, kind: str, *, group_size: int = 32,
+              **limits) -> tuple[dict[str, float | None], float]:
+    """(kernel -> median ms over interleaved rounds, None for a kernel that fails here; fp32 median ms)."""
+    return screen_kernels(shapes, rows, kind, group_size=group_size, **limits).timings()
+
+
+def _unpack(value) -> tuple[dict[str, float | None], float, dict | None]:
+    """A timings entry: a Screen (measured here) or an injected (kernel -> ms, fp32 ms) pair."""
+    if isinstance(value, screen.Screen):
+        kernel_ms, fp32_ms = value.timings()
+        return kernel_ms, fp32_ms, value.record()
+    kernel_ms, fp32_ms = value
+    return kernel_ms, fp32_ms, None
 
 
 def excluded(kind: str, regime: str) -> dict[str, str]:
@@ -231,12 +267,15 @@ def choose_for_model(model: nn.Module, method: str, *, prefill_rows: int = 64, g
         chosen = {}
         for regime, rows, name in (("decode", 1, force[0]), ("prefill", prefill_rows, force[1])):
             if (kind, regime) not in timings:
-                timings[(kind, regime)] = benchmark(kind_shapes, rows, kind, group_size=group_size)
-            kernel_ms, fp32_ms = timings[(kind, regime)]
+                timings[(kind, regime)] = screen_kernels(kind_shapes, rows, kind, group_size=group_size)
+            kernel_ms, fp32_ms, stats = _unpack(timings[(kind, regime)])
             skip = excluded(kind, regime)
-            choice = choose({k: v for k, v in kernel_ms.items() if k not in skip}, fp32_ms, forced=name)
+            choice = choose({k: v for k, v in kernel_ms.items() if k not in skip}, fp32_ms, forced=name,
+                            vs_fp32=(stats or {}).get("vs_fp32_ci95"))
             if skip:
                 choice["excluded"] = skip
+            if stats:
+                choice.update(rounds=stats["rounds"], separated=stats["separated"], stopped=stats["stopped"])
             chosen[regime] = choice
             totals[regime][0] += choice["timings_ms"].get(choice["chosen"]) or kernel_ms.get(choice["chosen"]) or 0.0
             totals[regime][1] += fp32_ms
@@ -244,8 +283,11 @@ def choose_for_model(model: nn.Module, method: str, *, prefill_rows: int = 64, g
         record["by_kind"][kind] = chosen
     for regime, (ms, fp32_ms) in totals.items():
         ratio = fp32_ms / ms if ms else None
-        record[regime] = {"ms": ms, "fp32_ms": fp32_ms, "speedup_vs_fp32": ratio,
-                          "slower_than_fp32": ratio is not None and ratio < 1.0,
+        choices = [v[regime] for v in record["by_kind"].values()]
+        slower = ratio is not None and ratio < 1.0
+        if slower and all("vs_fp32_ci95" in c for c in choices):  # screened: an interval must say so too
+            slower = any(c["slower_than_fp32"] for c in choices)
+        record[regime] = {"ms": ms, "fp32_ms": fp32_ms, "speedup_vs_fp32": ratio, "slower_than_fp32": slower,
                           "chosen": {k: v[regime]["chosen"] for k, v in record["by_kind"].items()}}
     if any(k.startswith("int8") for k in shapes):
         record["activation_range"] = activation_range()
