@@ -199,7 +199,7 @@ def test_each_technique_leads_with_what_it_is_judged_on_and_names_the_comparison
     assert rows.loc["x-locality", "lead_vs"].startswith("round-robin placement")
     assert rows.loc["s-k8", "lead"] == "decode 2.04x [1.98–2.10] · acceptance 3.25 tokens"
     assert rows.loc["q", "lead"] == "decode 3.64x [3.58–3.70]"  # the interval when the result has one
-    assert rows.loc["q", "lead_vs"].endswith("same session")
+    assert rows.loc["q", "lead_vs"].endswith("baseline (same session)")
     assert "0.4" not in rows.loc["b-continuous", "lead"]  # never single-stream decode speedup for batching
 
 

@@ -90,7 +90,7 @@ def test_bench_recipe_in_a_log_prints_each_config_and_a_reproducible_recommendat
     finished = [line for line in stderr if re.match(r"\[\d+/\d+\] ", line)]
     assert [line.split("]")[0] for line in finished] == ["[1/2", "[2/2"], result.stderr
     assert any(line.startswith("      baseline: TPOT p50") for line in stderr), result.stderr
-    assert finished[0].startswith("[1/2] kv-cache static: decode ") and "vs the dynamic cache" in finished[0]
+    assert finished[0].startswith("[1/2] kv-cache static: decode ") and "(vs dynamic cache (the baseline))" in finished[0]
     assert finished[1].startswith("[2/2] kv-cache none: decode ")
     assert all(" · took " in line and " · elapsed " in line for line in finished)
     assert "recipe ETA" in finished[0]

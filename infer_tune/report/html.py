@@ -29,7 +29,7 @@ th.sorted-asc::after{content:" \\25B2"}th.sorted-desc::after{content:" \\25BC"}
 td.text,th.text{text-align:left}td.run{font-size:10.5px;color:#777}
 tr.broken td{background:#fde8e8}tr.baseline td{background:#eef4fb}
 tr.recommended td{background:#fff6e0;font-weight:600}td.lead{white-space:normal;min-width:12em;text-align:left}
-td.vs{white-space:normal;font-size:11.5px;color:#555;min-width:9em}
+td.vs{white-space:normal;font-size:11.5px;color:#555;min-width:8em;text-align:left}
 svg.plot{max-width:100%;height:auto;border:1px solid #eee}svg.plot .point{cursor:help}
 .verdict-held{color:#176b2c;font-weight:600}.verdict-did-not-hold-here{color:#a11;font-weight:600}
 .verdict-not-applicable{color:#777}

@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-BASELINE_VS = "the baseline of the same session"
+BASELINE_VS = "baseline (same session)"
 
 
 def number(value) -> float | None:

@@ -102,7 +102,7 @@ def report_columns(doc: dict, docs: list[dict]):
     """The report's lead: decode speedup against the default dynamic cache of the same session."""
     from infer_tune.report.leads import decode_speedup
 
-    return decode_speedup(doc, docs, vs="the dynamic cache (the baseline), same session")
+    return decode_speedup(doc, docs, vs="dynamic cache (the baseline)")
 
 
 # --------------------------------------------------------------------------- what a cache row measures

@@ -33,15 +33,15 @@ def report_columns(doc: dict, docs: list[dict]) -> Lead:
         return Lead((Figure("throughput", number(m.get("throughput_ratio_vs_baseline")), "x",
                             interval(m, "throughput_ratio_vs_baseline")),
                      Figure("output", number(m.get("output_throughput_tok_s")), "tok/s")),
-                    "the single-stream baseline (closed loop)")
+                    "single-stream baseline (closed loop)")
     twin = _static_twin(doc, docs) if scheduler == "continuous" else None
     if twin is None:
         figures = [Figure("throughput", number(m.get("output_throughput_tok_s")), "tok/s"),
                    Figure("mean e2e", _mean_e2e(m), "ms")]
         if number(m.get("goodput_req_s")) is not None:
             figures.append(Figure("goodput", number(m.get("goodput_req_s")), "req/s"))
-        vs = ("its own trace: the reference for continuous batching at this rate" if scheduler == "static"
-              else "no static batching run of this trace in these results")
+        vs = ("itself: the reference for continuous batching" if scheduler == "static"
+              else "no static run of this trace here")
         return Lead(tuple(figures), vs)
     t = twin.get("metrics") or {}
     figures = [Figure("throughput", ratio(m.get("output_throughput_tok_s"), t.get("output_throughput_tok_s")), "x"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from infer_tune.report.leads import Figure, Lead, change_pct, number, same_stage
 
-VS_ROUND_ROBIN = "round-robin placement on the same devices"
+VS_ROUND_ROBIN = "round-robin placement"
 
 
 def _round_robin(doc: dict, docs: list[dict]) -> dict | None:
@@ -24,11 +24,11 @@ def report_columns(doc: dict, docs: list[dict]) -> Lead:
     bytes_per_token, balance = number(m.get("alltoall_bytes_per_token")), number(m.get("balancedness"))
     if (doc.get("config") or {}).get("strategy") == "round-robin":
         return Lead((Figure("bytes/token", bytes_per_token, "B/token"), Figure("balancedness", balance, "")),
-                    "itself: the round-robin reference")
+                    "itself: the reference placement")
     ref = _round_robin(doc, docs)
     if ref is None:
         return Lead((Figure("bytes/token", bytes_per_token, "B/token"), Figure("balancedness", balance, "")),
-                    "no round-robin run on these devices in these results")
+                    "no round-robin run on these devices here")
     r = ref.get("metrics") or {}
     return Lead((Figure("bytes/token", change_pct(bytes_per_token, r.get("alltoall_bytes_per_token")), "%"),
                  Figure("balancedness", balance, "", reference=number(r.get("balancedness")))), VS_ROUND_ROBIN)

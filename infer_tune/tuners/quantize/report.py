@@ -8,5 +8,5 @@ from infer_tune.report.leads import Lead, decode_speedup
 
 def report_columns(doc: dict, docs: list[dict]) -> Lead:
     dtype = (doc.get("model") or {}).get("dtype")
-    return decode_speedup(doc, docs, vs=f"the {dtype} baseline, same session" if isinstance(dtype, str) and
-                          dtype.isidentifier() else "the unquantized baseline, same session")
+    return decode_speedup(doc, docs, vs=f"{dtype} baseline (same session)" if isinstance(dtype, str) and
+                          dtype.isidentifier() else "unquantized baseline (same session)")

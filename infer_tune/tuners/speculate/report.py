@@ -11,4 +11,4 @@ def report_columns(doc: dict, docs: list[dict]) -> Lead:
     m = doc.get("metrics") or {}
     return Lead((Figure("decode", number(m.get("speedup_vs_baseline")), "x", interval(m, "speedup_vs_baseline")),
                  Figure("acceptance", number(m.get("mean_acceptance_length")), "tokens")),
-                "the baseline without a draft, same session", decode=True)
+                "baseline without a draft", decode=True)
