@@ -86,7 +86,9 @@ def _cell_class(key: str, numeric: bool) -> str:
 
 
 def leaderboard_table(rows: list[dict]) -> str:
-    cols = display.columns()
+    """The table; a row's verdict evidence is the verdict cell's hover title (a column of it would make
+    every row many lines tall)."""
+    cols = [c for c in display.columns() if c.key != "verdict_evidence"]
     head = "".join(f"<th class=\"{'' if c.numeric and c.key != 'lead_value' else 'text'}\">{_esc(c.header)}</th>"
                    for c in cols)
     lines = []
@@ -97,7 +99,11 @@ def leaderboard_table(rows: list[dict]) -> str:
             classes.append("recommended")
         cells = []
         for c in cols:
-            title = f" title=\"{_esc(c.render(row))}\"" if c.key == "run_id" else ""
+            title = ""
+            if c.key == "run_id":
+                title = f" title=\"{_esc(c.render(row))}\""
+            elif c.key == "verdict" and row.get("verdict_evidence"):
+                title = f" title=\"{_esc(row['verdict_evidence'])}\""
             cells.append(f"<td class=\"{_cell_class(c.key, c.numeric)}\"{title} data-v=\"{_esc(display.sort_value(row, c))}\">"
                          f"{_esc(c.render(row))}</td>")
         lines.append(f"<tr class=\"{' '.join(classes)}\">{''.join(cells)}</tr>")

@@ -115,7 +115,9 @@ def pareto_svg(rows: list[dict], broken: list[bool], front_of) -> str | None:
     xs = [p[1] for p in points]
     span = (max(xs) - min(xs)) or 1.0
     last_x, level = None, 0
-    for k in ordered:  # stagger labels of neighbouring front points so they never overlap
+    recommended = [k for k, (i, _, _) in enumerate(points) if rows[i].get("recommended") and k not in front]
+    ordered = sorted(ordered + recommended, key=lambda k: points[k][1])  # the recommended row is labelled too
+    for k in ordered:  # stagger labels of neighbouring labelled points so they never overlap
         x, y = points[k][1], points[k][2]
         level = level + 1 if last_x is not None and (x - last_x) / span < 0.22 else 0
         last_x = x
