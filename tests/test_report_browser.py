@@ -2,7 +2,8 @@
 no console errors, every plot rendered (the Pareto plot inline, a hover title on every point), the
 recommended row marked, hostile result text inert, the table sorts on click and filters as typed; a
 screenshot is kept in runs/test-artifacts/ (CI artifact). With INFER_TUNE_REPORT_RUNS=DIR the same
-checks run on a real runs folder and its screenshot is what docs/report.png shows."""
+checks run on a real runs folder (its report rewritten there, as `make demo` writes it) and its
+screenshot is what docs/report.png shows."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def _check_in_browser(page_file: Path, screenshot: Path, *, synthetic: bool) -> 
             page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
             page.on("pageerror", lambda exc: errors.append(str(exc)))
             page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
-            page.goto(page_file.as_uri())
+            page.goto(page_file.resolve().as_uri())
             page.wait_for_load_state("load")
             images = page.eval_on_selector_all("img", "els => els.map(e => [e.complete, e.naturalWidth])")
             assert len(images) >= (3 if synthetic else 1)  # TTFT/TPOT bars (+ per-position, the techniques' own)
@@ -110,5 +111,5 @@ def test_real_report_in_a_real_browser(tmp_path):
     runs = Path(os.environ["INFER_TUNE_REPORT_RUNS"])
     found = results.find_results(runs)
     assert found, f"no results under {runs}"
-    page_file = lb.write(lb.build(found), found, tmp_path, ["html"])["html"]
+    page_file = lb.write(lb.build(found), found, runs)["html"]  # the report beside the runs, as `make demo` writes it
     _check_in_browser(page_file, ARTIFACTS / "report-real.png", synthetic=False)

@@ -26,6 +26,7 @@ def lines(docs: list[dict], out_dir: Path | str, budget: Budget | None = None, *
         out.append(f"claim: {claim.claim} -> {lb.claim_verdict(claim)}")
     if rec.doc is not None:
         out.append(f"recommended ({lb.budget_summary(budget)}): {lb.recommendation_line(rec, rows)}")
+        out.append(f"  {rec.decision()}")
         out.append(f"reproduce: {rec.command}")
     else:
         out.append(f"no configuration to recommend within {lb.budget_summary(budget)}: "
