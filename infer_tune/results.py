@@ -197,8 +197,9 @@ def _distribution_problem(key: str, block: Any) -> str | None:
 
 
 def _samples_problem(samples: dict) -> str | None:
-    """Raw samples: lists of finite, non-negative, bounded timings; ttft/e2e positive; a kind that is all
-    zeros is refused; per-request lists of equal length; e2e never before ttft."""
+    """Raw samples: lists of finite, non-negative, bounded timings; ttft/e2e positive (tpot/itl may be 0:
+    tokens that arrive in one network read share a timestamp); per-request lists of equal length; e2e never
+    before ttft."""
     for key, values in samples.items():
         if values is None:
             continue
@@ -217,8 +218,6 @@ def _samples_problem(samples: dict) -> str | None:
                 return problem
         if key in POSITIVE_SAMPLES and any(v <= 0 for v in values):
             return f"'samples.{key}' holds a zero: a request takes time"
-        if key in ("tpot_ms", "itl_ms") and values and not any(values):
-            return f"'samples.{key}' is all zeros"
     per_request = [k for k in ("ttft_ms", "e2e_ms", "prompt_index", "queue_ms") if isinstance(samples.get(k), list)]
     lengths = {k: len(samples[k]) for k in per_request}
     if len(set(lengths.values())) > 1:

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
@@ -28,7 +29,7 @@ def render(comparison) -> None:
                 checks.add_column(name, justify="left" if name == "--fail-if" else "right")
             for check in cand.checks:
                 row = f.check_row(check)
-                row[-1] = "[bold red]REGRESSED[/]" if check.regressed else "[green]pass[/]"
+                row[-1] = Text.from_markup("[bold red]REGRESSED[/]" if check.regressed else "[green]pass[/]")
                 checks.add_row(*row[:-1], row[-1])
             output.out.print(checks)
             for check in cand.checks:
