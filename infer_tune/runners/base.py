@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from infer_tune.errors import ConfigError
 from infer_tune.workload import Protocol
 
 if TYPE_CHECKING:
@@ -188,15 +187,6 @@ def register_runner(name: str) -> Callable[[RunnerFn], RunnerFn]:
         return fn
 
     return decorator
-
-
-def get_runner(name: str) -> RunnerFn:
-    import infer_tune.runners  # noqa: F401  (registers the built-in runners)
-
-    try:
-        return RUNNERS[name]
-    except KeyError:
-        raise ConfigError(f"no runner named '{name}'; known: {', '.join(sorted(RUNNERS))}") from None
 
 
 def sync(device: str) -> None:
