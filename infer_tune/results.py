@@ -177,12 +177,12 @@ def _distribution_problem(key: str, block: Any) -> str | None:
     n = block.get("n")
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
         return f"'metrics.{key}.n' is {n!r}, expected a count"
-    for stat, value in block.items():
-        if stat in ("n", "p50_ci95") or value is None:
+    for name, value in block.items():
+        if name in ("n", "p50_ci95") or value is None:
             continue
         if not _number(value):
-            return f"'metrics.{key}.{stat}' is {_type(value)}, expected a number"
-        if stat in STATS and (problem := _timing_problem(f"metrics.{key}.{stat}", value)):
+            return f"'metrics.{key}.{name}' is {_type(value)}, expected a number"
+        if name in STATS and (problem := _timing_problem(f"metrics.{key}.{name}", value)):
             return problem
     ci = block.get("p50_ci95")
     if ci is not None and not (isinstance(ci, list) and len(ci) == 2 and all(_number(v) and math.isfinite(v)

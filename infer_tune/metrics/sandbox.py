@@ -32,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 from infer_tune.errors import InferTuneError
 from infer_tune.metrics import cgroups, seccomp
