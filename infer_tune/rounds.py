@@ -21,8 +21,6 @@ from infer_tune.runners import GenerationRun, PreparedModel, get_runner
 from infer_tune.runners.base import Progress
 from infer_tune.workload import Inputs, Protocol, Workload
 
-# runners that time closed-loop passes over the workload and can run one pass at a time
-ROUND_RUNNERS = frozenset({"generation", "speculative", "lean", "llama-cpp"})
 MIN_ROUNDS = 3  # an interval from two rounds has one degree of freedom: t = 12.7
 # the ratios every candidate reports with an interval: name -> (metric, higher is better for the candidate?)
 RATIOS = {"speedup_vs_baseline": "tpot_ms", "ttft_speedup_vs_baseline": "ttft_ms",

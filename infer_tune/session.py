@@ -25,7 +25,7 @@ from infer_tune.metrics import deltas, kv, noise, quality, roofline
 from infer_tune.metrics.perplexity import reference_perplexity
 from infer_tune.metrics.stats import summarize
 from infer_tune.runners import GenerationRun, PreparedModel, get_runner
-from infer_tune.runners.base import Progress
+from infer_tune.runners.base import PASS_RUNNERS, Progress
 from infer_tune.tuners.base import TECHNIQUES, RunContext, TechniqueConfig, load_techniques, technique_for
 from infer_tune.workload import Inputs, Protocol, Workload, prepare_inputs, workload_block
 
@@ -323,7 +323,7 @@ def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, proto
             entry = technique_for(config)
             prepared = entry.prepare(loaded, config, ctx)
             prepared.device = ctx.device
-            if (prepared.runner or entry.runner) in rounds.ROUND_RUNNERS:
+            if (prepared.runner or entry.runner) in PASS_RUNNERS:
                 group.append((i, prepared))
                 if not fits_another(loaded, group):  # hold no more variants than memory allows
                     sweep.measure_group(group, configs, docs)

@@ -146,7 +146,7 @@ def recommend(docs: list[dict], budget: Budget) -> Recommendation:
         reasons.append(f"no configuration within the budget beat the baseline with its whole interval on this "
                        f"device (best: {best.get('label')} {shown})")
         return Recommendation(doc=None, reasons=reasons, objective=objective, contenders=contenders)
-    saved = best["metrics"].get("save_dir") if best.get("technique") == "quantize" else None
+    saved = best["metrics"].get("save_dir")  # a technique that saved what it built (quantized weights)
     if saved and not Path(saved).is_dir():  # a temporary save, deleted when its run ended
         saved = None
     return Recommendation(doc=best, reasons=reasons, command=reproduce_command(best), saved_model=saved,

@@ -57,7 +57,7 @@ def prepare_lean(loaded: LoadedModel, config: LeanConfig, ctx: RunContext) -> Pr
                          runner_options={"lean_decoder": decoder}, runner="lean")
 
 
-@register_runner("lean")
+@register_runner("lean", passes=True)
 def run_lean(prepared: PreparedModel, inputs, workload, protocol: Protocol,
              progress: Progress | None = None) -> GenerationRun:
     """The generation runner's protocol, each request decoded by the lean loop (batch size 1)."""
