@@ -86,6 +86,7 @@ def bench(
     api: ep.Api = "chat",
     concurrency: ep.Concurrency = 1,
     request_timeout: ep.RequestTimeout = 300.0,
+    idle_timeout: ep.IdleTimeout = 60.0,
     ignore_eos: ep.IgnoreEos = False,
     label: ep.Label = None,
     baseline: ep.Baseline = None,
@@ -105,7 +106,7 @@ def bench(
         if recipe is not None:
             raise InferTuneError("--recipe configs run in this process; --endpoint measures the server as it is")
         config = ep.endpoint_config(endpoint, served_model, api_key_env, api, concurrency, request_timeout,
-                                    ignore_eos, label)
+                                    ignore_eos, label, idle_timeout)
         return ep.bench_endpoint(opts, config, baseline, execute)
     from infer_tune.scenarios.bench import run_bench, run_recipe, stages_from_recipe
 
