@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_experts import tiny_moe_dir  # noqa: F401  (the module-scoped checkpoint fixture)
 
 from infer_tune.runners import launcher
-from test_experts import tiny_moe_dir  # noqa: F401  (the module-scoped checkpoint fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,10 +52,11 @@ def test_link_bytes_split_by_the_launchers_nodes():
 
 
 def test_two_torchrun_invocations_validate_a_two_node_plan(tiny_moe_dir, prompts_file, tmp_path):  # noqa: F811
+    from test_experts import _spec
+
     from infer_tune.results import find_results
     from infer_tune.runners.multiprocess import free_port
     from infer_tune.scenarios.experts import run_plan, run_profile
-    from test_experts import _spec
 
     spec = _spec(tiny_moe_dir, prompts_file, tmp_path / "runs")
     profile = run_profile(spec, save=tmp_path / "load.json")

@@ -87,6 +87,7 @@ def bench(
     ignore_eos: ep.IgnoreEos = False,
     label: ep.Label = None,
     baseline: ep.Baseline = None,
+    workers: ep.Workers = None,
 ) -> None:
     """Measure the baseline (or every config of a --recipe against it): TTFT, ITL, TPOT, e2e, throughput,
     memory, roofline, BLEU/chrF and perplexity.
@@ -103,7 +104,7 @@ def bench(
         if recipe is not None:
             raise InferTuneError("--recipe configs run in this process; --endpoint measures the server as it is")
         config = ep.endpoint_config(endpoint, served_model, api_key_env, api, concurrency, request_timeout,
-                                    ignore_eos, label)
+                                    ignore_eos, label, workers)
         return ep.bench_endpoint(opts, config, baseline, execute)
     from infer_tune.scenarios.bench import run_bench, run_recipe, stages_from_recipe
 

@@ -137,18 +137,32 @@ async def replay(session, config: EndpointConfig, trace: Sequence[TraceRequest],
                  progress: Progress | None = None) -> ReplayResult:
     """Send every request of `trace` on `session` (see module docstring); `closed_loop=True` times each
     request from its own send (no arrival clock), as a closed-loop benchmark does."""
+    result, records = await send_all(session, config, trace, prompts, max_new_tokens, closed_loop=closed_loop,
+                                     progress=progress)
+    return collect(result, trace, records, prompts, tokenizer, iteration)
+
+
+async def send_all(session, config: EndpointConfig, trace: Sequence[TraceRequest], prompts: Sequence[str],
+                   max_new_tokens: int, *, closed_loop: bool = False, progress: Progress | None = None,
+                   origin_ns: int | None = None, concurrency: int | None = None
+                   ) -> tuple[ReplayResult, list[tuple[StreamRecord, int | None, int]]]:
+    """The sending half of `replay`: (the result's clock and lateness, per request (record, start, submit)).
+    `origin_ns` (perf_counter_ns, one clock for every process of a machine): the replay's start, waited
+    for (the load generator's workers share it); `concurrency`: this caller's share of the slots."""
     headers = config.headers()
     unknown = sorted({r.prompt_index for r in trace if not 0 <= r.prompt_index < len(prompts)})
     if unknown:
         raise ConfigError(f"trace refers to prompt_index {unknown[:5]} but there are {len(prompts)} prompts")
     bodies = [encode_body(config, prompts[r.prompt_index], r.max_new_tokens or max_new_tokens) for r in trace]
-    slots = asyncio.Semaphore(config.concurrency)
+    slots = asyncio.Semaphore(concurrency or config.concurrency)
     result = ReplayResult()
     records: list[tuple[StreamRecord, int | None, int] | None] = [None] * len(trace)
     done = 0
     loop = asyncio.get_running_loop()
-    result.origin_ns = time.perf_counter_ns()
-    origin_loop = loop.time()
+    if origin_ns is not None:
+        await asyncio.sleep(max(0, origin_ns - time.perf_counter_ns()) / 1e9)
+    result.origin_ns = origin_ns if origin_ns is not None else time.perf_counter_ns()
+    origin_loop = loop.time() - (time.perf_counter_ns() - result.origin_ns) / 1e9
 
     async def one(k: int, request: TraceRequest) -> None:
         nonlocal done
@@ -166,6 +180,12 @@ async def replay(session, config: EndpointConfig, trace: Sequence[TraceRequest],
 
     await asyncio.gather(*(one(k, r) for k, r in enumerate(trace)))
     result.end_ns = time.perf_counter_ns()
+    return result, records
+
+
+def collect(result: ReplayResult, trace: Sequence[TraceRequest], records, prompts: Sequence[str], tokenizer,
+            iteration: int) -> ReplayResult:
+    """The timing half of `replay`: records -> timings, outputs and failures (trace order), into `result`."""
     for request, entry in zip(trace, records):
         record, start_ns, submit_ns = entry
         if not record.ok:
