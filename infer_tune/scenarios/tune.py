@@ -157,10 +157,15 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
 
 def _measure(cand: Candidate, run, spec: RunSpec, tune: TuneSpec, ctx, budget: Budget) -> None:
     """Measure one candidate against the baseline (a saved result) and judge it; failures are listed."""
+    from infer_tune import executors
+
     started = time.monotonic()
     try:
-        _, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol, [cand.config], ctx,
-                              resume=spec.resume, reuse_baseline=True, measure_ppl=spec.measure_ppl)
+        if (executor := executors.current()) is not None:  # e.g. Ray: measured with its node's baseline there
+            _, docs = executor.run_configs(spec, [cand.config])
+        else:
+            _, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol, [cand.config], ctx,
+                                  resume=spec.resume, reuse_baseline=True, measure_ppl=spec.measure_ppl)
     except InferTuneError as exc:  # a candidate this model or host cannot run: listed, not fatal
         cand.status, cand.reason = "failed", str(exc)
         return
