@@ -37,14 +37,17 @@ def _start(args: list[str], env: dict) -> subprocess.Popen:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        if proc.poll() is not None:
-            break
+    """End the process group this test started (ray start and the processes it launched), by its id."""
+    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
         try:
-            os.killpg(proc.pid, sig)  # the group this test started (ray start and its children)
-            proc.wait(15)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        time.sleep(wait if sig == signal.SIGTERM else 0)
+    try:
+        proc.wait(wait)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def _keys(docs: list[dict]) -> list:
