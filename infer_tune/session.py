@@ -1,9 +1,14 @@
-"""One measured run, end to end: prepared model -> its runner -> metrics -> result document.
+"""The sweep engine: the one code path that measures configs and writes their results.
 
-`measure_prepared` turns a runner's raw timings into a result document; `run_configs` is the one
-sweep loop every scenario uses: resolve and preflight every config, measure (or reuse) the baseline
-of the same workload, then prepare, measure, annotate and save each config in turn, so speedups
-and drift are ratios taken side by side on one machine. See docs/architecture.md.
+`run_configs` resolves and preflights every config, takes the runs directory's lock, skips what
+`resume` finds done, prepares the candidates, and measures them together with the baseline in
+interleaved rounds (infer_tune.rounds) when their runner times closed-loop passes: a group of
+candidates as large as memory allows, each round one pass of each in shuffled order, until every
+ratio's 95% interval is within the protocol's target. Candidates whose runner does not run in passes
+(an arrival trace, a server, several processes) are measured alone against the group's baseline.
+Each result then gets the technique's `finalize` facts and files, `annotate`, an atomic save, and
+the sweep's `summarize` claim and `plots`. `build_document` turns a runner's raw timings into a
+result document. See docs/architecture.md, "The sweep engine".
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from infer_tune import env as envinfo
-from infer_tune import models, results, suites
+from infer_tune import models, results, rounds, suites
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import deltas, kv, noise, quality, roofline
 from infer_tune.metrics.perplexity import reference_perplexity
@@ -24,7 +29,8 @@ from infer_tune.runners.base import Progress
 from infer_tune.tuners.base import TECHNIQUES, RunContext, TechniqueConfig, load_techniques, technique_for
 from infer_tune.workload import Inputs, Protocol, Workload, prepare_inputs, workload_block
 
-__all__ = ["Inputs", "ensure_baseline", "measure_prepared", "prepare_inputs", "run_configs", "run_fingerprint"]
+__all__ = ["Inputs", "build_document", "ensure_baseline", "measure_prepared", "prepare_inputs", "run_configs",
+           "run_fingerprint"]
 
 
 def run_fingerprint(loaded: models.LoadedModel, technique: str, config: dict, workload: Workload, env: dict,
@@ -94,17 +100,50 @@ def measure_prepared(
     per_position: bool = False,
     progress: Progress | None = None,
 ) -> tuple[dict, list[dict]]:
-    """Run the workload on `prepared` through `runner` and build its result document and outputs rows.
+    """Run the workload on `prepared` through `runner` (alone, per the protocol) and build its result
+    document and outputs rows (`build_document`)."""
+    before = noise.HostSnapshot.take()
+    run = get_runner(runner)(prepared, inputs, workload, protocol, progress)
+    after = noise.HostSnapshot.take()
+    return build_document(loaded, prepared, run, inputs, workload, protocol, technique=technique, config=config,
+                          env=env, runner=runner, baseline=baseline, baseline_outputs=baseline_outputs,
+                          measure_ppl=measure_ppl, execute=execute, per_position=per_position,
+                          host=(before, after))
+
+
+def build_document(
+    loaded: models.LoadedModel,
+    prepared: PreparedModel,
+    run: GenerationRun,
+    inputs: Inputs,
+    workload: Workload,
+    protocol: Protocol,
+    *,
+    technique: str,
+    config: dict,
+    env: dict,
+    runner: str,
+    host: tuple[noise.HostSnapshot, noise.HostSnapshot],
+    baseline: dict | None = None,
+    baseline_outputs: list[dict] | None = None,
+    measure_ppl: bool = True,
+    execute: bool | str = False,
+    per_position: bool = False,
+    rounds_block: dict | None = None,
+    ratios: dict[str, dict | None] | None = None,
+) -> tuple[dict, list[dict]]:
+    """The result document and outputs rows of one measured run.
 
     `per_position=True` adds `per_position_ms` (mean latency of each decode step, in order);
     `execute=True` also runs the code suite's tests on the outputs (pass@1) in the OS sandbox
     (metrics/sandbox.py); `execute="unsafe"` runs them without it (only where the user allowed that).
+    A run measured in rounds passes its `metrics.rounds` block and its per-round ratio intervals
+    (`ratios`: name -> log_ratio_interval), which replace the pooled point ratios.
     """
-    before = noise.HostSnapshot.take()
-    run = get_runner(runner)(prepared, inputs, workload, protocol, progress)
-    after = noise.HostSnapshot.take()
     metrics, samples = timing_metrics(run)
-    metrics["noise"] = noise.figure(run.requests, before, after)
+    if rounds_block is not None:
+        metrics["rounds"] = rounds_block
+    metrics["noise"] = noise.figure(run.requests, *host, rounds=rounds_block)
     if per_position:
         metrics["per_position_ms"] = run.per_position_ms()
     weight_bytes = (models.model_bytes(prepared.model) if prepared.model is not None else 0) \
@@ -150,6 +189,10 @@ def measure_prepared(
                for o in run.outputs]
     if baseline is not None and baseline_outputs is not None:
         metrics.update(deltas.versus_baseline(metrics, outputs, baseline, baseline_outputs))
+        for name, interval in (ratios or {}).items():
+            if interval is not None:  # the rounds' geometric mean: the figure its interval is about
+                metrics[name] = interval["point"]
+                metrics[f"{name}_ci95"] = interval["ci95"]
     result = {
         "schema_version": results.SCHEMA_VERSION,
         "run_id": results.new_run_id(technique, prepared.label),
@@ -263,44 +306,160 @@ def run_configs(
 def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, protocol: Protocol,
            configs: list[TechniqueConfig], ctx: RunContext, *, resume: bool, reuse_baseline: bool,
            measure_ppl: bool, execute: bool | str) -> tuple[dict, list[dict]]:
-    baseline, baseline_outputs, _ = ensure_baseline(loaded, inputs, workload, protocol, ctx, reuse=reuse_baseline,
-                                                    measure_ppl=measure_ppl, execute=execute)
-    docs: list[dict] = []
-    if ctx.progress:
-        ctx.progress("configs", 1, len(configs) + 1)  # the baseline is done
-    for config in configs:
+    sweep = _Sweep(loaded, inputs, workload, protocol, ctx, measure_ppl=measure_ppl, execute=execute)
+    docs: list[dict | None] = [None] * len(configs)
+    pending = []
+    for i, config in enumerate(configs):
+        done = find_result(ctx.out_dir, sweep.fingerprint(config)) if resume else None
+        if done is not None:
+            docs[i] = done
+        else:
+            pending.append(i)
+    sweep.progress_configs(len(configs) - len(pending), len(configs))
+    group: list[tuple[int, PreparedModel]] = []
+    try:
+        for i in pending:
+            config = configs[i]
+            entry = technique_for(config)
+            prepared = entry.prepare(loaded, config, ctx)
+            prepared.device = ctx.device
+            if (prepared.runner or entry.runner) in rounds.ROUND_RUNNERS:
+                group.append((i, prepared))
+                if not fits_another(loaded, group):  # hold no more variants than memory allows
+                    sweep.measure_group(group, configs, docs)
+                    group = []
+            else:
+                sweep.measure_group(group, configs, docs)
+                group = []
+                sweep.measure_alone(i, config, prepared, docs, reuse_baseline=reuse_baseline)
+        sweep.measure_group(group, configs, docs)
+        group = []
+    finally:
+        for _, prepared in group:
+            if prepared.cleanup:
+                prepared.cleanup()
+    measured = [d for d in docs if d is not None]
+    baseline = sweep.baseline or _existing_baseline(sweep, measured, reuse_baseline)
+    summarize_sweep(measured)
+    return baseline, measured
+
+
+def _existing_baseline(sweep: _Sweep, docs: list[dict], reuse: bool) -> dict:
+    """The baseline of a sweep whose configs were all found done (resume), or one measured now."""
+    doc, _, _ = ensure_baseline(sweep.loaded, sweep.inputs, sweep.workload, sweep.protocol, sweep.ctx, reuse=True,
+                                measure_ppl=sweep.measure_ppl, execute=sweep.execute)
+    return doc
+
+
+def fits_another(loaded: models.LoadedModel, group: list) -> bool:
+    """Whether one more prepared variant fits beside those held (estimated as the largest held one, or
+    the source model's bytes, with 1 GiB to spare)."""
+    import psutil
+
+    held = [models.model_bytes(p.model) + p.extra_model_bytes for _, p in group if p.model is not None]
+    need = max(held + [models.model_bytes(loaded.model) if loaded.model is not None else 0]) + (1 << 30)
+    return psutil.virtual_memory().available > need
+
+
+class _Sweep:
+    """The state one sweep shares between its groups: the workload, the baseline measured last."""
+
+    def __init__(self, loaded, inputs, workload, protocol, ctx, *, measure_ppl, execute) -> None:
+        self.loaded, self.inputs, self.workload, self.protocol, self.ctx = loaded, inputs, workload, protocol, ctx
+        self.measure_ppl, self.execute = measure_ppl, execute
+        self.baseline: dict | None = None
+        self.baseline_outputs: list[dict] | None = None
+        self.finished = 0
+
+    def fingerprint(self, config: TechniqueConfig) -> str:
         entry = technique_for(config)
-        config_dict = config.to_dict()
-        ppl = measure_ppl and entry.measure_ppl
-        fp = run_fingerprint(loaded, entry.name, config_dict, workload, ctx.env, execute, protocol=protocol,
-                             measure_ppl=ppl)
-        if resume and (done := find_result(ctx.out_dir, fp)) is not None:
-            docs.append(done)
-            if ctx.progress:
-                ctx.progress("configs", len(docs) + 1, len(configs) + 1)
-            continue
-        prepared = entry.prepare(loaded, config, ctx)
-        prepared.device = ctx.device
+        return run_fingerprint(self.loaded, entry.name, config.to_dict(), self.workload, self.ctx.env, self.execute,
+                               protocol=self.protocol, measure_ppl=self.measure_ppl and entry.measure_ppl)
+
+    def progress_configs(self, done: int, total: int) -> None:
+        self.total = total
+        self.finished = done
+        if self.ctx.progress:
+            self.ctx.progress("configs", done, total)
+
+    def baseline_prepared(self) -> PreparedModel:
+        return PreparedModel(model=self.loaded.model, tokenizer=self.loaded.tokenizer, label="baseline",
+                             device=self.ctx.device)
+
+    def measure_group(self, group: list[tuple[int, PreparedModel]], configs: list[TechniqueConfig],
+                      docs: list[dict | None]) -> None:
+        """The baseline and `group` in interleaved rounds; then every result built, finalized and saved."""
+        if not group:
+            return
+        base = rounds.Variant("baseline", self.baseline_prepared(), "generation")
+        variants = [base] + [rounds.Variant(f"{i}:{p.label}", p, p.runner or technique_for(configs[i]).runner)
+                             for i, p in group]
+        before = noise.HostSnapshot.take()
         try:
-            doc, outputs = measure_prepared(loaded, prepared, inputs, workload, protocol, technique=entry.name,
-                                            config=config_dict, env=ctx.env, runner=prepared.runner or entry.runner,
-                                            baseline=baseline,
-                                            baseline_outputs=baseline_outputs, measure_ppl=ppl, execute=execute,
-                                            progress=ctx.progress)
+            outcome = rounds.run_rounds(variants, self.inputs, self.workload, self.protocol, seed=self.workload.seed,
+                                        progress=self.ctx.progress)
+            host = (before, noise.HostSnapshot.take())
+            self.baseline, self.baseline_outputs = self._save_baseline(base, outcome, host)
+            for (i, prepared), variant in zip(group, variants[1:]):
+                docs[i] = self._finish(configs[i], prepared, rounds.merged_run(variant), host,
+                                       rounds_block=outcome.block(variant.name),
+                                       ratios=outcome.intervals.get(variant.name), earlier=docs)
+        finally:
+            for _, prepared in group:
+                if prepared.cleanup:
+                    prepared.cleanup()
+            group.clear()
+            gc.collect()
+
+    def _save_baseline(self, base: rounds.Variant, outcome: rounds.RoundsOutcome, host) -> tuple[dict, list[dict]]:
+        doc, outputs = build_document(self.loaded, base.prepared, rounds.merged_run(base), self.inputs, self.workload,
+                                      self.protocol, technique="baseline", config={}, env=self.ctx.env,
+                                      runner="generation", host=host, measure_ppl=self.measure_ppl,
+                                      execute=self.execute, rounds_block=outcome.block("baseline"))
+        saved = results.save_run(self.ctx.out_dir, doc, outputs)
+        doc["_path"] = str(saved.run_dir)
+        return doc, outputs
+
+    def measure_alone(self, i: int, config: TechniqueConfig, prepared: PreparedModel, docs: list[dict | None], *,
+                      reuse_baseline: bool) -> None:
+        """A candidate whose runner does not run in passes: measured once per the protocol, against the
+        baseline measured last (or one reused / measured now)."""
+        try:
+            if self.baseline is None:
+                self.baseline, self.baseline_outputs, _ = ensure_baseline(
+                    self.loaded, self.inputs, self.workload, self.protocol, self.ctx, reuse=reuse_baseline,
+                    measure_ppl=self.measure_ppl, execute=self.execute)
+            entry = technique_for(config)
+            before = noise.HostSnapshot.take()
+            run = get_runner(prepared.runner or entry.runner)(prepared, self.inputs, self.workload, self.protocol,
+                                                             self.ctx.progress)
+            docs[i] = self._finish(config, prepared, run, (before, noise.HostSnapshot.take()), earlier=docs)
         finally:
             if prepared.cleanup:
                 prepared.cleanup()
-            del prepared
             gc.collect()
+
+    def _finish(self, config: TechniqueConfig, prepared: PreparedModel, run: GenerationRun, host, *,
+                earlier: list[dict | None], rounds_block: dict | None = None,
+                ratios: dict | None = None) -> dict:
+        """Build, finalize (technique facts and files), annotate and save one candidate's result."""
+        entry = technique_for(config)
+        doc, outputs = build_document(
+            self.loaded, prepared, run, self.inputs, self.workload, self.protocol, technique=entry.name,
+            config=config.to_dict(), env=self.ctx.env, runner=prepared.runner or entry.runner, host=host,
+            baseline=self.baseline, baseline_outputs=self.baseline_outputs,
+            measure_ppl=self.measure_ppl and entry.measure_ppl, execute=self.execute,
+            per_position=any(technique_for(p).per_position for p in config.parts()), rounds_block=rounds_block,
+            ratios=ratios)
+        files = entry.finalize(config, doc, outputs, prepared, self.inputs, self.ctx) if entry.finalize else None
         if entry.annotate:
-            entry.annotate(doc, docs)
-        saved = results.save_run(ctx.out_dir, doc, outputs)
+            entry.annotate(doc, [d for d in earlier if d is not None])
+        saved = results.save_run(self.ctx.out_dir, doc, outputs, extra_files=files or None)
         doc["_path"] = str(saved.run_dir)
-        docs.append(doc)
-        if ctx.progress:
-            ctx.progress("configs", len(docs) + 1, len(configs) + 1)
-    summarize_sweep(docs)
-    return baseline, docs
+        self.finished += 1
+        if self.ctx.progress:
+            self.ctx.progress("configs", self.finished, self.total)
+        return doc
 
 
 def summarize_sweep(docs: list[dict]) -> None:

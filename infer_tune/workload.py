@@ -25,6 +25,11 @@ class Protocol:
     min_iterations: int = 2
     min_duration_s: float = 5.0
     pin_length: bool = True
+    # interleaved rounds (docs/architecture.md, "Measurement protocol"): stop when every ratio's 95%
+    # interval half-width is within the target, or after max_rounds, or when max_duration_s has passed
+    target_half_width_pct: float = 2.0
+    max_rounds: int = 20
+    max_duration_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.warmup < 0:
@@ -33,6 +38,12 @@ class Protocol:
             raise ConfigError(f"min_iterations must be >= 1, got {self.min_iterations}")
         if not 0 <= self.min_duration_s < float("inf"):
             raise ConfigError(f"min_duration_s must be a finite number >= 0 seconds, got {self.min_duration_s}")
+        if not 0 < self.target_half_width_pct < 100:
+            raise ConfigError(f"target_half_width_pct must be in (0, 100), got {self.target_half_width_pct}")
+        if self.max_rounds < 2:
+            raise ConfigError(f"max_rounds must be >= 2 (an interval needs two rounds), got {self.max_rounds}")
+        if not 0 <= self.max_duration_s < float("inf"):
+            raise ConfigError(f"max_duration_s must be a finite number >= 0 seconds, got {self.max_duration_s}")
 
 
 @dataclass

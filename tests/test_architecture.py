@@ -129,11 +129,13 @@ def test_each_runner_kind_measures_a_technique_end_to_end(test_techniques, tiny_
 
     lookup = by["test-lookup"]["metrics"]
     assert lookup["output_mismatches"] == 0  # assisted generation is lossless under greedy
-    assert lookup["generated_tokens"] == 3 * 12
-    # the counters come from the timed pass only (warmup reset them): one forward per step
+    rounds = lookup["rounds"]["rounds"]  # generation and speculative candidates run in interleaved rounds
+    assert rounds >= 3 and plain["rounds"]["rounds"] == rounds and "rounds" not in by["test-trace"]["metrics"]
+    assert lookup["generated_tokens"] == rounds * 3 * 12
+    # the counters accumulate over the timed rounds only (the warm call reset them): one forward per step
     assert lookup["target_forward_passes"] == lookup["generate_steps"] + 0
-    assert lookup["generate_steps"] <= 3 * 12
-    assert lookup["tpot_ms"]["n"] == 3
+    assert lookup["generate_steps"] <= rounds * 3 * 12
+    assert lookup["tpot_ms"]["n"] == rounds * 3
 
     trace = by["test-trace"]
     m = trace["metrics"]
@@ -223,3 +225,41 @@ def test_measuring_commands_share_one_option_group():
     assert len(COMMON) >= len(shared)
     for command in ("bench", "quantize", "kv-cache"):
         assert shared <= _option_names(command), command
+
+
+def test_a_technique_document_is_the_same_whichever_command_ran_it(tiny_loaded, tiny_model_dir, prompts_file, tmp_path):
+    """kv-cache and batch rows from a recipe (run_configs) carry the keys their own commands write: the engine
+    writes every result and the technique's finalize hook adds its keys and files on both paths."""
+    from pathlib import Path
+
+    from infer_tune.scenarios.batch import ServeSpec, run_serve
+    from infer_tune.scenarios.common import RunSpec
+    from infer_tune.scenarios.kv_cache import KVSweepSpec, run_kv_sweep
+    from infer_tune.tuners.batch import BatchConfig
+    from infer_tune.tuners.kv_cache import KVCacheConfig
+
+    workload = Workload(suite=str(prompts_file), limit=3, max_new_tokens=5)
+    inputs = prepare_inputs(tiny_loaded, workload)
+    env = envinfo.collect_env(1)
+    _, (recipe_kv,) = run_configs(tiny_loaded, inputs, workload, ONCE, [KVCacheConfig(impl="static")],
+                                  RunContext(env=env, out_dir=tmp_path / "recipe"))
+    command_kv = run_kv_sweep(tiny_loaded, KVSweepSpec(impls=["static"], context_lengths=[12], max_new_tokens=5,
+                                                       suite=str(prompts_file)),
+                              ONCE, RunContext(env=env, out_dir=tmp_path / "kv")).docs[-1]
+    cache_keys = {"kv_cache_bytes", "kv_cache_bytes_analytic", "kv_cache_tokens", "kv_cache_class",
+                  "flops_with_cache", "flops_without_cache", "per_position_ms"}
+    assert cache_keys <= set(recipe_kv["metrics"]) and recipe_kv["metrics"]["kv_cache_bytes"] > 0
+    assert set(command_kv["metrics"]) <= set(recipe_kv["metrics"])
+    # only what the recipe's suite adds beyond the command's raw text: references, so a BLEU-drift interval
+    assert set(recipe_kv["metrics"]) - set(command_kv["metrics"]) <= {"bleu_drift_ci95"}
+
+    batch = BatchConfig(scheduler="continuous", batch_size=2, rate=50.0, requests=3)
+    _, (recipe_batch,) = run_configs(tiny_loaded, inputs, workload, ONCE, [batch],
+                                     RunContext(env=env, out_dir=tmp_path / "recipe"))
+    spec = RunSpec(model=str(tiny_model_dir), workload=workload, protocol=ONCE, threads=1, out_dir=tmp_path / "serve")
+    command_batch = run_serve(spec, ServeSpec(rates=[50.0], requests=3, batch_size=2, schedulers=("continuous",))).docs[0]
+    for doc in (recipe_batch, command_batch):
+        assert {"offered_rate", "interarrival_cv"} <= set(doc["metrics"]) and doc["samples"]["output_tokens"]
+        assert (Path(doc["_path"]) / "trace.jsonl").is_file() and doc["workload"]["rate"] == 50.0
+    # the command adds what its own options define (goodput under its SLOs), nothing the recipe row lacks
+    assert set(recipe_batch["metrics"]) <= set(command_batch["metrics"])

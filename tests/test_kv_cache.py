@@ -13,9 +13,9 @@ from infer_tune.errors import ConfigError
 from infer_tune.metrics import kv
 from infer_tune.runners import Protocol
 from infer_tune.runners.generation import generate_once
-from infer_tune.scenarios.kv_cache import KVSweepSpec, probe_cache, run_kv_sweep, suite_token_ids
+from infer_tune.scenarios.kv_cache import KVSweepSpec, run_kv_sweep, suite_token_ids
 from infer_tune.tuners import RunContext, apply
-from infer_tune.tuners.kv_cache import KVCacheConfig
+from infer_tune.tuners.kv_cache import KVCacheConfig, probe_cache
 
 runner = CliRunner()
 FAST = Protocol(warmup=0, min_iterations=1, min_duration_s=0.0)
@@ -166,4 +166,5 @@ def test_kv_sweep_resume_reads_back_finished_context_lengths(tiny_loaded, tmp_pa
     first = run_kv_sweep(tiny_loaded, spec, once, RunContext(env=env, out_dir=tmp_path))
     again = run_kv_sweep(tiny_loaded, spec, once, RunContext(env=env, out_dir=tmp_path), resume=True)
     assert [d["run_id"] for d in again.docs] == [d["run_id"] for d in first.docs]
-    assert len(find_results(tmp_path)) == 2
+    # the two variants and the baseline they were measured against in rounds, nothing measured twice
+    assert sorted(d["technique"] for d in find_results(tmp_path)) == ["baseline", "kv-cache", "kv-cache"]

@@ -77,8 +77,66 @@ def test_baseline_reuse_does_not_depend_on_the_date(noise_technique, tiny_loaded
     doc = json.loads(stored.read_text())
     doc["created_at"] = "1999-12-31T23:59:59+0000"
     stored.write_text(json.dumps(doc))
-    base2, _ = run_configs(tiny_loaded, inputs, workload, ONCE, [NoiseConfig(scale=0.0)], ctx)
+    base2, _ = run_configs(tiny_loaded, inputs, workload, ONCE, [], ctx)
     assert base2["run_id"] == base1["run_id"]
+
+
+def test_candidates_are_measured_in_interleaved_rounds_with_intervals(noise_technique, tiny_loaded, prompts_file,
+                                                                     tmp_path):
+    """The baseline and every candidate run one pass per round, in a shuffled order; each ratio comes from
+    the rounds with its 95% interval, and the result says how the rounds stopped."""
+    workload = Workload(suite=str(prompts_file), limit=2, max_new_tokens=4)
+    inputs = prepare_inputs(tiny_loaded, workload)
+    ctx = RunContext(env=envinfo.collect_env(1), out_dir=tmp_path)
+    protocol = Protocol(warmup=0, min_iterations=4, min_duration_s=0, max_rounds=5)
+    base, docs = run_configs(tiny_loaded, inputs, workload, protocol, [NoiseConfig(0.0), NoiseConfig(0.1)], ctx)
+    assert base["metrics"]["rounds"]["rounds"] == base["metrics"]["iterations"]
+    for doc in docs:
+        block = doc["metrics"]["rounds"]
+        assert 4 <= block["rounds"] <= 5 and block["variants"] == 3 and block["design"] == "interleaved"
+        assert block["stopped_by"] in ("target", "max_rounds", "max_duration_s")
+        assert doc["metrics"]["noise"]["noisy"] == (not block["target_met"])
+        for name in ("speedup_vs_baseline", "ttft_speedup_vs_baseline", "throughput_ratio_vs_baseline"):
+            low, high = doc["metrics"][f"{name}_ci95"]
+            assert low <= doc["metrics"][name] <= high
+        assert doc["metrics"]["iterations"] == block["rounds"]
+        assert len(doc["samples"]["tpot_ms"]) == block["rounds"] * 2  # every round's requests kept
+    assert base["metrics"]["iterations"] == docs[0]["metrics"]["rounds"]["rounds"]
+
+
+@pytest.mark.full_rounds
+def test_rounds_stop_at_the_target_and_report_a_miss_as_noisy():
+    """The stopping rule on scripted timings: steady ratios stop at the floor; scattered ones run to the
+    round budget and are flagged with the achieved half-width."""
+    from infer_tune import rounds
+    from infer_tune.runners.base import GenerationRun, RequestTiming
+
+    def fake_runner(values):
+        it = iter(values)
+
+        def run(prepared, inputs, workload, protocol, progress):
+            tpot = next(it)
+            req = RequestTiming(0, 0, 4, 0, [int(1e6 * (10 + tpot * k)) for k in range(5)])
+            return GenerationRun([req], [], 0.1, 1, None, 0.0, 0, 0, 5, 1)
+        return run
+
+    from infer_tune.runners.base import RUNNERS
+    steady = [10.0] * 40
+    scattered = [10.0, 5.0, 20.0, 7.0, 14.0] * 8
+    for name, values in (("steady", steady), ("scattered", scattered)):
+        RUNNERS[f"test-{name}"] = fake_runner(values)
+    try:
+        protocol = Protocol(warmup=0, min_iterations=1, min_duration_s=0, max_rounds=6)
+        make = lambda n: rounds.Variant(n, PreparedModel(None, None), "test-steady")  # noqa: E731
+        out = rounds.run_rounds([make("a"), make("b")], None, None, protocol)
+        assert out.target_met and out.stopped_by == "target" and out.rounds == rounds.MIN_ROUNDS
+        b = rounds.Variant("b", PreparedModel(None, None), "test-scattered")
+        out = rounds.run_rounds([make("a"), b], None, None, protocol)
+        assert not out.target_met and out.stopped_by == "max_rounds" and out.rounds == 6
+        assert out.block("b")["achieved_half_width_pct"] > protocol.target_half_width_pct
+    finally:
+        RUNNERS.pop("test-steady")
+        RUNNERS.pop("test-scattered")
 
 
 def test_test_techniques_leave_the_registry_clean():

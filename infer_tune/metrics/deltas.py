@@ -40,6 +40,11 @@ def versus_baseline(metrics: dict, outputs: list[dict], baseline: dict, baseline
         out["pass_at_1_delta"] = metrics["pass_at_1"] - base["pass_at_1"]
     out["ppl_delta_pct"] = (100.0 * (metrics["ppl"] - base["ppl"]) / base["ppl"]
                             if metrics.get("ppl") and base.get("ppl") else None)
+    if outputs and len(outputs) != len(baseline_outputs):  # a trace that repeats prompts: one row per prompt
+        by_id = {o.get("prompt_id"): o for o in baseline_outputs}
+        firsts = {o.get("prompt_id"): o for o in reversed(outputs) if o.get("prompt_id") in by_id}
+        outputs = list(firsts.values())
+        baseline_outputs = [by_id[k] for k in firsts]
     if outputs:  # a run that generated nothing to compare (a multi-process kernel check, say) has none
         if out["bleu_drift"] is not None and len(outputs) == len(baseline_outputs):
             out["bleu_drift_ci95"] = quality.bleu_drift_interval(

@@ -1,12 +1,16 @@
-"""How far a result's timings can be trusted: repeatability across its own iterations and how busy
+"""How far a result's timings can be trusted: whether its intervals reached their target, and how busy
 the host was while it ran.
 
-- `tpot_p50_cv` / `ttft_p50_cv`: coefficient of variation (stdev / mean) of the per-iteration medians
-  (each timed pass over the workload gives one median); None with a single iteration.
+- `noisy`: for a run measured in interleaved rounds, its ratio intervals did not reach the target
+  half-width within the round budget (`why` says by how much, and names contention when another
+  process used more than OTHER_CPU_LIMIT of the host); for a run measured alone (a trace, a server,
+  several processes), another process used more than OTHER_CPU_LIMIT of the host. A two-sample CV
+  decides nothing: a noise flag never removes a candidate and never loosens a gate.
+- `tpot_p50_cv` / `ttft_p50_cv`: coefficient of variation (stdev / mean) of the per-iteration (per
+  round) medians, for reading; None with a single iteration.
 - `loadavg_before` / `loadavg_after`: the 1-minute load average when the runner started and ended.
 - `other_cpu_share`: CPU time used by every other process during the run, as a share of the host's
   capacity (wall time x logical CPUs): the direct measure of contention that load averages blur.
-- `noisy`: CV above NOISE_CV_LIMIT or another process's share above OTHER_CPU_LIMIT; `why` lists which.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 
 import psutil
 
-NOISE_CV_LIMIT = 0.05
+NOISE_CV_LIMIT = 0.05  # the CV `compare` assumes for a noisy input that recorded none
 OTHER_CPU_LIMIT = 0.10
 
 
@@ -65,9 +69,10 @@ def per_iteration_medians(requests, attr: str) -> list[float]:
     return [statistics.median(v) for _, v in sorted(by_iteration.items()) if v]
 
 
-def figure(requests, before: HostSnapshot, after: HostSnapshot, *, cv_limit: float = NOISE_CV_LIMIT,
+def figure(requests, before: HostSnapshot, after: HostSnapshot, *, rounds: dict | None = None,
            other_limit: float = OTHER_CPU_LIMIT) -> dict:
-    """The noise figure of one run (module docstring) from its request timings and two host snapshots."""
+    """The noise figure of one run (module docstring) from its request timings, two host snapshots and,
+    for a run measured in rounds, its `metrics.rounds` block."""
     wall = max(after.wall_s - before.wall_s, 1e-9)
     host_busy = max(after.host_busy_s - before.host_busy_s, 0.0)
     own = max(after.own_cpu_s - before.own_cpu_s, 0.0)
@@ -79,12 +84,18 @@ def figure(requests, before: HostSnapshot, after: HostSnapshot, *, cv_limit: flo
         "loadavg_before": before.loadavg_1m,
         "loadavg_after": after.loadavg_1m,
         "other_cpu_share": other_share,
-        "cv_limit": cv_limit,
         "other_cpu_limit": other_limit,
     }
-    why = [f"{key} {out[key]:.1%} > {cv_limit:.0%}" for key in ("tpot_p50_cv", "ttft_p50_cv")
-           if out[key] is not None and out[key] > cv_limit]
-    if other_share > other_limit:
+    contended = other_share > other_limit
+    why = []
+    if rounds is not None and rounds.get("target_met") is False:
+        achieved = rounds.get("achieved_half_width_pct")
+        shown = f"±{achieved:.1f}%" if isinstance(achieved, (int, float)) and achieved != float("inf") else "none"
+        why.append(f"95% interval {shown} did not reach ±{rounds['target_half_width_pct']:g}% in "
+                   f"{rounds['rounds']} rounds ({rounds['stopped_by']})")
+        if contended:
+            why.append(f"other processes used {other_share:.0%} of the host's CPU during the rounds")
+    elif rounds is None and contended:
         why.append(f"other processes used {other_share:.0%} of the host's CPU during the run")
     out["noisy"] = bool(why)
     out["why"] = why

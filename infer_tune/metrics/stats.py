@@ -118,3 +118,29 @@ def paired_ratio_interval(
             ratios.append(np.median(rng.choice(ck, ck.size)) / np.median(rng.choice(bk, bk.size)))
         stats[r] = np.median(ratios)
     return point, float(np.percentile(stats, 2.5)), float(np.percentile(stats, 97.5))
+
+
+# two-sided 95% quantiles of Student's t by degrees of freedom (1..30); 1.96 beyond
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+        2.045, 2.042)
+
+
+def t95(df: int) -> float:
+    """The 97.5% quantile of Student's t with `df` degrees of freedom (a 95% two-sided interval)."""
+    return _T95[df - 1] if 1 <= df <= len(_T95) else 1.96
+
+
+def log_ratio_interval(ratios: Sequence[float]) -> dict[str, float | list[float] | int] | None:
+    """Geometric mean of per-round ratios and its 95% t-interval (on the logs, so 2x and 0.5x are symmetric).
+
+    Each round measured the baseline and the candidate back to back, so a ratio per round cancels the
+    host's drift; the rounds are the independent samples. Returns {point, ci95: [low, high],
+    half_width_pct, rounds}, or None with fewer than two finite positive ratios.
+    """
+    logs = np.log(np.asarray([r for r in ratios if r is not None and np.isfinite(r) and r > 0], dtype=np.float64))
+    if logs.size < 2:
+        return None
+    mean, half = float(logs.mean()), t95(logs.size - 1) * float(logs.std(ddof=1)) / np.sqrt(logs.size)
+    return {"point": float(np.exp(mean)), "ci95": [float(np.exp(mean - half)), float(np.exp(mean + half))],
+            "half_width_pct": 100.0 * float(np.expm1(half)), "rounds": int(logs.size)}

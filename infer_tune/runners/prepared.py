@@ -22,6 +22,7 @@ class RunCounters:
 
     def __init__(self) -> None:
         self.values: dict[str, Any] = {}
+        self.held = False  # while True, reset() keeps the counts (rounds of one-pass runs accumulate)
 
     def add(self, name: str, amount: float = 1) -> None:
         self.values[name] = self.values.get(name, 0) + amount
@@ -33,7 +34,8 @@ class RunCounters:
         values[index] += amount
 
     def reset(self) -> None:
-        self.values = {}
+        if not self.held:
+            self.values = {}
 
     def snapshot(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, list) else v) for k, v in self.values.items()}

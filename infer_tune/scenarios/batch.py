@@ -5,8 +5,9 @@ The sweep runs the same prompts through padded static batches of each size on th
 of memory or would exceed `memory_limit_bytes` is reported and the sweep goes on). The serving
 simulation replays one seeded arrival trace per rate open-loop through the static and the continuous
 batcher (`trace` runner) and adds goodput under the SLOs, the highest rate meeting them, plots and
-the continuous-batching claim check. Each result is saved when measured and saved again, with the
-plots and the summary, when the command ends.
+the continuous-batching claim check. Every serving row is measured and saved by the sweep engine
+(`session.run_configs`, with the technique's trace keys and `trace.jsonl`), then completed in its own
+folder with the goodput under the command's SLOs, the plots and the summary.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +25,7 @@ from infer_tune.metrics.saturation import SLO, goodput
 from infer_tune.runners.base import Progress, RequestTiming
 from infer_tune.runners.generation import generate_once
 from infer_tune.scenarios.common import RunSpec, open_run
-from infer_tune.session import find_result, measure_prepared, run_fingerprint
+from infer_tune.session import find_result, measure_prepared, run_configs, run_fingerprint
 from infer_tune.tuners.base import apply
 from infer_tune.tuners.batch import (
     DEFAULT_MAX_BATCH_TOKENS,
@@ -236,43 +236,16 @@ def run_serve(spec: RunSpec, serve: ServeSpec, progress: Progress | None = None)
     if serve.requests > fitting and not serve.allow_repeat:
         raise ConfigError(f"{serve.requests} requests but only {fitting} prompts fit in max_prompt_tokens="
                           f"{spec.workload.max_prompt_tokens}; ask for fewer requests or allow repeats")
-    measured: list[tuple[dict, list[dict], list[dict]]] = []
-    for rate in serve.rates:
-        for name in serve.schedulers:
-            config = serve.config(name, rate)
-            fp = run_fingerprint(loaded, config.technique, config.to_dict(), spec.workload, ctx.env,
-                                 protocol=spec.protocol, measure_ppl=False)
-            done = find_result(ctx.out_dir, fp) if spec.resume else None
-            if done is not None:
-                rows = [json.loads(line) for line in (Path(done["_path"]) / "trace.jsonl").read_text().splitlines()]
-                measured.append((done, results.load_outputs(done["_path"]), rows))
-                continue
-            prepared = apply(loaded, config, ctx)
-            scheduler, factory = prepared.runner_options["scheduler"], prepared.runner_options["trace"]
-            doc, outputs = measure_prepared(loaded, prepared, run.inputs, spec.workload, spec.protocol,
-                                            technique=config.technique, config=config.to_dict(), env=ctx.env,
-                                            runner="trace", measure_ppl=False, progress=progress)
-            rows = [r.to_dict() for r in factory.rows]
-            doc["samples"]["output_tokens"] = [len(t.token_ns) for t in scheduler.timings]
-            times = [r["arrival_s"] for r in rows]
-            doc["metrics"].update(offered_rate=arrivals.offered_rate(times), interarrival_cv=arrivals.interarrival_cv(times))
-            doc["workload"].update(requests=serve.requests, rate=rate, burstiness=serve.burstiness,
-                                   output_length="each prompt's single-request greedy length, capped at max_new_tokens")
-            doc["_path"] = str(results.save_run(ctx.out_dir, doc, outputs, _trace_file(rows)).run_dir)
-            measured.append((doc, outputs, rows))
-            del prepared, scheduler, factory
-            gc.collect()
-    return _finish_serve(measured, serve)
+    configs = [serve.config(name, rate) for rate in serve.rates for name in serve.schedulers]
+    _, docs = run_configs(loaded, run.inputs, spec.workload, spec.protocol, configs, ctx, resume=spec.resume,
+                          measure_ppl=False)
+    return _finish_serve(docs, serve)
 
 
-def _trace_file(rows: list[dict]) -> dict[str, bytes]:
-    return {"trace.jsonl": "".join(json.dumps(r) + "\n" for r in rows).encode()}
-
-
-def _finish_serve(measured: list[tuple[dict, list[dict], list[dict]]], serve: ServeSpec) -> ServeResult:
+def _finish_serve(measured: list[dict], serve: ServeSpec) -> ServeResult:
     """Goodput under the SLOs, the highest rate meeting them, the claim check and the plots; saved into every result."""
     table: dict[str, list[dict]] = {}
-    for doc, _, _ in measured:
+    for doc in measured:
         m = doc["metrics"]
         m.update(goodput(timings_from_samples(doc["samples"]), serve.slo, m["trace_duration_s"]))
         table.setdefault(doc["config"]["scheduler"], []).append(
@@ -289,9 +262,9 @@ def _finish_serve(measured: list[tuple[dict, list[dict], list[dict]]], serve: Se
                                                  {r["rate"]: r["metrics"] for r in table["continuous"]})
     summary["claim_check"] = claim
     summary["claim_by_rate"] = by_rate
-    files = batch_plots.sweep_plots([doc for doc, _, _ in measured])
+    files = batch_plots.sweep_plots(measured)
     run_dirs = []
-    for doc, _, _ in measured:
+    for doc in measured:
         doc["metrics"]["max_rate_meeting_slo"] = summary["max_rate_meeting_slo"].get(doc["config"]["scheduler"])
         if claim is not None:
             doc["metrics"]["claim_check"] = claim  # the claims table reads it from every result
@@ -300,4 +273,4 @@ def _finish_serve(measured: list[tuple[dict, list[dict], list[dict]]], serve: Se
         results.update_result(doc)
         results.add_files(doc, files)
         run_dirs.append(Path(doc["_path"]))
-    return ServeResult(docs=[d for d, _, _ in measured], summary=summary, run_dirs=run_dirs)
+    return ServeResult(docs=measured, summary=summary, run_dirs=run_dirs)

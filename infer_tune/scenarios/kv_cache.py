@@ -1,18 +1,16 @@
 """`kv-cache`: every cache variant at every context length, with what is specific to caches.
 
-Each variant is measured by the shared runner (`session.measure_prepared`) on real suite text cut to
-exactly N tokens; then come the per-position latency curve and its plot, KV bytes measured from the
-cache tensors and the analytic size, analytic FLOPs with and without the cache, drift vs `dynamic`,
-the logits' share of peak memory, and the compute claim.
+Each context length is one sweep of the engine (`session.run_configs`) on real suite text cut to
+exactly N tokens: every variant measured against the plain model (whose default cache is `dynamic`)
+in interleaved rounds, with the technique's own keys (KV bytes measured and analytic, FLOPs, the
+logits' share of peak memory: `tuners.kv_cache.finalize_cache`). The sweep then adds what needs all
+variants of one length: the per-position latency plot and the compute claim.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -20,15 +18,12 @@ from infer_tune import results
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import kv
 from infer_tune.report.plots import per_position_png
-from infer_tune.runners.generation import eos_ids, generate_once, split_generate_kwargs
-from infer_tune.runners.prepared import PreparedModel
 from infer_tune.scenarios.common import RunSpec, open_run
-from infer_tune.session import find_result, measure_prepared, run_fingerprint
+from infer_tune.session import run_configs
 from infer_tune.suites import Prompt, SuiteSpec, load_suite
-from infer_tune.tuners.base import RunContext, apply
+from infer_tune.tuners.base import RunContext
 from infer_tune.tuners.kv_cache import (
     IMPLS,
-    LOSSLESS_IMPLS,
     REFERENCE_IMPL,
     KVCacheConfig,
     check_kv_bits,
@@ -60,40 +55,6 @@ def suite_token_ids(tokenizer, suite: str, seed: int, tokens: int) -> list[int]:
             return ids
     raise ConfigError(f"suite '{suite}' holds only {len(ids)} tokens of text; ask for at most that many in "
                       f"context or use a larger suite")
-
-
-# --------------------------------------------------------------------------- cache probe
-def probe_cache(prepared: PreparedModel, batch: dict[str, torch.Tensor], new_tokens: int) -> dict[str, Any]:
-    """One untimed greedy generate that returns its cache: measured KV bytes and the largest logits tensor.
-
-    Without a cache only the logits are of interest, so one step (the prefill) is enough.
-    """
-    from transformers import GenerationConfig
-
-    model, tokenizer = prepared.model, prepared.tokenizer
-    uses_cache = prepared.generate_kwargs.get("use_cache", True)
-    steps = new_tokens if uses_cache else 1
-    logits_bytes: list[int] = []
-    head = model.get_output_embeddings()
-    hook = head.register_forward_hook(lambda _m, _i, out: logits_bytes.append(out.numel() * out.element_size()))
-    config_fields, kwargs = split_generate_kwargs(prepared.generate_kwargs)
-    config = GenerationConfig(max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                              pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids(model, tokenizer) or None,
-                              return_dict_in_generate=True, **config_fields)
-    try:
-        with torch.inference_mode():
-            out = model.generate(input_ids=batch["input_ids"].to(prepared.device),
-                                 attention_mask=batch["attention_mask"].to(prepared.device),
-                                 generation_config=config, **kwargs)
-    finally:
-        hook.remove()
-    # transformers 5 names the field `cache` (reading the old name warns); 4.x named it `past_key_values`
-    names = {f.name for f in dataclasses.fields(out)}
-    cache = getattr(out, "cache" if "cache" in names else "past_key_values", None)
-    return {"kv_cache_bytes": kv.measured_cache_bytes(cache),
-            "kv_cache_tokens": int(cache.get_seq_length()) if cache is not None else 0,
-            "kv_cache_class": type(cache).__name__ if cache is not None else None,
-            "logits_bytes_peak": max(logits_bytes, default=0)}
 
 
 # --------------------------------------------------------------------------- sweep
@@ -152,7 +113,6 @@ def run_kv_sweep(
     plot of all of them (`latency.png`). With `resume`, a context length whose results are all in
     `run_ctx.out_dir` already is read back instead of measured again.
     """
-    device, env, out_dir, progress = run_ctx.device, run_ctx.env, run_ctx.out_dir, run_ctx.progress
     shape = kv.ModelShape.from_config(loaded.model.config)
     check_context_fits(shape, spec.context_lengths, spec.max_new_tokens, loaded.ref)
     n = spec.max_new_tokens
@@ -167,94 +127,38 @@ def run_kv_sweep(
                         batches=[batch], templated=False)
         workload = Workload(suite=spec.suite, limit=1, seed=spec.seed, max_new_tokens=n, batch_size=1,
                             chat_template=False, max_prompt_tokens=ctx)
-        applicable = [c for c in spec.configs(ctx) if not_applicable_reason(c, device) is None]
-        if resume:
-            done = [find_result(out_dir, run_fingerprint(loaded, c.technique, c.to_dict(), workload, env,
-                                                         protocol=protocol, measure_ppl=False))
-                    for c in applicable]
-            if done and all(d is not None for d in done):
-                result.docs.extend(done)
-                result.run_dirs.extend(Path(d["_path"]) for d in done)
-                result.claims.append(done[0]["claims"][0])
-                result.not_applicable.extend(done[0].get("not_applicable", []))
-                continue
-        group: list[tuple[KVCacheConfig, dict, list[dict]]] = []
-        reference: tuple[dict, list[dict]] | None = None
+        configs = []
         for config in spec.configs(ctx):
-            reason = not_applicable_reason(config, device)
-            if reason is not None:
+            reason = not_applicable_reason(config, run_ctx.device)
+            if reason is None:
+                configs.append(config)
+            else:
                 result.not_applicable.append({"impl": config.impl, "context_tokens": ctx, "reason": reason})
-                continue
-            prepared = apply(loaded, config, run_ctx)
-            extra: dict[str, Any] = {}
-            if config.compile:  # the compiling call is timed apart and kept out of every measurement
-                start = time.perf_counter()
-                generate_once(prepared, batch, n)
-                extra["compile_s"] = time.perf_counter() - start
-                extra["compiled"] = getattr(prepared.model, "_compiled_call", None) is not None
-            doc, outputs = measure_prepared(
-                loaded, prepared, inputs, workload, protocol, technique=config.technique,
-                config=config.to_dict(), env=env, baseline=reference[0] if reference else None,
-                baseline_outputs=reference[1] if reference else None, measure_ppl=False, per_position=True,
-                progress=progress)
-            if config.impl == REFERENCE_IMPL:
-                reference = (doc, outputs)
-            doc["metrics"].update(extra)
-            doc["metrics"].update(cache_metrics(config, doc, prepared, batch, shape, n))
-            doc["workload"].update(context_tokens=ctx, prompt_source="suite text (prompts + references) "
-                                   "concatenated and cut to exactly context_tokens tokens")
-            group.append((config, doc, outputs))
-        claims = [kv.compute_claim(shape, ctx, measured_wall(group, n)), long_claim]
+        # the engine measures, finalizes (the cache keys) and saves every variant; the sweep adds what needs
+        # all variants of one context length: the compute claim and the latency plot
+        _, docs = run_configs(loaded, inputs, workload, protocol, configs, run_ctx, resume=resume, measure_ppl=False)
+        claims = [kv.compute_claim(shape, ctx, measured_wall(docs, n)), long_claim]
         result.claims.append(claims[0])
-        curves = {c.label().removesuffix(f"-ctx{ctx}"): d["metrics"]["per_position_ms"] for c, d, _ in group}
+        curves = {d["label"].removesuffix(f"-ctx{ctx}"): d["metrics"]["per_position_ms"] for d in docs}
         png = per_position_png(curves, first_position=ctx + 2, dpi=110,
                                title=f"{loaded.ref}: per-token latency, {ctx}-token prompt",
                                xlabel="position of the generated token (prompt + generated)")
-        for _, doc, outputs in group:
+        for doc in docs:
+            doc["workload"].update(context_tokens=ctx, prompt_source="suite text (prompts + references) "
+                                   "concatenated and cut to exactly context_tokens tokens")
             doc["claims"] = claims
             doc["not_applicable"] = [r for r in result.not_applicable if r["context_tokens"] == ctx]
-            saved = results.save_run(out_dir, doc, outputs, extra_files={"latency.png": png})
-            doc["_path"] = str(saved.run_dir)
+            results.update_result(doc)  # saved by the engine: completed in its own folder
+            results.add_files(doc, {"latency.png": png})
             result.docs.append(doc)
-            result.run_dirs.append(saved.run_dir)
+            result.run_dirs.append(Path(doc["_path"]))
     result.claims.append(long_claim)
     return result
 
 
-def cache_metrics(config: KVCacheConfig, doc: dict, prepared: PreparedModel, batch: dict, shape: kv.ModelShape,
-                  new_tokens: int) -> dict[str, Any]:
-    """The kv-cache result keys (docs/architecture.md, "Result keys") added to what the shared runner measured."""
-    m = doc["metrics"]
-    ctx = int(batch["input_ids"].shape[1])
-    probe = probe_cache(prepared, batch, new_tokens)
-    bits = m.get("kv_bits")
-    cached_tokens = ctx + new_tokens - 1  # the last generated token is never fed back, so never cached
-    with_cache = kv.flops_with_cache(shape, ctx, new_tokens)
-    without = kv.flops_without_cache(shape, ctx, new_tokens)
-    peak = m.get("peak_rss_bytes") or 0
-    full_logits = ctx * shape.vocab * 4
-    identical = config.impl == REFERENCE_IMPL or m.get("output_mismatches") == 0
-    return {
-        "impl": config.impl,
-        "prompt_tokens": ctx,
-        **probe,
-        "kv_cache_bytes_analytic": kv.kv_bytes(shape, cached_tokens, bits) if bits else 0,
-        "flops_with_cache": with_cache,
-        "flops_without_cache": without,
-        "flops_executed": without if config.impl == "none" else with_cache,
-        "lossless_expected": config.impl in LOSSLESS_IMPLS,
-        "identical_to_dynamic": identical,
-        "lossless_held": identical if config.impl in LOSSLESS_IMPLS else None,
-        "logits_bytes_full_prefill": full_logits,
-        "logits_last_token_only": probe["logits_bytes_peak"] < full_logits,
-        "logits_share_of_peak_rss": probe["logits_bytes_peak"] / peak if peak else None,
-        "kv_share_of_peak_rss": probe["kv_cache_bytes"] / peak if peak else None,
-    }
-
-
-def measured_wall(group: list[tuple[KVCacheConfig, dict, list[dict]]], new_tokens: int) -> dict | None:
+def measured_wall(docs: list[dict], new_tokens: int) -> dict | None:
     """e2e p50 of `none` and `dynamic` at one context length, when both ran."""
-    e2e = {c.impl: d["metrics"]["e2e_ms"]["p50"] for c, d, _ in group}
+    e2e = {d["config"]["impl"]: d["metrics"]["e2e_ms"]["p50"] for d in docs}
     if "none" not in e2e or "dynamic" not in e2e:
         return None
     return {"new_tokens": new_tokens, "e2e_ms_none": e2e["none"], "e2e_ms_dynamic": e2e["dynamic"]}
@@ -265,8 +169,7 @@ def run_kv_cache(spec: RunSpec, sweep: KVSweepSpec, progress=None) -> KVSweepRes
     shape = kv.load_model_config(_resolve_model(spec.model))
     check_context_fits(shape, sweep.context_lengths, sweep.max_new_tokens, spec.model)
     run = open_run(spec, progress, load_suite=False)
-    with results.runs_lock(run.ctx.out_dir):  # concurrent sweeps into one runs dir queue
-        return run_kv_sweep(run.loaded, sweep, spec.protocol, run.ctx, resume=spec.resume)
+    return run_kv_sweep(run.loaded, sweep, spec.protocol, run.ctx, resume=spec.resume)
 
 
 def _resolve_model(ref: str) -> str:

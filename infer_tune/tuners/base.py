@@ -35,6 +35,10 @@ class TechniqueConfig:
     def to_dict(self) -> dict[str, Any]:
         return {"kind": type(self).__name__, **dataclasses.asdict(self)}
 
+    def parts(self) -> list[TechniqueConfig]:
+        """The technique configs this config applies (a stack lists its parts; anything else is itself)."""
+        return [self]
+
     def label(self) -> str:
         """Short human summary for leaderboards and run ids."""
         return ",".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items() if v is not None)
@@ -102,6 +106,15 @@ class Technique:
     - `plots(docs) -> {file name: PNG bytes}`: the technique's own figures over the sweep (acceptance
       by position, latency CDFs, device load per plan), written into each of those results' folders,
       where the HTML report finds them.
+    - `per_position`: the result carries `per_position_ms` (the latency of each decode step).
+    - `finalize(config, doc, outputs, prepared, inputs, ctx) -> {file name: bytes} | None`: facts measured
+      after the runner ran, while the prepared model still exists (a cache probe, the trace that was
+      replayed), added to `doc` in place; the files returned are saved with the result. Whatever
+      command or recipe ran the technique, its document is the same.
+    - `objective`: what the recommender and `tune` rank this technique's rows on (a key of
+      report.recommend.OBJECTIVES: `decode` for single-stream techniques, `throughput` for batching).
+    - `phase`: where the technique goes in a stack (lower first: weights 0, cache 1, decoding loop 2-3).
+    - `conflicts`: {other technique: why the two cannot share a stack}.
     """
 
     config_cls: type
@@ -114,6 +127,11 @@ class Technique:
     measure_ppl: bool = True
     summarize: Callable[[list[dict]], dict | None] | None = None
     plots: Callable[[list[dict]], dict[str, bytes]] | None = None
+    per_position: bool = False
+    finalize: Callable[..., dict[str, bytes] | None] | None = None
+    objective: str = "decode"
+    phase: int = 1
+    conflicts: dict[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -135,6 +153,8 @@ def register_technique(config_cls: type, *, runner: str = "generation", max_batc
                        resolve: Callable | None = None, annotate: Callable | None = None,
                        preflight: Callable | None = None, measure_ppl: bool = True,
                        summarize: Callable | None = None, plots: Callable | None = None,
+                       per_position: bool = False, finalize: Callable | None = None, objective: str = "decode",
+                       phase: int = 1, conflicts: dict[str, str] | None = None,
                        ) -> Callable[[PrepareFn], PrepareFn]:
     """Register `prepare(loaded, config, ctx) -> PreparedModel` for `config_cls` (see `Technique`)."""
     if not getattr(config_cls, "technique", ""):
@@ -142,7 +162,8 @@ def register_technique(config_cls: type, *, runner: str = "generation", max_batc
 
     def decorator(fn: PrepareFn) -> PrepareFn:
         TECHNIQUES[config_cls] = Technique(config_cls, fn, runner, max_batch_size, resolve, annotate, preflight,
-                                           measure_ppl, summarize, plots)
+                                           measure_ppl, summarize, plots, per_position, finalize, objective, phase,
+                                           dict(conflicts or {}))
         return fn
 
     return decorator
@@ -177,6 +198,12 @@ def apply(loaded: LoadedModel, config: TechniqueConfig, ctx: RunContext | None =
     prepared = technique_for(config).prepare(loaded, config, ctx)
     prepared.device = ctx.device
     return prepared
+
+
+def entry_named(name: str) -> Technique | None:
+    """The registry entry of the technique called `name` (None when there is none)."""
+    load_techniques()
+    return next((e for e in TECHNIQUES.values() if e.name == name), None)
 
 
 def configs_by_technique() -> dict[str, type]:

@@ -8,11 +8,16 @@ model is unchanged. The sweep over variants and context lengths, with what is sp
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
+
 from infer_tune import models
 from infer_tune.errors import ConfigError
+from infer_tune.metrics import kv
+from infer_tune.runners.generation import eos_ids, split_generate_kwargs
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.tuners.base import RunContext, TechniqueConfig, register_technique
 
@@ -93,7 +98,85 @@ def _preflight(loaded: models.LoadedModel, config: KVCacheConfig, ctx: RunContex
         raise ConfigError(f"kv-cache impl '{config.impl}' is not applicable here: {reason}")
 
 
-@register_technique(KVCacheConfig, preflight=_preflight, measure_ppl=False)
+# --------------------------------------------------------------------------- what a cache row measures
+def probe_cache(prepared: PreparedModel, batch: dict[str, torch.Tensor], new_tokens: int) -> dict[str, Any]:
+    """One untimed greedy generate that returns its cache: measured KV bytes and the largest logits tensor.
+
+    Without a cache only the logits are of interest, so one step (the prefill) is enough.
+    """
+    from transformers import GenerationConfig
+
+    model, tokenizer = prepared.model, prepared.tokenizer
+    uses_cache = prepared.generate_kwargs.get("use_cache", True)
+    steps = new_tokens if uses_cache else 1
+    logits_bytes: list[int] = []
+    head = model.get_output_embeddings()
+    hook = head.register_forward_hook(lambda _m, _i, out: logits_bytes.append(out.numel() * out.element_size()))
+    config_fields, kwargs = split_generate_kwargs(prepared.generate_kwargs)
+    config = GenerationConfig(max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids(model, tokenizer) or None,
+                              return_dict_in_generate=True, **config_fields)
+    try:
+        with torch.inference_mode():
+            out = model.generate(input_ids=batch["input_ids"].to(prepared.device),
+                                 attention_mask=batch["attention_mask"].to(prepared.device),
+                                 generation_config=config, **kwargs)
+    finally:
+        hook.remove()
+    # transformers 5 names the field `cache` (reading the old name warns); 4.x named it `past_key_values`
+    names = {f.name for f in dataclasses.fields(out)}
+    cache = getattr(out, "cache" if "cache" in names else "past_key_values", None)
+    return {"kv_cache_bytes": kv.measured_cache_bytes(cache),
+            "kv_cache_tokens": int(cache.get_seq_length()) if cache is not None else 0,
+            "kv_cache_class": type(cache).__name__ if cache is not None else None,
+            "logits_bytes_peak": max(logits_bytes, default=0)}
+
+
+def cache_metrics(config: KVCacheConfig, doc: dict, prepared: PreparedModel, batch: dict, shape: kv.ModelShape,
+                  new_tokens: int) -> dict[str, Any]:
+    """The kv-cache result keys (docs/architecture.md, "Result keys") added to what the shared runner measured."""
+    m = doc["metrics"]
+    ctx = int(batch["input_ids"].shape[1])
+    probe = probe_cache(prepared, batch, new_tokens)
+    bits = m.get("kv_bits")
+    cached_tokens = ctx + new_tokens - 1  # the last generated token is never fed back, so never cached
+    with_cache = kv.flops_with_cache(shape, ctx, new_tokens)
+    without = kv.flops_without_cache(shape, ctx, new_tokens)
+    peak = m.get("peak_rss_bytes") or 0
+    full_logits = ctx * shape.vocab * 4
+    identical = config.impl == REFERENCE_IMPL or m.get("output_mismatches") == 0
+    return {
+        "impl": config.impl,
+        "prompt_tokens": ctx,
+        **probe,
+        "kv_cache_bytes_analytic": kv.kv_bytes(shape, cached_tokens, bits) if bits else 0,
+        "flops_with_cache": with_cache,
+        "flops_without_cache": without,
+        "flops_executed": without if config.impl == "none" else with_cache,
+        "lossless_expected": config.impl in LOSSLESS_IMPLS,
+        "identical_to_dynamic": identical,
+        "lossless_held": identical if config.impl in LOSSLESS_IMPLS else None,
+        "logits_bytes_full_prefill": full_logits,
+        "logits_last_token_only": probe["logits_bytes_peak"] < full_logits,
+        "logits_share_of_peak_rss": probe["logits_bytes_peak"] / peak if peak else None,
+        "kv_share_of_peak_rss": probe["kv_cache_bytes"] / peak if peak else None,
+    }
+
+
+def finalize_cache(config: KVCacheConfig, doc: dict, outputs: list[dict], prepared: PreparedModel, inputs,
+                   ctx: RunContext) -> None:
+    """The cache keys of every kv-cache row (and of a stack holding one), whichever command ran it: a
+    probe of the cache on the workload's first request, the analytic size and FLOPs."""
+    shape = kv.ModelShape.from_config(prepared.model.config)
+    doc["metrics"].update(cache_metrics(config, doc, prepared, inputs.batches[0], shape,
+                                        int(doc["workload"]["max_new_tokens"])))
+    if config.compile:
+        doc["metrics"]["compiled"] = getattr(prepared.model, "_compiled_call", None) is not None
+    return None
+
+
+@register_technique(KVCacheConfig, preflight=_preflight, measure_ppl=False, per_position=True,
+                    finalize=finalize_cache, phase=1)
 def apply_kv_cache(loaded: models.LoadedModel, config: KVCacheConfig, ctx: RunContext) -> PreparedModel:
     """Choose how `generate` builds its cache; the model itself is unchanged."""
     model = loaded.model

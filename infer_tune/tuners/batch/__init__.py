@@ -116,8 +116,29 @@ def _preflight(loaded: models.LoadedModel, config: BatchConfig, ctx: RunContext)
                           "a recipe runs 'static' or 'continuous' on an arrival trace")
 
 
+def finalize_trace(config: BatchConfig, doc: dict, outputs: list[dict], prepared: PreparedModel, inputs,
+                   ctx: RunContext) -> dict[str, bytes] | None:
+    """The trace keys of every trace-scheduled row, whichever command or recipe ran it: the trace replayed
+    (`trace.jsonl`), each request's output length, the offered rate and the spread of the arrivals."""
+    import json
+
+    from infer_tune.tuners.batch.arrivals import interarrival_cv, offered_rate
+
+    factory, scheduler = prepared.runner_options.get("trace"), prepared.runner_options.get("scheduler")
+    if not isinstance(factory, TraceFactory) or not factory.rows:
+        return None
+    rows = [r.to_dict() for r in factory.rows]
+    times = [r["arrival_s"] for r in rows]
+    doc["samples"]["output_tokens"] = [len(t.token_ns) for t in scheduler.timings]
+    doc["metrics"].update(offered_rate=offered_rate(times), interarrival_cv=interarrival_cv(times))
+    doc["workload"].update(requests=len(rows), rate=config.rate, burstiness=config.burstiness,
+                           output_length="each prompt's single-request greedy length, capped at max_new_tokens")
+    return {"trace.jsonl": "".join(json.dumps(r) + "\n" for r in rows).encode()}
+
+
 @register_technique(BatchConfig, runner="trace", preflight=_preflight, measure_ppl=False,
-                    summarize=analysis.summarize, plots=batch_plots.sweep_plots)
+                    summarize=analysis.summarize, plots=batch_plots.sweep_plots, finalize=finalize_trace,
+                    objective="throughput")
 def prepare_batch(loaded: models.LoadedModel, config: BatchConfig, ctx: RunContext) -> PreparedModel:
     """The model unchanged; the trace runner gets the trace factory and the scheduler (sweep: nothing)."""
     options = {}

@@ -38,7 +38,9 @@ class LeanConfig(TechniqueConfig):
         return "lean" + ("+compile" if self.compile else "") + ("+cpp" if self.compile and self.cpp_wrapper else "")
 
 
-@register_technique(LeanConfig, runner="lean", max_batch_size=1, measure_ppl=False)
+@register_technique(LeanConfig, runner="lean", max_batch_size=1, measure_ppl=False, phase=3,
+                    conflicts={"kv-cache": "lean runs its own static cache; drop kv-cache from the stack",
+                               "speculate": "lean and speculate each run their own decoding loop"})
 def prepare_lean(loaded: LoadedModel, config: LeanConfig, ctx: RunContext) -> PreparedModel:
     """The model unchanged; a decoder that owns its static cache and compiled step."""
     counters = LeanCounters()

@@ -26,4 +26,4 @@ def _resolve(config: QuantizeConfig, ctx: RunContext) -> QuantizeConfig:
 
 
 register_technique(QuantizeConfig, resolve=_resolve, annotate=pipeline.annotate_claim,
-                   preflight=pipeline.preflight)(pipeline.prepare_quantized)
+                   preflight=pipeline.preflight, phase=0)(pipeline.prepare_quantized)

@@ -42,4 +42,5 @@ def _resolve(config: SpeculateConfig, ctx: RunContext) -> SpeculateConfig:
 
 
 register_technique(SpeculateConfig, runner="speculative", max_batch_size=1, resolve=_resolve, preflight=preflight,
-                   annotate=annotate, measure_ppl=False, summarize=claim.summarize, plots=plots.plots)(prepare)
+                   annotate=annotate, measure_ppl=False, summarize=claim.summarize, plots=plots.plots,
+                   phase=2)(prepare)

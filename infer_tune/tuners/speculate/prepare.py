@@ -13,6 +13,7 @@ from typing import Any
 
 from infer_tune import models
 from infer_tune.errors import ConfigError
+from infer_tune.nn_utils import shallow_clone
 from infer_tune.runners.generation import eos_ids
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.tuners.base import RunContext
@@ -117,7 +118,9 @@ def prepare(loaded: models.LoadedModel, config: SpeculateConfig, ctx: RunContext
     """The target with its draft source wired in (hf: generate kwargs; lean: the own loop), counted."""
     source = config.source
     facts = draft_facts(loaded, config, ctx)
-    target = loaded.model
+    # the engine measures the plain model beside this config in the same rounds: instrument a clone of its
+    # top-level module (same weights), never the model itself
+    target = shallow_clone(loaded.model)
     counters = SpeculativeCounters()
     kwargs: dict[str, Any] = {}
     undo: list = []

@@ -24,16 +24,21 @@ from infer_tune.tuners.base import (
     RunContext,
     TechniqueConfig,
     configs_by_technique,
+    entry_named,
     register_technique,
     technique_for,
 )
 
-# lower runs first; a technique not listed runs after the weights, in the order given
-PHASES = {"quantize": 0, "kv-cache": 1, "speculate": 2, "lean": 3}
-DEFAULT_PHASE = 1
-# pairs that cannot share a stack, and why
-CONFLICTS = {frozenset({"lean", "kv-cache"}): "lean runs its own static cache; drop kv-cache from the stack",
-             frozenset({"lean", "speculate"}): "lean and speculate each run their own decoding loop"}
+
+def conflicts(names: list[str]) -> list[tuple[str, str, str]]:
+    """(a, b, why) for each pair of `names` whose registry entries say they cannot share a stack."""
+    found = []
+    for a in names:
+        entry = entry_named(a)
+        for b, why in (entry.conflicts if entry else {}).items():
+            if b in names and (b, a, why) not in found:
+                found.append((a, b, why))
+    return found
 
 
 @dataclass
@@ -56,10 +61,9 @@ class StackConfig(TechniqueConfig):
             if names.count(name) > 1:
                 raise ConfigError(f"stack: technique '{name}' appears {names.count(name)} times; a stack applies "
                                   "each technique once")
-        for pair, why in CONFLICTS.items():
-            if pair <= set(names):
-                raise ConfigError(f"stack: {' and '.join(sorted(pair))} cannot stack: {why}")
-        self.configs = sorted(parts, key=lambda p: PHASES.get(p.technique, DEFAULT_PHASE))
+        for a, b, why in conflicts(names):
+            raise ConfigError(f"stack: {' and '.join(sorted((a, b)))} cannot stack: {why}")
+        self.configs = sorted(parts, key=lambda p: technique_for(p).phase)  # stable: equal phases keep their order
 
     @staticmethod
     def _part(index: int, part: Any) -> TechniqueConfig:
@@ -89,6 +93,9 @@ class StackConfig(TechniqueConfig):
     def label(self) -> str:
         return "+".join(p.label() for p in self.configs)
 
+    def parts(self) -> list[TechniqueConfig]:
+        return list(self.configs)
+
     def techniques(self) -> list[str]:
         return [p.technique for p in self.configs]
 
@@ -106,6 +113,8 @@ class StackCounters(RunCounters):
         self.parts = parts
 
     def reset(self) -> None:
+        if self.held:
+            return
         super().reset()
         for part in self.parts:
             part.reset()
@@ -147,7 +156,17 @@ def runner_of(config: StackConfig) -> str:
     return runners.pop() if runners else "generation"
 
 
-@register_technique(StackConfig, resolve=_resolve, preflight=_preflight)
+def _finalize(config: StackConfig, doc: dict, outputs: list[dict], prepared: PreparedModel, inputs, ctx: RunContext):
+    """Every part's own `finalize` on the stacked run: a stack's row carries its parts' keys."""
+    files: dict[str, bytes] = {}
+    for part in config.configs:
+        entry = technique_for(part)
+        if entry.finalize:
+            files.update(entry.finalize(part, doc, outputs, prepared, inputs, ctx) or {})
+    return files or None
+
+
+@register_technique(StackConfig, resolve=_resolve, preflight=_preflight, finalize=_finalize)
 def prepare_stack(loaded: LoadedModel, config: StackConfig, ctx: RunContext) -> PreparedModel:
     """Prepare each part on the previous part's model, in phase order, and merge what they hand the runner."""
     runner = runner_of(config)
