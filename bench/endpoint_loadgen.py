@@ -3,7 +3,8 @@
 Starts the paced loopback server (infer_tune.endpoint.paced: first token 120 ms after the request is read,
 then one every 15 ms, 16 tokens; it records its own achieved send times) in its own process. At each load
 N, N requests arrive at once (`endpoint sim --rates inf --requests N --concurrency N`), replayed by the
-multi-process load generator and by the single-loop client (workers = 1); each reported TTFT / TPOT p50
+multi-process load generator and by the single-loop client (workers = 1, after one warmup request as
+`endpoint sim` sends); each reported TTFT / TPOT p50
 is set beside the server's truth for the same requests, with the client's saturation readings.
 
     flock /tmp/infer-tune-cpu.lock python bench/endpoint_loadgen.py --loads 1,64,256,1024
@@ -31,12 +32,16 @@ def measure(url: str, n: int, workers: int, tokens: int) -> dict:
                             workers=workers)
     trace = [TraceRequest(i, 0.0, tokens) for i in range(n)]
     prompts = [f"prompt {i}" for i in range(n)]
-    if workers > 1:
+    single_loop = workers == 1
+    if not single_loop:
         result, client = loadgen.replay_workers(config, trace, prompts, tokens, workers=workers)
-        readings = client["worker_readings"]
+        readings, workers = client["worker_readings"], client["workers"]
     else:
-        async def single():
+        async def single():  # as `endpoint sim` runs it: one warmup request on the pool first
             async with rp.client_session(config) as session:
+                await rp.replay(session, config, trace[:1], prompts, tokens, closed_loop=True)
+                with urllib.request.urlopen(url.removesuffix("/v1") + "/truth", timeout=30):
+                    pass  # the warmup is not part of the truth
                 return await loadgen.monitored(rp.replay(session, config, trace, prompts, tokens))
 
         result, reading = asyncio.run(single())
@@ -50,7 +55,7 @@ def measure(url: str, n: int, workers: int, tokens: int) -> dict:
     ttft = [t.ttft_ms for t in result.timings]
     tpot = [(t.e2e_ms - t.ttft_ms) / (len(t.token_ns) - 1) for t in result.timings if len(t.token_ns) > 1]
     verdict = loadgen.saturation(readings, result.lateness_ms)
-    return {"n": n, "workers": workers, "ok": len(result.timings), "failed": len(result.failures),
+    return {"n": n, "workers": workers, "single": single_loop, "ok": len(result.timings), "failed": len(result.failures),
             "ttft": statistics.median(ttft) if ttft else None, "tpot": statistics.median(tpot) if tpot else None,
             "truth_ttft": truth["ttft_ms_p50"], "truth_tpot": truth["tpot_ms_p50"], "truth_n": truth["requests"],
             "lag_p50": max((r["loop_lag_ms_p50"] or 0) for r in readings),
@@ -83,7 +88,7 @@ def main() -> None:
             raise SystemExit("the paced server did not start")
         url = f"http://127.0.0.1:{line[1]}/v1"
         for n in (int(v) for v in args.loads.split(",")):
-            workers = args.workers or max(2, loadgen.default_workers(n))
+            workers = args.workers or max(2, loadgen.default_workers(n))  # at least 2: the process path
             for w in (workers, 1):
                 rows.append(measure(url, n, w, args.tokens))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
@@ -99,7 +104,7 @@ def main() -> None:
           "| loop lag p50 / p99 ms | CPU/core | client_saturated |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        who = f"{r['workers']} workers" if r["workers"] > 1 else "single loop"
+        who = "single loop" if r["single"] else f"{r['workers']} worker process(es)"
         flag = f"yes: {r['client_saturation_reason']}" if r["client_saturated"] else "no"
         print(f"| {r['n']} | {who} | {err(r, 'ttft')} | {err(r, 'tpot')} | {r['sent_ms_p50']:.1f} / {r['read_ms_p50']:.1f} | {r['lag_p50']:.2f} / {r['lag_p99']:.2f} "
               f"| {100 * r['cpu']:.0f}% | {flag} |")
