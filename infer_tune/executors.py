@@ -12,7 +12,7 @@ machine. The task returns the files of its result folders; the driver writes the
 retried (`max_retries`); a folder lands at most once (its run id, and for configs the fingerprint,
 already in `--out` is skipped). The node-local folders live under $INFER_TUNE_RAY_DIR (default
 /tmp/infer-tune-ray/<job>), with one `.attempts/<config>.<pid>` marker per attempt that reached its
-config. Commands and a cluster walk-through: docs/scale.md.
+config (written when its measurement begins). Commands and a cluster walk-through: docs/scale.md.
 """
 
 from __future__ import annotations
@@ -79,12 +79,16 @@ def measure_task(spec, config, job: str) -> dict:
     label = config.label() if hasattr(config, "label") else type(config).__name__
     marker = attempts / f"{label}.{os.getpid()}"
 
+    measuring = []
+
     def progress(stage: str, step: int, count: int | None) -> None:
-        if stage == "configs" and step == 1:  # the baseline is done: the config is being measured now
-            marker.write_text(json.dumps({"pid": os.getpid(), "started": time.time()}))
+        if measuring and stage != "configs" and not stage.startswith("waiting") and not marker.exists():
+            # a measuring stage of run_configs (warming, a round, a pass): the config is being measured now
+            marker.write_text(json.dumps({"pid": os.getpid(), "started": time.time(), "stage": stage}))
 
     local = dataclasses.replace(spec, out_dir=node_dir)
     run = open_run(local, progress)
+    measuring.append(True)
     with tempfile.TemporaryDirectory(prefix="infer-tune-artifacts-") as scratch:
         run.ctx.scratch_dir = Path(scratch)
         baseline, docs = run_configs(run.loaded, run.inputs, local.workload, local.protocol, [config], run.ctx,

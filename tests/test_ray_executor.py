@@ -20,7 +20,7 @@ from infer_tune.runners.multiprocess import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = """workload: {limit: 2, max_new_tokens: 4}
-protocol: {warmup: 0, min_iterations: 1, min_duration_s: 1.0}
+protocol: {warmup: 0, min_iterations: 1, min_duration_s: 0, max_rounds: 4}
 configs:
   - {technique: quantize, method: bf16}
   - {technique: quantize, method: int8-dynamic}
@@ -100,6 +100,7 @@ def test_ray_executor_matches_local_and_retries_a_killed_worker(tiny_model_dir, 
     assert driver.returncode == 0, stderr[-800:]
     attempts = sorted((tmp_path / "nodes").glob("*/.attempts/int8-dynamic-*"))
     assert len(attempts) == 2  # the killed attempt and its retry
+    assert json.loads(sorted(attempts)[0].read_text())["pid"] in {killed, *[int(a.suffix[1:]) for a in attempts]}
     assert _keys(json.loads(stdout)) == _keys(json.loads(local.stdout))
     landed = find_results(tmp_path / "ray")
     configs = [d["label"] for d in landed if d["technique"] != "baseline"]
