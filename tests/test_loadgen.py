@@ -77,3 +77,19 @@ def test_endpoint_sim_with_workers_records_the_client(tmp_path):
     assert m["requests_ok"] == 6 and isinstance(m["client_saturated"], bool)
     assert m["ttft_ms"]["p50"] >= 59  # the server's 60 ms first-token delay is a floor
     assert bad.exit_code == 2 and "--workers must be >= 1" in bad.output and not (tmp_path / "bad").exists()
+
+
+def test_bench_endpoint_closed_loop_passes_over_workers(tmp_path, prompts_file):
+    from infer_tune.cli import app
+
+    with PacedServer(Pace(first_s=0.02, interval_s=0.005, tokens=4)) as server:
+        result = CliRunner().invoke(app, ["bench", "--endpoint", server.url, "--served-model", "paced", "--suite",
+                                          str(prompts_file), "--limit", "3", "--concurrency", "3", "--workers", "2",
+                                          "--max-new-tokens", "4", "--warmup", "0", "--min-iterations", "3",
+                                          "--min-duration", "0.5", "--out", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    m = json.loads(result.output)["metrics"]
+    launches = len(m["client"]["worker_readings"]) // 2
+    assert m["requests_ok"] == 3 * m["iterations"] and m["iterations"] >= 3
+    assert launches <= 4  # passes after the first go out in as few launches as the estimate allows
+    assert m["tpot_ms"]["p50"] == pytest.approx(5.0, abs=2.0)

@@ -154,7 +154,7 @@ def run_sim(opts: opt.MeasureOptions, endpoint: str, *, rates: str, requests: in
         output.print_json(outcome.docs)
         return
     knee = {"beyond": "beyond the swept rates", "below": "below the lowest rate (already saturated)"}.get(
-        outcome.knee_status, f"{outcome.knee_rate:g} req/s")
+        outcome.knee_status, f"{outcome.knee_rate:g} req/s" if outcome.knee_rate is not None else "not found")
     table = Table(title=f"{config.display_label()} · {requests} requests per rate · knee {knee}")
     for name in ("rate", "done/s", "ok", "fail", "TTFT p50", "TTFT p99", "TPOT p50", "queue p50", "tok/s", "goodput",
                  "SLO met", "sat."):

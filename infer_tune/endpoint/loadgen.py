@@ -22,11 +22,14 @@ import math
 import os
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from infer_tune.endpoint import replay as rp
 from infer_tune.endpoint.config import EndpointConfig
 from infer_tune.errors import InferTuneError as EndpointError
-from infer_tune.runners.trace import TraceRequest
+
+if TYPE_CHECKING:
+    from infer_tune.runners.trace import TraceRequest
 
 STREAMS_PER_WORKER = 128  # concurrent streams one worker's loop is given by default
 LAG_PERIOD_S = 0.005
@@ -141,10 +144,13 @@ def _worker_main(conn, config: EndpointConfig, trace: list[TraceRequest], prompt
 
 def replay_workers(config: EndpointConfig, trace: Sequence[TraceRequest], prompts: Sequence[str], max_new_tokens: int,
                    *, workers: int, closed_loop: bool = False, tokenizer=None, iteration: int = 0,
-                   timeout_s: float | None = None) -> tuple[rp.ReplayResult, dict]:
-    """Replay `trace` once over `workers` processes; (the merged result, the client's readings)."""
+                   passes: int = 1, timeout_s: float | None = None) -> tuple[rp.ReplayResult, dict]:
+    """Replay `trace` over `workers` processes (`passes` times back to back in one launch: closed-loop
+    passes, numbered from `iteration`); (the merged result, the client's readings)."""
     import multiprocessing as mp
 
+    single = list(trace)
+    trace = single * max(1, passes)
     workers = max(1, min(workers, len(trace) or 1))
     ctx = mp.get_context("spawn")
     parts = [list(range(w, len(trace), workers)) for w in range(workers)]
@@ -159,7 +165,7 @@ def replay_workers(config: EndpointConfig, trace: Sequence[TraceRequest], prompt
         child.close()
         pipes.append(parent)
         procs.append(proc)
-    limit = timeout_s or (config.timeout_s + max((r.arrival_s for r in trace), default=0.0) + 60)
+    limit = timeout_s or (config.timeout_s * max(1, passes) + max((r.arrival_s for r in trace), default=0.0) + 60)
     try:
         for pipe in pipes:
             _expect(pipe, "ready", 60)
@@ -181,14 +187,19 @@ def replay_workers(config: EndpointConfig, trace: Sequence[TraceRequest], prompt
         for k, record in zip(parts[w], part_records):
             records[k] = record
         readings.append(dict(reading, requests=len(parts[w]), concurrency=shares[w]))
-    rp.collect(result, trace, records, prompts, tokenizer, iteration)
+    n = len(single)
+    for p in range(max(1, passes)):
+        rp.collect(result, single, records[p * n:(p + 1) * n], prompts, tokenizer, iteration + p)
     return result, {"workers": workers, "worker_readings": readings}
 
 
 def _expect(pipe, kind: str, timeout: float):
-    if not pipe.poll(timeout):
-        raise EndpointError(f"a load-generator worker did not answer within {timeout:.0f} s")
-    message = pipe.recv()
+    try:
+        if not pipe.poll(timeout):
+            raise EndpointError(f"a load-generator worker did not answer within {timeout:.0f} s")
+        message = pipe.recv()
+    except (EOFError, OSError):
+        raise EndpointError("a load-generator worker exited before answering") from None
     if message[0] == "error":
         raise EndpointError(f"a load-generator worker failed: {message[1]}")
     if message[0] != kind:

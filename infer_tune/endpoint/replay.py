@@ -19,12 +19,15 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from infer_tune.endpoint.client import StreamRecord, encode_body, stream_request
 from infer_tune.endpoint.config import EndpointConfig
 from infer_tune.errors import ConfigError
-from infer_tune.runners.base import Output, RequestTiming
-from infer_tune.runners.trace import TraceRequest
+
+if TYPE_CHECKING:  # imported when used: load-generator workers need only the sending half, not torch
+    from infer_tune.runners.base import Output, RequestTiming
+    from infer_tune.runners.trace import TraceRequest
 
 Progress = Callable[[str, int, int | None], None]
 
@@ -109,6 +112,8 @@ def to_timing(record: StreamRecord, prompt_index: int, submit_ns: int, start_ns:
     reported = (record.usage or {}).get("completion_tokens")
     mismatch = isinstance(reported, int) and reported != len(record.delivery_ns)
     step_tokens = None if all(n == 1 for _, n in steps) else [n for _, n in steps]
+    from infer_tune.runners.base import RequestTiming
+
     return (RequestTiming(prompt_index, iteration, prompt_tokens, submit_ns, token_ns, step_tokens, start_ns),
             source, mismatch)
 
@@ -186,6 +191,8 @@ async def send_all(session, config: EndpointConfig, trace: Sequence[TraceRequest
 def collect(result: ReplayResult, trace: Sequence[TraceRequest], records, prompts: Sequence[str], tokenizer,
             iteration: int) -> ReplayResult:
     """The timing half of `replay`: records -> timings, outputs and failures (trace order), into `result`."""
+    from infer_tune.runners.base import Output
+
     for request, entry in zip(trace, records):
         record, start_ns, submit_ns = entry
         if not record.ok:

@@ -14,6 +14,7 @@ when not one timed request succeeds the run ends with an `EndpointError` (exit 2
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import Counter
 from dataclasses import asdict
@@ -59,13 +60,15 @@ def first_outputs(result: ReplayResult) -> tuple[list, int]:
     return [outs[0] for _, outs in sorted(by_prompt.items())], varied
 
 
-async def _timed(session, config: EndpointConfig, trace, prompts, max_new_tokens: int, client: dict, **kwargs):
+async def _timed(session, config: EndpointConfig, trace, prompts, max_new_tokens: int, client: dict, passes: int = 1,
+                 **kwargs):
     """One timed replay: over the load generator's worker processes when there are several, else on this
     loop; either way the client's own readings (loop lag, CPU) go into `client`."""
     workers = client["workers"]
     if workers > 1:
         loop = asyncio.get_running_loop()
         kwargs.pop("progress", None)
+        kwargs["passes"] = passes
         result, readings = await loop.run_in_executor(None, lambda: loadgen.replay_workers(
             config, trace, prompts, max_new_tokens, workers=workers, **kwargs))
         client["worker_readings"] += readings["worker_readings"]
@@ -96,7 +99,20 @@ async def _measure(prepared: PreparedModel, prompts: list[str], max_new_tokens: 
             return total, 1, first_call_ms, warmup_s, warm_failures, rss_before
         closed = [TraceRequest(i, 0.0) for i in range(len(prompts))]
         total, iterations, wall = rp.ReplayResult(), 0, 0.0
-        while iterations < protocol.min_iterations or wall < protocol.min_duration_s:
+        per_pass = None  # worker processes start once per launch: one pass, then the passes still needed at once
+        while client["workers"] > 1 and (iterations < protocol.min_iterations or wall < protocol.min_duration_s):
+            passes = 1 if per_pass is None else min(1000, max(
+                1, protocol.min_iterations - iterations,
+                math.ceil(1.1 * (protocol.min_duration_s - wall) / max(per_pass, 1e-4))))
+            one = await _timed(session, config, closed, prompts, max_new_tokens, client, passes=passes,
+                               closed_loop=True, tokenizer=prepared.tokenizer, iteration=iterations)
+            total.merge(one)
+            wall += one.wall_s
+            iterations += passes
+            per_pass = one.wall_s / passes
+            if not one.timings:
+                break
+        while client["workers"] == 1 and (iterations < protocol.min_iterations or wall < protocol.min_duration_s):
             one = await _timed(session, config, closed, prompts, max_new_tokens, client, closed_loop=True,
                                tokenizer=prepared.tokenizer, iteration=iterations, progress=progress)
             total.merge(one)
