@@ -5,7 +5,10 @@ then one every 15 ms, 16 tokens; it records its own achieved send times) in its 
 N, N requests arrive at once (`endpoint sim --rates inf --requests N --concurrency N`), replayed by the
 multi-process load generator and by the single-loop client (workers = 1, after one warmup request as
 `endpoint sim` sends); each reported TTFT / TPOT p50
-is set beside the server's truth for the same requests, with the client's saturation readings.
+is set beside the server's truth for the same requests, with the client's saturation readings. Requests
+are paired with the server's records by prompt, which splits the reported TTFT into the server's time
+(read -> first token written), the server's read queue (sent -> read: the server's own backlog when
+it shares the cores) and the client's own delay (arrival -> sent, plus first token written -> seen).
 
     flock /tmp/infer-tune-cpu.lock python bench/endpoint_loadgen.py --loads 1,64,256,1024
 """
@@ -52,6 +55,15 @@ def measure(url: str, n: int, workers: int, tokens: int) -> dict:
     origin = result.origin_ns
     sent = statistics.median((t.start_ns - origin) / 1e6 for t in result.timings) if result.timings else None
     read = statistics.median((r["read_ns"] - origin) / 1e6 for r in served) if served else None
+    # per request (paired by prompt): the client's own delay = its send lateness (send - arrival) + its
+    # delivery delay (first token seen - first token written); the server's queue = read - send
+    by_prompt = {r["prompt"]: r for r in served}
+    own, queue = [], []
+    for t in result.timings:
+        r = by_prompt.get(prompts[t.prompt_index])
+        if r and r["send_ns"]:
+            own.append(((t.start_ns - t.submit_ns) + (t.token_ns[0] - r["send_ns"][0])) / 1e6)
+            queue.append((r["read_ns"] - t.start_ns) / 1e6)
     ttft = [t.ttft_ms for t in result.timings]
     tpot = [(t.e2e_ms - t.ttft_ms) / (len(t.token_ns) - 1) for t in result.timings if len(t.token_ns) > 1]
     verdict = loadgen.saturation(readings, result.lateness_ms)
@@ -61,6 +73,8 @@ def measure(url: str, n: int, workers: int, tokens: int) -> dict:
             "lag_p50": max((r["loop_lag_ms_p50"] or 0) for r in readings),
             "lag_p99": max((r["loop_lag_ms_p99"] or 0) for r in readings),
             "cpu": max((r["cpu_share"] or 0) for r in readings), "sent_ms_p50": sent, "read_ms_p50": read,
+            "client_own_ms_p50": statistics.median(own) if own else None,
+            "server_queue_ms_p50": statistics.median(queue) if queue else None, "paired": len(own),
             **verdict}
 
 
@@ -100,13 +114,13 @@ def main() -> None:
         return
     print(f"cores: {loadgen.cores()}; server: first token 120 ms after the request is read, then 15 ms/token, "
           f"{args.tokens} tokens (p50 reported vs the server's achieved p50; '!' = outside 5% / 2 ms)")
-    print("| streams | client | TTFT p50 ms (vs truth) | TPOT p50 ms (vs truth) | sent / read by server p50 ms "
-          "| loop lag p50 / p99 ms | CPU/core | client_saturated |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| streams | client | TTFT p50 ms (vs truth) | TPOT p50 ms (vs truth) | client's own delay p50 ms "
+          "| server read queue p50 ms | loop lag p50 / p99 ms | CPU/core | client_saturated |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         who = "single loop" if r["single"] else f"{r['workers']} worker process(es)"
         flag = f"yes: {r['client_saturation_reason']}" if r["client_saturated"] else "no"
-        print(f"| {r['n']} | {who} | {err(r, 'ttft')} | {err(r, 'tpot')} | {r['sent_ms_p50']:.1f} / {r['read_ms_p50']:.1f} | {r['lag_p50']:.2f} / {r['lag_p99']:.2f} "
+        print(f"| {r['n']} | {who} | {err(r, 'ttft')} | {err(r, 'tpot')} | {r['client_own_ms_p50']:.1f} | {r['server_queue_ms_p50']:.1f} | {r['lag_p50']:.2f} / {r['lag_p99']:.2f} "
               f"| {100 * r['cpu']:.0f}% | {flag} |")
 
 

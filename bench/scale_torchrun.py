@@ -38,7 +38,7 @@ def torchrun_pair(plan: Path, out: Path, limit: int, tokens: int, strategies: st
                "-m", "infer_tune", "experts", "validate", "--plan", str(plan), "--strategy", strategies,
                "--limit", str(limit), "--max-new-tokens", str(tokens), "--out", str(out), "--json"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([*command[:6], "--node-rank", str(n), *command[6:]], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([*command[:7], "--node-rank", str(n), *command[7:]], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for n in (0, 1)]
     outs = []
     try:

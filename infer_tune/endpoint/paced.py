@@ -2,7 +2,8 @@
 
 Every streaming completion request gets its first token `first_s` after the request was read, then one
 token every `interval_s`, `tokens` in all (or `max_tokens` when smaller). The server records its own
-achieved times, `read_ns` and the `perf_counter_ns` of every token it wrote, so a client's TTFT and
+achieved times, `read_ns` and the `perf_counter_ns` of every token it wrote (with the request's prompt,
+so a client can pair its requests with the server's), so a client's TTFT and
 TPOT can be compared with what the server actually did (not with what it meant to do). One
 `asyncio.Protocol` per connection and one timer for all streams (a heap of due tokens), so a single
 process serves 1,024 concurrent streams; the event bytes of a request are built once.
@@ -47,12 +48,13 @@ def _json(status: str, obj) -> bytes:
 
 
 class _Stream:
-    __slots__ = ("transport", "left", "event", "tail", "sends", "read_ns")
+    __slots__ = ("transport", "left", "event", "tail", "sends", "read_ns", "prompt")
 
-    def __init__(self, transport, count: int, event: bytes, tail: bytes, read_ns: int) -> None:
+    def __init__(self, transport, count: int, event: bytes, tail: bytes, read_ns: int, prompt: str = "") -> None:
         self.transport, self.left, self.event, self.tail = transport, count, event, tail
         self.sends: list[int] = []
         self.read_ns = read_ns
+        self.prompt = prompt
 
 
 class PacedState:
@@ -108,7 +110,7 @@ class PacedState:
 
     def _finish(self, s: _Stream) -> None:
         self.in_flight -= 1
-        self.truth.append({"read_ns": s.read_ns, "send_ns": s.sends})
+        self.truth.append({"read_ns": s.read_ns, "send_ns": s.sends, "prompt": s.prompt})
 
 
 class _Protocol(asyncio.Protocol):
@@ -169,7 +171,8 @@ class _Protocol(asyncio.Protocol):
         tail = _chunk(tail + b"data: [DONE]\n\n") + b"0\r\n\r\n"
         self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
                              b"Server: infer-tune-paced\r\n\r\n")
-        state.add(_Stream(self.transport, count, event, tail, read_ns), read_ns + int(pace.first_s * 1e9))
+        prompt = request["messages"][-1].get("content", "") if chat else str(request.get("prompt", ""))
+        state.add(_Stream(self.transport, count, event, tail, read_ns, prompt[:200]), read_ns + int(pace.first_s * 1e9))
 
 
 async def serve(pace: Pace, host: str = "127.0.0.1", port: int = 0, ready=None, stop: asyncio.Event | None = None):
