@@ -48,6 +48,8 @@ def render_result(doc: dict, run_dir: Path | str | None = None) -> None:
         facts.append(("drift", f"BLEU {output.fmt(m.get('bleu_drift'), '+.2f')}, exact match "
                                f"{output.fmt(m.get('exact_match_vs_baseline'), '.0%')}, ppl "
                                f"{output.fmt(m.get('ppl_delta_pct'), '+.2f')}%"))
+    if m.get("verdict_evidence"):
+        facts.append(("verdict evidence", str(m["verdict_evidence"])))
     noise = m.get("noise") or {}
     if noise.get("noisy"):
         facts.append(("noise", "SHAKY: " + "; ".join(noise.get("why") or [])))
@@ -85,6 +87,7 @@ def bench(
     api: ep.Api = "chat",
     concurrency: ep.Concurrency = 1,
     request_timeout: ep.RequestTimeout = 300.0,
+    idle_timeout: ep.IdleTimeout = 60.0,
     ignore_eos: ep.IgnoreEos = False,
     label: ep.Label = None,
     baseline: ep.Baseline = None,
@@ -109,7 +112,7 @@ def bench(
         if recipe is not None:
             raise InferTuneError("--recipe configs run in this process; --endpoint measures the server as it is")
         config = ep.endpoint_config(endpoint, served_model, api_key_env, api, concurrency, request_timeout,
-                                    ignore_eos, label, workers)
+                                    ignore_eos, label, idle_timeout, workers)
         return ep.bench_endpoint(opts, config, baseline, execute)
     from infer_tune.scenarios.bench import run_bench, run_recipe, stages_from_recipe
 

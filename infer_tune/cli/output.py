@@ -31,8 +31,18 @@ def _console(**kwargs) -> Console:
     return console
 
 
-out = _console()
+# stdout never interprets markup: labels, model names and server text are printed as they are (a label
+# `x[/]` must not crash rich); the few styled cells use rich Text objects.
+out = _console(markup=False, emoji=False)
 err = _console(stderr=True)
+_CONTROL = {c: None for c in [*range(0x00, 0x20), *range(0x7F, 0xA0), 0x200E, 0x200F, *range(0x202A, 0x202F),
+                              *range(0x2066, 0x206A)] if c not in (0x09, 0x0A)}
+
+
+def clean(text: str) -> str:
+    """`text` without control characters (ESC sequences, BEL, backspace, bidi overrides): text that came
+    from a server or a file reaches the terminal inert."""
+    return str(text).translate(_CONTROL)
 
 
 class _State:
@@ -50,16 +60,16 @@ def print_json(document) -> None:
 
 
 def error(message: str) -> None:
-    err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(clean(message))}", soft_wrap=True)
 
 
 def warn(message: str) -> None:
     """A loud warning on stderr (the command goes on)."""
-    err.print(f"[bold yellow]warning:[/] {escape(message)}", soft_wrap=True)
+    err.print(f"[bold yellow]warning:[/] {escape(clean(message))}", soft_wrap=True)
 
 
 def note(message: str) -> None:
-    err.print(escape(message), soft_wrap=True)
+    err.print(escape(clean(message)), soft_wrap=True)
 
 
 @contextmanager

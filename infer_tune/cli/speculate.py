@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
@@ -159,7 +160,7 @@ def render_suite(suite) -> None:
                       output.fmt(m.get("tokens_per_target_pass")), curve or "-", output.fmt(m["ttft_ms"]["p50"], ".1f"),
                       output.fmt(m["tpot_ms"]["p50"], ".1f"), output.fmt(m["output_throughput_tok_s"], ".1f"),
                       f"{output.fmt(m.get('speedup_vs_baseline'))}x", rounds,
-                      "identical" if mismatch == 0 else f"[bold red]MISMATCH ({mismatch})[/]")
+                      "identical" if mismatch == 0 else Text.from_markup(f"[bold red]MISMATCH ({mismatch})[/]"))
     output.out.print(table)
     if suite.docs and suite.docs[0].get("_path"):
         output.out.print(f"  acceptance per position plotted in each result's acceptance.png; results: "

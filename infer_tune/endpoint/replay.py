@@ -158,7 +158,8 @@ async def send_all(session, config: EndpointConfig, trace: Sequence[TraceRequest
     unknown = sorted({r.prompt_index for r in trace if not 0 <= r.prompt_index < len(prompts)})
     if unknown:
         raise ConfigError(f"trace refers to prompt_index {unknown[:5]} but there are {len(prompts)} prompts")
-    bodies = [encode_body(config, prompts[r.prompt_index], r.max_new_tokens or max_new_tokens) for r in trace]
+    limits = [r.max_new_tokens or max_new_tokens for r in trace]
+    bodies = [encode_body(config, prompts[r.prompt_index], n) for r, n in zip(trace, limits)]
     slots = asyncio.Semaphore(concurrency or config.concurrency)
     result = ReplayResult()
     records: list[tuple[StreamRecord, int | None, int] | None] = [None] * len(trace)
@@ -177,7 +178,7 @@ async def send_all(session, config: EndpointConfig, trace: Sequence[TraceRequest
                 await asyncio.sleep(max(0.0, origin_loop + request.arrival_s - loop.time()))
             result.lateness_ms.append(max(0, time.perf_counter_ns() - arrival_ns) / 1e6)
         async with slots:
-            record = await stream_request(session, config, bodies[k], headers)
+            record = await stream_request(session, config, bodies[k], headers, max_tokens=limits[k])
         records[k] = (record, None if closed_loop else record.start_ns, record.start_ns if closed_loop else arrival_ns)
         done += 1
         if progress:

@@ -71,11 +71,15 @@ def verdict(row: dict) -> str:
 
 
 def is_broken(row: dict) -> bool:
-    """Marked broken when measured (metrics.deltas.verdict), or by the same rules on a row that predates it."""
-    if row.get("broken") is True:
-        return True
+    """Broken as measured (metrics.deltas.verdict) when the row carries the verdict's evidence; a row
+    that predates it is judged again by today's rules (overlap with the baseline alone no longer counts),
+    trusting its stored mark only for what the row cannot show (its outputs were long enough)."""
+    if not _missing(row.get("verdict_evidence")):
+        return row.get("broken") is True
+    if row.get("broken") is True and "perplexity" in str(row.get("broken_why") or ""):
+        return True  # the perplexity rule has not changed
     clean = {k: (None if _missing(v) else v) for k, v in row.items()}
-    return bool(drift_verdict.broken_reasons(clean))
+    return bool(drift_verdict.broken_reasons(clean, outputs_long_enough=row.get("broken") is True))
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("peak_rss_bytes", "peak RSS", _get("peak_rss_bytes", mib)),
     Column("roofline_fraction", "of roofline", _get("roofline_fraction", pct)),
     Column("verdict", "verdict", verdict, numeric=False, narrow=True),
+    Column("verdict_evidence", "verdict evidence", _get("verdict_evidence", text), numeric=False),
     Column("run_id", "run", _get("run_id", text), numeric=False),
 )
 

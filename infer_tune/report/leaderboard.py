@@ -26,8 +26,9 @@ COLUMNS = ("run_id", "technique", "config", "model", "suite", "ttft_p50_ms", "tt
            "tpot_p99_ms", "output_throughput_tok_s", "speedup_vs_baseline", "peak_rss_bytes", "model_bytes", "bleu",
            "bleu_drift", "bleu_vs_baseline", "exact_match_vs_baseline", "ppl_delta_pct", "pass_at_1",
            "roofline_fraction", "output_mismatches", "ttft_speedup_vs_baseline", "bleu_drift_ci95", "broken", "broken_why",
-           "host")
-OBJECT_COLUMNS = {"run_id", "technique", "config", "model", "suite", "bleu_drift_ci95", "broken", "broken_why", "host"}
+           "verdict_evidence", "host")
+OBJECT_COLUMNS = {"run_id", "technique", "config", "model", "suite", "bleu_drift_ci95", "broken", "broken_why",
+                  "verdict_evidence", "host"}
 
 
 def host_of(doc: dict) -> str | None:
@@ -37,6 +38,8 @@ def host_of(doc: dict) -> str | None:
 
     key = (doc.get("env") or {}).get("machine")
     return f"host-{hashlib.sha256(str(key).encode()).hexdigest()[:6]}" if key else None
+
+
 FORMATS = ("md", "csv", "html")
 
 
@@ -71,7 +74,7 @@ def flatten(doc: dict) -> dict:
     }
     for key in COLUMNS:
         row.setdefault(key, m.get(key))
-    if m.get("broken"):  # a broken model is never shown as a speedup (metrics.deltas.verdict; the verdict column says why)
+    if display.is_broken(row):  # a broken model is never shown as a speedup (metrics.deltas.verdict; the verdict column says why)
         row["speedup_vs_baseline"] = None
     elif (m.get("noise") or {}).get("noisy"):
         row["config"] = f"{row['config']} [noisy]"
@@ -223,6 +226,7 @@ def to_markdown(rows: list[dict], found_claims: list, rec, budget_text: str) -> 
     else:
         m = rec.doc["metrics"]
         parts.append(f"**{rec.doc['technique']} {rec.doc.get('label', '')}**: {display.times(m.get('speedup_vs_baseline'))} "
-                     f"decode, perplexity {display.signed_pct(m.get('ppl_delta_pct'))} (within {budget_text}).\n\n"
+                     f"decode, perplexity {display.signed_pct(m.get('ppl_delta_pct'))} (within {budget_text}); "
+                     f"{rec.decision()}.\n\n"
                      f"Reproduce: `{rec.command}`" + (f"\n\nSaved model: `{rec.saved_model}`" if rec.saved_model else ""))
     return "\n".join(parts) + "\n"
