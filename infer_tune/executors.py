@@ -67,7 +67,8 @@ def _folder_files(run_dir: str) -> dict[str, bytes]:
 
 
 def measure_task(spec, config, job: str) -> dict:
-    """On a node: the config and its baseline measured into a node-local runs folder; their files."""
+    """On a node: the config (or a list of configs, measured together) and their baseline, into a node-local
+    runs folder; the files of every result folder."""
     from infer_tune.scenarios.common import open_run
     from infer_tune.session import run_configs
 
@@ -76,7 +77,8 @@ def measure_task(spec, config, job: str) -> dict:
     node_dir.mkdir(parents=True, exist_ok=True)
     attempts = node_dir / ".attempts"
     attempts.mkdir(exist_ok=True)
-    label = config.label() if hasattr(config, "label") else type(config).__name__
+    configs = list(config) if isinstance(config, (list, tuple)) else [config]
+    label = "+".join(c.label() if hasattr(c, "label") else type(c).__name__ for c in configs)
     marker = attempts / f"{label}.{os.getpid()}"
 
     measuring = []
@@ -91,7 +93,7 @@ def measure_task(spec, config, job: str) -> dict:
     measuring.append(True)
     with tempfile.TemporaryDirectory(prefix="infer-tune-artifacts-") as scratch:
         run.ctx.scratch_dir = Path(scratch)
-        baseline, docs = run_configs(run.loaded, run.inputs, local.workload, local.protocol, [config], run.ctx,
+        baseline, docs = run_configs(run.loaded, run.inputs, local.workload, local.protocol, configs, run.ctx,
                                      resume=False, reuse_baseline=True, measure_ppl=local.measure_ppl,
                                      execute=local.execute)
     node = {"hostname": socket.gethostname(), "pid": os.getpid()}
@@ -154,11 +156,12 @@ class RayExecutor:
         return dict(request, num_cpus=0, max_retries=self.max_retries, retry_exceptions=False)
 
     def submit(self, spec, configs: list) -> list:
+        """One task per entry of `configs` (an entry may be a list: configs measured together in one task)."""
         task = self.ray.remote(measure_task).options(**self.options())
         return [task.remote(spec, config, self.job) for config in configs]
 
-    def collect(self, refs: list, out_dir: Path, progress=None) -> list[tuple[dict, dict]]:
-        """Wait for every task; land its folders in `out_dir`; (baseline, config doc) per task, in order."""
+    def collect(self, refs: list, out_dir: Path, progress=None) -> list[tuple[dict, list[dict]]]:
+        """Wait for every task; land its folders in `out_dir`; (baseline, config docs) per task, in order."""
         pending = {ref: i for i, ref in enumerate(refs)}
         answers: list = [None] * len(refs)
         while pending:
@@ -170,7 +173,7 @@ class RayExecutor:
                     raise InferTuneError(f"a Ray task failed after {self.max_retries} retries: "
                                          f"{str(exc).strip().splitlines()[-1][:300]}") from None
                 docs = [self.land(folder, answer["node"], out_dir) for folder in answer["folders"]]
-                answers[pending.pop(ref)] = (docs[0], docs[-1])
+                answers[pending.pop(ref)] = (docs[0], docs[1:])
                 if progress:
                     progress("configs (ray)", len(refs) - len(pending), len(refs))
         return answers
@@ -208,14 +211,23 @@ class RayExecutor:
         refs = self.submit(spec, list(configs))
         with runs_lock(spec.out_dir):
             pairs = self.collect(refs, Path(spec.out_dir), progress)
-        docs = [doc for _, doc in pairs]
+        docs = [doc for _, task_docs in pairs for doc in task_docs]
         summarize_sweep(docs)
         return BenchOutcome(baseline=pairs[0][0], docs=docs)
 
     def run_configs(self, spec, configs: list, progress=None) -> tuple[dict, list[dict]]:
-        """`tune`'s per-candidate call: the configs measured remotely, landed in spec.out_dir."""
+        """`tune`'s call: the configs measured remotely (each with its node's baseline), landed in spec.out_dir."""
         outcome = self.run_bench(spec, configs, progress)
         return outcome.baseline, outcome.docs
+
+    def run_together(self, spec, configs: list, progress=None) -> tuple[dict, list[dict]]:
+        """Configs compared with each other (tune's contenders): one task, so they share one node and rounds."""
+        from infer_tune.results import runs_lock
+
+        refs = self.submit(spec, [list(configs)])
+        with runs_lock(spec.out_dir):
+            (baseline, docs), = self.collect(refs, Path(spec.out_dir), progress)
+        return baseline, docs
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -168,9 +168,14 @@ def _decide(candidates: list[Candidate], baseline: dict, run, spec: RunSpec, tun
         if budget.elapsed + expected <= budget.seconds:
             note(f"tune: {len(contenders)} contenders overlap the leader; measuring them together", 0, 1)
             started = time.monotonic()
+            from infer_tune import executors
+
             try:
-                _, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol,
-                                      [c.config for c in contenders], ctx, measure_ppl=spec.measure_ppl)
+                if (executor := executors.current()) is not None:  # e.g. Ray: together on one node
+                    _, docs = executor.run_together(spec, [c.config for c in contenders])
+                else:
+                    _, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol,
+                                          [c.config for c in contenders], ctx, measure_ppl=spec.measure_ppl)
             except InferTuneError as exc:
                 notes.append(f"contenders not measured again: {exc}")
             else:
