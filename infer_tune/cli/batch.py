@@ -145,6 +145,7 @@ def serve_sim(
                                                  "the server batches, so --schedulers does not apply. See `endpoint sim`.")] = None,
     served_model: Annotated[str | None, typer.Option("--served-model", help="With --endpoint: the model name the server serves.")] = None,
     api_key_env: Annotated[str | None, typer.Option("--api-key-env", help="With --endpoint: the environment variable holding the API key.")] = None,
+    workers: Annotated[int | None, typer.Option("--workers", help="With --endpoint: load-generator processes (default: from the concurrency and the cores).")] = None,
 ) -> None:
     """Static vs continuous batching on one seeded arrival trace per rate, replayed open loop: TTFT, queueing,
     TPOT, e2e, throughput, goodput under SLOs, the highest rate meeting them, outputs vs greedy.
@@ -169,7 +170,7 @@ def serve_sim(
         return endpoint_cmd.run_sim(opts, endpoint, rates=rates, requests=requests, burstiness=burstiness,
                                     slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, slo_e2e_ms=slo_e2e_ms,
                                     served_model=served_model, api_key_env=api_key_env,
-                                    concurrency=max(opts.batch_size, 1) * 8)
+                                    concurrency=max(opts.batch_size, 1) * 8, workers=workers)
 
     if "limit" in opts.explicit:
         raise ConfigError("batch serve-sim takes the number of requests from --requests, not --limit")

@@ -9,9 +9,10 @@ import typer
 from rich.table import Table
 
 from infer_tune.cli import endpoint as ep
+from infer_tune.cli import executor_opts as xo
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
-from infer_tune.errors import InferTuneError
+from infer_tune.errors import ConfigError, InferTuneError
 
 
 def render_result(doc: dict, run_dir: Path | str | None = None) -> None:
@@ -90,6 +91,9 @@ def bench(
     ignore_eos: ep.IgnoreEos = False,
     label: ep.Label = None,
     baseline: ep.Baseline = None,
+    workers: ep.Workers = None,
+    executor: xo.Executor = "local",
+    ray_address: xo.RayAddress = None,
 ) -> None:
     """Measure the baseline (or every config of a --recipe against it): TTFT, ITL, TPOT, e2e, throughput,
     memory, roofline, BLEU/chrF and perplexity.
@@ -102,11 +106,13 @@ def bench(
     served weights (their tokenizer renders prompts and counts tokens):
     infer-tune bench --endpoint http://127.0.0.1:8000/v1 --model smollm2-135m --limit 4 --max-new-tokens 32
     """
+    if executor != "local" and recipe is None:
+        raise ConfigError("--executor applies to the configs of a --recipe (a baseline alone runs here)")
     if endpoint is not None:
         if recipe is not None:
             raise InferTuneError("--recipe configs run in this process; --endpoint measures the server as it is")
         config = ep.endpoint_config(endpoint, served_model, api_key_env, api, concurrency, request_timeout,
-                                    ignore_eos, label, idle_timeout)
+                                    ignore_eos, label, idle_timeout, workers)
         return ep.bench_endpoint(opts, config, baseline, execute)
     from infer_tune.scenarios.bench import run_bench, run_recipe, stages_from_recipe
 
@@ -122,7 +128,7 @@ def bench(
     stages = stages_from_recipe(recipe, spec, workload_given=opts.given(opts.workload_values()),
                                 protocol_given=opts.given(opts.protocol_values()),
                                 model_given="model" in opts.explicit)
-    with output.progress_bar(not opts.json_out, out_dir=spec.out_dir) as progress:
+    with xo.scope(executor, ray_address, opts.device), output.progress_bar(not opts.json_out, out_dir=spec.out_dir) as progress:
         outcomes = run_recipe(stages, progress=progress)
     docs = [doc for o in outcomes for doc in (o.baseline, *o.docs)]
     if opts.json_out:

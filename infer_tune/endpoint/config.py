@@ -36,6 +36,8 @@ class EndpointConfig:
       length for timing; servers that reject unknown fields answer 4xx).
     - `stream_usage`: ask for `stream_options.include_usage` (None: decided by the first request).
     - `label`: the result's label (None: served model @ host:port).
+    - `workers`: load-generator processes for the timed requests (None: chosen from `concurrency` and
+      the cores, `loadgen.default_workers`; 1: one event loop in this process).
     """
 
     url: str
@@ -49,6 +51,7 @@ class EndpointConfig:
     ignore_eos: bool = False
     stream_usage: bool | None = None
     label: str | None = None
+    workers: int | None = None
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url or "")
@@ -59,6 +62,8 @@ class EndpointConfig:
             raise ConfigError(f"api must be one of {', '.join(APIS)}, got {self.api!r}")
         if self.concurrency < 1:
             raise ConfigError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.workers is not None and self.workers < 1:
+            raise ConfigError(f"workers must be >= 1, got {self.workers}")
         for name in ("timeout_s", "connect_timeout_s", "idle_timeout_s"):
             value = getattr(self, name)
             if not (0 < value < math.inf):

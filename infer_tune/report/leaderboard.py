@@ -26,10 +26,21 @@ COLUMNS = ("run_id", "technique", "config", "model", "suite", "ttft_p50_ms", "tt
            "bleu_drift", "bleu_vs_baseline", "exact_match_vs_baseline", "ppl_delta_pct", "pass_at_1",
            "roofline_fraction", "output_mismatches", "ttft_speedup_vs_baseline", "bleu_drift_ci95", "broken", "broken_why",
            "verdict_evidence", "speedup_vs_baseline_ci95", "ttft_speedup_vs_baseline_ci95", "lead", "lead_value",
-           "lead_vs", "lead_decode")
+           "lead_vs", "lead_decode", "host")
 OBJECT_COLUMNS = {"run_id", "technique", "config", "model", "suite", "bleu_drift_ci95", "broken", "broken_why",
                   "verdict_evidence", "speedup_vs_baseline_ci95", "ttft_speedup_vs_baseline_ci95", "lead", "lead_vs",
-                  "lead_decode"}
+                  "lead_decode", "host"}
+
+
+def host_of(doc: dict) -> str | None:
+    """The host a row was measured on: a short hash of the machine key (each ratio is against that host's
+    own baseline; `--executor ray` results come from several, docs/scale.md)."""
+    import hashlib
+
+    key = (doc.get("env") or {}).get("machine")
+    return f"host-{hashlib.sha256(str(key).encode()).hexdigest()[:6]}" if key else None
+
+
 FORMATS = ("md", "csv", "html")
 CSV_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 
@@ -61,6 +72,7 @@ def flatten(doc: dict) -> dict:
         "ttft_p99_ms": dist("ttft_ms", "p99"),
         "tpot_p50_ms": dist("tpot_ms", "p50"),
         "tpot_p99_ms": dist("tpot_ms", "p99"),
+        "host": host_of(doc),
     }
     for key in ("speedup_vs_baseline", "ttft_speedup_vs_baseline"):
         ci = leads.interval(m, key)
@@ -99,6 +111,8 @@ def build(docs: Sequence[dict], *, technique: Sequence[str] = (), model: Sequenc
         if sort not in frame.columns:
             raise InferTuneError(f"unknown --sort column {sort!r}; columns: {', '.join(frame.columns)}")
         frame = frame.sort_values(sort, ascending=not descending, na_position="last", kind="stable")
+    if frame["host"].nunique() > 1:  # rows of one host together, in their order
+        frame = frame.sort_values("host", kind="stable", na_position="last")
     return frame.reset_index(drop=True)
 
 

@@ -63,6 +63,10 @@ def run_recipe(stages: list[Stage], *, progress: Progress | None = None) -> list
 
 def run_bench(spec: RunSpec, configs: list | None = None, *, progress: Progress | None = None) -> BenchOutcome:
     """Measure the baseline (reused from `spec.out_dir` only with `spec.resume`) and each config against it."""
+    from infer_tune import executors
+
+    if configs and (executor := executors.current()) is not None:  # e.g. Ray: each config on a node
+        return executor.run_bench(spec, list(configs), progress)
     run = open_run(spec, progress)
     with tempfile.TemporaryDirectory(prefix="infer-tune-artifacts-") as scratch:  # e.g. quantized checkpoints
         run.ctx.scratch_dir = Path(scratch)
