@@ -202,10 +202,9 @@ class RayExecutor:
         self.landed += 1
         return doc
 
-    def run_bench(self, spec, configs: list, progress=None):
-        """`bench` with configs: every config (with its node's baseline) as a Ray task, landed in spec.out_dir."""
+    def run_configs(self, spec, configs: list, progress=None) -> tuple[dict, list[dict]]:
+        """Every config (with its node's baseline) as a Ray task, landed in spec.out_dir: (a baseline, docs)."""
         from infer_tune.results import runs_lock
-        from infer_tune.scenarios.bench import BenchOutcome
         from infer_tune.session import summarize_sweep
 
         refs = self.submit(spec, list(configs))
@@ -213,12 +212,7 @@ class RayExecutor:
             pairs = self.collect(refs, Path(spec.out_dir), progress)
         docs = [doc for _, task_docs in pairs for doc in task_docs]
         summarize_sweep(docs)
-        return BenchOutcome(baseline=pairs[0][0], docs=docs)
-
-    def run_configs(self, spec, configs: list, progress=None) -> tuple[dict, list[dict]]:
-        """`tune`'s call: the configs measured remotely (each with its node's baseline), landed in spec.out_dir."""
-        outcome = self.run_bench(spec, configs, progress)
-        return outcome.baseline, outcome.docs
+        return pairs[0][0], docs
 
     def run_together(self, spec, configs: list, progress=None) -> tuple[dict, list[dict]]:
         """Configs compared with each other (tune's contenders): one task, so they share one node and rounds."""

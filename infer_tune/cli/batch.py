@@ -69,7 +69,7 @@ def sweep(opts: opt.MeasureOptions, batch_sizes: BatchSizes = "1,2,4,8,16,32", m
 
     Example: infer-tune batch sweep --model smollm2-135m --batch-sizes 1,2,4,8,16,32 --max-new-tokens 32 --threads 1
     """
-    from infer_tune.cli.bench import run_spec
+    from infer_tune.cli.measure import run_spec
     from infer_tune.scenarios.batch import SweepSpec, run_sweep
     from infer_tune.workload import Workload
 
@@ -159,7 +159,7 @@ def serve_sim(
     Example: infer-tune batch serve-sim --model smollm2-135m --rates 0.4,1.2,3.6 --requests 32
              --max-new-tokens 32 --slo-ttft-ms 5000 --slo-tpot-ms 500 --threads 1
     """
-    from infer_tune.cli.bench import run_spec
+    from infer_tune.cli.measure import run_spec
     from infer_tune.metrics.saturation import SLO
     from infer_tune.scenarios.batch import ServeSpec, run_serve
     from infer_tune.workload import Workload

@@ -65,7 +65,7 @@ def warn_failures(doc: dict) -> None:
 
 def render_endpoint(doc: dict) -> None:
     """The one-result table plus what only an endpoint run has: requests, token counting, the server."""
-    from infer_tune.cli.bench import render_result
+    from infer_tune.cli.measure import render_result
 
     render_result(doc, doc.get("_path"))
     m, e = doc["metrics"], doc["env"].get("endpoint", {})
@@ -89,7 +89,7 @@ def render_endpoint(doc: dict) -> None:
 
 def bench_endpoint(opts: opt.MeasureOptions, config, baseline: Path | None, execute: bool) -> None:
     """`bench --endpoint`: one closed-loop result of the server (called by cli/bench.py)."""
-    from infer_tune.cli.bench import run_spec
+    from infer_tune.cli.measure import run_spec
     from infer_tune.scenarios.endpoint import run_endpoint_bench
 
     with output.progress_bar(not opts.json_out) as progress:
@@ -151,7 +151,7 @@ def run_sim(opts: opt.MeasureOptions, endpoint: str, *, rates: str, requests: in
             api: str = "chat", concurrency: int = 64, request_timeout: float = 300.0, ignore_eos: bool = False,
             label: str | None = None, idle_timeout: float = 60.0, workers: int | None = None) -> None:
     """`endpoint sim` (and `batch serve-sim --endpoint`): the rate sweep against a server, rendered."""
-    from infer_tune.cli.bench import run_spec
+    from infer_tune.cli.measure import run_spec
     from infer_tune.endpoint.arrivals import parse_rates
     from infer_tune.metrics.saturation import SLO
     from infer_tune.scenarios.endpoint import run_endpoint_sweep
@@ -225,7 +225,7 @@ def reference(
     Example: infer-tune endpoint reference --engine llama.cpp --model smollm2-135m --limit 4 --max-new-tokens 32
     Example: infer-tune endpoint reference --engine llama.cpp --parallel 4 --concurrency 4 --limit 8
     """
-    from infer_tune.cli.bench import run_spec
+    from infer_tune.cli.measure import run_spec
     from infer_tune.scenarios.endpoint import run_reference
 
     if not startup_timeout > 0:

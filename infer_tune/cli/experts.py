@@ -213,7 +213,7 @@ def validate(
     The plans must be made for --procs devices. A single-process baseline of the same workload is
     measured first (or reused), so output drift and speed are deltas against it.
     """
-    from infer_tune.cli.bench import run_spec
+    from infer_tune.cli.measure import run_spec
     from infer_tune.runners import launcher
     from infer_tune.scenarios.experts import run_validate
 

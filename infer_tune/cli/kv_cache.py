@@ -72,7 +72,7 @@ def kv_cache(
     if model_config is not None:
         return _config_only(kv, model_config, context, opts.json_out)
 
-    from infer_tune.cli.bench import run_spec
+    from infer_tune.cli.measure import run_spec
     from infer_tune.scenarios import kv_cache as kvs
 
     for flag, name, value in (("--limit", "limit", opts.limit), ("--batch-size", "batch_size", opts.batch_size)):

@@ -31,10 +31,11 @@ def render(rows: list[dict]) -> None:
 
 def print_recommendation(rec, budget, rows: list[dict] | None = None) -> None:
     """The recommended configuration and its reproduce command, or why there is none."""
+    from infer_tune.report import display
     from infer_tune.report import leaderboard as lb
 
     if rec.doc is not None:
-        output.out.print(f"recommended ({lb.budget_summary(budget)}): {lb.recommendation_line(rec, rows or [])}"
+        output.out.print(f"recommended ({lb.budget_summary(budget)}): {display.recommendation_line(rec, rows or [])}"
                          f" -- {rec.decision()}", markup=False, soft_wrap=True)
         output.out.print(f"reproduce: {rec.command}", markup=False, soft_wrap=True)
     else:

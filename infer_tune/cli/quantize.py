@@ -9,7 +9,7 @@ import typer
 
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
-from infer_tune.cli.bench import render_result
+from infer_tune.cli.measure import render_result
 
 Method = Annotated[str, typer.Option("--method", help="bf16, int8-dynamic, int8-static, int4-weight or int4-rtn.")]
 Sweep = Annotated[str | None, typer.Option("--sweep", help="Comma-separated methods, one result each "
@@ -60,7 +60,7 @@ def quantize(
 
     A sweep measures bf16 first when it is swept (the 16-bit reference of the INT8 claim check).
     """
-    from infer_tune.cli.bench import run_spec
+    from infer_tune.cli.measure import run_spec
     from infer_tune.scenarios.quantize import run_quantize
     from infer_tune.tuners.quantize import QuantizeConfig, parse_sweep
 

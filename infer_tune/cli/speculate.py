@@ -89,7 +89,7 @@ def speculate(
     """
     if ctx.invoked_subcommand is not None:  # `speculate distill ...`
         return
-    from infer_tune.cli.bench import run_spec
+    from infer_tune.cli.measure import run_spec
     from infer_tune.scenarios import speculate as scen
     from infer_tune.tuners.speculate import parse_draft_lengths
     from infer_tune.tuners.speculate.claim import render_claim

@@ -92,7 +92,7 @@ def tune(
     same GGUF is a reference row when installed. --json prints
     {"winner": <result document>, "tried": [...], ...}.
     """
-    from infer_tune.cli.bench import run_spec
+    from infer_tune.cli.measure import run_spec
     from infer_tune.scenarios.tune import run_tune
     from infer_tune.scenarios.tune_plan import QUANT_METHODS, TuneSpec
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from infer_tune.metrics import deltas as drift_verdict
+from infer_tune.report import leads
 
 
 def _missing(v) -> bool:
@@ -164,3 +165,22 @@ def markdown(rows: list[dict], narrow: bool = False) -> str:
     if any(row.get("recommended") for row in rows):
         lines.append(f"\n{RECOMMENDED_MARK} recommended configuration")
     return "\n".join(lines) + "\n"
+
+
+def config_summary(doc: dict) -> str:
+    """The technique's own short label (e.g. `int8-static-torch-a0.5`), else `k=v` pairs of its config."""
+    if doc.get("technique") == "baseline":
+        return "-"
+    if doc.get("label"):
+        return str(doc["label"])
+    parts = [f"{k}={v}" for k, v in (doc.get("config") or {}).items() if k != "kind" and v is not None]
+    return " ".join(parts) or "-"
+
+
+def recommendation_line(rec, rows: list[dict]) -> str:
+    """`technique label: key figures vs what, perplexity change`, for the recommended row."""
+    row = next((r for r in rows if r.get("run_id") == rec.doc["run_id"]), None) or {}
+    m = rec.doc.get("metrics") or {}
+    lead = f"{row.get('lead') or '-'} vs {row.get('lead_vs') or 'the baseline'}"
+    return (f"{RECOMMENDED_MARK} {rec.doc.get('technique')} {row.get('config') or config_summary(rec.doc)}: {lead}, "
+            f"perplexity {signed_pct(leads.number(m.get('ppl_delta_pct')))}")

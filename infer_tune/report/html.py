@@ -132,15 +132,13 @@ def claims_table(claims: list[ClaimRow]) -> str:
 
 
 def recommendation_block(rec: Recommendation, budget_text: str, rows: list[dict]) -> str:
-    from infer_tune.report.leaderboard import recommendation_line
-
     if rec.doc is None:
         why = "; ".join(rec.reasons[-3:]) or "no candidate results"
         return f"<div class=\"rec\"><p>No configuration to recommend within {_esc(budget_text)}: {_esc(why)}.</p></div>"
     m = rec.doc.get("metrics") or {}
     saved = f"<p>Saved model: <code>{_esc(rec.saved_model)}</code></p>" if rec.saved_model else ""
     ttft = m.get("ttft_ms") if isinstance(m.get("ttft_ms"), dict) else {}
-    return (f"<div class=\"rec\"><p><b>{_esc(recommendation_line(rec, rows))}</b>, TTFT {_esc(display.ms(ttft.get('p50')))}, "
+    return (f"<div class=\"rec\"><p><b>{_esc(display.recommendation_line(rec, rows))}</b>, TTFT {_esc(display.ms(ttft.get('p50')))}, "
             f"same output as baseline {_esc(display.pct(m.get('exact_match_vs_baseline')))} "
             f"(within {_esc(budget_text)}).</p><p>{_esc(rec.decision())}.</p>"
             f"<p>Reproduce: <code>{_esc(rec.command)}</code></p>{saved}</div>")

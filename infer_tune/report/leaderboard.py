@@ -45,16 +45,6 @@ FORMATS = ("md", "csv", "html")
 CSV_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 
 
-def config_summary(doc: dict) -> str:
-    """The technique's own short label (e.g. `int8-static-torch-a0.5`), else `k=v` pairs of its config."""
-    if doc.get("technique") == "baseline":
-        return "-"
-    if doc.get("label"):
-        return str(doc["label"])
-    parts = [f"{k}={v}" for k, v in (doc.get("config") or {}).items() if k != "kind" and v is not None]
-    return " ".join(parts) or "-"
-
-
 def flatten(doc: dict) -> dict:
     """One leaderboard row of a result document."""
     m = doc.get("metrics", {})
@@ -65,7 +55,7 @@ def flatten(doc: dict) -> dict:
     row = {
         "run_id": doc["run_id"],
         "technique": doc.get("technique"),
-        "config": config_summary(doc),
+        "config": display.config_summary(doc),
         "model": doc.get("model", {}).get("ref"),
         "suite": doc.get("workload", {}).get("suite"),
         "ttft_p50_ms": dist("ttft_ms", "p50"),
@@ -210,7 +200,7 @@ def to_markdown(rows: list[dict], found_claims: list, rec, budget_text: str) -> 
         why = display.md_cell("; ".join(rec.reasons[-3:]) or "no candidate results")
         parts.append(f"None within {budget_text}: {why}.")
     else:
-        parts.append(f"{display.md_cell(recommendation_line(rec, rows))} (within {budget_text}); "
+        parts.append(f"{display.md_cell(display.recommendation_line(rec, rows))} (within {budget_text}); "
                      f"{display.md_cell(rec.decision())}.\n\n"
                      f"Reproduce: `{rec.command}`" + (f"\n\nSaved model: `{rec.saved_model}`" if rec.saved_model else ""))
     return "\n".join(parts) + "\n"
@@ -221,10 +211,3 @@ def claim_verdict(c) -> str:
     return f"{c.verdict}{' (' + str(c.why) + ')' if c.why and c.verdict != 'held' else ''}"
 
 
-def recommendation_line(rec, rows: list[dict]) -> str:
-    """`technique label: key figures vs what, perplexity change`, for the recommended row."""
-    row = next((r for r in rows if r.get("run_id") == rec.doc["run_id"]), None) or {}
-    m = rec.doc.get("metrics") or {}
-    lead = f"{row.get('lead') or '-'} vs {row.get('lead_vs') or 'the baseline'}"
-    return (f"{display.RECOMMENDED_MARK} {rec.doc.get('technique')} {row.get('config') or config_summary(rec.doc)}: {lead}, "
-            f"perplexity {display.signed_pct(leads.number(m.get('ppl_delta_pct')))}")

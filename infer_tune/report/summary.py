@@ -25,7 +25,7 @@ def lines(docs: list[dict], out_dir: Path | str, budget: Budget | None = None, *
     for claim in claims.collect(docs):
         out.append(f"claim: {claim.claim} -> {lb.claim_verdict(claim)}")
     if rec.doc is not None:
-        out.append(f"recommended ({lb.budget_summary(budget)}): {lb.recommendation_line(rec, rows)}")
+        out.append(f"recommended ({lb.budget_summary(budget)}): {display.recommendation_line(rec, rows)}")
         out.append(f"  {rec.decision()}")
         out.append(f"reproduce: {rec.command}")
     else:

@@ -66,7 +66,8 @@ def run_bench(spec: RunSpec, configs: list | None = None, *, progress: Progress 
     from infer_tune import executors
 
     if configs and (executor := executors.current()) is not None:  # e.g. Ray: each config on a node
-        return executor.run_bench(spec, list(configs), progress)
+        baseline, docs = executor.run_configs(spec, list(configs), progress)
+        return BenchOutcome(baseline=baseline, docs=docs)
     run = open_run(spec, progress)
     with tempfile.TemporaryDirectory(prefix="infer-tune-artifacts-") as scratch:  # e.g. quantized checkpoints
         run.ctx.scratch_dir = Path(scratch)
