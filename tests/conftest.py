@@ -91,7 +91,8 @@ def _test_home(tmp_path_factory) -> Path:
     real cache (SmolLM2, by `make test`) are linked in and only read; everything a test writes
     (bandwidth readings, converted suites, GGUF conversions) stays in the temp home."""
     home = tmp_path_factory.mktemp("infer-tune-home")
-    for sub in ("models", "data"):  # provisioned entries are linked (read), new ones land in the temp home
+    # provisioned entries (and built binaries: bin/llama-server) are linked (read), new ones land in the temp home
+    for sub in ("models", "data", "bin"):
         (home / sub).mkdir()
         if (REAL_HOME / sub).is_dir():
             for item in (REAL_HOME / sub).iterdir():

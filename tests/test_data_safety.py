@@ -174,6 +174,38 @@ def test_bootstrap_in_chunks_equals_one_draw(monkeypatch):
     assert stats.median_interval(data, seed=3, resamples=200) == whole
 
 
+def test_report_embeds_only_regular_pngs_of_the_runs_own_folder(tmp_path):
+    """A symlinked `.png` (to a host file or another folder's PNG) and a `_path` naming another folder are
+    never embedded: only regular files directly inside the folder the result was read from."""
+    import base64
+
+    from result_docs import make_result, save
+
+    from infer_tune.report import leaderboard as lb
+    from infer_tune.report.plots import per_position_png
+
+    runs, elsewhere = tmp_path / "runs", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    secret_png = per_position_png({"secret": [1.0, 2.0, 3.0]})
+    (elsewhere / "secret.png").write_bytes(secret_png)
+    host_file = tmp_path / "hostname"
+    host_file.write_bytes(b"\x89PNG\r\n\x1a\n" + b"host secret")
+    own_png = per_position_png({"own": [3.0, 2.0, 1.0]})
+    base = save(make_result("base", seed=1), runs)
+    (base / "own.png").write_bytes(own_png)
+    (base / "link.png").symlink_to(host_file)
+    (base / "other.png").symlink_to(elsewhere / "secret.png")
+    (base / "dir.png").mkdir()
+    forged = make_result("forged", technique="quantize", seed=2)
+    forged["_path"] = str(elsewhere)  # a `_path` written inside result.json is not where the file is
+    save(forged, runs)
+    docs = results.find_results(runs)
+    page = lb.write(lb.build(docs), docs, tmp_path / "report", ["html"])["html"].read_text()
+    assert base64.b64encode(own_png).decode() in page
+    assert base64.b64encode(secret_png).decode() not in page
+    assert base64.b64encode(host_file.read_bytes()).decode() not in page
+
+
 # --------------------------------------------------------------------------- issue 21: crafted result files
 def _crafted_runs(tmp_path: Path) -> tuple[Path, Path]:
     """A runs folder holding one good result and one of each crafted kind; returns (runs, elsewhere)."""

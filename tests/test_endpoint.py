@@ -314,3 +314,29 @@ def test_batch_serve_sim_replays_its_trace_against_an_endpoint(tmp_path):
     [doc] = json.loads(result.stdout)
     assert doc["runner"] == "endpoint" and doc["metrics"]["requests_ok"] == 4
     assert doc["config"]["trace"]["rate_req_s"] == 25.0
+
+
+def test_llama_server_command_and_parallel_checks(tmp_path, monkeypatch):
+    """llama.cpp's C++ server is preferred when found; parallel slots need it, each slot the asked context."""
+    from infer_tune.endpoint import servers
+
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setenv("LLAMA_SERVER", str(fake))
+    cmd, served = servers.engine_command("llama.cpp", str(gguf), 8123, threads=2, parallel=4, context_tokens=1024)
+    assert cmd[0] == str(fake) and served == "m"
+    assert cmd[cmd.index("--parallel") + 1] == "4" and cmd[cmd.index("--ctx-size") + 1] == "4096"
+    assert "--no-cache-prompt" in cmd and cmd[cmd.index("--threads") + 1] == "2"
+    servers.check_engine("llama.cpp", 4)
+    with pytest.raises(ConfigError, match="continuous-batching"):
+        servers.check_engine("transformers", 2)
+    monkeypatch.setenv("LLAMA_SERVER", str(tmp_path / "missing"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setenv("INFER_TUNE_HOME", str(tmp_path / "home"))  # no bin/llama-server there
+    with pytest.raises(ConfigError, match="build-llama-server"):
+        servers.check_engine("llama.cpp", 2)
+    cmd, _ = servers.engine_command("llama.cpp", str(gguf), 8123)
+    assert cmd[1:3] == ["-m", "llama_cpp.server"]

@@ -83,7 +83,7 @@ def sweep(opts: opt.MeasureOptions, batch_sizes: BatchSizes = "1,2,4,8,16,32", m
     if limit < max(sizes):
         raise ConfigError(f"--limit {limit} is smaller than batch size {max(sizes)}; a batch needs as many prompts")
     workload = Workload(**{**opts.workload_values(), "limit": limit, "batch_size": 1})
-    with output.progress_bar(not opts.json_out) as progress:
+    with output.progress_bar(not opts.json_out, out_dir=opts.out) as progress:
         result = run_sweep(run_spec(opts, workload=workload, measure_ppl=False), spec_sweep, progress=progress)
     if opts.json_out:
         output.print_json({"results": result.docs, "not_measured": result.skipped, "knee_batch_size": result.knee})
@@ -196,7 +196,7 @@ def serve_sim(
                       slo=SLO(ttft_ms=slo_ttft_ms, tpot_ms=slo_tpot_ms, e2e_ms=slo_e2e_ms), slo_target=slo_target,
                       schedulers=names, allow_repeat=allow_repeat, seed=opts.seed)
     workload = Workload(**{**opts.workload_values(), "limit": requests, "batch_size": 1})
-    with output.progress_bar(not opts.json_out) as progress:
+    with output.progress_bar(not opts.json_out, out_dir=opts.out) as progress:
         result = run_serve(run_spec(opts, workload=workload, measure_ppl=False), serve, progress=progress)
     if opts.json_out:
         output.print_json({"results": result.docs, "summary": result.summary})

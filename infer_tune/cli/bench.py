@@ -118,7 +118,7 @@ def bench(
 
     spec = run_spec(opts, execute=execute or unsafe_execute, unsafe_execute=unsafe_execute)
     if recipe is None:
-        with output.progress_bar(not opts.json_out) as progress:
+        with output.progress_bar(not opts.json_out, out_dir=spec.out_dir) as progress:
             outcome = run_bench(spec, progress=progress)
         if opts.json_out:
             output.print_json(outcome.baseline)
@@ -128,7 +128,7 @@ def bench(
     stages = stages_from_recipe(recipe, spec, workload_given=opts.given(opts.workload_values()),
                                 protocol_given=opts.given(opts.protocol_values()),
                                 model_given="model" in opts.explicit)
-    with xo.scope(executor, ray_address, opts.device), output.progress_bar(not opts.json_out) as progress:
+    with xo.scope(executor, ray_address, opts.device), output.progress_bar(not opts.json_out, out_dir=spec.out_dir) as progress:
         outcomes = run_recipe(stages, progress=progress)
     docs = [doc for o in outcomes for doc in (o.baseline, *o.docs)]
     if opts.json_out:
@@ -138,21 +138,9 @@ def bench(
 
 
 def render_recipe(docs: list[dict], out_dir: Path) -> None:
-    """The recipe's rows (narrow table), its claims, the recommendation, and the report's files."""
-    from infer_tune.cli.leaderboard import print_recommendation
-    from infer_tune.report import claims, display
-    from infer_tune.report import leaderboard as lb
-    from infer_tune.report.recommend import Budget, recommend
+    """The one-screen summary a recipe ends with: its rows (narrow table, each technique's key figures),
+    its claims, the recommendation and how to reproduce it, and the report's files."""
+    from infer_tune.report import summary
 
-    frame = lb.build(docs)
-    written = lb.write(frame, docs, out_dir)
-    rows = frame.astype(object).where(frame.notna(), None).to_dict(orient="records")
-    output.out.print(display.markdown(rows, narrow=True), markup=False, highlight=False, soft_wrap=True)
-    for claim in claims.collect(docs):
-        output.out.print(f"claim: {claim.claim} -> {claim.measured}: {claim.verdict}"
-                         + (f" ({claim.why})" if claim.why and claim.verdict != "held" else ""),
-                         markup=False, soft_wrap=True)
-    budget = Budget()
-    print_recommendation(recommend(docs, budget), budget)
-    for path in written.values():
-        output.out.print(f"report: {path}", markup=False, soft_wrap=True)
+    for line in summary.lines(docs, out_dir):
+        output.out.print(line, markup=False, highlight=False, soft_wrap=True)

@@ -202,6 +202,7 @@ def client_line(m: dict, prefix: str = "") -> None:
 Engine = Annotated[str, typer.Option("--engine", help="llama.cpp (llama-cpp-python's server on the model's GGUF) or transformers (`transformers serve`).")]
 ContinuousBatching = Annotated[bool, typer.Option("--continuous-batching/--no-continuous-batching", help="transformers engine: serve with continuous batching.")]
 EngineArg = Annotated[list[str] | None, typer.Option("--engine-arg", help="An argument passed to the engine as is, repeatable (e.g. --engine-arg=--cb-num-blocks --engine-arg=64).")]
+Parallel = Annotated[int, typer.Option("--parallel", help="llama.cpp: server slots decoding as one batch (needs its C++ llama-server: scripts/build-llama-server.sh).")]
 StartupTimeout = Annotated[float, typer.Option("--startup-timeout", help="Seconds the engine may take to load before the run fails.")]
 
 
@@ -216,22 +217,27 @@ def reference(
     request_timeout: RequestTimeout = 300.0,
     idle_timeout: IdleTimeout = 60.0,
     label: Label = None,
+    parallel: Parallel = 1,
 ) -> None:
     """Start a reference engine on 127.0.0.1 with --model's weights, benchmark it like any endpoint, stop it:
     one more leaderboard row beside infer-tune's in-process configs.
 
     Example: infer-tune endpoint reference --engine llama.cpp --model smollm2-135m --limit 4 --max-new-tokens 32
+    Example: infer-tune endpoint reference --engine llama.cpp --parallel 4 --concurrency 4 --limit 8
     """
     from infer_tune.cli.bench import run_spec
     from infer_tune.scenarios.endpoint import run_reference
 
     if not startup_timeout > 0:
         raise ConfigError(f"--startup-timeout must be > 0 seconds, got {startup_timeout}")
+    if parallel < 1:
+        raise ConfigError(f"--parallel must be >= 1, got {parallel}")
     config = endpoint_config("http://127.0.0.1:1/v1", None, None, "chat", concurrency, request_timeout, False, label,
                              idle_timeout)
     with output.progress_bar(not opts.json_out) as progress:
         doc = run_reference(run_spec(opts), engine, config, continuous_batching=continuous_batching,
-                            extra_args=engine_arg or [], startup_timeout_s=startup_timeout, progress=progress)
+                            extra_args=engine_arg or [], startup_timeout_s=startup_timeout, parallel=parallel,
+                            progress=progress)
     warn_failures(doc)
     if opts.json_out:
         output.print_json(doc)

@@ -233,7 +233,7 @@ def validate(
     if procs < 2:
         raise ConfigError(f"--procs must be >= 2, got {procs}")
     try:
-        with output.progress_bar(not opts.json_out) as progress:
+        with output.progress_bar(not opts.json_out, out_dir=opts.out) as progress:
             outcome = run_validate(run_spec(opts, measure_ppl=False), plan_file, procs=procs,
                                    strategies=parse_strategies(strategy), progress=progress)
     finally:

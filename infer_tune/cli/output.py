@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -73,18 +74,27 @@ def note(message: str) -> None:
 
 
 @contextmanager
-def progress_bar(enabled: bool = True) -> Iterator:
-    """Yield a `progress(stage, done, total)` callback drawing a bar on stderr (a no-op when disabled)."""
-    if not enabled or not err.is_terminal:
-        yield lambda stage, done, total: None
+def progress_bar(enabled: bool = True, out_dir: Path | str | None = None) -> Iterator:
+    """Yield a `progress(stage, done, total)` callback: live bars on a terminal; in a log (no terminal)
+    one line per finished config and a heartbeat during long silent steps (progress.LineProgress),
+    reading each finished config's label and key figure from `out_dir` when given. A no-op when disabled."""
+    if not enabled:
+        yield lambda *args, **kwargs: None
+        return
+    if not err.is_terminal:
+        from infer_tune.cli.progress import LineProgress
+
+        with LineProgress(lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True),
+                          out_dir=out_dir) as lines:
+            yield lines
         return
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("ETA"), TimeRemainingColumn(), console=err, transient=True) as bar:
         tasks: dict[str, int] = {}
 
-        def update(stage: str, done: int, total: int | None) -> None:
+        def update(stage: str, done: int, total: int | None, *info) -> None:
             if stage not in tasks:
-                tasks[stage] = bar.add_task(stage, total=total)
+                tasks[stage] = bar.add_task(escape(stage), total=total)
             bar.update(tasks[stage], completed=done, total=total)
 
         yield update

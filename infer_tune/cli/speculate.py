@@ -111,7 +111,7 @@ def speculate(
                                 engines=parse_engines(engine), max_matching_ngram_size=max_matching_ngram_size,
                                 draft_vocab=draft_vocab)
     sweep.configs()  # every config validated before anything loads
-    with output.progress_bar(not opts.json_out) as progress:
+    with output.progress_bar(not opts.json_out, out_dir=opts.out) as progress:
         outcome = scen.run_speculate(run_spec(opts, measure_ppl=False), sweep, progress=progress)
     if opts.json_out:
         output.print_json({"results": [d for s in outcome.suites for d in s.docs],
@@ -259,7 +259,8 @@ def distill_bar(enabled: bool):
     @contextmanager
     def bar():
         if not enabled or not output.err.is_terminal:
-            yield lambda *args, **kwargs: None
+            with output.progress_bar(enabled) as lines:  # a log: heartbeat lines while it trains
+                yield lines
             return
         columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())

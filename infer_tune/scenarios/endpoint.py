@@ -57,6 +57,9 @@ class EndpointRun:
     config: EndpointConfig
     info: ServerInfo
     env: dict
+    # the served weights' bytes when known (a GGUF infer-tune started the server on): model_bytes and the
+    # roofline (`roofline_fraction`) of its rows; None for a remote server
+    weight_bytes: int | None = None
 
 
 @dataclass
@@ -143,13 +146,14 @@ def measure_endpoint(run: EndpointRun, spec: RunSpec, *, trace: list[TraceReques
     baseline; with `slo`, goodput and SLO attainment (metrics.saturation)."""
     config = run.config
     prepared = PreparedModel(model=None, tokenizer=run.model.tokenizer, label=config.display_label() + label_suffix,
-                             device="endpoint", metrics={"model_bytes": None},
+                             device="endpoint", metrics={"model_bytes": run.weight_bytes},
+                             extra_model_bytes=run.weight_bytes or 0,
                              runner_options={"endpoint": config, "trace": trace, "slo": slo})
     config_dict = {**config.to_dict(), **(extra_config or {})}
     doc, outputs = measure_prepared(run.model, prepared, run.inputs, spec.workload, protocol or spec.protocol,
                                     technique="endpoint", config=config_dict, env=run.env, runner="endpoint",
                                     measure_ppl=False, execute=spec.execute, progress=progress)
-    doc["model"].update(model_bytes=None, served_model=config.served_model, tokenizer=run.model.tokenizer is not None)
+    doc["model"].update(model_bytes=run.weight_bytes, served_model=config.served_model, tokenizer=run.model.tokenizer is not None)
     if baseline is not None:
         base_doc, base_outputs = subset_baseline(baseline[0], baseline[1], outputs)
         doc["metrics"].update(deltas.versus_baseline(doc["metrics"], outputs, base_doc, base_outputs))
@@ -177,6 +181,7 @@ def run_endpoint_bench(spec: RunSpec, config: EndpointConfig, *, model_given: bo
     run = open_endpoint(spec, config, model_given=model_given)
     if launched:
         run.env["endpoint"]["launched"] = launched
+        run.weight_bytes = launched.get("weight_bytes")
     extra = {"engine": launched["engine"], "continuous_batching": launched["continuous_batching"]} if launched else None
     doc, outputs = measure_endpoint(run, spec, baseline=reference, extra_config=extra, progress=progress)
     saved = results.save_run(spec.out_dir, doc, outputs)
@@ -255,17 +260,27 @@ def rates_png(docs: list[dict], rates: list[float], knee_rate: float | None, tit
     return png_bytes(fig)
 
 
+def served_weight_bytes(server) -> int | None:
+    """Bytes of the GGUF a started llama.cpp server reads (its weights, as stored); None for other engines."""
+    if server.engine != "llama.cpp" or "--model" not in server.command:
+        return None
+    path = Path(server.command[server.command.index("--model") + 1])
+    return path.stat().st_size if path.is_file() else None
+
+
 def run_reference(spec: RunSpec, engine: str, config: EndpointConfig, *, continuous_batching: bool = False,
-                  extra_args: list[str] | None = None, startup_timeout_s: float = 300.0,
+                  extra_args: list[str] | None = None, startup_timeout_s: float = 300.0, parallel: int = 1,
                   progress: Progress | None = None) -> dict:
-    """Start a reference engine on loopback with `spec.model`'s weights, bench it like any endpoint, stop it."""
+    """Start a reference engine on loopback with `spec.model`'s weights, bench it like any endpoint, stop it.
+    `parallel`: llama.cpp's server slots (the client keeps at least that many requests in flight)."""
     from infer_tune.endpoint.servers import local_server
 
     with local_server(engine, spec.model, continuous_batching=continuous_batching, threads=spec.threads,
-                      startup_timeout_s=startup_timeout_s, extra_args=extra_args or ()) as server:
+                      startup_timeout_s=startup_timeout_s, parallel=parallel, extra_args=extra_args or ()) as server:
         config = dataclasses.replace(config, url=server.url, served_model=server.served_model,
-                                     label=config.label or engine)
-        launched = {"engine": engine, "continuous_batching": continuous_batching,
-                    "command": server.command}
+                                     label=config.label or (engine if parallel == 1 else f"{engine} x{parallel}"),
+                                     concurrency=max(config.concurrency, parallel))
+        launched = {"engine": engine, "continuous_batching": continuous_batching or parallel > 1,
+                    "parallel": parallel, "command": server.command, "weight_bytes": served_weight_bytes(server)}
         doc = run_endpoint_bench(spec, config, model_given=True, launched=launched, progress=progress)
     return doc

@@ -24,16 +24,27 @@ from infer_tune.tuners.batch import plots as batch_plots
 from infer_tune.tuners.batch.arrivals import TraceRow, check_burstiness, check_rate, trace_plan
 from infer_tune.tuners.batch.common import reference_tokens
 from infer_tune.tuners.batch.continuous import ContinuousBatcher
+from infer_tune.tuners.batch.report import report_columns
+from infer_tune.tuners.batch.slots import SlotBatcher, prepare_model
 from infer_tune.tuners.batch.static import StaticBatcher
 
 SCHEDULERS = ("static", "continuous", "sweep")
+ENGINES = ("transformers", "lean")
 DEFAULT_TIMEOUT_MS = 250.0
 DEFAULT_MAX_BATCH_TOKENS = 512
 
 
 @dataclass
 class BatchConfig(TechniqueConfig):
-    """One batching run: the scheduler, its batch size, and (trace schedulers) the load it is offered."""
+    """One batching run: the scheduler, its batch size, and (trace schedulers) the load it is offered.
+
+    engine: `transformers` (static: left-padded `generate` calls; continuous: transformers' manager over a
+    paged cache) or `lean` (both schedulers on a static per-slot cache with compiled prefill buckets and a
+    compiled batched decode step, slots.py); stacks after quantize like any technique.
+    compile_prefill (lean): prompts prefill through compiled length buckets (False: eager, nothing to
+    compile per prompt length). step_buckets (lean): `all` compiles the step for 1, 2, 4 ... batch_size
+    rows; `full` for batch_size rows only (one graph: every step computes every slot).
+    """
 
     technique: ClassVar[str] = "batch"
 
@@ -46,13 +57,22 @@ class BatchConfig(TechniqueConfig):
     max_batch_tokens: int | None = None
     seed: int = 0
     allow_repeat: bool = False
+    engine: str = "transformers"
+    compile_prefill: bool = True
+    step_buckets: str = "all"
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"batch engine must be one of {', '.join(ENGINES)}, got '{self.engine}'")
+        if self.step_buckets not in ("all", "full"):
+            raise ConfigError(f"batch step_buckets must be 'all' or 'full', got '{self.step_buckets}'")
         if self.scheduler not in SCHEDULERS:
             raise ConfigError(f"batch scheduler must be one of {', '.join(SCHEDULERS)}, got '{self.scheduler}'")
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ConfigError(f"batch batch_size must be an integer >= 1, got {self.batch_size}")
         if self.scheduler == "sweep":
+            if self.engine != "transformers":
+                raise ConfigError("batch engine 'lean' runs the static and continuous schedulers, not 'sweep'")
             return
         if self.rate is None:
             raise ConfigError(f"batch scheduler '{self.scheduler}' needs a rate (requests/s)")
@@ -78,7 +98,7 @@ class BatchConfig(TechniqueConfig):
         if self.scheduler == "sweep":
             return f"sweep-b{self.batch_size}"
         return f"{self.scheduler}-b{self.batch_size}-r{self.rate:g}" + (
-            f"-k{self.burstiness:g}" if self.burstiness != 1.0 else "")
+            f"-k{self.burstiness:g}" if self.burstiness != 1.0 else "") + ("-lean" if self.engine == "lean" else "")
 
 
 class TraceFactory:
@@ -97,14 +117,20 @@ class TraceFactory:
         c = self.config
         plan = trace_plan(c.requests or len(encoded), len(encoded), c.rate, burstiness=c.burstiness, seed=c.seed,
                           allow_repeat=c.allow_repeat)
-        refs = reference_tokens(prepared, encoded, [p for p, _ in plan], workload.max_new_tokens, self.cache,
-                                self.progress)
+        picks = [p for p, _ in plan]
+        refs = reference_tokens(prepared, encoded, picks, workload.max_new_tokens, self.cache, self.progress)
+        if hasattr(self.scheduler, "own_references"):  # an engine whose single-request greedy is its own
+            self.scheduler.generate_references = refs
+            refs = self.scheduler.own_references(prepared, encoded, picks, workload.max_new_tokens, self.cache)
         self.scheduler.references = refs
         self.rows = [TraceRow(p, t, int(encoded[p]["input_ids"].shape[1]), max(len(refs[p]), 1)) for p, t in plan]
         return [TraceRequest(r.prompt_index, r.arrival_s, r.output_tokens) for r in self.rows]
 
 
-def make_scheduler(config: BatchConfig):
+def make_scheduler(config: BatchConfig, shared: dict | None = None):
+    if config.engine == "lean":
+        return SlotBatcher(config.batch_size, config.scheduler, timeout_ms=config.timeout_ms, shared=shared,
+                           compile_prefill=config.compile_prefill, every_bucket=config.step_buckets == "all")
     if config.scheduler == "static":
         return StaticBatcher(config.batch_size, config.timeout_ms)
     return ContinuousBatcher(config.batch_size, config.max_batch_tokens)
@@ -138,12 +164,16 @@ def finalize_trace(config: BatchConfig, doc: dict, outputs: list[dict], prepared
 
 @register_technique(BatchConfig, runner="trace", preflight=_preflight, measure_ppl=False,
                     summarize=analysis.summarize, plots=batch_plots.sweep_plots, finalize=finalize_trace,
-                    objective="throughput")
+                    objective="throughput",
+                    report_columns=report_columns)
 def prepare_batch(loaded: models.LoadedModel, config: BatchConfig, ctx: RunContext) -> PreparedModel:
     """The model unchanged; the trace runner gets the trace factory and the scheduler (sweep: nothing)."""
-    options = {}
+    options: dict = {}
+    facts: dict = {}
     if config.scheduler != "sweep":
-        scheduler = make_scheduler(config)
+        if config.engine == "lean":  # before the references: they decode with the kernels the slots will run
+            facts = prepare_model(loaded.model, config.batch_size)
+        scheduler = make_scheduler(config, ctx.cache)
         options = {"trace": TraceFactory(config, scheduler, ctx.cache, ctx.progress), "scheduler": scheduler}
     return PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, label=config.label(), device=ctx.device,
-                         runner_options=options)
+                         runner_options=options, metrics=facts)

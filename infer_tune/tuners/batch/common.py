@@ -20,6 +20,15 @@ def cut_at_eos(ids: list[int], eos: set[int], limit: int) -> list[int]:
     return out
 
 
+def weights_key(prepared: PreparedModel) -> tuple:
+    """What the references depend on besides the prompt: the stacked parts that change the weights or
+    kernels (a quantized stack's references are its own, not the fp32 model's), and the rows the
+    decode kernel runs on (tuners/batch/slots.py)."""
+    parts = prepared.metrics.get("stack") or []
+    return tuple(p["label"] for p in parts if p["technique"] != "batch") + (
+        prepared.metrics.get("slot_decode_kernel_rows", 1),)
+
+
 def reference_tokens(prepared: PreparedModel, encoded: list[dict], indices: list[int], max_new_tokens: int,
                      cache: dict | None = None, progress: Progress | None = None) -> dict[int, list[int]]:
     """Prompt index -> its single-request greedy tokens (natural length: up to and including the first
@@ -29,7 +38,7 @@ def reference_tokens(prepared: PreparedModel, encoded: list[dict], indices: list
     unique = sorted(set(indices))
     out: dict[int, list[int]] = {}
     for k, i in enumerate(unique):
-        key = ("batch-greedy", tuple(encoded[i]["input_ids"][0].tolist()), max_new_tokens)
+        key = ("batch-greedy", weights_key(prepared), tuple(encoded[i]["input_ids"][0].tolist()), max_new_tokens)
         if key not in cache:
             _, _, generated, _ = generate_once(prepared, encoded[i], max_new_tokens, pin_length=False)
             cache[key] = cut_at_eos(generated[0].tolist(), eos, max_new_tokens)

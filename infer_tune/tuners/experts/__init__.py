@@ -29,6 +29,7 @@ from infer_tune.tuners.experts import (
     routing,
 )
 from infer_tune.tuners.experts.planners import REPLICA_ROUTINGS, STRATEGIES, Plan, Topology, make_plan
+from infer_tune.tuners.experts.report import report_columns
 
 PREDICTED_KEYS = ("balancedness", "cross_device_tokens_per_token", "alltoall_bytes_per_token")
 LINK_KEYS = ("intra_node_bytes_per_token", "inter_node_bytes_per_token")  # plans with nodes > 1
@@ -194,7 +195,8 @@ def link_bytes(m: dict, ranks: list[dict], tokens: float) -> None:
 
 
 @register_technique(ExpertsConfig, runner="multiprocess", preflight=_preflight, annotate=finish_validation,
-                    measure_ppl=False, summarize=claim.summarize, plots=plots.validation_plots)
+                    measure_ppl=False, summarize=claim.summarize, plots=plots.validation_plots,
+                    report_columns=report_columns)
 def prepare_experts(loaded: models.LoadedModel, config: ExpertsConfig, ctx: RunContext) -> PreparedModel:
     """A multi-process run of the workload under the plan: one rank per device."""
     from infer_tune.tuners.experts import worker

@@ -27,15 +27,18 @@ from infer_tune.tuners.lean.loop import LeanCounters, LeanDecoder
 class LeanConfig(TechniqueConfig):
     """compile: compile the decode step (captured once, called without guards: loop.py; False: the same
     loop, eager). cpp_wrapper: inductor's C++ wrapper around the compiled step's kernels (compiles
-    minutes longer; measured no faster here, loop.py)."""
+    minutes longer; measured no faster here, loop.py). compile_prefill: with `compile`, prompts prefill
+    through compiled length buckets (prefill.py); False: the eager prefill."""
 
     technique: ClassVar[str] = "lean"
 
     compile: bool = True
     cpp_wrapper: bool = False
+    compile_prefill: bool = True
 
     def label(self) -> str:
-        return "lean" + ("+compile" if self.compile else "") + ("+cpp" if self.compile and self.cpp_wrapper else "")
+        return "lean" + ("+compile" if self.compile else "") + ("+cpp" if self.compile and self.cpp_wrapper else "") \
+            + ("+eager-prefill" if self.compile and not self.compile_prefill else "")
 
 
 def tune_candidates(spec) -> list[tuple[LeanConfig, dict]]:
@@ -50,7 +53,9 @@ def tune_candidates(spec) -> list[tuple[LeanConfig, dict]]:
 
 @register_technique(LeanConfig, runner="lean", max_batch_size=1, measure_ppl=False, phase=3, tune_candidates=tune_candidates,
                     conflicts={"kv-cache": "lean runs its own static cache; drop kv-cache from the stack",
-                               "speculate": "lean and speculate each run their own decoding loop"})
+                               "speculate": "lean and speculate each run their own decoding loop",
+                               "batch": "a batch of slots runs the lean path as the batch part's engine: "
+                                        "drop lean and set the batch part's engine: lean"})
 def prepare_lean(loaded: LoadedModel, config: LeanConfig, ctx: RunContext) -> PreparedModel:
     """The model unchanged; a decoder that owns its static cache and compiled step."""
     counters = LeanCounters()
@@ -61,7 +66,8 @@ def prepare_lean(loaded: LoadedModel, config: LeanConfig, ctx: RunContext) -> Pr
         swaps = make_traceable(loaded.model, getattr(loaded.model, "infer_tune_kernels", None))
         if swaps:
             facts["lean_kernel_swaps"] = swaps
-    decoder = LeanDecoder(loaded.model, compile=config.compile, cpp_wrapper=config.cpp_wrapper, counters=counters)
+    decoder = LeanDecoder(loaded.model, compile=config.compile, cpp_wrapper=config.cpp_wrapper, counters=counters,
+                          compile_prefill=config.compile and config.compile_prefill)
     return PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, metrics=facts,
                          label=config.label(), device=ctx.device, counters=counters,
                          runner_options={"lean_decoder": decoder}, runner="lean")

@@ -50,7 +50,8 @@ class LeanDecoder:
     """Owns the static cache and the compiled decode step of one model."""
 
     def __init__(self, model: torch.nn.Module, *, compile: bool = True, cpp_wrapper: bool = False,
-                 counters: RunCounters | None = None, facts: dict | None = None) -> None:
+                 counters: RunCounters | None = None, facts: dict | None = None,
+                 compile_prefill: bool | None = None) -> None:
         self.model = model
         self.compile = compile
         self.cpp_wrapper = cpp_wrapper
@@ -62,6 +63,14 @@ class LeanDecoder:
         # only the last position's logits: the prompt's other positions would cost a head matmul each
         forward_params = inspect.signature(model.forward).parameters
         self._extra = {"logits_to_keep": 1} if "logits_to_keep" in forward_params else {}
+        # prompts prefill through compiled length buckets (prefill.py) unless told otherwise; default: with the step
+        self._prefill = None
+        if compile if compile_prefill is None else compile_prefill:
+            from infer_tune.tuners.lean.prefill import CompiledPrefill
+
+            self._prefill = CompiledPrefill(model, logits_to_keep=bool(self._extra), facts=self.facts)
+        else:
+            self.facts["lean_prefill"] = "eager"
 
     def _ensure_cache(self, needed: int, device: torch.device) -> None:
         """The cache (and compiled step) of the smallest bucket that holds `needed` positions.
@@ -102,8 +111,10 @@ class LeanDecoder:
         natural = None
         forward_ns = 0
         submit_ns = time.perf_counter_ns()
-        logits = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
-                            cache_position=torch.arange(prompt_len, device=input_ids.device), **self._extra).logits
+        logits = self._prefill(input_ids, self.cache) if self._prefill is not None else None
+        if logits is None:
+            logits = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
+                                cache_position=torch.arange(prompt_len, device=input_ids.device), **self._extra).logits
         position = torch.tensor([prompt_len], device=input_ids.device)
         for step in range(max_new_tokens):
             scores = logits[:, -1, :].to(copy=True, dtype=torch.float32)  # as generate() takes them
@@ -151,7 +162,8 @@ class CapturedStep:
     `captured+cpp` / `captured` / `guarded` (and `lean_step_fallback` why).
     """
 
-    def __init__(self, model: torch.nn.Module, cache, extra: dict, cpp_wrapper: bool, facts: dict) -> None:
+    def __init__(self, model: torch.nn.Module, cache, extra: dict, cpp_wrapper: bool, facts: dict,
+                 forward=None) -> None:
         self.model, self.cache, self.extra, self.cpp_wrapper, self.facts = model, cache, extra, cpp_wrapper, facts
         self.calls = 0
         self.graphs: list = []
@@ -159,8 +171,11 @@ class CapturedStep:
         self._compiled = None
         self._user_slots: tuple[int | None, int | None] = (None, None)
         self._args: list | None = None
-
-        forward = _call_model(model, cache, extra)
+        # `forward(input_ids, cache_position) -> logits` on `cache` (default: the model's own forward; the
+        # batched slot step of tuners/batch/slots.py passes its own, with per-row positions and mask)
+        self._custom = forward is not None
+        forward = forward if forward is not None else _call_model(model, cache, extra)
+        self._forward = forward
         # dynamo keeps compiled entries per code object (8 at most): each step gets its own
         code = forward.__code__.replace(co_name=f"lean_step_{next(_STEP_IDS)}")
         forward = types.FunctionType(code, forward.__globals__, code.co_name, None, forward.__closure__)
@@ -229,7 +244,8 @@ class CapturedStep:
     def _fall_back(self, why: str, *call) -> torch.Tensor | None:
         self.facts["lean_step"], self.facts["lean_step_fallback"] = "guarded", why
         self.graphs = []
-        self._guarded = _call_model(torch.compile(self.model, dynamic=False, fullgraph=False), self.cache, self.extra)
+        self._guarded = torch.compile(self._forward, dynamic=False, fullgraph=False) if self._custom else \
+            _call_model(torch.compile(self.model, dynamic=False, fullgraph=False), self.cache, self.extra)
         if call:
             return self(*call)
         return None

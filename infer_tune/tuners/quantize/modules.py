@@ -13,7 +13,7 @@ a *runtime* form the kernel wants (fbgemm's prepacked int8 matrix, torch's CPU i
   (`aten._weight_int4pack_mm_for_cpu`; it runs in bf16, measured faster than fp32 matmul here).
 
 Which kernel runs is chosen per regime (decode: one row, prefill: many) by measuring on the host
-(`kernels.choose_for_model`); every module can run each of its family's candidates (`set_kernels`).
+(`kernel_choice.choose_for_model`); every module can run each of its family's candidates (`set_kernels`).
 Embeddings are quantized by wrapping the original module (wrap.py), not by a module of this file.
 
 fbgemm keeps its own prepacked copy next to the quantized weight, so resident memory of int8 layers is
@@ -80,10 +80,12 @@ def _(x: torch.Tensor, key: torch.Tensor, out_features: int, reduce_range: bool)
 
 class PortableModule(nn.Module):
     """Saves its `portable()` tensors (plain int8 / uint8 / float) instead of parameters; a tied head
-    (rebuilt from the embedding's tensors) saves nothing. Runs `decode_kernel` on one row and
+    (rebuilt from the embedding's tensors) saves nothing. Runs `decode_kernel` on up to `decode_rows` rows
+    (1; a batched decode step whose kernel treats rows independently raises it, tuners/batch/slots.py) and
     `prefill_kernel` on more (set by `set_kernels`, chosen by measuring: kernels.py)."""
 
     tied = False
+    decode_rows = 1
     decode_kernel = "fbgemm"
     prefill_kernel = "fbgemm"
     KERNELS: tuple[str, ...] = ()
@@ -100,7 +102,7 @@ class PortableModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K]
         rows = x.reshape(-1, x.shape[-1])  # [tokens, K]
-        kernel = self.decode_kernel if rows.shape[0] == 1 else self.prefill_kernel
+        kernel = self.decode_kernel if rows.shape[0] <= self.decode_rows else self.prefill_kernel
         y = getattr(self, f"_run_{kernel}")(rows)  # [tokens, N], float32 or the kernel's bfloat16
         if self.bias_f is not None:
             y = y + self.bias_f

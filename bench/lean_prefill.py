@@ -1,0 +1,125 @@
+"""TTFT of the lean path with the eager prefill and with the compiled prefill buckets, side by side in one
+process: the same int4 weights, a ~20-token and a ~500-token prompt, greedy, rounds interleaved.
+
+Only the prefill differs between the two rows (tuners/lean/prefill.py); TTFT is the prefill and the first
+argmax, so the timed requests generate one token and the decode step stays eager (it never enters TTFT,
+and no decode graph has to compile). Every prompt runs once before timing (the prefill compiles land
+there); the outputs of the two rows are then compared over `--tokens` greedy tokens. With llama-cpp-python installed, llama.cpp
+on the model's own GGUF runs the same prompts in the same rounds (the issue's TTFT targets: <= 1.5x
+llama.cpp at ~20 tokens, <= 1.0x at ~500). Run it under the CPU lock:
+
+    flock /tmp/infer-tune-cpu.lock python bench/lean_prefill.py --threads 2 --rounds 7
+
+Not a test: read the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import parser  # noqa: E402
+
+
+def prompts(tokenizer, short: int, long: int) -> dict[str, torch.Tensor]:
+    """Chat-templated prompts of about `short` and `long` tokens (a question; a long document to summarize)."""
+    base = "Summarize the following notes about caches, batching and quantization in two sentences. "
+    filler = ("A key-value cache keeps the keys and values of earlier tokens so that each decoding step "
+              "only computes the newest position; batching shares each weight read among many requests. ")
+    out = {}
+    for name, target, body in (("short", short, "Write quicksort in Python."), ("long", long, base)):
+        text = body
+        while True:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                return_tensors="pt", return_dict=True)["input_ids"]
+            if ids.shape[1] >= target or name == "short":
+                break
+            text += filler
+        out[name] = ids
+    return out
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=16, help="greedy tokens compared between the two rows")
+    p.add_argument("--decode-tokens", type=int, default=0,
+                   help="also a single-stream decode row of the compiled lean path (compiles its step; 0: none)")
+    p.add_argument("--short", type=int, default=20)
+    p.add_argument("--long", type=int, default=500)
+    p.add_argument("--method", default="int4-rtn")
+    args = p.parse_args()
+    warnings.filterwarnings("ignore")
+    from infer_tune import models
+    from infer_tune.runners.generation import eos_ids
+    from infer_tune.scenarios.common import setup_threads
+    from infer_tune.tuners.lean.loop import LeanDecoder
+    from infer_tune.tuners.quantize import QuantizeConfig, kernel_choice
+    from infer_tune.tuners.quantize.pipeline import quantize_in_memory
+
+    setup_threads(args.threads)
+    loaded = models.load(args.model)
+    model = loaded.model
+    quantize_in_memory(model, QuantizeConfig(method=args.method), "torch")
+    record = kernel_choice.choose_for_model(model, args.method, prefill_rows=64)
+    kernel_choice.make_traceable(model, record)
+    eos = eos_ids(model, loaded.tokenizer)
+    cases = prompts(loaded.tokenizer, args.short, args.long)
+    rows = {"eager prefill": LeanDecoder(model, compile=False, compile_prefill=False),
+            "compiled prefill": LeanDecoder(model, compile=False, compile_prefill=True)}
+    runs = {}
+    llm = None
+    from infer_tune.tuners.llamacpp import available
+    if available():
+        from llama_cpp import Llama
+
+        from infer_tune.tuners.llamacpp import LlamaCppConfig, decode, gguf_for
+        llm = Llama(model_path=str(gguf_for(loaded, LlamaCppConfig())), n_ctx=1024, n_threads=torch.get_num_threads(),
+                    n_threads_batch=torch.get_num_threads(), verbose=False)
+    for name, decoder in rows.items():
+        started = time.perf_counter()
+        for ids in cases.values():
+            decoder.generate(ids, 1, eos)  # compiles: outside the timed rounds
+        print(f"{name}: warmup {time.perf_counter() - started:.1f} s, {decoder.facts.get('lean_prefill')}, "
+              f"buckets {decoder.facts.get('lean_prefill_buckets')}")
+    ttft: dict = {(r, c): [] for r in list(rows) + (["llama.cpp"] if llm else []) for c in cases}
+    for _ in range(args.rounds):
+        for case, ids in cases.items():
+            for name, decoder in rows.items():
+                submit, token_ns, _, _ = decoder.generate(ids, 1, eos)
+                ttft[(name, case)].append((token_ns[0] - submit) / 1e6)
+            if llm is not None:
+                text = loaded.tokenizer.decode(ids[0])
+                submit, token_ns, _, _ = decode(llm, text, 1, pin_length=True)
+                ttft[("llama.cpp", case)].append((token_ns[0] - submit) / 1e6)
+    for (name, decoder), case in ((r, c) for r in rows.items() for c in cases):
+        runs[(name, case)] = decoder.generate(cases[case], args.tokens, eos)[2]
+    print(f"{args.method} weights, {torch.get_num_threads()} threads, {args.rounds} interleaved rounds, "
+          f"TTFT median ms (min-max)")
+    for case, ids in cases.items():
+        eager = statistics.median(ttft[("eager prefill", case)])
+        for name in [r for r in ttft if r[1] == case]:
+            values = ttft[name]
+            print(f"  {case} prompt ({ids.shape[1]} tokens)  {name[0]:<17} {statistics.median(values):8.2f} "
+                  f"({min(values):.2f}-{max(values):.2f})  eager/this {eager / statistics.median(values):.2f}x")
+        print(f"  {case}: outputs identical: {runs[('eager prefill', case)] == runs[('compiled prefill', case)]}")
+    if args.decode_tokens:  # single-stream decode of the whole lean path (compiled step), three passes
+        full = LeanDecoder(model, compile=True)
+        full._prefill = rows["compiled prefill"]._prefill  # the prefill graphs compiled above
+        full.generate(cases["short"], args.decode_tokens, eos)
+        speeds = []
+        for _ in range(3):
+            _, token_ns, _, _ = full.generate(cases["short"], args.decode_tokens, eos)
+            speeds.append((len(token_ns) - 1) * 1e9 / (token_ns[-1] - token_ns[0]))
+        print(f"lean+compile single-stream decode, {args.decode_tokens} tokens after the short prompt: "
+              f"{', '.join(f'{v:.1f}' for v in speeds)} tok/s ({full.facts.get('lean_step')})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,361 @@
+"""Batch `engine: lean`: the lean path (docs/tune.md) for a batch of slots, under the static or
+continuous scheduler of an arrival trace.
+
+- One static KV cache of `batch_size` rows (slots) x `max_cache_len` positions, sized to the trace
+  before it starts. Every row keeps its own position: a decode step writes each row's new key and
+  value at that row's position (`SlotLayer.update`) and attends under a per-row mask (key j visible
+  to row b iff j <= position[b]), passed to the model as a ready 4-D mask.
+- A request is admitted into a free slot by the lean compiled prefill (tuners/lean/prefill.py:
+  batch 1, its prompt-length bucket), whose cache rows are copied into the slot's row.
+- The decode step of the active slots runs as one batched forward, captured and compiled once per
+  shape bucket (1, 2, 4 ... `batch_size` rows: the lowest rows up to the highest busy slot; free
+  slots are always the lowest free ones) by the lean `CapturedStep` (no guards, int4 siblings
+  merged). Every bucket the trace can reach, and every prompt's prefill bucket, is compiled and run
+  in `setup`, before the trace starts (`scheduler_setup_s`), never inside a timed request.
+
+Policies: `continuous` admits waiting requests into free slots before every step (prefill first);
+`static` admits a batch only when every slot is free, when `batch_size` requests wait or the oldest
+waited `timeout_ms`, and runs it until its longest request ends. Each request decodes greedily
+until end-of-sequence or its trace length. Single-request greedy, the reference of `output_mismatches`
+and of the trace's output lengths, is this engine serving each prompt alone (one slot, the one-row
+step: `own_references`), so the check isolates what batching changes; `output_mismatches_vs_generate`
+counts the requests that differ from `generate()` on the same weights (compiled kernels round
+differently from eager ones, docs/tune.md).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from infer_tune.runners.base import RequestTiming
+from infer_tune.runners.generation import eos_ids
+from infer_tune.runners.trace import wait_until
+from infer_tune.tuners.batch.common import count_mismatches, make_output
+
+IMPL = "infer-tune lean slots (static per-slot KV cache, compiled prefill buckets, compiled batched decode step)"
+
+
+def step_buckets(batch_size: int, every: bool = True) -> list[int]:
+    """Row counts a decode step is compiled for: powers of two below `batch_size`, and `batch_size`
+    (`every` False: `batch_size` alone, one graph, every step computes every slot)."""
+    if not every:
+        return [batch_size]
+    sizes, k = [], 1
+    while k < batch_size:
+        sizes.append(k)
+        k *= 2
+    return sizes + [batch_size]
+
+
+def rows_for(highest_busy: int, batch_size: int, every: bool = True) -> int:
+    """The smallest step bucket holding slots 0..highest_busy."""
+    return next(k for k in step_buckets(batch_size, every) if k > highest_busy)
+
+
+def prepare_model(model: torch.nn.Module, batch_size: int) -> dict:
+    """Quantized Linears run their decode kernel on a whole batched step (up to `batch_size` rows), with
+    rows computed independently, so a request decodes as it would alone. Called when the technique is
+    prepared, before the single-request greedy references are computed, so both use the same kernels.
+
+    - fbgemm kernels leave (their one activation scale per call would couple the requests, and the
+      int8-static one breaks a compiled graph): the fastest traceable per-row kernel measured
+      replaces them (quantize/kernel_choice.py `make_traceable`; int8-dynamic: int_mm, per-token scales);
+    - int4 (bf16 activations per row) and int_mm / dequant kernels treat rows independently.
+    """
+    from infer_tune.tuners.quantize.kernels import excluded
+    from infer_tune.tuners.quantize.modules import LINEAR_KINDS
+
+    swaps: dict = {}
+    n = 0
+    for module in model.modules():
+        if not isinstance(module, tuple(LINEAR_KINDS.values())):
+            continue
+        if module.decode_kernel == "fbgemm":
+            new = "int_mm" if "int_mm" in module.KERNELS and "int_mm" not in excluded(module.kind, "decode") \
+                else "dequant"
+            prefill = module.prefill_kernel if module.prefill_kernel != "fbgemm" else new
+            swaps.setdefault(module.kind, {"decode": ("fbgemm", new)})
+            module.set_kernels(new, prefill)
+        module.decode_rows = batch_size
+        n += 1
+    return {"slot_decode_kernel_rows": batch_size if n else 1, **({"slot_kernel_swaps": swaps} if swaps else {})}
+
+
+def _slot_layer_class():
+    from transformers.cache_utils import StaticLayer
+
+    class SlotLayer(StaticLayer):
+        """A static layer whose rows write at their own positions (`positions`, [rows], set before each step)."""
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+            super().__init__(max_cache_len=keys.shape[2])
+            self.keys, self.values, self.positions = keys, values, positions
+            self.device, self.batch_size, self.num_heads = keys.device, keys.shape[0], keys.shape[1]
+            self.k_head_dim, self.v_head_dim = keys.shape[-1], values.shape[-1]
+            self.is_initialized = True
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            # key_states [rows, heads, 1, head_dim]: one new token per row, at that row's position
+            index = self.positions.view(-1, 1, 1, 1)
+            self.keys.scatter_(2, index.expand_as(key_states), key_states)
+            self.values.scatter_(2, index.expand_as(value_states), value_states)
+            return self.keys, self.values
+
+    return SlotLayer
+
+
+class SlotEngine:
+    """The slot cache, the compiled prefill and one compiled decode step per row bucket."""
+
+    def __init__(self, model: torch.nn.Module, batch_size: int, max_cache_len: int, *, compile: bool = True,
+                 compile_prefill: bool = True, every_bucket: bool = True) -> None:
+        from infer_tune.tuners.lean.prefill import CompiledPrefill
+
+        self.model, self.batch_size, self.max_cache_len, self.compile = model, batch_size, max_cache_len, compile
+        self.facts: dict = {}
+        self.every_bucket = every_bucket
+        self.prefill = CompiledPrefill(model, logits_to_keep=True, facts=self.facts) if compile and compile_prefill \
+            else None
+        if self.prefill is None:
+            self.facts["lean_prefill"] = "eager"
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.positions = torch.zeros(batch_size, dtype=torch.long)
+        self.ids = torch.zeros((batch_size, 1), dtype=torch.long)
+        # one view per row bucket, the same object in the cache layers and as the step's argument
+        self._views = {rows: (self.ids[:rows], self.positions[:rows]) for rows in step_buckets(batch_size, every_bucket)}
+        self._steps: dict[int, object] = {}
+
+    # ------------------------------------------------------------------ prefill into a slot
+    def admit(self, slot: int, input_ids: torch.Tensor) -> torch.Tensor:
+        """Prefill one prompt [1, P] into `slot`; returns the logits of its last position [V]."""
+        from transformers import StaticCache
+
+        length = input_ids.shape[1]
+        scratch = StaticCache(config=self.model.config, max_cache_len=length)
+        logits = self.prefill(input_ids, scratch) if self.prefill is not None else None
+        if logits is None:
+            logits = self.model(input_ids=input_ids, past_key_values=scratch, use_cache=True,
+                                logits_to_keep=1).logits
+        if not self.keys:  # the slot cache, shaped like the model's own cache rows
+            for layer in scratch.layers:
+                self.keys.append(torch.zeros((self.batch_size, *layer.keys.shape[1:2], self.max_cache_len,
+                                              layer.keys.shape[-1]), dtype=layer.keys.dtype))
+                self.values.append(torch.zeros((self.batch_size, *layer.values.shape[1:2], self.max_cache_len,
+                                                layer.values.shape[-1]), dtype=layer.values.dtype))
+        for layer, keys, values in zip(scratch.layers, self.keys, self.values):
+            keys[slot, :, :length].copy_(layer.keys[0, :, :length])
+            values[slot, :, :length].copy_(layer.values[0, :, :length])
+        self.positions[slot] = length
+        return logits[0, -1]
+
+    # ------------------------------------------------------------------ one batched decode step
+    def _step_for(self, rows: int):
+        step = self._steps.get(rows)
+        if step is not None:
+            return step
+        from transformers.cache_utils import Cache
+
+        from infer_tune.tuners.lean.loop import CapturedStep
+
+        layer_class = _slot_layer_class()
+        positions = self._views[rows][1]
+        cache = Cache(layers=[layer_class(k[:rows], v[:rows], positions) for k, v in zip(self.keys, self.values)])
+        span = torch.arange(self.max_cache_len)
+        model = self.model
+
+        def forward(input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+            mask = span.view(1, 1, 1, -1) <= cache_position.view(-1, 1, 1, 1)  # [rows, 1, 1, L]
+            return model(input_ids=input_ids, attention_mask=mask, position_ids=cache_position.view(-1, 1),
+                         past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        if self.compile:
+            step = CapturedStep(model, cache, {}, False, self.facts, forward=forward)
+        else:
+            step, self.facts["lean_step"] = forward, "eager"
+        self._steps[rows] = step
+        self.facts["slot_step_buckets"] = sorted(self._steps)
+        return step
+
+    def step(self, rows: int, tokens: torch.Tensor) -> torch.Tensor:
+        """Decode one token for slots 0..rows-1 (`tokens` [rows]); returns the next greedy logits [rows, V].
+        Every row's position advances by one (free rows compute and write harmlessly at their own)."""
+        ids, positions = self._views[rows]
+        ids[:, 0] = tokens
+        logits = self._step_for(rows)(ids, positions)
+        positions += 1
+        return logits[:, -1]
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Next tokens from [rows, V] logits, in fp32 as `generate()` takes them."""
+    return logits.to(dtype=torch.float32).argmax(-1)
+
+
+class SlotBatcher:
+    """Serves a trace on a `SlotEngine` with the `continuous` or `static` policy (module docstring)."""
+
+    def __init__(self, batch_size: int, policy: str, *, timeout_ms: float | None = None, compile: bool = True,
+                 compile_prefill: bool = True, every_bucket: bool = True, shared: dict | None = None) -> None:
+        self.batch_size, self.policy, self.compile = batch_size, policy, compile
+        self.compile_prefill, self.every_bucket = compile_prefill, every_bucket
+        self.shared = shared  # the run's cache: configs with the same weights and shapes share one engine
+        self.name = f"{policy}-lean"
+        self.timeout_ns = int((timeout_ms or 0.0) * 1e6)
+        self.references: dict[int, list[int]] = {}
+        self.generate_references: dict[int, list[int]] = {}
+        self.engine: SlotEngine | None = None
+        self.timings: list[RequestTiming] = []
+        self.outputs: list = []
+        self._stats: dict = {}
+
+    def setup(self, prepared, trace, encoded, max_new_tokens) -> None:
+        """Size the slot cache to the trace; compile and run every prefill bucket and step bucket it needs."""
+        longest = max(int(encoded[r.prompt_index]["input_ids"].shape[1]) + (r.max_new_tokens or max_new_tokens)
+                      for r in trace)
+        self._build(prepared, [encoded[i] for i in sorted({r.prompt_index for r in trace})], longest)
+
+    def _build(self, prepared, prompts: list[dict], longest: int) -> None:
+        """The engine for caches of `longest` positions (or one shared by an earlier config of the run that
+        holds them), every prefill bucket of `prompts` and every step bucket compiled and run once."""
+        from infer_tune.tuners.batch.common import weights_key
+        from infer_tune.tuners.lean.loop import bucket
+
+        started = time.perf_counter()
+        size = bucket(longest + 1)
+        if self.engine is None or self.engine.max_cache_len < size:
+            key = ("slot-engine", weights_key(prepared), self.batch_size, size, self.compile, self.compile_prefill,
+                   self.every_bucket)
+            shared = self.shared if self.shared is not None else {}
+            if key in shared:  # compiled for another config of this run (same weights, slots, cache): reused
+                self.engine = shared[key]
+                self.engine.facts["slot_engine_reused"] = True
+            else:
+                self.engine = shared[key] = SlotEngine(prepared.model, self.batch_size, size, compile=self.compile,
+                                                       compile_prefill=self.compile_prefill,
+                                                       every_bucket=self.every_bucket)
+        engine = self.engine
+        with torch.inference_mode():
+            for ids in sorted(prompts, key=lambda e: e["input_ids"].shape[1]):
+                engine.admit(0, ids["input_ids"].to(prepared.device))
+            for rows in step_buckets(self.batch_size, self.every_bucket):
+                for _ in range(3):  # capture, capture again (same graph?), then compiled
+                    engine.step(rows, torch.zeros(rows, dtype=torch.long))
+        engine.positions.zero_()
+        engine.facts["slot_engine_build_s"] = engine.facts.get("slot_engine_build_s", 0.0) + time.perf_counter() - started
+
+    def own_references(self, prepared, encoded: list[dict], indices: list[int], max_new_tokens: int,
+                       cache: dict | None = None) -> dict[int, list[int]]:
+        """Prompt index -> the tokens this engine decodes for it alone (one slot, the one-row step), up to
+        and including end-of-sequence, at most `max_new_tokens`: what batching must not change."""
+        from infer_tune.tuners.batch.common import weights_key
+
+        unique = sorted(set(indices))
+        self._build(prepared, [encoded[i] for i in unique],
+                    max(int(encoded[i]["input_ids"].shape[1]) for i in unique) + max_new_tokens)
+        eos = set(eos_ids(prepared.model, prepared.tokenizer))
+        cache = {} if cache is None else cache
+        out: dict[int, list[int]] = {}
+        with torch.inference_mode():
+            for i in unique:
+                ids = encoded[i]["input_ids"].to(prepared.device)
+                key = ("slot-greedy", weights_key(prepared), self.batch_size, tuple(ids[0].tolist()), max_new_tokens)
+                if key not in cache:
+                    tokens = [int(greedy(self.engine.admit(0, ids)[None])[0])]
+                    while tokens[-1] not in eos and len(tokens) < max_new_tokens:
+                        tokens.append(int(greedy(self.engine.step(1, torch.tensor(tokens[-1:])))[0]))
+                    cache[key] = tokens
+                out[i] = list(cache[key])
+        self.engine.positions.zero_()
+        return out
+
+    def serve(self, prepared, trace, encoded, max_new_tokens, origin_ns, progress=None):
+        with torch.inference_mode():
+            return self._serve(prepared, trace, encoded, max_new_tokens, origin_ns, progress)
+
+    def _serve(self, prepared, trace, encoded, max_new_tokens, origin_ns, progress):
+        if self.engine is None:
+            self.setup(prepared, trace, encoded, max_new_tokens)
+        engine, size = self.engine, self.batch_size
+        eos = set(eos_ids(prepared.model, prepared.tokenizer))
+        n = len(trace)
+        order = sorted(range(n), key=lambda k: trace[k].arrival_s)
+        arrival_ns = [origin_ns + int(r.arrival_s * 1e9) for r in trace]
+        limit = [r.max_new_tokens or max_new_tokens for r in trace]
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        stamps: list[list[int]] = [[] for _ in range(n)]
+        start_ns = [0] * n
+        slots: list[int | None] = [None] * size  # slot -> trace index
+        nxt = torch.zeros(size, dtype=torch.long)  # each slot's next input token
+        queue: deque[int] = deque()
+        arrived = done = steps = busy_rows = computed_rows = 0
+        lag = 0
+
+        def emit(slot: int, k: int, token: int, stamp: int) -> None:
+            nonlocal done
+            tokens[k].append(token)
+            stamps[k].append(stamp)
+            if token in eos or len(tokens[k]) >= limit[k]:
+                slots[slot] = None
+                done += 1
+                if progress:
+                    progress("requests", done, n)
+            else:
+                nxt[slot] = token
+
+        while done < n:
+            now = time.perf_counter_ns()
+            while arrived < n and arrival_ns[order[arrived]] <= now:
+                lag = max(lag, now - arrival_ns[order[arrived]])
+                queue.append(order[arrived])
+                arrived += 1
+            idle = all(s is None for s in slots)
+            if queue and (self.policy == "continuous" or idle):
+                if self.policy == "static" and len(queue) < size and arrived < n \
+                        and now < arrival_ns[queue[0]] + self.timeout_ns:
+                    wait_until(min(arrival_ns[queue[0]] + self.timeout_ns, arrival_ns[order[arrived]]))
+                    continue
+                for slot in range(size):
+                    if slots[slot] is None and queue:
+                        k = queue.popleft()
+                        slots[slot] = k
+                        start_ns[k] = time.perf_counter_ns()
+                        logits = engine.admit(slot, encoded[trace[k].prompt_index]["input_ids"].to(prepared.device))
+                        emit(slot, k, int(greedy(logits[None])[0]), time.perf_counter_ns())
+            busy = [s for s in range(size) if slots[s] is not None]
+            if not busy:
+                if arrived < n and not queue:
+                    wait_until(arrival_ns[order[arrived]])
+                continue
+            rows = rows_for(busy[-1], size, self.every_bucket)
+            picks = greedy(engine.step(rows, nxt[:rows])).tolist()
+            stamp = time.perf_counter_ns()
+            steps += 1
+            busy_rows += len(busy)
+            computed_rows += rows
+            for slot in busy:
+                emit(slot, slots[slot], picks[slot], stamp)
+            free = [slot for slot in range(rows) if slots[slot] is None]
+            if free:  # a free row's write position stays inside its row (it writes harmlessly at 0)
+                engine.positions[free] = 0
+        timings, outputs = [], []
+        for k, request in enumerate(trace):
+            prompt_tokens = int(encoded[request.prompt_index]["input_ids"].shape[1])
+            timings.append(RequestTiming(request.prompt_index, 0, prompt_tokens, arrival_ns[k], stamps[k],
+                                         start_ns=start_ns[k]))
+            outputs.append(make_output(prepared.tokenizer, eos, request.prompt_index, prompt_tokens, tokens[k]))
+        self._stats = {"forward_steps": steps, "mean_batch_size": busy_rows / steps if steps else None,
+                       "padding_share": 1 - busy_rows / computed_rows if computed_rows else None,
+                       "max_submit_lag_ms": lag / 1e6,
+                       "output_mismatches": count_mismatches(outputs, self.references, eos),
+                       "output_mismatches_vs_generate": count_mismatches(outputs, self.generate_references, eos)}
+        self.timings, self.outputs = timings, outputs
+        return timings, outputs
+
+    def run_counters(self) -> dict:
+        """Scheduler facts of the last replay (merged into the result's metrics)."""
+        facts = dict(self.engine.facts) if self.engine is not None else {}
+        return {**self._stats, **facts, "batch_engine": "lean", "batch_impl": IMPL, "max_batch_size": self.batch_size,
+                "kv_cache_tokens": self.engine.max_cache_len * self.batch_size if self.engine else None}

@@ -1,0 +1,121 @@
+"""Batch `engine: lean` (infer_tune/tuners/batch/slots.py): int4 weights stacked with the slot engine
+reproduce single-request greedy outputs under both schedulers, on tiny random models of two
+architectures; the compiled prefill and batched step are compiled before the trace starts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer_tune import env as envinfo
+from infer_tune import models
+from infer_tune.errors import ConfigError
+from infer_tune.session import measure_prepared, prepare_inputs
+from infer_tune.tuners import RunContext, apply
+from infer_tune.tuners.batch import BatchConfig
+from infer_tune.tuners.batch import slots as slots_module
+from infer_tune.tuners.batch.slots import rows_for, step_buckets
+from infer_tune.tuners.quantize import QuantizeConfig
+from infer_tune.tuners.stack import StackConfig
+from infer_tune.workload import Workload, encode_batches
+from tests.test_batch import ONCE, _greedy_alone
+from tests.test_batch import mixed_suite as mixed_suite  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    from tests.conftest import build_tiny_tokenizer
+    from tests.test_quantize_families import tiny
+
+    tok = build_tiny_tokenizer()
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    model = tiny("qwen3", tok)
+    model.config.max_position_embeddings = 1024  # the mixed suite's longest prompt is ~390 tokens
+    model.config.pad_token_id, model.config.eos_token_id = tok.pad_token_id, tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_step_buckets():
+    assert step_buckets(1) == [1] and step_buckets(4) == [1, 2, 4] and step_buckets(6) == [1, 2, 4, 6]
+    assert [rows_for(i, 6) for i in range(6)] == [1, 2, 4, 4, 6, 6]
+    with pytest.raises(ConfigError, match="engine"):
+        BatchConfig(scheduler="continuous", rate=1.0, engine="magic")
+    with pytest.raises(ConfigError, match="sweep"):
+        BatchConfig(scheduler="sweep", engine="lean")
+    assert BatchConfig(scheduler="static", rate=2.0, batch_size=4, engine="lean").label() == "static-b4-r2-lean"
+
+
+@pytest.mark.parametrize("arch,scheduler,compiled", [("llama", "continuous", True), ("qwen3", "static", False),
+                                                      ("qwen3", "continuous", False)])
+def test_int4_slots_equal_single_request_greedy(arch, scheduler, compiled, tiny_model_dir, qwen3_dir, mixed_suite,
+                                                tmp_path, monkeypatch):
+    if not compiled:  # the same engine with its prefill and step eager (fast): the slot logic alone
+        monkeypatch.setattr(slots_module.SlotBatcher.__init__, "__kwdefaults__", {"timeout_ms": None, "compile": False})
+    loaded = models.load(str(tiny_model_dir if arch == "llama" else qwen3_dir))
+    # compiled: 3 short prompts and 2 slots (prefill buckets 16, 32, 64 and step buckets 1, 2 to compile)
+    size = 2 if compiled else 3
+    workload = Workload(suite=str(mixed_suite), limit=3 if compiled else 8, max_new_tokens=10, chat_template=False)
+    inputs = prepare_inputs(loaded, workload)
+    config = StackConfig(configs=[
+        QuantizeConfig(method="int4-rtn", backend="torch", decode_kernel="int4pack", prefill_kernel="int4pack"),
+        BatchConfig(scheduler=scheduler, batch_size=size, rate=200.0, requests=10, allow_repeat=True, engine="lean")])
+    ctx = RunContext(env=envinfo.collect_env(1), out_dir=tmp_path)
+    prepared = apply(loaded, config, ctx)
+    doc, _ = measure_prepared(loaded, prepared, inputs, workload, ONCE, technique="stack", config=config.to_dict(),
+                              env=ctx.env, runner="trace", measure_ppl=False)
+    sched = prepared.runner_options["scheduler"]
+    m = doc["metrics"]
+    assert m["output_mismatches"] == 0 and m["output_mismatches_vs_generate"] == 0, m
+    assert m["scheduler"] == f"{scheduler}-lean" and m["ttft_ms"]["n"] == 10
+    # an independent reference: the same int4 model decoding each prompt alone through generate()
+    encoded = encode_batches(loaded.tokenizer, inputs.rendered, 1, add_special_tokens=True)
+    eos = loaded.tokenizer.eos_token_id
+    quantized = type(loaded)(model=prepared.model, tokenizer=loaded.tokenizer, ref=loaded.ref, path=loaded.path)
+    for timing, output in zip(sched.timings, sched.outputs):
+        expected = _greedy_alone(quantized, encoded[timing.prompt_index], 10)
+        assert output.token_ids + ([eos] if output.hit_eos else []) == expected
+        assert len(timing.token_ns) == len(expected)
+    assert m["mean_batch_size"] > 1 and m["slot_decode_kernel_rows"] == size
+    if compiled:
+        assert m["lean_prefill"] == "compiled" and m["lean_step"] == "captured", m
+        assert m["slot_step_buckets"] == [1, 2] and m["scheduler_setup_s"] > 0
+    else:
+        assert m["lean_step"] == "eager"
+
+
+def test_decode_rows_only_where_rows_are_independent(tiny_loaded):
+    import copy
+
+    from infer_tune.tuners.quantize.modules import LINEAR_KINDS
+    from infer_tune.tuners.quantize.pipeline import quantize_in_memory
+
+    model = copy.deepcopy(tiny_loaded.model)
+    quantize_in_memory(model, QuantizeConfig(method="int8-dynamic", backend="torch", decode_kernel="fbgemm"), "torch")
+    facts = slots_module.prepare_model(model, 4)
+    linears = [m for m in model.modules() if isinstance(m, tuple(LINEAR_KINDS.values()))]
+    assert linears and all(m.decode_rows == 4 and m.decode_kernel != "fbgemm" for m in linears)
+    assert facts["slot_kernel_swaps"]["int8-dynamic"]["decode"][0] == "fbgemm"
+    x = torch.randn(4, linears[0].in_features)
+    with torch.no_grad():  # rows computed together equal rows computed alone
+        together = linears[0](x)
+        alone = torch.cat([linears[0](x[i:i + 1]) for i in range(4)])
+    assert torch.equal(together, alone)
+
+
+def test_tune_throughput_objective_plans_batched_stacks():
+    """`tune --objective throughput` measures int4 + continuous batching on the slot engine first; the
+    decode objective plans none (one request at a time is what it measures)."""
+    from infer_tune.scenarios.tune_plan import BURST_RATE, Candidate, TuneSpec, stack_candidates
+
+    cand = Candidate(QuantizeConfig(method="int4-rtn"), lossless=False, method="int4-rtn")
+    stacks = stack_candidates(TuneSpec(objective="throughput"), [cand])
+    batched = [c for c in stacks if "batch" in c.config.techniques()]
+    assert [c.config.configs[1].batch_size for c in batched] == [4, 8] and stacks[:2] == batched
+    assert all(c.config.configs[1].engine == "lean" and c.config.configs[1].rate == BURST_RATE for c in batched)
+    assert not [c for c in stack_candidates(TuneSpec(objective="decode"), [cand]) if "batch" in c.config.techniques()]
+    assert not [c for c in stack_candidates(TuneSpec(objective="throughput", compile=False), [cand])
+                if "batch" in c.config.techniques()]
