@@ -60,15 +60,15 @@ def main() -> None:
     from infer_tune.runners.generation import eos_ids
     from infer_tune.scenarios.common import setup_threads
     from infer_tune.tuners.lean.loop import LeanDecoder
-    from infer_tune.tuners.quantize import QuantizeConfig, kernels
+    from infer_tune.tuners.quantize import QuantizeConfig, kernel_choice
     from infer_tune.tuners.quantize.pipeline import quantize_in_memory
 
     setup_threads(args.threads)
     loaded = models.load(args.model)
     model = loaded.model
     quantize_in_memory(model, QuantizeConfig(method=args.method), "torch")
-    record = kernels.choose_for_model(model, args.method, prefill_rows=64)
-    kernels.make_traceable(model, record)
+    record = kernel_choice.choose_for_model(model, args.method, prefill_rows=64)
+    kernel_choice.make_traceable(model, record)
     eos = eos_ids(model, loaded.tokenizer)
     cases = prompts(loaded.tokenizer, args.short, args.long)
     rows = {"eager prefill": LeanDecoder(model, compile=False, compile_prefill=False),

@@ -173,3 +173,151 @@ def test_paired_comparison_is_tight_where_unpaired_is_wide():
     for doc in (base, slower):
         del doc["samples"]["prompt_index"]
     assert not compare(base, [slower], [expr]).candidates[0].checks[0].regressed
+
+
+# --------------------------------------------------------------------------- outcomes (report/gate.py)
+def _noisy(doc: dict, cv: float = 0.08) -> dict:
+    doc["metrics"]["noise"] = {"noisy": True, "tpot_p50_cv": cv, "ttft_p50_cv": cv, "why": ["test"]}
+    return doc
+
+
+def test_three_outcomes_and_the_detectable_change():
+    from infer_tune.report.gate import outcome
+
+    expr = parse_expr("tpot_ms.p50 > +10%")
+    same = judge(expr, make_result("a", seed=1), make_result("b", seed=2))
+    slow = judge(expr, make_result("a", seed=1), make_result("b", tpot_ms=48.0, seed=2))
+    straddle = judge(expr, make_result("a", n=6, noise=0.3, seed=3), make_result("b", tpot_ms=46.0, n=6, noise=0.3, seed=4))
+    assert (same.outcome, slow.outcome, straddle.outcome) == ("pass", "regression", "inconclusive")
+    assert not straddle.regressed and slow.regressed
+    for check in (same, slow, straddle):
+        assert check.mde == pytest.approx((check.interval[1] - check.interval[0]) / 2)
+        assert "--limit, now 4" in check.mde_hint and "--min-iterations" in check.mde_hint
+    assert straddle.mde > 5 * same.mde  # 6 samples of 30% noise against 60 of 2%
+    assert "about" in straddle.mde_hint and "--limit" in straddle.mde_hint.split("about")[1]
+    # the rule itself, for each operator direction
+    assert outcome(">", 10, 12, [11, 13]) == "regression" and outcome(">", 10, 5, [4, 9]) == "pass"
+    assert outcome(">", 10, 9, [8, 12]) == "inconclusive" and outcome("<", -5, -6, [-7, -4]) == "inconclusive"
+    assert outcome("<", -5, -8, [-9, -6]) == "regression" and outcome("<=", -5, 1.0, None) == "pass"
+
+
+def test_a_noisy_candidate_cannot_pass_a_2x_slowdown():
+    expr = parse_expr("tpot_ms.p50 > +10%")
+    base = make_result("a", seed=1)
+    for cv, spread in ((0.08, 0.02), (0.5, 0.6)):  # declares itself noisy; or noisy and widely spread
+        cand = _noisy(make_result("b", tpot_ms=80.0, n=12, noise=spread, seed=5), cv)
+        check = judge(expr, base, cand)
+        assert check.outcome != "pass"
+    assert judge(expr, base, _noisy(make_result("b", tpot_ms=80.0, seed=5))).outcome == "regression"
+
+
+def test_a_noisy_base_and_a_real_18_percent_slowdown_never_pass():
+    expr = parse_expr("tpot_ms.p50 > +10%")
+    for seed in range(8):
+        base = _noisy(make_result("a", n=12, noise=0.10, seed=seed))
+        cand = make_result("b", tpot_ms=40.0 * 1.18, n=12, noise=0.03, seed=100 + seed)
+        assert judge(expr, base, cand).outcome in ("regression", "inconclusive")
+
+
+def test_noise_only_withholds_a_pass():
+    expr = parse_expr("tpot_ms.p50 > +10%")
+    base = make_result("a", seed=1)
+    near = judge(expr, base, _noisy(make_result("b", seed=2)))  # equal speed, noisy: within 16% of +10%
+    assert near.outcome == "inconclusive" and "widened" in near.noise
+    far = judge(expr, base, _noisy(make_result("b", tpot_ms=24.0, seed=2)))  # 40% faster: passes even widened
+    assert far.outcome == "pass" and "passes even widened" in far.noise
+    assert judge(expr, base, make_result("b", seed=2)).outcome == "pass"  # the same candidate, quiet
+
+
+def test_cli_inconclusive_exit_code_and_strict(tmp_path):
+    base = save(make_result("base", n=6, noise=0.3, seed=3), tmp_path)
+    cand = save(make_result("cand", tpot_ms=46.0, n=6, noise=0.3, seed=4), tmp_path)
+    gate = ["--fail-if", "tpot_ms.p50 > +10%"]
+    result = invoke(str(base), str(cand), *gate)
+    assert result.exit_code == 4 and "inconclusive" in result.output and "detectable change" in result.output
+    assert invoke(str(base), str(cand), *gate, "--strict").exit_code == 1
+    doc = json.loads(invoke(str(base), str(cand), *gate, "--json").stdout)
+    assert doc["outcome"] == "inconclusive" and not doc["regressed"]
+    check = doc["candidates"][0]["checks"][0]
+    assert check["outcome"] == "inconclusive" and doc["candidates"][0]["outcome"] == "inconclusive"
+    assert check["mde"] > 0 and "--limit" in check["mde_hint"]
+    root = ET.fromstring(invoke(str(base), str(cand), *gate, "--format", "junit").stdout)
+    assert root.get("skipped") == "1" and root.get("failures") == "0"
+    strict = ET.fromstring(invoke(str(base), str(cand), *gate, "--format", "junit", "--strict").stdout)
+    assert strict.get("failures") == "1"
+    assert "⚠️ inconclusive" in invoke(str(base), str(cand), *gate, "--format", "md").stdout
+
+
+def test_regression_outweighs_inconclusive_overall(runs, tmp_path):
+    wide = save(make_result("wide", tpot_ms=46.0, n=6, noise=0.3, seed=4), tmp_path)
+    result = invoke(str(runs["base"]), str(wide), str(runs["slow"]), "--fail-if", "tpot_ms.p50 > +10%",
+                    "--allow-mismatch", "--json")
+    doc = json.loads(result.stdout)
+    assert result.exit_code == 1 and doc["outcome"] == "regression"
+    assert [c["outcome"] for c in doc["candidates"]] == ["inconclusive", "regression"]
+
+
+def test_a_self_declared_endpoint_runner_relaxes_nothing():
+    base = make_result("a")
+    other = make_result("b", model="served-elsewhere")
+    other["env"]["threads"] = 8
+    other["runner"] = "endpoint"
+    with pytest.raises(MismatchError, match="model .*threads"):
+        compare(base, [other])
+    same_but_endpoint = make_result("c")
+    same_but_endpoint["runner"] = "endpoint"
+    with pytest.raises(MismatchError, match="runner 'endpoint'"):
+        compare(base, [same_but_endpoint])
+    both = {**make_result("d", model="deploy-a"), "runner": "endpoint"}
+    assert compare(both, [other]).warnings == []  # two deployments: their servers' own settings differ
+
+
+def test_failed_requests_are_refused_by_the_gate(tmp_path):
+    base = save(make_result("base", seed=1), tmp_path)
+    cand = make_result("cand", seed=2, requests_failed=3, warmup_failures=1, requests_ok=29,
+                       failures_by_kind={"http_500": 4})
+    folder = save(cand, tmp_path)
+    gate = ["--fail-if", "tpot_ms.p50 > +10%"]
+    result = invoke(str(base), str(folder), *gate, "--json")
+    assert result.exit_code == 1
+    doc = json.loads(result.stdout)
+    failed = [c for c in doc["candidates"][0]["checks"] if c["metric"] == "requests_failed"][0]
+    assert failed["outcome"] == "regression" and failed["observed"] == 4 and "http_500 4" in failed["reason"]
+    assert [c["outcome"] for c in doc["candidates"][0]["checks"]][0] == "pass"  # the latency alone passed
+    assert "failed requests > 0" in invoke(str(base), str(folder)).output  # also without --fail-if
+    assert invoke(str(base), str(folder), *gate, "--max-failed-requests", "4").exit_code == 0
+    assert invoke(str(base), str(folder), *gate, "--max-failed-requests", "3").exit_code == 1
+    clean = save(make_result("clean", seed=3, requests_failed=0, warmup_failures=0), tmp_path)
+    assert invoke(str(base), str(clean), *gate).exit_code == 0
+
+
+@pytest.mark.parametrize("where", ["negative", "zero", "stat"])
+def test_impossible_timings_are_bad_input(tmp_path, where):
+    base = save(make_result("base", seed=1), tmp_path)
+    cand = make_result("cand", seed=2)
+    if where == "negative":
+        cand["samples"]["tpot_ms"] = [-2.0 * v for v in cand["samples"]["tpot_ms"]]
+    elif where == "zero":
+        cand["samples"] = {k: [0.0] * len(v) for k, v in cand["samples"].items()}
+    else:
+        cand["samples"] = {}
+        cand["metrics"]["ttft_ms"]["p50"] = -5.0
+    folder = save(cand, tmp_path)
+    for args in ((str(base), str(folder)), (str(folder), str(base))):
+        result = invoke(*args, "--fail-if", "tpot_ms.p50 > +10%")
+        # the loader refuses it first (malformed), or the gate does (impossible timings): one line, exit 2
+        assert result.exit_code == 2 and ("impossible timings" in result.output or "malformed" in result.output)
+        assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_cli_noise_never_exits_0_on_a_real_slowdown(tmp_path):
+    gate = ["--fail-if", "tpot_ms.p50 > +10%"]
+    base = save(make_result("base", seed=1), tmp_path)
+    twice = save(_noisy(make_result("twice", tpot_ms=80.0, seed=2)), tmp_path)  # 2x slower, says it is noisy
+    assert invoke(str(base), str(twice), *gate).exit_code == 1
+    noisy_base = save(_noisy(make_result("noisy-base", n=12, noise=0.10, seed=3)), tmp_path)
+    slower = save(make_result("slower", tpot_ms=40.0 * 1.18, n=12, noise=0.03, seed=4), tmp_path)
+    assert invoke(str(noisy_base), str(slower), *gate).exit_code in (1, 4)
+    bad_count = save(make_result("bad-count", seed=5, requests_failed=-3), tmp_path)
+    for args in ((str(base), str(bad_count)), (str(bad_count), str(base))):
+        assert invoke(*args).exit_code == 2

@@ -71,7 +71,11 @@ def test_bench_endpoint_on_transformers_serve_matches_in_process_greedy(transfor
     assert m["exact_match_vs_baseline"] == 1.0 and m["bleu_drift"] == 0.0
     assert m["ttft_ms"]["n"] == 3 and m["ttft_ms"]["p50"] > 0 and m["tpot_ms"]["p50"] > 0
     assert doc["env"]["endpoint"]["models"] == [str(smollm2_dir)] and doc["env"]["endpoint"]["reports_usage"]
-    gate = runner.invoke(app, ["compare", base_path, doc["_path"], "--fail-if", "bleu_drift < -1.0"])
+    # a deployment against an in-process run is a deliberate mismatch (its runner never relaxes a check by itself)
+    refused = runner.invoke(app, ["compare", base_path, doc["_path"], "--fail-if", "bleu_drift < -1.0"])
+    assert refused.exit_code == 2 and "runner 'endpoint'" in refused.output
+    gate = runner.invoke(app, ["compare", base_path, doc["_path"], "--fail-if", "bleu_drift < -1.0",
+                               "--allow-mismatch"])
     assert gate.exit_code == 0, gate.output
 
 

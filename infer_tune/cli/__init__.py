@@ -1,7 +1,8 @@
 """The `infer-tune` command: a tiny root that wires command groups (one module each) and maps errors once.
 
-Exit codes: 0 success, 1 regression (`compare --fail-if` only), 2 bad input (one `error:` line),
-3 internal error (one line plus the path of a log file holding the traceback), 130 interrupted.
+Exit codes: 0 success, 1 regression (`compare` only), 2 bad input (one `error:` line),
+3 internal error (one line plus the path of a log file holding the traceback), 4 inconclusive
+(`compare` only, docs/compare.md), 130 interrupted.
 `--debug` on any command shows the traceback instead.
 """
 
@@ -118,7 +119,10 @@ app = typer.Typer(
 @app.callback()
 def root() -> None:
     """Apply real LLM-inference optimizations to a real model; measure speed and quality drift in one leaderboard."""
+    from infer_tune import results
+
     _quiet_libraries()
+    results.set_warning_handler(output.warn)  # a result file skipped while listing: one warning line
 
 
 app.command("bench")(bench_cmd.bench)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from infer_tune.cli import options as opt
@@ -14,6 +15,8 @@ from infer_tune.cli import output
 from infer_tune.errors import InferTuneError
 
 FORMATS = ("table", "md", "json", "junit")
+STYLED = {"pass": "[green]pass[/]", "regression": "[bold red]REGRESSED[/]", "inconclusive": "[bold yellow]INCONCLUSIVE[/]"}
+INCONCLUSIVE_EXIT = 4
 
 
 def render(comparison) -> None:
@@ -27,13 +30,12 @@ def render(comparison) -> None:
             for name in f.CHECK_HEADER:
                 checks.add_column(name, justify="left" if name == "--fail-if" else "right")
             for check in cand.checks:
-                row = f.check_row(check)
-                row[-1] = "[bold red]REGRESSED[/]" if check.regressed else "[green]pass[/]"
-                checks.add_row(*row[:-1], row[-1])
+                row = [escape(cell) for cell in f.check_row(check)]
+                checks.add_row(*row[:-1], STYLED[check.outcome])
             output.out.print(checks)
             for check in cand.checks:
-                if check.noise:
-                    output.out.print(f"  note: {check.expr}: {check.noise}", soft_wrap=True)
+                for note in f.check_notes(check):
+                    output.out.print(f"  {check.expr}: {note}", soft_wrap=True, markup=False, highlight=False)
         deltas = Table(title=f"deltas: {title}")
         for name in f.DELTA_HEADER:
             deltas.add_column(name, justify="left" if name == "metric" else "right")
@@ -55,6 +57,10 @@ def compare(
     fmt: Annotated[str, typer.Option("--format", "-f", help="table, md, json or junit.")] = "table",
     allow_mismatch: Annotated[bool, typer.Option("--allow-mismatch", help="Compare results measured differently (suite, model, "
                                                  "max new tokens, batch size, limit, dtype, threads, machine): a loud warning instead of exit 2.")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="Treat an inconclusive check (its interval straddles the "
+                                         "threshold) as a failure: exit 1 instead of 4.")] = False,
+    max_failed_requests: Annotated[int, typer.Option("--max-failed-requests", min=0, help="Failed requests a candidate "
+                                                     "may record (endpoint runs) before the gate refuses it.")] = 0,
     seed: opt.Seed = 0,
     json_out: opt.Json = False,
     debug: opt.Debug = False,
@@ -62,11 +68,14 @@ def compare(
     """Deltas of CAND vs BASE with bootstrap 95% intervals; with --fail-if, a CI gate.
 
     A % threshold is the relative change cand vs base; a plain number is compared with the candidate's
-    value (for bleu_drift, ppl_delta_pct, speedup_vs_baseline). Timing metrics with raw samples fail only
-    when the WHOLE bootstrap 95% interval is past the threshold; each candidate says whether its medians
-    were paired per prompt. Results measured differently (suite, model, max new tokens, batch size, limit,
+    value (for bleu_drift, ppl_delta_pct, speedup_vs_baseline). A timing check with raw samples is a
+    regression when the WHOLE bootstrap 95% interval is past the threshold, a pass when it is wholly on
+    the passing side, inconclusive when it straddles the threshold; each check prints the smallest change
+    this sample can detect and what would shrink it. A noisy input can only make a pass inconclusive; a
+    candidate with failed requests (above --max-failed-requests) is a regression; negative
+    timings or a zero TTFT / e2e are bad input. Results measured differently (suite, model, max new tokens, batch size, limit,
     dtype, threads, machine) are refused unless --allow-mismatch.
-    Exit 0 pass, 1 regression, 2 bad input, 3 internal error.
+    Exit 0 pass, 1 regression (or inconclusive with --strict), 2 bad input, 3 internal error, 4 inconclusive.
     When GITHUB_STEP_SUMMARY is set, the markdown report is appended to that file.
 
     Example: infer-tune compare baseline/result.json runs/pr/*/ --fail-if "tpot_ms.p50 > +10%" --format md
@@ -81,7 +90,8 @@ def compare(
     exprs = [cmp.parse_expr(text) for text in fail_if or []]
     base_doc = results.load_result(base)
     cand_docs = [results.load_result(c) for c in candidates]
-    comparison = cmp.compare(base_doc, cand_docs, exprs, allow_mismatch=allow_mismatch, seed=seed)
+    comparison = cmp.compare(base_doc, cand_docs, exprs, allow_mismatch=allow_mismatch, seed=seed,
+                             max_failed_requests=max_failed_requests)
     for warning in comparison.warnings:
         output.warn(warning)
     markdown = f.to_markdown(comparison)
@@ -96,10 +106,25 @@ def compare(
     elif fmt == "md":
         print_plain(markdown)
     elif fmt == "junit":
-        print_plain(f.to_junit(comparison))
+        print_plain(f.to_junit(comparison, strict=strict))
     else:
         render(comparison)
-    if comparison.regressed:
-        failed = sorted({c.expr for cand in comparison.candidates for c in cand.checks if c.regressed})
-        output.error(f"regression: {'; '.join(failed)}")
+    exit_gate(comparison, strict)
+
+
+def exit_gate(comparison, strict: bool) -> None:
+    """Exit 1 on a regression (or, with --strict, an inconclusive check), 4 on an inconclusive one, else return."""
+    def named(outcome: str) -> str:
+        return "; ".join(sorted({c.expr for cand in comparison.candidates for c in cand.checks if c.outcome == outcome}))
+
+    if comparison.outcome == "regression":
+        output.error(f"regression: {named('regression')}")
         raise typer.Exit(1)
+    if comparison.outcome == "inconclusive":
+        undecided = named("inconclusive")
+        if strict:
+            output.error(f"inconclusive (failed under --strict): {undecided}")
+            raise typer.Exit(1)
+        output.warn(f"inconclusive: {undecided}: the interval straddles the threshold; more prompts (--limit) "
+                    "or rounds (--min-iterations) narrow it (exit 4; --strict makes it a failure)")
+        raise typer.Exit(INCONCLUSIVE_EXIT)

@@ -9,7 +9,7 @@ import typer
 
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
-from infer_tune.cli.bench import render_result
+from infer_tune.cli.measure import render_result
 
 Method = Annotated[str, typer.Option("--method", help="bf16, int8-dynamic, int8-static, int4-weight or int4-rtn.")]
 Sweep = Annotated[str | None, typer.Option("--sweep", help="Comma-separated methods, one result each "
@@ -60,7 +60,7 @@ def quantize(
 
     A sweep measures bf16 first when it is swept (the 16-bit reference of the INT8 claim check).
     """
-    from infer_tune.cli.bench import run_spec
+    from infer_tune.cli.measure import run_spec
     from infer_tune.scenarios.quantize import run_quantize
     from infer_tune.tuners.quantize import QuantizeConfig, parse_sweep
 
@@ -68,7 +68,7 @@ def quantize(
     configs = [QuantizeConfig(method=m, backend=backend, alpha=alpha, group_size=group_size, calib_suite=calib_suite,
                               calib_samples=calib_samples, head_bits=head_bits if m.startswith("int4") else 8,
                               compute_dtype=compute_dtype) for m in methods]
-    with output.progress_bar(not opts.json_out) as progress:
+    with output.progress_bar(not opts.json_out, out_dir=opts.out) as progress:
         outcome = run_quantize(run_spec(opts), configs, save=save, overwrite=overwrite, progress=progress)
     if opts.json_out:
         output.print_json(outcome.docs[0] if len(outcome.docs) == 1 else outcome.docs)

@@ -5,10 +5,15 @@ candidate output tok/s / baseline's; BLEU drift = BLEU(candidate) - BLEU(baselin
 change in percent; faithfulness to the baseline's own outputs (metrics.quality).
 
 Whether those figures say the model is broken (then it is marked so and never called a speedup: a
-broken model can decode fast, it emits garbage just as quickly):
+broken model can decode fast, it emits garbage just as quickly). Only evidence that survives noise
+counts (docs/architecture.md, "Verdicts"):
 - perplexity more than doubled (`ppl_delta_pct` > MAX_PPL_DELTA_PCT), or
-- faithfulness to the baseline's own outputs near zero: BLEU against them under MIN_BLEU_VS_BASELINE
-  with no output identical, when the baseline's outputs are long enough for BLEU to mean something.
+- overlap with the baseline's own outputs collapsed (BLEU against them under MIN_BLEU_VS_BASELINE,
+  no output identical, outputs long enough for BLEU to mean something) TOGETHER WITH quality against
+  the suite's references dropping: BLEU drift at most -MIN_BLEU_DROP with its whole 95% interval
+  below zero. Greedy continuations part ways after a token or two under any numeric change (a base
+  model without a chat template most of all), so overlap with the baseline alone is never enough.
+`verdict_evidence` states the figures the verdict was taken from, intervals included.
 """
 
 from __future__ import annotations
@@ -58,24 +63,67 @@ def versus_baseline(metrics: dict, outputs: list[dict], baseline: dict, baseline
 
 MAX_PPL_DELTA_PCT = 100.0
 MIN_BLEU_VS_BASELINE = 1.0
+MIN_BLEU_DROP = 1.0  # BLEU points against the references: the drop that, with its interval below 0, is damage
 MIN_MEAN_TOKENS = 8  # shorter outputs: BLEU is noise, faithfulness is not judged
 
 
-def broken_reasons(metrics: dict, baseline_outputs: list[dict] | None = None) -> list[str]:
+def _num(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value else None
+
+
+def _interval(value) -> tuple[float, float] | None:
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(_num(v) is not None for v in value):
+        return float(value[0]), float(value[1])
+    return None
+
+
+def _long_enough(baseline_outputs: list[dict] | None, assumed: bool) -> bool:
+    if baseline_outputs is None:
+        return assumed
+    lengths = [len(o.get("token_ids") or []) for o in baseline_outputs]
+    return bool(lengths) and sum(lengths) / len(lengths) >= MIN_MEAN_TOKENS
+
+
+def evidence(metrics: dict, baseline_outputs: list[dict] | None = None, *,
+             outputs_long_enough: bool = False) -> tuple[list[str], str | None]:
+    """(why the figures say broken, [] if they do not; the figures the verdict rests on, as one line).
+
+    `baseline_outputs` decide whether outputs are long enough to judge overlap; without them (a stored
+    row) `outputs_long_enough` says so (a row marked broken by overlap passed that test when measured).
+    """
+    why, facts = [], []
+    ppl = _num(metrics.get("ppl_delta_pct"))
+    if ppl is not None:
+        facts.append(f"perplexity {ppl:+.2f}% (broken above +{MAX_PPL_DELTA_PCT:.0f}%)")
+        if ppl > MAX_PPL_DELTA_PCT:
+            why.append(f"perplexity {ppl:+.0f}% (more than doubled)")
+    bleu, exact = _num(metrics.get("bleu_vs_baseline")), _num(metrics.get("exact_match_vs_baseline"))
+    long_enough = _long_enough(baseline_outputs, outputs_long_enough)
+    collapsed = bleu is not None and bleu < MIN_BLEU_VS_BASELINE and not exact and long_enough
+    if bleu is not None:
+        facts.append(f"BLEU vs the baseline's outputs {bleu:.2f}, {exact or 0.0:.0%} identical"
+                     + (" (collapsed)" if collapsed else "" if long_enough else " (outputs too short to judge)"))
+    drift, ci = _num(metrics.get("bleu_drift")), _interval(metrics.get("bleu_drift_ci95"))
+    dropped = drift is not None and drift <= -MIN_BLEU_DROP and ci is not None and ci[1] < 0
+    if drift is not None:
+        facts.append(f"BLEU vs references {drift:+.2f}"
+                     + (f" [{ci[0]:+.1f}, {ci[1]:+.1f}]" if ci else " (no interval)")
+                     + (" (dropped)" if dropped else " (no drop beyond noise)"))
+    if collapsed and dropped:
+        why.append(f"BLEU {bleu:.2f} against the baseline's own outputs (no output reproduced) and BLEU against "
+                   f"the references {drift:+.2f} [{ci[0]:+.1f}, {ci[1]:+.1f}]")
+    elif collapsed:
+        facts.append("overlap with the baseline alone is not evidence of damage")
+    return why, "; ".join(facts) or None
+
+
+def broken_reasons(metrics: dict, baseline_outputs: list[dict] | None = None, *,
+                   outputs_long_enough: bool = False) -> list[str]:
     """Why `metrics` (already holding the deltas against the baseline) describe a broken model; [] if not."""
-    why = []
-    ppl = metrics.get("ppl_delta_pct")
-    if isinstance(ppl, (int, float)) and ppl > MAX_PPL_DELTA_PCT:
-        why.append(f"perplexity {ppl:+.0f}% (more than doubled)")
-    bleu, exact = metrics.get("bleu_vs_baseline"), metrics.get("exact_match_vs_baseline")
-    lengths = [len(o.get("token_ids") or []) for o in baseline_outputs or []]
-    long_enough = bool(lengths) and sum(lengths) / len(lengths) >= MIN_MEAN_TOKENS
-    if isinstance(bleu, (int, float)) and bleu < MIN_BLEU_VS_BASELINE and not exact and long_enough:
-        why.append(f"BLEU {bleu:.2f} against the baseline's own outputs (no output reproduced)")
-    return why
+    return evidence(metrics, baseline_outputs, outputs_long_enough=outputs_long_enough)[0]
 
 
 def verdict(metrics: dict, baseline_outputs: list[dict] | None = None) -> dict:
-    """{"broken": bool, "broken_why": str | None} for a result's metrics (module docstring: the rules)."""
-    why = broken_reasons(metrics, baseline_outputs)
-    return {"broken": bool(why), "broken_why": "; ".join(why) or None}
+    """{"broken", "broken_why", "verdict_evidence"} for a result's metrics (module docstring: the rules)."""
+    why, facts = evidence(metrics, baseline_outputs)
+    return {"broken": bool(why), "broken_why": "; ".join(why) or None, "verdict_evidence": facts}

@@ -11,8 +11,10 @@ regression: the check fails when it holds.
   metrics (a plain `bench` result), it is computed pairwise against the base instead.
 - Timing distributions with raw samples (`ttft_ms`, `tpot_ms`, `e2e_ms`, `itl_ms`; statistic `p50`,
   `p90`, `p99` or `mean`, default `p50`) are judged by a 95% bootstrap interval, of the ratio
-  stat(cand) / stat(base) for `%` thresholds and of stat(cand) for absolute ones. A regression is
-  declared only when the WHOLE interval is past the threshold, so run-to-run noise does not fail.
+  stat(cand) / stat(base) for `%` thresholds and of stat(cand) for absolute ones. Each check has one
+  of three outcomes (report/gate.py): regression when the WHOLE interval is past the threshold, pass
+  when the whole interval is on the passing side, inconclusive when it straddles the threshold; the
+  interval's half-width is printed as the smallest change this sample can detect.
   When both results timed the same prompts (same workload, and `samples.prompt_index` recorded),
   the median (`p50`) of `ttft_ms`, `tpot_ms` and `e2e_ms` is compared *paired*: per prompt the
   ratio of medians, their median as the estimate, and a two-level bootstrap (prompts, then each
@@ -22,23 +24,29 @@ regression: the check fails when it holds.
 
 Base and candidates must be the same measurement but for the change under test: the same suite
 and model (by content when recorded), max new tokens, batch size, limit, dtype, threads and machine.
-Otherwise `compare` refuses (exit 2); `--allow-mismatch` turns that into a loud warning. Each
+Otherwise `compare` refuses (exit 2); `--allow-mismatch` turns that into a loud warning. Only when
+BOTH results measured a live server (`runner: endpoint`) are model format, dtype, threads and machine
+not compared (a deployment has its own); one side's `runner` alone never relaxes a check. Each
 candidate says whether its timing medians were paired per prompt, and if not, why not.
+
+What a result says about itself never loosens the gate: its noise figure can only withhold a pass
+(inconclusive), failed requests above `max_failed_requests` make it a regression, and impossible
+timings (negative durations, a zero TTFT or e2e) are refused as bad input (docs/compare.md).
 """
 
 from __future__ import annotations
 
 import math
-import operator
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from infer_tune.errors import InferTuneError
-from infer_tune.metrics import noise
+from infer_tune.errors import InferTuneError, ResultError
 from infer_tune.metrics.stats import bootstrap_interval, paired_ratio_interval, ratio_interval
+from infer_tune.report import gate
+from infer_tune.report.match import MATCH, SERVER_SIDE, MismatchError, check_match, mismatches  # noqa: F401
 from infer_tune.results import DISTRIBUTION_METRICS
 
 SAMPLE_STATS = ("p50", "p90", "p99", "mean")
@@ -46,17 +54,13 @@ POINT_STATS = ("p50", "p90", "p99", "mean", "stdev", "mad")
 PAIRWISE_DELTAS = ("bleu_drift", "ppl_delta_pct", "speedup_vs_baseline")
 MAIN_METRICS = ("ttft_ms.p50", "ttft_ms.p99", "tpot_ms.p50", "itl_ms.p50", "e2e_ms.p50", "output_throughput_tok_s",
                 "peak_rss_bytes", "model_bytes", "bleu", "chrf", "ppl")
-OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+OPS = gate.OPS
 _EXPR = re.compile(r"^\s*(?P<metric>[A-Za-z_][\w.]*)\s*(?P<op>>=|<=|>|<)\s*"
                    r"(?P<value>[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*(?P<pct>%)?\s*$")
 
 
 class ExprError(InferTuneError):
     """A --fail-if expression that does not parse or names an unknown metric."""
-
-
-class MismatchError(InferTuneError):
-    """Results of different suites or models compared without --allow-mismatch."""
 
 
 @dataclass(frozen=True)
@@ -149,67 +153,6 @@ def paired_ratio(base: dict, cand: dict, metric: str, *, seed: int = 0) -> tuple
     return paired_ratio_interval(bv, bi, cv, ci, seed=seed)
 
 
-def _hardware(doc: dict) -> tuple | None:
-    env = doc.get("env") or {}
-    values = tuple(env.get(k) if not isinstance(env.get(k), list) else tuple(env[k])
-                   for k in ("cpu", "cpu_flags", "cores", "ram_bytes", "accelerator"))
-    return values if any(v is not None for v in values) else None
-
-
-def _identity(doc: dict, block: str, id_key: str, plain_key: str) -> object:
-    """A content id when the result recorded one, else the plain name (older results)."""
-    part = doc.get(block) or {}
-    return part.get(id_key) or part.get(plain_key)
-
-
-# what must be equal for a comparison to mean anything: name -> value of a document
-MATCH = {
-    "suite": lambda d: _identity(d, "workload", "suite_id", "suite"),
-    "model": lambda d: _identity(d, "model", "content_id", "ref"),
-    "max_new_tokens": lambda d: d["workload"].get("max_new_tokens"),
-    "batch_size": lambda d: d["workload"].get("batch_size"),
-    "limit": lambda d: d["workload"].get("limit"),
-    "dtype": lambda d: d["model"].get("dtype"),
-    "threads": lambda d: d["env"].get("threads"),
-    "machine": _hardware,
-}
-
-
-# a server measured over HTTP has its own weights' format, dtype, threads and machine: comparing a
-# deployment against an in-process run (or another deployment) is the point, so those are not refused
-SERVER_SIDE = ("model", "dtype", "threads", "machine")
-
-
-def mismatches(base: dict, cand: dict) -> list[str]:
-    """Each way `cand` was measured differently from `base` (MATCH), as a short phrase."""
-    found = []
-    remote = "endpoint" in (base.get("runner"), cand.get("runner"))
-    for what, get in MATCH.items():
-        if remote and what in SERVER_SIDE:
-            continue
-        b, c = get(base), get(cand)
-        if b != c:
-            found.append("another machine (CPU, cores, RAM or accelerator)" if what == "machine"
-                         else f"{what} {c!r} vs {b!r}")
-    return found
-
-
-def check_match(base: dict, candidates: Sequence[dict], *, allow_mismatch: bool = False) -> list[str]:
-    """Refuse (MismatchError) a candidate measured differently from the base (suite, model, max new
-    tokens, batch size, limit, dtype, threads, machine); with `allow_mismatch`, return one loud
-    warning per such candidate instead."""
-    warnings = []
-    for cand in candidates:
-        found = mismatches(base, cand)
-        if not found:
-            continue
-        text = f"{cand['run_id']} was measured differently from the base: {'; '.join(found)}"
-        if not allow_mismatch:
-            raise MismatchError(f"{text}; compare like with like, or pass --allow-mismatch")
-        warnings.append(f"{text}; its deltas mix that difference in")
-    return warnings
-
-
 def pairing(base: dict, cand: dict) -> str:
     """Whether timing medians are compared per prompt (paired) and, if not, why not."""
     bw, cw = base.get("workload", {}), cand.get("workload", {})
@@ -251,7 +194,12 @@ class Delta:
 
 @dataclass
 class Check:
-    """One gate expression judged on one candidate. `observed` is a change in % or a value."""
+    """One gate expression judged on one candidate. `observed` is a change in % or a value.
+
+    `outcome` is pass, regression or inconclusive (report/gate.py); `regressed` is outcome ==
+    regression. `mde` is the interval's half-width (in % for a relative threshold, else the metric's
+    unit): the smallest change this sample could detect; `mde_hint` says what would shrink it.
+    """
 
     expr: str
     metric: str
@@ -261,7 +209,11 @@ class Check:
     relative: bool
     method: str
     regressed: bool
-    noise: str | None = None  # set when a noisy input widened the interval (metrics.noise)
+    noise: str | None = None  # what a noisy input (metrics.noise) did to the verdict, if anything
+    outcome: str = gate.PASS
+    mde: float | None = None
+    mde_hint: str | None = None
+    reason: str | None = None  # why a check the gate adds itself (failed requests) came out as it did
 
 
 @dataclass
@@ -274,8 +226,12 @@ class CandidateReport:
     pairing: str = ""  # "paired per prompt (N prompts)" or "not paired: why"
 
     @property
+    def outcome(self) -> str:
+        return gate.worst(c.outcome for c in self.checks)
+
+    @property
     def regressed(self) -> bool:
-        return any(c.regressed for c in self.checks)
+        return self.outcome == gate.REGRESSION
 
 
 @dataclass
@@ -289,14 +245,18 @@ class Comparison:
     warnings: list[str] = field(default_factory=list)
 
     @property
+    def outcome(self) -> str:
+        return gate.worst(c.outcome for c in self.candidates)
+
+    @property
     def regressed(self) -> bool:
-        return any(c.regressed for c in self.candidates)
+        return self.outcome == gate.REGRESSION
 
     def to_dict(self) -> dict:
         doc = asdict(self)
         for cand, rep in zip(doc["candidates"], self.candidates, strict=True):
-            cand["regressed"] = rep.regressed
-        doc["regressed"] = self.regressed
+            cand["outcome"], cand["regressed"] = rep.outcome, rep.regressed
+        doc["outcome"], doc["regressed"] = self.outcome, self.regressed
         return doc
 
 
@@ -319,7 +279,6 @@ def delta(base: dict, cand: dict, metric: str, *, seed: int = 0) -> Delta:
 def judge(expr: Expr, base: dict, cand: dict, *, seed: int = 0) -> Check:
     """Apply the gate rule (module docstring) of one expression to one candidate."""
     where = f"{expr.metric} of {cand['run_id']}"
-    passes = OPS[expr.op]
     stat = expr.metric.partition(".")[2]
     bs, cs = samples_of(base, expr.metric), samples_of(cand, expr.metric)
     paired = paired_ratio(base, cand, expr.metric, seed=seed) if expr.relative else None
@@ -350,41 +309,56 @@ def judge(expr: Expr, base: dict, cand: dict, *, seed: int = 0) -> Check:
         if value is None:
             raise ExprError(f"{where}: the candidate has no value for it")
         observed, interval = value, None
-    interval, note = widen_for_noise(expr, base, cand, observed, interval)
-    # Whole interval past the threshold: its nearest end to the threshold must satisfy the expression.
-    edge = observed if interval is None else (interval[0] if expr.op in (">", ">=") else interval[1])
+    result = gate.outcome(expr.op, expr.value, observed, interval)
+    override, note = gate.noise_caution(expr.metric, expr.op, expr.value, expr.relative, observed, interval,
+                                        base, cand)
+    result = override or result
+    mde, hint = gate.detectable(interval, expr.relative, observed, expr.value, cand,
+                                decided=result != gate.INCONCLUSIVE)
     return Check(expr=expr.text, metric=expr.metric, observed=observed, interval=interval, threshold=expr.value,
-                 relative=expr.relative, method=method, regressed=bool(passes(edge, expr.value)), noise=note)
+                 relative=expr.relative, method=method, regressed=result == gate.REGRESSION, noise=note,
+                 outcome=result, mde=mde, mde_hint=hint)
 
 
-NOISE_WIDENING = 2.0  # a noisy input widens a timing interval by this many times its measured CV, each side
+def failed_requests_check(cand: dict, max_failed: int) -> Check | None:
+    """The gate's own check on a candidate that records failed requests (endpoint runs): more than
+    `max_failed` is a regression, whatever its latencies say (they describe only the requests that
+    succeeded)."""
+    failed = gate.failed_requests(cand)
+    if failed is None:
+        return None
+    if failed < 0:
+        raise ResultError(f"{cand['run_id']}: metrics.{'/'.join(gate.FAILURE_KEYS)} must be counts (non-negative integers)")
+    kinds = (cand.get("metrics") or {}).get("failures_by_kind")
+    by_kind = ", ".join(f"{k} {v}" for k, v in kinds.items()) if isinstance(kinds, dict) and kinds else ""
+    bad = failed > max_failed
+    reason = (f"{failed} failed request(s){' (' + by_kind + ')' if by_kind else ''}, more than "
+              f"--max-failed-requests {max_failed}: its timings describe only the requests that succeeded"
+              if bad else f"{failed} failed request(s), within --max-failed-requests {max_failed}")
+    return Check(expr=f"failed requests > {max_failed}", metric="requests_failed", observed=float(failed),
+                 interval=None, threshold=float(max_failed), relative=False, method="count", regressed=bad,
+                 outcome=gate.REGRESSION if bad else gate.PASS, reason=reason)
 
 
-def widen_for_noise(expr: Expr, base: dict, cand: dict, observed: float,
-                    interval: list[float] | None) -> tuple[list[float] | None, str | None]:
-    """Widen a timing metric's interval when either input's noise figure flags it (metrics.noise).
-
-    The bootstrap interval covers the spread of the samples a run kept, not a host that was busy for
-    the whole run; the widening adds NOISE_WIDENING x the largest per-iteration CV (at least 5%) on
-    each side, so a verdict on a noisy input is withheld unless the change is larger than the noise.
-    """
-    if expr.metric.partition(".")[0] not in DISTRIBUTION_METRICS or not (noise.is_noisy(base) or noise.is_noisy(cand)):
-        return interval, None
-    width = NOISE_WIDENING * max(noise.widest_cv(base, cand), noise.NOISE_CV_LIMIT)
-    low, high = interval if interval is not None else (observed, observed)
-    if expr.relative:
-        pad = 100.0 * width
-        widened = [low - pad, high + pad]
-    else:
-        widened = [low * (1 - width), high * (1 + width)]
-    noisy = [d["run_id"] for d in (base, cand) if noise.is_noisy(d)]
-    return widened, f"interval widened by {width:.0%} each side: noisy input ({', '.join(noisy)})"
+def check_timings(doc: dict) -> None:
+    """Refuse (exit 2) a result whose timings are impossible: negative durations, a zero TTFT or e2e."""
+    problem = gate.timing_problem(doc)
+    if problem:
+        raise ResultError(f"{doc.get('run_id', '?')}: impossible timings: {problem}")
 
 
 def compare(base: dict, candidates: Sequence[dict], exprs: Sequence[Expr] = (), *, allow_mismatch: bool = False,
-            seed: int = 0) -> Comparison:
-    """Deltas of the main metrics and every gate expression, for each candidate against `base`."""
+            seed: int = 0, max_failed_requests: int = 0) -> Comparison:
+    """Deltas of the main metrics and every gate expression, for each candidate against `base`, plus
+    the gate's own failed-requests check on candidates that record failures (module docstring)."""
+    for doc in (base, *candidates):
+        check_timings(doc)
     warnings = check_match(base, candidates, allow_mismatch=allow_mismatch)
+    if (base_failed := gate.failed_requests(base)) == -1:
+        raise ResultError(f"{base['run_id']}: metrics.{'/'.join(gate.FAILURE_KEYS)} must be counts (non-negative integers)")
+    if base_failed and base_failed > 0:
+        warnings.append(f"the base {base['run_id']} records {base_failed} failed request(s): its timings describe "
+                        "only the requests that succeeded")
     validate_exprs(exprs, base, candidates)
     reports = []
     for cand in candidates:
@@ -394,6 +368,8 @@ def compare(base: dict, candidates: Sequence[dict], exprs: Sequence[Expr] = (), 
         rep.deltas = [delta(base, cand, m, seed=seed) for m in dict.fromkeys(metrics)
                       if metric_value(base, m) is not None or metric_value(cand, m) is not None]
         rep.checks = [judge(e, base, cand, seed=seed) for e in exprs]
+        if (failed := failed_requests_check(cand, max_failed_requests)) is not None:
+            rep.checks.append(failed)
         reports.append(rep)
     return Comparison(base_run_id=base["run_id"], base_path=base.get("_path"), exprs=[e.text for e in exprs],
                       candidates=reports, warnings=warnings)

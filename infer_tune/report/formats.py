@@ -30,13 +30,32 @@ def delta_row(d: Delta) -> list[str]:
     return [d.metric, fmt_num(d.base), fmt_num(d.cand), fmt_pct(d.change_pct), fmt_interval(d.ci95_pct)]
 
 
+def fmt_mde(c: Check) -> str:
+    """The smallest change this sample could detect: the interval's half-width (± in the check's unit)."""
+    if c.mde is None:
+        return "-"
+    return f"±{c.mde:.1f}%" if c.relative else f"±{c.mde:.4g}"
+
+
+OUTCOME_TEXT = {"pass": "pass", "regression": "REGRESSED", "inconclusive": "INCONCLUSIVE"}
+
+
 def check_row(c: Check) -> list[str]:
-    return [c.expr, fmt_observed(c), fmt_interval(c.interval, c.relative), c.method,
-            "REGRESSED" if c.regressed else "pass"]
+    return [c.expr, fmt_observed(c), fmt_interval(c.interval, c.relative), fmt_mde(c), c.method,
+            OUTCOME_TEXT[c.outcome]]
+
+
+def check_notes(c: Check) -> list[str]:
+    """What a reader needs besides the row: why a gate's own check failed, noise, what shrinks the interval."""
+    notes = [text for text in (c.reason, c.noise) if text]
+    if c.mde_hint:
+        notes.append(f"detectable change at this sample {fmt_mde(c)}: {c.mde_hint}")
+    return notes
 
 
 DELTA_HEADER = ["metric", "base", "candidate", "change", "95% CI of change"]
-CHECK_HEADER = ["--fail-if", "observed", "95% CI", "method", "verdict"]
+CHECK_HEADER = ["--fail-if", "observed", "95% CI", "detectable", "method", "outcome"]
+VERDICT_TEXT = {"pass": "✅ pass", "regression": "❌ regression", "inconclusive": "⚠️ inconclusive"}
 
 
 def md_table(header: list[str], rows: list[list[str]]) -> str:
@@ -48,36 +67,49 @@ def md_table(header: list[str], rows: list[list[str]]) -> str:
 
 def to_markdown(comparison: Comparison) -> str:
     """A job-summary section: verdict, then per candidate the gate checks and the deltas."""
-    verdict = "❌ regression" if comparison.regressed else "✅ pass"
+    verdict = VERDICT_TEXT[comparison.outcome]
     parts = [f"## infer-tune compare: {verdict}", "", f"Base: `{comparison.base_run_id}`", ""]
     parts += [f"> ⚠️ warning: {w}" for w in comparison.warnings] + ([""] if comparison.warnings else [])
     for cand in comparison.candidates:
         parts += [f"### `{cand.run_id}` ({cand.technique})", "", f"Timing medians: {cand.pairing}.", ""]
         if cand.checks:
             parts += [md_table(CHECK_HEADER, [check_row(c) for c in cand.checks]), ""]
+            notes = [f"- `{c.expr}`: {note}" for c in cand.checks for note in check_notes(c)]
+            parts += notes + ([""] if notes else [])
         parts += [md_table(DELTA_HEADER, [delta_row(d) for d in cand.deltas]), ""]
-    parts.append("A timing check fails only when its whole bootstrap 95% interval is past the threshold.")
+    parts.append("A timing check is a regression when its whole bootstrap 95% interval is past the threshold, "
+                 "a pass when the whole interval is on the passing side, and inconclusive when it straddles "
+                 "the threshold; 'detectable' is the interval's half-width.")
     return "\n".join(parts) + "\n"
 
 
-def to_junit(comparison: Comparison) -> str:
-    """JUnit XML: one testsuite per candidate, one testcase per expression, a failure when regressed."""
+def to_junit(comparison: Comparison, *, strict: bool = False) -> str:
+    """JUnit XML: one testsuite per candidate, one testcase per expression: a failure when it regressed,
+    skipped (with the reason) when it was inconclusive, or a failure too under `strict`."""
     root = ET.Element("testsuites", name="infer-tune compare")
-    total = failures = 0
+    total = failures = skipped = 0
     for cand in comparison.candidates:
-        bad = sum(c.regressed for c in cand.checks)
-        suite = ET.SubElement(root, "testsuite", name=cand.run_id, tests=str(len(cand.checks)), failures=str(bad))
+        suite = ET.SubElement(root, "testsuite", name=cand.run_id, tests=str(len(cand.checks)))
+        bad = undecided = 0
         for check in cand.checks:
             case = ET.SubElement(suite, "testcase", classname=f"infer-tune.{cand.run_id}", name=check.expr)
-            message = (f"{check.metric}: observed {fmt_observed(check)}, 95% CI "
-                       f"{fmt_interval(check.interval, check.relative)} ({check.method}) vs base "
-                       f"{comparison.base_run_id}")
-            if check.regressed:
-                ET.SubElement(case, "failure", message=message, type="regression").text = message
+            message = "; ".join([f"{check.outcome}: {check.metric} observed {fmt_observed(check)}, 95% CI "
+                                 f"{fmt_interval(check.interval, check.relative)}, detectable {fmt_mde(check)} "
+                                 f"({check.method}) vs base {comparison.base_run_id}", *check_notes(check)])
+            if check.outcome == "regression" or (check.outcome == "inconclusive" and strict):
+                ET.SubElement(case, "failure", message=message, type=check.outcome).text = message
+                bad += 1
+            elif check.outcome == "inconclusive":
+                ET.SubElement(case, "skipped", message=message).text = message
+                undecided += 1
             else:
                 ET.SubElement(case, "system-out").text = message
+        suite.set("failures", str(bad))
+        suite.set("skipped", str(undecided))
         total += len(cand.checks)
         failures += bad
+        skipped += undecided
     root.set("tests", str(total))
     root.set("failures", str(failures))
+    root.set("skipped", str(skipped))
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"

@@ -179,11 +179,18 @@ RunnerFn = Callable[["PreparedModel", "Inputs", "Workload", Protocol, "Progress 
 RUNNERS: dict[str, RunnerFn] = {}
 
 
-def register_runner(name: str) -> Callable[[RunnerFn], RunnerFn]:
-    """Register a runner under `name` (the value a technique's `runner=` names)."""
+PASS_RUNNERS: set[str] = set()  # runners that time closed-loop passes and run one pass per call when asked
+
+
+def register_runner(name: str, *, passes: bool = False) -> Callable[[RunnerFn], RunnerFn]:
+    """Register a runner under `name` (the value a technique's `runner=` names). `passes=True`: it times
+    whole passes over the workload (warmup, then `min_iterations` passes), so the sweep engine can run
+    it one pass per round beside the baseline (docs/architecture.md, "The sweep engine")."""
 
     def decorator(fn: RunnerFn) -> RunnerFn:
         RUNNERS[name] = fn
+        if passes:
+            PASS_RUNNERS.add(name)
         return fn
 
     return decorator

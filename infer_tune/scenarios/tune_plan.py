@@ -120,7 +120,7 @@ def model_linear_shapes(model: nn.Module) -> Counter:
 
 
 def _best_ms(fn, reps: int = 5) -> float:
-    from infer_tune.tuners.quantize.kernels import _best_ms as best
+    from infer_tune.tuners.quantize.kernel_choice import _best_ms as best
 
     return best(fn, reps)
 
@@ -140,7 +140,7 @@ def host_screen(model: nn.Module, methods: tuple[str, ...], prefill_rows: int, *
 
     `timings` injects {(kind, regime): (kernel -> ms, fp32 ms)} (tests; a saturating or slow host).
     """
-    from infer_tune.tuners.quantize import kernels
+    from infer_tune.tuners.quantize import kernel_choice, kernels
 
     shapes = model_linear_shapes(model)
     timings = {} if timings is None else timings
@@ -155,7 +155,7 @@ def host_screen(model: nn.Module, methods: tuple[str, ...], prefill_rows: int, *
         row: dict = {"kernels": {}}
         for regime, rows in (("decode", 1), ("prefill", prefill_rows)):
             if (kind, regime) not in timings:
-                timings[(kind, regime)] = kernels.benchmark(shapes, rows, kind)
+                timings[(kind, regime)] = kernel_choice.benchmark(shapes, rows, kind)
             kernel_ms, fp32_ms = timings[(kind, regime)]
             skip = kernels.excluded(kind, regime) if kind != "bf16" else {}
             usable = {k: v for k, v in kernel_ms.items() if v is not None and k not in skip}
@@ -181,8 +181,9 @@ def prune_reason(screen_row: dict, objective: str) -> str | None:
 
 # --------------------------------------------------------------------------- plan
 def single_candidates(spec: TuneSpec, screen: dict) -> list[Candidate]:
-    """Quantize methods (most promising first; pruned ones carry the reason) and the lossless lean path."""
-    from infer_tune.tuners.lean import LeanConfig
+    """Quantize methods (most promising first; pruned ones carry the reason), then what every other
+    technique's registry entry offers `tune` (`tune_candidates`: the lossless lean path, ...)."""
+    from infer_tune.tuners.base import TECHNIQUES, load_techniques
     from infer_tune.tuners.quantize import QuantizeConfig
 
     regime = "prefill" if spec.objective == "ttft" else "decode"
@@ -196,9 +197,12 @@ def single_candidates(spec: TuneSpec, screen: dict) -> list[Candidate]:
                 cand.status, cand.reason = "pruned", reason
             out.append(cand)
         out.sort(key=lambda c: (c.status == "pruned", -(c.estimate or 0.0)))
-    if spec.compile and spec.objective != "ttft":
-        out.append(Candidate(LeanConfig(compile=True), lossless=True, compiles=True))
-    out.append(Candidate(LeanConfig(compile=False), lossless=True))
+    load_techniques()
+    for entry in list(TECHNIQUES.values()):
+        for config, attrs in (entry.tune_candidates(spec) if entry.tune_candidates else []):
+            if spec.require_lossless and not attrs.get("lossless"):
+                continue
+            out.append(Candidate(config, lossless=bool(attrs.get("lossless")), compiles=bool(attrs.get("compiles"))))
     return out
 
 

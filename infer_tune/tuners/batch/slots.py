@@ -62,7 +62,7 @@ def prepare_model(model: torch.nn.Module, batch_size: int) -> dict:
 
     - fbgemm kernels leave (their one activation scale per call would couple the requests, and the
       int8-static one breaks a compiled graph): the fastest traceable per-row kernel measured
-      replaces them (quantize/kernels.py `make_traceable`; int8-dynamic: int_mm, per-token scales);
+      replaces them (quantize/kernel_choice.py `make_traceable`; int8-dynamic: int_mm, per-token scales);
     - int4 (bf16 activations per row) and int_mm / dequant kernels treat rows independently.
     """
     from infer_tune.tuners.quantize.kernels import excluded

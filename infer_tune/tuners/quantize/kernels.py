@@ -9,8 +9,11 @@ Two decisions, both recorded in the result (`metrics.kernels`):
   call `reduce_range`), otherwise the full 0..255.
 - **GEMM kernel per regime.** Decode (one row) and prefill (many rows) each get the fastest of the
   candidate kernels for the method, timed on the model's own Linear shapes against an fp32 matmul
-  of the same shapes. A regime whose best quantized kernel is still slower than fp32 is reported as
-  such (`slower_than_fp32`), and `tune` never chooses it.
+  of the same shapes, in interleaved rounds until the fastest is separated by its 95% interval
+  (screen.py: the rounds, the stopping rule, and why a kernel whose interval says slower than fp32
+  is not chosen while one that is not exists). A regime whose chosen kernel is still slower than
+  fp32 is reported as such (`slower_than_fp32`), and `tune` never chooses it. The intervals are
+  recorded (`vs_fp32_ci95`, `rounds`, `separated`).
 
 Candidates (numerics noted where they differ): int8-dynamic: `fbgemm` (activation scale per call:
 per token at decode, per tensor at prefill), `int_mm` (per-token int8 x int8 -> int32, torch._int_mm),
@@ -29,12 +32,11 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 import warnings
-from collections import Counter
 
 import torch
-from torch import nn
+
+from infer_tune.tuners.quantize import screen
 
 KERNELS: dict[str, tuple[str, ...]] = {  # quantized Linear kind -> its candidate kernels
     "int8-dynamic": ("fbgemm", "int_mm", "dequant"),
@@ -56,6 +58,14 @@ def family(method: str) -> str:
     return "int4" if method.startswith("int4") else method
 
 
+def prepack_int8(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    zero_points = torch.zeros(qweight.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():  # torch.ao deprecation notices are not ours to print
+        warnings.simplefilter("ignore")
+        qtensor = torch._make_per_channel_quantized_tensor(qweight, scale.double(), zero_points, 0)
+        return torch.ops.quantized.linear_prepack(qtensor, bias)
+
+
 # --------------------------------------------------------------------------- activation range
 @functools.lru_cache(maxsize=1)
 def saturation_probe() -> dict:
@@ -64,8 +74,6 @@ def saturation_probe() -> dict:
     Activations all 255 (scale 1, zero point 0) against weights all 127: every output is exactly
     255 * 127 * K. A path that sums u8 x s8 pairs in int16 clamps each pair at 32767 and comes out low.
     """
-    from infer_tune.tuners.quantize.modules import prepack_int8
-
     k, n = 64, 8
     qweight = torch.full((n, k), 127, dtype=torch.int8)
     packed = prepack_int8(qweight, torch.ones(n), None)
@@ -109,92 +117,37 @@ def activation_qmax() -> int:
 
 
 # --------------------------------------------------------------------------- choice
-def choose(timings_ms: dict[str, float], fp32_ms: float, *, forced: str | None = None) -> dict:
+def choose(timings_ms: dict[str, float], fp32_ms: float, *, forced: str | None = None,
+           vs_fp32: dict[str, list[float]] | None = None) -> dict:
     """The kernel to run for one regime, from measured (or injected) timings.
 
-    `timings_ms`: candidate -> time of the model's Linears at that regime; `fp32_ms`: the same shapes
-    in fp32. `forced` names a kernel to use regardless (the config's choice); otherwise the fastest.
+    `timings_ms`: candidate -> time (median over rounds) of the model's Linears at that regime;
+    `fp32_ms`: the same shapes in fp32; `vs_fp32`: candidate -> [median, low, high] of its per-round
+    time over fp32's (screen.Screen.vs_fp32; None for point timings). `forced` names a kernel to use
+    regardless (the config's choice); otherwise screen.pick. Slower than fp32: the interval's low end
+    above 1 when there is an interval, else the point ratio.
     """
     usable = {k: v for k, v in timings_ms.items() if v is not None}
+    vs_fp32 = {k: v for k, v in (vs_fp32 or {}).items() if k in usable} or None
     if forced is not None:
         chosen, why = forced, "forced by the config"
     elif usable:
-        chosen = min(usable, key=usable.get)
-        why = "fastest measured on this host"
+        chosen, why = screen.pick(usable, vs_fp32)
     else:
         raise ValueError("no kernel timings to choose from")
     chosen_ms = usable.get(chosen)
     ratio = fp32_ms / chosen_ms if chosen_ms else None
-    slower = ratio is not None and ratio < 1.0
+    if vs_fp32 and chosen in vs_fp32:
+        slower = vs_fp32[chosen][1] > 1.0
+    else:
+        slower = ratio is not None and ratio < 1.0
     if slower:
         why += f"; still {1 / ratio:.2f}x slower than fp32 on these shapes"
-    return {"chosen": chosen, "why": why, "timings_ms": timings_ms, "fp32_ms": fp32_ms,
-            "speedup_vs_fp32": ratio, "slower_than_fp32": slower}
-
-
-def linear_shapes(model: nn.Module) -> dict[str, Counter]:
-    """Quantized Linear kind -> Counter of (in_features, out_features) -> how many layers have it."""
-    from infer_tune.tuners.quantize.modules import LINEAR_KINDS
-
-    shapes: dict[str, Counter] = {}
-    for m in model.modules():
-        if isinstance(m, tuple(LINEAR_KINDS.values())):
-            shapes.setdefault(m.kind, Counter())[(m.in_features, m.out_features)] += 1
-    return shapes
-
-
-def _best_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - start)
-    return min(times) / 1e6  # the best of a few: other processes on a shared host only ever add time
-
-
-def sample_module(kind: str, k: int, n: int, group_size: int) -> nn.Module:
-    """A quantized layer of `kind` with random weights of shape [n, k] (for timing only)."""
-    from infer_tune.tuners.quantize import modules
-
-    gen = torch.Generator().manual_seed(k * 7919 + n)
-    weight = torch.randn(n, k, generator=gen) * 0.02
-    if kind == "int4":
-        from infer_tune.tuners.quantize.apply import int4_quantize
-
-        t = int4_quantize(weight, group_size, hqq=False)
-        return modules.Int4Linear(t["qweight_int4"], t["scale"], t["zero"], group_size)
-    q, scale = modules.int8_per_channel(weight)
-    if kind == "int8-static":
-        return modules.Int8StaticLinear(q, scale, None, None, 0.05, 128 if activation_qmax() == 255 else 64)
-    return modules.Int8DynamicLinear(q, scale)
-
-
-def benchmark(shapes: Counter, rows: int, kind: str, *, group_size: int = 32,
-              reps: int = 5) -> tuple[dict[str, float | None], float]:
-    """Time every candidate kernel of `kind` on the model's Linear shapes of that kind at `rows` rows.
-
-    Returns (kernel -> ms, fp32 ms). Each distinct shape is timed once and weighted by how many layers
-    have it (the per-step cost of those Linears). A kernel that fails on this host is recorded as None.
-    """
-    candidates = KERNELS[kind]
-    totals: dict[str, float | None] = dict.fromkeys(candidates, 0.0)
-    fp32_total = 0.0
-    with torch.inference_mode():
-        for (k, n), count in shapes.items():
-            module = sample_module(kind, k, n, group_size)
-            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-            w = torch.randn(n, k)
-            fp32_total += count * _best_ms(functools.partial(torch.nn.functional.linear, x, w), reps)
-            for kernel in candidates:
-                if totals[kernel] is None:
-                    continue
-                module.set_kernels(kernel, kernel)
-                try:
-                    totals[kernel] += count * _best_ms(functools.partial(module, x), reps)
-                except RuntimeError:  # a kernel this build / CPU does not provide
-                    totals[kernel] = None
-    return totals, fp32_total
+    out = {"chosen": chosen, "why": why, "timings_ms": timings_ms, "fp32_ms": fp32_ms,
+           "speedup_vs_fp32": ratio, "slower_than_fp32": slower}
+    if vs_fp32:
+        out["vs_fp32_ci95"] = vs_fp32
+    return out
 
 
 def excluded(kind: str, regime: str) -> dict[str, str]:
@@ -208,85 +161,3 @@ def excluded(kind: str, regime: str) -> dict[str, str]:
     return out
 
 
-def choose_for_model(model: nn.Module, method: str, *, prefill_rows: int = 64, group_size: int = 32,
-                     forced: tuple[str | None, str | None] = (None, None),
-                     timings: dict | None = None) -> dict:
-    """Measure and apply the decode and prefill kernels of every quantized Linear of `model`, per kind.
-
-    An int8-static model also holds int8-dynamic Linears (its head, layers whose static error was too
-    large); each kind gets its own choice. `forced` = (decode, prefill) kernel names from the config for
-    the method's own kind (None: choose); `timings` holds benchmark results {(kind, regime): (kernel ->
-    ms, fp32 ms)}: given ones are used instead of measuring (tests inject them), missing ones are
-    measured and stored there (a run reuses them across configs). Returns the record of the result.
-    """
-    shapes = linear_shapes(model)
-    if not shapes:
-        return {}
-    own = family(method)
-    timings = {} if timings is None else timings
-    record: dict = {"prefill_rows": prefill_rows, "by_kind": {}}
-    totals = {"decode": [0.0, 0.0], "prefill": [0.0, 0.0]}
-    for kind, kind_shapes in shapes.items():
-        force = forced if kind == own else (None, None)
-        chosen = {}
-        for regime, rows, name in (("decode", 1, force[0]), ("prefill", prefill_rows, force[1])):
-            if (kind, regime) not in timings:
-                timings[(kind, regime)] = benchmark(kind_shapes, rows, kind, group_size=group_size)
-            kernel_ms, fp32_ms = timings[(kind, regime)]
-            skip = excluded(kind, regime)
-            choice = choose({k: v for k, v in kernel_ms.items() if k not in skip}, fp32_ms, forced=name)
-            if skip:
-                choice["excluded"] = skip
-            chosen[regime] = choice
-            totals[regime][0] += choice["timings_ms"].get(choice["chosen"]) or kernel_ms.get(choice["chosen"]) or 0.0
-            totals[regime][1] += fp32_ms
-        apply_kernels(model, chosen["decode"]["chosen"], chosen["prefill"]["chosen"], kind=kind)
-        record["by_kind"][kind] = chosen
-    for regime, (ms, fp32_ms) in totals.items():
-        ratio = fp32_ms / ms if ms else None
-        record[regime] = {"ms": ms, "fp32_ms": fp32_ms, "speedup_vs_fp32": ratio,
-                          "slower_than_fp32": ratio is not None and ratio < 1.0,
-                          "chosen": {k: v[regime]["chosen"] for k, v in record["by_kind"].items()}}
-    if any(k.startswith("int8") for k in shapes):
-        record["activation_range"] = activation_range()
-    return record
-
-
-def apply_kernels(model: nn.Module, decode: str, prefill: str, *, kind: str | None = None) -> int:
-    """Set the decode / prefill kernel of the quantized Linears of `model` (of `kind`, or all); returns how many."""
-    from infer_tune.tuners.quantize.modules import LINEAR_KINDS
-
-    n = 0
-    for module in model.modules():
-        if isinstance(module, tuple(LINEAR_KINDS.values())) and (kind is None or module.kind == kind):
-            module.set_kernels(decode, prefill)
-            n += 1
-    return n
-
-
-def make_traceable(model: nn.Module, record: dict | None = None) -> dict:
-    """Swap every non-traceable kernel (fbgemm) of `model` for a traceable one, per kind and regime.
-
-    The replacement is the fastest traceable candidate in `record` (the model's kernel record, its
-    measured timings) when there is one, else `int_mm`. Returns {kind: {regime: (old, new)}} of what changed.
-    """
-    from infer_tune.tuners.quantize.modules import LINEAR_KINDS
-
-    by_kind = (record or {}).get("by_kind") or {}
-    changed: dict = {}
-    for module in model.modules():
-        if not isinstance(module, tuple(LINEAR_KINDS.values())):
-            continue
-        picks = []
-        for regime, current in (("decode", module.decode_kernel), ("prefill", module.prefill_kernel)):
-            if current in TRACEABLE[module.kind]:
-                picks.append(current)
-                continue
-            timings = ((by_kind.get(module.kind) or {}).get(regime) or {}).get("timings_ms") or {}
-            usable = {k: v for k, v in timings.items() if k in TRACEABLE[module.kind] and k in module.KERNELS and v is not None
-                      and k not in excluded(module.kind, regime)}
-            new = min(usable, key=usable.get) if usable else "int_mm"
-            picks.append(new)
-            changed.setdefault(module.kind, {})[regime] = (current, new)
-        module.set_kernels(*picks)
-    return changed

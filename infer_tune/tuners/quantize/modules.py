@@ -13,7 +13,7 @@ a *runtime* form the kernel wants (fbgemm's prepacked int8 matrix, torch's CPU i
   (`aten._weight_int4pack_mm_for_cpu`; it runs in bf16, measured faster than fp32 matmul here).
 
 Which kernel runs is chosen per regime (decode: one row, prefill: many) by measuring on the host
-(`kernels.choose_for_model`); every module can run each of its family's candidates (`set_kernels`).
+(`kernel_choice.choose_for_model`); every module can run each of its family's candidates (`set_kernels`).
 Embeddings are quantized by wrapping the original module (wrap.py), not by a module of this file.
 
 fbgemm keeps its own prepacked copy next to the quantized weight, so resident memory of int8 layers is
@@ -22,10 +22,10 @@ larger than `model_bytes` (which counts the stored weights, as docs/architecture
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import nn
+
+from infer_tune.tuners.quantize.kernels import prepack_int8, reduce_range  # noqa: F401  (prepack_int8: re-exported)
 
 
 # --------------------------------------------------------------------------- packing helpers
@@ -76,14 +76,6 @@ def fbgemm_linear_dynamic(x: torch.Tensor, key: torch.Tensor, out_features: int,
 @fbgemm_linear_dynamic.register_fake
 def _(x: torch.Tensor, key: torch.Tensor, out_features: int, reduce_range: bool) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
-
-
-def prepack_int8(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
-    zero_points = torch.zeros(qweight.shape[0], dtype=torch.long)
-    with warnings.catch_warnings():  # torch.ao deprecation notices are not ours to print
-        warnings.simplefilter("ignore")
-        qtensor = torch._make_per_channel_quantized_tensor(qweight, scale.double(), zero_points, 0)
-        return torch.ops.quantized.linear_prepack(qtensor, bias)
 
 
 class PortableModule(nn.Module):
@@ -146,8 +138,6 @@ class Int8DynamicLinear(PortableModule):
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        from infer_tune.tuners.quantize.kernels import reduce_range
-
         self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
         self.weight_scale = scale.float().contiguous()
         self.bias_f = None if bias is None else bias.detach().float().contiguous()

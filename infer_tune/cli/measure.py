@@ -1,0 +1,70 @@
+"""What every measuring command shares below its own options: the library's RunSpec from the parsed
+common options, and the one-result summary table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+
+from infer_tune.cli import options as opt
+from infer_tune.cli import output
+
+
+def render_result(doc: dict, run_dir: Path | str | None = None) -> None:
+    """A one-result summary table (shared by every measuring command)."""
+    m = doc["metrics"]
+    table = Table(title=f"{doc['technique']} · {doc['model']['ref']} · {doc['workload']['suite']} "
+                        f"({doc['workload']['prompts']} prompts x {doc['workload']['max_new_tokens']} tokens)")
+    table.add_column("metric")
+    table.add_column("p50", justify="right")
+    table.add_column("p90", justify="right")
+    table.add_column("p99", justify="right")
+    table.add_column("n", justify="right")
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        s = m[key]
+        table.add_row(key, output.fmt(s["p50"]), output.fmt(s["p90"]), output.fmt(s["p99"]), str(s["n"]))
+    output.out.print(table)
+    facts = [
+        ("output throughput", f"{output.fmt(m['output_throughput_tok_s'])} tok/s"),
+        ("roofline", f"{output.fmt(m.get('roofline_tok_s'), '.1f')} tok/s ceiling, achieved "
+                     f"{output.fmt(m.get('roofline_fraction'), '.1%')}"),
+        ("peak RSS / model", f"{output.fmt_bytes(m['peak_rss_bytes'])} / {output.fmt_bytes(m['model_bytes'])}"),
+        ("BLEU / chrF", f"{output.fmt(m.get('bleu'))} / {output.fmt(m.get('chrf'))}"),
+        ("perplexity", output.fmt(m.get("ppl"))),
+    ]
+    if m.get("pass_at_1") is not None:
+        facts.append(("pass@1", output.fmt(m["pass_at_1"], ".1%")))
+    if m.get("broken"):
+        facts.append(("verdict", f"BROKEN, not a speedup: {m.get('broken_why')}"))
+    elif m.get("speedup_vs_baseline") is not None:
+        facts.append(("speedup vs baseline", f"{output.fmt(m['speedup_vs_baseline'])}x decode, "
+                                             f"{output.fmt(m.get('ttft_speedup_vs_baseline'))}x TTFT"))
+    if m.get("speedup_vs_baseline") is not None:
+        facts.append(("drift", f"BLEU {output.fmt(m.get('bleu_drift'), '+.2f')}, exact match "
+                               f"{output.fmt(m.get('exact_match_vs_baseline'), '.0%')}, ppl "
+                               f"{output.fmt(m.get('ppl_delta_pct'), '+.2f')}%"))
+    if m.get("verdict_evidence"):
+        facts.append(("verdict evidence", str(m["verdict_evidence"])))
+    noise = m.get("noise") or {}
+    if noise.get("noisy"):
+        facts.append(("noise", "SHAKY: " + "; ".join(noise.get("why") or [])))
+    for name, value in facts:
+        output.out.print(f"  {name:<22} {value}", soft_wrap=True)
+    if run_dir is not None:
+        output.out.print(f"  {'result':<22} {run_dir}/result.json", soft_wrap=True)
+
+
+
+
+def run_spec(opts: opt.MeasureOptions, **overrides):
+    """The library's RunSpec from the parsed common options."""
+    from infer_tune.scenarios.common import RunSpec
+    from infer_tune.workload import Protocol, Workload
+
+    values = dict(model=opts.model, workload=Workload(**opts.workload_values()),
+                  protocol=Protocol(**opts.protocol_values()), threads=opts.threads, device=opts.device,
+                  dtype=opts.dtype, out_dir=opts.out, trust_remote_code=opts.trust_remote_code,
+                  measure_ppl=opts.ppl, resume=opts.resume)
+    values.update(overrides)
+    return RunSpec(**values)
