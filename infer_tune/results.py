@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from infer_tune import atomic
+from infer_tune.document import SCHEMA_VERSION
 from infer_tune.errors import ResultError
 
-SCHEMA_VERSION = 1
 REQUIRED_KEYS = ("schema_version", "run_id", "created_at", "tool", "env", "model", "technique", "config",
                  "workload", "metrics", "samples")
 DISTRIBUTION_METRICS = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")

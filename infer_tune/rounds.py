@@ -14,15 +14,14 @@ import dataclasses
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
+from infer_tune.document import RoundsBlock
 from infer_tune.metrics.stats import log_ratio_interval
 from infer_tune.runners import GenerationRun, PreparedModel, get_runner
 from infer_tune.runners.base import Progress
 from infer_tune.workload import Inputs, Protocol, Workload
 
-# runners that time closed-loop passes over the workload and can run one pass at a time
-ROUND_RUNNERS = frozenset({"generation", "speculative", "lean", "llama-cpp"})
 MIN_ROUNDS = 3  # an interval from two rounds has one degree of freedom: t = 12.7
 # the ratios every candidate reports with an interval: name -> (metric, higher is better for the candidate?)
 RATIOS = {"speedup_vs_baseline": "tpot_ms", "ttft_speedup_vs_baseline": "ttft_ms",
@@ -60,13 +59,13 @@ class RoundsOutcome:
     def block(self, name: str) -> dict:
         """The `metrics.rounds` block of one candidate (or of the baseline)."""
         mine = self.intervals.get(name, {})
-        widths = [iv["half_width_pct"] for iv in mine.values() if iv]
-        return {"design": "interleaved", "rounds": self.rounds, "elapsed_s": self.elapsed_s,
-                "variants": len(self.order[0]) if self.order else 1,
-                "target_half_width_pct": self.target_half_width_pct,
-                "achieved_half_width_pct": max(widths) if widths else None,
-                "target_met": self.target_met if name in self.intervals else None,
-                "stopped_by": self.stopped_by, "baseline_drift_pct": self.baseline_drift_pct}
+        widths = [iv["half_width_pct"] if iv else float("inf") for iv in mine.values()]
+        return asdict(RoundsBlock(
+            rounds=self.rounds, elapsed_s=self.elapsed_s, variants=len(self.order[0]) if self.order else 1,
+            target_half_width_pct=self.target_half_width_pct,
+            achieved_half_width_pct=max(widths) if widths and max(widths) != float("inf") else None,
+            target_met=self.target_met if name in self.intervals else None, stopped_by=self.stopped_by,
+            baseline_drift_pct=self.baseline_drift_pct))
 
 
 def one_pass(protocol: Protocol) -> Protocol:

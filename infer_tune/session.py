@@ -20,12 +20,13 @@ from pathlib import Path
 
 from infer_tune import env as envinfo
 from infer_tune import models, results, rounds, suites
+from infer_tune.document import ResultDocument
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import deltas, kv, noise, quality, roofline
 from infer_tune.metrics.perplexity import reference_perplexity
 from infer_tune.metrics.stats import summarize
 from infer_tune.runners import GenerationRun, PreparedModel, get_runner
-from infer_tune.runners.base import Progress
+from infer_tune.runners.base import PASS_RUNNERS, Progress
 from infer_tune.tuners.base import TECHNIQUES, RunContext, TechniqueConfig, load_techniques, technique_for
 from infer_tune.workload import Inputs, Protocol, Workload, prepare_inputs, workload_block
 
@@ -193,31 +194,30 @@ def build_document(
             if interval is not None:  # the rounds' geometric mean: the figure its interval is about
                 metrics[name] = interval["point"]
                 metrics[f"{name}_ci95"] = interval["ci95"]
-    result = {
-        "schema_version": results.SCHEMA_VERSION,
-        "run_id": results.new_run_id(technique, prepared.label),
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "tool": envinfo.tool_info(),
-        "env": env,
+    result = ResultDocument(
+        run_id=results.new_run_id(technique, prepared.label),
+        created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        tool=envinfo.tool_info(),
+        env=env,
         # params: the logical parameter count of the source model (a quantized copy stores fewer
         # nn.Parameters); model_bytes: what the prepared model really stores (+ a draft's weights)
-        "model": {"ref": loaded.ref, "path": loaded.path,
-                  "params": models.count_params(loaded.model) if loaded.model is not None else None,
-                  "model_bytes": weight_bytes, "dtype": loaded.dtype,
-                  "content_id": models.content_id(loaded) if loaded.model is not None else None},
-        "technique": technique,
-        "label": prepared.label,
-        "config": config,
-        "runner": runner,
-        "workload": {**workload_block(workload, inputs), "suite_id": suites.content_id(workload.suite)},
-        "protocol": asdict(protocol),
-        "metrics": metrics,
-        "samples": samples,
-        "baseline_run_id": baseline["run_id"] if baseline else None,
-        "fingerprint": run_fingerprint(loaded, technique, config, workload, env, execute, protocol=protocol,
-                                       measure_ppl=measure_ppl),
-    }
-    return result, outputs
+        model={"ref": loaded.ref, "path": loaded.path,
+               "params": models.count_params(loaded.model) if loaded.model is not None else None,
+               "model_bytes": weight_bytes, "dtype": loaded.dtype,
+               "content_id": models.content_id(loaded) if loaded.model is not None else None},
+        technique=technique,
+        label=prepared.label,
+        config=config,
+        runner=runner,
+        workload={**workload_block(workload, inputs), "suite_id": suites.content_id(workload.suite)},
+        protocol=asdict(protocol),
+        metrics=metrics,
+        samples=samples,
+        baseline_run_id=baseline["run_id"] if baseline else None,
+        fingerprint=run_fingerprint(loaded, technique, config, workload, env, execute, protocol=protocol,
+                                    measure_ppl=measure_ppl),
+    )
+    return result.to_dict(), outputs
 
 
 def find_result(out_dir: Path, fingerprint: str, technique: str | None = None) -> dict | None:
@@ -288,10 +288,11 @@ def run_configs(
     measure_ppl: bool = True,
     execute: bool = False,
 ) -> tuple[dict, list[dict]]:
-    """Baseline (measured or reused), then every config prepared, measured by its runner and saved.
+    """Every config prepared, measured beside the baseline (interleaved rounds where its runner runs in
+    passes, else alone against the baseline) and saved (module docstring; docs/architecture.md).
 
-    Each finished config is saved at once (atomically), so an interrupted sweep keeps its rows and
-    `resume=True` skips them. A technique's `annotate` hook sees the results measured before it.
+    Results are saved atomically as each group finishes, so an interrupted sweep keeps its rows and
+    `resume=True` skips them. A technique's `annotate` hook sees the results finished before it.
     Returns (baseline document, candidate documents in config order).
     """
     configs = resolve_configs(configs, ctx)
@@ -323,7 +324,7 @@ def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, proto
             entry = technique_for(config)
             prepared = entry.prepare(loaded, config, ctx)
             prepared.device = ctx.device
-            if (prepared.runner or entry.runner) in rounds.ROUND_RUNNERS:
+            if (prepared.runner or entry.runner) in PASS_RUNNERS:
                 group.append((i, prepared))
                 if not fits_another(loaded, group):  # hold no more variants than memory allows
                     sweep.measure_group(group, configs, docs)
@@ -339,16 +340,11 @@ def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, proto
             if prepared.cleanup:
                 prepared.cleanup()
     measured = [d for d in docs if d is not None]
-    baseline = sweep.baseline or _existing_baseline(sweep, measured, reuse_baseline)
+    if sweep.baseline is None:  # every config was found done (resume), or there were none: reuse or measure one
+        sweep.baseline, _, _ = ensure_baseline(loaded, inputs, workload, protocol, ctx, reuse=True,
+                                               measure_ppl=measure_ppl, execute=execute)
     summarize_sweep(measured)
-    return baseline, measured
-
-
-def _existing_baseline(sweep: _Sweep, docs: list[dict], reuse: bool) -> dict:
-    """The baseline of a sweep whose configs were all found done (resume), or one measured now."""
-    doc, _, _ = ensure_baseline(sweep.loaded, sweep.inputs, sweep.workload, sweep.protocol, sweep.ctx, reuse=True,
-                                measure_ppl=sweep.measure_ppl, execute=sweep.execute)
-    return doc
+    return sweep.baseline, measured
 
 
 def fits_another(loaded: models.LoadedModel, group: list) -> bool:
@@ -416,8 +412,13 @@ class _Sweep:
                                       self.protocol, technique="baseline", config={}, env=self.ctx.env,
                                       runner="generation", host=host, measure_ppl=self.measure_ppl,
                                       execute=self.execute, rounds_block=outcome.block("baseline"))
-        saved = results.save_run(self.ctx.out_dir, doc, outputs)
-        doc["_path"] = str(saved.run_dir)
+        # one baseline row per measurement (fingerprint) in a runs directory: a later sweep's rounds refresh it
+        existing = find_result(self.ctx.out_dir, doc["fingerprint"], "baseline")
+        if existing is not None:
+            doc["run_id"], doc["_path"] = existing["run_id"], existing["_path"]
+            results.update_result(doc)
+        else:
+            doc["_path"] = str(results.save_run(self.ctx.out_dir, doc, outputs).run_dir)
         return doc, outputs
 
     def measure_alone(self, i: int, config: TechniqueConfig, prepared: PreparedModel, docs: list[dict | None], *,
@@ -451,6 +452,8 @@ class _Sweep:
             measure_ppl=self.measure_ppl and entry.measure_ppl, execute=self.execute,
             per_position=any(technique_for(p).per_position for p in config.parts()), rounds_block=rounds_block,
             ratios=ratios)
+        objectives = [technique_for(p).objective for p in config.parts()]
+        doc["objective"] = next((o for o in objectives if o != "decode"), "decode")  # what it is ranked on
         files = entry.finalize(config, doc, outputs, prepared, self.inputs, self.ctx) if entry.finalize else None
         if entry.annotate:
             entry.annotate(doc, [d for d in earlier if d is not None])

@@ -263,3 +263,38 @@ def test_a_technique_document_is_the_same_whichever_command_ran_it(tiny_loaded, 
         assert (Path(doc["_path"]) / "trace.jsonl").is_file() and doc["workload"]["rate"] == 50.0
     # the command adds what its own options define (goodput under its SLOs), nothing the recipe row lacks
     assert set(recipe_batch["metrics"]) <= set(command_batch["metrics"])
+
+
+def test_a_technique_from_its_own_package_reaches_every_surface(tiny_model_dir, prompts_file, tmp_path):
+    """Registered by this test alone, a technique runs in `bench --recipe`, stacks in its phase after the
+    weights, is offered to `tune`, and shows in the claims table and the report: nothing else lists it."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from infer_tune.cli import app
+    from infer_tune.scenarios.tune_plan import TuneSpec, single_candidates
+    from tests.plugins import echo
+
+    echo.register()
+    try:
+        recipe = tmp_path / "echo.yaml"
+        recipe.write_text("configs:\n  - {technique: test-echo, tag: b}\n"
+                          "  - {technique: stack, configs: [{technique: test-echo}, {technique: quantize, method: bf16}]}\n")
+        out = tmp_path / "runs"
+        result = CliRunner().invoke(app, ["bench", "--recipe", str(recipe), "--model", str(tiny_model_dir), "--suite",
+                                          str(prompts_file), "--limit", "2", "--max-new-tokens", "4", "--out", str(out),
+                                          "--warmup", "0", "--min-iterations", "1", "--min-duration", "0",
+                                          "--threads", "1", "--json"])
+        assert result.exit_code == 0, result.output
+        docs = json.loads(result.stdout)
+        by = {d["technique"]: d for d in docs}
+        assert by["test-echo"]["metrics"]["echo_tag"] == "b" and by["test-echo"]["metrics"]["output_mismatches"] == 0
+        assert [p["technique"] for p in by["stack"]["config"]["configs"]] == ["quantize", "test-echo"]
+        assert CliRunner().invoke(app, ["leaderboard", str(out)]).exit_code == 0
+        assert echo.STATEMENT in (out / "leaderboard.md").read_text()
+        assert "echo-b" in (out / "leaderboard.html").read_text()
+        offered = [c.config for c in single_candidates(TuneSpec(), {})]
+        assert echo.EchoConfig(tag="tuned") in offered
+    finally:
+        echo.unregister()

@@ -103,10 +103,12 @@ def test_recommendation_respects_the_drift_budget_and_lossless(tmp_path):
 
 def test_claims_table_from_synthetic_results():
     from infer_tune.report import claims
+    from infer_tune.tuners.quantize.pipeline import claim_finding
 
     q = make_result("q", technique="quantize", claim_check={
         "claim": "INT8 halves weight memory", "method": "int8-dynamic", "bytes_ratio_vs_16bit": 0.5,
-        "speedup_judged": 1.8, "speedup_vs_16bit": 1.8, "ppl_delta_pct": 1.2, "bleu_drift": 0.1, "held": False})
+        "speedup_judged": 1.8, "speedup_vs_16bit": 1.8, "ppl_delta_pct": 1.2, "bleu_drift": 0.1, "held": False,
+        "finding": claim_finding("int8-dynamic", 0.5, 1.8, True, 1.2, 0.1)})
     g = make_result("g", technique="speculate", claims=[{"statement": "2-4x on code", "measured": "1.3x",
                                                           "held": None, "why": "no draft on this device"}])
     rows = claims.collect([q, q, g])

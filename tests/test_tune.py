@@ -394,3 +394,22 @@ def test_int4_siblings_merge_into_one_call_with_the_same_result():
         inputs, removed = fuse_int4_siblings(gm, inputs)
         assert removed == 2 and calls() == 4  # q, k, v merged; a and b left apart
         assert torch.equal(gm(*inputs)[0], reference)
+
+
+def test_tune_decides_from_intervals_and_names_overlapping_contenders():
+    from infer_tune.scenarios.tune_plan import Candidate, TuneSpec, decide, judge
+
+    spec = TuneSpec(max_ppl_delta=5, max_bleu_drift=1.0)
+    tight = _doc(8.0, speedup_vs_baseline=2.5, speedup_vs_baseline_ci95=[2.45, 2.55])
+    wide = _doc(7.5, speedup_vs_baseline=2.7, speedup_vs_baseline_ci95=[2.0, 3.4])
+    apart = _doc(12.0, speedup_vs_baseline=1.6, speedup_vs_baseline_ci95=[1.55, 1.65])
+    straddles = _doc(19.0, speedup_vs_baseline=1.04, speedup_vs_baseline_ci95=[0.95, 1.13])
+    assert "whole 95% interval" in judge(straddles, spec, lossless_claimed=False).reasons[0]
+    cands = []
+    for doc in (tight, wide, apart, straddles):
+        c = Candidate(QuantizeConfig(), lossless=False, doc=doc, status="measured")
+        c.eligible = judge(doc, spec, lossless_claimed=False).eligible
+        cands.append(c)
+    winner, contenders = decide(cands, _doc(20.0), "decode")
+    assert winner is tight  # the highest lower bound, not the highest point (wide's 2.7)
+    assert [c.doc for c in contenders] == [tight, wide]  # apart's interval does not reach 2.45

@@ -35,7 +35,7 @@ def print_recommendation(rec, budget) -> None:
 
     if rec.doc is not None:
         output.out.print(f"recommended ({lb.budget_summary(budget)}): {rec.doc['technique']} {rec.doc.get('label', '')}"
-                         f"; reproduce: {rec.command}", markup=False, soft_wrap=True)
+                         f" -- {rec.decision()}; reproduce: {rec.command}", markup=False, soft_wrap=True)
     else:
         output.out.print(f"no configuration to recommend within {lb.budget_summary(budget)}", markup=False,
                          soft_wrap=True)

@@ -36,8 +36,14 @@ BatchSize = Annotated[int, typer.Option("--batch-size", "-b", help="Requests per
 Threads = Annotated[int | None, typer.Option("--threads", help="torch intra-op threads (default: physical cores).")]
 Seed = Annotated[int, typer.Option("--seed", help="Seed for prompt sampling and bootstrap.")]
 Warmup = Annotated[int, typer.Option("--warmup", help="Untimed warmup generate calls (the first is reported as first_call_ms).")]
-MinIterations = Annotated[int, typer.Option("--min-iterations", help="Minimum timed passes over the workload.")]
+MinIterations = Annotated[int, typer.Option("--min-iterations", help=(
+    "Minimum timed passes over the workload (rounds, when candidates are measured beside the baseline; at least 3)."))]
 MinDuration = Annotated[float, typer.Option("--min-duration", help="Minimum timed seconds; passes repeat until both minimums are met.")]
+TargetCI = Annotated[float, typer.Option("--target-ci", help=(
+    "Interleaved rounds stop when every speedup's 95% interval is within +-this % (half-width)."))]
+MaxRounds = Annotated[int, typer.Option("--max-rounds", help="Most interleaved rounds before giving up on --target-ci.")]
+MaxRoundSeconds = Annotated[float, typer.Option("--max-round-seconds", help=(
+    "Time budget of one sweep's rounds (s); a sweep that misses --target-ci in it is flagged noisy."))]
 # latency objectives of the serving commands (batch serve-sim, endpoint sim, bench --endpoint): goodput counts the
 # requests that meet all of those given (metrics/saturation.py)
 SloTtft = Annotated[float | None, typer.Option("--slo-ttft-ms", help="Goodput SLO: TTFT at most this many ms (from arrival).")]
@@ -82,6 +88,9 @@ class MeasureOptions:
     warmup: int = 1
     min_iterations: int = 2
     min_duration: float = 5.0
+    target_ci: float = 2.0
+    max_rounds: int = 20
+    max_round_seconds: float = 300.0
     out: Path = Path("runs")
     lang: str = "en"
     prompt_field: str = "prompt"
@@ -112,6 +121,12 @@ class MeasureOptions:
             raise ConfigError(f"--lang must be one of {', '.join(LANGS)}, got '{self.lang}'")
         if not 0 <= self.min_duration < float("inf"):
             raise ConfigError(f"--min-duration must be a finite number of seconds >= 0, got {self.min_duration}")
+        if not 0 < self.target_ci < 100:
+            raise ConfigError(f"--target-ci must be a percentage in (0, 100), got {self.target_ci}")
+        if self.max_rounds < 2:
+            raise ConfigError(f"--max-rounds must be >= 2, got {self.max_rounds}")
+        if not 0 <= self.max_round_seconds < float("inf"):
+            raise ConfigError(f"--max-round-seconds must be a finite number of seconds >= 0, got {self.max_round_seconds}")
 
     def workload_values(self) -> dict[str, Any]:
         return dict(suite=self.suite, limit=self.limit, seed=self.seed, max_new_tokens=self.max_new_tokens,
@@ -120,11 +135,14 @@ class MeasureOptions:
                     reference_field=self.reference_field)
 
     def protocol_values(self) -> dict[str, Any]:
-        return dict(warmup=self.warmup, min_iterations=self.min_iterations, min_duration_s=self.min_duration)
+        return dict(warmup=self.warmup, min_iterations=self.min_iterations, min_duration_s=self.min_duration,
+                    target_half_width_pct=self.target_ci, max_rounds=self.max_rounds,
+                    max_duration_s=self.max_round_seconds)
 
     def given(self, values: dict[str, Any], renames: dict[str, str] | None = None) -> dict[str, Any]:
         """The subset of `values` whose options were given on the command line."""
-        renames = renames or {"min_duration_s": "min_duration"}
+        renames = renames or {"min_duration_s": "min_duration", "target_half_width_pct": "target_ci",
+                              "max_duration_s": "max_round_seconds"}
         return {k: v for k, v in values.items() if renames.get(k, k) in self.explicit}
 
 
@@ -132,7 +150,8 @@ class MeasureOptions:
 COMMON: dict[str, Any] = {
     "model": Model, "suite": Suite, "limit": Limit, "max_new_tokens": MaxNewTokens, "batch_size": BatchSize,
     "threads": Threads, "seed": Seed, "warmup": Warmup, "min_iterations": MinIterations,
-    "min_duration": MinDuration, "out": Out, "lang": Lang, "prompt_field": PromptField,
+    "min_duration": MinDuration, "target_ci": TargetCI, "max_rounds": MaxRounds,
+    "max_round_seconds": MaxRoundSeconds, "out": Out, "lang": Lang, "prompt_field": PromptField,
     "reference_field": ReferenceField, "chat_template": ChatTemplate, "max_prompt_tokens": MaxPromptTokens,
     "dtype": Dtype, "device": Device, "trust_remote_code": TrustRemoteCode, "ppl": Ppl, "resume": Resume,
     "json_out": Json, "debug": Debug,

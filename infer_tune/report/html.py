@@ -102,7 +102,8 @@ def recommendation_block(rec: Recommendation, budget_text: str) -> str:
             f"{display.times(m.get('speedup_vs_baseline'))} decode, TTFT {display.ms((m.get('ttft_ms') or {}).get('p50'))}, "
             f"perplexity {display.signed_pct(m.get('ppl_delta_pct'))}, "
             f"same output as baseline {display.pct(m.get('exact_match_vs_baseline'))} "
-            f"(within {_esc(budget_text)}).</p><p>Reproduce: <code>{_esc(rec.command)}</code></p>{saved}</div>")
+            f"(within {_esc(budget_text)}).</p><p>{_esc(rec.decision())}.</p>"
+            f"<p>Reproduce: <code>{_esc(rec.command)}</code></p>{saved}</div>")
 
 
 def environment_block(env: dict) -> str:

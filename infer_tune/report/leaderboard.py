@@ -212,6 +212,7 @@ def to_markdown(rows: list[dict], found_claims: list, rec, budget_text: str) -> 
     else:
         m = rec.doc["metrics"]
         parts.append(f"**{rec.doc['technique']} {rec.doc.get('label', '')}**: {display.times(m.get('speedup_vs_baseline'))} "
-                     f"decode, perplexity {display.signed_pct(m.get('ppl_delta_pct'))} (within {budget_text}).\n\n"
+                     f"decode, perplexity {display.signed_pct(m.get('ppl_delta_pct'))} (within {budget_text}); "
+                     f"{rec.decision()}.\n\n"
                      f"Reproduce: `{rec.command}`" + (f"\n\nSaved model: `{rec.saved_model}`" if rec.saved_model else ""))
     return "\n".join(parts) + "\n"

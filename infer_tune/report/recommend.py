@@ -1,4 +1,14 @@
-"""The recommended configuration: the fastest result within a drift budget, and how to reproduce it."""
+"""The recommended configuration: the fastest result within a drift budget, decided from intervals, and
+how to reproduce it.
+
+Rows are ranked on the objective their technique is judged on (the document's `objective`, written
+by the engine from the technique's registry entry: `decode` for single-stream techniques,
+`throughput` for batching); `Budget.objective` "auto" takes the decode rows when there are any.
+The winner is the row whose 95% interval of the objective has the highest lower bound; rows whose
+interval overlaps the winner's are its contenders, and the recommendation says it is not separated
+from them (measure more rounds to decide). A decode / TTFT winner must beat the baseline with its
+whole interval. A noise flag never removes a row: a row's interval is its noise.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +29,7 @@ class Budget:
     max_bleu_drift: float | None = 1.0  # points of BLEU lost at most
     max_ppl_delta: float | None = 5.0  # perplexity change in % at most
     require_lossless: bool = False  # token-identical to the baseline's outputs
-    objective: str = "decode"
+    objective: str = "auto"  # decode / ttft / throughput, or auto: the rows' own objective (decode first)
 
 
 @dataclass
@@ -28,17 +38,41 @@ class Recommendation:
     reasons: list[str] = field(default_factory=list)  # why others were excluded (one per excluded run)
     command: str = ""
     saved_model: str | None = None
+    objective: str = "decode"  # what the rows were ranked on
+    interval: list[float] | None = None  # the winner's 95% interval of the objective (None: measured once)
+    contenders: list[str] = field(default_factory=list)  # run ids whose interval overlaps the winner's
+    separated: bool = True  # the winner's interval is clear of every other eligible row's
+
+    def decision(self) -> str:
+        """What the recommendation rests on, in one line: the objective, its interval, the contenders."""
+        if self.doc is None:
+            return ""
+        m = self.doc.get("metrics") or {}
+        value = _num(m.get(OBJECTIVES[self.objective]))
+        what = {"decode": "decode speedup", "ttft": "TTFT speedup", "throughput": "output throughput"}[self.objective]
+        shown = f"{value:.2f}x" if value is not None else "-"
+        if self.interval:
+            shown += f" [{self.interval[0]:.2f}, {self.interval[1]:.2f}] (95%)"
+        else:
+            shown += " (measured once, no interval)"
+        if self.objective == "throughput":
+            shown += " of the baseline's"
+        tail = ("separated from every other row" if self.separated else
+                f"not separated from {len(self.contenders)} other row(s) whose interval overlaps: "
+                "measure more rounds to decide")
+        return f"ranked on {what}: {shown}; {tail}"
 
     def to_dict(self) -> dict:
         return {"run_id": self.doc["run_id"] if self.doc else None, "command": self.command,
-                "saved_model": self.saved_model, "excluded": self.reasons}
+                "saved_model": self.saved_model, "excluded": self.reasons, "objective": self.objective,
+                "interval": self.interval, "contenders": self.contenders, "separated": self.separated}
 
 
 def _num(v) -> float | None:
     return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
 
 
-def excluded_because(doc: dict, budget: Budget) -> str | None:
+def excluded_because(doc: dict, budget: Budget, objective: str = "decode") -> str | None:
     m = doc.get("metrics") or {}
     row = {**m, "technique": doc.get("technique")}
     if is_broken(row):
@@ -50,9 +84,7 @@ def excluded_because(doc: dict, budget: Budget) -> str | None:
         return f"perplexity {ppl:+.2f}% over the {budget.max_ppl_delta:g}% budget"
     if budget.max_bleu_drift is not None and drift is not None and drift < -budget.max_bleu_drift:
         return f"BLEU drift {drift:+.2f} over the {budget.max_bleu_drift:g}-point budget"
-    if (m.get("noise") or {}).get("noisy"):
-        return "timing flagged noisy (the machine was not idle while it ran): measure again before choosing"
-    if _num(m.get(OBJECTIVES[budget.objective])) is None:
+    if _num(m.get(OBJECTIVES[objective])) is None:
         return "no measured speedup against a baseline"
     return None
 
@@ -68,25 +100,54 @@ def reproduce_command(doc: dict) -> str:
             f"--max-new-tokens {w.get('max_new_tokens')} --batch-size {w.get('batch_size', 1)}")
 
 
+def interval_of(doc: dict, objective: str) -> tuple[float, float, float] | None:
+    """(low, point, high) of a row's objective; a row measured once has low == point == high."""
+    key = OBJECTIVES[objective]
+    m = doc.get("metrics") or {}
+    point = _num(m.get(key))
+    if point is None:
+        return None
+    ci = m.get(f"{key}_ci95")
+    if isinstance(ci, list) and len(ci) == 2 and all(_num(v) is not None for v in ci):
+        return float(ci[0]), point, float(ci[1])
+    return point, point, point
+
+
+def row_objective(doc: dict) -> str:
+    value = doc.get("objective")
+    return value if value in OBJECTIVES else "decode"
+
+
 def recommend(docs: list[dict], budget: Budget) -> Recommendation:
-    """The candidate with the best objective among those within the budget (baselines excluded)."""
-    key = OBJECTIVES[budget.objective]
+    """The candidate whose objective interval has the highest lower bound among those within the budget
+    (baselines excluded), with its contenders (module docstring)."""
+    candidates = [d for d in docs if d.get("technique") not in ("baseline", None) and d.get("baseline_run_id")]
+    objective = budget.objective
+    if objective == "auto":
+        kinds = {row_objective(d) for d in candidates}
+        objective = "decode" if "decode" in kinds or not kinds else sorted(kinds)[0]
     eligible, reasons = [], []
-    for doc in docs:
-        if doc.get("technique") in ("baseline", None) or doc.get("baseline_run_id") is None:
-            continue
-        why = excluded_because(doc, budget)
+    for doc in candidates:
+        if budget.objective == "auto" and row_objective(doc) != objective:
+            continue  # ranked with the rows of its own objective, not against single-stream decode
+        why = excluded_because(doc, budget, objective)
         if why:
             reasons.append(f"{doc.get('technique')} {doc.get('label', '')}: {why}".strip())
         else:
             eligible.append(doc)
     if not eligible:
-        return Recommendation(doc=None, reasons=reasons)
-    best = max(eligible, key=lambda d: _num(d["metrics"].get(key)) or 0.0)
-    if (_num(best["metrics"].get(key)) or 0.0) <= 1.0:
-        reasons.append("no configuration within the budget beat the baseline on this device")
-        return Recommendation(doc=None, reasons=reasons)
-    saved = best["metrics"].get("save_dir") if best.get("technique") == "quantize" else None
+        return Recommendation(doc=None, reasons=reasons, objective=objective)
+    best = max(eligible, key=lambda d: interval_of(d, objective))
+    low, point, high = interval_of(best, objective)
+    contenders = [d["run_id"] for d in eligible if d is not best and interval_of(d, objective)[2] >= low]
+    interval = [low, high] if low != high else None
+    if objective != "throughput" and low <= 1.0:
+        shown = f"{point:.2f}x [{low:.2f}, {high:.2f}]" if interval else f"{point:.2f}x"
+        reasons.append(f"no configuration within the budget beat the baseline with its whole interval on this "
+                       f"device (best: {best.get('label')} {shown})")
+        return Recommendation(doc=None, reasons=reasons, objective=objective, contenders=contenders)
+    saved = best["metrics"].get("save_dir")  # a technique that saved what it built (quantized weights)
     if saved and not Path(saved).is_dir():  # a temporary save, deleted when its run ended
         saved = None
-    return Recommendation(doc=best, reasons=reasons, command=reproduce_command(best), saved_model=saved)
+    return Recommendation(doc=best, reasons=reasons, command=reproduce_command(best), saved_model=saved,
+                          objective=objective, interval=interval, contenders=contenders, separated=not contenders)

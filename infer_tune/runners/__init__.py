@@ -14,11 +14,22 @@ from infer_tune.runners.base import (
     Protocol,
     RequestTiming,
     TokenClock,
-    get_runner,
     register_runner,
 )
 from infer_tune.runners.generation import measure_generation
 from infer_tune.runners.prepared import PreparedModel, RunCounters
+
+
+def get_runner(name: str):
+    """The runner registered under `name` (the built-in ones are imported with this package; a technique's
+    own runner registers when the technique registry imports its folder)."""
+    from infer_tune.errors import ConfigError
+
+    try:
+        return RUNNERS[name]
+    except KeyError:
+        raise ConfigError(f"no runner named '{name}'; known: {', '.join(sorted(RUNNERS))}") from None
+
 
 __all__ = ["RUNNERS", "GenerationRun", "Output", "PreparedModel", "Protocol", "RequestTiming", "RunCounters",
            "TokenClock", "get_runner", "measure_generation", "register_runner"]

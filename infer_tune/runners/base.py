@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from infer_tune.errors import ConfigError
 from infer_tune.workload import Protocol
 
 if TYPE_CHECKING:
@@ -180,23 +179,21 @@ RunnerFn = Callable[["PreparedModel", "Inputs", "Workload", Protocol, "Progress 
 RUNNERS: dict[str, RunnerFn] = {}
 
 
-def register_runner(name: str) -> Callable[[RunnerFn], RunnerFn]:
-    """Register a runner under `name` (the value a technique's `runner=` names)."""
+PASS_RUNNERS: set[str] = set()  # runners that time closed-loop passes and run one pass per call when asked
+
+
+def register_runner(name: str, *, passes: bool = False) -> Callable[[RunnerFn], RunnerFn]:
+    """Register a runner under `name` (the value a technique's `runner=` names). `passes=True`: it times
+    whole passes over the workload (warmup, then `min_iterations` passes), so the sweep engine can run
+    it one pass per round beside the baseline (docs/architecture.md, "The sweep engine")."""
 
     def decorator(fn: RunnerFn) -> RunnerFn:
         RUNNERS[name] = fn
+        if passes:
+            PASS_RUNNERS.add(name)
         return fn
 
     return decorator
-
-
-def get_runner(name: str) -> RunnerFn:
-    import infer_tune.runners  # noqa: F401  (registers the built-in runners)
-
-    try:
-        return RUNNERS[name]
-    except KeyError:
-        raise ConfigError(f"no runner named '{name}'; known: {', '.join(sorted(RUNNERS))}") from None
 
 
 def sync(device: str) -> None:

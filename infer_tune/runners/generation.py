@@ -260,14 +260,14 @@ def measure_generation(
     )
 
 
-@register_runner("generation")
+@register_runner("generation", passes=True)
 def run_generation(prepared: PreparedModel, inputs, workload, protocol: Protocol,
                    progress: Progress | None = None) -> GenerationRun:
     """The closed-loop runner: fixed batches, one `generate` call each, repeated per the protocol."""
     return measure_generation(prepared, inputs.batches, workload.max_new_tokens, protocol, progress=progress)
 
 
-@register_runner("speculative")
+@register_runner("speculative", passes=True)
 def run_speculative(prepared: PreparedModel, inputs, workload, protocol: Protocol,
                     progress: Progress | None = None) -> GenerationRun:
     """Multi-token steps (assisted / speculative generation): the closed loop at batch size 1.

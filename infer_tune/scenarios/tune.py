@@ -9,7 +9,9 @@
    path) measured right after it, so the likely winner is measured early in the budget.
    Before each candidate the remaining time budget is checked against what similar candidates cost;
    what does not fit is skipped and listed.
-4. The winner (best objective among eligible results, else the baseline), a recipe that reproduces
+4. The winner from intervals (tune_plan.decide: the highest lower bound of the objective's 95%
+   interval; candidates overlapping it are measured again together in shared rounds while the budget
+   allows, and a winner still not separated is said so), else the baseline; a recipe that reproduces
    it (`bench --recipe`), its quantized weights copied out of the scratch area, and whether it beat
    the reference.
 """
@@ -29,10 +31,10 @@ from infer_tune.scenarios.common import RunSpec, open_run
 from infer_tune.scenarios.tune_plan import (
     Candidate,
     TuneSpec,
+    decide,
     decode_tok_s,
     host_screen,
     judge,
-    pick_winner,
     score,
     single_candidates,
     stack_candidates,
@@ -142,7 +144,7 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
                 stacked += 1
                 candidates += stacks
                 queue[:0] = stacks  # the stacks of a method that may win are measured next
-        winner = pick_winner(candidates, baseline, tune.objective)
+        winner = _decide(candidates, baseline, run, spec, tune, ctx, budget, notes, note)
         if winner is baseline:
             notes.append("nothing measured beat the baseline within the budgets; ship the plain model")
         weights = _copy_weights(winner, tune_dir)
@@ -153,6 +155,37 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
     return TuneOutcome(baseline=baseline, winner=winner, candidates=candidates, reference=reference, screen=screen,
                        tune_dir=tune_dir, recipe_path=recipe_path, command=command, weights_dir=weights,
                        versus_reference=versus_reference(winner, reference), elapsed_s=budget.elapsed, notes=notes)
+
+
+def _decide(candidates: list[Candidate], baseline: dict, run, spec: RunSpec, tune: TuneSpec, ctx, budget: Budget,
+            notes: list[str], note) -> dict:
+    """The winner from intervals. When eligible candidates' intervals overlap the leader's, the
+    contenders are measured again together, in shared interleaved rounds with the baseline, while the
+    budget allows; still overlapping, the highest lower bound wins and the notes say it is not separated."""
+    winner, contenders = decide(candidates, baseline, tune.objective)
+    if len(contenders) > 1:
+        expected = sum(budget.expected(c) for c in contenders)
+        if budget.elapsed + expected <= budget.seconds:
+            note(f"tune: {len(contenders)} contenders overlap the leader; measuring them together", 0, 1)
+            started = time.monotonic()
+            try:
+                _, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol,
+                                      [c.config for c in contenders], ctx, measure_ppl=spec.measure_ppl)
+            except InferTuneError as exc:
+                notes.append(f"contenders not measured again: {exc}")
+            else:
+                for cand, doc in zip(contenders, docs):
+                    cand.doc = doc
+                    verdict = judge(doc, tune, lossless_claimed=cand.lossless)
+                    cand.eligible, cand.reason = verdict.eligible, "; ".join(verdict.reasons) or None
+                winner, contenders = decide(candidates, baseline, tune.objective)
+            budget.costs.append(time.monotonic() - started)
+        else:
+            notes.append(f"{len(contenders)} contenders overlap but the budget has no room to measure them together")
+    if len(contenders) > 1:
+        notes.append("the winner is not separated from " + ", ".join(c.label for c in contenders[1:])
+                     + " (95% intervals overlap); the highest lower bound was taken")
+    return winner
 
 
 def _measure(cand: Candidate, run, spec: RunSpec, tune: TuneSpec, ctx, budget: Budget) -> None:

@@ -181,8 +181,9 @@ def prune_reason(screen_row: dict, objective: str) -> str | None:
 
 # --------------------------------------------------------------------------- plan
 def single_candidates(spec: TuneSpec, screen: dict) -> list[Candidate]:
-    """Quantize methods (most promising first; pruned ones carry the reason) and the lossless lean path."""
-    from infer_tune.tuners.lean import LeanConfig
+    """Quantize methods (most promising first; pruned ones carry the reason), then what every other
+    technique's registry entry offers `tune` (`tune_candidates`: the lossless lean path, ...)."""
+    from infer_tune.tuners.base import TECHNIQUES, load_techniques
     from infer_tune.tuners.quantize import QuantizeConfig
 
     regime = "prefill" if spec.objective == "ttft" else "decode"
@@ -196,9 +197,12 @@ def single_candidates(spec: TuneSpec, screen: dict) -> list[Candidate]:
                 cand.status, cand.reason = "pruned", reason
             out.append(cand)
         out.sort(key=lambda c: (c.status == "pruned", -(c.estimate or 0.0)))
-    if spec.compile and spec.objective != "ttft":
-        out.append(Candidate(LeanConfig(compile=True), lossless=True, compiles=True))
-    out.append(Candidate(LeanConfig(compile=False), lossless=True))
+    load_techniques()
+    for entry in list(TECHNIQUES.values()):
+        for config, attrs in (entry.tune_candidates(spec) if entry.tune_candidates else []):
+            if spec.require_lossless and not attrs.get("lossless"):
+                continue
+            out.append(Candidate(config, lossless=bool(attrs.get("lossless")), compiles=bool(attrs.get("compiles"))))
     return out
 
 
@@ -255,16 +259,29 @@ def judge(doc: dict, spec: TuneSpec, *, lossless_claimed: bool) -> Judgement:
         reasons.append(f"its {regime} kernels are slower than fp32 on this host")
     key = {"decode": "speedup_vs_baseline", "ttft": "ttft_speedup_vs_baseline",
            "throughput": "throughput_ratio_vs_baseline"}[spec.objective]
-    ratio = m.get(key)
-    if ratio is None or ratio <= 1.0:
-        reasons.append(f"not faster than the baseline ({key} {ratio:.2f})" if ratio is not None
-                       else f"no {key} measured")
+    ratio, ci = m.get(key), m.get(f"{key}_ci95")
+    low = ci[0] if isinstance(ci, list) and len(ci) == 2 else ratio
+    if ratio is None or low <= 1.0:
+        shown = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if low is not ratio else ""
+        reasons.append(f"not faster than the baseline with its whole 95% interval ({key} {ratio:.2f}{shown})"
+                       if ratio is not None else f"no {key} measured")
     return Judgement(eligible=not reasons, reasons=reasons)
 
 
 def pick_winner(candidates: list[Candidate], baseline: dict, objective: str) -> dict:
-    """The eligible measured result with the best objective score; the baseline when none is eligible."""
-    eligible = [c for c in candidates if c.eligible and c.doc is not None]
+    """The eligible measured result whose objective interval has the highest lower bound (its ratio
+    against the baseline measured in the same rounds); the baseline when none is eligible."""
+    return decide(candidates, baseline, objective)[0]
+
+
+def decide(candidates: list[Candidate], baseline: dict, objective: str) -> tuple[dict, list[Candidate]]:
+    """(winner, contenders): the winner as in `pick_winner`, and the eligible candidates whose interval
+    reaches the winner's lower bound (the winner first; one entry when it is separated from the rest)."""
+    from infer_tune.report.recommend import interval_of
+
+    eligible = [c for c in candidates if c.eligible and c.doc is not None and interval_of(c.doc, objective)]
     if not eligible:
-        return baseline
-    return max(eligible, key=lambda c: score(c.doc, objective) or float("-inf")).doc
+        return baseline, []
+    best = max(eligible, key=lambda c: interval_of(c.doc, objective))
+    low = interval_of(best.doc, objective)[0]
+    return best.doc, [best] + [c for c in eligible if c is not best and interval_of(c.doc, objective)[2] >= low]

@@ -115,6 +115,8 @@ class Technique:
       report.recommend.OBJECTIVES: `decode` for single-stream techniques, `throughput` for batching).
     - `phase`: where the technique goes in a stack (lower first: weights 0, cache 1, decoding loop 2-3).
     - `conflicts`: {other technique: why the two cannot share a stack}.
+    - `tune_candidates(spec) -> [(config, {"lossless": bool, "compiles": bool})]`: what `tune` tries of
+      this technique for a search `spec` (its objective, drift budget, whether compiling is allowed).
     """
 
     config_cls: type
@@ -132,6 +134,7 @@ class Technique:
     objective: str = "decode"
     phase: int = 1
     conflicts: dict[str, str] = field(default_factory=dict)
+    tune_candidates: Callable[[Any], list[tuple[Any, dict]]] | None = None
 
     @property
     def name(self) -> str:
@@ -155,6 +158,7 @@ def register_technique(config_cls: type, *, runner: str = "generation", max_batc
                        summarize: Callable | None = None, plots: Callable | None = None,
                        per_position: bool = False, finalize: Callable | None = None, objective: str = "decode",
                        phase: int = 1, conflicts: dict[str, str] | None = None,
+                       tune_candidates: Callable | None = None,
                        ) -> Callable[[PrepareFn], PrepareFn]:
     """Register `prepare(loaded, config, ctx) -> PreparedModel` for `config_cls` (see `Technique`)."""
     if not getattr(config_cls, "technique", ""):
@@ -163,7 +167,7 @@ def register_technique(config_cls: type, *, runner: str = "generation", max_batc
     def decorator(fn: PrepareFn) -> PrepareFn:
         TECHNIQUES[config_cls] = Technique(config_cls, fn, runner, max_batch_size, resolve, annotate, preflight,
                                            measure_ppl, summarize, plots, per_position, finalize, objective, phase,
-                                           dict(conflicts or {}))
+                                           dict(conflicts or {}), tune_candidates)
         return fn
 
     return decorator

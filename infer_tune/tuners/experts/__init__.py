@@ -20,7 +20,14 @@ from infer_tune import models
 from infer_tune.errors import ConfigError
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.tuners.base import RunContext, TechniqueConfig, register_technique
-from infer_tune.tuners.experts import claim, loadfile, plan_metrics, plots, routing
+from infer_tune.tuners.experts import (
+    claim,
+    loadfile,
+    locality,  # noqa: F401  (registers the locality planner)
+    plan_metrics,
+    plots,
+    routing,
+)
 from infer_tune.tuners.experts.planners import REPLICA_ROUTINGS, STRATEGIES, Plan, Topology, make_plan
 
 PREDICTED_KEYS = ("balancedness", "cross_device_tokens_per_token", "alltoall_bytes_per_token")

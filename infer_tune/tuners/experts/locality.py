@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from infer_tune.tuners.experts.planners import _EPS, Topology, _slots, check_fits, load_balanced
+from infer_tune.tuners.experts.planners import _EPS, PLANNERS, Topology, _slots, check_fits, load_balanced
 
 LOCALITY_SLACK = 0.10  # the heaviest device may be this much heavier than in the balanced packing
 EXACT_BUDGET = 3e8  # swaps x route entries per sweep above which only the pair proxy is used
@@ -141,3 +141,4 @@ def _cluster_layer(weights: np.ndarray, pair: np.ndarray, start: list[list[int]]
     return where
 
 
+PLANNERS["locality"] = locality

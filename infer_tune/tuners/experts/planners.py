@@ -315,14 +315,8 @@ def speed_aware(loads: np.ndarray, topo: Topology, replicas: int = 0, groups: in
     return [_balance_layer(w, topo, replicas, speeds, groups) for w in loads]
 
 
-def _locality(*args: Any, **kwargs: Any) -> list[list[list[int]]]:
-    from infer_tune.tuners.experts.locality import locality
-
-    return locality(*args, **kwargs)
-
-
-PLANNERS = {"round-robin": round_robin, "load-balanced": load_balanced, "locality": _locality,
-            "speed-aware": speed_aware}
+# strategy -> planner; `locality` (tuners/experts/locality.py, built on these helpers) adds itself
+PLANNERS = {"round-robin": round_robin, "load-balanced": load_balanced, "speed-aware": speed_aware}
 
 
 def make_plan(strategy: str, loads: np.ndarray, topo: Topology, *, replicas: int = 0,

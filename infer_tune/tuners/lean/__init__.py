@@ -38,7 +38,17 @@ class LeanConfig(TechniqueConfig):
         return "lean" + ("+compile" if self.compile else "") + ("+cpp" if self.compile and self.cpp_wrapper else "")
 
 
-@register_technique(LeanConfig, runner="lean", max_batch_size=1, measure_ppl=False, phase=3,
+def tune_candidates(spec) -> list[tuple[LeanConfig, dict]]:
+    """What `tune` tries of the lean path: compiled (when compiling is allowed and decode is the aim), and eager;
+    both lossless (the same greedy tokens as generate())."""
+    out = []
+    if spec.compile and spec.objective != "ttft":
+        out.append((LeanConfig(compile=True), {"lossless": True, "compiles": True}))
+    out.append((LeanConfig(compile=False), {"lossless": True}))
+    return out
+
+
+@register_technique(LeanConfig, runner="lean", max_batch_size=1, measure_ppl=False, phase=3, tune_candidates=tune_candidates,
                     conflicts={"kv-cache": "lean runs its own static cache; drop kv-cache from the stack",
                                "speculate": "lean and speculate each run their own decoding loop"})
 def prepare_lean(loaded: LoadedModel, config: LeanConfig, ctx: RunContext) -> PreparedModel:
@@ -57,7 +67,7 @@ def prepare_lean(loaded: LoadedModel, config: LeanConfig, ctx: RunContext) -> Pr
                          runner_options={"lean_decoder": decoder}, runner="lean")
 
 
-@register_runner("lean")
+@register_runner("lean", passes=True)
 def run_lean(prepared: PreparedModel, inputs, workload, protocol: Protocol,
              progress: Progress | None = None) -> GenerationRun:
     """The generation runner's protocol, each request decoded by the lean loop (batch size 1)."""

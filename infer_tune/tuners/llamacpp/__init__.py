@@ -138,7 +138,7 @@ def decode(llm, prompt: str, max_new_tokens: int, *, pin_length: bool,
     return submit_ns, token_ns, out, natural[0]
 
 
-@register_runner("llama-cpp")
+@register_runner("llama-cpp", passes=True)
 def run_llamacpp(prepared: PreparedModel, inputs, workload, protocol: Protocol,
                  progress: Progress | None = None) -> GenerationRun:
     """The closed loop (warmup, whole passes until the protocol is met) through llama.cpp, one request at a time."""

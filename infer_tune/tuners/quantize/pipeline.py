@@ -162,4 +162,20 @@ def claim_check(docs: list[dict], method: str | None = None) -> dict | None:
         "thresholds": {"max_bytes_ratio_vs_16bit": CLAIM_MAX_BYTES_RATIO, "min_speedup": CLAIM_MIN_SPEEDUP,
                        "max_ppl_delta_pct": CLAIM_MAX_PPL_DELTA_PCT, "min_bleu_drift": CLAIM_MIN_BLEU_DRIFT},
         "speed_reference": reference,
+        "value": speedup,
+        "finding": claim_finding(doc["config"]["method"], ratio, speedup, speedup_vs_16bit is not None, ppl_delta,
+                                 drift),
+        "why": ", ".join(part for part, held in (("size", size_held), ("speed", speed_held),
+                                                 ("quality", quality_held)) if not held) + " missed"
+        if not (size_held and speed_held and quality_held) else "",
     }
+
+
+def claim_finding(method: str, ratio, speedup, against_bf16: bool, ppl_delta, drift) -> str:
+    """What the INT8 claim check measured, in one line (the claims table shows the verdict beside it)."""
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    return (f"{method}: {f(ratio, '.0%')} of the 16-bit bytes; {f(speedup, '.2f')}x decode vs "
+            f"{'bf16' if against_bf16 else 'the baseline'}; perplexity {f(ppl_delta, '+.2f')}%, "
+            f"BLEU drift {f(drift, '+.2f')}")

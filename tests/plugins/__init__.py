@@ -1,0 +1,1 @@
+"""Techniques defined outside infer_tune/, registered by a test alone (the registry is the only list)."""
