@@ -80,7 +80,7 @@ def main() -> None:
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     from infer_tune.runners.generation import eos_ids
-    from infer_tune.tuners.quantize import QuantizeConfig, kernels
+    from infer_tune.tuners.quantize import QuantizeConfig, kernel_choice
     from infer_tune.tuners.quantize.pipeline import quantize_in_memory
 
     loaded, inputs = setup(args)
@@ -89,7 +89,7 @@ def main() -> None:
     eos = eos_ids(loaded.model, loaded.tokenizer)
     int4 = copy.deepcopy(loaded.model)
     quantize_in_memory(int4, QuantizeConfig(method=args.method), "torch")
-    kernels.choose_for_model(int4, args.method, prefill_rows=ids.shape[1])
+    kernel_choice.choose_for_model(int4, args.method, prefill_rows=ids.shape[1])
     makers = {
         "llama.cpp": lambda: row_llamacpp(loaded, prompt, args.tokens, threads),
         "fp32-generate": lambda: row_generate(loaded.model, ids, args.tokens, eos),

@@ -1,4 +1,5 @@
-"""Recipes: a workload plus a list of technique configs, in YAML (read with `yaml.safe_load`).
+"""Recipes: a workload plus a list of technique configs, in YAML (read with `yaml.safe_load`'s loader,
+aliases refused).
 
 ```yaml
 description: INT8 and bf16 against the fp32 baseline on chat prompts
@@ -26,6 +27,35 @@ import yaml
 
 from infer_tune.errors import ConfigError
 from infer_tune.workload import Protocol, Workload
+
+MAX_RECIPE_BYTES = 1 << 20  # a recipe is a few lines; a larger file is refused before it is parsed
+
+
+class _AliasRefused(Exception):
+    """A YAML alias (`*name`) met while composing: refused, so nested aliases cannot expand exponentially."""
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses aliases (anchors alone are harmless: nothing is repeated)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _AliasRefused(f"*{event.anchor} at line {event.start_mark.line + 1}")
+        return super().compose_node(parent, index)
+
+
+def safe_load(text: str, what: str) -> Any:
+    """`yaml.safe_load` without aliases; ConfigError with one line naming `what` on any problem."""
+    try:
+        return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 (a SafeLoader subclass)
+    except _AliasRefused as exc:
+        raise ConfigError(f"{what} uses a YAML alias ({exc}); aliases are refused (nested ones expand "
+                          "exponentially): write the values out") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} is not valid YAML: {' '.join(str(exc).split())[:200]}") from None
+    except RecursionError:
+        raise ConfigError(f"{what} is nested too deeply") from None
 
 
 @dataclass
@@ -73,7 +103,7 @@ def builtin_recipes() -> dict[str, str]:
     found = {}
     for entry in resources.files("infer_tune.recipes").iterdir():
         if entry.name.endswith(".yaml"):
-            doc = yaml.safe_load(entry.read_text(encoding="utf-8")) or {}
+            doc = safe_load(entry.read_text(encoding="utf-8"), f"recipe {entry.name}") or {}
             found[entry.name.removesuffix(".yaml")] = str(doc.get("description", ""))
     return found
 
@@ -84,6 +114,8 @@ def _read(path: Path, name_or_path: str) -> str:
     if not path.is_file():
         raise ConfigError(f"recipe file not found: {name_or_path}")
     try:
+        if path.stat().st_size > MAX_RECIPE_BYTES:
+            raise ConfigError(f"recipe {name_or_path} is over {MAX_RECIPE_BYTES >> 10} KiB; a recipe is a few lines")
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"recipe {name_or_path} is not UTF-8 text (byte {exc.start})") from None
@@ -103,12 +135,7 @@ def load_recipe(name_or_path: str) -> Recipe:
             known = ", ".join(sorted(builtin_recipes())) or "none"
             raise ConfigError(f"unknown recipe '{name_or_path}': built-in recipes are {known}, or give a .yaml path")
         text, name = entry.read_text(encoding="utf-8"), name_or_path
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"recipe {name_or_path} is not valid YAML: {' '.join(str(exc).split())[:200]}") from None
-    except RecursionError:
-        raise ConfigError(f"recipe {name_or_path} is nested too deeply") from None
+    doc = safe_load(text, f"recipe {name_or_path}")
     if not isinstance(doc, dict):
         raise ConfigError(f"recipe {name_or_path} must be a mapping with workload/configs keys")
     check_keys(doc, f"recipe {name_or_path}")

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import secrets
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -133,102 +134,307 @@ def runs_lock(out_dir: str | Path, on_wait: Callable[[], None] | None = None) ->
 
 
 # --------------------------------------------------------------------------- reading
+MAX_RESULT_BYTES = 64 << 20  # a result.json larger than this is refused by its size, before it is read
+MAX_OUTPUTS_BYTES = 256 << 20
+MAX_MS = 1e8  # about 28 hours: a timing above it is not a measurement of one request
+KNOWN_VERDICTS = ("held", "did not hold here", "did not hold", "not applicable", "inconclusive")
+TIMING_SAMPLES = ("ttft_ms", "tpot_ms", "e2e_ms", "itl_ms", "queue_ms")
+POSITIVE_SAMPLES = ("ttft_ms", "e2e_ms")  # a request cannot get its first (or last) token in zero time
+STATS = ("p50", "p90", "p99", "mean", "stdev", "mad")
+_warned: set[str] = set()
+_warn: Callable[[str], None] | None = None
+
+
+def set_warning_handler(handler: Callable[[str], None] | None) -> None:
+    """Where `find_results` reports a skipped file when its caller did not ask for the list (the CLI
+    installs its `warning:` printer; each file is reported once per process)."""
+    global _warn
+    _warn = handler
+
+
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _schema_problem(doc: dict) -> str | None:
-    """What is wrong with a document's types (None when `compare` and `leaderboard` can read it)."""
-    for key, kind in (("run_id", str), ("created_at", str), ("technique", str), ("tool", dict), ("env", dict),
-                      ("model", dict), ("config", dict), ("workload", dict), ("metrics", dict), ("samples", dict)):
-        if not isinstance(doc[key], kind):
-            return f"'{key}' is {type(doc[key]).__name__}, expected {kind.__name__}"
-    if not doc["run_id"] or "/" in doc["run_id"] or "\\" in doc["run_id"]:
-        return f"'run_id' {doc['run_id']!r} is not a run id"
-    for key, kind in (("label", str), ("protocol", dict), ("baseline_run_id", str), ("fingerprint", str),
-                      ("runner", str)):
-        if doc.get(key) is not None and not isinstance(doc[key], kind):
-            return f"'{key}' is {type(doc[key]).__name__}, expected {kind.__name__}"
-    for key in DISTRIBUTION_METRICS + ("queue_ms",):
-        block = doc["metrics"].get(key)
-        if block is None:
-            continue
-        if not isinstance(block, dict):
-            return f"'metrics.{key}' is {type(block).__name__}, expected an object of statistics"
-        for stat, value in block.items():
-            if stat != "p50_ci95" and value is not None and not _number(value):
-                return f"'metrics.{key}.{stat}' is {type(value).__name__}, expected a number"
-    for key, values in doc["samples"].items():
-        if values is None:
-            continue
-        if not isinstance(values, list):
-            return f"'samples.{key}' is {type(values).__name__}, expected a list of numbers"
-        if key == "prompt_index":
-            if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-                return "'samples.prompt_index' must hold integers"
-        elif not all(_number(v) and math.isfinite(v) for v in values):
-            return f"'samples.{key}' must hold finite numbers"
+def _type(value: Any) -> str:
+    return type(value).__name__
+
+
+def _timing_problem(where: str, value: Any) -> str | None:
+    if not _number(value) or not math.isfinite(value):
+        return f"'{where}' is {value!r}, expected a finite number"
+    if value < 0:
+        return f"'{where}' is negative ({value:g} ms)"
+    if value > MAX_MS:
+        return f"'{where}' is {value:g} ms, beyond any request ({MAX_MS:g} ms)"
     return None
 
 
-def load_result(path: str | Path) -> dict:
-    """Read a result from a run folder or a result.json, checking schema version, required keys and
-    the types that `compare` and `leaderboard` rely on (ResultError with one line otherwise)."""
-    path = Path(path).expanduser()
-    file = path / "result.json" if path.is_dir() else path
-    if not file.is_file():
-        raise ResultError(f"result not found: {path} (give a run folder or its result.json)")
-    try:
-        doc = json.loads(file.read_text(encoding="utf-8"))
-    except PermissionError:
-        raise ResultError(f"result file {file} is not readable (permission denied)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ResultError(f"result file {file} is not valid JSON: {detail}") from None
+def _distribution_problem(key: str, block: Any) -> str | None:
+    """A summary block (metrics.summarize's shape): finite, non-negative, ordered statistics."""
+    if not isinstance(block, dict):
+        return f"'metrics.{key}' is {_type(block)}, expected an object of statistics"
+    n = block.get("n")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+        return f"'metrics.{key}.n' is {n!r}, expected a count"
+    for name, value in block.items():
+        if name in ("n", "p50_ci95") or value is None:
+            continue
+        if not _number(value):
+            return f"'metrics.{key}.{name}' is {_type(value)}, expected a number"
+        if name in STATS and (problem := _timing_problem(f"metrics.{key}.{name}", value)):
+            return problem
+    ci = block.get("p50_ci95")
+    if ci is not None and not (isinstance(ci, list) and len(ci) == 2 and all(_number(v) and math.isfinite(v)
+                                                                           for v in ci)):
+        return f"'metrics.{key}.p50_ci95' must be two finite numbers"
+    ordered = [block.get(s) for s in ("p50", "p90", "p99")]
+    if all(_number(v) for v in ordered) and not ordered[0] <= ordered[1] * (1 + 1e-9) <= ordered[2] * (1 + 1e-9):
+        return f"'metrics.{key}' has p50 > p90 or p90 > p99"
+    if key in POSITIVE_SAMPLES and _number(block.get("p50")) and block["p50"] <= 0 and (n or 0) > 0:
+        return f"'metrics.{key}.p50' is {block['p50']:g}: a request takes time"
+    return None
+
+
+def _samples_problem(samples: dict) -> str | None:
+    """Raw samples: lists of finite, non-negative, bounded timings; ttft/e2e positive (tpot/itl may be 0:
+    tokens that arrive in one network read share a timestamp); per-request lists of equal length; e2e never
+    before ttft."""
+    for key, values in samples.items():
+        if values is None:
+            continue
+        if not isinstance(values, list):
+            return f"'samples.{key}' is {_type(values)}, expected a list of numbers"
+        if key == "prompt_index":
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+                return "'samples.prompt_index' must hold integers >= 0"
+            continue
+        if not all(_number(v) and math.isfinite(v) for v in values):
+            return f"'samples.{key}' must hold finite numbers"
+        if key not in TIMING_SAMPLES:
+            continue
+        for value in values:
+            if problem := _timing_problem(f"samples.{key}", value):
+                return problem
+        if key in POSITIVE_SAMPLES and any(v <= 0 for v in values):
+            return f"'samples.{key}' holds a zero: a request takes time"
+    per_request = [k for k in ("ttft_ms", "e2e_ms", "prompt_index", "queue_ms") if isinstance(samples.get(k), list)]
+    lengths = {k: len(samples[k]) for k in per_request}
+    if len(set(lengths.values())) > 1:
+        return "samples per request differ in length: " + ", ".join(f"{k} {n}" for k, n in lengths.items())
+    if isinstance(samples.get("tpot_ms"), list) and "ttft_ms" in lengths and len(samples["tpot_ms"]) > lengths["ttft_ms"]:
+        return "'samples.tpot_ms' has more values than requests"
+    if "ttft_ms" in lengths and "e2e_ms" in lengths and any(
+            e < t * (1 - 1e-9) for t, e in zip(samples["ttft_ms"], samples["e2e_ms"])):
+        return "'samples.e2e_ms' ends before its request's first token"
+    return None
+
+
+def _claim_problem(where: str, claim: Any) -> str | None:
+    """A claim check in a shape the claims table reads (report/claims.py; docs/architecture.md, Claims)."""
+    if not isinstance(claim, dict):
+        return f"'{where}' is {_type(claim)}, expected an object"
+    for key in ("held", "size_held", "speed_held", "quality_held", "wall_held", "ttft_held"):
+        if key in claim and claim[key] is not None and not isinstance(claim[key], bool):
+            return f"'{where}.{key}' is {claim[key]!r}, expected true, false or null"
+    verdict = claim.get("verdict")
+    if verdict is not None and verdict not in KNOWN_VERDICTS:
+        return f"'{where}.verdict' is {str(verdict)[:40]!r}, expected one of: {', '.join(KNOWN_VERDICTS)}"
+    for key in ("claim", "statement", "finding", "why", "method"):
+        if claim.get(key) is not None and not isinstance(claim[key], str):
+            return f"'{where}.{key}' is {_type(claim[key])}, expected text"
+    if not (claim.get("claim") or claim.get("statement")):
+        return f"'{where}' states no claim (claim or statement)"
+    numbers = ["value", "bytes_ratio_vs_16bit", "speedup_judged", "ppl_delta_pct", "bleu_drift"]
+    required: list[str] = []
+    if claim.get("claim") == "compute_saved_at_500_tokens":
+        required = ["new_tokens", "prompt_tokens", "flops_saved_fraction"]
+        if "wall_saved_fraction" in claim:
+            required += ["wall_saved_fraction", "measured_new_tokens"]
+    elif claim.get("claim") == "kv_bytes_at_long_context":
+        required = ["kv_bytes_16bit", "context_tokens"]
+    for key in required:
+        if not _number(claim.get(key)) or not math.isfinite(claim[key]):
+            return f"'{where}.{key}' is {claim.get(key)!r}, expected a finite number"
+    for key in numbers:
+        if claim.get(key) is not None and (not _number(claim[key]) or not math.isfinite(claim[key])):
+            return f"'{where}.{key}' is {claim[key]!r}, expected a finite number or null"
+    interval = claim.get("interval")
+    if interval is not None and not (isinstance(interval, list) and len(interval) == 2
+                                     and all(_number(v) and math.isfinite(v) for v in interval)):
+        return f"'{where}.interval' must be two finite numbers"
+    return None
+
+
+def _noise_problem(noise: Any) -> str | None:
+    if not isinstance(noise, dict):
+        return f"'metrics.noise' is {_type(noise)}, expected an object"
+    if noise.get("noisy") is not None and not isinstance(noise["noisy"], bool):
+        return f"'metrics.noise.noisy' is {noise['noisy']!r}, expected true or false"
+    why = noise.get("why")
+    if why is not None and not (isinstance(why, list) and all(isinstance(w, str) for w in why)):
+        return "'metrics.noise.why' must be a list of text"
+    for key, value in noise.items():
+        if key not in ("noisy", "why") and value is not None and (not _number(value) or not math.isfinite(value)
+                                                                  or value < 0):
+            return f"'metrics.noise.{key}' is {value!r}, expected a finite number >= 0"
+    return None
+
+
+def validate(doc: Any) -> str | None:
+    """What is wrong with a result document (None when every reader can trust it): schema version,
+    required keys, block types, timings (finite, non-negative, bounded, the right shape), claim checks
+    (known verdicts, the fields the claims table reads) and the noise figure."""
     if not isinstance(doc, dict):
-        raise ResultError(f"result file {file} does not hold a result object")
+        return "does not hold a result object"
     version = doc.get("schema_version")
     if version != SCHEMA_VERSION or isinstance(version, bool):
-        raise ResultError(f"result file {file} has schema_version {version!r}; this infer-tune reads {SCHEMA_VERSION}")
+        return f"has schema_version {version!r}; this infer-tune reads {SCHEMA_VERSION}"
     missing = [k for k in REQUIRED_KEYS if k not in doc]
     if missing:
-        raise ResultError(f"result file {file} lacks keys: {', '.join(missing)}")
+        return f"lacks keys: {', '.join(missing)}"
     problem = _schema_problem(doc)
+    return f"is malformed: {problem}" if problem else None
+
+
+def _schema_problem(doc: dict) -> str | None:
+    """What is wrong with a document's types and values (None when `compare` and `leaderboard` can read it)."""
+    for key, kind in (("run_id", str), ("created_at", str), ("technique", str), ("tool", dict), ("env", dict),
+                      ("model", dict), ("config", dict), ("workload", dict), ("metrics", dict), ("samples", dict)):
+        if not isinstance(doc[key], kind):
+            return f"'{key}' is {_type(doc[key])}, expected {kind.__name__}"
+    if not doc["run_id"] or "/" in doc["run_id"] or "\\" in doc["run_id"] or doc["run_id"] in (".", ".."):
+        return f"'run_id' {doc['run_id'][:80]!r} is not a run id"
+    for key, kind in (("label", str), ("protocol", dict), ("baseline_run_id", str), ("fingerprint", str),
+                      ("runner", str), ("claims", (list, dict))):
+        if doc.get(key) is not None and not isinstance(doc[key], kind):
+            return f"'{key}' is {_type(doc[key])}, expected {getattr(kind, '__name__', 'a list or object')}"
+    metrics = doc["metrics"]
+    for key in DISTRIBUTION_METRICS + ("queue_ms",):
+        if metrics.get(key) is not None and (problem := _distribution_problem(key, metrics[key])):
+            return problem
+    for key in ("output_throughput_tok_s", "request_throughput_req_s"):
+        value = metrics.get(key)
+        if value is not None and (not _number(value) or value < 0 or math.isinf(value)):
+            return f"'metrics.{key}' is {value!r}, expected a finite number >= 0"
+    if (problem := _samples_problem(doc["samples"])):
+        return problem
+    for where, source in (("metrics.claim_check", metrics.get("claim_check")), ("metrics.claims", metrics.get("claims")),
+                          ("claims", doc.get("claims"))):
+        if source is None:
+            continue
+        items = source if isinstance(source, list) else [source]
+        for k, claim in enumerate(items):
+            if (problem := _claim_problem(where if len(items) == 1 else f"{where}[{k}]", claim)):
+                return problem
+    if metrics.get("noise") is not None:
+        return _noise_problem(metrics["noise"])
+    return None
+
+
+def _open_result(file: Path) -> bytes:
+    """The bytes of a result file: a regular file, not a symlink, at most MAX_RESULT_BYTES (checked on the
+    open descriptor before reading, so a huge file costs nothing)."""
+    try:
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except PermissionError:
+        raise ResultError(f"result file {file} is not readable (permission denied)") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ResultError(f"result file {file} is a symbolic link; results are read only from their own "
+                              "folder") from None
+        raise ResultError(f"result file {file} cannot be read: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ResultError(f"result file {file} is not a regular file")
+        if info.st_size > MAX_RESULT_BYTES:
+            raise ResultError(f"result file {file} is {info.st_size / 2**20:.0f} MiB, over the "
+                              f"{MAX_RESULT_BYTES >> 20} MiB a result may take")
+        data = handle.read(MAX_RESULT_BYTES + 1)
+    if len(data) > MAX_RESULT_BYTES:
+        raise ResultError(f"result file {file} grew over {MAX_RESULT_BYTES >> 20} MiB while being read")
+    return data
+
+
+def load_result(path: str | Path) -> dict:
+    """Read one result (a run folder or its result.json) and validate it (`validate`); ResultError with
+    one line otherwise. `_path` is the real folder the file lies in, whatever the document says."""
+    path = Path(path).expanduser()
+    file = path / "result.json" if path.is_dir() else path
+    if not file.is_file() and not file.is_symlink():
+        raise ResultError(f"result not found: {path} (give a run folder or its result.json)")
+    data = _open_result(file)
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ResultError(f"result file {file} is not valid JSON: {detail}") from None
+    problem = validate(doc)
     if problem:
-        raise ResultError(f"result file {file} is malformed: {problem}")
-    doc.setdefault("_path", str(file.parent))
+        raise ResultError(f"result file {file} {problem}")
+    doc["_path"] = os.path.realpath(file.parent)
     return doc
 
 
-def find_results(runs_dir: str | Path, skipped: list[tuple[str, str]] | None = None) -> list[dict]:
-    """Every readable result under `runs_dir` (one level of run folders, or nested), oldest first.
+def _result_files(root: Path, skipped: list[tuple[str, str]]) -> Iterator[Path]:
+    """Every `result.json` under `root` through real folders only: symlinked folders are not entered,
+    symlinked result files are skipped (and named), hidden (staging) folders are passed over."""
+    stack = [root]
+    while stack:
+        folder = stack.pop()
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue  # staging folders of runs still in progress
+            if entry.name == "result.json":
+                if entry.is_symlink():
+                    skipped.append((entry.path, f"result file {entry.path} is a symbolic link"))
+                elif entry.is_file(follow_symlinks=False):
+                    yield Path(entry.path)
+            elif entry.is_dir(follow_symlinks=False):
+                stack.append(Path(entry.path))
 
-    Unreadable ones are left out; pass a list as `skipped` to get (path, reason) for each of them.
+
+def find_results(runs_dir: str | Path, skipped: list[tuple[str, str]] | None = None) -> list[dict]:
+    """Every valid result under `runs_dir` (one level of run folders, or nested), oldest first.
+
+    Invalid ones are left out: pass a list as `skipped` to get (path, reason) for each of them; without
+    it each is reported once through the warning handler (`set_warning_handler`).
     """
     root = Path(runs_dir).expanduser()
     if not root.exists():
         raise ResultError(f"runs directory not found: {runs_dir}")
     if not root.is_dir():
         raise ResultError(f"{runs_dir} is a file, not a runs directory")
+    bad: list[tuple[str, str]] = []
     docs = []
-    for file in sorted(root.rglob("result.json")):
-        if any(part.startswith(".") for part in file.relative_to(root).parts):
-            continue  # staging folders of runs still in progress
+    for file in _result_files(root, bad):
         try:
             docs.append(load_result(file))
         except ResultError as exc:
-            if skipped is not None:
-                skipped.append((str(file), str(exc)))
-            continue
+            bad.append((str(file), str(exc)))
+    if skipped is not None:
+        skipped.extend(bad)
+    elif _warn is not None:
+        for path, reason in bad:
+            if path not in _warned:
+                _warned.add(path)
+                _warn(f"skipped an invalid result: {reason}")
     return sorted(docs, key=lambda d: d.get("created_at", ""))
 
 
 def load_outputs(run_dir: str | Path) -> list[dict]:
     """The outputs rows of a run (empty when it has none); ResultError when the file is corrupt."""
     file = Path(run_dir) / "outputs.jsonl"
-    if not file.is_file():
+    if not file.is_file() or file.is_symlink():
         return []
     try:
+        if file.stat().st_size > MAX_OUTPUTS_BYTES:
+            raise ResultError(f"outputs file {file} is over the {MAX_OUTPUTS_BYTES >> 20} MiB an outputs file may take")
         rows = [json.loads(line) for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ResultError(f"outputs file {file} is not valid JSON lines: {str(exc).splitlines()[0]}") from None

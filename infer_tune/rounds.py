@@ -1,16 +1,19 @@
 """Interleaved rounds: the baseline and its candidates measured in alternating one-pass rounds.
 
-Each variant is warmed once (its warmup calls plus one discarded pass), then every round runs one
-timed pass over the workload of each variant in a freshly shuffled order, so drift of the host (a
-neighbour starting, thermal or frequency changes) hits every variant alike. A ratio (decode speedup,
-TTFT ratio, throughput ratio) is taken per round and the rounds are its samples: rounds continue
-until every candidate's ratio intervals are within the protocol's target half-width, or the round or
-time budget ends. See docs/architecture.md, "Measurement protocol".
+Each variant is warmed once (its warmup calls plus one discarded pass), then every round is one timed
+pass over the workload of each variant, interleaved request by request: for each request batch of
+the workload, every variant runs it back to back in a freshly shuffled order, so drift of the host
+(a neighbour starting, frequency changes) hits every variant alike and the pairs being compared are
+seconds apart, not a whole pass. A ratio is taken per round — for TTFT and TPOT the geometric mean
+over prompts of each prompt's paired ratio, for throughput the pass totals — and the rounds are its
+samples: rounds continue until every candidate's ratio intervals are within the protocol's target
+half-width, or the round or time budget ends. See docs/architecture.md, "The sweep engine".
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import statistics
 import time
@@ -85,14 +88,33 @@ def pass_value(run: GenerationRun, metric: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def round_ratios(base: Variant, cand: Variant, metric: str) -> list[float]:
-    """Per round, the candidate's advantage: base / cand for latencies, cand / base for throughput."""
-    out = []
-    for b_run, c_run in zip(base.passes, cand.passes):
+def per_prompt(run: GenerationRun, metric: str) -> dict[int, float]:
+    """TTFT / TPOT of each prompt of one pass (its median when a prompt ran more than once)."""
+    values: dict[int, list[float]] = {}
+    for r in run.requests:
+        value = getattr(r, metric) if r.token_ns else None
+        if value is not None and value > 0:
+            values.setdefault(r.prompt_index, []).append(value)
+    return {k: statistics.median(v) for k, v in values.items()}
+
+
+def round_ratio(b_run: GenerationRun, c_run: GenerationRun, metric: str) -> float | None:
+    """One round's advantage of the candidate: cand / base throughput, or for a latency the geometric mean
+    over the prompts both ran of base / cand (each prompt's pair ran back to back)."""
+    if metric == "output_throughput_tok_s":
         b, c = pass_value(b_run, metric), pass_value(c_run, metric)
-        if b and c:
-            out.append(c / b if metric == "output_throughput_tok_s" else b / c)
-    return out
+        return c / b if b and c else None
+    b, c = per_prompt(b_run, metric), per_prompt(c_run, metric)
+    shared = sorted(set(b) & set(c))
+    if not shared:
+        return None
+    return math.exp(statistics.fmean(math.log(b[k] / c[k]) for k in shared))
+
+
+def round_ratios(base: Variant, cand: Variant, metric: str) -> list[float]:
+    """Per round, the candidate's advantage (`round_ratio`)."""
+    ratios = (round_ratio(b, c, metric) for b, c in zip(base.passes, cand.passes))
+    return [r for r in ratios if r is not None]
 
 
 def intervals(base: Variant, cand: Variant) -> dict[str, dict | None]:
@@ -123,14 +145,19 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
     met, stopped_by = False, "max_rounds"
     try:
         while True:
-            sequence = list(variants)
-            rng.shuffle(sequence)
-            order.append([v.name for v in sequence])
-            for v in sequence:
-                run = get_runner(v.runner)(v.prepared, inputs, workload, one_pass(protocol), None)
-                for request in run.requests:
-                    request.iteration = len(order) - 1
-                v.passes.append(run)
+            parts: dict[str, list[GenerationRun]] = {v.name: [] for v in variants}
+            sequences = []
+            for batch_inputs, offset in request_batches(inputs):
+                sequence = list(variants)
+                rng.shuffle(sequence)
+                sequences.append([v.name for v in sequence])
+                for v in sequence:
+                    run = get_runner(v.runner)(v.prepared, batch_inputs, workload, one_pass(protocol), None)
+                    shift_prompts(run, offset, len(order))
+                    parts[v.name].append(run)
+            order.append(sequences[0])
+            for v in variants:
+                v.passes.append(concat(parts[v.name], v.prepared))
             found = {c.name: intervals(base, c) for c in candidates}
             widths = [iv["half_width_pct"] if iv else float("inf") for ivs in found.values() for iv in ivs.values()]
             worst = max(widths, default=0.0)
@@ -159,16 +186,58 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
                          stopped_by=stopped_by, order=order, intervals=found, baseline_drift_pct=drift)
 
 
+def request_batches(inputs: Inputs) -> list[tuple[Inputs, int]]:
+    """The workload one request batch at a time, each with the index of its first prompt."""
+    out, offset = [], 0
+    for batch in inputs.batches:
+        rows = int(batch["input_ids"].shape[0])
+        out.append((dataclasses.replace(inputs, prompts=inputs.prompts[offset:offset + rows],
+                                        rendered=inputs.rendered[offset:offset + rows], batches=[batch]), offset))
+        offset += rows
+    return out
+
+
+def shift_prompts(run: GenerationRun, offset: int, round_index: int) -> None:
+    """A run over one request batch: its prompt indices made the workload's, its iteration the round."""
+    for request in run.requests:
+        request.prompt_index += offset
+        request.iteration = round_index
+    for output in run.outputs:
+        output.prompt_index += offset
+
+
+def merged_counters(runs: list[GenerationRun], prepared: PreparedModel) -> dict:
+    """The technique's counters as the last run saw them (they accumulate while held), the runner's own
+    per-call counts (steps) summed."""
+    technique_keys = set(prepared.counters.snapshot()) if prepared.counters is not None else set()
+    counters = dict(runs[-1].counters)
+    for key in counters:
+        if key not in technique_keys and all(isinstance(r.counters.get(key), (int, float)) for r in runs):
+            counters[key] = sum(r.counters[key] for r in runs)
+    return counters
+
+
+def concat(runs: list[GenerationRun], prepared: PreparedModel) -> GenerationRun:
+    """Runs over consecutive request batches as one pass over the workload."""
+    first = runs[0]
+    counters = merged_counters(runs, prepared)
+    cuda = [r.cuda_peak_bytes for r in runs if r.cuda_peak_bytes is not None]
+    worst = max(runs, key=lambda r: r.peak_rss_bytes - r.rss_before_bytes)
+    return GenerationRun(
+        requests=[q for r in runs for q in r.requests], outputs=[o for r in runs for o in r.outputs],
+        measured_wall_s=sum(r.measured_wall_s for r in runs), iterations=1, first_call_ms=first.first_call_ms,
+        warmup_s=0.0, peak_rss_bytes=max(r.peak_rss_bytes for r in runs),
+        rss_before_bytes=max(r.peak_rss_bytes for r in runs) - (worst.peak_rss_bytes - worst.rss_before_bytes),
+        generated_tokens=sum(r.generated_tokens for r in runs), batch_size=first.batch_size, counters=counters,
+        cuda_peak_bytes=max(cuda) if cuda else None)
+
+
 def merged_run(v: Variant) -> GenerationRun:
     """The variant's passes as one run: requests of every round (iteration = round), outputs of the
     first round, timed wall summed, warmup from the warm call, technique counters accumulated over the
     rounds (the runner's own per-pass counts summed)."""
     passes = v.passes
-    technique_keys = set(v.prepared.counters.snapshot()) if v.prepared.counters is not None else set()
-    counters = dict(passes[-1].counters)
-    for key in counters:
-        if key not in technique_keys and all(isinstance(p.counters.get(key), (int, float)) for p in passes):
-            counters[key] = sum(p.counters[key] for p in passes)
+    counters = merged_counters(passes, v.prepared)
     cuda = [p.cuda_peak_bytes for p in passes if p.cuda_peak_bytes is not None]
     warm = v.warm
     peak = max(p.peak_rss_bytes for p in passes)

@@ -68,6 +68,9 @@ def corpus(tmp_path_factory, tiny_model_dir) -> dict[str, str]:
         "recipe_technique": ("technique.yaml", b"configs: [{technique: teleport}]\n"),
         "recipe_field": ("field.yaml", b"configs: [{technique: quantize, bits: 3}]\n"),
         "recipe_huge": ("huge.yaml", b"workload: {limit: 1e400}\nconfigs: []\n"),
+        "recipe_aliases": ("aliases.yaml", b"a: &a [x, x, x, x, x, x, x, x, x]\n"
+                           + b"".join(b"%c: &%c [%s]\n" % (c, c, b",".join([b"*" + bytes([c - 1])] * 9))
+                                      for c in b"bcdefghi")),
         "result_corrupt": ("corrupt.json", b'{"schema_version": 1, "run_id": '),
         "result_empty": ("empty.json", b""),
         "result_latin1": ("latin1.json", '{"run_id": "caf\u00e9"}'.encode("latin-1")),
@@ -100,12 +103,30 @@ def corpus(tmp_path_factory, tiny_model_dir) -> dict[str, str]:
         "result_other_dtype": {**base, "run_id": "dtype", "model": {**base["model"], "dtype": "bfloat16"}},
         "result_other_threads": {**base, "run_id": "threads", "env": {**base["env"], "threads": 8}},
         "result_other_batch": {**base, "run_id": "batch", "workload": {**base["workload"], "batch_size": 4}},
+        # issue 21: impossible timings and claims that cannot be trusted
+        "result_negative": {**base, "samples": {**base["samples"],
+                                                **{k: [-2 * v for v in base["samples"][k]] for k in
+                                                   ("ttft_ms", "tpot_ms", "e2e_ms", "itl_ms")}}},
+        "result_zero": {**base, "samples": {**base["samples"],
+                                            **{k: [0.0] * len(base["samples"][k]) for k in
+                                               ("ttft_ms", "tpot_ms", "e2e_ms", "itl_ms")}}},
+        "result_huge": {**base, "samples": {**base["samples"], "tpot_ms": [1e15] * len(base["samples"]["tpot_ms"])}},
+        "result_stat_negative": {**base, "metrics": {**base["metrics"],
+                                                     "tpot_ms": {**base["metrics"]["tpot_ms"], "p50": -40.0}}},
+        "result_short_e2e": {**base, "samples": {**base["samples"], "e2e_ms": base["samples"]["e2e_ms"][:-1]}},
+        "result_verdict_int": {**base, "metrics": {**base["metrics"], "claim_check": {"claim": "x", "verdict": 3}}},
+        "result_noise_type": {**base, "metrics": {**base["metrics"], "noise": {"noisy": "no"}}},
     }
     for name, doc in variants.items():
         folder = results / name
         folder.mkdir()
         (folder / "result.json").write_text(json.dumps(doc))
         paths[name] = folder
+    oversized = results / "result_oversized"
+    oversized.mkdir()
+    with open(oversized / "result.json", "wb") as handle:  # sparse: 65 MiB that take no disk
+        handle.truncate(65 << 20)
+    paths["result_oversized"] = oversized
     bad_runs = root / "bad-runs"
     for name in ("result_version", "result_metric_type"):
         (bad_runs / name).mkdir(parents=True)
@@ -178,6 +199,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     "recipe unknown technique": ([*B, *M, "--recipe", "{recipe_technique}"], "teleport"),
     "recipe unknown field": ([*B, *M, "--recipe", "{recipe_field}"], "unknown fields bits"),
     "recipe huge number": ([*B, *M, "--recipe", "{recipe_huge}"], "limit must be an integer"),
+    "recipe of nested aliases": ([*B, *M, "--recipe", "{recipe_aliases}"], "aliases are refused"),
     # technique commands
     "quantize unknown method": (["quantize", *M, "--method", "int3", "--suite", "{suite}"], "method"),
     "quantize alpha out of range": (["quantize", *M, "--alpha", "2", "--suite", "{suite}"], "alpha"),
@@ -200,6 +222,14 @@ CASES: dict[str, tuple[list[str], str]] = {
     "compare prompt index strings": (["compare", "{base}", "{result_sample_strings}"], "prompt_index"),
     "compare workload a string": (["compare", "{base}", "{result_workload_type}"], "'workload' is str"),
     "compare run id a number": (["compare", "{base}", "{result_run_id_type}"], "'run_id' is int"),
+    "compare negative samples": (["compare", "{base}", "{result_negative}"], "negative"),
+    "compare all-zero samples": (["compare", "{base}", "{result_zero}"], "a request takes time"),
+    "compare huge samples": (["compare", "{base}", "{result_huge}"], "beyond any request"),
+    "compare negative statistic": (["compare", "{base}", "{result_stat_negative}"], "metrics.tpot_ms.p50"),
+    "compare ragged samples": (["compare", "{base}", "{result_short_e2e}"], "differ in length"),
+    "compare int verdict": (["compare", "{base}", "{result_verdict_int}"], "claim_check.verdict"),
+    "compare noise of the wrong type": (["compare", "{base}", "{result_noise_type}"], "metrics.noise.noisy"),
+    "compare oversized result": (["compare", "{base}", "{result_oversized}"], "over the 64 MiB"),
     "compare other max_new_tokens": (["compare", "{base}", "{result_other_tokens}"], "max_new_tokens 64 vs 32"),
     "compare other dtype": (["compare", "{base}", "{result_other_dtype}"], "dtype"),
     "compare other threads": (["compare", "{base}", "{result_other_threads}"], "threads 8 vs 2"),

@@ -172,3 +172,93 @@ def test_bootstrap_in_chunks_equals_one_draw(monkeypatch):
     whole = stats.median_interval(data, seed=3, resamples=200)
     monkeypatch.setattr(stats, "CHUNK_ELEMENTS", 3000 * 7)  # 7 resamples per chunk
     assert stats.median_interval(data, seed=3, resamples=200) == whole
+
+
+def test_report_embeds_only_regular_pngs_of_the_runs_own_folder(tmp_path):
+    """A symlinked `.png` (to a host file or another folder's PNG) and a `_path` naming another folder are
+    never embedded: only regular files directly inside the folder the result was read from."""
+    import base64
+
+    from result_docs import make_result, save
+
+    from infer_tune.report import leaderboard as lb
+    from infer_tune.report.plots import per_position_png
+
+    runs, elsewhere = tmp_path / "runs", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    secret_png = per_position_png({"secret": [1.0, 2.0, 3.0]})
+    (elsewhere / "secret.png").write_bytes(secret_png)
+    host_file = tmp_path / "hostname"
+    host_file.write_bytes(b"\x89PNG\r\n\x1a\n" + b"host secret")
+    own_png = per_position_png({"own": [3.0, 2.0, 1.0]})
+    base = save(make_result("base", seed=1), runs)
+    (base / "own.png").write_bytes(own_png)
+    (base / "link.png").symlink_to(host_file)
+    (base / "other.png").symlink_to(elsewhere / "secret.png")
+    (base / "dir.png").mkdir()
+    forged = make_result("forged", technique="quantize", seed=2)
+    forged["_path"] = str(elsewhere)  # a `_path` written inside result.json is not where the file is
+    save(forged, runs)
+    docs = results.find_results(runs)
+    page = lb.write(lb.build(docs), docs, tmp_path / "report", ["html"])["html"].read_text()
+    assert base64.b64encode(own_png).decode() in page
+    assert base64.b64encode(secret_png).decode() not in page
+    assert base64.b64encode(host_file.read_bytes()).decode() not in page
+
+
+# --------------------------------------------------------------------------- issue 21: crafted result files
+def _crafted_runs(tmp_path: Path) -> tuple[Path, Path]:
+    """A runs folder holding one good result and one of each crafted kind; returns (runs, elsewhere)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from result_docs import make_result, save
+
+    runs, elsewhere = tmp_path / "runs", tmp_path / "elsewhere"
+    elsewhere.mkdir(parents=True)
+    good = make_result("good")
+    good["_path"] = str(elsewhere)  # a document may not say where it lives
+    save(good, runs)
+    kv = {"claim": "compute_saved_at_500_tokens", "prompt_tokens": 100, "held": True}  # no flops_saved_fraction
+    for run_id, metrics in (("int-verdict", {"claim_check": {"claim": "c", "verdict": 3}}),
+                            ("missing-keys", {"claim_check": kv}),
+                            ("xss-verdict", {"claim_check": {"claim": "c", "verdict": 'x"><svg/onload=alert(1)>'}})):
+        doc = make_result(run_id)
+        doc["metrics"].update(metrics)
+        save(doc, runs)
+    save(make_result("outside"), elsewhere)
+    (runs / "linked-run").symlink_to(elsewhere / "outside")  # a symlinked run folder is not entered
+    (runs / "linked-file").mkdir()
+    (runs / "linked-file" / "result.json").symlink_to(elsewhere / "outside" / "result.json")
+    (runs / "huge").mkdir()
+    with open(runs / "huge" / "result.json", "wb") as handle:
+        handle.truncate(1 << 30)  # 1 GiB, sparse
+    return runs, elsewhere
+
+
+def test_leaderboard_skips_crafted_results_with_one_warning(tmp_path):
+    from typer.testing import CliRunner
+
+    from infer_tune.cli import app
+
+    runs, _ = _crafted_runs(tmp_path)
+    result = CliRunner().invoke(app, ["leaderboard", str(runs), "--format", "md", "--json"])
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: skipped 5 unreadable"), result.stderr
+    for name in ("int-verdict", "missing-keys", "xss-verdict", "linked-file", "huge"):
+        assert name in warnings[0]
+    assert [row["run_id"] for row in json.loads(result.stdout)["rows"]] == ["good"]
+
+
+def test_path_is_where_the_file_is_and_resume_warns_once(tmp_path):
+    runs, elsewhere = _crafted_runs(tmp_path)
+    seen: list[str] = []
+    results.set_warning_handler(seen.append)
+    try:
+        docs = results.find_results(runs)
+        assert [d["run_id"] for d in docs] == ["good"]
+        assert docs[0]["_path"] == os.path.realpath(runs / "good")  # not the `elsewhere` the file claims
+        results.find_results(runs)  # a sweep lists its runs folder many times: still one line per file
+    finally:
+        results.set_warning_handler(None)
+    assert len(seen) == 5 and len(set(seen)) == 5, seen
+    assert results.validate({**docs[0], "schema_version": True}) is not None

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from infer_tune.tuners.quantize import kernels, screen
+from infer_tune.tuners.quantize import kernel_choice, kernels, screen
 
 
 def scripted(times: dict[str, list[float]]):
@@ -104,12 +104,12 @@ def test_the_screen_runs_real_kernels_and_records_intervals(tiny_loaded):
 
     model = copy.deepcopy(tiny_loaded.model)
     quantize_in_memory(model, QuantizeConfig(method="int8-dynamic"), "torch")
-    shapes = kernels.linear_shapes(model)["int8-dynamic"]
-    result = kernels.screen_kernels(Counter(dict(list(shapes.items())[:2])), 1, "int8-dynamic", max_rounds=6,
+    shapes = kernel_choice.linear_shapes(model)["int8-dynamic"]
+    result = kernel_choice.screen_kernels(Counter(dict(list(shapes.items())[:2])), 1, "int8-dynamic", max_rounds=6,
                                     budget_s=2.0)
     assert screen.MIN_ROUNDS <= result.rounds <= 6 and set(result.samples) >= {"fp32", "dequant"}
     timings = {("int8-dynamic", "decode"): result, ("int8-dynamic", "prefill"): ({"int_mm": 1.0, "dequant": 2.0}, 1.5)}
-    record = kernels.choose_for_model(model, "int8-dynamic", timings=timings)
+    record = kernel_choice.choose_for_model(model, "int8-dynamic", timings=timings)
     decode = record["by_kind"]["int8-dynamic"]["decode"]
     assert decode["rounds"] == result.rounds and set(decode["vs_fp32_ci95"]) == set(result.kernels())
     assert all(low <= mid <= high for mid, low, high in decode["vs_fp32_ci95"].values())
@@ -133,6 +133,6 @@ def test_a_regime_is_slower_than_fp32_only_when_an_interval_says_so(tiny_loaded)
     prefill = ({"int_mm": 1.0, "dequant": 2.0}, 1.5)
     for result, slower in ((near, False), (far, True)):
         timings = {("int8-dynamic", "decode"): result, ("int8-dynamic", "prefill"): prefill}
-        record = kernels.choose_for_model(model, "int8-dynamic", timings=timings)
+        record = kernel_choice.choose_for_model(model, "int8-dynamic", timings=timings)
         assert record["by_kind"]["int8-dynamic"]["decode"]["chosen"] == "fbgemm"
         assert record["decode"]["slower_than_fp32"] is slower

@@ -53,15 +53,16 @@ def test_pareto_front():
 def test_write_all_formats(tmp_path):
     all_docs = docs()
     written = lb.write(lb.build(all_docs), all_docs, tmp_path)
-    assert set(written) == {"md", "csv", "html"}
+    assert set(written) == {"md", "csv", "html"}  # no result names a baseline: nothing to recommend
     assert len(pd.read_csv(written["csv"])) == 4
     md_rows = [line for line in written["md"].read_text().splitlines() if line.rstrip().endswith((" r-base |",
                " r-int8 |", " r-int4 |", " r-static |"))]
     assert len(md_rows) == 4
     assert md_rows[1].startswith("| quantize | method=int8 |")  # technique and config first, run id last
-    assert "2.00x" in md_rows[1] and "ms" in md_rows[1]  # human units, not raw floats
+    assert "decode 2.00x" in md_rows[1] and "ms" in md_rows[1]  # human units, not raw floats
     page = written["html"].read_text()
-    assert page.count("data:image/png;base64,") == 3  # scatter, bars, per-position
+    assert page.count("data:image/png;base64,") == 2  # bars, per-position
+    assert page.count("<svg") == 1 and "perplexity change, %, lower is better" in page  # the Pareto plot, inline
     assert "r-int8" in page and "src=\"http" not in page  # self-contained: no external resource
 
 
@@ -71,8 +72,8 @@ def test_broken_results_are_marked_and_never_a_speedup():
     row = lb.flatten(make_result("r-bad", technique="quantize", speedup_vs_baseline=3.2, ppl_delta_pct=4e8,
                                  output_mismatches=4, bleu_vs_baseline=0.1))
     assert display.verdict(row) == "broken"
-    speed = next(c for c in display.COLUMNS if c.key == "speedup_vs_baseline")
-    assert speed.render(row) == "broken"
+    lead = next(c for c in display.COLUMNS if c.key == "lead_value")
+    assert lead.render({**row, "lead": "decode 3.20x"}) == "broken"
 
 
 def test_recommendation_respects_the_drift_budget_and_lossless(tmp_path):
@@ -168,3 +169,96 @@ def test_cli_writes_files_and_prints(tmp_path):
     assert (runs / "leaderboard.md").exists() and not (runs / "leaderboard.html").exists()
     assert CliRunner().invoke(app, ["leaderboard", str(tmp_path / "empty")]).exit_code == 2
     assert CliRunner().invoke(app, ["leaderboard", str(runs), "--sort", "nope"]).exit_code == 2
+
+
+def _stage(docs_: list[dict], baseline: str = "base") -> list[dict]:
+    for doc in docs_:
+        doc["baseline_run_id"] = baseline
+        doc["label"] = doc["run_id"]
+    return docs_
+
+
+def test_each_technique_leads_with_what_it_is_judged_on_and_names_the_comparison():
+    batch = _stage([make_result(f"b-{s}", technique="batch", seed=i,
+                                config={"scheduler": s, "batch_size": 4, "rate": 2.0, "burstiness": 1.0},
+                                e2e_ms={"mean": 2000.0 if s == "static" else 1700.0}, speedup_vs_baseline=0.4,
+                                output_throughput_tok_s=26.8 if s == "static" else 34.4)
+                    for i, s in enumerate(("static", "continuous"))])
+    experts = _stage([make_result(f"x-{s}", technique="experts", seed=5 + i, config={"strategy": s, "devices": 2},
+                                  alltoall_bytes_per_token=b, balancedness=bal, speedup_vs_baseline=0.26)
+                      for i, (s, b, bal) in enumerate((("round-robin", 134272.0, 0.91), ("locality", 123131.0, 0.95)))])
+    spec = _stage([make_result("s-k8", technique="speculate", seed=8, speedup_vs_baseline=2.04,
+                               speedup_vs_baseline_ci95=[1.98, 2.10], mean_acceptance_length=3.25)])
+    quant = _stage([make_result("q", technique="quantize", seed=9, speedup_vs_baseline=3.64,
+                                speedup_vs_baseline_ci95=[3.58, 3.70])])
+    rows = lb.build([make_result("base"), *batch, *experts, *spec, *quant]).set_index("run_id")
+    assert rows.loc["b-continuous", "lead"] == "throughput 1.28x · mean e2e -15.0%"
+    assert rows.loc["b-continuous", "lead_vs"] == "static batching at the same rate (2 req/s)"
+    assert rows.loc["b-static", "lead"].startswith("throughput 26.8 tok/s") and "reference" in rows.loc["b-static", "lead_vs"]
+    assert rows.loc["x-locality", "lead"] == "bytes/token -8.3% · balancedness 0.95 vs 0.91"
+    assert rows.loc["x-locality", "lead_vs"].startswith("round-robin placement")
+    assert rows.loc["s-k8", "lead"] == "decode 2.04x [1.98–2.10] · acceptance 3.25 tokens"
+    assert rows.loc["q", "lead"] == "decode 3.64x [3.58–3.70]"  # the interval when the result has one
+    assert rows.loc["q", "lead_vs"].endswith("baseline (same session)")
+    assert "0.4" not in rows.loc["b-continuous", "lead"]  # never single-stream decode speedup for batching
+
+
+def test_recommended_yaml_reproduces_the_recommended_config_with_only_the_fields_that_apply(tmp_path):
+    from infer_tune.recipe import build_configs, expand_stages, load_recipe
+    from infer_tune.report.recommend import recommended_recipe
+
+    config = {"kind": "QuantizeConfig", "method": "int8-dynamic", "backend": "torch", "alpha": 0.5, "group_size": 32,
+              "calib_suite": "chat", "calib_samples": 16, "decode_kernel": "auto", "prefill_kernel": "auto",
+              "head_bits": 8, "compute_dtype": "float32"}
+    best = make_result("q", technique="quantize", config=config, speedup_vs_baseline=2.7, ppl_delta_pct=1.8,
+                       output_mismatches=4, seed=2)
+    best["workload"].update(seed=0, batch_size=1, chat_template=True)
+    best["protocol"] = {"warmup": 1, "min_iterations": 2, "min_duration_s": 2.0, "pin_length": True}
+    all_docs = [make_result("base", seed=1), *_stage([best])]
+    out = tmp_path / "it's a report"
+    written = lb.write(lb.build(all_docs), all_docs, out)
+    recipe_file = written["recommended"]
+    assert recipe_file == out / "recommended.yaml"
+    saved = recipe_file.read_text()
+    assert "infer-tune bench --recipe '" in saved  # the command in its header, shell-quoted
+    for absent in ("alpha", "group_size", "calib_suite", "calib_samples", "head_bits"):
+        assert absent not in saved  # int8-dynamic reads none of them
+    stage = expand_stages(load_recipe(str(recipe_file)))[0]
+    (rebuilt,) = build_configs(stage)
+    assert rebuilt.to_dict() == config  # the same config as the recommended row's
+    assert stage.model == "smollm2-135m" and stage.workload["limit"] == 4 and stage.protocol["min_duration_s"] == 2.0
+    assert recommended_recipe(best)["configs"][0]["method"] == "int8-dynamic"
+    md = written["md"].read_text()
+    assert "★" in md and "Reproduce: `infer-tune bench --recipe '" in md
+
+
+def test_reproduce_command_is_quoted_and_csv_cells_are_neutralised(tmp_path):
+    import shlex
+
+    from infer_tune.report.recommend import reproduce_command
+
+    hostile = tmp_path / "x'; touch PWNED; echo '$(id)"
+    command = reproduce_command({}, hostile / "recommended.yaml")
+    assert shlex.split(command) == ["infer-tune", "bench", "--recipe", str(hostile / "recommended.yaml")]
+    rows = [make_result("=cmd|' /C calc'!A0", technique="quantize", config={"method": "+1+1"}, seed=2),
+            make_result("@SUM(1)", technique="-2+3", seed=3, ppl_delta_pct=-1.5)]
+    written = lb.write(lb.build(rows), rows, tmp_path, ["csv"])
+    frame = pd.read_csv(written["csv"], dtype=str, keep_default_na=False)
+    for column in ("run_id", "technique", "config"):
+        assert not any(v.startswith(("=", "+", "-", "@")) for v in frame[column] if v not in ("", "-")), frame[column].tolist()
+    assert frame.loc[0, "run_id"] == "'=cmd|' /C calc'!A0"
+    assert float(frame.loc[1, "ppl_delta_pct"]) == -1.5  # numbers stay numbers
+
+
+def test_hostile_text_is_escaped_everywhere_in_the_html(tmp_path):
+    payload = 'x"><svg/onload=alert(document.domain)>'
+    doc = make_result("r-x", technique="quantize", config={"method": payload}, seed=2, speedup_vs_baseline=2.0,
+                      claim_check={"claim": payload, "measured": payload, "verdict": payload, "why": payload})
+    doc["label"], doc["baseline_run_id"] = payload, "base"
+    docs_ = [make_result("base", seed=1), doc]
+    page = lb.write(lb.build(docs_), docs_, tmp_path, ["html", "md"])
+    html_text = page["html"].read_text()
+    assert "<svg/onload" not in html_text and "onload=alert" not in html_text.replace("onload=alert(document.domain)&gt;", "")
+    assert 'class="text verdict-other"' in html_text  # an unknown verdict gets no class of its own
+    assert "&lt;svg/onload" in html_text
+    assert "<svg/onload" not in page["md"].read_text()

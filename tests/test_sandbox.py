@@ -203,3 +203,138 @@ def test_cli_execute_refuses_without_a_sandbox(monkeypatch, tmp_path, tiny_model
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "apt-get install bubblewrap" in lines[0] and "unsafe" in lines[0]
     assert not out.exists()
+
+
+# --------------------------------------------------------------------------- issue 21: as root, and gaming
+def namespace_and_kernel_attacks() -> dict[str, str]:
+    """Completions that try what the kernel offers besides files and sockets; each must fail."""
+    import platform
+
+    from infer_tune.metrics import seccomp
+
+    nr = seccomp.ARCHES.get(platform.machine(), (0, {}))[1]
+    libc = "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    return {
+        "nested user namespace, then a tmpfs": body(
+            f"{libc}import os\nuid, gid = os.getuid(), os.getgid()\nassert libc.unshare(0x10000000 | 0x20000) == 0\n"
+            "open('/proc/self/setgroups', 'w').write('deny')\nopen('/proc/self/uid_map', 'w').write(f'0 {uid} 1')\n"
+            "open('/proc/self/gid_map', 'w').write(f'0 {gid} 1')\n"
+            "os.makedirs('/tmp/m')\n"
+            "assert libc.mount(b'none', b'/tmp/m', b'tmpfs', 0, b'size=21g') == 0\n"
+            "open('/tmp/m/big', 'wb').write(b'x' * (512 << 10))"),
+        "mount over /tmp": body(f"{libc}assert libc.mount(b'none', b'/tmp', b'tmpfs', 0, None) == 0"),
+        "SysV shared memory": body(f"{libc}assert libc.shmget(0, 1 << 30, 0o1000 | 0o600) >= 0"),
+        "SysV message queue": body(f"{libc}assert libc.msgget(0, 0o1000 | 0o600) >= 0"),
+        "ptrace": body(f"{libc}assert libc.ptrace(0, 0, 0, 0) == 0"),
+        "keyring write": body(f"{libc}assert libc.syscall({nr.get('add_key', -1)}, b'user', b'infer-tune-test', "
+                              "b'secret', 6, -4) > 0"),  # KEY_SPEC_USER_KEYRING
+        "keyring read": body(f"{libc}assert libc.syscall({nr.get('request_key', -1)}, b'user', b'infer-tune-test', "
+                             "None, 0) > 0"),
+        "bpf": body(f"{libc}assert libc.syscall({nr.get('bpf', -1)}, 0, None, 0) >= 0"),
+        "fill /tmp past its size": body("for i in range(100):\n    open(f'/tmp/f{i}', 'wb').write(b'x' * ((1 << 20) - 1))"),
+        "sys.exit(0) before check": "    import sys\n    sys.exit(0)\n",
+        "atexit os._exit(0)": "    import atexit, os\n    atexit.register(lambda: os._exit(0))\n    return a - b\n",
+        "os._exit(0) from check": "    import os\n    os._exit(0)\n",
+        "print a guessed marker": "    print('passed')\n    print('0' * 32)\n    import sys\n    sys.exit(0)\n",
+    }
+
+
+def test_kernel_attacks_and_exit_status_games_fail(box):
+    import tempfile
+
+    cases = namespace_and_kernel_attacks()
+    before = set(os.listdir(tempfile.gettempdir()))
+    items = passk.evaluate([PROBLEM] * len(cases), list(cases.values()), timeout_s=20.0)
+    outcome = {name: (item.status, item.detail) for name, item in zip(cases, items, strict=True)}
+    assert all(status == "failed" for status, _ in outcome.values()), outcome
+    assert "no completion marker" in outcome["sys.exit(0) before check"][1]
+    assert "No space left" in outcome["fill /tmp past its size"][1] or "File too large" in \
+        outcome["fill /tmp past its size"][1], outcome
+    assert {n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("infer-tune-")} == set()
+    assert program_processes() == []
+
+
+def test_sandbox_description_says_how_it_runs(box):
+    assert "seccomp filter" in box.description and "MiB /tmp" in box.description
+    if os.geteuid() == 0 and box.mode == "userns":
+        assert box.start_as == sandbox.NOBODY  # bwrap itself runs unprivileged: a fresh user namespace
+
+
+def test_seccomp_program_is_well_formed():
+    from infer_tune.metrics import seccomp
+
+    for machine in seccomp.ARCHES:
+        prog = seccomp.program(machine)
+        assert len(prog) % 8 == 0 and 20 < len(prog) // 8 < 255
+        first = struct_unpack(prog[:8])
+        assert first == (seccomp.LD_ABS_W, 0, 0, seccomp.OFF_ARCH)
+        assert struct_unpack(prog[-16:-8])[3] == seccomp.RET_ALLOW
+        assert struct_unpack(prog[-8:])[3] == seccomp.RET_ERRNO | seccomp.EPERM
+    with pytest.raises(seccomp.Unsupported):
+        seccomp.program("mips")
+
+
+def struct_unpack(insn: bytes) -> tuple[int, int, int, int]:
+    import struct
+
+    return struct.unpack("=HBBI", insn)
+
+
+def test_stale_staging_folders_are_removed_but_live_ones_kept(tmp_path):
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead = tmp_path / f"infer-tune-passk-{gone.pid}-abc"
+    live = tmp_path / f"infer-tune-passk-{os.getpid()}-def"
+    old = tmp_path / "infer-tune-passk-k2j3h4"  # an older infer-tune's name, no pid: kept while recent
+    target = tmp_path / "elsewhere"
+    for folder in (dead, live, old, target):
+        folder.mkdir()
+        (folder / "program.py").write_text("x")
+    (tmp_path / f"infer-tune-passk-{gone.pid}-link").symlink_to(target)
+    removed = passk.clean_stale_staging(str(tmp_path))
+    assert removed == [str(dead)] and live.exists() and old.exists() and (target / "program.py").exists()
+    os.utime(old, (0, 0))
+    assert passk.clean_stale_staging(str(tmp_path)) == [str(old)]
+
+
+def test_a_killed_parent_leaves_no_staging_behind(box, tmp_path):
+    """SIGKILL of infer-tune mid-program: the sandbox path never names a file in the temp directory, and an
+    unsafe run's folder is removed by the next evaluation."""
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    code = ("import sys\nfrom infer_tune.metrics import passk\n"
+            "program = passk.build_program('def add(a, b):\\n', '    import time\\n    time.sleep(60)\\n', "
+            "'def check(c):\\n    c(1, 2)\\n', 'add')\n"
+            "print('start', flush=True)\npasskw = passk.run_program(program, timeout_s=50, isolation=sys.argv[1])\n")
+    for isolation in ("sandbox", "unsafe"):
+        parent = subprocess.Popen([sys.executable, "-c", code, isolation], env=env, stdout=subprocess.PIPE)
+        assert parent.stdout.readline().strip() == b"start"
+        time.sleep(2)
+        parent.kill()
+        parent.wait()
+        left = [p.name for p in tmp_path.iterdir() if p.name.startswith("infer-tune-")]
+        if isolation == "sandbox":
+            assert left == []
+        else:
+            assert len(left) == 1 and passk.clean_stale_staging(str(tmp_path)) == [str(tmp_path / left[0])]
+    assert program_processes() == []
+
+
+def test_cgroup_limits_are_written_where_cgroup_v2_is_delegated(tmp_path, monkeypatch):
+    """On a fake cgroup v2 tree (this host may be v1): memory (no swap) and pids limits go in the run's own group."""
+    from infer_tune.metrics import cgroups
+
+    (tmp_path / "cgroup.controllers").write_text("cpu memory pids")
+    (tmp_path / "cgroup.subtree_control").write_text("memory pids")
+    monkeypatch.setattr(cgroups, "ROOT", tmp_path)
+    monkeypatch.setattr(cgroups, "_own_cgroup", lambda root: root)
+    monkeypatch.setattr(cgroups.os, "geteuid", lambda: 0)
+    group = cgroups.create(1 << 30, 16)
+    assert group is not None and group.path.parent == tmp_path
+    assert (group.path / "memory.max").read_text() == str(1 << 30) and (group.path / "pids.max").read_text() == "16"
+    assert group.path.name.startswith(f"infer-tune-passk-{os.getpid()}-")

@@ -110,6 +110,7 @@ def test_rounds_stop_at_the_target_and_report_a_miss_as_noisy():
     round budget and are flagged with the achieved half-width."""
     from infer_tune import rounds
     from infer_tune.runners.base import GenerationRun, RequestTiming
+    from infer_tune.workload import Inputs
 
     def fake_runner(values):
         it = iter(values)
@@ -128,10 +129,11 @@ def test_rounds_stop_at_the_target_and_report_a_miss_as_noisy():
     try:
         protocol = Protocol(warmup=0, min_iterations=1, min_duration_s=0, max_rounds=6)
         make = lambda n: rounds.Variant(n, PreparedModel(None, None), "test-steady")  # noqa: E731
-        out = rounds.run_rounds([make("a"), make("b")], None, None, protocol)
+        one = Inputs(prompts=[None], rendered=["x"], batches=[{"input_ids": torch.zeros(1, 4)}], templated=False)
+        out = rounds.run_rounds([make("a"), make("b")], one, None, protocol)
         assert out.target_met and out.stopped_by == "target" and out.rounds == rounds.MIN_ROUNDS
         b = rounds.Variant("b", PreparedModel(None, None), "test-scattered")
-        out = rounds.run_rounds([make("a"), b], None, None, protocol)
+        out = rounds.run_rounds([make("a"), b], one, None, protocol)
         assert not out.target_met and out.stopped_by == "max_rounds" and out.rounds == 6
         assert out.block("b")["achieved_half_width_pct"] > protocol.target_half_width_pct
     finally:
@@ -143,3 +145,35 @@ def test_test_techniques_leave_the_registry_clean():
     from infer_tune.tuners import TECHNIQUES
 
     assert NoiseConfig not in TECHNIQUES
+
+
+@pytest.mark.full_rounds
+def test_rounds_interleave_request_by_request_and_pair_prompts():
+    """Within a round every variant runs request batch j back to back (shuffled) before any runs batch j+1;
+    prompt indices come back as the workload's, so TTFT / TPOT ratios pair each prompt with itself."""
+    from infer_tune import rounds
+    from infer_tune.runners.base import RUNNERS, GenerationRun, RequestTiming
+    from infer_tune.workload import Inputs
+
+    calls = []
+
+    def runner(prepared, inputs, workload, protocol, progress):
+        calls.append((prepared.label, int(inputs.batches[0]["input_ids"][0, 0])))
+        tpot = 10.0 if prepared.label == "base" else 5.0
+        req = RequestTiming(0, 0, 4, 0, [int(1e6 * (10 + tpot * k)) for k in range(5)])
+        return GenerationRun([req], [], 0.1, 1, None, 0.0, 0, 0, 5, 1)
+
+    RUNNERS["test-calls"] = runner
+    try:
+        batches = [{"input_ids": torch.full((1, 3), j)} for j in range(3)]
+        inputs = Inputs(prompts=[None] * 3, rendered=["a", "b", "c"], batches=batches, templated=False)
+        variants = [rounds.Variant(n, PreparedModel(None, None, label=n), "test-calls") for n in ("base", "c1", "c2")]
+        out = rounds.run_rounds(variants, inputs, None, Protocol(warmup=0, min_iterations=3, min_duration_s=0,
+                                                                   max_rounds=3))
+    finally:
+        RUNNERS.pop("test-calls")
+    timed = calls[3:]  # after the three warm calls
+    for start in range(0, len(timed), 3):
+        assert len({batch for _, batch in timed[start:start + 3]}) == 1  # one batch, all variants, back to back
+    assert [r.prompt_index for r in variants[1].passes[0].requests] == [0, 1, 2]
+    assert out.intervals["c1"]["speedup_vs_baseline"]["point"] == pytest.approx(2.0)

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from infer_tune.cli import app
 from infer_tune.errors import ConfigError
 from infer_tune.tuners.base import RunContext, apply
-from infer_tune.tuners.quantize import QuantizeConfig, kernels
+from infer_tune.tuners.quantize import QuantizeConfig, kernel_choice, kernels
 from infer_tune.tuners.quantize.apply import STATIC_ERROR_BUDGET
 from infer_tune.tuners.quantize.modules import Int4Linear, Int8DynamicLinear, int8_per_channel
 from infer_tune.tuners.quantize.pipeline import quantize_in_memory
@@ -38,7 +38,7 @@ def test_injected_timings_decide_what_runs(tiny_loaded, monkeypatch):
     quantize_in_memory(model, QuantizeConfig(method="int8-dynamic"), "torch")
     timings = {("int8-dynamic", "decode"): ({"fbgemm": 1.0, "int_mm": 3.0, "dequant": 5.0}, 2.0),
                ("int8-dynamic", "prefill"): ({"fbgemm": 1.0, "int_mm": 400.0, "dequant": 10.0}, 8.0)}
-    record = kernels.choose_for_model(model, "int8-dynamic", timings=timings)
+    record = kernel_choice.choose_for_model(model, "int8-dynamic", timings=timings)
     by_kind = record["by_kind"]["int8-dynamic"]
     assert by_kind["decode"]["chosen"] == "fbgemm"
     assert by_kind["prefill"]["chosen"] == "dequant"  # fbgemm excluded at prefill (per-tensor numerics)
@@ -48,7 +48,7 @@ def test_injected_timings_decide_what_runs(tiny_loaded, monkeypatch):
     monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.shape) or real(a, b))
     model(torch.tensor([[5, 6, 7, 8, 9]]))
     assert not calls  # the measured choice (dequant) ran, not int_mm
-    kernels.apply_kernels(model, "fbgemm", "int_mm")
+    kernel_choice.apply_kernels(model, "fbgemm", "int_mm")
     model(torch.tensor([[5, 6, 7, 8, 9]]))
     assert calls  # forcing the slow path really runs it
 
@@ -83,7 +83,7 @@ def test_compiled_paths_get_traceable_kernels_with_the_same_numerics(tiny_loaded
     layer = next(m for m in model.modules() if isinstance(m, Int8StaticLinear))
     x = torch.randn(3, layer.in_features)
     reference = layer(x)
-    swaps = kernels.make_traceable(model)
+    swaps = kernel_choice.make_traceable(model)
     assert swaps["int8-static"]["decode"] == ("fbgemm", "int_mm")
     assert all(m.decode_kernel in kernels.TRACEABLE[m.kind] and m.prefill_kernel in kernels.TRACEABLE[m.kind]
                for m in model.modules() if hasattr(m, "decode_kernel"))

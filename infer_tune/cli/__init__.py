@@ -119,7 +119,10 @@ app = typer.Typer(
 @app.callback()
 def root() -> None:
     """Apply real LLM-inference optimizations to a real model; measure speed and quality drift in one leaderboard."""
+    from infer_tune import results
+
     _quiet_libraries()
+    results.set_warning_handler(output.warn)  # a result file skipped while listing: one warning line
 
 
 app.command("bench")(bench_cmd.bench)

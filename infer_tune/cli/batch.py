@@ -83,7 +83,7 @@ def sweep(opts: opt.MeasureOptions, batch_sizes: BatchSizes = "1,2,4,8,16,32", m
     if limit < max(sizes):
         raise ConfigError(f"--limit {limit} is smaller than batch size {max(sizes)}; a batch needs as many prompts")
     workload = Workload(**{**opts.workload_values(), "limit": limit, "batch_size": 1})
-    with output.progress_bar(not opts.json_out) as progress:
+    with output.progress_bar(not opts.json_out, out_dir=opts.out) as progress:
         result = run_sweep(run_spec(opts, workload=workload, measure_ppl=False), spec_sweep, progress=progress)
     if opts.json_out:
         output.print_json({"results": result.docs, "not_measured": result.skipped, "knee_batch_size": result.knee})
@@ -145,6 +145,7 @@ def serve_sim(
                                                  "the server batches, so --schedulers does not apply. See `endpoint sim`.")] = None,
     served_model: Annotated[str | None, typer.Option("--served-model", help="With --endpoint: the model name the server serves.")] = None,
     api_key_env: Annotated[str | None, typer.Option("--api-key-env", help="With --endpoint: the environment variable holding the API key.")] = None,
+    workers: Annotated[int | None, typer.Option("--workers", help="With --endpoint: load-generator processes (default: from the concurrency and the cores).")] = None,
 ) -> None:
     """Static vs continuous batching on one seeded arrival trace per rate, replayed open loop: TTFT, queueing,
     TPOT, e2e, throughput, goodput under SLOs, the highest rate meeting them, outputs vs greedy.
@@ -169,7 +170,7 @@ def serve_sim(
         return endpoint_cmd.run_sim(opts, endpoint, rates=rates, requests=requests, burstiness=burstiness,
                                     slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, slo_e2e_ms=slo_e2e_ms,
                                     served_model=served_model, api_key_env=api_key_env,
-                                    concurrency=max(opts.batch_size, 1) * 8)
+                                    concurrency=max(opts.batch_size, 1) * 8, workers=workers)
 
     if "limit" in opts.explicit:
         raise ConfigError("batch serve-sim takes the number of requests from --requests, not --limit")
@@ -195,7 +196,7 @@ def serve_sim(
                       slo=SLO(ttft_ms=slo_ttft_ms, tpot_ms=slo_tpot_ms, e2e_ms=slo_e2e_ms), slo_target=slo_target,
                       schedulers=names, allow_repeat=allow_repeat, seed=opts.seed)
     workload = Workload(**{**opts.workload_values(), "limit": requests, "batch_size": 1})
-    with output.progress_bar(not opts.json_out) as progress:
+    with output.progress_bar(not opts.json_out, out_dir=opts.out) as progress:
         result = run_serve(run_spec(opts, workload=workload, measure_ppl=False), serve, progress=progress)
     if opts.json_out:
         output.print_json({"results": result.docs, "summary": result.summary})

@@ -9,9 +9,10 @@ import typer
 from rich.table import Table
 
 from infer_tune.cli import endpoint as ep
+from infer_tune.cli import executor_opts as xo
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
-from infer_tune.errors import InferTuneError
+from infer_tune.errors import ConfigError, InferTuneError
 
 
 def render_result(doc: dict, run_dir: Path | str | None = None) -> None:
@@ -86,9 +87,13 @@ def bench(
     api: ep.Api = "chat",
     concurrency: ep.Concurrency = 1,
     request_timeout: ep.RequestTimeout = 300.0,
+    idle_timeout: ep.IdleTimeout = 60.0,
     ignore_eos: ep.IgnoreEos = False,
     label: ep.Label = None,
     baseline: ep.Baseline = None,
+    workers: ep.Workers = None,
+    executor: xo.Executor = "local",
+    ray_address: xo.RayAddress = None,
 ) -> None:
     """Measure the baseline (or every config of a --recipe against it): TTFT, ITL, TPOT, e2e, throughput,
     memory, roofline, BLEU/chrF and perplexity.
@@ -101,17 +106,19 @@ def bench(
     served weights (their tokenizer renders prompts and counts tokens):
     infer-tune bench --endpoint http://127.0.0.1:8000/v1 --model smollm2-135m --limit 4 --max-new-tokens 32
     """
+    if executor != "local" and recipe is None:
+        raise ConfigError("--executor applies to the configs of a --recipe (a baseline alone runs here)")
     if endpoint is not None:
         if recipe is not None:
             raise InferTuneError("--recipe configs run in this process; --endpoint measures the server as it is")
         config = ep.endpoint_config(endpoint, served_model, api_key_env, api, concurrency, request_timeout,
-                                    ignore_eos, label)
+                                    ignore_eos, label, idle_timeout, workers)
         return ep.bench_endpoint(opts, config, baseline, execute)
     from infer_tune.scenarios.bench import run_bench, run_recipe, stages_from_recipe
 
     spec = run_spec(opts, execute=execute or unsafe_execute, unsafe_execute=unsafe_execute)
     if recipe is None:
-        with output.progress_bar(not opts.json_out) as progress:
+        with output.progress_bar(not opts.json_out, out_dir=spec.out_dir) as progress:
             outcome = run_bench(spec, progress=progress)
         if opts.json_out:
             output.print_json(outcome.baseline)
@@ -121,7 +128,7 @@ def bench(
     stages = stages_from_recipe(recipe, spec, workload_given=opts.given(opts.workload_values()),
                                 protocol_given=opts.given(opts.protocol_values()),
                                 model_given="model" in opts.explicit)
-    with output.progress_bar(not opts.json_out) as progress:
+    with xo.scope(executor, ray_address, opts.device), output.progress_bar(not opts.json_out, out_dir=spec.out_dir) as progress:
         outcomes = run_recipe(stages, progress=progress)
     docs = [doc for o in outcomes for doc in (o.baseline, *o.docs)]
     if opts.json_out:
@@ -131,21 +138,9 @@ def bench(
 
 
 def render_recipe(docs: list[dict], out_dir: Path) -> None:
-    """The recipe's rows (narrow table), its claims, the recommendation, and the report's files."""
-    from infer_tune.cli.leaderboard import print_recommendation
-    from infer_tune.report import claims, display
-    from infer_tune.report import leaderboard as lb
-    from infer_tune.report.recommend import Budget, recommend
+    """The one-screen summary a recipe ends with: its rows (narrow table, each technique's key figures),
+    its claims, the recommendation and how to reproduce it, and the report's files."""
+    from infer_tune.report import summary
 
-    frame = lb.build(docs)
-    written = lb.write(frame, docs, out_dir)
-    rows = frame.astype(object).where(frame.notna(), None).to_dict(orient="records")
-    output.out.print(display.markdown(rows, narrow=True), markup=False, highlight=False, soft_wrap=True)
-    for claim in claims.collect(docs):
-        output.out.print(f"claim: {claim.claim} -> {claim.measured}: {claim.verdict}"
-                         + (f" ({claim.why})" if claim.why and claim.verdict != "held" else ""),
-                         markup=False, soft_wrap=True)
-    budget = Budget()
-    print_recommendation(recommend(docs, budget), budget)
-    for path in written.values():
-        output.out.print(f"report: {path}", markup=False, soft_wrap=True)
+    for line in summary.lines(docs, out_dir):
+        output.out.print(line, markup=False, highlight=False, soft_wrap=True)

@@ -72,8 +72,8 @@ def compare(
     regression when the WHOLE bootstrap 95% interval is past the threshold, a pass when it is wholly on
     the passing side, inconclusive when it straddles the threshold; each check prints the smallest change
     this sample can detect and what would shrink it. A noisy input can only make a pass inconclusive; a
-    candidate with failed requests (above --max-failed-requests) is a regression; zero or negative
-    timings are bad input. Results measured differently (suite, model, max new tokens, batch size, limit,
+    candidate with failed requests (above --max-failed-requests) is a regression; negative
+    timings or a zero TTFT / e2e are bad input. Results measured differently (suite, model, max new tokens, batch size, limit,
     dtype, threads, machine) are refused unless --allow-mismatch.
     Exit 0 pass, 1 regression (or inconclusive with --strict), 2 bad input, 3 internal error, 4 inconclusive.
     When GITHUB_STEP_SUMMARY is set, the markdown report is appended to that file.

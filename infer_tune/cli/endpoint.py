@@ -27,22 +27,40 @@ ApiKeyEnv = Annotated[str | None, _opt("--api-key-env", help="Name of the enviro
 Api = Annotated[str, _opt("--api", help="chat (/chat/completions: the server applies its chat template) or completions (/completions: the prompt rendered by --model's template).")]
 Concurrency = Annotated[int, _opt("--concurrency", help="Most requests in flight at once (bench: closed loop; sim: the bound on the open loop).")]
 RequestTimeout = Annotated[float, _opt("--request-timeout", help="Seconds a whole request may take before it counts as failed (timeout).")]
+IdleTimeout = Annotated[float, _opt("--idle-timeout", help="Seconds the server may stay silent (before its answer, and between events) before the request counts as failed (idle_timeout); apart from --request-timeout.")]
 IgnoreEos = Annotated[bool, _opt("--ignore-eos", help="Send `ignore_eos: true` (vLLM, SGLang, llama.cpp) so every request decodes --max-new-tokens.")]
+Workers = Annotated[int | None, _opt("--workers", help="Load-generator processes, each with its own event loop (default: one per 128 concurrent streams, at most one per core; 1: a single loop in this process).")]
 Label = Annotated[str | None, _opt("--label", help="The result's label in leaderboards (default: MODEL@HOST:PORT).")]
 Baseline = Annotated[Path | None, _opt("--baseline", help="A result (run folder or result.json) of the same workload: adds speedup, BLEU drift and faithfulness against it.")]
 
 
 def endpoint_config(url: str, served_model: str | None, api_key_env: str | None, api: str, concurrency: int,
-                    request_timeout: float, ignore_eos: bool, label: str | None):
+                    request_timeout: float, ignore_eos: bool, label: str | None, idle_timeout: float = 60.0,
+                    workers: int | None = None):
     """The EndpointConfig of the parsed options (flag ranges checked here, with the flags' names)."""
     from infer_tune.endpoint.config import EndpointConfig
 
     if concurrency < 1:
         raise ConfigError(f"--concurrency must be >= 1, got {concurrency}")
-    if not 0 < request_timeout < float("inf"):
-        raise ConfigError(f"--request-timeout must be a finite number of seconds > 0, got {request_timeout}")
+    if workers is not None and workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {workers}")
+    for flag, value in (("--request-timeout", request_timeout), ("--idle-timeout", idle_timeout)):
+        if not 0 < value < float("inf"):
+            raise ConfigError(f"{flag} must be a finite number of seconds > 0, got {value}")
     return EndpointConfig(url=url, served_model=served_model, api=api, api_key_env=api_key_env,
-                          concurrency=concurrency, timeout_s=request_timeout, ignore_eos=ignore_eos, label=label)
+                          concurrency=concurrency, timeout_s=request_timeout, ignore_eos=ignore_eos, label=label,
+                          idle_timeout_s=idle_timeout, workers=workers)
+
+
+def warn_failures(doc: dict) -> None:
+    """One warning line when requests failed: latency figures then describe only the requests that succeeded."""
+    m = doc["metrics"]
+    failed, sent = m.get("requests_failed") or 0, m.get("requests_sent") or 0
+    if failed:
+        kinds = ", ".join(f"{n} {k}" for k, n in (m.get("failures_by_kind") or {}).items())
+        output.warn(f"{doc.get('label') or doc['run_id']}: {failed} of {sent} requests failed "
+                    f"({failed / max(sent, 1):.1%}: {kinds}); the latency figures cover only the "
+                    f"{m.get('requests_ok')} that succeeded")
 
 
 def render_endpoint(doc: dict) -> None:
@@ -60,8 +78,13 @@ def render_endpoint(doc: dict) -> None:
     if m.get("goodput_req_s") is not None:
         facts.append(("goodput", f"{output.fmt(m['goodput_req_s'])} req/s, SLO attainment "
                                  f"{output.fmt(m.get('slo_attainment'), '.0%')} (SLO {m.get('slo')})"))
+    client = m.get("client") or {}
+    if client:
+        facts.append(("load generator", f"{client.get('workers')} worker(s) on {client.get('cores')} cores, "
+                                        + ("SATURATED" if m.get("client_saturated") else "not saturated")))
     for name, value in facts:
         output.out.print(f"  {name:<22} {value}", soft_wrap=True)
+    client_line(m)
 
 
 def bench_endpoint(opts: opt.MeasureOptions, config, baseline: Path | None, execute: bool) -> None:
@@ -72,6 +95,7 @@ def bench_endpoint(opts: opt.MeasureOptions, config, baseline: Path | None, exec
     with output.progress_bar(not opts.json_out) as progress:
         doc = run_endpoint_bench(run_spec(opts, execute=execute), config, model_given="model" in opts.explicit,
                                  baseline=baseline, progress=progress)
+    warn_failures(doc)
     if opts.json_out:
         output.print_json(doc)
         return
@@ -103,8 +127,10 @@ def sim(
     api: Api = "chat",
     concurrency: Concurrency = 64,
     request_timeout: RequestTimeout = 300.0,
+    idle_timeout: IdleTimeout = 60.0,
     ignore_eos: IgnoreEos = False,
     label: Label = None,
+    workers: Workers = None,
 ) -> None:
     """Replay a seeded Poisson (or gamma) arrival trace at each --rates value against the server, with at
     most --concurrency requests in flight; one result per rate, the saturation knee marked, goodput under
@@ -116,14 +142,14 @@ def sim(
     run_sim(opts, endpoint, rates=rates, requests=requests, burstiness=burstiness, slo_ttft_ms=slo_ttft_ms,
             slo_tpot_ms=slo_tpot_ms, slo_e2e_ms=slo_e2e_ms, knee_factor=knee_factor, served_model=served_model,
             api_key_env=api_key_env, api=api, concurrency=concurrency, request_timeout=request_timeout,
-            ignore_eos=ignore_eos, label=label)
+            ignore_eos=ignore_eos, label=label, idle_timeout=idle_timeout, workers=workers)
 
 
 def run_sim(opts: opt.MeasureOptions, endpoint: str, *, rates: str, requests: int, burstiness: float = 1.0,
             slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, slo_e2e_ms: float | None = None,
             knee_factor: float = 2.0, served_model: str | None = None, api_key_env: str | None = None,
             api: str = "chat", concurrency: int = 64, request_timeout: float = 300.0, ignore_eos: bool = False,
-            label: str | None = None) -> None:
+            label: str | None = None, idle_timeout: float = 60.0, workers: int | None = None) -> None:
     """`endpoint sim` (and `batch serve-sim --endpoint`): the rate sweep against a server, rendered."""
     from infer_tune.cli.bench import run_spec
     from infer_tune.endpoint.arrivals import parse_rates
@@ -134,16 +160,19 @@ def run_sim(opts: opt.MeasureOptions, endpoint: str, *, rates: str, requests: in
         if not value > 0:
             raise ConfigError(f"{flag} must be > 0, got {value}")
     slo = SLO(ttft_ms=slo_ttft_ms, tpot_ms=slo_tpot_ms, e2e_ms=slo_e2e_ms).to_dict()
-    config = endpoint_config(endpoint, served_model, api_key_env, api, concurrency, request_timeout, ignore_eos, label)
+    config = endpoint_config(endpoint, served_model, api_key_env, api, concurrency, request_timeout, ignore_eos, label,
+                             idle_timeout, workers)
     with output.progress_bar(not opts.json_out) as progress:
         outcome = run_endpoint_sweep(run_spec(opts), config, parse_rates(rates), requests=requests,
                                      model_given="model" in opts.explicit, burstiness=burstiness, slo=slo,
                                      knee_factor=knee_factor, progress=progress)
+    for doc in outcome.docs:
+        warn_failures(doc)
     if opts.json_out:
         output.print_json(outcome.docs)
         return
     knee = {"beyond": "beyond the swept rates", "below": "below the lowest rate (already saturated)"}.get(
-        outcome.knee_status, f"{outcome.knee_rate:g} req/s")
+        outcome.knee_status, f"{outcome.knee_rate:g} req/s" if outcome.knee_rate is not None else "not found")
     table = Table(title=f"{config.display_label()} · {requests} requests per rate · knee {knee}")
     for name in ("rate", "done/s", "ok", "fail", "TTFT p50", "TTFT p99", "TPOT p50", "queue p50", "tok/s", "goodput",
                  "SLO met", "sat."):
@@ -157,7 +186,17 @@ def run_sim(opts: opt.MeasureOptions, endpoint: str, *, rates: str, requests: in
                       output.fmt(m.get("goodput_req_s")), output.fmt(m.get("slo_attainment"), ".0%"),
                       "yes" if m["saturated"] else "no")
     output.out.print(table)
+    for doc in outcome.docs:
+        client_line(doc["metrics"], f"rate {output.fmt(doc['metrics']['offered_rate_req_s'], 'g', 'inf')}: ")
     output.out.print(f"  results: {', '.join(str(p) for p in outcome.run_dirs)} (rates.png beside each)", soft_wrap=True)
+
+
+def client_line(m: dict, prefix: str = "") -> None:
+    """A saturated client is said out loud: its TTFT / ITL include the client's own queue."""
+    if m.get("client_saturated"):
+        output.err.print(f"warning: {prefix}the load generator saturated ({m.get('client_saturation_reason')}); "
+                         f"its latencies include the client's own delay: raise --workers or use more cores",
+                         soft_wrap=True)
 
 
 Engine = Annotated[str, typer.Option("--engine", help="llama.cpp (llama-cpp-python's server on the model's GGUF) or transformers (`transformers serve`).")]
@@ -175,6 +214,7 @@ def reference(
     startup_timeout: StartupTimeout = 300.0,
     concurrency: Concurrency = 1,
     request_timeout: RequestTimeout = 300.0,
+    idle_timeout: IdleTimeout = 60.0,
     label: Label = None,
 ) -> None:
     """Start a reference engine on 127.0.0.1 with --model's weights, benchmark it like any endpoint, stop it:
@@ -187,10 +227,12 @@ def reference(
 
     if not startup_timeout > 0:
         raise ConfigError(f"--startup-timeout must be > 0 seconds, got {startup_timeout}")
-    config = endpoint_config("http://127.0.0.1:1/v1", None, None, "chat", concurrency, request_timeout, False, label)
+    config = endpoint_config("http://127.0.0.1:1/v1", None, None, "chat", concurrency, request_timeout, False, label,
+                             idle_timeout)
     with output.progress_bar(not opts.json_out) as progress:
         doc = run_reference(run_spec(opts), engine, config, continuous_batching=continuous_batching,
                             extra_args=engine_arg or [], startup_timeout_s=startup_timeout, progress=progress)
+    warn_failures(doc)
     if opts.json_out:
         output.print_json(doc)
         return

@@ -39,7 +39,8 @@ ReplicaRouting = Annotated[str, typer.Option("--replica-routing", help="How toke
                                                                      "local (own device first: less traffic).")]
 PlanSave = Annotated[Path | None, typer.Option("--save", help="Write every plan to this file (input of validate).")]
 PlanFile = Annotated[Path, typer.Option("--plan", help="Plan file from `experts plan --save`.")]
-Procs = Annotated[int, typer.Option("--procs", help="Processes (one per device of the plan).")]
+Procs = Annotated[int | None, typer.Option("--procs", help="Processes (one per device of the plan; default 2, or "
+                                                            "torchrun's world size when started by torchrun).")]
 Out = Annotated[Path, typer.Option("--out", "-o", help="Runs directory for the result documents.")]
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
@@ -198,7 +199,7 @@ def plan(
 def validate(
     opts: opt.MeasureOptions,
     plan_file: PlanFile,
-    procs: Procs = 2,
+    procs: Procs = None,
     strategy: Strategies = None,
 ) -> None:
     """Run the model with real expert parallelism under each plan (one process per device, gloo on CPU,
@@ -206,17 +207,37 @@ def validate(
 
     Example: infer-tune experts validate --model moe-demo --plan plans.json --procs 2 --limit 8
 
+    Across hosts: torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29400
+    -m infer_tune experts validate --plan plans.json --limit 8 (on each host; rank 0 writes the results).
+
     The plans must be made for --procs devices. A single-process baseline of the same workload is
     measured first (or reused), so output drift and speed are deltas against it.
     """
     from infer_tune.cli.bench import run_spec
+    from infer_tune.runners import launcher
     from infer_tune.scenarios.experts import run_validate
 
+    started = launcher.detect()
+    if started is not None:
+        if procs is not None and procs != started["world_size"]:
+            raise ConfigError(f"--procs {procs} but torchrun started {started['world_size']} processes; leave "
+                              f"--procs out under torchrun")
+        procs = started["world_size"]
+        if started["rank"] != 0:
+            from infer_tune.runners.multiprocess import run_rank
+
+            launcher.follow(run_rank, opts.device)
+            return
+        launcher.join(opts.device)
+    procs = 2 if procs is None else procs
     if procs < 2:
         raise ConfigError(f"--procs must be >= 2, got {procs}")
-    with output.progress_bar(not opts.json_out) as progress:
-        outcome = run_validate(run_spec(opts, measure_ppl=False), plan_file, procs=procs,
-                               strategies=parse_strategies(strategy), progress=progress)
+    try:
+        with output.progress_bar(not opts.json_out, out_dir=opts.out) as progress:
+            outcome = run_validate(run_spec(opts, measure_ppl=False), plan_file, procs=procs,
+                                   strategies=parse_strategies(strategy), progress=progress)
+    finally:
+        launcher.release()
     if opts.json_out:
         output.print_json({"baseline": outcome.baseline, "results": outcome.docs, "claim_check": outcome.claim})
         return
@@ -250,6 +271,17 @@ def render_validation(docs: list[dict], procs: int) -> None:
                       f"{output.fmt(m.get('relative_diff'), '.1e')} ({output.fmt(m.get('tolerance'), '.0e')})",
                       match, output.fmt((m.get("tpot_ms") or {}).get("p50"), ".1f"))
     output.out.print(table)
+    for doc in docs:
+        m = doc["metrics"]
+        if m.get("inter_node_bytes_per_token") is None:
+            continue
+        cells = []
+        for kind, key in (("inside a node", "intra_node_bytes_per_token"), ("between nodes", "inter_node_bytes_per_token")):
+            pct = m.get(f"{key}_vs_predicted_pct")
+            cells.append(f"{kind} {output.fmt(m.get('predicted_' + key), ',.0f')} / {output.fmt(m.get(key), ',.0f')}"
+                         + (f" ({pct:+.1f}%)" if pct is not None else ""))
+        output.out.print(f"  {doc['config']['strategy']}: B/tok predicted / measured by link: {'; '.join(cells)} "
+                         f"(nodes from the {m.get('link_nodes_from')})")
 
 
 @app.command("build-demo")

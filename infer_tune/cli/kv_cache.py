@@ -82,7 +82,7 @@ def kv_cache(
     sweep_spec = kvs.KVSweepSpec(impls=parse_impls(impl), context_lengths=parse_context_lengths(context_lengths),
                                  max_new_tokens=opts.max_new_tokens, kv_bits=kv_bits, kv_backend=kv_backend,
                                  compile=compile_static, suite=opts.suite, seed=opts.seed)
-    with output.progress_bar(not opts.json_out) as progress:
+    with output.progress_bar(not opts.json_out, out_dir=opts.out) as progress:
         sweep = kvs.run_kv_cache(run_spec(opts, measure_ppl=False), sweep_spec, progress=progress)
     if opts.json_out:
         output.print_json({"results": sweep.docs, "not_applicable": sweep.not_applicable, "claims": sweep.claims})

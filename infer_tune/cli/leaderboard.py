@@ -29,13 +29,14 @@ def render(rows: list[dict]) -> None:
     output.out.print(table)
 
 
-def print_recommendation(rec, budget) -> None:
-    """The recommended configuration and its reproduce command, or why there is none, in one line."""
+def print_recommendation(rec, budget, rows: list[dict] | None = None) -> None:
+    """The recommended configuration and its reproduce command, or why there is none."""
     from infer_tune.report import leaderboard as lb
 
     if rec.doc is not None:
-        output.out.print(f"recommended ({lb.budget_summary(budget)}): {rec.doc['technique']} {rec.doc.get('label', '')}"
-                         f" -- {rec.decision()}; reproduce: {rec.command}", markup=False, soft_wrap=True)
+        output.out.print(f"recommended ({lb.budget_summary(budget)}): {lb.recommendation_line(rec, rows or [])}"
+                         f" -- {rec.decision()}", markup=False, soft_wrap=True)
+        output.out.print(f"reproduce: {rec.command}", markup=False, soft_wrap=True)
     else:
         output.out.print(f"no configuration to recommend within {lb.budget_summary(budget)}", markup=False,
                          soft_wrap=True)
@@ -83,18 +84,20 @@ def leaderboard(
         output.warn(f"skipped {len(skipped)} unreadable result file(s): "
                     + "; ".join(f"{path} ({reason.rsplit(': ', 1)[-1]})" for path, reason in skipped))
     from infer_tune.report.claims import collect
-    from infer_tune.report.recommend import Budget, recommend
+    from infer_tune.report.recommend import Budget, recommend, reproduce_command
 
     budget = Budget(max_bleu_drift=max_bleu_drift, max_ppl_delta=max_ppl_delta, require_lossless=require_lossless)
     written = lb.write(frame, docs, out or runs_dir, wanted, budget)
-    rows = frame.astype(object).where(frame.notna(), None).to_dict(orient="records")
     shown = [d for d in docs if d["run_id"] in set(frame["run_id"])]
     rec = recommend(shown, budget)
+    if rec.doc is not None and "recommended" in written:
+        rec.command = reproduce_command(rec.doc, written["recommended"])
+    rows = lb.rows_of(frame, rec.doc["run_id"] if rec.doc else None)
     if json_out:
         output.print_json({"rows": rows, "claims": [c.to_dict() for c in collect(shown)],
                            "recommendation": rec.to_dict(), "files": {k: str(v) for k, v in written.items()}})
         return
     render(rows)
-    print_recommendation(rec, budget)
+    print_recommendation(rec, budget, rows)
     for path in written.values():
         output.note(f"wrote {path}")

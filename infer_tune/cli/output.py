@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -31,8 +32,18 @@ def _console(**kwargs) -> Console:
     return console
 
 
-out = _console()
+# stdout never interprets markup: labels, model names and server text are printed as they are (a label
+# `x[/]` must not crash rich); the few styled cells use rich Text objects.
+out = _console(markup=False, emoji=False)
 err = _console(stderr=True)
+_CONTROL = {c: None for c in [*range(0x00, 0x20), *range(0x7F, 0xA0), 0x200E, 0x200F, *range(0x202A, 0x202F),
+                              *range(0x2066, 0x206A)] if c not in (0x09, 0x0A)}
+
+
+def clean(text: str) -> str:
+    """`text` without control characters (ESC sequences, BEL, backspace, bidi overrides): text that came
+    from a server or a file reaches the terminal inert."""
+    return str(text).translate(_CONTROL)
 
 
 class _State:
@@ -50,31 +61,40 @@ def print_json(document) -> None:
 
 
 def error(message: str) -> None:
-    err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(clean(message))}", soft_wrap=True)
 
 
 def warn(message: str) -> None:
     """A loud warning on stderr (the command goes on)."""
-    err.print(f"[bold yellow]warning:[/] {escape(message)}", soft_wrap=True)
+    err.print(f"[bold yellow]warning:[/] {escape(clean(message))}", soft_wrap=True)
 
 
 def note(message: str) -> None:
-    err.print(escape(message), soft_wrap=True)
+    err.print(escape(clean(message)), soft_wrap=True)
 
 
 @contextmanager
-def progress_bar(enabled: bool = True) -> Iterator:
-    """Yield a `progress(stage, done, total)` callback drawing a bar on stderr (a no-op when disabled)."""
-    if not enabled or not err.is_terminal:
-        yield lambda stage, done, total: None
+def progress_bar(enabled: bool = True, out_dir: Path | str | None = None) -> Iterator:
+    """Yield a `progress(stage, done, total)` callback: live bars on a terminal; in a log (no terminal)
+    one line per finished config and a heartbeat during long silent steps (progress.LineProgress),
+    reading each finished config's label and key figure from `out_dir` when given. A no-op when disabled."""
+    if not enabled:
+        yield lambda *args, **kwargs: None
+        return
+    if not err.is_terminal:
+        from infer_tune.cli.progress import LineProgress
+
+        with LineProgress(lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True),
+                          out_dir=out_dir) as lines:
+            yield lines
         return
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("ETA"), TimeRemainingColumn(), console=err, transient=True) as bar:
         tasks: dict[str, int] = {}
 
-        def update(stage: str, done: int, total: int | None) -> None:
+        def update(stage: str, done: int, total: int | None, *info) -> None:
             if stage not in tasks:
-                tasks[stage] = bar.add_task(stage, total=total)
+                tasks[stage] = bar.add_task(escape(stage), total=total)
             bar.update(tasks[stage], completed=done, total=total)
 
         yield update

@@ -68,7 +68,7 @@ def quantize(
     configs = [QuantizeConfig(method=m, backend=backend, alpha=alpha, group_size=group_size, calib_suite=calib_suite,
                               calib_samples=calib_samples, head_bits=head_bits if m.startswith("int4") else 8,
                               compute_dtype=compute_dtype) for m in methods]
-    with output.progress_bar(not opts.json_out) as progress:
+    with output.progress_bar(not opts.json_out, out_dir=opts.out) as progress:
         outcome = run_quantize(run_spec(opts), configs, save=save, overwrite=overwrite, progress=progress)
     if opts.json_out:
         output.print_json(outcome.docs[0] if len(outcome.docs) == 1 else outcome.docs)

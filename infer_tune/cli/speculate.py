@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
@@ -110,7 +111,7 @@ def speculate(
                                 engines=parse_engines(engine), max_matching_ngram_size=max_matching_ngram_size,
                                 draft_vocab=draft_vocab)
     sweep.configs()  # every config validated before anything loads
-    with output.progress_bar(not opts.json_out) as progress:
+    with output.progress_bar(not opts.json_out, out_dir=opts.out) as progress:
         outcome = scen.run_speculate(run_spec(opts, measure_ppl=False), sweep, progress=progress)
     if opts.json_out:
         output.print_json({"results": [d for s in outcome.suites for d in s.docs],
@@ -159,7 +160,7 @@ def render_suite(suite) -> None:
                       output.fmt(m.get("tokens_per_target_pass")), curve or "-", output.fmt(m["ttft_ms"]["p50"], ".1f"),
                       output.fmt(m["tpot_ms"]["p50"], ".1f"), output.fmt(m["output_throughput_tok_s"], ".1f"),
                       f"{output.fmt(m.get('speedup_vs_baseline'))}x", rounds,
-                      "identical" if mismatch == 0 else f"[bold red]MISMATCH ({mismatch})[/]")
+                      "identical" if mismatch == 0 else Text.from_markup(f"[bold red]MISMATCH ({mismatch})[/]"))
     output.out.print(table)
     if suite.docs and suite.docs[0].get("_path"):
         output.out.print(f"  acceptance per position plotted in each result's acceptance.png; results: "
@@ -258,7 +259,8 @@ def distill_bar(enabled: bool):
     @contextmanager
     def bar():
         if not enabled or not output.err.is_terminal:
-            yield lambda *args, **kwargs: None
+            with output.progress_bar(enabled) as lines:  # a log: heartbeat lines while it trains
+                yield lines
             return
         columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())

@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from infer_tune.cli import executor_opts as xo
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
 from infer_tune.errors import ConfigError
@@ -77,6 +78,8 @@ def tune(
     methods: Methods = None,
     reference: Reference = True,
     compile: Compile = True,
+    executor: xo.Executor = "local",
+    ray_address: xo.RayAddress = None,
 ) -> None:
     """Search the configurations the techniques offer (and their stacks) for the fastest one within the
     drift budget, on this machine; print the winner, its numbers and how to reproduce it.
@@ -108,7 +111,7 @@ def tune(
     spec = TuneSpec(max_ppl_delta=max_ppl_delta, max_bleu_drift=max_bleu_drift, require_lossless=require_lossless,
                     objective=objective, budget_s=budget_minutes * 60, reference=reference, compile=compile,
                     methods=chosen)
-    with output.progress_bar(not opts.json_out) as progress:
+    with xo.scope(executor, ray_address, opts.device), output.progress_bar(not opts.json_out, out_dir=opts.out) as progress:
         outcome = run_tune(run_spec(opts), spec, progress=progress)
     if opts.json_out:
         output.print_json(outcome.to_dict())

@@ -16,7 +16,26 @@ from typing import Any
 
 from infer_tune.endpoint.config import EndpointConfig
 
-FAILURE_KINDS = ("connect", "timeout", "http", "malformed_sse", "stream_error", "disconnected")
+FAILURE_KINDS = ("connect", "timeout", "idle_timeout", "http", "redirect", "malformed_sse", "stream_error",
+                 "disconnected", "oversized", "too_many_tokens", "usage_mismatch")
+MAX_LINE_BYTES = 1 << 20  # one SSE line (one event's data) at most: a token's event is a few hundred bytes
+MAX_ERROR_BODY_BYTES = 4096  # of an error answer, only this much is read (its first line is shown)
+MAX_CHARS_PER_TOKEN = 256  # streamed text longer than max_tokens x this cannot be max_tokens tokens
+STREAM_BYTES_PER_TOKEN = 16384  # the raw stream may hold 1 MiB + this per requested token
+_CONTROL = {c: None for c in [*range(0x00, 0x20), *range(0x7F, 0xA0), 0x200E, 0x200F, *range(0x202A, 0x202F),
+                              *range(0x2066, 0x206A)]}
+
+
+def clean(text: object, limit: int = 200) -> str:
+    """Server text made safe for one terminal line: control characters (ESC sequences, BEL, newlines,
+    bidi overrides) removed, cut to `limit` characters."""
+    flat = " ".join(str(text).replace("\t", " ").splitlines())
+    flat = flat.translate(_CONTROL)
+    return flat if len(flat) <= limit else flat[:limit] + "..."
+
+
+class StreamTooLarge(Exception):
+    """An SSE line (or one event's data) longer than MAX_LINE_BYTES."""
 
 
 @dataclass
@@ -40,6 +59,7 @@ class StreamRecord:
     status: int | None = None
     failure: str | None = None
     message: str = ""
+    text_chars: int = 0
 
     @property
     def ok(self) -> bool:
@@ -55,28 +75,46 @@ class StreamRecord:
 
 
 class SSEParser:
-    """Incremental `text/event-stream` parser: feed bytes, get the `data` payload of each complete event."""
+    """Incremental `text/event-stream` parser: feed bytes, get the `data` payload of each complete event.
 
-    def __init__(self) -> None:
-        self.buffer = b""
+    Linear in the bytes fed: the buffer is a bytearray consumed once per feed, and a line's end is
+    searched for only in bytes not yet scanned. A line (or an event's data) over `max_line` bytes raises
+    StreamTooLarge instead of growing without bound.
+    """
+
+    def __init__(self, max_line: int = MAX_LINE_BYTES) -> None:
+        self.buffer = bytearray()
+        self.scanned = 0  # bytes of `buffer` known to hold no newline
         self.data: list[str] = []
+        self.data_bytes = 0
+        self.max_line = max_line
 
     def feed(self, chunk: bytes) -> list[str]:
         self.buffer += chunk
-        events = []
+        events: list[str] = []
+        start = 0
         while True:
-            end = self.buffer.find(b"\n")
+            end = self.buffer.find(b"\n", max(start, self.scanned))
             if end < 0:
-                return events
-            line = self.buffer[:end].rstrip(b"\r").decode("utf-8", errors="replace")
-            self.buffer = self.buffer[end + 1:]
+                break
+            length = end - start
+            line = bytes(self.buffer[start:end]).rstrip(b"\r").decode("utf-8", errors="replace")
+            start = end + 1
             if not line:  # a blank line ends the event
                 if self.data:
                     events.append("\n".join(self.data))
-                    self.data = []
+                    self.data, self.data_bytes = [], 0
             elif line.startswith("data:"):
                 self.data.append(line[5:].removeprefix(" "))
+                self.data_bytes += length
+                if self.data_bytes > self.max_line:
+                    raise StreamTooLarge(f"an event's data is over {self.max_line} bytes")
             # comments (":...") and other fields (event:, id:, retry:) carry nothing we time
+        del self.buffer[:start]
+        self.scanned = len(self.buffer)
+        if self.scanned > self.max_line:
+            raise StreamTooLarge(f"an event-stream line is over {self.max_line} bytes")
+        return events
 
     def close(self) -> list[str]:
         """An event the server did not terminate with a blank line still counts."""
@@ -117,28 +155,79 @@ def _handle_event(record: StreamRecord, payload: str, now: int, api: str) -> boo
     try:
         event = json.loads(payload)
     except json.JSONDecodeError:
-        record.fail("malformed_sse", f"event data is not JSON: {payload[:80]!r}")
+        record.fail("malformed_sse", f"event data is not JSON: {clean(payload, 80)!r}")
         return True
     if not isinstance(event, dict):
-        record.fail("malformed_sse", f"event data is not a JSON object: {payload[:80]!r}")
+        record.fail("malformed_sse", f"event data is not a JSON object: {clean(payload, 80)!r}")
         return True
     if "error" in event:
         error = event["error"]
-        record.fail("stream_error", str(error.get("message", error) if isinstance(error, dict) else error)[:200])
+        record.fail("stream_error", clean(error.get("message", error) if isinstance(error, dict) else error))
         return True
     if "choices" not in event and "usage" not in event:
-        record.fail("malformed_sse", f"event has neither choices nor usage: {payload[:80]!r}")
+        record.fail("malformed_sse", f"event has neither choices nor usage: {clean(payload, 80)!r}")
+        return True
+    choices = event.get("choices")
+    if choices is not None and not (isinstance(choices, list) and all(isinstance(c, dict) for c in choices)):
+        record.fail("malformed_sse", f"event choices are not a list of objects: {clean(payload, 80)!r}")
         return True
     text = _event_text(event, api)
+    if text is not None and not isinstance(text, str):
+        record.fail("malformed_sse", f"event text is not a string: {clean(payload, 80)!r}")
+        return True
     if text:
         record.delivery_ns.append(now)
         record.texts.append(text)
-    choices = event.get("choices") or []
+        record.text_chars += len(text)
+    choices = choices or []
     if choices and choices[0].get("finish_reason"):
-        record.finish_reason, record.finish_ns = choices[0]["finish_reason"], now
+        record.finish_reason, record.finish_ns = clean(choices[0]["finish_reason"], 40), now
     if isinstance(event.get("usage"), dict):
         record.usage = event["usage"]
     return False
+
+
+def check_length(record: StreamRecord, max_tokens: int | None, *, final: bool = False) -> bool:
+    """Fail `record` when what it streamed cannot be at most `max_tokens` tokens or (`final`: the stream
+    ended, usage arrives last) its `usage.completion_tokens` disagrees with what was streamed; True when
+    the record has failed. Called as events arrive, so a server streaming without end is cut off at once."""
+    if max_tokens is None or not record.ok:
+        return not record.ok
+    events = len(record.delivery_ns)
+    problem = None
+    if events > max_tokens:
+        problem = "too_many_tokens", f"streamed {events} text events for max_tokens {max_tokens}"
+    elif record.text_chars > max_tokens * MAX_CHARS_PER_TOKEN:
+        problem = "too_many_tokens", f"streamed {record.text_chars} characters for max_tokens {max_tokens}"
+    elif final and record.usage is not None and "completion_tokens" in record.usage:
+        reported = record.usage["completion_tokens"]
+        if not isinstance(reported, int) or isinstance(reported, bool) or reported < 0:
+            problem = "usage_mismatch", f"usage.completion_tokens is {clean(reported, 40)!r}"
+        elif reported > max_tokens:
+            problem = "too_many_tokens", f"usage.completion_tokens {reported} exceeds max_tokens {max_tokens}"
+        elif reported < events:
+            problem = "usage_mismatch", f"usage.completion_tokens {reported} but {events} tokens were streamed"
+    if problem is not None:
+        record.fail(*problem)
+    return not record.ok
+
+
+async def read_capped(content, limit: int) -> tuple[bytes, bool]:
+    """At most `limit` bytes of a response body, and whether there was more (the rest is not read)."""
+    data = bytearray()
+    while len(data) <= limit:
+        chunk = await content.read(limit + 1 - len(data))
+        if not chunk:
+            return bytes(data), False
+        data += chunk
+    return bytes(data[:limit]), True
+
+
+def redirect_target(response) -> str | None:
+    """The Location of a redirect answer (None when `response` is not one): redirects are never followed."""
+    if response.status not in (301, 302, 303, 307, 308):
+        return None
+    return clean(response.headers.get("Location") or "(no Location header)", 200)
 
 
 def describe_connect_error(exc: BaseException, config: EndpointConfig) -> str:
@@ -148,41 +237,70 @@ def describe_connect_error(exc: BaseException, config: EndpointConfig) -> str:
     return f"cannot connect to {config.host_port}: {os_error}"
 
 
-async def stream_request(session, config: EndpointConfig, body: bytes, headers: dict[str, str]) -> StreamRecord:
-    """Send one streaming request on `session` (an aiohttp ClientSession) and time its events."""
+async def stream_request(session, config: EndpointConfig, body: bytes, headers: dict[str, str],
+                         max_tokens: int | None = None) -> StreamRecord:
+    """Send one streaming request on `session` (an aiohttp ClientSession) and time its events.
+
+    Redirects are not followed (a failure naming the target); the server has `config.idle_timeout_s`
+    for its answer and between reads, `config.timeout_s` for the whole request; an error body is read
+    to MAX_ERROR_BODY_BYTES, an event line to MAX_LINE_BYTES, the stream to 1 MiB + max_tokens x
+    STREAM_BYTES_PER_TOKEN; more text than `max_tokens` tokens, or usage that disagrees, fails the
+    request (`check_length`)."""
     import aiohttp
 
     record = StreamRecord()
     parser = SSEParser()
+    loop = asyncio.get_running_loop()
+    idle = config.idle_timeout_s
+    byte_cap = (1 << 20) + (max_tokens or 0) * STREAM_BYTES_PER_TOKEN if max_tokens else None
+    received = 0
+    watch = None
     try:
         record.start_ns = time.perf_counter_ns()
-        async with session.post(config.request_url, data=body, headers=headers) as response:
-            record.status = response.status
-            if response.status != 200:
-                detail = (await response.read())[:300].decode("utf-8", errors="replace").strip()
-                return record.fail("http", f"HTTP {response.status}: {detail or response.reason}")
-            done = False
-            async for chunk in response.content.iter_any():
-                now = time.perf_counter_ns()
-                for payload in parser.feed(chunk):
-                    if _handle_event(record, payload, now, config.api):
-                        done = True
+        async with asyncio.timeout(idle) as watch:
+            async with session.post(config.request_url, data=body, headers=headers, allow_redirects=False) as response:
+                record.status = response.status
+                if (target := redirect_target(response)) is not None:
+                    return record.fail("redirect", f"HTTP {response.status} redirect to {target}; redirects are "
+                                                   "not followed (give that URL as the endpoint if you trust it)")
+                if response.status != 200:
+                    raw, _ = await read_capped(response.content, MAX_ERROR_BODY_BYTES)
+                    detail = clean(raw.decode("utf-8", errors="replace").strip(), 300)
+                    return record.fail("http", f"HTTP {response.status}: {detail or clean(response.reason or '')}")
+                done = False
+                while not done:
+                    watch.reschedule(loop.time() + idle)
+                    chunk = await response.content.readany()
+                    if not chunk:
                         break
-                if done:
-                    break
-            if not done:
-                now = time.perf_counter_ns()
-                for payload in parser.close():
-                    if _handle_event(record, payload, now, config.api):
-                        break
+                    now = time.perf_counter_ns()
+                    received += len(chunk)
+                    if byte_cap is not None and received > byte_cap:
+                        return record.fail("oversized", f"the stream passed {byte_cap} bytes for max_tokens "
+                                                        f"{max_tokens}")
+                    for payload in parser.feed(chunk):
+                        if _handle_event(record, payload, now, config.api) or check_length(record, max_tokens):
+                            done = True
+                            break
+                watch.reschedule(None)
+                if not done:
+                    now = time.perf_counter_ns()
+                    for payload in parser.close():
+                        if _handle_event(record, payload, now, config.api):
+                            break
+    except StreamTooLarge as exc:
+        return record.fail("oversized", str(exc))
     except aiohttp.ClientConnectorError as exc:
-        return record.fail("connect", describe_connect_error(exc, config))
-    except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+        return record.fail("connect", clean(describe_connect_error(exc, config), 300))
+    except (TimeoutError, asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+        if watch is not None and watch.expired():
+            return record.fail("idle_timeout", f"the server sent nothing for {idle:g} s (idle_timeout_s)")
         return record.fail("timeout", f"no complete answer within {config.timeout_s:g} s (timeout_s)")
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
-        return record.fail("disconnected", f"the server closed the stream: {exc}")
+        return record.fail("disconnected", f"the server closed the stream: {clean(exc)}")
     except aiohttp.ClientError as exc:
-        return record.fail("http", f"{type(exc).__name__}: {exc}")
+        return record.fail("http", f"{type(exc).__name__}: {clean(exc)}")
+    check_length(record, max_tokens, final=True)
     return record  # a stream with no text (immediate end-of-sequence) is a success with no tokens
 
 

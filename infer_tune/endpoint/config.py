@@ -29,11 +29,15 @@ class EndpointConfig:
       `completions` sends the prompt text as rendered by the local tokenizer's template.
     - `api_key_env`: name of an environment variable holding a bearer token (None: no auth header).
     - `concurrency`: most requests in flight at once (closed loop: 1 is one request at a time).
-    - `timeout_s`: the whole-request limit; `connect_timeout_s`: the TCP connect limit.
+    - `timeout_s`: the whole-request limit; `connect_timeout_s`: the TCP connect limit;
+      `idle_timeout_s`: the longest the server may stay silent (before its answer starts, and
+      between reads): a stalled server fails the request then, not at `timeout_s`.
     - `ignore_eos`: send the vLLM / SGLang / llama.cpp extension `ignore_eos: true` (pins the output
       length for timing; servers that reject unknown fields answer 4xx).
     - `stream_usage`: ask for `stream_options.include_usage` (None: decided by the first request).
     - `label`: the result's label (None: served model @ host:port).
+    - `workers`: load-generator processes for the timed requests (None: chosen from `concurrency` and
+      the cores, `loadgen.default_workers`; 1: one event loop in this process).
     """
 
     url: str
@@ -43,9 +47,11 @@ class EndpointConfig:
     concurrency: int = 1
     timeout_s: float = 300.0
     connect_timeout_s: float = 10.0
+    idle_timeout_s: float = 60.0
     ignore_eos: bool = False
     stream_usage: bool | None = None
     label: str | None = None
+    workers: int | None = None
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url or "")
@@ -56,7 +62,9 @@ class EndpointConfig:
             raise ConfigError(f"api must be one of {', '.join(APIS)}, got {self.api!r}")
         if self.concurrency < 1:
             raise ConfigError(f"concurrency must be >= 1, got {self.concurrency}")
-        for name in ("timeout_s", "connect_timeout_s"):
+        if self.workers is not None and self.workers < 1:
+            raise ConfigError(f"workers must be >= 1, got {self.workers}")
+        for name in ("timeout_s", "connect_timeout_s", "idle_timeout_s"):
             value = getattr(self, name)
             if not (0 < value < math.inf):
                 raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value}")

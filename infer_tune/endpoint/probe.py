@@ -17,12 +17,21 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from infer_tune.endpoint.client import describe_connect_error, encode_body, stream_request
+from infer_tune.endpoint.client import (
+    clean,
+    describe_connect_error,
+    encode_body,
+    read_capped,
+    redirect_target,
+    stream_request,
+)
 from infer_tune.endpoint.config import EndpointConfig
 from infer_tune.errors import ConfigError, InferTuneError
 
 SELF_REPORT_ROUTES = ("/version", "/info", "/props")
 HANDSHAKE_TOKENS = 2
+MAX_MODELS_BYTES = 4 << 20  # a model list is a few KiB; a larger answer is refused, not read
+MAX_REPORT_BYTES = 1 << 20  # a self-report larger than this is left out
 
 
 class EndpointError(InferTuneError):
@@ -55,9 +64,10 @@ class ServerInfo:
 
 
 def trim(value: Any, depth: int = 0) -> Any:
-    """A self-report cut to a readable size (long strings shortened, deep nesting dropped)."""
+    """A self-report cut to a readable size (long strings shortened and their control characters
+    removed, deep nesting dropped)."""
     if isinstance(value, str):
-        return value if len(value) <= 200 else value[:200] + "..."
+        return clean(value, 200)
     if isinstance(value, dict):
         return {k: trim(v, depth + 1) for k, v in list(value.items())[:40]} if depth < 3 else "{...}"
     if isinstance(value, list):
@@ -71,17 +81,30 @@ def server_root(url: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 
 
-async def get_json(session, url: str, headers: dict[str, str], timeout_s: float) -> tuple[int, Any, str | None]:
-    """(status, parsed JSON or None, Server header) of a GET."""
+class TooLarge(Exception):
+    """A GET answer over its size limit."""
+
+
+async def get_json(session, url: str, headers: dict[str, str], timeout_s: float,
+                   limit: int = MAX_REPORT_BYTES) -> tuple[int, Any, str | None]:
+    """(status, parsed JSON or None, Server header) of a GET: redirects are not followed (EndpointError
+    naming the target), the body is read to `limit` bytes (TooLarge beyond)."""
     import aiohttp
 
-    async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
-        raw = await response.read()
+    async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                           allow_redirects=False) as response:
+        if (target := redirect_target(response)) is not None:
+            raise EndpointError(f"{clean(url)} answered HTTP {response.status} redirect to {target}; redirects are "
+                                "not followed (give that URL as the endpoint if you trust it)")
+        raw, more = await read_capped(response.content, limit)
+        if more:
+            raise TooLarge(f"GET {clean(url)} answered more than {limit >> 10} KiB")
         try:
             body = json.loads(raw) if response.status == 200 else None
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             body = None
-        return response.status, body, response.headers.get("Server")
+        server = response.headers.get("Server")
+        return response.status, body, clean(server, 120) if server is not None else None
 
 
 async def probe(session, config: EndpointConfig) -> ServerInfo:
@@ -90,26 +113,29 @@ async def probe(session, config: EndpointConfig) -> ServerInfo:
 
     headers = {**{k: v for k, v in config.headers().items() if k == "Authorization"}, "Accept": "application/json"}
     info = ServerInfo()
-    limit = min(config.timeout_s, 30.0)
+    limit = min(config.timeout_s, config.idle_timeout_s, 30.0)
     try:
-        status, body, info.server_header = await get_json(session, f"{config.url}/models", headers, limit)
+        status, body, info.server_header = await get_json(session, f"{config.url}/models", headers, limit,
+                                                          MAX_MODELS_BYTES)
+    except TooLarge as exc:
+        raise EndpointError(f"endpoint {config.url}: {exc}; not a model list") from None
     except aiohttp.ClientConnectorError as exc:
         raise EndpointError(f"cannot use endpoint {config.url}: {describe_connect_error(exc, config)}") from None
     except asyncio.TimeoutError:
         raise EndpointError(f"endpoint {config.url} did not answer GET /models within {limit:g} s") from None
     except aiohttp.ClientError as exc:
-        raise EndpointError(f"endpoint {config.url} failed GET /models: {type(exc).__name__}: {exc}") from None
+        raise EndpointError(f"endpoint {config.url} failed GET /models: {type(exc).__name__}: {clean(exc)}") from None
     if status in (401, 403):
         raise EndpointError(f"endpoint {config.url} refused the request (HTTP {status}); name the environment "
                             "variable holding its key in api_key_env")
     if isinstance(body, dict) and isinstance(body.get("data"), list):
         info.entries = [m for m in body["data"] if isinstance(m, dict)]
-        info.models = [str(m.get("id")) for m in info.entries]
+        info.models = [clean(m.get("id"), 120) for m in info.entries][:1000]
     for route in SELF_REPORT_ROUTES:
         try:
             status, body, _ = await get_json(session, server_root(config.url) + route, headers, 5.0)
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            continue
+        except (aiohttp.ClientError, asyncio.TimeoutError, TooLarge, EndpointError):
+            continue  # a self-report is optional: a route that fails, redirects or floods is left out
         if status == 200 and isinstance(body, dict):
             info.reports[route.lstrip("/")] = trim(body)
     return info
@@ -133,12 +159,14 @@ async def handshake(session, config: EndpointConfig, info: ServerInfo, prompt: s
     last = None
     for _ in range(3):
         trial = dataclasses.replace(config, stream_usage=usage)
-        record = await stream_request(session, trial, encode_body(trial, prompt, HANDSHAKE_TOKENS), trial.headers())
+        record = await stream_request(session, trial, encode_body(trial, prompt, HANDSHAKE_TOKENS), trial.headers(),
+                                      max_tokens=HANDSHAKE_TOKENS)
         if record.ok:
             info.reports_usage = record.usage is not None
             return trial
         last = record
-        if record.failure in ("connect", "timeout"):
+        if record.failure in ("connect", "timeout", "idle_timeout", "redirect", "too_many_tokens", "usage_mismatch",
+                              "oversized"):
             raise EndpointError(f"cannot use endpoint {config.url}: {record.message}")
         if record.status in (400, 404, 422) and usage and config.stream_usage is None:
             usage = False  # a server that rejects stream_options: ask again without it

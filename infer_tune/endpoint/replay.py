@@ -19,12 +19,15 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from infer_tune.endpoint.client import StreamRecord, encode_body, stream_request
 from infer_tune.endpoint.config import EndpointConfig
 from infer_tune.errors import ConfigError
-from infer_tune.runners.base import Output, RequestTiming
-from infer_tune.runners.trace import TraceRequest
+
+if TYPE_CHECKING:  # imported when used: load-generator workers need only the sending half, not torch
+    from infer_tune.runners.base import Output, RequestTiming
+    from infer_tune.runners.trace import TraceRequest
 
 Progress = Callable[[str, int, int | None], None]
 
@@ -109,6 +112,8 @@ def to_timing(record: StreamRecord, prompt_index: int, submit_ns: int, start_ns:
     reported = (record.usage or {}).get("completion_tokens")
     mismatch = isinstance(reported, int) and reported != len(record.delivery_ns)
     step_tokens = None if all(n == 1 for _, n in steps) else [n for _, n in steps]
+    from infer_tune.runners.base import RequestTiming
+
     return (RequestTiming(prompt_index, iteration, prompt_tokens, submit_ns, token_ns, step_tokens, start_ns),
             source, mismatch)
 
@@ -137,18 +142,33 @@ async def replay(session, config: EndpointConfig, trace: Sequence[TraceRequest],
                  progress: Progress | None = None) -> ReplayResult:
     """Send every request of `trace` on `session` (see module docstring); `closed_loop=True` times each
     request from its own send (no arrival clock), as a closed-loop benchmark does."""
+    result, records = await send_all(session, config, trace, prompts, max_new_tokens, closed_loop=closed_loop,
+                                     progress=progress)
+    return collect(result, trace, records, prompts, tokenizer, iteration)
+
+
+async def send_all(session, config: EndpointConfig, trace: Sequence[TraceRequest], prompts: Sequence[str],
+                   max_new_tokens: int, *, closed_loop: bool = False, progress: Progress | None = None,
+                   origin_ns: int | None = None, concurrency: int | None = None
+                   ) -> tuple[ReplayResult, list[tuple[StreamRecord, int | None, int]]]:
+    """The sending half of `replay`: (the result's clock and lateness, per request (record, start, submit)).
+    `origin_ns` (perf_counter_ns, one clock for every process of a machine): the replay's start, waited
+    for (the load generator's workers share it); `concurrency`: this caller's share of the slots."""
     headers = config.headers()
     unknown = sorted({r.prompt_index for r in trace if not 0 <= r.prompt_index < len(prompts)})
     if unknown:
         raise ConfigError(f"trace refers to prompt_index {unknown[:5]} but there are {len(prompts)} prompts")
-    bodies = [encode_body(config, prompts[r.prompt_index], r.max_new_tokens or max_new_tokens) for r in trace]
-    slots = asyncio.Semaphore(config.concurrency)
+    limits = [r.max_new_tokens or max_new_tokens for r in trace]
+    bodies = [encode_body(config, prompts[r.prompt_index], n) for r, n in zip(trace, limits)]
+    slots = asyncio.Semaphore(concurrency or config.concurrency)
     result = ReplayResult()
     records: list[tuple[StreamRecord, int | None, int] | None] = [None] * len(trace)
     done = 0
     loop = asyncio.get_running_loop()
-    result.origin_ns = time.perf_counter_ns()
-    origin_loop = loop.time()
+    if origin_ns is not None:
+        await asyncio.sleep(max(0, origin_ns - time.perf_counter_ns()) / 1e9)
+    result.origin_ns = origin_ns if origin_ns is not None else time.perf_counter_ns()
+    origin_loop = loop.time() - (time.perf_counter_ns() - result.origin_ns) / 1e9
 
     async def one(k: int, request: TraceRequest) -> None:
         nonlocal done
@@ -158,7 +178,7 @@ async def replay(session, config: EndpointConfig, trace: Sequence[TraceRequest],
                 await asyncio.sleep(max(0.0, origin_loop + request.arrival_s - loop.time()))
             result.lateness_ms.append(max(0, time.perf_counter_ns() - arrival_ns) / 1e6)
         async with slots:
-            record = await stream_request(session, config, bodies[k], headers)
+            record = await stream_request(session, config, bodies[k], headers, max_tokens=limits[k])
         records[k] = (record, None if closed_loop else record.start_ns, record.start_ns if closed_loop else arrival_ns)
         done += 1
         if progress:
@@ -166,6 +186,14 @@ async def replay(session, config: EndpointConfig, trace: Sequence[TraceRequest],
 
     await asyncio.gather(*(one(k, r) for k, r in enumerate(trace)))
     result.end_ns = time.perf_counter_ns()
+    return result, records
+
+
+def collect(result: ReplayResult, trace: Sequence[TraceRequest], records, prompts: Sequence[str], tokenizer,
+            iteration: int) -> ReplayResult:
+    """The timing half of `replay`: records -> timings, outputs and failures (trace order), into `result`."""
+    from infer_tune.runners.base import Output
+
     for request, entry in zip(trace, records):
         record, start_ns, submit_ns = entry
         if not record.ok:

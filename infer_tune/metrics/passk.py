@@ -1,26 +1,39 @@
 """HumanEval pass@1: run generated code against the problem's tests, only inside an OS sandbox.
 
-Each program (`prompt + completion + test + check(entry_point)`) runs in a fresh temp directory
-under bubblewrap (metrics/sandbox.py says exactly what is and is not isolated): no network, no home
-or working directory, read-only system directories, a private /tmp, its own PID namespace, as an
-unprivileged user, under rlimits (memory, CPU, file size, open files, processes). stdout is
-discarded; stderr goes to a file capped by the file-size limit, of which the last line is kept.
+Each program (`prompt + completion + test + check(entry_point)`) runs under bubblewrap
+(metrics/sandbox.py says exactly what is and is not isolated): no network, no home or working
+directory, read-only system directories, a bounded private /tmp, its own PID and user namespaces, a
+seccomp filter, as an unprivileged user, under rlimits (and a cgroup where the host allows one).
 The run is killed at the timeout (the whole namespace goes with it) and on Ctrl-C.
+
+A pass is never read from the exit status: a harness runs the program and, only after it returned
+(so after `check(...)` returned), writes a random token chosen for this run on stdout; the program
+passed when that token is the last line of its stdout and it exited 0. `sys.exit(0)` in the body,
+`os._exit(0)` from an atexit hook, or a killed harness never print it. The token reaches the harness
+on stdin, read before the program runs; it is not in the program's source, argv or environment.
+stdout and stderr are unnamed files capped by the file-size limit; of stderr the last line is kept.
 
 Where no sandbox works, `isolation="sandbox"` (the default) refuses with the install command.
 `isolation="unsafe"` runs the program as the current user in its own process group, under the same
 rlimits and a Python-level prelude that blocks the obvious calls: that keeps an honest model's
-mistakes contained but is NOT a sandbox (it is bypassed by `import posix`, `ctypes` and others).
+mistakes contained but is NOT a sandbox (it is bypassed by `import posix`, `ctypes` and others). Its
+working folder (`infer-tune-passk-<pid>-*` in the temp directory) is removed after each program, and
+folders left by a killed process (its pid gone) are removed when the next evaluation starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import secrets
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +62,28 @@ for _name in ("system", "popen", "fork", "forkpty", "kill", "killpg", "execv", "
 shutil.rmtree = shutil.move = _blocked
 del _blocked, _name
 '''
+
+# Runs the program (path in argv[1]) as __main__ in its own namespace, then writes the token it read from
+# stdin. Nothing is printed when the program raises, calls sys.exit or is killed.
+HARNESS = """\
+def _harness():
+    import os, sys
+    token = os.read(0, 128).strip()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    path = sys.argv[1]
+    with open(path, encoding="utf-8") as handle:
+        code = compile(handle.read(), path, "exec")
+    del sys.argv[1:]
+    exec(code, {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__})
+    sys.stdout.flush()
+    os.write(1, b"\\n" + token + b"\\n")
+_harness()
+"""
+STAGING_PREFIX = "infer-tune-passk-"
+STALE_UNNAMED_S = 3600  # a staging folder without a pid in its name (an older infer-tune) is stale after this
+_STAGING = re.compile(rf"^{STAGING_PREFIX}(\d+)-")
 
 _FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
 
@@ -104,25 +139,25 @@ def run_program(program: str, *, timeout_s: float = 5.0, memory_bytes: int = MEM
     if isolation not in ISOLATIONS:
         raise ValueError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
     box = sandbox.require() if isolation == "sandbox" else None
-    with tempfile.TemporaryDirectory(prefix="infer-tune-passk-") as tmp:
-        work = Path(tmp) / "work"
-        work.mkdir()
-        script = work / "program.py"
-        script.write_text(program if box else f"{PRELUDE}\n{program}", encoding="utf-8")
-        stderr_path = Path(tmp) / "stderr"  # outside the sandbox's view; capped by the file-size limit
-        with open(stderr_path, "wb") as stderr:
+    token = secrets.token_hex(16).encode()
+    with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+        stdin.write(token + b"\n")
+        stdin.seek(0)
+        group = None
+        with contextlib.ExitStack() as cleanup:
             if box is not None:
-                box.prepare_workdir(work)
                 limits = sandbox.Limits(cpu_s=int(timeout_s) + 1, memory_bytes=memory_bytes,
                                         file_bytes=FILE_SIZE_LIMIT_BYTES, open_files=OPEN_FILES_LIMIT,
                                         processes=PROCESS_LIMIT)
-                proc = subprocess.Popen(box.command(work, "/tmp/program.py", limits), cwd=tmp,
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
-                                        start_new_session=True)
+                proc, group = box.popen(["-c", HARNESS, "/tmp/program.py"], {"/tmp/program.py": program}, limits,
+                                        stdin=stdin, stdout=stdout, stderr=stderr)
             else:
-                proc = subprocess.Popen([sys.executable, "-I", str(script)], cwd=work, env={},
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
-                                        start_new_session=True, preexec_fn=_limits(timeout_s, memory_bytes))
+                work = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix=f"{STAGING_PREFIX}{os.getpid()}-")))
+                script = work / "program.py"
+                script.write_text(f"{PRELUDE}\n{program}", encoding="utf-8")
+                proc = subprocess.Popen([sys.executable, "-I", "-c", HARNESS, str(script)], cwd=work, env={},
+                                        stdin=stdin, stdout=stdout, stderr=stderr, start_new_session=True,
+                                        preexec_fn=_limits(timeout_s, memory_bytes))
             try:
                 proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -131,17 +166,58 @@ def run_program(program: str, *, timeout_s: float = 5.0, memory_bytes: int = MEM
             except BaseException:  # Ctrl-C: take the program down with us
                 _kill_group(proc)
                 raise
-        if proc.returncode == 0:
+            finally:
+                if group is not None:
+                    group.remove()
+        if proc.returncode == 0 and _last_line(stdout, 0) == token.decode():
             return "passed", ""
-        return "failed", _last_line(stderr_path, proc.returncode)
+        if proc.returncode == 0:
+            return "failed", "exited 0 without finishing check() (no completion marker)"
+        return "failed", _last_line(stderr, proc.returncode)
 
 
-def _last_line(path: Path, returncode: int) -> str:
-    """The last non-empty line of the (bounded) stderr file, read from its tail only."""
-    with open(path, "rb") as handle:
-        size = handle.seek(0, os.SEEK_END)
-        handle.seek(max(0, size - STDERR_TAIL_BYTES))
-        tail = handle.read().decode("utf-8", "replace")
+def clean_stale_staging(tmpdir: str | None = None) -> list[str]:
+    """Remove `infer-tune-passk-*` folders of this user left in the temp directory by a process that no
+    longer runs (pid in the name), or, without a pid (older infer-tune), untouched for an hour. Symlinks
+    and other users' folders are never touched. Returns the removed paths."""
+    removed = []
+    root = tmpdir or tempfile.gettempdir()
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(STAGING_PREFIX):
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+            continue
+        match = _STAGING.match(entry.name)
+        stale = (not _alive(int(match.group(1)))) if match else time.time() - info.st_mtime > STALE_UNNAMED_S
+        if stale:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _last_line(handle, returncode: int) -> str:
+    """The last non-empty line of an (unnamed, bounded) output file, read from its tail only."""
+    size = handle.seek(0, os.SEEK_END)
+    handle.seek(max(0, size - STDERR_TAIL_BYTES))
+    tail = handle.read().decode("utf-8", "replace")
     lines = [line for line in tail.strip().splitlines() if line.strip()]
     return (lines[-1] if lines else f"exit code {returncode}")[:500]
 
@@ -165,6 +241,7 @@ def evaluate(problems: Sequence[Any], completions: Sequence[str], *, timeout_s: 
     or suite `Prompt`s (text + extra test / entry_point). `isolation`: see `run_program`."""
     if len(problems) != len(completions):
         raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
+    clean_stale_staging()
     items = []
     for i, (problem, completion) in enumerate(zip(problems, completions, strict=True)):
         task_id = str(_field(problem, "task_id") or _field(problem, "id") or i)

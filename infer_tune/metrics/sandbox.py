@@ -1,23 +1,27 @@
 """An OS-level sandbox for generated code: bubblewrap (Debian package `bubblewrap`), probed once.
 
-Each program runs as `python -I program.py` inside `bwrap` with:
+Each program runs as `python -I ...` inside `bwrap` with:
 
-- namespaces: a new network namespace (only a loopback that is down: no socket reaches anything),
-  a new PID namespace (the program sees only itself; when it exits, or bwrap is killed, the kernel
-  kills everything left in it, `setsid` grandchildren included), new IPC / UTS / cgroup namespaces,
-  a new session (no terminal injection) and `--die-with-parent` (killing infer-tune kills it);
+- namespaces: a fresh user namespace per run in which further user namespaces are disabled
+  (`--unshare-user --disable-userns`; as root, bwrap itself is started as `nobody`, so the program is
+  an unprivileged user outside the namespace too), a new network namespace (only a loopback that is
+  down), a new PID namespace (when the program exits, or bwrap is killed, the kernel kills everything
+  left in it, `setsid` grandchildren included), new IPC / UTS / cgroup namespaces, a new session and
+  `--die-with-parent`;
+- a seccomp filter (metrics/seccomp.py): no unshare / setns / mount, no keyrings, no System V shared
+  memory or queues, no ptrace, bpf, io_uring, userfaultfd, no namespace flags on clone;
 - filesystem: an empty root holding only /usr, /bin, /sbin, /lib*, /etc/ld.so.cache and the Python
-  installation, all read-only; a private writable /tmp (an empty host temp dir, deleted afterwards)
-  as HOME and working directory; a minimal /dev and the namespace's own /proc. The user's home,
-  the working directory, /etc, /var, /run and the host's /tmp are not there at all;
-- identity: as root, the program runs as `nobody` (uid 65534) with no capabilities; as another user,
-  as that user mapped inside a new user namespace, with no capabilities;
-- limits (set before exec, soft = hard): address space, CPU seconds, largest file written (stderr
-  too, so a runaway writer stops at that size), open files, processes (RLIMIT_NPROC: a fork bomb
-  stops there), no core files; stdout is discarded and stderr goes to a file, never a pipe.
+  installation, all read-only; /tmp is a tmpfs of TMP_BYTES (HOME and working directory) holding the
+  program, written there by bwrap from an unnamed file; a minimal /dev and the namespace's own /proc.
+  Nothing of the host's /tmp, home, working directory, /etc, /var or /run is there;
+- limits: a cgroup v2 per run (memory with no swap, process count) where the host allows one
+  (metrics/cgroups.py), and always rlimits set before exec (soft = hard): address space, CPU seconds,
+  largest file written, open files, processes, no core files. stdin, stdout and stderr are unnamed
+  files of the caller (nothing is left in the temp directory, even if infer-tune is killed).
 
-Not isolated: the kernel itself (a kernel exploit escapes any namespace sandbox), CPU time up to
-the timeout, and reading the read-only system directories listed above.
+Where unprivileged user namespaces are off, a root caller falls back to bwrap run as root with the
+launcher dropping to `nobody` (the seccomp filter still forbids new namespaces). Not isolated: the
+kernel itself, CPU time up to the timeout, reading the read-only system directories listed above.
 """
 
 from __future__ import annotations
@@ -28,17 +32,19 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 from infer_tune.errors import InferTuneError
+from infer_tune.metrics import cgroups, seccomp
 
 INSTALL_HINT = "apt-get install bubblewrap"
 NOBODY = 65534
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/localtime")
+TMP_BYTES = 64 << 20  # the sandbox's whole /tmp (RAM-backed): files beyond it fail with ENOSPC
+NEEDED_OPTIONS = ("--disable-userns", "--seccomp", "--size", "--file", "--perms")
 
-# Runs first inside the sandbox (python -I -S): drop to nobody when started as root, set the limits,
-# exec the program in a fresh interpreter (rlimits survive exec).
+# Runs first inside the sandbox (python -I -S): drop to nobody where bwrap ran as root, set the limits,
+# exec a fresh interpreter with the caller's arguments (rlimits survive exec).
 LAUNCHER = """\
 import os, resource, sys
 drop, cpu, mem, fsize, nofile, nproc = (int(v) for v in sys.argv[1:7])
@@ -57,7 +63,7 @@ class SandboxUnavailable(InferTuneError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-program resource limits."""
+    """Per-program resource limits (memory and processes also bound the run's cgroup, where there is one)."""
 
     cpu_s: int = 6
     memory_bytes: int = 1 << 30
@@ -68,62 +74,107 @@ class Limits:
 
 @dataclass(frozen=True)
 class Sandbox:
-    """A working bubblewrap set-up: how to start it on this machine (found by `find`)."""
+    """A working bubblewrap set-up: how to start it on this machine (found by `find`).
+
+    `mode`: `userns` (a fresh user namespace per run, bwrap started as `start_as` when that is not 0)
+    or `drop` (bwrap as root, the launcher drops to nobody). `cgroup`: whether runs get a cgroup here."""
 
     bwrap: str
     python: str
     prefix: str
-    drop_to: int  # uid/gid the launcher switches to (root only); 0: stay (user namespace)
+    mode: str = "userns"
+    start_as: int = 0
+    cgroup: bool = False
 
     @property
     def description(self) -> str:
-        who = "as nobody" if self.drop_to else "in a user namespace"
-        return f"bubblewrap ({self.bwrap}, {who}; no network, read-only system dirs, private /tmp)"
+        who = ("as nobody in a fresh user namespace" if self.start_as else "in a fresh user namespace") \
+            if self.mode == "userns" else "as nobody (bwrap as root: no user namespace here)"
+        limits = "cgroup v2 memory/pids limit" if self.cgroup else "no cgroup here: per-process limits"
+        return (f"bubblewrap ({self.bwrap}, {who}; seccomp filter, no network, read-only system dirs, "
+                f"{TMP_BYTES >> 20} MiB /tmp; {limits})")
 
-    def command(self, workdir: Path, script: str, limits: Limits) -> list[str]:
-        """The bwrap command line running `script` (a path inside the sandbox) under `limits`."""
-        args = [self.bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
-                "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--clearenv",
-                "--setenv", "HOME", "/tmp", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8",
-                "--setenv", "PYTHONHASHSEED", "0", "--hostname", "sandbox"]
-        if self.drop_to:
-            args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    def command(self, args: list[str], limits: Limits, files: dict[str, int], seccomp_fd: int) -> list[str]:
+        """The bwrap command line: `files` (path in /tmp -> readable fd) copied in, then `python -I *args`."""
+        cmd = [self.bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
+               "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--clearenv",
+               "--setenv", "HOME", "/tmp", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8",
+               "--setenv", "PYTHONHASHSEED", "0", "--hostname", "sandbox"]
+        if self.mode == "userns":
+            cmd += ["--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
         else:
-            args += ["--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
+            cmd += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
         for path in SYSTEM_DIRS:
             if os.path.islink(path):
-                args += ["--symlink", os.readlink(path), path]
+                cmd += ["--symlink", os.readlink(path), path]
             elif os.path.isdir(path):
-                args += ["--ro-bind", path, path]
+                cmd += ["--ro-bind", path, path]
         for path in SYSTEM_FILES:
             if os.path.exists(path):
-                args += ["--ro-bind", path, path]
+                cmd += ["--ro-bind", path, path]
         if not any(self.prefix == d or self.prefix.startswith(d + "/") for d in SYSTEM_DIRS):
             parents = []
             parent = os.path.dirname(self.prefix)
             while parent not in ("/", ""):
                 parents.append(parent)
                 parent = os.path.dirname(parent)
-            for folder in reversed(parents):  # readable mount points for the dropped user
-                args += ["--perms", "0755", "--dir", folder]
-            args += ["--ro-bind", self.prefix, self.prefix]
-        args += ["--dev", "/dev", "--proc", "/proc", "--bind", str(workdir), "/tmp", "--chdir", "/tmp"]
-        args += [self.python, "-I", "-S", "-c", LAUNCHER, str(self.drop_to), str(limits.cpu_s),
-                 str(limits.memory_bytes), str(limits.file_bytes), str(limits.open_files), str(limits.processes),
-                 script]
-        return args
+            for folder in reversed(parents):  # readable mount points for the unprivileged user
+                cmd += ["--perms", "0755", "--dir", folder]
+            cmd += ["--ro-bind", self.prefix, self.prefix]
+        cmd += ["--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--size", str(TMP_BYTES), "--tmpfs", "/tmp"]
+        for path, fd in files.items():
+            cmd += ["--perms", "0644", "--file", str(fd), path]
+        cmd += ["--chdir", "/tmp", "--seccomp", str(seccomp_fd)]
+        drop = NOBODY if self.mode == "drop" else 0
+        cmd += [self.python, "-I", "-S", "-c", LAUNCHER, str(drop), str(limits.cpu_s), str(limits.memory_bytes),
+                str(limits.file_bytes), str(limits.open_files), str(limits.processes), *args]
+        return cmd
 
-    def prepare_workdir(self, workdir: Path) -> None:
-        """Make the private /tmp writable by the user the program runs as."""
-        if self.drop_to:
-            os.chown(workdir, self.drop_to, self.drop_to)
-            for item in workdir.iterdir():
-                os.chown(item, self.drop_to, self.drop_to)
+    def popen(self, args: list[str], files: dict[str, str], limits: Limits, *, stdin, stdout, stderr
+              ) -> tuple[subprocess.Popen, cgroups.RunGroup | None]:
+        """Start `python -I *args` in the sandbox with `files` (path in /tmp -> text) in place, in a new
+        process group; also returns the run's cgroup (remove it after the wait) when there is one."""
+        opened = []
+        try:
+            fds = {}
+            for path, text in files.items():
+                handle = tempfile.TemporaryFile()  # unnamed: nothing to clean up, whatever happens
+                handle.write(text.encode("utf-8"))
+                handle.seek(0)
+                opened.append(handle)
+                fds[path] = handle.fileno()
+            rules = tempfile.TemporaryFile()
+            rules.write(seccomp.program())
+            rules.seek(0)
+            opened.append(rules)
+            group = cgroups.create(limits.memory_bytes, limits.processes) if self.cgroup else None
+            procs, uid = (group.procs if group else None), self.start_as
+
+            def before_exec() -> None:  # in the child, still as the caller: join the cgroup, then drop
+                if procs:
+                    cgroups.join(procs)
+                if uid:
+                    os.setgroups([])
+                    os.setgid(uid)
+                    os.setuid(uid)
+
+            try:
+                proc = subprocess.Popen(self.command(args, limits, fds, rules.fileno()), stdin=stdin, stdout=stdout,
+                                        stderr=stderr, pass_fds=(*fds.values(), rules.fileno()),
+                                        start_new_session=True, preexec_fn=before_exec, cwd="/")
+            except BaseException:
+                if group:
+                    group.remove()
+                raise
+            return proc, group
+        finally:
+            for handle in opened:
+                handle.close()
 
 
 PROBE = """\
-import os, socket, sys
-if os.path.exists(sys.argv[1]):
+import ctypes, os, socket, sys
+if os.path.exists("/etc/passwd"):
     raise SystemExit("host files visible")
 try:
     open("/usr/.infer-tune-probe", "w")
@@ -137,6 +188,8 @@ try:
     raise SystemExit("network reachable")
 except OSError:
     pass
+if ctypes.CDLL(None, use_errno=True).unshare(0x10000000) == 0:
+    raise SystemExit("a new user namespace could be made")
 print("sandbox-ok")
 """
 
@@ -151,22 +204,36 @@ def _interpreter() -> tuple[str, str]:
 
 def _probe(candidate: Sandbox) -> str | None:
     """None when `candidate` runs a program with the promised isolation, else why not."""
-    with tempfile.TemporaryDirectory(prefix="infer-tune-sandbox-probe-") as tmp:
-        work = Path(tmp) / "work"
-        work.mkdir()
-        (work / "probe.py").write_text(PROBE, encoding="utf-8")
-        secret = Path(tmp) / "host-only"
-        secret.write_text("not for the sandbox")
-        candidate.prepare_workdir(work)
-        cmd = candidate.command(work, "/tmp/probe.py", Limits(cpu_s=10)) + [str(secret)]
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
-        except (OSError, subprocess.SubprocessError) as exc:
+            proc, group = candidate.popen(["/tmp/probe.py"], {"/tmp/probe.py": PROBE}, Limits(cpu_s=10),
+                                          stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+        except (OSError, subprocess.SubprocessError, seccomp.Unsupported) as exc:
             return f"{type(exc).__name__}: {exc}"
-        if proc.returncode != 0 or "sandbox-ok" not in proc.stdout:
-            lines = (proc.stderr or proc.stdout).strip().splitlines()
-            return lines[-1] if lines else f"exit code {proc.returncode}"
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            return "the probe did not finish within 30 s"
+        finally:
+            if group:
+                group.remove()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(8192).decode(errors="replace"), err.read(8192).decode(errors="replace")
+    if proc.returncode != 0 or "sandbox-ok" not in stdout:
+        lines = (stderr or stdout).strip().splitlines()
+        return lines[-1] if lines else f"exit code {proc.returncode}"
     return None
+
+
+def _missing_options(bwrap: str) -> list[str]:
+    try:
+        text = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return list(NEEDED_OPTIONS)
+    return [opt for opt in NEEDED_OPTIONS if opt not in text]
 
 
 def find() -> Sandbox | str:
@@ -178,10 +245,28 @@ def find() -> Sandbox | str:
     if bwrap is None:
         _found[euid] = f"bubblewrap is not installed (`{INSTALL_HINT}`)"
         return _found[euid]
+    missing = _missing_options(bwrap)
+    if missing:
+        _found[euid] = f"bubblewrap at {bwrap} lacks {', '.join(missing)} (0.8.0 or newer is needed)"
+        return _found[euid]
     python, prefix = _interpreter()
-    candidate = Sandbox(bwrap=bwrap, python=python, prefix=prefix, drop_to=NOBODY if euid == 0 else 0)
-    reason = _probe(candidate)
-    _found[euid] = candidate if reason is None else f"bubblewrap cannot create its namespaces here ({reason})"
+    cgroup = cgroups.parent() is not None
+    candidates = [Sandbox(bwrap, python, prefix, "userns", NOBODY if euid == 0 else 0, cgroup)]
+    if euid == 0:
+        # bwrap started as nobody cannot reach an interpreter under a private folder (/root/.pyenv):
+        # the system's interpreter of the same version then, else bwrap as root dropping to nobody
+        system = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
+        if os.path.isfile(system) and os.path.realpath(system) != python:
+            candidates.append(Sandbox(bwrap, os.path.realpath(system), "/usr", "userns", NOBODY, cgroup))
+        candidates.append(Sandbox(bwrap, python, prefix, "drop", 0, cgroup))
+    reasons = []
+    for candidate in candidates:
+        reason = _probe(candidate)
+        if reason is None:
+            _found[euid] = candidate
+            return candidate
+        reasons.append(reason)
+    _found[euid] = f"bubblewrap cannot create its namespaces here ({'; '.join(dict.fromkeys(reasons))})"
     return _found[euid]
 
 

@@ -31,7 +31,7 @@ candidate says whether its timing medians were paired per prompt, and if not, wh
 
 What a result says about itself never loosens the gate: its noise figure can only withhold a pass
 (inconclusive), failed requests above `max_failed_requests` make it a regression, and impossible
-timings (zero or negative durations) are refused as bad input (docs/compare.md).
+timings (negative durations, a zero TTFT or e2e) are refused as bad input (docs/compare.md).
 """
 
 from __future__ import annotations
@@ -341,7 +341,7 @@ def failed_requests_check(cand: dict, max_failed: int) -> Check | None:
 
 
 def check_timings(doc: dict) -> None:
-    """Refuse (exit 2) a result whose timings are impossible: zero or negative durations."""
+    """Refuse (exit 2) a result whose timings are impossible: negative durations, a zero TTFT or e2e."""
     problem = gate.timing_problem(doc)
     if problem:
         raise ResultError(f"{doc.get('run_id', '?')}: impossible timings: {problem}")

@@ -52,7 +52,7 @@ def bleu_drift(row: dict) -> str:
     if _missing(v):
         return "-"
     ci = row.get("bleu_drift_ci95")
-    if isinstance(ci, (list, tuple)) and len(ci) == 2 and not any(_missing(x) for x in ci):
+    if isinstance(ci, (list, tuple)) and len(ci) == 2 and all(isinstance(x, (int, float)) and not _missing(x) for x in ci):
         return f"{v:+.2f} [{ci[0]:+.1f}, {ci[1]:+.1f}]"
     return f"{v:+.2f}"
 
@@ -95,16 +95,32 @@ def _get(key: str, fn: Callable) -> Callable[[dict], str]:
     return lambda row: fn(row.get(key))
 
 
+RECOMMENDED_MARK = "★"
+
+
+def config_cell(row: dict) -> str:
+    """The config, with a star on the recommended row."""
+    shown = text(row.get("config"))
+    return f"{shown} {RECOMMENDED_MARK}" if row.get("recommended") else shown
+
+
+def lead_cell(row: dict) -> str:
+    """What the row's technique is judged on (report/leads.py); a broken row is never a speedup."""
+    if is_broken(row) and row.get("technique") != "baseline":
+        return "broken"
+    return text(row.get("lead"))
+
+
 COLUMNS: tuple[Column, ...] = (
     Column("technique", "technique", _get("technique", text), numeric=False, narrow=True),
-    Column("config", "config", _get("config", text), numeric=False, narrow=True),
+    Column("config", "config", config_cell, numeric=False, narrow=True),
     Column("suite", "suite", _get("suite", text), numeric=False),
-    Column("ttft_p50_ms", "TTFT p50", _get("ttft_p50_ms", ms), narrow=True),
+    Column("lead_value", "key figures", lead_cell, narrow=True),
+    Column("lead_vs", "compared with", _get("lead_vs", text), numeric=False, narrow=True),
+    Column("ttft_p50_ms", "TTFT p50", _get("ttft_p50_ms", ms)),
     Column("ttft_p99_ms", "TTFT p99", _get("ttft_p99_ms", ms)),
     Column("tpot_p50_ms", "TPOT p50", _get("tpot_p50_ms", ms), narrow=True),
     Column("output_throughput_tok_s", "tok/s", _get("output_throughput_tok_s", tok_s)),
-    Column("speedup_vs_baseline", "decode speedup", lambda r: "broken" if is_broken(r) else times(r.get("speedup_vs_baseline")),
-           narrow=True),
     Column("ppl_delta_pct", "ppl change", _get("ppl_delta_pct", signed_pct), narrow=True),
     Column("exact_match_vs_baseline", "same output as baseline", _get("exact_match_vs_baseline", pct)),
     Column("bleu_drift", "BLEU drift [95% CI]", bleu_drift),
@@ -125,10 +141,17 @@ def sort_value(row: dict, column: Column):
     """What the HTML page sorts a cell by (the raw number, or the text)."""
     if column.key == "verdict":
         return verdict(row)
+    if column.key == "lead_value" and is_broken(row) and row.get("technique") != "baseline":
+        return ""
     value = row.get(column.key)
     if column.numeric:
         return "" if _missing(value) else float(value)
     return text(value)
+
+
+def md_cell(value) -> str:
+    """Text safe in one markdown table cell: one line, no cell break, no HTML (results are untrusted)."""
+    return " ".join(str(value).split()).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def markdown(rows: list[dict], narrow: bool = False) -> str:
@@ -137,5 +160,7 @@ def markdown(rows: list[dict], narrow: bool = False) -> str:
     lines = ["| " + " | ".join(c.header for c in cols) + " |",
              "|" + "|".join("---" if not c.numeric else "---:" for c in cols) + "|"]
     for row in rows:
-        lines.append("| " + " | ".join(c.render(row).replace("|", "\\|") for c in cols) + " |")
+        lines.append("| " + " | ".join(md_cell(c.render(row)) for c in cols) + " |")
+    if any(row.get("recommended") for row in rows):
+        lines.append(f"\n{RECOMMENDED_MARK} recommended configuration")
     return "\n".join(lines) + "\n"

@@ -8,7 +8,7 @@ interval is computed (report/compare.py):
 - `detectable`: the smallest change this sample could tell apart (the interval's half-width) and what
   would shrink it (more prompts, more timed rounds).
 - `failed_requests`: how many requests a result records as failed (endpoint runs).
-- `timing_problem`: impossible timings (zero or negative durations), refused as bad input.
+- `timing_problem`: impossible timings (negative durations, a zero TTFT or e2e), refused as bad input.
 """
 
 from __future__ import annotations
@@ -124,12 +124,19 @@ def failed_requests(doc: dict) -> int | None:
     return int(sum(numbers))
 
 
+# a gap between tokens can be 0 (a server that sends several tokens in one network read; tokens of one
+# speculative step share a timestamp); a request's first token and its end cannot come at submission
+MAY_BE_ZERO = ("tpot_ms", "itl_ms")
+
+
 def timing_problem(doc: dict) -> str | None:
-    """What makes a result's timings impossible (a zero or negative duration), None when they are not."""
+    """What makes a result's timings impossible (a negative duration, or a zero TTFT / e2e), None when they
+    are not."""
     samples, metrics = doc.get("samples") or {}, doc.get("metrics") or {}
     for key in TIMING_KEYS:
         values = samples.get(key) or []
-        bad = [v for v in values if isinstance(v, (int, float)) and not v > 0]
+        floor_ok = (lambda v: v >= 0) if key in MAY_BE_ZERO else (lambda v: v > 0)
+        bad = [v for v in values if isinstance(v, (int, float)) and not floor_ok(v)]
         if bad:
             return (f"samples.{key} holds {len(bad)} of {len(values)} values <= 0 (e.g. {bad[0]!r}); "
                     "a duration is positive")
@@ -137,6 +144,6 @@ def timing_problem(doc: dict) -> str | None:
         if isinstance(block, dict):
             for stat in POSITIVE_STATS:
                 value = block.get(stat)
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and not value > 0:
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and not floor_ok(value):
                     return f"metrics.{key}.{stat} is {value!r}; a duration is positive"
     return None

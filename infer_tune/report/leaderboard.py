@@ -8,28 +8,41 @@ Pareto front, TTFT/TPOT p50/p99 bars, per-position decode latency, and each tech
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from infer_tune import atomic
 from infer_tune.errors import InferTuneError
-from infer_tune.report import claims, display
+from infer_tune.report import claims, display, leads
 from infer_tune.report import html as html_report
-from infer_tune.report.plots import per_position_png, png_bytes, pyplot
-from infer_tune.report.recommend import Budget, recommend
+from infer_tune.report import plots as shared_plots
+from infer_tune.report.plots import pareto_front  # noqa: F401 - part of this module's API (tests, tune)
+from infer_tune.report.recommend import Budget, recommend, write_recommended
 
 COLUMNS = ("run_id", "technique", "config", "model", "suite", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
            "tpot_p99_ms", "output_throughput_tok_s", "speedup_vs_baseline", "peak_rss_bytes", "model_bytes", "bleu",
            "bleu_drift", "bleu_vs_baseline", "exact_match_vs_baseline", "ppl_delta_pct", "pass_at_1",
            "roofline_fraction", "output_mismatches", "ttft_speedup_vs_baseline", "bleu_drift_ci95", "broken", "broken_why",
-           "verdict_evidence")
+           "verdict_evidence", "speedup_vs_baseline_ci95", "ttft_speedup_vs_baseline_ci95", "lead", "lead_value",
+           "lead_vs", "lead_decode", "host")
 OBJECT_COLUMNS = {"run_id", "technique", "config", "model", "suite", "bleu_drift_ci95", "broken", "broken_why",
-                  "verdict_evidence"}
+                  "verdict_evidence", "speedup_vs_baseline_ci95", "ttft_speedup_vs_baseline_ci95", "lead", "lead_vs",
+                  "lead_decode", "host"}
+
+
+def host_of(doc: dict) -> str | None:
+    """The host a row was measured on: a short hash of the machine key (each ratio is against that host's
+    own baseline; `--executor ray` results come from several, docs/scale.md)."""
+    import hashlib
+
+    key = (doc.get("env") or {}).get("machine")
+    return f"host-{hashlib.sha256(str(key).encode()).hexdigest()[:6]}" if key else None
+
+
 FORMATS = ("md", "csv", "html")
+CSV_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 
 
 def config_summary(doc: dict) -> str:
@@ -59,9 +72,14 @@ def flatten(doc: dict) -> dict:
         "ttft_p99_ms": dist("ttft_ms", "p99"),
         "tpot_p50_ms": dist("tpot_ms", "p50"),
         "tpot_p99_ms": dist("tpot_ms", "p99"),
+        "host": host_of(doc),
     }
+    for key in ("speedup_vs_baseline", "ttft_speedup_vs_baseline"):
+        ci = leads.interval(m, key)
+        row[f"{key}_ci95"] = list(ci) if ci else None
     for key in COLUMNS:
-        row.setdefault(key, m.get(key))
+        if not key.startswith("lead"):
+            row.setdefault(key, m.get(key))
     if display.is_broken(row):  # a broken model is never shown as a speedup (metrics.deltas.verdict; the verdict column says why)
         row["speedup_vs_baseline"] = None
     elif (m.get("noise") or {}).get("noisy"):
@@ -74,8 +92,15 @@ def flatten(doc: dict) -> dict:
 
 def build(docs: Sequence[dict], *, technique: Sequence[str] = (), model: Sequence[str] = (),
           suite: Sequence[str] = (), sort: str | None = None, descending: bool = False) -> pd.DataFrame:
-    """A DataFrame of flattened results, filtered (any of the given values) and sorted."""
-    frame = pd.DataFrame([flatten(d) for d in docs], columns=list(COLUMNS))
+    """A DataFrame of flattened results (with each technique's lead figures), filtered and sorted."""
+    found = leads.leads(docs)
+    rows = []
+    for doc in docs:
+        row, lead = flatten(doc), found[str(doc["run_id"])]
+        row.update(lead=lead.text() if lead.figures else "baseline", lead_value=lead.value, lead_vs=lead.vs,
+                   lead_decode=lead.decode)
+        rows.append(row)
+    frame = pd.DataFrame(rows, columns=list(COLUMNS))
     for column in COLUMNS:  # numeric columns: a missing value is NaN (rendered "-"), never "None"
         if column not in OBJECT_COLUMNS:
             frame[column] = pd.to_numeric(frame[column], errors="coerce")
@@ -86,6 +111,8 @@ def build(docs: Sequence[dict], *, technique: Sequence[str] = (), model: Sequenc
         if sort not in frame.columns:
             raise InferTuneError(f"unknown --sort column {sort!r}; columns: {', '.join(frame.columns)}")
         frame = frame.sort_values(sort, ascending=not descending, na_position="last", kind="stable")
+    if frame["host"].nunique() > 1:  # rows of one host together, in their order
+        frame = frame.sort_values("host", kind="stable", na_position="last")
     return frame.reset_index(drop=True)
 
 
@@ -96,95 +123,67 @@ def per_position(docs: Sequence[dict], run_ids: Sequence[str]) -> dict[str, list
     for doc in docs:
         values = doc.get("metrics", {}).get("per_position_ms")
         if doc["run_id"] in wanted and isinstance(values, list) and values \
-                and all(isinstance(v, (int, float)) for v in values):
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             found[doc["run_id"]] = [float(v) for v in values]
     return found
 
 
-def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
-    """Indices of the points no other point beats on both axes (both maximised)."""
-    front = []
-    for i, (x, y) in enumerate(points):
-        dominated = any(ox >= x and oy >= y and (ox > x or oy > y) for j, (ox, oy) in enumerate(points) if j != i)
-        if not dominated:
-            front.append(i)
-    return front
+def csv_safe(frame: pd.DataFrame) -> pd.DataFrame:
+    """Text cells that a spreadsheet would run as a formula (= + - @ tab CR first) get a leading `'`;
+    numbers and the lone `-` stay as they are."""
+    def cell(value):
+        if not isinstance(value, str) or not value.startswith(CSV_FORMULA_START) or value == "-":
+            return value
+        try:
+            float(value)
+            return value
+        except ValueError:
+            return "'" + value
+
+    safe = frame.copy()
+    for column in OBJECT_COLUMNS & set(safe.columns):
+        safe[column] = safe[column].map(cell)
+    return safe
 
 
-def _png(fig) -> str:
-    return base64.b64encode(png_bytes(fig)).decode("ascii")
-
-
-def plots(frame: pd.DataFrame, positions: dict[str, list[float]]) -> dict[str, str]:
-    """Title -> base64 PNG of each plot that has data."""
-    plt = pyplot()
-    images = {}
-    # technique, config and the run id's random suffix (tells repeated runs of one config apart)
-    labels = [f"{t} {'' if c == '-' else c} #{r[-4:]}".replace("  ", " ")[:44]
-              for t, c, r in zip(frame["technique"], frame["config"], frame["run_id"], strict=True)]
-    # quality axis: perplexity change (a stronger signal than BLEU on a few outputs); a run without
-    # perplexity whose outputs equal the baseline's (a lossless technique) sits at 0
-    quality = frame["ppl_delta_pct"].astype(float).copy()
-    quality[((frame["output_mismatches"] == 0) | (frame["technique"] == "baseline")) & quality.isna()] = 0.0
-    points = pd.DataFrame({"x": frame["speedup_vs_baseline"].astype(float), "y": -quality})
-    broken = [display.is_broken(row) for row in frame.to_dict(orient="records")]
-    has = points.notna().all(axis=1).to_numpy() & ~np.array(broken, dtype=bool)
-    if has.any():
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        xy = [(float(x), float(y)) for x, y in points[has].itertuples(index=False)]
-        names = [n for n, h in zip(labels, has, strict=True) if h]
-        ax.scatter([p[0] for p in xy], [p[1] for p in xy], color="tab:blue")
-        for (x, y), name in zip(xy, names, strict=True):
-            ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        front = sorted((xy[i] for i in pareto_front(xy)), key=lambda p: p[0])
-        ax.plot([p[0] for p in front], [p[1] for p in front], "o--", color="tab:red", label="Pareto front")
-        ax.set_xlabel("decode speedup vs baseline (x, TPOT p50)")
-        ax.set_ylabel("perplexity change (%, negated: higher is better)")
-        ax.legend()
-        images["Speedup vs quality drift (Pareto front)"] = _png(fig)
-    if len(frame):
-        fig, axes = plt.subplots(1, 2, figsize=(max(7, 1.2 * len(frame) + 4), 4))
-        index = range(len(frame))
-        for ax, key in zip(axes, ("ttft", "tpot"), strict=True):
-            ax.bar([i - 0.2 for i in index], frame[f"{key}_p50_ms"].astype(float), width=0.4, label="p50")
-            ax.bar([i + 0.2 for i in index], frame[f"{key}_p99_ms"].astype(float), width=0.4, label="p99")
-            ax.set_xticks(list(index), labels, rotation=30, ha="right", fontsize=7)
-            ax.set_ylabel(f"{key.upper()} (ms)")
-            ax.legend()
-        images["TTFT and TPOT p50 / p99"] = _png(fig)
-    if positions:
-        names = dict(zip(frame["run_id"], labels, strict=True))
-        curves = {names.get(run_id, run_id[-40:]): values for run_id, values in positions.items()}
-        images["Per-position decode latency"] = base64.b64encode(per_position_png(curves)).decode("ascii")
-    return images
+def rows_of(frame: pd.DataFrame, recommended: str | None = None) -> list[dict]:
+    """The frame as row dicts (NaN -> None), the recommended row flagged."""
+    rows = frame.astype(object).where(frame.notna(), None).to_dict(orient="records")
+    for row in rows:
+        row["recommended"] = recommended is not None and row["run_id"] == recommended
+    return rows
 
 
 def write(frame: pd.DataFrame, docs: Sequence[dict], out_dir: Path, formats: Sequence[str] = FORMATS,
           budget: Budget | None = None) -> dict[str, Path]:
-    """Write leaderboard.{md,csv,html} atomically into `out_dir`; returns format -> path."""
+    """Write leaderboard.{md,csv,html} atomically into `out_dir`, and `recommended.yaml` beside them when
+    there is a recommendation; returns format (or "recommended") -> path."""
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         raise InferTuneError(f"unknown leaderboard format {', '.join(unknown)}; use {', '.join(FORMATS)}")
     budget = budget or Budget()
     shown = [d for d in docs if d["run_id"] in set(frame["run_id"])]
-    rows = frame.astype(object).where(frame.notna(), None).to_dict(orient="records")
     found_claims = claims.collect(shown)
     rec = recommend(shown, budget)
-    budget_text = budget_summary(budget)
     out_dir = Path(out_dir)
     written = {}
+    recipe = write_recommended(rec, out_dir)
+    rows = rows_of(frame, rec.doc["run_id"] if rec.doc else None)
+    budget_text = budget_summary(budget)
     for fmt in formats:
         path = out_dir / f"leaderboard.{fmt}"
         if fmt == "md":
             text = to_markdown(rows, found_claims, rec, budget_text)
         elif fmt == "csv":
-            text = frame.to_csv(index=False)
+            text = csv_safe(frame).to_csv(index=False)
         else:
-            images = {t: base64.b64decode(d) for t, d in plots(frame, per_position(docs, list(frame["run_id"]))).items()}
-            env = next((d.get("env") for d in shown if d.get("env")), {}) or {}
-            text = html_report.page(rows, env, found_claims, rec, budget_text, images, html_report.technique_images(shown))
+            figures = shared_plots.report_plots(rows, per_position(docs, list(frame["run_id"])))
+            env = next((d.get("env") for d in shown if isinstance(d.get("env"), dict)), {}) or {}
+            text = html_report.page(rows, env, found_claims, rec, budget_text, figures, html_report.technique_images(shown))
         atomic.write_text(path, text)
         written[fmt] = path
+    if recipe is not None:
+        written["recommended"] = recipe
     return written
 
 
@@ -204,15 +203,28 @@ def to_markdown(rows: list[dict], found_claims: list, rec, budget_text: str) -> 
     parts = [f"# infer-tune leaderboard ({len(rows)} results)\n", display.markdown(rows)]
     if found_claims:
         parts.append("\n## Claims\n\n| claim | measured here | verdict |\n|---|---|---|")
-        parts.extend(f"| {c.claim} | {c.measured} | {c.verdict}{' (' + c.why + ')' if c.why and c.verdict != 'held' else ''} |"
+        parts.extend("| " + " | ".join(display.md_cell(v) for v in (c.claim, c.measured, claim_verdict(c))) + " |"
                      for c in found_claims)
     parts.append("\n## Recommended configuration\n")
     if rec.doc is None:
-        parts.append(f"None within {budget_text}: {'; '.join(rec.reasons[-3:]) or 'no candidate results'}.")
+        why = display.md_cell("; ".join(rec.reasons[-3:]) or "no candidate results")
+        parts.append(f"None within {budget_text}: {why}.")
     else:
-        m = rec.doc["metrics"]
-        parts.append(f"**{rec.doc['technique']} {rec.doc.get('label', '')}**: {display.times(m.get('speedup_vs_baseline'))} "
-                     f"decode, perplexity {display.signed_pct(m.get('ppl_delta_pct'))} (within {budget_text}); "
-                     f"{rec.decision()}.\n\n"
+        parts.append(f"{display.md_cell(recommendation_line(rec, rows))} (within {budget_text}); "
+                     f"{display.md_cell(rec.decision())}.\n\n"
                      f"Reproduce: `{rec.command}`" + (f"\n\nSaved model: `{rec.saved_model}`" if rec.saved_model else ""))
     return "\n".join(parts) + "\n"
+
+
+def claim_verdict(c) -> str:
+    """The verdict, with why it did not hold."""
+    return f"{c.verdict}{' (' + str(c.why) + ')' if c.why and c.verdict != 'held' else ''}"
+
+
+def recommendation_line(rec, rows: list[dict]) -> str:
+    """`technique label: key figures vs what, perplexity change`, for the recommended row."""
+    row = next((r for r in rows if r.get("run_id") == rec.doc["run_id"]), None) or {}
+    m = rec.doc.get("metrics") or {}
+    lead = f"{row.get('lead') or '-'} vs {row.get('lead_vs') or 'the baseline'}"
+    return (f"{display.RECOMMENDED_MARK} {rec.doc.get('technique')} {row.get('config') or config_summary(rec.doc)}: {lead}, "
+            f"perplexity {display.signed_pct(leads.number(m.get('ppl_delta_pct')))}")

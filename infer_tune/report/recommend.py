@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from infer_tune.errors import InferTuneError
 from infer_tune.report.display import is_broken
 
 OBJECTIVES = {"decode": "speedup_vs_baseline", "ttft": "ttft_speedup_vs_baseline",
@@ -89,15 +90,69 @@ def excluded_because(doc: dict, budget: Budget, objective: str = "decode") -> st
     return None
 
 
-def reproduce_command(doc: dict) -> str:
-    """A command that measures the same config again (a one-config recipe through `bench`)."""
-    w = doc.get("workload") or {}
-    config = {k: v for k, v in (doc.get("config") or {}).items() if k != "kind" and v is not None}
-    fields = ", ".join(f"{k}: {v}" for k, v in config.items())
-    recipe = f"configs: [{{technique: {doc.get('technique')}{', ' + fields if fields else ''}}}]"
-    return (f"printf '%s\\n' '{recipe}' > recommended.yaml && infer-tune bench --recipe recommended.yaml "
-            f"--model {doc.get('model', {}).get('ref')} --suite {w.get('suite')} --limit {w.get('limit')} "
-            f"--max-new-tokens {w.get('max_new_tokens')} --batch-size {w.get('batch_size', 1)}")
+RECOMMENDED_FILE = "recommended.yaml"
+RECOMMENDED_HEADER = "# infer-tune: the recommended configuration of this report; reproduce with"
+
+
+def reproduce_command(doc: dict, recipe_path: Path | str = RECOMMENDED_FILE) -> str:
+    """`infer-tune bench --recipe PATH`: the recipe `write_recommended` saved for `doc` (path shell-quoted)."""
+    import shlex
+
+    return f"infer-tune bench --recipe {shlex.quote(str(recipe_path))}"
+
+
+def applicable_config(doc: dict) -> dict:
+    """The row's config as a recipe entry: its technique and only the fields that apply to its method
+    (the config class says which: `applicable_fields`); the stored values when the class cannot be built."""
+    import dataclasses
+
+    stored = {k: v for k, v in (doc.get("config") or {}).items() if k != "kind" and v is not None}
+    technique = doc.get("technique")
+    try:
+        from infer_tune.tuners.base import configs_by_technique
+
+        cls = configs_by_technique().get(technique)
+        names = {f.name for f in dataclasses.fields(cls)} if cls else set()
+        config = cls(**{k: v for k, v in stored.items() if k in names}) if cls else None
+    except (InferTuneError, TypeError, ValueError):  # a malformed stored config: keep what was stored
+        config = None
+    if config is not None:
+        stored = {k: getattr(config, k) for k in config.applicable_fields() if getattr(config, k) is not None}
+    return {"technique": technique, **stored}
+
+
+def recommended_recipe(doc: dict) -> dict:
+    """A one-config recipe measuring `doc`'s config again on its model, workload and protocol."""
+    import dataclasses
+
+    from infer_tune.workload import Protocol, Workload
+
+    def known(block, cls) -> dict:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return {k: v for k, v in (block or {}).items() if k in names and v is not None}
+
+    recipe = {"description": f"recommended: {doc.get('technique')} {doc.get('label') or ''}".strip(),
+              "model": (doc.get("model") or {}).get("ref"), "workload": known(doc.get("workload"), Workload),
+              "protocol": known(doc.get("protocol"), Protocol), "configs": [applicable_config(doc)]}
+    return {k: v for k, v in recipe.items() if v not in (None, {}, "")}
+
+
+def write_recommended(rec: Recommendation, out_dir: Path | str) -> Path | None:
+    """Save `OUT/recommended.yaml` for the recommendation (and point its command at it); with no
+    recommendation, remove one this writer left there earlier. Returns the file written, or None."""
+    import yaml
+
+    from infer_tune import atomic
+
+    path = Path(out_dir) / RECOMMENDED_FILE
+    if rec.doc is None:
+        if path.is_file() and not path.is_symlink() and path.read_text(errors="replace").startswith(RECOMMENDED_HEADER):
+            path.unlink()
+        return None
+    rec.command = reproduce_command(rec.doc, path)
+    body = yaml.safe_dump(recommended_recipe(rec.doc), sort_keys=False, allow_unicode=False, width=100)
+    atomic.write_text(path, f"{RECOMMENDED_HEADER}\n#   {' '.join(rec.command.split())}\n{body}")
+    return path
 
 
 def interval_of(doc: dict, objective: str) -> tuple[float, float, float] | None:

@@ -14,11 +14,13 @@ when not one timed request succeeds the run ends with an `EndpointError` (exit 2
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import Counter
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
+from infer_tune.endpoint import loadgen
 from infer_tune.endpoint import replay as rp  # a module reference: replay imports runners.base (a cycle)
 from infer_tune.endpoint.config import EndpointConfig
 from infer_tune.endpoint.probe import EndpointError
@@ -58,8 +60,26 @@ def first_outputs(result: ReplayResult) -> tuple[list, int]:
     return [outs[0] for _, outs in sorted(by_prompt.items())], varied
 
 
+async def _timed(session, config: EndpointConfig, trace, prompts, max_new_tokens: int, client: dict, passes: int = 1,
+                 **kwargs):
+    """One timed replay: over the load generator's worker processes when there are several, else on this
+    loop; either way the client's own readings (loop lag, CPU) go into `client`."""
+    workers = client["workers"]
+    if workers > 1:
+        loop = asyncio.get_running_loop()
+        kwargs.pop("progress", None)
+        kwargs["passes"] = passes
+        result, readings = await loop.run_in_executor(None, lambda: loadgen.replay_workers(
+            config, trace, prompts, max_new_tokens, workers=workers, **kwargs))
+        client["worker_readings"] += readings["worker_readings"]
+        return result
+    result, reading = await loadgen.monitored(rp.replay(session, config, trace, prompts, max_new_tokens, **kwargs))
+    client["worker_readings"].append(dict(reading, requests=len(trace), concurrency=config.concurrency))
+    return result
+
+
 async def _measure(prepared: PreparedModel, prompts: list[str], max_new_tokens: int, protocol: Protocol,
-                   progress: Progress | None) -> tuple[ReplayResult, int, float | None, float, int, int]:
+                   progress: Progress | None, client: dict) -> tuple[ReplayResult, int, float | None, float, int, int]:
     config: EndpointConfig = prepared.runner_options["endpoint"]
     trace: list[TraceRequest] | None = prepared.runner_options.get("trace")
     first = trace[0].prompt_index if trace else 0
@@ -74,13 +94,26 @@ async def _measure(prepared: PreparedModel, prompts: list[str], max_new_tokens: 
         warmup_s = time.perf_counter() - warmup_start
         rss_before = memory.release_and_reset_peak()
         if trace:
-            total = await rp.replay(session, config, trace, prompts, max_new_tokens, tokenizer=prepared.tokenizer,
+            total = await _timed(session, config, trace, prompts, max_new_tokens, client, tokenizer=prepared.tokenizer,
                                  progress=progress)
             return total, 1, first_call_ms, warmup_s, warm_failures, rss_before
         closed = [TraceRequest(i, 0.0) for i in range(len(prompts))]
         total, iterations, wall = rp.ReplayResult(), 0, 0.0
-        while iterations < protocol.min_iterations or wall < protocol.min_duration_s:
-            one = await rp.replay(session, config, closed, prompts, max_new_tokens, closed_loop=True,
+        per_pass = None  # worker processes start once per launch: one pass, then the passes still needed at once
+        while client["workers"] > 1 and (iterations < protocol.min_iterations or wall < protocol.min_duration_s):
+            passes = 1 if per_pass is None else min(1000, max(
+                1, protocol.min_iterations - iterations,
+                math.ceil(1.1 * (protocol.min_duration_s - wall) / max(per_pass, 1e-4))))
+            one = await _timed(session, config, closed, prompts, max_new_tokens, client, passes=passes,
+                               closed_loop=True, tokenizer=prepared.tokenizer, iteration=iterations)
+            total.merge(one)
+            wall += one.wall_s
+            iterations += passes
+            per_pass = one.wall_s / passes
+            if not one.timings:
+                break
+        while client["workers"] == 1 and (iterations < protocol.min_iterations or wall < protocol.min_duration_s):
+            one = await _timed(session, config, closed, prompts, max_new_tokens, client, closed_loop=True,
                                tokenizer=prepared.tokenizer, iteration=iterations, progress=progress)
             total.merge(one)
             wall += one.wall_s
@@ -98,8 +131,12 @@ def run_endpoint(prepared: PreparedModel, inputs, workload, protocol: Protocol,
     config: EndpointConfig = prepared.runner_options["endpoint"]
     trace = prepared.runner_options.get("trace")
     prompts = prepared.runner_options.get("prompts") or request_prompts(inputs, config)
+    requests = len(trace) if trace else len(prompts)
+    client = {"workers": config.workers or loadgen.default_workers(min(config.concurrency, requests)),
+              "workers_requested": config.workers, "cores": loadgen.cores(), "worker_readings": []}
     result, iterations, first_call_ms, warmup_s, warm_failures, rss_before = asyncio.run(
-        _measure(prepared, prompts, workload.max_new_tokens, protocol, progress))
+        _measure(prepared, prompts, workload.max_new_tokens, protocol, progress, client))
+    client.update(loadgen.saturation(client["worker_readings"], result.lateness_ms))
     sent = len(result.timings) + len(result.failures)
     if not result.timings:
         raise EndpointError(failure_summary(result.failures, sent, config.url))
@@ -119,6 +156,9 @@ def run_endpoint(prepared: PreparedModel, inputs, workload, protocol: Protocol,
         "generate_steps": sum(len(t.step_ns()) for t in result.timings),  # deliveries the client saw
         "nondeterministic_outputs": varied,
         "concurrency": config.concurrency,
+        "client": client,
+        "client_saturated": client["client_saturated"],
+        "client_saturation_reason": client["client_saturation_reason"],
         "client_peak_rss_bytes": memory.peak_rss_bytes(),
         # the server's memory is not visible from here: the client's RSS must not pass for it
         "peak_rss_bytes": None, "rss_before_bytes": None, "peak_rss_delta_bytes": None,

@@ -18,6 +18,9 @@ ranks into the run's counters; the rest is kept per rank in `GenerationRun.ranks
 return `outputs` (a list of {prompt_index, token_ids, text}) for the quality metrics and `requests`
 (a list of RequestTiming fields, host perf_counter_ns, which is one clock for every process of the
 machine) for TTFT / TPOT; those of every rank are merged, by prompt index.
+
+Started by torchrun (`runners/launcher.py`), the launcher's processes are the ranks instead: rank 0
+runs the command and hands each launch to the others; nothing is spawned.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 from infer_tune import atomic
 from infer_tune.errors import ConfigError, InferTuneError
 from infer_tune.metrics import memory
+from infer_tune.runners import launcher
 from infer_tune.runners.base import GenerationRun, Output, Progress, Protocol, RequestTiming, register_runner
 from infer_tune.runners.prepared import PreparedModel
 
@@ -46,30 +50,52 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def run_rank(rank: int, world: int, worker, payload, backend: str, threads: int, setup=None) -> dict:
+    """One rank's share, the process group already up: `setup` (untimed), then `worker` between two
+    barriers; the reading it returns carries the elapsed time and this process's peaks."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    device = f"cuda:{local}" if backend == "nccl" else "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(local)
+    failure = None
+    if setup is not None:
+        try:
+            payload = setup(rank, world, payload)
+        except Exception as exc:  # every rank learns of it below instead of waiting at a collective
+            failure = f"rank {rank}: {type(exc).__name__}: {exc}"
+    failures: list = [None] * world
+    dist.all_gather_object(failures, failure)  # also the barrier before timing
+    if any(failures):
+        raise InferTuneError(f"setup failed on {next(f for f in failures if f)}")
+    memory.release_and_reset_peak()
+    memory.reset_cuda_peak(device)
+    dist.barrier()
+    start = time.perf_counter()
+    reading = dict(worker(rank, world, payload) or {})
+    dist.barrier()
+    reading["elapsed_s"] = time.perf_counter() - start
+    reading["peak_rss_bytes"] = memory.peak_rss_bytes()
+    reading["cuda_peak_bytes"] = memory.cuda_peak_bytes(device)
+    reading["rank"] = rank
+    reading["host"] = socket.gethostname()
+    reading["group_rank"] = int(os.environ["GROUP_RANK"]) if "GROUP_RANK" in os.environ else None
+    return reading
+
+
 def _rank_main(rank: int, world: int, worker, payload, port: int, result_dir: str, backend: str,
                threads: int, setup=None) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
-    torch.set_num_threads(threads)
-    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
-        if setup is not None:
-            payload = setup(rank, world, payload)
-        memory.release_and_reset_peak()
-        memory.reset_cuda_peak(device)
-        dist.barrier()
-        start = time.perf_counter()
-        reading = dict(worker(rank, world, payload) or {})
-        dist.barrier()
-        reading["elapsed_s"] = time.perf_counter() - start
-        reading["peak_rss_bytes"] = memory.peak_rss_bytes()
-        reading["cuda_peak_bytes"] = memory.cuda_peak_bytes(device)
-        reading["rank"] = rank
+        reading = run_rank(rank, world, worker, payload, backend, threads, setup)
     finally:
         dist.destroy_process_group()
     atomic.write_json(Path(result_dir) / f"rank{rank}.json", reading)
@@ -86,6 +112,8 @@ def launch(worker, payload, *, procs: int, backend: str = "gloo", threads: int |
         raise ConfigError(f"distributed backend must be one of {', '.join(BACKENDS)}, got '{backend}'")
     if backend == "nccl" and torch.cuda.device_count() < procs:
         raise ConfigError(f"nccl with {procs} processes needs {procs} GPUs; torch sees {torch.cuda.device_count()}")
+    if launcher.joined():
+        return launcher.launch(run_rank, worker, payload, procs=procs, backend=backend, threads=threads, setup=setup)
     per_rank = max(1, (threads or torch.get_num_threads()) // procs)
     with tempfile.TemporaryDirectory(prefix="infer-tune-ranks-") as result_dir:
         try:

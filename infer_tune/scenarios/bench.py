@@ -45,7 +45,7 @@ def stages_from_recipe(name_or_path: str, spec: RunSpec, *, workload_given: dict
 def run_recipe(stages: list[Stage], *, progress: Progress | None = None) -> list[BenchOutcome]:
     """Every stage in order, each against its own baseline; overall progress as `configs done / total`.
     Finished results are saved as they come, so an interrupted recipe resumes with `resume`."""
-    total = sum(len(s.configs) + 1 for s in stages)
+    total = sum(len(s.configs) for s in stages)  # the engine reports configs; each stage's baseline rides along
     done = 0
     outcomes = []
 
@@ -57,12 +57,16 @@ def run_recipe(stages: list[Stage], *, progress: Progress | None = None) -> list
 
     for stage in stages:
         outcomes.append(run_bench(stage.spec, stage.configs, progress=overall))
-        done += len(stage.configs) + 1
+        done += len(stage.configs)
     return outcomes
 
 
 def run_bench(spec: RunSpec, configs: list | None = None, *, progress: Progress | None = None) -> BenchOutcome:
     """Measure the baseline (reused from `spec.out_dir` only with `spec.resume`) and each config against it."""
+    from infer_tune import executors
+
+    if configs and (executor := executors.current()) is not None:  # e.g. Ray: each config on a node
+        return executor.run_bench(spec, list(configs), progress)
     run = open_run(spec, progress)
     with tempfile.TemporaryDirectory(prefix="infer-tune-artifacts-") as scratch:  # e.g. quantized checkpoints
         run.ctx.scratch_dir = Path(scratch)

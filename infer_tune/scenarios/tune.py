@@ -168,9 +168,14 @@ def _decide(candidates: list[Candidate], baseline: dict, run, spec: RunSpec, tun
         if budget.elapsed + expected <= budget.seconds:
             note(f"tune: {len(contenders)} contenders overlap the leader; measuring them together", 0, 1)
             started = time.monotonic()
+            from infer_tune import executors
+
             try:
-                _, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol,
-                                      [c.config for c in contenders], ctx, measure_ppl=spec.measure_ppl)
+                if (executor := executors.current()) is not None:  # e.g. Ray: together on one node
+                    _, docs = executor.run_together(spec, [c.config for c in contenders])
+                else:
+                    _, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol,
+                                          [c.config for c in contenders], ctx, measure_ppl=spec.measure_ppl)
             except InferTuneError as exc:
                 notes.append(f"contenders not measured again: {exc}")
             else:
@@ -190,10 +195,15 @@ def _decide(candidates: list[Candidate], baseline: dict, run, spec: RunSpec, tun
 
 def _measure(cand: Candidate, run, spec: RunSpec, tune: TuneSpec, ctx, budget: Budget) -> None:
     """Measure one candidate against the baseline (a saved result) and judge it; failures are listed."""
+    from infer_tune import executors
+
     started = time.monotonic()
     try:
-        _, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol, [cand.config], ctx,
-                              resume=spec.resume, reuse_baseline=True, measure_ppl=spec.measure_ppl)
+        if (executor := executors.current()) is not None:  # e.g. Ray: measured with its node's baseline there
+            _, docs = executor.run_configs(spec, [cand.config])
+        else:
+            _, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol, [cand.config], ctx,
+                                  resume=spec.resume, reuse_baseline=True, measure_ppl=spec.measure_ppl)
     except InferTuneError as exc:  # a candidate this model or host cannot run: listed, not fatal
         cand.status, cand.reason = "failed", str(exc)
         return

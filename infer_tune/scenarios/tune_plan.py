@@ -120,7 +120,7 @@ def model_linear_shapes(model: nn.Module) -> Counter:
 
 
 def _best_ms(fn, reps: int = 5) -> float:
-    from infer_tune.tuners.quantize.kernels import _best_ms as best
+    from infer_tune.tuners.quantize.kernel_choice import _best_ms as best
 
     return best(fn, reps)
 
@@ -140,7 +140,7 @@ def host_screen(model: nn.Module, methods: tuple[str, ...], prefill_rows: int, *
 
     `timings` injects {(kind, regime): (kernel -> ms, fp32 ms)} (tests; a saturating or slow host).
     """
-    from infer_tune.tuners.quantize import kernels
+    from infer_tune.tuners.quantize import kernel_choice, kernels
 
     shapes = model_linear_shapes(model)
     timings = {} if timings is None else timings
@@ -155,7 +155,7 @@ def host_screen(model: nn.Module, methods: tuple[str, ...], prefill_rows: int, *
         row: dict = {"kernels": {}}
         for regime, rows in (("decode", 1), ("prefill", prefill_rows)):
             if (kind, regime) not in timings:
-                timings[(kind, regime)] = kernels.benchmark(shapes, rows, kind)
+                timings[(kind, regime)] = kernel_choice.benchmark(shapes, rows, kind)
             kernel_ms, fp32_ms = timings[(kind, regime)]
             skip = kernels.excluded(kind, regime) if kind != "bf16" else {}
             usable = {k: v for k, v in kernel_ms.items() if v is not None and k not in skip}

@@ -43,6 +43,11 @@ class TechniqueConfig:
         """Short human summary for leaderboards and run ids."""
         return ",".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items() if v is not None)
 
+    def applicable_fields(self) -> tuple[str, ...]:
+        """The fields that mean something for this config (what is printed and saved in a recipe);
+        a technique whose knobs depend on its method overrides this (quantize: no alpha for int8-dynamic)."""
+        return tuple(f.name for f in dataclasses.fields(self))
+
 
 @dataclass
 class RunContext:
@@ -117,6 +122,9 @@ class Technique:
     - `conflicts`: {other technique: why the two cannot share a stack}.
     - `tune_candidates(spec) -> [(config, {"lossless": bool, "compiles": bool})]`: what `tune` tries of
       this technique for a search `spec` (its objective, drift budget, whether compiling is allowed).
+    - `report_columns(doc, docs) -> Lead`: what the combined report leads this technique's row with (the
+      figures its claim is about and what they are compared with; infer_tune/report/leads.py). None:
+      decode speedup vs the baseline.
     """
 
     config_cls: type
@@ -135,6 +143,7 @@ class Technique:
     phase: int = 1
     conflicts: dict[str, str] = field(default_factory=dict)
     tune_candidates: Callable[[Any], list[tuple[Any, dict]]] | None = None
+    report_columns: Callable[[dict, list[dict]], Any] | None = None
 
     @property
     def name(self) -> str:
@@ -159,6 +168,7 @@ def register_technique(config_cls: type, *, runner: str = "generation", max_batc
                        per_position: bool = False, finalize: Callable | None = None, objective: str = "decode",
                        phase: int = 1, conflicts: dict[str, str] | None = None,
                        tune_candidates: Callable | None = None,
+                       report_columns: Callable | None = None,
                        ) -> Callable[[PrepareFn], PrepareFn]:
     """Register `prepare(loaded, config, ctx) -> PreparedModel` for `config_cls` (see `Technique`)."""
     if not getattr(config_cls, "technique", ""):
@@ -167,7 +177,7 @@ def register_technique(config_cls: type, *, runner: str = "generation", max_batc
     def decorator(fn: PrepareFn) -> PrepareFn:
         TECHNIQUES[config_cls] = Technique(config_cls, fn, runner, max_batch_size, resolve, annotate, preflight,
                                            measure_ppl, summarize, plots, per_position, finalize, objective, phase,
-                                           dict(conflicts or {}), tune_candidates)
+                                           dict(conflicts or {}), tune_candidates, report_columns)
         return fn
 
     return decorator

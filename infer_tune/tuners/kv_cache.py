@@ -98,6 +98,13 @@ def _preflight(loaded: models.LoadedModel, config: KVCacheConfig, ctx: RunContex
         raise ConfigError(f"kv-cache impl '{config.impl}' is not applicable here: {reason}")
 
 
+def report_columns(doc: dict, docs: list[dict]):
+    """The report's lead: decode speedup against the default dynamic cache of the same session."""
+    from infer_tune.report.leads import decode_speedup
+
+    return decode_speedup(doc, docs, vs="dynamic cache (the baseline)")
+
+
 # --------------------------------------------------------------------------- what a cache row measures
 def probe_cache(prepared: PreparedModel, batch: dict[str, torch.Tensor], new_tokens: int) -> dict[str, Any]:
     """One untimed greedy generate that returns its cache: measured KV bytes and the largest logits tensor.
@@ -176,7 +183,7 @@ def finalize_cache(config: KVCacheConfig, doc: dict, outputs: list[dict], prepar
 
 
 @register_technique(KVCacheConfig, preflight=_preflight, measure_ppl=False, per_position=True,
-                    finalize=finalize_cache, phase=1)
+                    finalize=finalize_cache, phase=1, report_columns=report_columns)
 def apply_kv_cache(loaded: models.LoadedModel, config: KVCacheConfig, ctx: RunContext) -> PreparedModel:
     """Choose how `generate` builds its cache; the model itself is unchanged."""
     model = loaded.model

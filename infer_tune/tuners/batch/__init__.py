@@ -24,6 +24,7 @@ from infer_tune.tuners.batch import plots as batch_plots
 from infer_tune.tuners.batch.arrivals import TraceRow, check_burstiness, check_rate, trace_plan
 from infer_tune.tuners.batch.common import reference_tokens
 from infer_tune.tuners.batch.continuous import ContinuousBatcher
+from infer_tune.tuners.batch.report import report_columns
 from infer_tune.tuners.batch.static import StaticBatcher
 
 SCHEDULERS = ("static", "continuous", "sweep")
@@ -138,7 +139,8 @@ def finalize_trace(config: BatchConfig, doc: dict, outputs: list[dict], prepared
 
 @register_technique(BatchConfig, runner="trace", preflight=_preflight, measure_ppl=False,
                     summarize=analysis.summarize, plots=batch_plots.sweep_plots, finalize=finalize_trace,
-                    objective="throughput")
+                    objective="throughput",
+                    report_columns=report_columns)
 def prepare_batch(loaded: models.LoadedModel, config: BatchConfig, ctx: RunContext) -> PreparedModel:
     """The model unchanged; the trace runner gets the trace factory and the scheduler (sweep: nothing)."""
     options = {}

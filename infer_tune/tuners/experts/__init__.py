@@ -29,8 +29,10 @@ from infer_tune.tuners.experts import (
     routing,
 )
 from infer_tune.tuners.experts.planners import REPLICA_ROUTINGS, STRATEGIES, Plan, Topology, make_plan
+from infer_tune.tuners.experts.report import report_columns
 
 PREDICTED_KEYS = ("balancedness", "cross_device_tokens_per_token", "alltoall_bytes_per_token")
+LINK_KEYS = ("intra_node_bytes_per_token", "inter_node_bytes_per_token")  # plans with nodes > 1
 
 
 @dataclass
@@ -164,10 +166,37 @@ def finish_validation(doc: dict, earlier: list[dict] | None = None) -> None:
     m["tolerance"] = ranks[0]["tolerance"]
     m["outputs_match_single_process"] = m["generation_mismatches"] == 0 and m["within_tolerance"]
     m["expert_bytes_per_rank"] = [r["expert_bytes"] for r in ranks]
+    link_bytes(m, ranks, tokens)
+
+
+def link_bytes(m: dict, ranks: list[dict], tokens: float) -> None:
+    """Measured payload bytes per token by link kind (inside a node, between nodes), beside the plan's.
+
+    A rank's node is the launcher's (torchrun's GROUP_RANK) when the ranks came from torchrun, else the
+    plan's (device // devices per node: nodes simulated on one host)."""
+    plan_nodes = m.get("plan_node_of_rank")
+    if not plan_nodes or "payload_bytes_to_rank" not in ranks[0]:
+        return
+    launched = all(r.get("group_rank") is not None for r in ranks)
+    node = [r["group_rank"] for r in ranks] if launched else list(plan_nodes)
+    m["link_nodes_from"] = "launcher" if launched else "plan"
+    m["node_of_rank"] = node
+    m["node_map_matches_plan"] = node == list(plan_nodes)
+    if max(node) == 0 and max(plan_nodes) == 0:
+        return
+    inter = sum(b for r in ranks for d, b in enumerate(r["payload_bytes_to_rank"]) if node[d] != node[r["rank"]])
+    total = sum(sum(r["payload_bytes_to_rank"]) for r in ranks)
+    m["inter_node_bytes_per_token"] = inter / max(tokens, 1)
+    m["intra_node_bytes_per_token"] = (total - inter) / max(tokens, 1)
+    for key in LINK_KEYS:
+        predicted = m.get(f"predicted_{key}")
+        if predicted:
+            m[f"{key}_vs_predicted_pct"] = 100.0 * (m[key] / predicted - 1.0)
 
 
 @register_technique(ExpertsConfig, runner="multiprocess", preflight=_preflight, annotate=finish_validation,
-                    measure_ppl=False, summarize=claim.summarize, plots=plots.validation_plots)
+                    measure_ppl=False, summarize=claim.summarize, plots=plots.validation_plots,
+                    report_columns=report_columns)
 def prepare_experts(loaded: models.LoadedModel, config: ExpertsConfig, ctx: RunContext) -> PreparedModel:
     """A multi-process run of the workload under the plan: one rank per device."""
     from infer_tune.tuners.experts import worker
@@ -177,6 +206,10 @@ def prepare_experts(loaded: models.LoadedModel, config: ExpertsConfig, ctx: RunC
     check_model(layers, plan, loaded.ref)
     metrics: dict[str, Any] = {f"predicted_{k}": predicted.get(k) for k in PREDICTED_KEYS}
     metrics.update(strategy=config.strategy, devices=config.devices, replicas=plan.replicas, measured=True)
+    topo = plan.topology
+    if topo.nodes > 1:
+        metrics.update({f"predicted_{k}": predicted.get(k) for k in LINK_KEYS}, nodes=topo.nodes)
+    metrics["plan_node_of_rank"] = [topo.node_of(d) for d in range(topo.devices)]
     backend = "nccl" if ctx.device.startswith("cuda") else "gloo"
     payload = {"model_path": loaded.path, "model_ref": loaded.ref, "dtype": loaded.dtype, "plan": plan.to_dict(),
                "backend": backend}

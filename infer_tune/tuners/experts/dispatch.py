@@ -42,9 +42,11 @@ class ExchangeStats:
     comm_s: float = 0.0
     expert_s: float = 0.0
     pairs_to_rank: list[list[int]] = field(default_factory=list)  # [layer][rank] (token, expert) pairs sent
+    payload_bytes_to_rank: list[int] = field(default_factory=list)  # [rank] payload bytes on the link to it
 
     def __post_init__(self) -> None:
         self.pairs_to_rank = [[0] * self.world for _ in range(self.layers)]
+        self.payload_bytes_to_rank = [0] * self.world
 
     def reset(self) -> None:
         fresh = ExchangeStats(self.layers, self.world, self.enabled)
@@ -210,6 +212,8 @@ class PlacedExperts:
             s.tokens += tokens
             s.remote_rows += len(rows)
             s.payload_bytes += 2 * len(rows) * hidden * element  # its copies out, their partial sums back
+            for dest, n in enumerate(send_counts.tolist()):
+                s.payload_bytes_to_rank[dest] += 2 * n * hidden * element
             s.meta_bytes += (self.world - 1) * send_counts.element_size() + len(rows) * k * (
                 send_slots.element_size() + send_weights.element_size())
             s.local_pairs += n_local

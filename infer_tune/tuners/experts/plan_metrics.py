@@ -12,7 +12,8 @@ Definitions (docs/experts.md):
   there), with the token's home device uniform over the devices; mean over layers. Exact over the
   load file's recorded expert sets.
 - `alltoall_bytes_per_token`: bytes one token puts on the wire through all MoE layers of one
-  forward pass: dispatch + combine (2 x copies x hidden size x activation bytes), summed over layers.
+  forward pass: dispatch + combine (2 x copies x hidden size x activation bytes), summed over layers;
+  with nodes > 1 split by link kind into `intra_node_bytes_per_token` and `inter_node_bytes_per_token`.
 """
 
 from __future__ import annotations
@@ -45,10 +46,12 @@ def replica_choice(hosts: np.ndarray, topo: Topology, routing: str = "even") -> 
 
 
 def expected_copies(routes: list[tuple[tuple[int, ...], int]], hosts: np.ndarray, topo: Topology,
-                    top_k: int, routing: str = "even") -> tuple[float, float]:
-    """(remote device copies, remote node copies) per token, averaged over homes and the route sets."""
+                    top_k: int, routing: str = "even") -> tuple[float, float, float]:
+    """(remote device copies, remote node copies, remote device copies on other nodes) per token, averaged
+    over homes and the route sets. The third is what the dispatch (one copy per destination device)
+    sends between nodes; the second what a per-node deduplicating dispatch would."""
     if not routes:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     num_experts, devices = hosts.shape
     choice = replica_choice(hosts, topo, routing)  # [E, h, d]
     pad = np.zeros((1, devices, devices))
@@ -58,19 +61,20 @@ def expected_copies(routes: list[tuple[tuple[int, ...], int]], hosts: np.ndarray
         index[r, :len(experts)] = experts
     weight = np.array([c for _, c in routes], dtype=np.float64)
     node = np.array([topo.node_of(d) for d in range(devices)])
-    device_total, node_total = 0.0, 0.0
+    device_total, node_total, other_node_total = 0.0, 0.0, 0.0
     for h in range(devices):
         miss = np.prod(1.0 - choice[index, h, :], axis=1)  # [R, D]: no expert of the set goes to d
         hit = 1.0 - miss
         hit[:, h] = 0.0
         device_total += float(weight @ hit.sum(1))
+        other_node_total += float(weight @ hit[:, node != node[h]].sum(1))
         if topo.nodes > 1:
             node_miss = np.stack([np.prod(miss[:, node == n], axis=1) for n in range(topo.nodes)], 1)
             node_hit = 1.0 - node_miss
             node_hit[:, node[h]] = 0.0
             node_total += float(weight @ node_hit.sum(1))
     norm = weight.sum() * devices
-    return device_total / norm, node_total / norm
+    return device_total / norm, node_total / norm, other_node_total / norm
 
 
 def evaluate(plan: Plan, load: LoadFile) -> dict[str, Any]:
@@ -85,11 +89,12 @@ def evaluate(plan: Plan, load: LoadFile) -> dict[str, Any]:
     per_layer = np.where(maxes > 0, means / np.maximum(maxes, 1e-300), 1.0)
     times = device_load / speeds[None, :]
     ideal = device_load.sum(1) / speeds.sum()
-    device_copies, node_copies = [], []
+    device_copies, node_copies, inter_copies = [], [], []
     for layer, hosts_l in zip(load.layers, hosts):
-        d, n = expected_copies(layer.routes, hosts_l, topo, load.model.top_k, plan.replica_routing)
+        d, n, x = expected_copies(layer.routes, hosts_l, topo, load.model.top_k, plan.replica_routing)
         device_copies.append(d)
         node_copies.append(n)
+        inter_copies.append(x)
     wire = 2 * load.model.hidden_size * load.model.dtype_bytes
     slots_used = hosts.sum(1)  # [L, D]
     memory = slots_used.sum(0) * load.model.expert_bytes + load.model.dense_bytes
@@ -109,4 +114,7 @@ def evaluate(plan: Plan, load: LoadFile) -> dict[str, Any]:
     }
     if topo.nodes > 1:
         metrics["cross_node_tokens_per_token"] = float(np.mean(node_copies))
+        # the dispatch's bytes per link kind: to devices of the token's own node, to other nodes
+        metrics["inter_node_bytes_per_token"] = float(np.sum(inter_copies) * wire)
+        metrics["intra_node_bytes_per_token"] = metrics["alltoall_bytes_per_token"] - metrics["inter_node_bytes_per_token"]
     return metrics

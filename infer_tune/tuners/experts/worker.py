@@ -16,6 +16,7 @@ serving engines do for idle ranks); those add nothing to its counts.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import torch
@@ -65,7 +66,8 @@ def setup(rank: int, world: int, payload: dict) -> dict:
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    device = f"cuda:{rank}" if payload.get("backend") == "nccl" else "cpu"
+    local = int(os.environ.get("LOCAL_RANK", rank))  # torchrun across hosts: this host's GPU index
+    device = f"cuda:{local}" if payload.get("backend") == "nccl" else "cpu"
     loaded = models.load(payload["model_path"], dtype=payload["dtype"], device=device)
     model = loaded.model
     layers = routing.require_moe(model, payload["model_ref"])
@@ -152,6 +154,7 @@ def worker(rank: int, world: int, state: dict) -> dict:
         "prefill_comm_s": prefill["comm_s"],
         "prefill_expert_s": prefill["expert_s"],
         "pairs_to_rank": prefill["pairs_to_rank"],
+        "payload_bytes_to_rank": prefill["payload_bytes_to_rank"],
         "expert_bytes": state["expert_bytes"],
         "max_abs_diff": diff,
         "relative_diff": diff / scale if scale else 0.0,

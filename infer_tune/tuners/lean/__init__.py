@@ -56,7 +56,7 @@ def prepare_lean(loaded: LoadedModel, config: LeanConfig, ctx: RunContext) -> Pr
     counters = LeanCounters()
     facts: dict = {"lean_compile": config.compile}
     if config.compile:  # fbgemm's prepacked int8 ops break a compiled graph: run traceable kernels instead
-        from infer_tune.tuners.quantize.kernels import make_traceable
+        from infer_tune.tuners.quantize.kernel_choice import make_traceable
 
         swaps = make_traceable(loaded.model, getattr(loaded.model, "infer_tune_kernels", None))
         if swaps:

@@ -115,6 +115,20 @@ class QuantizeConfig(TechniqueConfig):
             parts.append(f"k{self.decode_kernel}.{self.prefill_kernel}")
         return "-".join(parts)
 
+    def applicable_fields(self) -> tuple[str, ...]:
+        """The knobs this method reads: alpha and calibration for int8-static only, group size and head
+        bits for int4 methods, kernels where the method has a choice, compute dtype for all but bf16."""
+        fields = ["method", "backend"]
+        if self.calibrated:
+            fields += ["alpha", "calib_suite", "calib_samples"]
+        if self.method.startswith("int4"):
+            fields += ["group_size", "head_bits"]
+        if KERNELS.get(kernel_family(self.method)):
+            fields += ["decode_kernel", "prefill_kernel"]
+        if self.method != "bf16":
+            fields.append("compute_dtype")
+        return tuple(fields)
+
     def forced_kernels(self) -> tuple[str | None, str | None]:
         """(decode, prefill) kernel names the config forces (None: measured choice)."""
         return tuple(None if k == "auto" else k for k in (self.decode_kernel, self.prefill_kernel))

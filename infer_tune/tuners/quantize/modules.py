@@ -22,10 +22,10 @@ larger than `model_bytes` (which counts the stored weights, as docs/architecture
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import nn
+
+from infer_tune.tuners.quantize.kernels import prepack_int8, reduce_range  # noqa: F401  (prepack_int8: re-exported)
 
 
 # --------------------------------------------------------------------------- packing helpers
@@ -76,14 +76,6 @@ def fbgemm_linear_dynamic(x: torch.Tensor, key: torch.Tensor, out_features: int,
 @fbgemm_linear_dynamic.register_fake
 def _(x: torch.Tensor, key: torch.Tensor, out_features: int, reduce_range: bool) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
-
-
-def prepack_int8(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
-    zero_points = torch.zeros(qweight.shape[0], dtype=torch.long)
-    with warnings.catch_warnings():  # torch.ao deprecation notices are not ours to print
-        warnings.simplefilter("ignore")
-        qtensor = torch._make_per_channel_quantized_tensor(qweight, scale.double(), zero_points, 0)
-        return torch.ops.quantized.linear_prepack(qtensor, bias)
 
 
 class PortableModule(nn.Module):
@@ -144,8 +136,6 @@ class Int8DynamicLinear(PortableModule):
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        from infer_tune.tuners.quantize.kernels import reduce_range
-
         self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
         self.weight_scale = scale.float().contiguous()
         self.bias_f = None if bias is None else bias.detach().float().contiguous()

@@ -88,14 +88,14 @@ def prepare_quantized(loaded: models.LoadedModel, config: QuantizeConfig, ctx: R
 
 def choose_kernels(model: torch.nn.Module, config: QuantizeConfig, ctx: RunContext) -> dict:
     """Time the method's candidate kernels on this model's shapes (once per run) and apply the fastest."""
-    from infer_tune.tuners.quantize import kernels
+    from infer_tune.tuners.quantize import kernel_choice
 
     rows = int(ctx.cache.get("prefill_rows", 64))
-    shapes = tuple(sorted((kind, tuple(sorted(c.items()))) for kind, c in kernels.linear_shapes(model).items()))
+    shapes = tuple(sorted((kind, tuple(sorted(c.items()))) for kind, c in kernel_choice.linear_shapes(model).items()))
     timings = ctx.cache.setdefault(("quantize-kernel-timings", shapes, config.group_size, rows), {})
     if ctx.progress:
         ctx.progress("timing kernels", 0, 1)
-    record = kernels.choose_for_model(model, config.method, prefill_rows=rows, group_size=config.group_size,
+    record = kernel_choice.choose_for_model(model, config.method, prefill_rows=rows, group_size=config.group_size,
                                       forced=config.forced_kernels(), timings=timings)
     if ctx.progress:
         ctx.progress("timing kernels", 1, 1)

@@ -125,7 +125,7 @@ def load_quantized(path: str | Path, *, choose_kernels: bool = True) -> nn.Modul
 
     apply_compute_dtype(model, config)
     if choose_kernels:
-        from infer_tune.tuners.quantize.kernels import choose_for_model
+        from infer_tune.tuners.quantize.kernel_choice import choose_for_model
 
         model.infer_tune_kernels = choose_for_model(model, manifest["method"], group_size=config.group_size,
                                                     forced=config.forced_kernels())

@@ -26,6 +26,7 @@ from infer_tune.tuners.speculate.config import (
     parse_draft_lengths,
 )
 from infer_tune.tuners.speculate.prepare import annotate, preflight, prepare
+from infer_tune.tuners.speculate.report import report_columns
 
 __all__ = ["EARLY_EXIT", "ENGINES", "PROMPT_LOOKUP", "SELF_DRAFT", "DraftSource", "SpeculateConfig", "parse_draft",
            "parse_draft_lengths"]
@@ -43,4 +44,4 @@ def _resolve(config: SpeculateConfig, ctx: RunContext) -> SpeculateConfig:
 
 register_technique(SpeculateConfig, runner="speculative", max_batch_size=1, resolve=_resolve, preflight=preflight,
                    annotate=annotate, measure_ppl=False, summarize=claim.summarize, plots=plots.plots,
-                   phase=2)(prepare)
+                   phase=2, report_columns=report_columns)(prepare)

@@ -1,0 +1,150 @@
+"""What each row of the combined report leads with: the figures its technique is judged on, and what
+they are compared with ("vs static batching at the same rate", "vs round-robin placement").
+
+A technique declares them itself: `report_columns(doc, docs) -> Lead` in its registry entry
+(tuners/base.py; docs/architecture.md, "The technique contract"). A technique without one leads with
+its decode speedup against the baseline of the same session. Speedups carry their 95% interval when
+the result has one (`metrics.<key>_ci95` = [low, high]).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+BASELINE_VS = "baseline (same session)"
+
+
+def number(value) -> float | None:
+    """A finite float, else None (a result document is untrusted input)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def interval(metrics: dict, key: str) -> tuple[float, float] | None:
+    """`metrics[key + "_ci95"]` as (low, high) when it is two finite numbers in order, else None."""
+    raw = (metrics or {}).get(f"{key}_ci95")
+    if not isinstance(raw, (list, tuple)) or len(raw) != 2:
+        return None
+    low, high = number(raw[0]), number(raw[1])
+    return (low, high) if low is not None and high is not None and low <= high else None
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One number a row is judged on. unit: `x` (ratio), `%` (change), `B/token`, `tok/s`, `req/s`, `ms`,
+    `tokens`, or "" (a plain fraction such as balancedness); `reference`: the compared value, shown beside."""
+
+    name: str
+    value: float | None
+    unit: str = "x"
+    ci95: tuple[float, float] | None = None
+    reference: float | None = None
+
+    def text(self) -> str:
+        shown = _fmt(self.value, self.unit)
+        if self.ci95 is not None and self.value is not None:
+            shown += f" [{_fmt(self.ci95[0], self.unit, bare=True)}–{_fmt(self.ci95[1], self.unit, bare=True)}]"
+        if self.reference is not None and self.value is not None:
+            shown += f" vs {_fmt(self.reference, self.unit)}"
+        return shown
+
+
+def _fmt(v: float | None, unit: str, bare: bool = False) -> str:
+    if v is None:
+        return "-"
+    if unit == "x":
+        return f"{v:.2f}" if bare else f"{v:.2f}x"
+    if unit == "%":
+        return f"{v:+.1f}%"
+    if unit == "ms":
+        return f"{v / 1000:.2f} s" if v >= 10_000 else f"{v:.0f} ms" if v >= 100 else f"{v:.1f} ms"
+    if unit == "B/token":
+        return f"{v:,.0f} B/token"
+    if unit in ("tok/s", "req/s"):
+        return f"{v:.1f} {unit}" if unit == "tok/s" else f"{v:.2f} {unit}"
+    if unit == "tokens":
+        return f"{v:.2f} tokens"
+    return f"{v:.2f}"
+
+
+@dataclass(frozen=True)
+class Lead:
+    """The figures a row leads with (the first one sorts the column) and what they are compared with.
+    `decode`: the first figure is the decode speedup vs the baseline (the Pareto plot's axis)."""
+
+    figures: tuple[Figure, ...]
+    vs: str
+    decode: bool = False
+
+    @property
+    def value(self) -> float | None:
+        return self.figures[0].value if self.figures else None
+
+    def text(self) -> str:
+        return " · ".join(f"{f.name} {f.text()}" for f in self.figures) or "-"
+
+
+def decode_speedup(doc: dict, docs: Sequence[dict] = (), vs: str = BASELINE_VS) -> Lead:
+    """The default lead: decode (and TTFT) speedup vs the baseline, with their intervals."""
+    m = doc.get("metrics") or {}
+    figures = [Figure("decode", number(m.get("speedup_vs_baseline")), "x", interval(m, "speedup_vs_baseline"))]
+    ttft = number(m.get("ttft_speedup_vs_baseline"))
+    if ttft is not None:
+        figures.append(Figure("TTFT", ttft, "x", interval(m, "ttft_speedup_vs_baseline")))
+    return Lead(tuple(figures), vs, decode=True)
+
+
+BASELINE = Lead((), "-")
+
+
+def lead_for(doc: dict, docs: Sequence[dict], declared: dict) -> Lead:
+    """The row's lead: the technique's own `report_columns`, else the decode speedup; a technique's
+    function that cannot read a malformed result falls back to the decode speedup."""
+    technique = doc.get("technique")
+    if technique == "baseline":
+        return BASELINE
+    fn = declared.get(technique)
+    if fn is not None:
+        try:
+            lead = fn(doc, list(docs))
+            if isinstance(lead, Lead):
+                return lead
+        except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError):
+            pass
+    return decode_speedup(doc, docs)
+
+
+def declared_columns() -> dict:
+    """Technique name -> its registered `report_columns` (the registry is read, never listed here)."""
+    from infer_tune.tuners.base import TECHNIQUES, load_techniques
+
+    load_techniques()
+    return {entry.name: entry.report_columns for entry in TECHNIQUES.values() if entry.report_columns}
+
+
+def leads(docs: Sequence[dict]) -> dict[str, Lead]:
+    """run_id -> Lead for every document."""
+    declared = declared_columns()
+    return {str(d.get("run_id")): lead_for(d, docs, declared) for d in docs}
+
+
+def same_stage(a: dict, b: dict) -> bool:
+    """Two results of one sweep stage: same baseline (else same model and suite)."""
+    if a.get("baseline_run_id") and b.get("baseline_run_id"):
+        return a["baseline_run_id"] == b["baseline_run_id"]
+    return ((a.get("model") or {}).get("ref") == (b.get("model") or {}).get("ref")
+            and (a.get("workload") or {}).get("suite") == (b.get("workload") or {}).get("suite"))
+
+
+def ratio(value, reference) -> float | None:
+    value, reference = number(value), number(reference)
+    return value / reference if value is not None and reference else None
+
+
+def change_pct(value, reference) -> float | None:
+    r = ratio(value, reference)
+    return None if r is None else 100.0 * (r - 1.0)

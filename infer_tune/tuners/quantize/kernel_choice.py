@@ -1,0 +1,196 @@
+"""Kernel choice for a whole model: the model's quantized Linear shapes screened per kind and regime
+(`screen_kernels`, interleaved rounds: screen.py), the choice applied to every layer, and the swaps a
+compiled step needs (`make_traceable`). The kernels themselves, the activation range and the choice
+rule on timings live in kernels.py; the layers in modules.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections import Counter
+
+import torch
+from torch import nn
+
+from infer_tune.tuners.quantize import screen
+from infer_tune.tuners.quantize.kernels import (
+    KERNELS,
+    TRACEABLE,
+    activation_qmax,
+    activation_range,
+    choose,
+    excluded,
+    family,
+)
+from infer_tune.tuners.quantize.modules import LINEAR_KINDS
+
+
+def linear_shapes(model: nn.Module) -> dict[str, Counter]:
+    """Quantized Linear kind -> Counter of (in_features, out_features) -> how many layers have it."""
+    shapes: dict[str, Counter] = {}
+    for m in model.modules():
+        if isinstance(m, tuple(LINEAR_KINDS.values())):
+            shapes.setdefault(m.kind, Counter())[(m.in_features, m.out_features)] += 1
+    return shapes
+
+
+def _best_ms(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - start)
+    return min(times) / 1e6  # the best of a couple within a round: another process only ever adds time
+
+
+def sample_module(kind: str, k: int, n: int, group_size: int) -> nn.Module:
+    """A quantized layer of `kind` with random weights of shape [n, k] (for timing only)."""
+    from infer_tune.tuners.quantize import modules
+
+    gen = torch.Generator().manual_seed(k * 7919 + n)
+    weight = torch.randn(n, k, generator=gen) * 0.02
+    if kind == "int4":
+        from infer_tune.tuners.quantize.apply import int4_quantize
+
+        t = int4_quantize(weight, group_size, hqq=False)
+        return modules.Int4Linear(t["qweight_int4"], t["scale"], t["zero"], group_size)
+    q, scale = modules.int8_per_channel(weight)
+    if kind == "int8-static":
+        return modules.Int8StaticLinear(q, scale, None, None, 0.05, 128 if activation_qmax() == 255 else 64)
+    return modules.Int8DynamicLinear(q, scale)
+
+
+def screen_kernels(shapes: Counter, rows: int, kind: str, *, group_size: int = 32, inner: int = 2,
+                   seed: int = 0, **limits) -> screen.Screen:
+    """Time every candidate kernel of `kind` and fp32 on the model's Linear shapes of that kind at `rows`
+    rows, in interleaved rounds (screen.run; `limits`: min_rounds, max_rounds, budget_s).
+
+    One sample of a candidate is the per-step cost of those Linears: each distinct shape timed (best of
+    `inner` calls) and weighted by how many layers have it. One layer per distinct shape is held for
+    the whole screen (a few hundred MB for a 7B model's shapes, in fp32 for the reference).
+    """
+    layers = []
+    for (k, n), count in shapes.items():
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        layers.append((count, sample_module(kind, k, n, group_size), x, torch.randn(n, k)))
+
+    def measure(name: str) -> float:
+        total = 0.0
+        for count, module, x, w in layers:
+            if name == screen.FP32:
+                call = functools.partial(torch.nn.functional.linear, x, w)
+            else:
+                module.set_kernels(name, name)
+                call = functools.partial(module, x)
+            total += count * _best_ms(call, inner)
+        return total
+
+    with torch.inference_mode():
+        for name in (screen.FP32, *KERNELS[kind]):  # warm every path once (first calls allocate, pack)
+            try:
+                measure(name)
+            except RuntimeError:  # a kernel this build / CPU does not provide: screen.run drops it
+                pass
+        return screen.run(measure, [screen.FP32, *KERNELS[kind]], seed=seed, **limits)
+
+
+def benchmark(shapes: Counter, rows: int, kind: str, *, group_size: int = 32,
+              **limits) -> tuple[dict[str, float | None], float]:
+    """(kernel -> median ms over interleaved rounds, None for a kernel that fails here; fp32 median ms)."""
+    return screen_kernels(shapes, rows, kind, group_size=group_size, **limits).timings()
+
+
+def _unpack(value) -> tuple[dict[str, float | None], float, dict | None]:
+    """A timings entry: a Screen (measured here) or an injected (kernel -> ms, fp32 ms) pair."""
+    if isinstance(value, screen.Screen):
+        kernel_ms, fp32_ms = value.timings()
+        return kernel_ms, fp32_ms, value.record()
+    kernel_ms, fp32_ms = value
+    return kernel_ms, fp32_ms, None
+
+
+def choose_for_model(model: nn.Module, method: str, *, prefill_rows: int = 64, group_size: int = 32,
+                     forced: tuple[str | None, str | None] = (None, None),
+                     timings: dict | None = None) -> dict:
+    """Measure and apply the decode and prefill kernels of every quantized Linear of `model`, per kind.
+
+    An int8-static model also holds int8-dynamic Linears (its head, layers whose static error was too
+    large); each kind gets its own choice. `forced` = (decode, prefill) kernel names from the config for
+    the method's own kind (None: choose); `timings` holds benchmark results {(kind, regime): (kernel ->
+    ms, fp32 ms)}: given ones are used instead of measuring (tests inject them), missing ones are
+    measured and stored there (a run reuses them across configs). Returns the record of the result.
+    """
+    shapes = linear_shapes(model)
+    if not shapes:
+        return {}
+    own = family(method)
+    timings = {} if timings is None else timings
+    record: dict = {"prefill_rows": prefill_rows, "by_kind": {}}
+    totals = {"decode": [0.0, 0.0], "prefill": [0.0, 0.0]}
+    for kind, kind_shapes in shapes.items():
+        force = forced if kind == own else (None, None)
+        chosen = {}
+        for regime, rows, name in (("decode", 1, force[0]), ("prefill", prefill_rows, force[1])):
+            if (kind, regime) not in timings:
+                timings[(kind, regime)] = screen_kernels(kind_shapes, rows, kind, group_size=group_size)
+            kernel_ms, fp32_ms, stats = _unpack(timings[(kind, regime)])
+            skip = excluded(kind, regime)
+            choice = choose({k: v for k, v in kernel_ms.items() if k not in skip}, fp32_ms, forced=name,
+                            vs_fp32=(stats or {}).get("vs_fp32_ci95"))
+            if skip:
+                choice["excluded"] = skip
+            if stats:
+                choice.update(rounds=stats["rounds"], separated=stats["separated"], stopped=stats["stopped"])
+            chosen[regime] = choice
+            totals[regime][0] += choice["timings_ms"].get(choice["chosen"]) or kernel_ms.get(choice["chosen"]) or 0.0
+            totals[regime][1] += fp32_ms
+        apply_kernels(model, chosen["decode"]["chosen"], chosen["prefill"]["chosen"], kind=kind)
+        record["by_kind"][kind] = chosen
+    for regime, (ms, fp32_ms) in totals.items():
+        ratio = fp32_ms / ms if ms else None
+        choices = [v[regime] for v in record["by_kind"].values()]
+        slower = ratio is not None and ratio < 1.0
+        if slower and all("vs_fp32_ci95" in c for c in choices):  # screened: an interval must say so too
+            slower = any(c["slower_than_fp32"] for c in choices)
+        record[regime] = {"ms": ms, "fp32_ms": fp32_ms, "speedup_vs_fp32": ratio, "slower_than_fp32": slower,
+                          "chosen": {k: v[regime]["chosen"] for k, v in record["by_kind"].items()}}
+    if any(k.startswith("int8") for k in shapes):
+        record["activation_range"] = activation_range()
+    return record
+
+
+def apply_kernels(model: nn.Module, decode: str, prefill: str, *, kind: str | None = None) -> int:
+    """Set the decode / prefill kernel of the quantized Linears of `model` (of `kind`, or all); returns how many."""
+    n = 0
+    for module in model.modules():
+        if isinstance(module, tuple(LINEAR_KINDS.values())) and (kind is None or module.kind == kind):
+            module.set_kernels(decode, prefill)
+            n += 1
+    return n
+
+
+def make_traceable(model: nn.Module, record: dict | None = None) -> dict:
+    """Swap every non-traceable kernel (fbgemm) of `model` for a traceable one, per kind and regime.
+
+    The replacement is the fastest traceable candidate in `record` (the model's kernel record, its
+    measured timings) when there is one, else `int_mm`. Returns {kind: {regime: (old, new)}} of what changed.
+    """
+    by_kind = (record or {}).get("by_kind") or {}
+    changed: dict = {}
+    for module in model.modules():
+        if not isinstance(module, tuple(LINEAR_KINDS.values())):
+            continue
+        picks = []
+        for regime, current in (("decode", module.decode_kernel), ("prefill", module.prefill_kernel)):
+            if current in TRACEABLE[module.kind]:
+                picks.append(current)
+                continue
+            timings = ((by_kind.get(module.kind) or {}).get(regime) or {}).get("timings_ms") or {}
+            usable = {k: v for k, v in timings.items() if k in TRACEABLE[module.kind] and k in module.KERNELS and v is not None
+                      and k not in excluded(module.kind, regime)}
+            new = min(usable, key=usable.get) if usable else "int_mm"
+            picks.append(new)
+            changed.setdefault(module.kind, {})[regime] = (current, new)
+        module.set_kernels(*picks)
+    return changed
