@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -25,9 +26,9 @@ import time
 from pathlib import Path
 
 
-def quantize(out: Path, model: str, method: str) -> dict:
+def quantize(out: Path, model: str, method: str, extra: list[str]) -> dict:
     proc = subprocess.run([sys.executable, "-m", "infer_tune", "quantize", "--model", model, "--method", method,
-                           "--no-ppl", "--out", str(out), "--json"], capture_output=True, text=True)
+                           "--no-ppl", "--out", str(out), "--json", *extra], capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"quantize failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
     doc = json.loads(proc.stdout)
@@ -65,7 +66,9 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--method", default="int8-dynamic")
     parser.add_argument("--tolerance", type=float, default=0.10, help="allowed relative change of the speedup")
+    parser.add_argument("--args", default="", help="extra `quantize` options, e.g. '--limit 2' (default: none)")
     args = parser.parse_args()
+    print(json.dumps({"quantize_args": shlex.split(args.args), "method": args.method}), flush=True)
 
     root = Path(tempfile.mkdtemp(prefix="infer-tune-kernel-hog-"))
     ok = True
@@ -76,7 +79,7 @@ def main() -> int:
                 procs = hogs_start() if condition == "hog" else []
                 started = time.perf_counter()
                 try:
-                    doc = quantize(root / f"{condition}-{i}", args.model, args.method)
+                    doc = quantize(root / f"{condition}-{i}", args.model, args.method, shlex.split(args.args))
                 finally:
                     hogs_stop(procs)
                 runs[condition] = summary(doc, time.perf_counter() - started)

@@ -92,7 +92,8 @@ def detectable(interval: list[float] | None, relative: bool, observed: float, th
     unit = "%" if relative else ""
     now_limit = f", now {limit}" if limit else ""
     now_rounds = f", now {rounds}" if rounds else ""
-    hint = f"more prompts (--limit{now_limit}) or more timed rounds (--min-iterations{now_rounds}) shrink it"
+    hint = (f"more prompts (--limit{now_limit}) or more timed rounds (--min-iterations{now_rounds}; beside a "
+            "baseline, --max-rounds / --target-ci) shrink it")
     gap = abs(observed - threshold)
     if not decided and half > 0 and gap > 0 and (half / gap) ** 2 > MAX_FACTOR:
         hint += (f"; the estimate is {gap:.3g}{unit} from the threshold: more than {MAX_FACTOR}x the samples "
