@@ -77,7 +77,7 @@ def excluded_because(doc: dict, budget: Budget, objective: str = "decode") -> st
     m = doc.get("metrics") or {}
     row = {**m, "technique": doc.get("technique")}
     if is_broken(row):
-        return "broken (perplexity more than doubled or outputs unrelated to the baseline's)"
+        return f"broken: {m.get('broken_why') or 'perplexity more than doubled, or outputs unrelated to the baseline with quality dropping'}"
     ppl, drift, mismatches = _num(m.get("ppl_delta_pct")), _num(m.get("bleu_drift")), m.get("output_mismatches")
     if budget.require_lossless and mismatches != 0:
         return f"not lossless ({mismatches} outputs differ from the baseline's)"
