@@ -181,7 +181,8 @@ def staged_dir(final: Path, *, exists: str = "replace") -> Iterator[Path]:
         raise
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one we may not signal counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -209,7 +210,7 @@ def clean_stale(folder: Path) -> list[Path]:
             old = now - entry.lstat().st_mtime > STALE_AFTER_S
         except OSError:
             continue
-        if (owner.isdigit() and int(owner) != os.getpid() and not _pid_alive(int(owner))) or old:
+        if (owner.isdigit() and int(owner) != os.getpid() and not pid_alive(int(owner))) or old:
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)
             else:

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from infer_tune.atomic import pid_alive
+
 ROOT = Path("/sys/fs/cgroup")
 PREFIX = "infer-tune-passk-"
 _NAME = re.compile(rf"^{PREFIX}(\d+)-[0-9a-f]+$")
@@ -120,15 +122,7 @@ def clean_stale(base: Path) -> None:
         return
     for entry in entries:
         match = _NAME.match(entry.name)
-        if match and not _alive(int(match.group(1))):
+        if match and not pid_alive(int(match.group(1))):
             RunGroup(entry).remove()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

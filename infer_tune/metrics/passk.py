@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infer_tune.atomic import pid_alive
 from infer_tune.metrics import sandbox
 
 MEMORY_LIMIT_BYTES = 1 << 30
@@ -196,21 +197,13 @@ def clean_stale_staging(tmpdir: str | None = None) -> list[str]:
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
             continue
         match = _STAGING.match(entry.name)
-        stale = (not _alive(int(match.group(1)))) if match else time.time() - info.st_mtime > STALE_UNNAMED_S
+        stale = (not pid_alive(int(match.group(1)))) if match else time.time() - info.st_mtime > STALE_UNNAMED_S
         if stale:
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.path)
     return removed
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _last_line(handle, returncode: int) -> str:
