@@ -1,6 +1,6 @@
 """Interleaved rounds: the baseline and its candidates measured in alternating one-pass rounds.
 
-Each variant is warmed once (its warmup calls plus one discarded pass), then every round is one timed
+Each variant is warmed once (its warmup calls plus one discarded pass; none with warmup 0), then every round is one timed
 pass over the workload of each variant, interleaved request by request: for each request batch of
 the workload, every variant runs it back to back in a freshly shuffled order, so drift of the host
 (a neighbour starting, frequency changes) hits every variant alike and the pairs being compared are
@@ -130,9 +130,10 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
     are floors; `max_rounds` and `max_duration_s` (from the first round) are the budget.
     """
     for i, v in enumerate(variants):
-        if progress:
-            progress(f"warming {v.name}", i, len(variants))
-        v.warm = get_runner(v.runner)(v.prepared, inputs, workload, warm_pass(protocol), None)
+        if protocol.warmup > 0:  # warmup 0 asks for none: the first round is timed as it comes
+            if progress:
+                progress(f"warming {v.name}", i, len(variants))
+            v.warm = get_runner(v.runner)(v.prepared, inputs, workload, warm_pass(protocol), None)
         if v.prepared.counters is not None:
             v.prepared.counters.reset()
             v.prepared.counters.held = True  # counts accumulate over the rounds

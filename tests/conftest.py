@@ -126,7 +126,7 @@ def one_thread():
 
 @pytest.fixture(autouse=True)
 def few_rounds(request, monkeypatch):
-    """Tests check behaviour, not intervals: the engine's rounds are capped at 4 (tiny models' passes take
+    """Tests check behaviour, not intervals: the engine's rounds are capped at the floor (tiny models' passes take
     milliseconds and their ratios never reach a 2% interval, so every sweep would run its whole round
     budget). A test that checks the stopping rule itself is marked `full_rounds`."""
     if request.node.get_closest_marker("full_rounds"):
@@ -138,7 +138,8 @@ def few_rounds(request, monkeypatch):
     original = rounds.run_rounds
 
     def capped(variants, inputs, workload, protocol, **kwargs):
-        protocol = dataclasses.replace(protocol, max_rounds=min(protocol.max_rounds, max(4, protocol.min_iterations)))
+        cap = max(rounds.MIN_ROUNDS, protocol.min_iterations)
+        protocol = dataclasses.replace(protocol, max_rounds=min(protocol.max_rounds, cap))
         return original(variants, inputs, workload, protocol, **kwargs)
 
     monkeypatch.setattr(rounds, "run_rounds", capped)

@@ -172,7 +172,8 @@ def test_rounds_interleave_request_by_request_and_pair_prompts():
                                                                    max_rounds=3))
     finally:
         RUNNERS.pop("test-calls")
-    timed = calls[3:]  # after the three warm calls
+    timed = calls  # warmup 0: no warm calls, every call is a timed one
+    assert len(timed) == 3 * 3 * 3  # rounds x batches x variants
     for start in range(0, len(timed), 3):
         assert len({batch for _, batch in timed[start:start + 3]}) == 1  # one batch, all variants, back to back
     assert [r.prompt_index for r in variants[1].passes[0].requests] == [0, 1, 2]
