@@ -16,6 +16,9 @@ import pytest
 
 pytest.importorskip("ray")
 
+# two Ray nodes on loopback take about a minute: run by bench/ray_two_nodes.sh, not by `make test`
+pytestmark = pytest.mark.cluster
+
 from infer_tune.runners.multiprocess import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
