@@ -6,7 +6,7 @@ engine's `session.build_document`) and written as JSON. Readers get it back as a
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 SCHEMA_VERSION = 1
@@ -53,11 +53,9 @@ class ResultDocument:
     baseline_run_id: str | None = None
     objective: str | None = None
     schema_version: int = SCHEMA_VERSION
-    extra: dict[str, Any] = field(default_factory=dict)  # what a command adds to its own rows (claims, sweep)
 
     def to_dict(self) -> dict[str, Any]:
         doc = asdict(self)
-        extra = doc.pop("extra")
         if doc["objective"] is None:
             doc.pop("objective")
-        return {**doc, **extra}
+        return doc

@@ -26,7 +26,7 @@ from infer_tune.runners.base import Progress
 from infer_tune.workload import Inputs, Protocol, Workload
 
 MIN_ROUNDS = 3  # an interval from two rounds has one degree of freedom: t = 12.7
-# the ratios every candidate reports with an interval: name -> (metric, higher is better for the candidate?)
+# the ratios every candidate reports with an interval: name -> the per-pass figure it is taken from (round_ratio)
 RATIOS = {"speedup_vs_baseline": "tpot_ms", "ttft_speedup_vs_baseline": "ttft_ms",
           "throughput_ratio_vs_baseline": "output_throughput_tok_s"}
 

@@ -366,6 +366,7 @@ class _Sweep:
         self.baseline: dict | None = None
         self.baseline_outputs: list[dict] | None = None
         self.finished = 0
+        self.total = 0
 
     def fingerprint(self, config: TechniqueConfig) -> str:
         entry = technique_for(config)
