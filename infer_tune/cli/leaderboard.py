@@ -35,9 +35,11 @@ def print_recommendation(rec, budget, rows: list[dict] | None = None) -> None:
     from infer_tune.report import leaderboard as lb
 
     if rec.doc is not None:
-        output.out.print(f"recommended ({lb.budget_summary(budget)}): {display.recommendation_line(rec, rows or [])}"
-                         f" -- {rec.decision()}", markup=False, soft_wrap=True)
-        output.out.print(f"reproduce: {rec.command}", markup=False, soft_wrap=True)
+        # the label and the reproduce path come from result files: no control character reaches the terminal
+        line = f"{display.recommendation_line(rec, rows or [])} -- {rec.decision()}"
+        output.out.print(f"recommended ({lb.budget_summary(budget)}): {output.clean(line)}", markup=False,
+                         soft_wrap=True)
+        output.out.print(f"reproduce: {output.clean(rec.command)}", markup=False, soft_wrap=True)
     else:
         output.out.print(f"no configuration to recommend within {lb.budget_summary(budget)}", markup=False,
                          soft_wrap=True)
