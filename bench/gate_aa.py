@@ -1,19 +1,22 @@
 """A/A and A/B checks of the CI gate (`infer-tune compare --fail-if`), at the commands' default settings.
 
-Three scenarios, each `--runs` times (default 20); every run is a fresh pair of measurements:
+Three scenarios, each `--runs` times (default 20), interleaved run by run; every compare is between
+two separate `bench` processes (or, for `slow5`, one recipe's rounds):
 
-- `aa`: two baselines of the same config, back to back. The gate should say "pass" for each pair;
-  target: at most 1 of 20 not "pass" (a regression or inconclusive outcome is a false alarm in CI).
-- `threads`: a baseline at 2 threads against one at 1 thread (`--allow-mismatch`): a real slowdown;
-  target: caught (outcome "regression") in at least 19 of 20.
+- `aa`: two baselines of the same config (2 threads), back to back: run i compares baselines i and
+  i+1, so 21 baselines give 20 pairs. The gate should say "pass" for each pair; target: at most 1 of
+  20 not "pass" (a regression or inconclusive outcome is a false alarm in CI).
+- `threads`: baseline i (2 threads) against its own bench at 1 thread (`--allow-mismatch`): a real
+  slowdown; target: caught (outcome "regression") in at least 19 of 20.
 - `slow5`: a baseline and a bench-only technique that busy-waits a fixed time per forward call,
-  sized to 5% of the baseline's TPOT p50 (measured once at the start). The technique is registered
+  sized to 5% of the first baseline's TPOT p50. The technique is registered
   inside this script's child processes (`child` mode below) and never ships in infer_tune/. Target:
   caught in at least 19 of 20 with the same gate expression the A/A pairs pass.
 
 Prints one JSON line per run (exit code, outcome, estimate, interval, detectable change, seconds) and
-a summary per scenario. A benchmark of the toolkit, not a test: about 2 x runs x one `bench` per
-scenario; run it on a quiet machine (the repository's runs take the CPU lock).
+a summary per scenario. A benchmark of the toolkit, not a test: runs + 1 baselines, runs 1-thread
+benches and runs two-config recipes (about 1.5, 2.5 and 3 minutes each on an idle 2-core host); run
+it on a quiet machine, under the repository's CPU lock. Ctrl-C prints the summary of what finished.
 
     python bench/gate_aa.py --runs 20 --scenarios aa,threads,slow5
 """
@@ -109,30 +112,55 @@ def tpot_p50(folder: Path) -> float:
     return json.loads((folder / "result.json").read_text())["metrics"]["tpot_ms"]["p50"]
 
 
-def run_scenario(name: str, i: int, root: Path, args: argparse.Namespace, wait_us: int) -> dict:
-    started = time.perf_counter()
-    out = root / f"{name}-{i}"
-    if name == "aa":
-        a = bench(out / "a", args.model)[0]
-        b = bench(out / "b", args.model)[0]
-        row = gate(a, b, args.fail_if)
-    elif name == "threads":
-        a = bench(out / "a", args.model, "--threads", "2")[0]
-        b = bench(out / "b", args.model, "--threads", "1")[0]
-        row = gate(a, b, args.threads_fail_if, "--allow-mismatch")
-    else:
-        recipe = out / "busy.yaml"
-        recipe.parent.mkdir(parents=True, exist_ok=True)
-        recipe.write_text(f"description: busy-wait\nconfigs:\n  - {{technique: {BENCH_TECHNIQUE}, wait_us: {wait_us}}}\n")
-        folders = bench(out, args.model, "--recipe", str(recipe))
-        row = gate(folders[0], folders[-1], args.fail_if)
+def slow5(i: int, root: Path, args: argparse.Namespace, wait_us: int) -> dict:
+    """The baseline and the busy-wait technique of one recipe (measured together in interleaved rounds)."""
+    out = root / f"slow5-{i}"
+    recipe = out / "busy.yaml"
+    recipe.parent.mkdir(parents=True, exist_ok=True)
+    recipe.write_text(f"description: busy-wait\nconfigs:\n  - {{technique: {BENCH_TECHNIQUE}, wait_us: {wait_us}}}\n")
+    folders = bench(out, args.model, "--recipe", str(recipe))
+    return gate(folders[0], folders[-1], args.fail_if)
+
+
+def record(rows: list[dict], name: str, i: int, row: dict, started: float) -> None:
     row.update(scenario=name, run=i, seconds=round(time.perf_counter() - started, 1))
     if name != "aa":
         row["caught"] = row["outcome"] == "regression"
-    if not args.keep:
-        shutil.rmtree(out, ignore_errors=True)
+    rows.append(row)
     print(json.dumps(row), flush=True)
-    return row
+
+
+def run_all(scenarios: list[str], root: Path, args: argparse.Namespace, rows: list[dict]) -> None:
+    """Fresh measurements, shared where that is honest: A/A run i compares baselines i and i+1 (so
+    `runs` + 1 baselines give `runs` pairs, each of two separate `bench` processes); the threads run i
+    compares baseline i (2 threads) with its own 1-thread bench. Scenarios are interleaved run by run,
+    so a drift of the host meets all three alike; rows are printed as they come."""
+    need_base = "aa" in scenarios or "threads" in scenarios or "slow5" in scenarios
+    bases: list[Path] = []
+
+    def baseline(i: int) -> Path:
+        while len(bases) <= i:
+            bases.append(bench(root / f"base-{len(bases)}", args.model, "--threads", "2")[0])
+        return bases[i]
+
+    wait_us = 0
+    if need_base and "slow5" in scenarios:
+        probe = tpot_p50(baseline(0))
+        wait_us = round(args.slowdown * probe * 1000)
+        print(json.dumps({"probe_tpot_p50_ms": round(probe, 3), "busy_wait_us": wait_us}), flush=True)
+    for i in range(args.runs):
+        if "aa" in scenarios:
+            started = time.perf_counter()
+            a, b = baseline(i), baseline(i + 1)
+            record(rows, "aa", i, gate(a, b, args.fail_if), started)
+        if "threads" in scenarios:
+            started = time.perf_counter()
+            a = baseline(i)
+            one = bench(root / f"threads1-{i}", args.model, "--threads", "1")[0]
+            record(rows, "threads", i, gate(a, one, args.threads_fail_if, "--allow-mismatch"), started)
+        if "slow5" in scenarios:
+            started = time.perf_counter()
+            record(rows, "slow5", i, slow5(i, root, args, wait_us), started)
 
 
 def main() -> int:
@@ -145,7 +173,7 @@ def main() -> int:
     parser.add_argument("--threads-fail-if", default="tpot_ms.p50 > +10%", help="gate of the 1-vs-2-threads runs")
     parser.add_argument("--slowdown", type=float, default=0.05, help="injected slowdown, share of TPOT p50")
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--keep", type=Path, default=None, help="keep the runs in this folder")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the runs in this folder (default: a temp folder, removed)")
     parser.add_argument("--bench-args", default="", help="extra `bench` options, e.g. '--limit 2' (default: none)")
     args = parser.parse_args()
     EXTRA[:] = shlex.split(args.bench_args)
@@ -155,14 +183,9 @@ def main() -> int:
     scenarios = [s for s in args.scenarios.split(",") if s]
     rows: list[dict] = []
     try:
-        wait_us = 0
-        if "slow5" in scenarios:
-            probe = bench(root / "probe", args.model)[0]
-            wait_us = round(args.slowdown * tpot_p50(probe) * 1000)
-            print(json.dumps({"probe_tpot_p50_ms": round(tpot_p50(probe), 3), "busy_wait_us": wait_us}), flush=True)
-        for name in scenarios:
-            for i in range(args.runs):
-                rows.append(run_scenario(name, i, root, args, wait_us))
+        run_all(scenarios, root, args, rows)
+    except KeyboardInterrupt:
+        print(json.dumps({"interrupted_after_rows": len(rows)}), flush=True)
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
