@@ -16,8 +16,12 @@ import subprocess
 import time
 from pathlib import Path
 
+OBJECTIVE_KEYS = {"decode": "speedup_vs_baseline", "ttft": "ttft_speedup_vs_baseline",
+                  "throughput": "throughput_ratio_vs_baseline"}
+
 
 def one_run(repo: Path, folder: Path, index: int) -> dict:
+    """Clone, `make demo`, read back every row's interval, rounds and noise flag."""
     clone = folder / f"clone-{index}"
     subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True)
     started = time.monotonic()
@@ -31,9 +35,12 @@ def one_run(repo: Path, folder: Path, index: int) -> dict:
     for doc in docs:
         m = doc["metrics"]
         rounds = m.get("rounds") or {}
-        rows.append({"label": f"{doc['technique']} {doc.get('label', '')}", "speedup": m.get("speedup_vs_baseline"),
-                     "ci95": m.get("speedup_vs_baseline_ci95"), "half_width_pct": rounds.get("achieved_half_width_pct"),
+        key = OBJECTIVE_KEYS.get(doc.get("objective") or "decode", "speedup_vs_baseline")  # what the row is ranked on
+        rows.append({"label": f"{doc['technique']} {doc.get('label', '')}", "speedup": m.get(key), "figure": key,
+                     "ci95": m.get(f"{key}_ci95"), "half_width_pct": rounds.get("achieved_half_width_pct"),
                      "rounds": rounds.get("rounds"), "noisy": (m.get("noise") or {}).get("noisy"),
+                     "why": (m.get("noise") or {}).get("why"), "major_faults": rounds.get("major_faults_by_round"),
+                     "other_cpu": rounds.get("other_cpu_by_round"),
                      "technique": doc["technique"]})
     return {"run": index, "exit": proc.returncode, "wall_s": wall, "recommended": rec, "rows": rows, "log": str(log)}
 
@@ -45,7 +52,7 @@ def _recommendation(clone: Path) -> str | None:
         return None
     text = md.read_text()
     part = text.split("## Recommended configuration", 1)[-1].strip().splitlines()
-    return part[0].split(":")[0].strip("* ") if part else None
+    return part[0].split(":")[0].replace("[noisy]", "").strip("* ") if part else None
 
 
 def main() -> None:
@@ -64,8 +71,8 @@ def main() -> None:
             ci = row["ci95"]
             shown = f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "(measured once)"
             hw = f"±{row['half_width_pct']:.1f}%" if row["half_width_pct"] is not None else "-"
-            print(f"  {row['label']:<48} {row['speedup']:.2f}x {shown} {hw} rounds={row['rounds']} "
-                  f"noisy={row['noisy']}")
+            print(f"  {row['label']:<40} {row['figure']:<30} {row['speedup']:.2f}x {shown} {hw} rounds={row['rounds']} "
+                  f"noisy={row['noisy']}" + (f" ({'; '.join(row['why'])})" if row.get("why") else ""))
     recs = {r["recommended"] for r in runs}
     rounded = [r for run in runs for r in run["rows"] if r["half_width_pct"] is not None]
     print(f"same recommendation: {len(recs) == 1} ({sorted(map(str, recs))})")

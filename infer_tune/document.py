@@ -25,6 +25,10 @@ class RoundsBlock:
     stopped_by: str  # "target", "max_rounds" or "max_duration_s"
     baseline_drift_pct: float | None
     design: str = "interleaved"
+    # this variant's pass figures, one per round (rounds.PER_ROUND): two rows of the same rounds pair up
+    per_round: dict[str, list[float | None]] | None = None
+    other_cpu_by_round: list[float] | None = None  # share of the host's CPU other processes used, per round
+    major_faults_by_round: list[int] | None = None  # pages the process had to read back (paged out), per round
 
 
 @dataclass

@@ -7,7 +7,12 @@ the workload, every variant runs it back to back in a freshly shuffled order, so
 seconds apart, not a whole pass. A ratio is taken per round — for TTFT and TPOT the geometric mean
 over prompts of each prompt's paired ratio, for throughput the pass totals — and the rounds are its
 samples: rounds continue until every candidate's ratio intervals are within the protocol's target
-half-width, or the round or time budget ends. See docs/architecture.md, "The sweep engine".
+half-width, or the round or time budget ends. A variant whose runner replays an arrival trace
+(`register_runner(..., passes="whole")`) runs its whole trace once per round, at a shuffled point
+among the request batches, and is judged on throughput alone (its TTFT and TPOT include queueing by
+design). Every variant's per-round pass figures are kept (`per_round`), so any two variants of the
+same rounds can be compared with an interval later (continuous vs static batching). See
+docs/architecture.md, "The sweep engine".
 """
 
 from __future__ import annotations
@@ -15,11 +20,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import resource
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
 from infer_tune.document import RoundsBlock
+from infer_tune.metrics import noise
 from infer_tune.metrics.stats import log_ratio_interval
 from infer_tune.runners import GenerationRun, PreparedModel, get_runner
 from infer_tune.runners.base import Progress
@@ -29,6 +36,9 @@ MIN_ROUNDS = 3  # an interval from two rounds has one degree of freedom: t = 12.
 # the ratios every candidate reports with an interval: name -> the per-pass figure it is taken from (round_ratio)
 RATIOS = {"speedup_vs_baseline": "tpot_ms", "ttft_speedup_vs_baseline": "ttft_ms",
           "throughput_ratio_vs_baseline": "output_throughput_tok_s"}
+WHOLE_RATIOS = ("throughput_ratio_vs_baseline",)  # what a whole-trace variant is judged on
+# the per-pass figures kept per round for every variant (RoundsBlock.per_round)
+PER_ROUND = ("output_throughput_tok_s", "tpot_ms", "ttft_ms", "e2e_ms_mean")
 
 
 @dataclass
@@ -38,6 +48,7 @@ class Variant:
     name: str
     prepared: PreparedModel
     runner: str
+    whole: bool = False  # the runner replays the whole workload per call (an arrival trace)
     warm: GenerationRun | None = None
     passes: list[GenerationRun] = field(default_factory=list)
 
@@ -58,17 +69,23 @@ class RoundsOutcome:
     order: list[list[str]]
     intervals: dict[str, dict[str, dict]]  # candidate name -> ratio name -> log_ratio_interval(...)
     baseline_drift_pct: float | None  # the baseline's last round against its first (TPOT median)
+    variants: int = 1
+    per_round: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)  # name -> figure -> rounds
+    other_cpu_by_round: list[float] = field(default_factory=list)  # share of the host other processes used
+    major_faults_by_round: list[int] = field(default_factory=list)  # pages this process read back from disk
 
     def block(self, name: str) -> dict:
         """The `metrics.rounds` block of one candidate (or of the baseline)."""
         mine = self.intervals.get(name, {})
         widths = [iv["half_width_pct"] if iv else float("inf") for iv in mine.values()]
         return asdict(RoundsBlock(
-            rounds=self.rounds, elapsed_s=self.elapsed_s, variants=len(self.order[0]) if self.order else 1,
+            rounds=self.rounds, elapsed_s=self.elapsed_s, variants=self.variants,
             target_half_width_pct=self.target_half_width_pct,
             achieved_half_width_pct=max(widths) if widths and max(widths) != float("inf") else None,
             target_met=self.target_met if name in self.intervals else None, stopped_by=self.stopped_by,
-            baseline_drift_pct=self.baseline_drift_pct))
+            baseline_drift_pct=self.baseline_drift_pct, per_round=self.per_round.get(name),
+            other_cpu_by_round=self.other_cpu_by_round or None,
+            major_faults_by_round=self.major_faults_by_round or None))
 
 
 def one_pass(protocol: Protocol) -> Protocol:
@@ -80,9 +97,12 @@ def warm_pass(protocol: Protocol) -> Protocol:
 
 
 def pass_value(run: GenerationRun, metric: str) -> float | None:
-    """One pass's figure: the median TPOT / TTFT of its requests, or its output throughput."""
+    """One pass's figure: the median TPOT / TTFT of its requests, their mean e2e, or its output throughput."""
     if metric == "output_throughput_tok_s":
         return run.generated_tokens / run.measured_wall_s if run.measured_wall_s > 0 else None
+    if metric == "e2e_ms_mean":
+        e2e = [r.e2e_ms for r in run.requests if r.token_ns]
+        return statistics.fmean(e2e) if e2e else None
     values = [getattr(r, metric) for r in run.requests if r.token_ns]
     values = [v for v in values if v is not None and v > 0]
     return statistics.median(values) if values else None
@@ -118,7 +138,9 @@ def round_ratios(base: Variant, cand: Variant, metric: str) -> list[float]:
 
 
 def intervals(base: Variant, cand: Variant) -> dict[str, dict | None]:
-    return {name: log_ratio_interval(round_ratios(base, cand, metric)) for name, metric in RATIOS.items()}
+    names = WHOLE_RATIOS if cand.whole else tuple(RATIOS)
+    return {name: log_ratio_interval(round_ratios(base, cand, RATIOS[name])) for name in names}
+
 
 
 def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, protocol: Protocol, *, seed: int = 0,
@@ -138,25 +160,45 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
             v.prepared.counters.reset()
             v.prepared.counters.held = True  # counts accumulate over the rounds
     base, candidates = variants[0], variants[1:]
+    split, whole = [v for v in variants if not v.whole], [v for v in variants if v.whole]
+    batches = request_batches(inputs)
     rng = random.Random(seed)
     floor = max(protocol.min_iterations, MIN_ROUNDS)
     start = time.perf_counter()
     order: list[list[str]] = []
     found: dict[str, dict[str, dict]] = {}
     met, stopped_by = False, "max_rounds"
+
+    def timed(v: Variant, v_inputs: Inputs, offset: int) -> GenerationRun:
+        run = get_runner(v.runner)(v.prepared, v_inputs, workload, one_pass(protocol), None)
+        shift_prompts(run, offset, len(order))
+        return run
+
+    other_cpu: list[float] = []
+    faults: list[int] = []
     try:
         while True:
+            snapshot, faulted = noise.HostSnapshot.take(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
             parts: dict[str, list[GenerationRun]] = {v.name: [] for v in variants}
             sequences = []
-            for batch_inputs, offset in request_batches(inputs):
-                sequence = list(variants)
+            # a whole-trace variant runs once, before request batch `at` (len(batches): after the last)
+            at = {v.name: rng.randrange(len(batches) + 1) for v in whole}
+            for k in range(len(batches) + 1):
+                due = [v for v in whole if at[v.name] == k]
+                rng.shuffle(due)
+                for v in due:
+                    parts[v.name].append(timed(v, inputs, 0))
+                if k == len(batches):
+                    break
+                batch_inputs, offset = batches[k]
+                sequence = list(split)
                 rng.shuffle(sequence)
                 sequences.append([v.name for v in sequence])
                 for v in sequence:
-                    run = get_runner(v.runner)(v.prepared, batch_inputs, workload, one_pass(protocol), None)
-                    shift_prompts(run, offset, len(order))
-                    parts[v.name].append(run)
+                    parts[v.name].append(timed(v, batch_inputs, offset))
             order.append(sequences[0])
+            other_cpu.append(noise.other_share(snapshot, noise.HostSnapshot.take()))
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faulted)
             for v in variants:
                 v.passes.append(concat(parts[v.name], v.prepared))
             found = {c.name: intervals(base, c) for c in candidates}
@@ -182,9 +224,12 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
                 v.prepared.counters.held = False
     first, last = pass_value(base.passes[0], "tpot_ms"), pass_value(base.passes[-1], "tpot_ms")
     drift = 100.0 * (last / first - 1.0) if first and last and len(base.passes) > 1 else None
+    per_round = {v.name: {m: [pass_value(p, m) for p in v.passes] for m in PER_ROUND} for v in variants}
     return RoundsOutcome(rounds=len(order), elapsed_s=time.perf_counter() - start,
                          target_half_width_pct=protocol.target_half_width_pct, target_met=met or not candidates,
-                         stopped_by=stopped_by, order=order, intervals=found, baseline_drift_pct=drift)
+                         stopped_by=stopped_by, order=order, intervals=found, baseline_drift_pct=drift,
+                         variants=len(variants), per_round=per_round, other_cpu_by_round=other_cpu,
+                         major_faults_by_round=faults)
 
 
 def request_batches(inputs: Inputs) -> list[tuple[Inputs, int]]:
@@ -207,14 +252,23 @@ def shift_prompts(run: GenerationRun, offset: int, round_index: int) -> None:
         output.prompt_index += offset
 
 
-def merged_counters(runs: list[GenerationRun], prepared: PreparedModel) -> dict:
+def merged_counters(runs: list[GenerationRun], prepared: PreparedModel, *, whole: bool = False) -> dict:
     """The technique's counters as the last run saw them (they accumulate while held), the runner's own
-    per-call counts (steps) summed."""
+    per-call counts (steps) summed. `whole`: each run replayed the whole trace, so its figures describe
+    one trace: integers (requests, steps, mismatches) and `max_*` figures are the largest any round saw,
+    other floats (a busy share, a mean batch size, a duration) the mean over the rounds."""
     technique_keys = set(prepared.counters.snapshot()) if prepared.counters is not None else set()
     counters = dict(runs[-1].counters)
     for key in counters:
-        if key not in technique_keys and all(isinstance(r.counters.get(key), (int, float)) for r in runs):
-            counters[key] = sum(r.counters[key] for r in runs)
+        values = [r.counters.get(key) for r in runs]
+        if key in technique_keys or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            continue
+        if not whole:
+            counters[key] = sum(values)
+        elif key.startswith("max_") or not any(isinstance(v, float) for v in values):
+            counters[key] = max(values)
+        else:
+            counters[key] = statistics.fmean(values)
     return counters
 
 
@@ -238,7 +292,7 @@ def merged_run(v: Variant) -> GenerationRun:
     first round, timed wall summed, warmup from the warm call, technique counters accumulated over the
     rounds (the runner's own per-pass counts summed)."""
     passes = v.passes
-    counters = merged_counters(passes, v.prepared)
+    counters = merged_counters(passes, v.prepared, whole=v.whole)
     cuda = [p.cuda_peak_bytes for p in passes if p.cuda_peak_bytes is not None]
     warm = v.warm
     peak = max(p.peak_rss_bytes for p in passes)

@@ -26,7 +26,7 @@ from infer_tune.metrics import deltas, kv, noise, quality, roofline
 from infer_tune.metrics.perplexity import reference_perplexity
 from infer_tune.metrics.stats import summarize
 from infer_tune.runners import GenerationRun, PreparedModel, get_runner
-from infer_tune.runners.base import PASS_RUNNERS, Progress
+from infer_tune.runners.base import PASS_RUNNERS, WHOLE_RUNNERS, Progress
 from infer_tune.tuners.base import TECHNIQUES, RunContext, TechniqueConfig, load_techniques, technique_for
 from infer_tune.workload import Inputs, Protocol, Workload, prepare_inputs, workload_block
 
@@ -60,7 +60,7 @@ def timing_metrics(run: GenerationRun) -> tuple[dict, dict]:
     metrics["request_throughput_req_s"] = len(run.requests) / wall
     # prompt_index pairs each ttft/e2e (and tpot, when every request has 2+ tokens) sample with its prompt
     samples = {"ttft_ms": ttft, "tpot_ms": tpot, "e2e_ms": e2e, "itl_ms": itl,
-               "prompt_index": [r.prompt_index for r in timed]}
+               "prompt_index": [r.prompt_index for r in timed], "output_tokens": [len(r.token_ns) for r in timed]}
     if any(r.start_ns is not None for r in timed):  # a scheduler queued requests
         queue = [r.queue_ms for r in timed]
         metrics["queue_ms"] = summarize(queue)
@@ -389,8 +389,9 @@ class _Sweep:
         if not group:
             return
         base = rounds.Variant("baseline", self.baseline_prepared(), "generation")
-        variants = [base] + [rounds.Variant(f"{i}:{p.label}", p, p.runner or technique_for(configs[i]).runner)
-                             for i, p in group]
+        runners = [p.runner or technique_for(configs[i]).runner for i, p in group]
+        variants = [base] + [rounds.Variant(f"{i}:{p.label}", p, runner, whole=runner in WHOLE_RUNNERS)
+                             for (i, p), runner in zip(group, runners)]
         before = noise.HostSnapshot.take()
         try:
             outcome = rounds.run_rounds(variants, self.inputs, self.workload, self.protocol, seed=self.workload.seed,

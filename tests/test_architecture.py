@@ -129,8 +129,9 @@ def test_each_runner_kind_measures_a_technique_end_to_end(test_techniques, tiny_
 
     lookup = by["test-lookup"]["metrics"]
     assert lookup["output_mismatches"] == 0  # assisted generation is lossless under greedy
-    rounds = lookup["rounds"]["rounds"]  # generation and speculative candidates run in interleaved rounds
-    assert rounds >= 3 and plain["rounds"]["rounds"] == rounds and "rounds" not in by["test-trace"]["metrics"]
+    rounds = lookup["rounds"]["rounds"]  # generation, speculative and trace candidates run in interleaved rounds
+    assert rounds >= 3 and plain["rounds"]["rounds"] == by["test-trace"]["metrics"]["rounds"]["rounds"] == rounds
+    assert "rounds" not in by["test-allreduce"]["metrics"]  # several processes: measured alone
     assert lookup["generated_tokens"] == rounds * 3 * 12
     # the counters accumulate over the timed rounds only (the warm call reset them): one forward per step
     assert lookup["target_forward_passes"] == lookup["generate_steps"] + 0
@@ -140,8 +141,10 @@ def test_each_runner_kind_measures_a_technique_end_to_end(test_techniques, tiny_
     trace = by["test-trace"]
     m = trace["metrics"]
     assert m["output_mismatches"] == 0
-    assert m["queue_ms"]["n"] == 3 and len(trace["samples"]["queue_ms"]) == 3
+    # the whole trace once per round: every round's requests kept, the counters describe one trace
+    assert m["queue_ms"]["n"] == 3 * rounds and len(trace["samples"]["queue_ms"]) == 3 * rounds
     assert m["scheduler"] == "serial" and m["trace_requests"] == 3
+    assert set(m["rounds"]["per_round"]) >= {"output_throughput_tok_s", "e2e_ms_mean"}
     assert all(t >= q for t, q in zip(trace["samples"]["ttft_ms"], trace["samples"]["queue_ms"]))
 
     multi = by["test-allreduce"]["metrics"]

@@ -292,7 +292,11 @@ def test_serve_sim_cli_json(tiny_model_dir, prompts_file, tmp_path):
     for doc in docs:
         m, c = doc["metrics"], doc["config"]
         assert c["batch_size"] == 3 and c["burstiness"] == 1.0 and doc["technique"] == "batch"
-        assert set(m["queue_ms"]) >= {"mean", "p50", "p90", "p99"} and m["ttft_ms"]["n"] == 8
+        rounds = m["rounds"]  # every trace replayed once per interleaved round, beside the baseline
+        assert rounds["rounds"] >= 3 and len(rounds["per_round"]["output_throughput_tok_s"]) == rounds["rounds"]
+        assert set(m["queue_ms"]) >= {"mean", "p50", "p90", "p99"} and m["ttft_ms"]["n"] == 8 * rounds["rounds"]
+        low, high = m["throughput_ratio_vs_baseline_ci95"]
+        assert low <= m["throughput_ratio_vs_baseline"] <= high
         assert m["output_mismatches"] == 0 and m["slo_attainment"] == 1.0
         assert m["goodput_req_s"] == pytest.approx(8 / m["trace_duration_s"])
         assert 0 <= m["padding_share"] < 1 and m["max_rate_meeting_slo"] == 200.0
@@ -335,3 +339,27 @@ def test_bad_input_one_line_exit_2(case, tiny_model_dir, prompts_file, tmp_path)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], result.stderr
     assert not out.exists()
+
+
+def test_continuous_row_leads_with_intervals_against_static_of_the_same_rounds():
+    """Measured in the same rounds, a continuous row's throughput and mean-e2e figures against its static
+    twin carry the 95% interval of the per-round ratios; from different rounds they carry none."""
+    from infer_tune.tuners.batch.report import report_columns
+
+    def row(scheduler, tok_s, e2e, elapsed=12.5):
+        per_round = {"output_throughput_tok_s": tok_s, "e2e_ms_mean": e2e}
+        return {"technique": "batch", "baseline_run_id": "b1",
+                "config": {"scheduler": scheduler, "rate": 2.0, "batch_size": 4, "burstiness": 1.0, "requests": 8,
+                           "seed": 0},
+                "metrics": {"output_throughput_tok_s": sum(tok_s) / len(tok_s), "e2e_ms": {"mean": sum(e2e) / len(e2e)},
+                            "rounds": {"rounds": len(tok_s), "elapsed_s": elapsed, "per_round": per_round}}}
+
+    static = row("static", [30.0, 31.0, 29.0, 30.0], [4000.0, 4100.0, 3900.0, 4000.0])
+    cont = row("continuous", [27.0, 28.2, 26.4, 27.3], [4700.0, 4800.0, 4600.0, 4750.0])
+    lead = report_columns(cont, [static, cont])
+    through, e2e = lead.figures[0], lead.figures[1]
+    assert through.ci95 is not None and through.ci95[0] < 0.91 < through.ci95[1] and through.ci95[1] < 1.0
+    assert e2e.ci95 is not None and 16 < e2e.ci95[0] < e2e.value < e2e.ci95[1] < 20  # +17.8% from the means
+    assert "[" in through.text() and "static batching" in lead.vs
+    other_rounds = row("static", [30.0, 31.0, 29.0, 30.0], [4000.0, 4100.0, 3900.0, 4000.0], elapsed=99.0)
+    assert report_columns(cont, [other_rounds, cont]).figures[0].ci95 is None

@@ -178,3 +178,58 @@ def test_rounds_interleave_request_by_request_and_pair_prompts():
         assert len({batch for _, batch in timed[start:start + 3]}) == 1  # one batch, all variants, back to back
     assert [r.prompt_index for r in variants[1].passes[0].requests] == [0, 1, 2]
     assert out.intervals["c1"]["speedup_vs_baseline"]["point"] == pytest.approx(2.0)
+
+
+@pytest.mark.full_rounds
+def test_a_whole_trace_variant_runs_once_per_round_and_is_judged_on_throughput():
+    """A runner registered with passes="whole" (an arrival trace) gets the whole workload once per round,
+    among the baseline's request batches; its interval is throughput's alone, its counters describe one
+    trace (integers: the largest round, floats: the mean), and every variant keeps its per-round figures."""
+    from infer_tune import rounds
+    from infer_tune.metrics.stats import pair_interval
+    from infer_tune.runners.base import RUNNERS, WHOLE_RUNNERS, GenerationRun, RequestTiming, register_runner
+    from infer_tune.workload import Inputs
+
+    calls = []
+
+    def split(prepared, inputs, workload, protocol, progress):
+        calls.append((prepared.label, len(inputs.batches)))
+        req = RequestTiming(0, 0, 4, 0, [int(1e6 * (10 + 10 * k)) for k in range(5)])
+        return GenerationRun([req], [], 0.1, 1, None, 0.0, 0, 0, 5, 1, counters={"steps": 5})
+
+    def whole(prepared, inputs, workload, protocol, progress):
+        calls.append((prepared.label, len(inputs.batches)))
+        n = len(inputs.batches)
+        wall = 0.2 if prepared.label == "fast" else 0.4
+        reqs = [RequestTiming(i, 0, 4, 0, [int(1e6 * (50 + 10 * k)) for k in range(5)]) for i in range(n)]
+        return GenerationRun(reqs, [], wall, 1, None, 0.0, 0, 0, 5 * n, 2,
+                             counters={"trace_requests": n, "busy_share": 0.5 + 0.1 * (len(calls) % 2)})
+
+    RUNNERS["test-split"] = split
+    register_runner("test-whole", passes="whole")(whole)
+    try:
+        batches = [{"input_ids": torch.full((1, 3), j)} for j in range(3)]
+        inputs = Inputs(prompts=[None] * 3, rendered=["a", "b", "c"], batches=batches, templated=False)
+        variants = [rounds.Variant("base", PreparedModel(None, None, label="base"), "test-split"),
+                    rounds.Variant("fast", PreparedModel(None, None, label="fast"), "test-whole", whole=True),
+                    rounds.Variant("slow", PreparedModel(None, None, label="slow"), "test-whole", whole=True)]
+        out = rounds.run_rounds(variants, inputs, None, Protocol(warmup=0, min_iterations=4, min_duration_s=0,
+                                                                   max_rounds=4))
+    finally:
+        RUNNERS.pop("test-whole")
+        RUNNERS.pop("test-split")
+        WHOLE_RUNNERS.discard("test-whole")
+    assert out.rounds == 4 and out.variants == 3
+    # per round: the baseline three times (one batch each), each trace variant once (all three batches)
+    assert sorted(calls) == sorted([("base", 1)] * 12 + [("fast", 3)] * 4 + [("slow", 3)] * 4)
+    assert set(out.intervals["fast"]) == {"throughput_ratio_vs_baseline"}
+    # base: 15 tokens in 0.3 s a round = 50 tok/s; fast: 15 in 0.2 s = 75 tok/s; slow: 37.5 tok/s
+    assert out.intervals["fast"]["throughput_ratio_vs_baseline"]["point"] == pytest.approx(1.5)
+    merged = rounds.merged_run(variants[1])
+    assert merged.counters["trace_requests"] == 3 and 0.5 <= merged.counters["busy_share"] <= 0.6
+    assert rounds.merged_run(variants[0]).counters["steps"] == 4 * 3 * 5  # split runs: counts add up
+    per_round = out.block("slow")["per_round"]
+    assert len(per_round["output_throughput_tok_s"]) == 4 and per_round["e2e_ms_mean"][0] == pytest.approx(90.0)
+    fast_vs_slow = pair_interval(out.per_round["fast"]["output_throughput_tok_s"],
+                                 out.per_round["slow"]["output_throughput_tok_s"])
+    assert fast_vs_slow["point"] == pytest.approx(2.0) and fast_vs_slow["half_width_pct"] == pytest.approx(0.0, abs=1e-6)

@@ -49,6 +49,13 @@ class HostSnapshot:
         return cls(time.perf_counter(), busy, own_s, load)
 
 
+def other_share(before: HostSnapshot, after: HostSnapshot) -> float:
+    """Share of the host's CPU capacity that other processes used between two snapshots (steal included)."""
+    wall = max(after.wall_s - before.wall_s, 1e-9)
+    other = max((after.host_busy_s - before.host_busy_s) - (after.own_cpu_s - before.own_cpu_s), 0.0)
+    return other / (wall * (psutil.cpu_count() or 1))
+
+
 def cv(values: list[float]) -> float | None:
     """stdev / mean of `values` (None for fewer than two values or a zero mean)."""
     values = [v for v in values if v is not None]
@@ -73,20 +80,16 @@ def figure(requests, before: HostSnapshot, after: HostSnapshot, *, rounds: dict 
            other_limit: float = OTHER_CPU_LIMIT) -> dict:
     """The noise figure of one run (module docstring) from its request timings, two host snapshots and,
     for a run measured in rounds, its `metrics.rounds` block."""
-    wall = max(after.wall_s - before.wall_s, 1e-9)
-    host_busy = max(after.host_busy_s - before.host_busy_s, 0.0)
-    own = max(after.own_cpu_s - before.own_cpu_s, 0.0)
-    capacity = wall * (psutil.cpu_count() or 1)
-    other_share = max(host_busy - own, 0.0) / capacity
+    share = other_share(before, after)
     out = {
         "tpot_p50_cv": cv(per_iteration_medians(requests, "tpot_ms")),
         "ttft_p50_cv": cv(per_iteration_medians(requests, "ttft_ms")),
         "loadavg_before": before.loadavg_1m,
         "loadavg_after": after.loadavg_1m,
-        "other_cpu_share": other_share,
+        "other_cpu_share": share,
         "other_cpu_limit": other_limit,
     }
-    contended = other_share > other_limit
+    contended = share > other_limit
     why = []
     if rounds is not None and rounds.get("target_met") is False:
         achieved = rounds.get("achieved_half_width_pct")
@@ -94,9 +97,14 @@ def figure(requests, before: HostSnapshot, after: HostSnapshot, *, rounds: dict 
         why.append(f"95% interval {shown} did not reach ±{rounds['target_half_width_pct']:g}% in "
                    f"{rounds['rounds']} rounds ({rounds['stopped_by']})")
         if contended:
-            why.append(f"other processes used {other_share:.0%} of the host's CPU during the rounds")
+            why.append(f"other processes used {share:.0%} of the host's CPU during the rounds")
+        else:
+            by_round = rounds.get("other_cpu_by_round") or []
+            busiest = max(range(len(by_round)), key=by_round.__getitem__, default=None)
+            if busiest is not None and by_round[busiest] > other_limit:
+                why.append(f"other processes used {by_round[busiest]:.0%} of the host's CPU in round {busiest + 1}")
     elif rounds is None and contended:
-        why.append(f"other processes used {other_share:.0%} of the host's CPU during the run")
+        why.append(f"other processes used {share:.0%} of the host's CPU during the run")
     out["noisy"] = bool(why)
     out["why"] = why
     return out

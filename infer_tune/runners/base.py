@@ -179,18 +179,26 @@ RunnerFn = Callable[["PreparedModel", "Inputs", "Workload", Protocol, "Progress 
 RUNNERS: dict[str, RunnerFn] = {}
 
 
-PASS_RUNNERS: set[str] = set()  # runners that time closed-loop passes and run one pass per call when asked
+PASS_RUNNERS: set[str] = set()  # runners the sweep engine can run once per round beside the baseline
+WHOLE_RUNNERS: set[str] = set()  # of those, runners that replay their whole workload per call (an arrival trace)
 
 
-def register_runner(name: str, *, passes: bool = False) -> Callable[[RunnerFn], RunnerFn]:
+def register_runner(name: str, *, passes: bool | str = False) -> Callable[[RunnerFn], RunnerFn]:
     """Register a runner under `name` (the value a technique's `runner=` names). `passes=True`: it times
-    whole passes over the workload (warmup, then `min_iterations` passes), so the sweep engine can run
-    it one pass per round beside the baseline (docs/architecture.md, "The sweep engine")."""
+    closed-loop passes over the workload (warmup, then `min_iterations` passes), so the sweep engine runs
+    it one pass per round beside the baseline, request batch by request batch. `passes="whole"`: one
+    call replays the whole workload once (an arrival trace, which cannot be cut into request batches),
+    so each round runs it once, at a shuffled point among the baseline's batches (docs/architecture.md,
+    "The sweep engine")."""
+    if passes not in (False, True, "whole"):
+        raise ValueError(f"passes must be False, True or 'whole', got {passes!r}")
 
     def decorator(fn: RunnerFn) -> RunnerFn:
         RUNNERS[name] = fn
         if passes:
             PASS_RUNNERS.add(name)
+        if passes == "whole":
+            WHOLE_RUNNERS.add(name)
         return fn
 
     return decorator

@@ -83,7 +83,7 @@ class SerialScheduler:
         return timings, outputs
 
 
-@register_runner("trace")
+@register_runner("trace", passes="whole")
 def run_trace(prepared: PreparedModel, inputs, workload, protocol: Protocol,
               progress: Progress | None = None) -> GenerationRun:
     """Warm up on the first prompt, then replay the trace once through the technique's scheduler."""

@@ -247,7 +247,8 @@ def _finish_serve(measured: list[dict], serve: ServeSpec) -> ServeResult:
     table: dict[str, list[dict]] = {}
     for doc in measured:
         m = doc["metrics"]
-        m.update(goodput(timings_from_samples(doc["samples"]), serve.slo, m["trace_duration_s"]))
+        replays = (m.get("rounds") or {}).get("rounds") or 1  # the samples hold every round's replay of the trace
+        m.update(goodput(timings_from_samples(doc["samples"]), serve.slo, m["trace_duration_s"] * replays))
         table.setdefault(doc["config"]["scheduler"], []).append(
             {"rate": doc["config"]["rate"], "slo_attainment": m["slo_attainment"], "goodput_req_s": m["goodput_req_s"],
              "busy_share": m.get("busy_share"),

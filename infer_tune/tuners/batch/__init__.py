@@ -150,12 +150,11 @@ def finalize_trace(config: BatchConfig, doc: dict, outputs: list[dict], prepared
 
     from infer_tune.tuners.batch.arrivals import interarrival_cv, offered_rate
 
-    factory, scheduler = prepared.runner_options.get("trace"), prepared.runner_options.get("scheduler")
+    factory = prepared.runner_options.get("trace")
     if not isinstance(factory, TraceFactory) or not factory.rows:
         return None
     rows = [r.to_dict() for r in factory.rows]
     times = [r["arrival_s"] for r in rows]
-    doc["samples"]["output_tokens"] = [len(t.token_ns) for t in scheduler.timings]
     doc["metrics"].update(offered_rate=offered_rate(times), interarrival_cv=interarrival_cv(times))
     doc["workload"].update(requests=len(rows), rate=config.rate, burstiness=config.burstiness,
                            output_length="each prompt's single-request greedy length, capped at max_new_tokens")

@@ -1,10 +1,12 @@
 """What the combined report leads a batching row with (docs/batch.md): output throughput, mean e2e and
 goodput of a continuous batcher against the static batcher that replayed the same trace (same rate,
 batch size, burstiness, requests and seed, in the same stage); a static row shows its own figures as the
-reference; a closed-loop sweep row its throughput against the single-stream baseline."""
+reference; a closed-loop sweep row its throughput against the single-stream baseline. When the pair was
+measured in the same interleaved rounds, each figure carries the 95% interval of its per-round ratios."""
 
 from __future__ import annotations
 
+from infer_tune.metrics.stats import pair_interval
 from infer_tune.report.leads import Figure, Lead, change_pct, interval, number, ratio, same_stage
 
 SAME_TRACE = ("rate", "batch_size", "burstiness", "requests", "seed")
@@ -19,6 +21,21 @@ def _static_twin(doc: dict, docs: list[dict]) -> dict | None:
                 and all(c.get(k) == config.get(k) for k in SAME_TRACE)):
             return other
     return None
+
+
+def paired(m: dict, t: dict, figure: str, *, lower_is_better: bool = False) -> dict | None:
+    """The interval of this row's `figure` against its twin's, round by round, when both rows were measured
+    in the same rounds (same count, same elapsed time), else None. Returns log_ratio_interval's dict."""
+    mine, theirs = m.get("rounds") or {}, t.get("rounds") or {}
+    a, b = (mine.get("per_round") or {}).get(figure), (theirs.get("per_round") or {}).get(figure)
+    if not a or not b or len(a) != len(b) or mine.get("elapsed_s") != theirs.get("elapsed_s"):
+        return None
+    return pair_interval(a, b, lower_is_better=lower_is_better)
+
+
+def _pct(iv: dict | None) -> tuple[float, float] | None:
+    """A latency ratio's interval (ref / cand) as the change of the candidate in % (cand / ref - 1)."""
+    return None if iv is None else (100.0 * (1 / iv["ci95"][1] - 1), 100.0 * (1 / iv["ci95"][0] - 1))
 
 
 def _mean_e2e(m: dict) -> float | None:
@@ -44,8 +61,11 @@ def report_columns(doc: dict, docs: list[dict]) -> Lead:
               else "no static run of this trace here")
         return Lead(tuple(figures), vs)
     t = twin.get("metrics") or {}
-    figures = [Figure("throughput", ratio(m.get("output_throughput_tok_s"), t.get("output_throughput_tok_s")), "x"),
-               Figure("mean e2e", change_pct(_mean_e2e(m), _mean_e2e(t)), "%")]
+    through = paired(m, t, "output_throughput_tok_s")
+    figures = [Figure("throughput", ratio(m.get("output_throughput_tok_s"), t.get("output_throughput_tok_s")), "x",
+                      tuple(through["ci95"]) if through else None),
+               Figure("mean e2e", change_pct(_mean_e2e(m), _mean_e2e(t)), "%",
+                      _pct(paired(m, t, "e2e_ms_mean", lower_is_better=True)))]
     goodput = ratio(m.get("goodput_req_s"), t.get("goodput_req_s"))
     if goodput is not None:
         figures.append(Figure("goodput", goodput, "x"))
