@@ -78,11 +78,15 @@ class RoundsOutcome:
         """The `metrics.rounds` block of one candidate (or of the baseline)."""
         mine = self.intervals.get(name, {})
         widths = [iv["half_width_pct"] if iv else float("inf") for iv in mine.values()]
+        worst = max(widths, default=float("inf"))
+        # met for this row when its own intervals reached the target (the group's rounds may have gone on
+        # for another row's sake); None for the baseline, which has no ratio of its own
+        met = (worst <= self.target_half_width_pct) if name in self.intervals else None
         return asdict(RoundsBlock(
             rounds=self.rounds, elapsed_s=self.elapsed_s, variants=self.variants,
             target_half_width_pct=self.target_half_width_pct,
-            achieved_half_width_pct=max(widths) if widths and max(widths) != float("inf") else None,
-            target_met=self.target_met if name in self.intervals else None, stopped_by=self.stopped_by,
+            achieved_half_width_pct=worst if worst != float("inf") else None,
+            target_met=met, stopped_by=self.stopped_by,
             baseline_drift_pct=self.baseline_drift_pct, per_round=self.per_round.get(name),
             other_cpu_by_round=self.other_cpu_by_round or None,
             major_faults_by_round=self.major_faults_by_round or None))

@@ -107,7 +107,7 @@ def test_candidates_are_measured_in_interleaved_rounds_with_intervals(noise_tech
 @pytest.mark.full_rounds
 def test_rounds_stop_at_the_target_and_report_a_miss_as_noisy():
     """The stopping rule on scripted timings: steady ratios stop at the floor; scattered ones run to the
-    round budget and are flagged with the achieved half-width."""
+    round budget and are flagged with the achieved half-width; a steady row of the same rounds is not."""
     from infer_tune import rounds
     from infer_tune.runners.base import GenerationRun, RequestTiming
     from infer_tune.workload import Inputs
@@ -133,9 +133,12 @@ def test_rounds_stop_at_the_target_and_report_a_miss_as_noisy():
         out = rounds.run_rounds([make("a"), make("b")], one, None, protocol)
         assert out.target_met and out.stopped_by == "target" and out.rounds == rounds.MIN_ROUNDS
         b = rounds.Variant("b", PreparedModel(None, None), "test-scattered")
-        out = rounds.run_rounds([make("a"), b], one, None, protocol)
+        out = rounds.run_rounds([make("a"), b, make("c")], one, None, protocol)
         assert not out.target_met and out.stopped_by == "max_rounds" and out.rounds == 6
         assert out.block("b")["achieved_half_width_pct"] > protocol.target_half_width_pct
+        # the rounds went on for b's sake; c's own intervals met the target, and its row says so
+        assert out.block("b")["target_met"] is False and out.block("c")["target_met"] is True
+        assert out.block("a")["target_met"] is None  # the baseline has no ratio of its own
     finally:
         RUNNERS.pop("test-steady")
         RUNNERS.pop("test-scattered")
