@@ -377,6 +377,14 @@ def load_result(path: str | Path) -> dict:
     return doc
 
 
+def created_stamp() -> str:
+    """`created_at` of a new result: local time to the millisecond, so rows saved within one second keep
+    their order (find_results sorts on it)."""
+    now = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}" \
+        + time.strftime("%z", time.localtime(now))
+
+
 def _result_files(root: Path, skipped: list[tuple[str, str]]) -> Iterator[Path]:
     """Every `result.json` under `root` through real folders only: symlinked folders are not entered,
     symlinked result files are skipped (and named), hidden (staging) folders are passed over."""
@@ -385,6 +393,7 @@ def _result_files(root: Path, skipped: list[tuple[str, str]]) -> Iterator[Path]:
         folder = stack.pop()
         try:
             entries = sorted(os.scandir(folder), key=lambda e: e.name)
+            folders = []
         except OSError:
             continue
         for entry in entries:
@@ -396,7 +405,8 @@ def _result_files(root: Path, skipped: list[tuple[str, str]]) -> Iterator[Path]:
                 elif entry.is_file(follow_symlinks=False):
                     yield Path(entry.path)
             elif entry.is_dir(follow_symlinks=False):
-                stack.append(Path(entry.path))
+                folders.append(Path(entry.path))
+        stack.extend(reversed(folders))  # popped in name order
 
 
 def find_results(runs_dir: str | Path, skipped: list[tuple[str, str]] | None = None) -> list[dict]:

@@ -14,7 +14,6 @@ result document. See docs/architecture.md, "The sweep engine".
 from __future__ import annotations
 
 import gc
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -196,7 +195,7 @@ def build_document(
                 metrics[f"{name}_ci95"] = interval["ci95"]
     result = ResultDocument(
         run_id=results.new_run_id(technique, prepared.label),
-        created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        created_at=results.created_stamp(),
         tool=envinfo.tool_info(),
         env=env,
         # params: the logical parameter count of the source model (a quantized copy stores fewer

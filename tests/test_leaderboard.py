@@ -262,3 +262,18 @@ def test_hostile_text_is_escaped_everywhere_in_the_html(tmp_path):
     assert 'class="text verdict-other"' in html_text  # an unknown verdict gets no class of its own
     assert "&lt;svg/onload" in html_text
     assert "<svg/onload" not in page["md"].read_text()
+
+
+def test_rows_saved_within_one_second_keep_their_order(tmp_path):
+    """find_results is oldest first; results of the same second come in saved order (millisecond stamps),
+    and stamps that tie exactly fall back to the run folders' name order, never its reverse."""
+    from infer_tune import results
+
+    stamps = [results.created_stamp() for _ in range(3)]
+    assert stamps == sorted(stamps) and "." in stamps[0]
+    for run_id in ("20260101-000000-baseline-b", "20260101-000000-batch-static-s", "20260101-000000-batch-x"):
+        doc = make_result(run_id)
+        doc["created_at"] = "2026-01-01T00:00:00+0000"
+        save(doc, tmp_path)
+    assert [d["run_id"] for d in results.find_results(tmp_path)] == [
+        "20260101-000000-baseline-b", "20260101-000000-batch-static-s", "20260101-000000-batch-x"]

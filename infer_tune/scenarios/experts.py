@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,7 +96,7 @@ def plan_doc(load: loadfile.LoadFile, config: ExpertsConfig, metrics: dict, env:
     return {
         "schema_version": results.SCHEMA_VERSION,
         "run_id": results.new_run_id("experts", "plan-" + config.label()),
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "created_at": results.created_stamp(),
         "tool": envinfo.tool_info(),
         "env": env,
         "model": {"ref": m.ref, "path": m.path, "params": None, "model_bytes": model_bytes, "dtype": m.dtype},
