@@ -393,9 +393,9 @@ def _result_files(root: Path, skipped: list[tuple[str, str]]) -> Iterator[Path]:
         folder = stack.pop()
         try:
             entries = sorted(os.scandir(folder), key=lambda e: e.name)
-            folders = []
         except OSError:
             continue
+        folders = []
         for entry in entries:
             if entry.name.startswith("."):
                 continue  # staging folders of runs still in progress

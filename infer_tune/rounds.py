@@ -146,7 +146,6 @@ def intervals(base: Variant, cand: Variant) -> dict[str, dict | None]:
     return {name: log_ratio_interval(round_ratios(base, cand, RATIOS[name])) for name in names}
 
 
-
 def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, protocol: Protocol, *, seed: int = 0,
                progress: Progress | None = None) -> RoundsOutcome:
     """Warm every variant, then rounds of one pass each in shuffled order until the intervals are

@@ -146,10 +146,9 @@ def log_ratio_interval(ratios: Sequence[float]) -> dict[str, float | list[float]
             "half_width_pct": 100.0 * float(np.expm1(half)), "rounds": int(logs.size)}
 
 
-def pair_interval(cand: list[float | None], ref: list[float | None], *, lower_is_better: bool = False) -> dict | None:
-    """The 95% interval of cand / ref (ref / cand for a latency) from two variants' `per_round` lists of
-    the same interleaved rounds (infer_tune.rounds: each round's pair ran within that round), or None
-    when fewer than two rounds pair up."""
-    pairs = [(c, r) for c, r in zip(cand, ref) if c and r]
-    ratios = [r / c if lower_is_better else c / r for c, r in pairs]
+def pair_interval(cand: list[float | None], ref: list[float | None]) -> dict | None:
+    """The 95% interval of cand / ref from two variants' `per_round` lists of the same interleaved rounds
+    (infer_tune.rounds: each round's pair ran within that round), or None when fewer than two rounds
+    pair up."""
+    ratios = [c / r for c, r in zip(cand, ref) if c and r]
     return log_ratio_interval(ratios) if len(ratios) >= 2 else None

@@ -23,19 +23,14 @@ def _static_twin(doc: dict, docs: list[dict]) -> dict | None:
     return None
 
 
-def paired(m: dict, t: dict, figure: str, *, lower_is_better: bool = False) -> dict | None:
-    """The interval of this row's `figure` against its twin's, round by round, when both rows were measured
-    in the same rounds (same count, same elapsed time), else None. Returns log_ratio_interval's dict."""
+def paired(m: dict, t: dict, figure: str) -> dict | None:
+    """This row's `figure` over its twin's, round by round (log_ratio_interval's dict), when both rows were
+    measured in the same rounds (same count, same elapsed time), else None."""
     mine, theirs = m.get("rounds") or {}, t.get("rounds") or {}
     a, b = (mine.get("per_round") or {}).get(figure), (theirs.get("per_round") or {}).get(figure)
     if not a or not b or len(a) != len(b) or mine.get("elapsed_s") != theirs.get("elapsed_s"):
         return None
-    return pair_interval(a, b, lower_is_better=lower_is_better)
-
-
-def _pct(iv: dict | None) -> tuple[float, float] | None:
-    """A latency ratio's interval (ref / cand) as the change of the candidate in % (cand / ref - 1)."""
-    return None if iv is None else (100.0 * (1 / iv["ci95"][1] - 1), 100.0 * (1 / iv["ci95"][0] - 1))
+    return pair_interval(a, b)
 
 
 def _mean_e2e(m: dict) -> float | None:
@@ -61,11 +56,12 @@ def report_columns(doc: dict, docs: list[dict]) -> Lead:
               else "no static run of this trace here")
         return Lead(tuple(figures), vs)
     t = twin.get("metrics") or {}
-    through = paired(m, t, "output_throughput_tok_s")
-    figures = [Figure("throughput", ratio(m.get("output_throughput_tok_s"), t.get("output_throughput_tok_s")), "x",
-                      tuple(through["ci95"]) if through else None),
-               Figure("mean e2e", change_pct(_mean_e2e(m), _mean_e2e(t)), "%",
-                      _pct(paired(m, t, "e2e_ms_mean", lower_is_better=True)))]
+    # measured in the same rounds: the rounds' geometric mean and its interval; else the totals' ratio
+    through, e2e = paired(m, t, "output_throughput_tok_s"), paired(m, t, "e2e_ms_mean")
+    figures = [Figure("throughput", through["point"], "x", tuple(through["ci95"])) if through else
+               Figure("throughput", ratio(m.get("output_throughput_tok_s"), t.get("output_throughput_tok_s")), "x"),
+               Figure("mean e2e", 100.0 * (e2e["point"] - 1), "%", tuple(100.0 * (v - 1) for v in e2e["ci95"]))
+               if e2e else Figure("mean e2e", change_pct(_mean_e2e(m), _mean_e2e(t)), "%")]
     goodput = ratio(m.get("goodput_req_s"), t.get("goodput_req_s"))
     if goodput is not None:
         figures.append(Figure("goodput", goodput, "x"))
