@@ -145,15 +145,61 @@ class _Handler:
         writer.write(_chunk(_event(final)) + _chunk(_event(b"[DONE]")) + b"0\r\n\r\n")
 
 
-class LoopbackServer:
-    """The loopback server on a background thread: `with LoopbackServer(Behaviour(...)) as server: server.url`."""
+class BackgroundServer:
+    """An asyncio server on a daemon thread, for tests and benches: `start()` returns once `_serve` has
+    called `ready()` (at most 10 s), `stop()` sets the stop event and joins the thread; also a context
+    manager. Subclasses implement `_serve(stop, ready)` and set `self.port` before calling `ready()`."""
 
-    def __init__(self, behaviour: Behaviour | None = None, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.handler = _Handler(behaviour or Behaviour())
-        self.host, self.port = host, port
+    name = "server"
+
+    def __init__(self) -> None:
+        self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
+
+    async def _serve(self, stop: asyncio.Event, ready) -> None:
+        raise NotImplementedError
+
+    def start(self):
+        ready = threading.Event()
+
+        async def main() -> None:
+            self._loop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
+            await self._serve(self._stopping, ready.set)
+
+        self._thread = threading.Thread(target=lambda: asyncio.run(main()), name=self.name, daemon=True)
+        self._thread.start()
+        if not ready.wait(10):
+            raise RuntimeError(f"the {self.name} did not start within 10 s")
+        return self
+
+    def stop(self) -> None:
+        """Set the stop event (the server closes its connections), then join the thread."""
+        if self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._stopping.set)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class LoopbackServer(BackgroundServer):
+    """The loopback server on a background thread: `with LoopbackServer(Behaviour(...)) as server: server.url`."""
+
+    name = "loopback server"
+
+    def __init__(self, behaviour: Behaviour | None = None, host: str = "127.0.0.1", port: int = 0) -> None:
+        super().__init__()
+        self.handler = _Handler(behaviour or Behaviour())
+        self.host, self.port = host, port
 
     @property
     def url(self) -> str:
@@ -171,49 +217,16 @@ class LoopbackServer:
     def max_in_flight(self) -> int:
         return self.handler.max_in_flight
 
-    def start(self) -> LoopbackServer:
-        ready = threading.Event()
-
-        async def main() -> None:
-            self._stopping = asyncio.Event()
-            server = await asyncio.start_server(self.handler.connection, self.host, self.port)
-            self.port = server.sockets[0].getsockname()[1]
-            ready.set()
-            await self._stopping.wait()
-            server.close()
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
-                    task.cancel()
-            await server.wait_closed()
-
-        def run() -> None:
-            self._loop = asyncio.new_event_loop()
-            try:
-                self._loop.run_until_complete(main())
-            finally:
-                self._loop.close()
-
-        self._thread = threading.Thread(target=run, name="loopback-server", daemon=True)
-        self._thread.start()
-        if not ready.wait(10):
-            raise RuntimeError("the loopback server did not start within 10 s")
-        return self
-
-    def stop(self) -> None:
-        """Close the listening socket and every open connection, then join the thread."""
-        if self._loop is not None and not self._loop.is_closed():
-            try:
-                self._loop.call_soon_threadsafe(self._stopping.set)
-            except RuntimeError:  # the loop closed meanwhile
-                pass
-        if self._thread is not None:
-            self._thread.join(10)
-
-    def __enter__(self) -> LoopbackServer:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    async def _serve(self, stop: asyncio.Event, ready) -> None:
+        server = await asyncio.start_server(self.handler.connection, self.host, self.port)
+        self.port = server.sockets[0].getsockname()[1]
+        ready()
+        await stop.wait()
+        server.close()
+        for task in asyncio.all_tasks():  # open connections end with the server (wait_closed waits for them)
+            if task is not asyncio.current_task():
+                task.cancel()
+        await server.wait_closed()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,9 +20,10 @@ import asyncio
 import heapq
 import itertools
 import json
-import threading
 import time
 from dataclasses import dataclass
+
+from infer_tune.endpoint.loopback import BackgroundServer
 
 FINAL = b'data: {"id":"p","object":"chat.completion.chunk","choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n'
 
@@ -189,16 +190,15 @@ async def serve(pace: Pace, host: str = "127.0.0.1", port: int = 0, ready=None, 
             await stop.wait()
 
 
-class PacedServer:
+class PacedServer(BackgroundServer):
     """The paced server on a background thread (tests): `with PacedServer(Pace()) as s: s.url, s.truth`."""
 
+    name = "paced server"
+
     def __init__(self, pace: Pace | None = None) -> None:
+        super().__init__()
         self.pace = pace or Pace()
-        self.port = 0
         self.state: PacedState | None = None
-        self._loop = None
-        self._stop: asyncio.Event | None = None
-        self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
@@ -208,28 +208,12 @@ class PacedServer:
     def truth(self) -> list[dict]:
         return list(self.state.truth) if self.state else []
 
-    def __enter__(self) -> PacedServer:
-        ready = threading.Event()
-
-        def on_ready(port, state) -> None:
+    async def _serve(self, stop: asyncio.Event, ready) -> None:
+        def listening(port, state) -> None:
             self.port, self.state = port, state
-            ready.set()
+            ready()
 
-        async def main() -> None:
-            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-            await serve(self.pace, ready=on_ready, stop=self._stop)
-
-        self._thread = threading.Thread(target=lambda: asyncio.run(main()), name="paced-server", daemon=True)
-        self._thread.start()
-        if not ready.wait(10):
-            raise RuntimeError("the paced server did not start within 10 s")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        if self._thread is not None:
-            self._thread.join(10)
+        await serve(self.pace, ready=listening, stop=stop)
 
 
 def truth_summary(truth: list[dict]) -> dict:
