@@ -29,6 +29,9 @@ class RoundsBlock:
     per_round: dict[str, list[float | None]] | None = None
     other_cpu_by_round: list[float] | None = None  # share of the host's CPU other processes used, per round
     major_faults_by_round: list[int] | None = None  # pages the process had to read back (paged out), per round
+    # one id per rounds run: rows with the same group were measured in the same process, interleaved, so
+    # `compare` adds no run-to-run spread between them (docs/compare.md, "Run-to-run spread")
+    group: str | None = None
 
 
 @dataclass

@@ -23,6 +23,7 @@ import random
 import resource
 import statistics
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 
 from infer_tune.document import RoundsBlock
@@ -73,6 +74,7 @@ class RoundsOutcome:
     per_round: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)  # name -> figure -> rounds
     other_cpu_by_round: list[float] = field(default_factory=list)  # share of the host other processes used
     major_faults_by_round: list[int] = field(default_factory=list)  # pages this process read back from disk
+    group: str = field(default_factory=lambda: uuid.uuid4().hex[:16])  # the id its rows share (RoundsBlock.group)
 
     def block(self, name: str) -> dict:
         """The `metrics.rounds` block of one candidate (or of the baseline)."""
@@ -89,7 +91,7 @@ class RoundsOutcome:
             target_met=met, stopped_by=self.stopped_by,
             baseline_drift_pct=self.baseline_drift_pct, per_round=self.per_round.get(name),
             other_cpu_by_round=self.other_cpu_by_round or None,
-            major_faults_by_round=self.major_faults_by_round or None))
+            major_faults_by_round=self.major_faults_by_round or None, group=self.group))
 
 
 def one_pass(protocol: Protocol) -> Protocol:

@@ -162,17 +162,52 @@ def _paired_doc(run_id: str, factor: float, seed: int) -> dict:
 
 def test_paired_comparison_is_tight_where_unpaired_is_wide():
     from infer_tune.report.compare import compare, parse_expr
+    from infer_tune.report.run_to_run import NONE
 
     base, same, slower = _paired_doc("a", 1.0, 1), _paired_doc("b", 1.0, 2), _paired_doc("c", 1.2, 3)
     expr = parse_expr("tpot_ms.p50 > +10%")
-    check_same = compare(base, [same], [expr]).candidates[0].checks[0]
-    check_slower = compare(base, [slower], [expr]).candidates[0].checks[0]
+    check_same = compare(base, [same], [expr], spread=NONE).candidates[0].checks[0]
+    check_slower = compare(base, [slower], [expr], spread=NONE).candidates[0].checks[0]
     assert check_same.method == "paired bootstrap ratio" and not check_same.regressed
     assert check_slower.regressed and check_slower.interval[0] > 10.0
     # without prompt indices the same 20% shift is lost in the prompt-to-prompt spread
     for doc in (base, slower):
         del doc["samples"]["prompt_index"]
-    assert not compare(base, [slower], [expr]).candidates[0].checks[0].regressed
+    assert not compare(base, [slower], [expr], spread=NONE).candidates[0].checks[0].regressed
+
+
+def test_run_to_run_spread_widens_separate_runs_only(tmp_path, monkeypatch):
+    """Separate runs get one run's level spread per side added in quadrature (a tight paired interval is
+    not the whole story between processes); rows of the same rounds get none; a calibration of repeated
+    runs is stored per machine and used by default."""
+    from infer_tune.report import run_to_run as rtr
+    from infer_tune.report.compare import compare, parse_expr
+
+    expr = parse_expr("tpot_ms.p50 > +2.5%")
+    base, cand = _paired_doc("a", 1.0, 1), _paired_doc("b", 1.02, 2)
+    tight = compare(base, [cand], [expr], spread=rtr.NONE).candidates[0].checks[0]
+    wide = compare(base, [cand], [expr], spread=rtr.for_host(base, 1.5)).candidates[0].checks[0]
+    assert wide.run_to_run_pct == 1.5 and wide.method.endswith("+ run-to-run")
+    assert wide.interval[0] < tight.interval[0] and wide.interval[1] > tight.interval[1]
+    assert wide.mde > tight.mde and "run-to-run spread" in wide.mde_hint
+    assert wide.outcome == "inconclusive"  # +2% measured apart: cannot be told from +2.5% at 1.5% per run
+    for doc in (base, cand):
+        doc["metrics"]["rounds"] = {"group": "g1"}
+    same = compare(base, [cand], [expr], spread=rtr.for_host(base, 1.5)).candidates[0]
+    assert same.same_rounds and same.checks[0].interval == tight.interval and same.checks[0].run_to_run_pct is None
+    # calibration: 4 repeated runs whose levels differ by a known 3% spread, far above their sampling error
+    monkeypatch.setenv("INFER_TUNE_HOME", str(tmp_path / "home"))  # the stored calibration stays in this test
+    runs = []
+    for i, level in enumerate((1.0, 1.03, 0.97, 1.0)):
+        doc = make_result(f"r{i}", tpot_ms=40.0 * level, seed=i)
+        runs.append(save(doc, tmp_path))
+    result = invoke(*map(str, runs), "--calibrate", "--json")
+    assert result.exit_code == 0, result.output
+    cal = {m["metric"]: m for m in json.loads(result.stdout)["metrics"]}
+    assert 1.5 < cal["tpot_ms"]["sigma_pct"] <= cal["tpot_ms"]["between_pct"] < 3.5
+    stored = rtr.for_host(make_result("x"))
+    assert stored.source == "calibrated" and stored.sigma("tpot_ms.p50") == cal["tpot_ms"]["sigma_pct"]
+    assert invoke(str(runs[0]), "--calibrate").exit_code == 2  # one run cannot show a spread
 
 
 # --------------------------------------------------------------------------- outcomes (report/gate.py)

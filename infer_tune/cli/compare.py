@@ -43,6 +43,7 @@ def render(comparison) -> None:
             deltas.add_row(*f.delta_row(d))
         output.out.print(deltas)
         output.out.print(f"  timing medians: {cand.pairing}", soft_wrap=True)
+        output.out.print(f"  run-to-run: {f.run_to_run_text(comparison, cand)}", soft_wrap=True, markup=False)
 
 
 def print_plain(text: str) -> None:
@@ -61,6 +62,12 @@ def compare(
                                          "threshold) as a failure: exit 1 instead of 4.")] = False,
     max_failed_requests: Annotated[int, typer.Option("--max-failed-requests", min=0, help="Failed requests a candidate "
                                                      "may record (endpoint runs) before the gate refuses it.")] = 0,
+    run_to_run: Annotated[float | None, typer.Option("--run-to-run", min=0.0, max=50.0, help="One run's level spread "
+                          "(%) added to timing intervals between separate runs; default: this machine's calibration "
+                          "(--calibrate), else 1%. 0 turns it off.")] = None,
+    calibrate: Annotated[bool, typer.Option("--calibrate", help="Instead of comparing: measure this machine's "
+                         "run-to-run spread from 3+ results of ONE measurement from separate runs (all paths "
+                         "given), store it in $INFER_TUNE_HOME/run_to_run.json and print it.")] = False,
     seed: opt.Seed = 0,
     json_out: opt.Json = False,
     debug: opt.Debug = False,
@@ -83,15 +90,22 @@ def compare(
     from infer_tune import results
     from infer_tune.report import compare as cmp
     from infer_tune.report import formats as f
+    from infer_tune.report import run_to_run as rtr
 
     fmt = "json" if json_out else fmt
     if fmt not in FORMATS:
         raise InferTuneError(f"unknown --format {fmt!r}; use {', '.join(FORMATS)}")
+    if calibrate:
+        if fail_if:
+            raise InferTuneError("--calibrate measures the run-to-run spread; it takes no --fail-if")
+        calibrate_host([base, *candidates], fmt)
+        return
     exprs = [cmp.parse_expr(text) for text in fail_if or []]
     base_doc = results.load_result(base)
     cand_docs = [results.load_result(c) for c in candidates]
+    spread = rtr.for_host(base_doc, run_to_run)
     comparison = cmp.compare(base_doc, cand_docs, exprs, allow_mismatch=allow_mismatch, seed=seed,
-                             max_failed_requests=max_failed_requests)
+                             max_failed_requests=max_failed_requests, spread=spread)
     for warning in comparison.warnings:
         output.warn(warning)
     markdown = f.to_markdown(comparison)
@@ -110,6 +124,25 @@ def compare(
     else:
         render(comparison)
     exit_gate(comparison, strict)
+
+
+def calibrate_host(paths: list[Path], fmt: str) -> None:
+    """`compare --calibrate`: the run-to-run spread of one measurement repeated in separate runs, stored."""
+    from infer_tune import results
+    from infer_tune.report import run_to_run as rtr
+
+    cal = rtr.save(rtr.calibrate([results.load_result(p) for p in paths]))
+    if fmt == "json":
+        output.print_json(cal.to_dict())
+        return
+    table = Table(title=f"run-to-run spread of {cal.runs} runs (this machine, {escape(cal.host)})")
+    for name in ("metric", "between runs", "within a run", "run-to-run (per run)"):
+        table.add_column(name, justify="left" if name == "metric" else "right")
+    for m in cal.metrics:
+        table.add_row(m.metric, f"{m.between_pct:.2f}%", f"{m.within_pct:.2f}%", f"{m.sigma_pct:.2f}%")
+    output.out.print(table)
+    output.out.print(f"  stored in {cal.path}; `compare` adds it to intervals between separate runs on this machine",
+                     soft_wrap=True, markup=False)
 
 
 def exit_gate(comparison, strict: bool) -> None:

@@ -46,6 +46,7 @@ import numpy as np
 from infer_tune.errors import InferTuneError, ResultError
 from infer_tune.metrics.stats import bootstrap_interval, paired_ratio_interval, ratio_interval
 from infer_tune.report import gate
+from infer_tune.report import run_to_run as rtr
 from infer_tune.report.match import MATCH, SERVER_SIDE, MismatchError, check_match, mismatches  # noqa: F401
 from infer_tune.results import DISTRIBUTION_METRICS
 
@@ -214,6 +215,7 @@ class Check:
     mde: float | None = None
     mde_hint: str | None = None
     reason: str | None = None  # why a check the gate adds itself (failed requests) came out as it did
+    run_to_run_pct: float | None = None  # one run's level spread added to the interval (separate runs), %
 
 
 @dataclass
@@ -224,6 +226,7 @@ class CandidateReport:
     deltas: list[Delta] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
     pairing: str = ""  # "paired per prompt (N prompts)" or "not paired: why"
+    same_rounds: bool = False  # measured beside the base in one process's interleaved rounds: no run-to-run term
 
     @property
     def outcome(self) -> str:
@@ -243,6 +246,7 @@ class Comparison:
     exprs: list[str]
     candidates: list[CandidateReport]
     warnings: list[str] = field(default_factory=list)
+    run_to_run: dict | None = None  # the spread added between separate runs and where it came from (rtr.Spread)
 
     @property
     def outcome(self) -> str:
@@ -260,8 +264,25 @@ class Comparison:
         return doc
 
 
-def delta(base: dict, cand: dict, metric: str, *, seed: int = 0) -> Delta:
-    """Relative change of `metric`, with a bootstrap interval when both sides kept raw samples."""
+def delta(base: dict, cand: dict, metric: str, *, seed: int = 0, spread: rtr.Spread | None = None) -> Delta:
+    """Relative change of `metric`, with a bootstrap interval when both sides kept raw samples, widened by
+    the run-to-run spread (`spread`) when base and candidate are separate runs (report/run_to_run.py)."""
+    found = _delta(base, cand, metric, seed=seed)
+    sigma = _sigma(spread, base, cand, metric)
+    if sigma and found.change_pct is not None:
+        found.ci95_pct = rtr.widen(found.change_pct, found.ci95_pct, sigma, pair=True)
+        found.method += " + run-to-run"
+    return found
+
+
+def _sigma(spread: rtr.Spread | None, base: dict, cand: dict, metric: str) -> float | None:
+    """The run-to-run spread that applies to `metric` between `base` and `cand`, None when none does."""
+    if spread is None or rtr.same_rounds(base, cand):
+        return None
+    return spread.sigma(metric) or None
+
+
+def _delta(base: dict, cand: dict, metric: str, *, seed: int = 0) -> Delta:
     b, c = metric_value(base, metric), metric_value(cand, metric)
     change = 100.0 * (c / b - 1.0) if b and c is not None else None
     paired = paired_ratio(base, cand, metric, seed=seed)
@@ -276,8 +297,9 @@ def delta(base: dict, cand: dict, metric: str, *, seed: int = 0) -> Delta:
     return Delta(metric, b, c, change)
 
 
-def judge(expr: Expr, base: dict, cand: dict, *, seed: int = 0) -> Check:
-    """Apply the gate rule (module docstring) of one expression to one candidate."""
+def judge(expr: Expr, base: dict, cand: dict, *, seed: int = 0, spread: rtr.Spread | None = None) -> Check:
+    """Apply the gate rule (module docstring) of one expression to one candidate; `spread` widens a timing
+    interval between separate runs (report/run_to_run.py)."""
     where = f"{expr.metric} of {cand['run_id']}"
     stat = expr.metric.partition(".")[2]
     bs, cs = samples_of(base, expr.metric), samples_of(cand, expr.metric)
@@ -309,15 +331,26 @@ def judge(expr: Expr, base: dict, cand: dict, *, seed: int = 0) -> Check:
         if value is None:
             raise ExprError(f"{where}: the candidate has no value for it")
         observed, interval = value, None
+    sigma = _sigma(spread, base, cand, expr.metric) if method != "pairwise vs base" else None
+    if sigma:
+        interval = (rtr.widen(observed, interval, sigma, pair=True) if expr.relative
+                    else rtr.widen_value(observed, interval, sigma))
+        method += " + run-to-run"
     result = gate.outcome(expr.op, expr.value, observed, interval)
     override, note = gate.noise_caution(expr.metric, expr.op, expr.value, expr.relative, observed, interval,
                                         base, cand)
     result = override or result
     mde, hint = gate.detectable(interval, expr.relative, observed, expr.value, cand,
                                 decided=result != gate.INCONCLUSIVE)
+    if sigma:
+        floor = rtr.Z95 * sigma * (2 ** 0.5 if expr.relative else 1.0)
+        hint = (f"{hint}; of it, about ±{floor:.2g}% is the run-to-run spread between separate runs "
+                f"({sigma:g}% per run, {spread.source}), which more samples do not shrink: measure base and "
+                "candidate in one run's interleaved rounds (a recipe), or calibrate this machine "
+                "(`infer-tune compare --calibrate RUN RUN RUN ...`)")
     return Check(expr=expr.text, metric=expr.metric, observed=observed, interval=interval, threshold=expr.value,
                  relative=expr.relative, method=method, regressed=result == gate.REGRESSION, noise=note,
-                 outcome=result, mde=mde, mde_hint=hint)
+                 outcome=result, mde=mde, mde_hint=hint, run_to_run_pct=sigma)
 
 
 def failed_requests_check(cand: dict, max_failed: int) -> Check | None:
@@ -348,9 +381,11 @@ def check_timings(doc: dict) -> None:
 
 
 def compare(base: dict, candidates: Sequence[dict], exprs: Sequence[Expr] = (), *, allow_mismatch: bool = False,
-            seed: int = 0, max_failed_requests: int = 0) -> Comparison:
+            seed: int = 0, max_failed_requests: int = 0, spread: rtr.Spread | None = None) -> Comparison:
     """Deltas of the main metrics and every gate expression, for each candidate against `base`, plus
-    the gate's own failed-requests check on candidates that record failures (module docstring)."""
+    the gate's own failed-requests check on candidates that record failures (module docstring).
+    `spread`: the run-to-run spread added between separate runs (default: this host's, rtr.for_host)."""
+    spread = spread if spread is not None else rtr.for_host(base)
     for doc in (base, *candidates):
         check_timings(doc)
     warnings = check_match(base, candidates, allow_mismatch=allow_mismatch)
@@ -363,16 +398,16 @@ def compare(base: dict, candidates: Sequence[dict], exprs: Sequence[Expr] = (), 
     reports = []
     for cand in candidates:
         rep = CandidateReport(run_id=cand["run_id"], path=cand.get("_path"), technique=cand.get("technique", "?"),
-                              pairing=pairing(base, cand))
+                              pairing=pairing(base, cand), same_rounds=rtr.same_rounds(base, cand))
         metrics = list(MAIN_METRICS) + [e.metric for e in exprs if e.metric not in MAIN_METRICS]
-        rep.deltas = [delta(base, cand, m, seed=seed) for m in dict.fromkeys(metrics)
+        rep.deltas = [delta(base, cand, m, seed=seed, spread=spread) for m in dict.fromkeys(metrics)
                       if metric_value(base, m) is not None or metric_value(cand, m) is not None]
-        rep.checks = [judge(e, base, cand, seed=seed) for e in exprs]
+        rep.checks = [judge(e, base, cand, seed=seed, spread=spread) for e in exprs]
         if (failed := failed_requests_check(cand, max_failed_requests)) is not None:
             rep.checks.append(failed)
         reports.append(rep)
     return Comparison(base_run_id=base["run_id"], base_path=base.get("_path"), exprs=[e.text for e in exprs],
-                      candidates=reports, warnings=warnings)
+                      candidates=reports, warnings=warnings, run_to_run=spread.to_dict())
 
 
 def _is_number(value: object) -> bool:

@@ -65,13 +65,22 @@ def md_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(header), "|" + "---|" * len(header)] + [line(r) for r in rows])
 
 
+def run_to_run_text(comparison: Comparison, cand) -> str:
+    """Whether the spread between separate runs was added to this candidate's timing intervals, and from where."""
+    if cand.same_rounds:
+        return "none added (measured beside the base in one run's interleaved rounds)"
+    spread = comparison.run_to_run or {}
+    return f"added between separate runs: {spread.get('detail', 'none')}"
+
+
 def to_markdown(comparison: Comparison) -> str:
     """A job-summary section: verdict, then per candidate the gate checks and the deltas."""
     verdict = VERDICT_TEXT[comparison.outcome]
     parts = [f"## infer-tune compare: {verdict}", "", f"Base: `{comparison.base_run_id}`", ""]
     parts += [f"> ⚠️ warning: {w}" for w in comparison.warnings] + ([""] if comparison.warnings else [])
     for cand in comparison.candidates:
-        parts += [f"### `{cand.run_id}` ({cand.technique})", "", f"Timing medians: {cand.pairing}.", ""]
+        parts += [f"### `{cand.run_id}` ({cand.technique})", "", f"Timing medians: {cand.pairing}.",
+                  f"Run-to-run: {run_to_run_text(comparison, cand)}.", ""]
         if cand.checks:
             parts += [md_table(CHECK_HEADER, [check_row(c) for c in cand.checks]), ""]
             notes = [f"- `{c.expr}`: {note}" for c in cand.checks for note in check_notes(c)]

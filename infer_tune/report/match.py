@@ -12,7 +12,8 @@ class MismatchError(InferTuneError):
     """Results of different suites or models compared without --allow-mismatch."""
 
 
-def _hardware(doc: dict) -> tuple | None:
+def hardware(doc: dict) -> tuple | None:
+    """The machine a result ran on (CPU, flags, cores, RAM, accelerator), None when it recorded none."""
     env = doc.get("env") or {}
     values = tuple(env.get(k) if not isinstance(env.get(k), list) else tuple(env[k])
                    for k in ("cpu", "cpu_flags", "cores", "ram_bytes", "accelerator"))
@@ -34,7 +35,7 @@ MATCH = {
     "limit": lambda d: d["workload"].get("limit"),
     "dtype": lambda d: d["model"].get("dtype"),
     "threads": lambda d: d["env"].get("threads"),
-    "machine": _hardware,
+    "machine": hardware,
 }
 
 

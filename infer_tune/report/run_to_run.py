@@ -1,0 +1,201 @@
+"""Run-to-run spread: how far a timing figure moves between separate processes that measure the same
+thing on one host, beyond what each run's own samples show (docs/compare.md, "Run-to-run spread").
+
+Two `bench` processes of the same config land a percent or two apart on a quiet host (memory layout,
+thread placement, the host's own drift), while each run's bootstrap interval only covers the spread of
+its own samples. `compare` therefore adds, in quadrature on the log scale, the spread of a difference
+between two processes, sqrt(2) x `sigma_pct`, to the interval of a base and a candidate that were not
+measured in the same interleaved rounds (`metrics.rounds.group`): without it an A/A pair of separate
+runs is a false alarm as often as not.
+
+`sigma_pct` (one process's level, in %, per metric) comes from, in this order: `--run-to-run PCT`; a
+calibration of this host (`compare --calibrate RUN RUN RUN ...`: three or more results of one
+measurement from separate processes; stored in $INFER_TUNE_HOME/run_to_run.json per machine and thread
+count); else DEFAULT_SIGMA_PCT, measured on this project's 2-core hosts and said to be a default.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from infer_tune import atomic, paths
+from infer_tune.errors import InferTuneError
+from infer_tune.metrics.stats import bootstrap_interval
+from infer_tune.report.match import hardware, mismatches
+
+# the timing figures whose level moves between processes (a key, or a key of a distribution)
+METRICS = ("ttft_ms", "tpot_ms", "e2e_ms", "itl_ms", "output_throughput_tok_s", "request_throughput_req_s")
+DEFAULT_SIGMA_PCT = 1.0  # per process; A/A pairs of `bench` on the project's 2-core hosts spread -1.45..+2.20%
+MIN_RUNS = 3
+FILE = "run_to_run.json"
+Z95 = 1.96
+
+
+@dataclass(frozen=True)
+class Spread:
+    """One process's run-to-run level spread (%, one standard deviation) per metric key, and its source."""
+
+    sigma_pct: dict[str, float]
+    source: str  # "option", "calibrated" or "default"
+    detail: str
+
+    def sigma(self, metric: str) -> float | None:
+        key = metric.partition(".")[0]
+        if key not in METRICS:
+            return None
+        return self.sigma_pct.get(key, self.sigma_pct.get("*"))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def host_key(doc: dict) -> str:
+    """The machine (CPU, flags, cores, RAM, accelerator) and thread count a calibration belongs to."""
+    identity = json.dumps([hardware(doc), (doc.get("env") or {}).get("threads")], sort_keys=True, default=str)
+    return hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+
+def same_rounds(base: dict, cand: dict) -> bool:
+    """Whether both rows were measured in the same interleaved rounds (one process, alternating passes)."""
+    group = ((base.get("metrics") or {}).get("rounds") or {}).get("group")
+    return bool(group) and group == ((cand.get("metrics") or {}).get("rounds") or {}).get("group")
+
+
+def for_host(base: dict, option_pct: float | None = None) -> Spread:
+    """The spread `compare` uses for `base`'s host (module docstring: option, calibration, default)."""
+    if option_pct == 0:
+        return NONE
+    if option_pct is not None:
+        return Spread({"*": float(option_pct)}, "option", f"--run-to-run {option_pct:g}%")
+    stored = _load().get(host_key(base))
+    if stored:
+        return Spread(dict(stored["sigma_pct"]), "calibrated",
+                      f"calibrated on this machine from {stored['runs']} runs ({stored['created_at']})")
+    return Spread({"*": DEFAULT_SIGMA_PCT}, "default",
+                  f"default {DEFAULT_SIGMA_PCT:g}% per run, not calibrated on this machine "
+                  "(`infer-tune compare --calibrate RUN RUN RUN ...`)")
+
+
+def widen(observed: float, interval: list[float] | None, sigma_pct: float, *, pair: bool) -> list[float]:
+    """`interval` (in % change, or a value's % around it when `pair` is False) widened by the run-to-run
+    spread in quadrature on the log scale; a point value gets the run-to-run interval alone."""
+    spread = Z95 * sigma_pct / 100.0 * (math.sqrt(2.0) if pair else 1.0)
+    center = math.log1p(observed / 100.0)
+    low, high = interval if interval is not None else (observed, observed)
+    below = center - math.log1p(max(low, -99.999) / 100.0)
+    above = math.log1p(high / 100.0) - center
+    return [100.0 * math.expm1(center - math.hypot(below, spread)), 100.0 * math.expm1(center + math.hypot(above, spread))]
+
+
+def widen_value(value: float, interval: list[float] | None, sigma_pct: float) -> list[float]:
+    """An absolute value's interval widened by one process's spread (the candidate's level alone)."""
+    if value <= 0:
+        return interval if interval is not None else [value, value]
+    as_pct = None if interval is None else [100.0 * (v / value - 1.0) if v > 0 else -99.999 for v in interval]
+    low, high = widen(0.0, as_pct, sigma_pct, pair=False)
+    return [value * (1.0 + low / 100.0), value * (1.0 + high / 100.0)]
+
+
+# --------------------------------------------------------------------------- calibration
+@dataclass
+class MetricSpread:
+    metric: str
+    runs: int
+    between_pct: float  # standard deviation of the runs' log levels, %
+    within_pct: float  # the runs' own sampling error (root mean square of their bootstrap standard errors), %
+    sigma_pct: float  # sqrt(between^2 - within^2), at least 0
+
+
+@dataclass
+class Calibration:
+    host: str
+    runs: int
+    run_ids: list[str]
+    metrics: list[MetricSpread] = field(default_factory=list)
+    created_at: str = ""
+    path: str = ""
+
+    @property
+    def sigma_pct(self) -> dict[str, float]:
+        return {m.metric: m.sigma_pct for m in self.metrics}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _level(doc: dict, key: str) -> tuple[float, float] | None:
+    """(log of the run's level, its standard error from its own samples) of a metric key."""
+    metric = (doc.get("metrics") or {}).get(key)
+    value = metric.get("p50") if isinstance(metric, dict) else metric
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value or value <= 0:
+        return None
+    samples = [v for v in (doc.get("samples") or {}).get(key) or [] if isinstance(v, (int, float)) and v > 0]
+    se = 0.0
+    if isinstance(metric, dict) and len(samples) >= 2:
+        low, high = bootstrap_interval(samples, "p50", seed=0, resamples=1000)
+        if low > 0 and high > 0:
+            se = (math.log(high) - math.log(low)) / (2 * Z95)
+    return math.log(value), se
+
+
+def calibrate(docs: Sequence[dict]) -> Calibration:
+    """The run-to-run spread of `docs` (three or more results of one measurement, separate processes)."""
+    if len(docs) < MIN_RUNS:
+        raise InferTuneError(f"--calibrate needs at least {MIN_RUNS} results of the same measurement from separate "
+                             f"runs; got {len(docs)}")
+    first = docs[0]
+    for doc in docs[1:]:
+        found = mismatches(first, doc)
+        if found:
+            raise InferTuneError(f"--calibrate: {doc.get('run_id', '?')} was measured differently from "
+                                 f"{first.get('run_id', '?')}: {'; '.join(found)}")
+        if doc.get("fingerprint") != first.get("fingerprint") or doc.get("technique") != first.get("technique"):
+            raise InferTuneError(f"--calibrate: {doc.get('run_id', '?')} is another config or workload than "
+                                 f"{first.get('run_id', '?')} (fingerprints differ); calibrate on one measurement repeated")
+    groups = {((d.get("metrics") or {}).get("rounds") or {}).get("group") for d in docs}
+    if None not in groups and len(groups) < len(docs):
+        raise InferTuneError("--calibrate: some results come from the same rounds (one process); give one result per run")
+    cal = Calibration(host=host_key(first), runs=len(docs), run_ids=[d.get("run_id", "?") for d in docs])
+    for key in METRICS:
+        levels = [_level(d, key) for d in docs]
+        if any(v is None for v in levels):
+            continue
+        logs = np.array([v[0] for v in levels])
+        between = float(np.std(logs, ddof=1))
+        within = math.sqrt(float(np.mean([v[1] ** 2 for v in levels])))
+        sigma = math.sqrt(max(between ** 2 - within ** 2, 0.0))
+        cal.metrics.append(MetricSpread(key, len(docs), 100.0 * between, 100.0 * within, 100.0 * sigma))
+    if not cal.metrics:
+        raise InferTuneError("--calibrate: the results share no timing figure to calibrate")
+    return cal
+
+
+def save(cal: Calibration) -> Calibration:
+    """Store `cal` for its host (replacing an earlier one) atomically; returns it with path and time set."""
+    cal.created_at = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    path = paths.home() / FILE
+    stored = _load()
+    stored[cal.host] = {"sigma_pct": cal.sigma_pct, "runs": cal.runs, "run_ids": cal.run_ids,
+                        "created_at": cal.created_at}
+    atomic.write_json(path, stored)
+    cal.path = str(path)
+    return cal
+
+
+def _load() -> dict:
+    path = paths.home() / FILE
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+NONE = Spread({}, "option", "none (--run-to-run 0)")  # adds nothing: same-process inputs, or tests of sampling alone
