@@ -216,6 +216,48 @@ def test_knee_and_rates_meeting_slos():
     assert analysis.loaded_rate(static) == (4, True) and analysis.loaded_rate(static[:1]) == (1, False)
 
 
+def _claim_rows(throughput_ratios, e2e_ratios, *, elapsed=(12.0, 12.0)):
+    """Static and continuous metrics of one rate with hand-made per-round figures; their totals alone
+    (16 vs 10 tok/s, 500 vs 1000 ms) would say the claim held."""
+    static_tput, static_e2e = [10.0, 11.0, 9.0, 10.0, 10.5], [1000.0, 1100.0, 950.0, 1000.0, 1050.0]
+
+    def row(tput, e2e, total_tput, total_e2e, seconds):
+        return {"output_throughput_tok_s": total_tput, "e2e_ms": {"mean": total_e2e}, "busy_share": 0.95,
+                "rounds": {"rounds": len(tput), "elapsed_s": seconds,
+                           "per_round": {"output_throughput_tok_s": tput, "e2e_ms_mean": e2e}}}
+
+    return (row(static_tput, static_e2e, 10.0, 1000.0, elapsed[0]),
+            row([t * r for t, r in zip(static_tput, throughput_ratios)],
+                [e * r for e, r in zip(static_e2e, e2e_ratios)], 16.0, 500.0, elapsed[1]))
+
+
+def test_claim_verdict_from_the_intervals_of_paired_rounds():
+    from infer_tune.report import claims
+
+    fast, short = [1.8, 1.9, 1.85, 1.75, 1.8], [0.40, 0.45, 0.42, 0.41, 0.43]
+    held = analysis.claim_check(*_claim_rows(fast, short), 2.0, True)
+    assert held["verdict"] == "held" and held["held"] is True and held["judged_from"] == "5 paired rounds"
+    assert held["throughput_ratio_ci95"][0] >= 1.5 and held["mean_e2e_ratio_ci95"][1] <= 0.6
+    # the totals say 1.6x, the rounds say ~1.1x with the whole interval under 1.5x: not held
+    slow = analysis.claim_check(*_claim_rows([1.1, 1.15, 1.12, 1.08, 1.1], short), 2.0, True)
+    assert slow["verdict"] == "did not hold here" and slow["held"] is False and slow["throughput_verdict"] == slow["verdict"]
+    assert slow["latency_held"] is True and slow["throughput_held"] is False
+    # throughput's interval straddles 1.5x: inconclusive (held stays a bool), the claims table says so
+    near = analysis.claim_check(*_claim_rows([1.3, 1.7, 1.45, 1.6, 1.55], short), 2.0, True)
+    low, high = near["throughput_ratio_ci95"]
+    assert low < 1.5 < high and near["verdict"] == "inconclusive" and near["held"] is False and near["why"]
+    assert "(claim >= 1.5x: inconclusive)" in near["finding"] and analysis.claim_line(near).endswith("-> inconclusive")
+    row = claims.collect([{"run_id": "c", "technique": "batch", "metrics": {"claim_check": near}}])[0]
+    assert row.verdict == "inconclusive" and f"[{low:.2f}, {high:.2f}]" in row.measured
+    # not measured in the same rounds (different elapsed time): the totals' point ratio, said so
+    alone = analysis.claim_check(*_claim_rows([1.1] * 5, short, elapsed=(12.0, 30.0)), 2.0, True)
+    assert alone["verdict"] == "held" and alone["throughput_ratio"] == pytest.approx(1.6)
+    assert alone["throughput_ratio_ci95"] is None and "point estimate (no paired rounds)" in alone["finding"]
+    assert analysis.summarize([{"config": {"scheduler": "static", "rate": 2.0}, "metrics": _claim_rows(fast, short)[0]},
+                               {"config": {"scheduler": "continuous", "rate": 2.0},
+                                "metrics": _claim_rows(fast, short)[1]}])["verdict"] == "held"
+
+
 def test_sweep_reports_out_of_memory_and_memory_limit_and_goes_on(tiny_model_dir, mixed_suite, tmp_path, monkeypatch):
     import infer_tune.scenarios.batch as scenario
     from infer_tune.scenarios.common import RunSpec

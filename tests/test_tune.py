@@ -317,6 +317,33 @@ def test_host_screen_prunes_what_cannot_win_here(tiny_loaded):
     assert all(c.lossless for c in lossless)
 
 
+def test_host_screen_prunes_only_when_the_interval_says_slower_than_fp32(tiny_loaded):
+    """Per-round samples injected (no timing here): int8's every kernel slower than fp32 in every round
+    (interval wholly below 1: pruned, the reason names the interval); int4pack's median a little slower
+    than fp32 but its rounds straddle it (kept and measured, the interval recorded)."""
+    from infer_tune.scenarios.tune_plan import TuneSpec, host_screen, single_candidates
+    from infer_tune.tuners.quantize.screen import Screen
+
+    fp32 = [10.0, 10.1, 9.9, 10.0, 10.2, 9.8, 10.0]
+    slow = Screen(samples={"fp32": fp32, "fbgemm": [14.0, 14.3, 13.8, 14.1, 14.4, 13.9, 14.0],
+                           "int_mm": [20.0] * 7, "dequant": [30.0] * 7}, rounds=7)
+    near = Screen(samples={"fp32": fp32, "int4pack": [9.2, 11.3, 9.5, 11.0, 10.6, 10.4, 9.8],
+                           "dequant": [30.0] * 7}, rounds=7)
+    prefill = ({"int_mm": 1.0, "dequant": 2.0, "int4pack": 1.0}, 1.5)
+    timings = {("int8-dynamic", "decode"): slow, ("int4", "decode"): near,
+               ("int8-dynamic", "prefill"): prefill, ("int4", "prefill"): prefill}
+    screen = host_screen(tiny_loaded.model, ("int8-dynamic", "int4-rtn"), 33, timings=timings)
+    int8, int4 = screen["int8-dynamic"], screen["int4-rtn"]
+    assert int8["kernels"]["decode"] == "fbgemm" and int8["decode_speedup_ci95"][1] < 1.0 and int8["decode_rounds"] == 7
+    low, high = int4["decode_speedup_ci95"]
+    assert int4["decode"] < 1.0 and low < 1.0 < high  # the point says slower, the interval does not
+    assert int4["prefill_speedup_ci95"] is None  # point timings: no interval
+    cands = {c.label: c for c in single_candidates(TuneSpec(methods=("int8-dynamic", "int4-rtn")), screen)}
+    pruned, kept = cands["int8-dynamic-auto"], cands["int4-rtn-auto-g32"]
+    assert pruned.status == "pruned" and "95% interval" in pruned.reason and "wholly below 1" in pruned.reason
+    assert kept.status == "pending" and kept.summary()["kernel_screen_speedup_ci95"] == [low, high]
+
+
 def test_tune_end_to_end_json(tiny_model_dir, prompts_file, tmp_path):
     out = tmp_path / "runs"
     result = runner.invoke(app, ["tune", "--model", str(tiny_model_dir), "--suite", str(prompts_file), "--limit", "2",

@@ -86,10 +86,11 @@ def tune(
 
     Example: infer-tune tune --model smollm2-135m --max-ppl-delta 5 --objective decode --budget-minutes 20
 
-    Kernels are timed on the model's own shapes first and what cannot win on this host is pruned; the
-    survivors are measured against the baseline in one run (each a saved result in --out), and a method
-    that may win has its stacks (with the lean decode path) measured right after it; llama.cpp on the
-    same GGUF is a reference row when installed. --json prints
+    Kernels are timed on the model's own shapes first, interleaved with fp32; a method whose 95%
+    interval says slower than fp32 here is pruned; the survivors are measured against the baseline in
+    one run (each a saved result in --out), and a method that may win has its stacks (with the lean
+    decode path) measured right after it; llama.cpp on the same GGUF is a reference row when
+    installed. --json prints
     {"winner": <result document>, "tried": [...], ...}.
     """
     from infer_tune.cli.measure import run_spec

@@ -1,18 +1,20 @@
 """The claims table: every claim check found in a set of results, in one shape.
 
 A claim row: the claim as usually stated, what was measured (a human sentence with the numbers), the
-number and its interval when there is one, and the verdict: `held`, `did not hold here`, or `not
-applicable` with the reason. Techniques keep their claim checks in their results (`metrics.claim_check`,
-`metrics.claims` or the document's `claims`), each in one shape — `statement` (or `claim`), `finding`
-(the technique's own line of what was measured), `held`, `value`, `interval`, `why` — so this module
-knows no technique: it only reads and normalises them.
+number and its interval when there is one, and the verdict: `held`, `did not hold here`, `inconclusive`
+(a claim judged from intervals, one of which straddles its threshold: docs/architecture.md, "Decisions
+taken from intervals") or `not applicable`, with the reason. Techniques keep their claim checks in their
+results (`metrics.claim_check`, `metrics.claims` or the document's `claims`), each in one shape —
+`statement` (or `claim`), `finding` (the technique's own line of what was measured), `held`, `verdict`
+(when a bool cannot say it: inconclusive), `value`, `interval`, `why` — so this module knows no technique:
+it only reads and normalises them.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-HELD, NOT_HELD, NOT_APPLICABLE = "held", "did not hold here", "not applicable"
+HELD, NOT_HELD, INCONCLUSIVE, NOT_APPLICABLE = "held", "did not hold here", "inconclusive", "not applicable"
 
 
 @dataclass
@@ -35,7 +37,7 @@ def _verdict(held) -> str:
 
 
 def _generic(c: dict, doc: dict) -> ClaimRow | None:
-    """A claim check in the common shape: claim/statement, measured, held (True/False/None), why..."""
+    """A claim check in the common shape: claim/statement, measured, verdict or held (True/False/None), why..."""
     statement = c.get("statement") or c.get("claim")
     if not statement:
         return None

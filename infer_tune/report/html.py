@@ -32,7 +32,7 @@ tr.recommended td{background:#fff6e0;font-weight:600}td.lead{white-space:normal;
 td.vs{white-space:normal;font-size:11.5px;color:#555;min-width:8em;text-align:left}
 svg.plot{max-width:100%;height:auto;border:1px solid #eee}svg.plot .point{cursor:help}
 .verdict-held{color:#176b2c;font-weight:600}.verdict-did-not-hold-here{color:#a11;font-weight:600}
-.verdict-not-applicable{color:#777}
+.verdict-not-applicable{color:#777}.verdict-inconclusive{color:#8a5a00;font-weight:600}
 .env{font-size:12.5px;columns:2}.env div{break-inside:avoid}
 input#filter{width:100%;max-width:420px;padding:4px 8px;margin:.4em 0 .8em}
 .figs{display:flex;flex-wrap:wrap;gap:1em}figure{margin:0;flex:1 1 560px;max-width:100%}
@@ -77,7 +77,7 @@ def _esc(value) -> str:
 # Class names come from this allow-list only, never from a result's text (results are untrusted input).
 ROW_CLASSES = {"baseline", "broken", "lossless", "lossy"}
 CLAIM_CLASSES = {"held": "verdict-held", "did not hold here": "verdict-did-not-hold-here",
-                 "not applicable": "verdict-not-applicable"}
+                 "inconclusive": "verdict-inconclusive", "not applicable": "verdict-not-applicable"}
 
 
 def _cell_class(key: str, numeric: bool) -> str:

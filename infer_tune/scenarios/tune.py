@@ -1,7 +1,8 @@
 """`tune`: find the fastest configuration within a drift budget on the machine in front of it.
 
 1. The kernel screen (tune_plan.host_screen): every quantize method's candidate kernels timed on the
-   model's own Linear shapes against fp32; what cannot win on this host is pruned with the reason.
+   model's own Linear shapes, interleaved with fp32; a method whose best kernel's 95% interval says
+   slower than fp32 cannot win on this host and is pruned with that interval as the reason.
 2. The baseline (reused from `out` when one of the same fingerprint is there), then llama.cpp on the
    same GGUF as a reference row when it is installed and the model came from a GGUF.
 3. Single techniques, most promising first, each measured against the baseline in the same run and

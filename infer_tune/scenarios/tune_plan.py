@@ -1,9 +1,11 @@
 """What `tune` tries, what it prunes before measuring, and how it judges what it measured.
 
 - `host_screen`: times every quantize method's candidate kernels (and bf16) on the model's own Linear
-  shapes at decode (1 row) and prefill rows, against fp32 on the same shapes. A method whose best
-  kernel is slower than fp32 for the objective's regime cannot win on this host and is pruned with
-  the measured reason, before anything is quantized.
+  shapes at decode (1 row) and prefill rows, interleaved with fp32 on the same shapes in shuffled
+  rounds (the quantize kernel screen, tuners/quantize/screen.py). A method whose best kernel's 95%
+  interval of its speedup over fp32 lies wholly below 1 for the objective's regime cannot win on this
+  host and is pruned with that interval, before anything is quantized; one whose interval reaches 1 is
+  measured (docs/architecture.md, "Decisions taken from intervals").
 - `single_candidates` / `stack_candidates`: what is measured: quantize methods (the kernel screen's most
   promising first), the lossless lean path, and stacks of the methods that may win with the lean path.
 - `judge`: whether a measured result may win (not broken, within the drift budget, lossless when
@@ -69,6 +71,7 @@ class Candidate:
     lossless: bool
     method: str | None = None  # the quantize method it holds, if any
     estimate: float | None = None  # kernel screen: speedup of its Linears vs fp32 for the objective's regime
+    estimate_ci95: list[float] | None = None  # its 95% interval over the screen's rounds (None: point timings)
     compiles: bool = False
     status: str = "pending"  # measured | pruned | skipped | failed
     reason: str | None = None
@@ -83,7 +86,8 @@ class Candidate:
         m = (self.doc or {}).get("metrics", {})
         return {"label": self.label, "technique": self.config.technique, "config": self.config.to_dict(),
                 "status": self.status, "eligible": self.eligible, "reason": self.reason,
-                "kernel_screen_speedup": self.estimate, "run_id": (self.doc or {}).get("run_id"),
+                "kernel_screen_speedup": self.estimate, "kernel_screen_speedup_ci95": self.estimate_ci95,
+                "run_id": (self.doc or {}).get("run_id"),
                 "decode_tok_s": decode_tok_s(self.doc) if self.doc else None,
                 "ttft_p50_ms": (m.get("ttft_ms") or {}).get("p50"),
                 "speedup_vs_baseline": m.get("speedup_vs_baseline"), "ppl_delta_pct": m.get("ppl_delta_pct"),
@@ -119,26 +123,51 @@ def model_linear_shapes(model: nn.Module) -> Counter:
     return shapes
 
 
-def _best_ms(fn, reps: int = 5) -> float:
-    from infer_tune.tuners.quantize.kernel_choice import _best_ms as best
+# per (kind, regime) of the host screen: at least screen.MIN_ROUNDS rounds, at most this many or seconds
+# (the quantize screen's own defaults are 40 rounds / 5 s; tune screens up to 8 regimes before its budget)
+SCREEN_LIMITS = {"max_rounds": 20, "budget_s": 2.0}
 
-    return best(fn, reps)
 
+def dtype_screen(shapes: Counter, rows: int, dtype: torch.dtype, *, inner: int = 2, **limits):
+    """F.linear over `shapes` at `rows` rows in `dtype` against fp32, in the quantize screen's interleaved
+    rounds (screen.run; the candidate is named "bf16"): the bf16 method's screen."""
+    from infer_tune.tuners.quantize import kernel_choice, screen
 
-def dtype_ms(shapes: Counter, rows: int, dtype: torch.dtype) -> float:
-    """Time of F.linear over `shapes` at `rows` rows in `dtype` (the bf16 screen)."""
-    total = 0.0
+    layers = []
+    for (k, n), count in shapes.items():
+        x, w = torch.randn(rows, k), torch.randn(n, k)
+        layers.append((count, {screen.FP32: (x, w), "bf16": (x.to(dtype), w.to(dtype))}))
+
+    def measure(name: str) -> float:
+        return sum(count * kernel_choice._best_ms(functools.partial(torch.nn.functional.linear, *pair[name]), inner)
+                   for count, pair in layers)
+
     with torch.inference_mode():
-        for (k, n), count in shapes.items():
-            x, w = torch.randn(rows, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
-            total += count * _best_ms(functools.partial(torch.nn.functional.linear, x, w))
-    return total
+        for name in (screen.FP32, "bf16"):  # warm both paths once
+            measure(name)
+        return screen.run(measure, [screen.FP32, "bf16"], **limits)
+
+
+def _speedup_interval(vs_fp32: list[float] | None) -> tuple[float, list[float]] | None:
+    """(point, [low, high]) of fp32's time over the kernel's from the screen's [median, low, high] of the
+    kernel's per-round time over fp32's (above 1: faster than fp32)."""
+    if not vs_fp32 or not all(v and v > 0 for v in vs_fp32):
+        return None
+    mid, low, high = vs_fp32
+    return 1.0 / mid, [1.0 / high, 1.0 / low]
 
 
 def host_screen(model: nn.Module, methods: tuple[str, ...], prefill_rows: int, *, timings: dict | None = None) -> dict:
-    """Method -> {decode: speedup vs fp32, prefill: ..., kernels: {regime: best kernel}} on this host.
+    """Method -> {decode: speedup vs fp32, decode_speedup_ci95: [low, high], prefill: ..., kernels: {regime:
+    best kernel}} on this host.
 
-    `timings` injects {(kind, regime): (kernel -> ms, fp32 ms)} (tests; a saturating or slow host).
+    Each (kind, regime) is timed by the quantize kernel screen (kernel_choice.screen_kernels; bf16 by
+    `dtype_screen`): every candidate and fp32 once per round, order shuffled per round, within
+    SCREEN_LIMITS. The best kernel is the one quantize would choose (kernels.choose: the fastest by
+    median unless its interval says slower than fp32 while another's does not); its speedup is fp32's
+    time over its own with the 95% interval of the per-round ratio. `timings` injects {(kind, regime):
+    screen.Screen (per-round samples) or (kernel -> ms, fp32 ms) point timings} (tests; a saturating or
+    slow host); point timings give no interval (`*_speedup_ci95` None).
     """
     from infer_tune.tuners.quantize import kernel_choice, kernels
 
@@ -146,21 +175,22 @@ def host_screen(model: nn.Module, methods: tuple[str, ...], prefill_rows: int, *
     timings = {} if timings is None else timings
     out: dict[str, dict] = {}
     for method in methods:
-        if method == "bf16":
-            if ("bf16", "decode") not in timings:
-                for regime, rows in (("decode", 1), ("prefill", prefill_rows)):
-                    timings[("bf16", regime)] = ({"bf16": dtype_ms(shapes, rows, torch.bfloat16)},
-                                                 dtype_ms(shapes, rows, torch.float32))
         kind = "bf16" if method == "bf16" else kernels.family(method)
         row: dict = {"kernels": {}}
         for regime, rows in (("decode", 1), ("prefill", prefill_rows)):
             if (kind, regime) not in timings:
-                timings[(kind, regime)] = kernel_choice.benchmark(shapes, rows, kind)
-            kernel_ms, fp32_ms = timings[(kind, regime)]
+                timings[(kind, regime)] = (dtype_screen(shapes, rows, torch.bfloat16, **SCREEN_LIMITS)
+                                           if kind == "bf16" else
+                                           kernel_choice.screen_kernels(shapes, rows, kind, **SCREEN_LIMITS))
+            kernel_ms, fp32_ms, stats = kernel_choice._unpack(timings[(kind, regime)])
             skip = kernels.excluded(kind, regime) if kind != "bf16" else {}
             usable = {k: v for k, v in kernel_ms.items() if v is not None and k not in skip}
-            best = min(usable, key=usable.get) if usable else None
-            row[regime] = fp32_ms / usable[best] if best and usable[best] else None
+            choice = kernels.choose(usable, fp32_ms, vs_fp32=(stats or {}).get("vs_fp32_ci95")) if usable else None
+            best = choice["chosen"] if choice else None
+            ci = _speedup_interval((choice.get("vs_fp32_ci95") or {}).get(best)) if choice else None
+            row[regime] = ci[0] if ci else (fp32_ms / usable[best] if best and usable[best] else None)
+            row[f"{regime}_speedup_ci95"] = ci[1] if ci else None
+            row[f"{regime}_rounds"] = stats["rounds"] if stats else None
             row["kernels"][regime] = best
             row[f"{regime}_ms"], row[f"{regime}_fp32_ms"] = (usable.get(best) if best else None), fp32_ms
         out[method] = row
@@ -168,15 +198,26 @@ def host_screen(model: nn.Module, methods: tuple[str, ...], prefill_rows: int, *
 
 
 def prune_reason(screen_row: dict, objective: str) -> str | None:
-    """Why a method cannot win on this host (None: keep it). Its regime's Linears slower than fp32."""
+    """Why a method cannot win on this host (None: keep it): its best kernel for the objective's regime is
+    slower than fp32 with the whole 95% interval of its speedup below 1. An interval that reaches 1 keeps
+    it (measured, not guessed); point timings (no interval) are judged on the point and say so."""
     regime = "prefill" if objective == "ttft" else "decode"
     speedup = screen_row.get(regime)
     if speedup is None:
         return f"no {regime} kernel runs on this host"
-    if speedup < 1.0:
-        return (f"its best {regime} kernel ({screen_row['kernels'][regime]}) is {1 / speedup:.2f}x slower than fp32 "
-                f"on this model's shapes here ({screen_row[f'{regime}_ms']:.2f} vs {screen_row[f'{regime}_fp32_ms']:.2f} ms)")
-    return None
+    ci = screen_row.get(f"{regime}_speedup_ci95")
+    if ci is not None:
+        if ci[1] >= 1.0:
+            return None
+        evidence = (f"95% interval of its speedup over fp32 [{ci[0]:.2f}, {ci[1]:.2f}] wholly below 1, "
+                    f"{screen_row.get(f'{regime}_rounds')} interleaved rounds")
+    elif speedup < 1.0:
+        evidence = "point timings, no interval"
+    else:
+        return None
+    return (f"its best {regime} kernel ({screen_row['kernels'][regime]}) is {1 / speedup:.2f}x slower than fp32 "
+            f"on this model's shapes here ({evidence}; {screen_row[f'{regime}_ms']:.2f} vs "
+            f"{screen_row[f'{regime}_fp32_ms']:.2f} ms)")
 
 
 # --------------------------------------------------------------------------- plan
@@ -191,7 +232,8 @@ def single_candidates(spec: TuneSpec, screen: dict) -> list[Candidate]:
     if not spec.require_lossless:
         for method in spec.methods:
             cand = Candidate(QuantizeConfig(method=method), lossless=False, method=method,
-                             estimate=screen.get(method, {}).get(regime))
+                             estimate=screen.get(method, {}).get(regime),
+                             estimate_ci95=screen.get(method, {}).get(f"{regime}_speedup_ci95"))
             reason = prune_reason(screen[method], spec.objective) if method in screen else None
             if reason:
                 cand.status, cand.reason = "pruned", reason
@@ -226,7 +268,7 @@ def stack_candidates(spec: TuneSpec, methods: list[Candidate], *, first: bool = 
             parts[:0] = batched_parts(spec)
         for part in parts:
             out.append(Candidate(StackConfig(configs=[cand.config, part]), lossless=False, method=cand.method,
-                                 estimate=cand.estimate, compiles=spec.compile))
+                                 estimate=cand.estimate, estimate_ci95=cand.estimate_ci95, compiles=spec.compile))
     return out
 
 

@@ -1,17 +1,22 @@
 """What a batching sweep or serving simulation concludes: the throughput knee, memory predictions for
-`memory_limit`, the highest rate that meets the SLOs, and the continuous-batching claim check."""
+`memory_limit`, the highest rate that meets the SLOs, and the continuous-batching claim check (judged
+from the 95% intervals of the per-round ratios when static and continuous ran in the same rounds:
+docs/architecture.md, "Decisions taken from intervals")."""
 
 from __future__ import annotations
 
 import math
 
 from infer_tune.metrics import kv
+from infer_tune.metrics.stats import pair_interval
 
 KNEE_GAIN = 0.05  # one more doubling of the batch buying less than 5% throughput
 CLAIM = "continuous batching cuts mean latency by 40%+ and raises throughput 1.5x over static batching on mixed load"
 CLAIM_LATENCY_RATIO = 0.60  # continuous mean e2e / static mean e2e at most this
 CLAIM_THROUGHPUT_RATIO = 1.5  # continuous output tok/s / static output tok/s at least this
 LOADED = 0.9  # the static server computing at least 90% of the time from the trace start to its last token
+HELD, NOT_HELD, INCONCLUSIVE = "held", "did not hold here", "inconclusive"  # the claims table's words
+POINT_ONLY = "point estimate (no paired rounds)"
 
 
 def gain_per_doubling(b0: int, t0: float, b1: int, t1: float) -> float:
@@ -66,12 +71,53 @@ def loaded_rate(static_rows: list[dict]) -> tuple[float | None, bool]:
     return (rows[-1]["rate"], False) if rows else (None, False)
 
 
+def paired(m: dict, t: dict, figure: str) -> dict | None:
+    """`figure` of one row over another's, round by round (log_ratio_interval's dict: point, ci95,
+    rounds), when both rows were measured in the same interleaved rounds (same count, same elapsed
+    time), else None. `m`, `t`: the rows' metrics."""
+    mine, theirs = m.get("rounds") or {}, t.get("rounds") or {}
+    a, b = (mine.get("per_round") or {}).get(figure), (theirs.get("per_round") or {}).get(figure)
+    if not a or not b or len(a) != len(b) or mine.get("elapsed_s") != theirs.get("elapsed_s"):
+        return None
+    return pair_interval(a, b)
+
+
+def part_verdict(point: float, ci: list[float] | None, threshold: float, *, at_most: bool) -> str:
+    """One part of the claim: held when the whole interval is on the claim's side of `threshold`, did not
+    hold when the whole interval is on the other side, inconclusive when it straddles; without an
+    interval, the point decides (and the claim says it was a point estimate)."""
+    low, high = ci if ci is not None else (point, point)
+    if at_most:
+        return HELD if high <= threshold else NOT_HELD if low > threshold else INCONCLUSIVE
+    return HELD if low >= threshold else NOT_HELD if high < threshold else INCONCLUSIVE
+
+
+def combined(parts: list[str]) -> str:
+    """The claim: held when every part held, did not hold when any part did not, else inconclusive."""
+    return HELD if all(p == HELD for p in parts) else NOT_HELD if NOT_HELD in parts else INCONCLUSIVE
+
+
 def claim_check(static: dict, continuous: dict, rate: float, loaded: bool) -> dict:
-    """The claim judged on two metrics dicts measured on the same trace at `rate`."""
-    latency = continuous["e2e_ms"]["mean"] / static["e2e_ms"]["mean"]
-    throughput = continuous["output_throughput_tok_s"] / static["output_throughput_tok_s"]
-    latency_held = latency <= CLAIM_LATENCY_RATIO
-    throughput_held = throughput >= CLAIM_THROUGHPUT_RATIO
+    """The claim judged on two metrics dicts measured on the same trace at `rate`.
+
+    When the two rows ran in the same interleaved rounds (`metrics.rounds.per_round`), each ratio is
+    the rounds' geometric mean with its 95% interval (`pair_interval`) and each part is judged from
+    that interval (`part_verdict`); otherwise from the ratio of the rows' totals, marked POINT_ONLY.
+    `held` (a bool) is true only for the verdict "held"; `verdict` is the three-way answer.
+    """
+    e2e, through = paired(continuous, static, "e2e_ms_mean"), paired(continuous, static, "output_throughput_tok_s")
+    if e2e and through:
+        latency, latency_ci = e2e["point"], e2e["ci95"]
+        throughput, throughput_ci = through["point"], through["ci95"]
+        judged_from, rounds = f"{min(e2e['rounds'], through['rounds'])} paired rounds", e2e["rounds"]
+    else:
+        latency = continuous["e2e_ms"]["mean"] / static["e2e_ms"]["mean"]
+        throughput = continuous["output_throughput_tok_s"] / static["output_throughput_tok_s"]
+        latency_ci = throughput_ci = None
+        judged_from, rounds = POINT_ONLY, None
+    latency_verdict = part_verdict(latency, latency_ci, CLAIM_LATENCY_RATIO, at_most=True)
+    throughput_verdict = part_verdict(throughput, throughput_ci, CLAIM_THROUGHPUT_RATIO, at_most=False)
+    verdict = combined([latency_verdict, throughput_verdict])
     out = {
         "claim": CLAIM,
         "rate": rate,
@@ -83,12 +129,21 @@ def claim_check(static: dict, continuous: dict, rate: float, loaded: bool) -> di
         "output_throughput_tok_s": {"static": static["output_throughput_tok_s"],
                                     "continuous": continuous["output_throughput_tok_s"]},
         "mean_e2e_ratio": latency,
+        "mean_e2e_ratio_ci95": latency_ci,
         "mean_latency_change_pct": 100 * (latency - 1),
         "throughput_ratio": throughput,
-        "latency_held": latency_held,
-        "throughput_held": throughput_held,
-        "held": latency_held and throughput_held,
+        "throughput_ratio_ci95": throughput_ci,
+        "judged_from": judged_from,
+        "rounds": rounds,
+        "latency_verdict": latency_verdict,
+        "throughput_verdict": throughput_verdict,
+        "latency_held": latency_verdict == HELD,
+        "throughput_held": throughput_verdict == HELD,
+        "held": verdict == HELD,
+        "verdict": verdict,
     }
+    if verdict == INCONCLUSIVE:
+        out["why"] = "a ratio's 95% interval straddles its threshold: more rounds would decide"
     out["finding"] = finding(out)
     return out
 
@@ -115,14 +170,32 @@ def summarize(docs: list[dict]) -> dict | None:
 
 def claim_line(claim: dict) -> str:
     """One human line for a claim check: what was measured, then the verdict."""
-    return f"{claim['finding']} -> {'held' if claim['held'] else 'did not hold here'}"
+    return f"{claim['finding']} -> {verdict_of(claim)}"
+
+
+def verdict_of(claim: dict) -> str:
+    """The three-way verdict; a claim saved before it had one: from `held`."""
+    return claim.get("verdict") or (HELD if claim["held"] else NOT_HELD)
+
+
+def _part(claim: dict, name: str) -> str:
+    verdict = claim.get(f"{name}_verdict") or (HELD if claim[f"{name}_held"] else NOT_HELD)
+    return {HELD: "ok", NOT_HELD: "no"}.get(verdict, verdict)
 
 
 def finding(claim: dict) -> str:
-    """What was measured, in one line (the claims table shows the verdict beside it)."""
+    """What was measured, in one line (the claims table shows the verdict beside it): each ratio with
+    its 95% interval when paired rounds gave one, and what it was judged from."""
     busy = claim.get("static_busy_share")
     load = (f"static batcher busy {busy:.0%} of the time" if busy is not None else "static batcher busy: -")
     load += "" if claim["static_loaded"] else ", not loaded"
-    return (f"at {claim['rate']:g} req/s ({load}): mean e2e {claim['mean_latency_change_pct']:+.0f}% "
-            f"(claim <= -40%: {'ok' if claim['latency_held'] else 'no'}), output throughput "
-            f"{claim['throughput_ratio']:.2f}x (claim >= 1.5x: {'ok' if claim['throughput_held'] else 'no'})")
+    e2e_ci, through_ci = claim.get("mean_e2e_ratio_ci95"), claim.get("throughput_ratio_ci95")
+    e2e = f"{claim['mean_latency_change_pct']:+.0f}%"
+    if e2e_ci:
+        e2e += f" [{100 * (e2e_ci[0] - 1):+.0f}%, {100 * (e2e_ci[1] - 1):+.0f}%]"
+    through = f"{claim['throughput_ratio']:.2f}x"
+    if through_ci:
+        through += f" [{through_ci[0]:.2f}, {through_ci[1]:.2f}]"
+    line = (f"at {claim['rate']:g} req/s ({load}): mean e2e {e2e} (claim <= -40%: {_part(claim, 'latency')}), "
+            f"output throughput {through} (claim >= 1.5x: {_part(claim, 'throughput')})")
+    return line + (f"; {claim['judged_from']}" if claim.get("judged_from") else "")

@@ -6,8 +6,8 @@ measured in the same interleaved rounds, each figure carries the 95% interval of
 
 from __future__ import annotations
 
-from infer_tune.metrics.stats import pair_interval
 from infer_tune.report.leads import Figure, Lead, change_pct, interval, number, ratio, same_stage
+from infer_tune.tuners.batch.analysis import paired
 
 SAME_TRACE = ("rate", "batch_size", "burstiness", "requests", "seed")
 VS_STATIC = "static batching at the same rate"
@@ -21,16 +21,6 @@ def _static_twin(doc: dict, docs: list[dict]) -> dict | None:
                 and all(c.get(k) == config.get(k) for k in SAME_TRACE)):
             return other
     return None
-
-
-def paired(m: dict, t: dict, figure: str) -> dict | None:
-    """This row's `figure` over its twin's, round by round (log_ratio_interval's dict), when both rows were
-    measured in the same rounds (same count, same elapsed time), else None."""
-    mine, theirs = m.get("rounds") or {}, t.get("rounds") or {}
-    a, b = (mine.get("per_round") or {}).get(figure), (theirs.get("per_round") or {}).get(figure)
-    if not a or not b or len(a) != len(b) or mine.get("elapsed_s") != theirs.get("elapsed_s"):
-        return None
-    return pair_interval(a, b)
 
 
 def _mean_e2e(m: dict) -> float | None:
