@@ -559,6 +559,14 @@ class _RawSender:
             self.finish(wire, force_close=True)
 
 
+SPIN_NS = 1_100_000  # the loop's timers wake up to 1 ms late (epoll's resolution): the last stretch is spun
+
+
+def _spin_until(deadline_ns: int) -> None:
+    while time.perf_counter_ns() < deadline_ns:
+        pass
+
+
 async def open_raw(config: EndpointConfig, trace: Sequence[TraceRequest], prompts: Sequence[str],
                    max_new_tokens: int, *, concurrency: int | None = None, warm: int | None = None) -> _RawSender:
     """The raw sender for `trace`, its requests serialized and `warm` keep-alive connections opened
@@ -579,15 +587,17 @@ async def raw_replay(sender: _RawSender, trace: Sequence[TraceRequest], *, close
                      origin_ns: int | None = None, stats: dict | None = None
                      ) -> tuple[rp.ReplayResult, list[tuple[StreamRecord, int | None, int]]]:
     """`replay.send_all` on the raw sender's connections (http only): the same records, timed at the wire.
-    Each request is sent at its arrival (one timer over the sorted arrivals; `origin_ns`, the start on
-    `perf_counter_ns`, is waited for), its `start_ns` stamped right before the `send`; every read is
+    Each request is sent at its arrival (one timer over the sorted arrivals, set SPIN_NS early and the rest
+    spun; `origin_ns`, the start on `perf_counter_ns`, is waited for the same way), its `start_ns` stamped
+    right before the `send`; every read is
     timed by the kernel's receive timestamp where the platform gives one, else by the read's return.
     `stats` (when given) gets how many reads were timed either way. The connections are closed after."""
     loop = sender.loop
     result = rp.ReplayResult()
     try:
         if origin_ns is not None:
-            await asyncio.sleep(max(0, origin_ns - time.perf_counter_ns()) / 1e9)
+            await asyncio.sleep(max(0, origin_ns - time.perf_counter_ns() - SPIN_NS) / 1e9)
+            _spin_until(origin_ns)
         result.origin_ns = origin_ns if origin_ns is not None else time.perf_counter_ns()
         origin_loop = loop.time() - (time.perf_counter_ns() - result.origin_ns) / 1e9
         order = sorted(range(len(trace)), key=lambda k: (0.0 if closed_loop else trace[k].arrival_s, k))
@@ -599,8 +609,10 @@ async def raw_replay(sender: _RawSender, trace: Sequence[TraceRequest], *, close
             while position < len(order):
                 k = order[position]
                 if not closed_loop and arrival_ns[k] > time.perf_counter_ns():
-                    loop.call_at(origin_loop + trace[k].arrival_s, due)
-                    return
+                    if arrival_ns[k] - time.perf_counter_ns() > SPIN_NS:
+                        loop.call_at(origin_loop + trace[k].arrival_s - SPIN_NS / 1e9, due)
+                        return
+                    _spin_until(arrival_ns[k])
                 if not closed_loop:
                     result.lateness_ms.append(max(0, time.perf_counter_ns() - arrival_ns[k]) / 1e6)
                 position += 1
