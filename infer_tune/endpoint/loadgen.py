@@ -8,6 +8,11 @@ fleet is benchmarked at, and a saturated client reads its own queue as the serve
   the start, as a warm pool of a long-running load generator would be), reports ready, and waits for one shared
   start time on `perf_counter_ns` (CLOCK_MONOTONIC on Linux: one clock for every process of the
   machine), so arrivals, sends and deliveries of all workers are on one clock and merge as they are;
+- http: the workers send on raw sockets (`open_raw`, `raw_replay`): requests serialized before the start,
+  each written with one `send` at its arrival (its start stamped right before), responses parsed as they
+  stream (HTTP/1.1, chunked / Content-Length / to the close, SSE), every read timed by the kernel's
+  receive timestamp (infer_tune.endpoint.rxtime) where there is one, so a busy worker's read delay is not
+  counted as server time; the client's limits, timeouts and failure kinds apply. https: aiohttp;
 - every worker measures its own saturation while it sends: event-loop lag (a 5 ms sleep's overshoot),
   its CPU share (process time / wall time) and its timers' lateness at the arrivals. `saturation`
   turns them into `client_saturated` and the reason, which the endpoint runner writes into the result.
