@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import statistics
+import threading
 import time
 
 import pytest
 from typer.testing import CliRunner
 
-from infer_tune.endpoint import loadgen
+from infer_tune.endpoint import loadgen, rxtime
+from infer_tune.endpoint.client import encode_body
 from infer_tune.endpoint.config import EndpointConfig
 from infer_tune.endpoint.paced import Pace, PacedServer, truth_summary
 from infer_tune.runners.trace import TraceRequest
@@ -93,3 +96,168 @@ def test_bench_endpoint_closed_loop_passes_over_workers(tmp_path, prompts_file):
     assert m["requests_ok"] == 3 * m["iterations"] and m["iterations"] >= 3
     assert launches <= 4  # passes after the first go out in as few launches as the estimate allows
     assert m["tpot_ms"]["p50"] == pytest.approx(5.0, abs=2.0)
+
+
+# ---- the paced server's truth from arrival timestamps; the workers' raw-socket sender ----
+
+def _post(server, prompt: str) -> bytes:
+    config = EndpointConfig(url=server.url, served_model="paced")
+    return loadgen.request_bytes(config, encode_body(config, prompt, 3), {"Content-Type": "application/json"})
+
+
+def _read_to_done(sock) -> bytes:
+    data = b""
+    while b"[DONE]" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+@pytest.mark.skipif(rxtime.SO_TIMESTAMPNS is None, reason="no kernel receive timestamps on this platform")
+def test_paced_server_paces_from_arrival_and_records_what_it_did():
+    pace = Pace(first_s=0.100, interval_s=0.010, tokens=3)
+    with PacedServer(pace) as server:
+        for prompt, blocked_s in (("held 60 ms", 0.060), ("held 180 ms", 0.180)):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+                time.sleep(0.05)  # the connection is accepted and idle
+                server._loop.call_soon_threadsafe(time.sleep, blocked_s)  # the server's loop stops reading
+                time.sleep(0.01)
+                sock.sendall(_post(server, prompt))
+                assert b"[DONE]" in _read_to_done(sock)
+        truth = {r["prompt"]: r for r in server.truth}
+    held, late = truth["held 60 ms"], truth["held 180 ms"]
+    for r in (held, late):
+        assert r["arrival_from"] == "kernel" and r["read_ns"] >= r["arrival_ns"]
+        assert len(r["send_ns"]) == 3
+    # read ~50 ms after arrival, yet the first token still goes out 100 ms after arrival (not after the read)
+    assert (held["read_ns"] - held["arrival_ns"]) / 1e6 > 30
+    ttft = (held["send_ns"][0] - held["arrival_ns"]) / 1e6
+    assert 100 <= ttft < 100 + 30
+    assert all(t >= held["arrival_ns"] + 100_000_000 + k * 10_000_000 for k, t in enumerate(held["send_ns"]))
+    # read after its first token was due: sent late, and the truth says so (the actual send, not the schedule)
+    late_ttft = (late["send_ns"][0] - late["arrival_ns"]) / 1e6
+    assert late_ttft >= (late["read_ns"] - late["arrival_ns"]) / 1e6 > 100
+    assert truth_summary([late])["ttft_ms_p50"] == pytest.approx(late_ttft)
+
+
+SSE = b"".join(b'data: {"choices":[{"index":0,"delta":{"content":"w%d "}}]}\n\n' % k for k in range(3))
+TAIL = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}],"usage":{"completion_tokens":3}}\n\n' \
+       b"data: [DONE]\n\n"
+
+
+def _chunks(*parts: bytes) -> bytes:
+    return b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in parts)
+
+
+END = b"0\r\nX-Trailer: t\r\n\r\n"  # the last chunk, a trailer, the blank line
+
+
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+ANSWERS = {  # what the scripted server writes for every request: a list of writes (None: stay silent 5 s)
+    "chunked": [HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + _chunks(SSE[:30])[:-1], b"\n" + _chunks(SSE[30:], TAIL),
+                END[:-2], END[-2:]],
+    "length": [HEAD + b"Content-Length: %d\r\n\r\n" % len(SSE + TAIL) + SSE, TAIL],
+    "interim": [b"HTTP/1.1 100 Continue\r\n\r\n" + HEAD + b"Content-Length: %d\r\n\r\n" % len(SSE + TAIL) + SSE + TAIL],
+    "to_close": [HEAD + b"Connection: close\r\n\r\n" + SSE + TAIL[:-15], "close"],
+    "bad_chunk": [HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n" + SSE],
+    "bad_status": [b"SMTP ready\r\n\r\n"],
+    "endless": [HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + _chunks(*[SSE] * 400) + END],
+    "long_line": [HEAD + b"Content-Length: 9999999\r\n\r\ndata: " + b"y" * (1 << 21)],
+    "huge_head": [b"HTTP/1.1 200 OK\r\n" + b"X-Pad: " + b"p" * (1 << 17) + b"\r\n\r\n"],
+    "stall": [HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + _chunks(SSE[:30]), None],
+    "cut": [HEAD + b"Content-Length: 5000\r\n\r\n" + SSE, "close"],
+    "error": [b"HTTP/1.1 500 Oops\r\nContent-Length: %d\r\n\r\n\x1b[2J boom " % (8 << 20) + b"z" * (8 << 20)],
+    "redirect": [b"HTTP/1.1 307 Temporary Redirect\r\nLocation: http://127.0.0.1:9/x\r\nContent-Length: 0\r\n\r\n"],
+}
+
+
+class Scripted:
+    """A loopback server on a thread that reads each request (head + Content-Length body) and answers it
+    with the writes of ANSWERS[kind]; counts its connections. Bounded: it writes a fixed amount."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind, self.connections = kind, 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self.serve, args=(sock,), daemon=True).start()
+
+    def serve(self, sock) -> None:
+        sock.settimeout(10)
+        buffer = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in buffer:
+                    data = sock.recv(65536)
+                    if not data:
+                        return
+                    buffer += data
+                head, _, buffer = buffer.partition(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                while len(buffer) < length:
+                    buffer += sock.recv(65536)
+                buffer = buffer[length:]
+                for write in ANSWERS[self.kind]:
+                    if write is None:
+                        time.sleep(5)
+                    elif write == "close":
+                        return
+                    else:
+                        sock.sendall(write)
+                        time.sleep(0.01)
+        except OSError:
+            return
+        finally:
+            sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.mark.parametrize("kind, failure, text", [
+    ("chunked", None, "w0 w1 w2 "), ("length", None, "w0 w1 w2 "), ("interim", None, "w0 w1 w2 "),
+    ("to_close", None, "w0 w1 w2 "),
+    ("bad_chunk", "http", "not a chunk size"), ("bad_status", "http", "not an HTTP/1.x status line"),
+    ("endless", "too_many_tokens", "streamed 4 text events for max_tokens 3"),
+    ("long_line", "oversized", "bytes"), ("huge_head", "http", "head is over 65536 bytes"),
+    ("stall", "idle_timeout", "sent nothing for 0.5 s"), ("cut", "disconnected", "closed the stream"),
+    ("error", "http", "HTTP 500: [2J boom zzz"), ("redirect", "redirect", "redirect to http://127.0.0.1:9/x"),
+])
+def test_raw_sender_parses_streams_and_fails_bad_answers_by_kind(kind, failure, text):
+    server = Scripted(kind)
+    try:
+        config = EndpointConfig(url=f"http://127.0.0.1:{server.port}/v1", served_model="m", concurrency=1,
+                                idle_timeout_s=0.5, timeout_s=5)
+        trace = [TraceRequest(0, 0.0, 3), TraceRequest(0, 0.0, 3)]
+        start = time.monotonic()
+        stats: dict = {}
+        _, records = asyncio.run(asyncio.wait_for(
+            loadgen.raw_send_all(config, trace, ["p"], 3, closed_loop=True, stats=stats), 20))
+        assert time.monotonic() - start < 15
+    finally:
+        server.close()
+    assert len(records) == 2
+    for record, _, submit_ns in records:
+        assert record.failure == failure, record.message
+        assert submit_ns == record.start_ns > 0
+        if failure is None:
+            assert record.text == text and record.usage == {"completion_tokens": 3}
+            assert len(record.delivery_ns) == 3 and all(t >= record.start_ns for t in record.delivery_ns)
+        else:
+            assert text in record.message and len(record.message) < 700 and "\x1b" not in record.message
+    if kind in ("chunked", "length", "interim"):
+        assert server.connections == 1  # keep-alive: the second request went on the same connection
+    if kind == "to_close":
+        assert server.connections == 2
+    if failure is None:
+        assert stats["reads_kernel_timed"] + stats["reads_read_timed"] > 0

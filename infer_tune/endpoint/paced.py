@@ -1,13 +1,18 @@
 """A loopback OpenAI-compatible server of known timing: the truth a load generator is judged against.
 
-Every streaming completion request gets its first token `first_s` after the request was read, then one
-token every `interval_s`, `tokens` in all (or `max_tokens` when smaller). The server records its own
-achieved times, `read_ns` and the `perf_counter_ns` of every token it wrote (with the request's prompt,
-so a client can pair its requests with the server's), so a client's TTFT and
-TPOT can be compared with what the server actually did (not with what it meant to do). One
-`asyncio.Protocol` per connection and one timer for all streams (a heap of due tokens), so a single
-process serves 1,024 concurrent streams; the event bytes of a request are built once.
-`perf_counter_ns` is CLOCK_MONOTONIC on Linux: one clock for every process of the machine.
+Every streaming completion request gets its first token `first_s` after the request arrived at the
+server's socket, then one token every `interval_s` after that (a schedule, not a delay after each
+send), `tokens` in all (or `max_tokens` when smaller). Arrival is the kernel's receive timestamp of
+the read that completed the request (`SO_TIMESTAMPNS`, infer_tune.endpoint.rxtime), so the pace holds
+while the server's one loop is still reading a burst of requests: a request read late is not served
+late. Where the platform gives no timestamp, the read time stands in and the record says so
+(`arrival_from`: "kernel" or "read"). The server records its own achieved times, `arrival_ns`,
+`read_ns` and the `perf_counter_ns` of every token it actually wrote (late when its loop was behind:
+the truth is what it did, not what it meant to do), with the request's prompt, so a client can pair
+its requests with the server's. Raw non-blocking sockets on one event loop (`add_reader`, `recvmsg`)
+and one timer for all streams (a heap of due tokens), so a single process serves 1,024 concurrent
+streams; the event bytes of a request are built once. `perf_counter_ns` is CLOCK_MONOTONIC on Linux:
+one clock for every process of the machine. docs/endpoint.md ("Load generation across processes").
 
     python -m infer_tune.endpoint.paced --port 0 --first-ms 120 --interval-ms 15 --tokens 16
     # prints `READY <port>`; GET /truth answers the recorded times as JSON (docs/endpoint.md)
@@ -20,9 +25,11 @@ import asyncio
 import heapq
 import itertools
 import json
+import socket
 import time
 from dataclasses import dataclass
 
+from infer_tune.endpoint import rxtime
 from infer_tune.endpoint.loopback import BackgroundServer
 
 FINAL = b'data: {"id":"p","object":"chat.completion.chunk","choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n'
@@ -30,7 +37,7 @@ FINAL = b'data: {"id":"p","object":"chat.completion.chunk","choices":[{"index":0
 
 @dataclass
 class Pace:
-    """The server's timing: first token `first_s` after the request is read, then one per `interval_s`."""
+    """The server's timing: first token `first_s` after the request arrived, then one per `interval_s`."""
 
     first_s: float = 0.120
     interval_s: float = 0.015
@@ -49,12 +56,13 @@ def _json(status: str, obj) -> bytes:
 
 
 class _Stream:
-    __slots__ = ("transport", "left", "event", "tail", "sends", "read_ns", "prompt")
+    __slots__ = ("transport", "left", "event", "tail", "sends", "arrival_ns", "read_ns", "arrival_from", "prompt")
 
-    def __init__(self, transport, count: int, event: bytes, tail: bytes, read_ns: int, prompt: str = "") -> None:
+    def __init__(self, transport, count: int, event: bytes, tail: bytes, arrival_ns: int, read_ns: int,
+                 arrival_from: str, prompt: str = "") -> None:
         self.transport, self.left, self.event, self.tail = transport, count, event, tail
         self.sends: list[int] = []
-        self.read_ns = read_ns
+        self.arrival_ns, self.read_ns, self.arrival_from = arrival_ns, read_ns, arrival_from
         self.prompt = prompt
 
 
@@ -70,6 +78,7 @@ class PacedState:
         self.truth: list[dict] = []
         self.in_flight = 0
         self.max_in_flight = 0
+        self.connections: set = set()
 
     def add(self, stream: _Stream, due_ns: int) -> None:
         heapq.heappush(self.heap, (due_ns, next(self.seq), stream))
@@ -111,38 +120,105 @@ class PacedState:
 
     def _finish(self, s: _Stream) -> None:
         self.in_flight -= 1
-        self.truth.append({"read_ns": s.read_ns, "send_ns": s.sends, "prompt": s.prompt})
+        self.truth.append({"arrival_ns": s.arrival_ns, "read_ns": s.read_ns, "arrival_from": s.arrival_from,
+                           "send_ns": s.sends, "prompt": s.prompt})
 
 
-class _Protocol(asyncio.Protocol):
-    def __init__(self, state: PacedState) -> None:
-        self.state = state
+MAX_REQUEST_BYTES = 1 << 20  # a request's head and body at most (the fixture's own bound)
+
+
+class _Connection:
+    """One accepted connection on a raw non-blocking socket: reads with `recvmsg` (the kernel's receive
+    timestamp), writes with `send` (what the socket does not take is kept and sent when it is writable)."""
+
+    def __init__(self, state: PacedState, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+        self.state, self.sock, self.loop = state, sock, loop
+        self.fd = sock.fileno()
         self.buffer = b""
-        self.transport = None
+        self.pending = bytearray()
+        self.closed = False
+        self.transport = self  # the streams write through `transport.write` / `transport.is_closing`
+        state.connections.add(self)
+        loop.add_reader(self.fd, self.readable)
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    def is_closing(self) -> bool:
+        return self.closed
 
-    def data_received(self, data: bytes) -> None:
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.state.connections.discard(self)
+        self.loop.remove_reader(self.fd)
+        self.loop.remove_writer(self.fd)
+        self.sock.close()
+
+    def write(self, data: bytes) -> None:
+        if self.closed:
+            return
+        if self.pending:
+            self.pending += data
+            return
+        try:
+            sent = self.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self.close()
+            return
+        if sent < len(data):
+            self.pending += data[sent:]
+            self.loop.add_writer(self.fd, self.writable)
+
+    def writable(self) -> None:
+        try:
+            sent = self.sock.send(self.pending)
+        except BlockingIOError:
+            return
+        except OSError:
+            self.close()
+            return
+        del self.pending[:sent]
+        if not self.pending:
+            self.loop.remove_writer(self.fd)
+
+    def readable(self) -> None:
+        try:
+            data, received_ns, read_ns = rxtime.read(self.sock, 1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            self.close()
+            return
+        if not data:
+            self.close()
+            return
+        arrival_ns, arrival_from = (received_ns, "kernel") if received_ns is not None else (read_ns, "read")
         self.buffer += data
-        while True:
+        while not self.closed:
             end = self.buffer.find(b"\r\n\r\n")
             if end < 0:
-                return
+                break
             head = self.buffer[:end].decode("latin-1").split("\r\n")
             length = 0
             for line in head[1:]:
                 name, _, value = line.partition(":")
                 if name.strip().lower() == "content-length":
-                    length = int(value.strip())
-            if len(self.buffer) < end + 4 + length:
+                    length = int(value.strip()) if value.strip().isdigit() else -1
+            if length < 0 or length > MAX_REQUEST_BYTES or len(head[0].split(" ")) != 3:
+                self.write(_json("400 Bad Request", {"error": "bad request"}))
+                self.close()
                 return
+            if len(self.buffer) < end + 4 + length:
+                break
             body = self.buffer[end + 4:end + 4 + length]
             self.buffer = self.buffer[end + 4 + length:]
             method, path, _ = head[0].split(" ", 2)
-            self.handle(method, path, body, time.perf_counter_ns())
+            self.handle(method, path, body, arrival_ns, read_ns, arrival_from)
+        if len(self.buffer) > MAX_REQUEST_BYTES:
+            self.close()
 
-    def handle(self, method: str, path: str, body: bytes, read_ns: int) -> None:
+    def handle(self, method: str, path: str, body: bytes, arrival_ns: int, read_ns: int, arrival_from: str) -> None:
         state, pace = self.state, self.state.pace
         if method == "GET" and path.endswith("/models"):
             self.transport.write(_json("200 OK", {"object": "list", "data": [{"id": pace.model, "object": "model"}]}))
@@ -155,7 +231,13 @@ class _Protocol(asyncio.Protocol):
         if method != "POST" or not path.endswith("completions"):
             self.transport.write(_json("404 Not Found", {"error": "not found"}))
             return
-        request = json.loads(body)
+        try:
+            request = json.loads(body)
+        except ValueError:
+            request = None
+        if not isinstance(request, dict):
+            self.transport.write(_json("400 Bad Request", {"error": "the body is not a JSON object"}))
+            return
         if request.get("model") != pace.model:
             self.transport.write(_json("404 Not Found", {"error": {"message": f"no model {request.get('model')!r}"}}))
             return
@@ -173,21 +255,43 @@ class _Protocol(asyncio.Protocol):
         self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
                              b"Server: infer-tune-paced\r\n\r\n")
         prompt = request["messages"][-1].get("content", "") if chat else str(request.get("prompt", ""))
-        state.add(_Stream(self.transport, count, event, tail, read_ns, prompt[:200]), read_ns + int(pace.first_s * 1e9))
+        state.add(_Stream(self.transport, count, event, tail, arrival_ns, read_ns, arrival_from, prompt[:200]),
+                  arrival_ns + int(pace.first_s * 1e9))
 
 
 async def serve(pace: Pace, host: str = "127.0.0.1", port: int = 0, ready=None, stop: asyncio.Event | None = None):
     """Serve until `stop` is set (forever when None); `ready(port, state)` once listening."""
     state = PacedState(pace)
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: _Protocol(state), host, port, backlog=4096)
+    listener = socket.create_server((host, port), backlog=4096)
+    listener.setblocking(False)
+    rxtime.enable(listener)  # accepted sockets inherit it: a request is stamped even before accept returns
+
+    def accept() -> None:
+        for _ in range(256):
+            try:
+                sock, _addr = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            rxtime.enable(sock)
+            _Connection(state, sock, loop)
+
+    loop.add_reader(listener.fileno(), accept)
     if ready is not None:
-        ready(server.sockets[0].getsockname()[1], state)
-    async with server:
-        if stop is None:
-            await server.serve_forever()
-        else:
-            await stop.wait()
+        ready(listener.getsockname()[1], state)
+    try:
+        await (stop.wait() if stop is not None else asyncio.Event().wait())
+    finally:
+        loop.remove_reader(listener.fileno())
+        listener.close()
+        for connection in list(state.connections):
+            connection.close()
+        if state.timer is not None:
+            state.timer.cancel()
 
 
 class PacedServer(BackgroundServer):
@@ -217,13 +321,16 @@ class PacedServer(BackgroundServer):
 
 
 def truth_summary(truth: list[dict]) -> dict:
-    """The server's achieved TTFT (request read -> first token written) and TPOT per request, medians in ms."""
+    """The server's achieved TTFT (request arrived at its socket -> first token written) and TPOT per
+    request, medians in ms; `from_kernel`: how many arrivals are kernel receive timestamps (the rest: read
+    times)."""
     import statistics
 
-    ttft = [(r["send_ns"][0] - r["read_ns"]) / 1e6 for r in truth if r["send_ns"]]
+    ttft = [(r["send_ns"][0] - r.get("arrival_ns", r["read_ns"])) / 1e6 for r in truth if r["send_ns"]]
     tpot = [(r["send_ns"][-1] - r["send_ns"][0]) / 1e6 / (len(r["send_ns"]) - 1) for r in truth if len(r["send_ns"]) > 1]
     return {"requests": len(truth), "ttft_ms_p50": statistics.median(ttft) if ttft else None,
-            "tpot_ms_p50": statistics.median(tpot) if tpot else None}
+            "tpot_ms_p50": statistics.median(tpot) if tpot else None,
+            "from_kernel": sum(1 for r in truth if r.get("arrival_from") == "kernel")}
 
 
 def main(argv: list[str] | None = None) -> None:

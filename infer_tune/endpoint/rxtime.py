@@ -1,0 +1,52 @@
+"""Kernel receive timestamps of TCP reads, on the clock the load generator and the paced server use.
+
+With `SO_TIMESTAMPNS` set on a socket (set on a listening socket, accepted sockets inherit it), every
+`recvmsg` carries, as ancillary data, the CLOCK_REALTIME time the kernel received the data it returns
+(for TCP: the last segment that read consumed). `read` converts it to `perf_counter_ns` (CLOCK_MONOTONIC
+on Linux) by its age: now on `perf_counter_ns` minus (now on `time_ns` - the timestamp), both clocks
+read back to back, so a wall-clock step between runs does not matter. Where the platform gives no
+timestamp (no `SO_TIMESTAMPNS`, no ancillary data, or one that is in the future or older than
+`MAX_AGE_NS`), the caller gets None and uses the read time, recorded as such. docs/endpoint.md
+("Load generation across processes").
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35 if hasattr(socket, "SO_REUSEPORT") else None)
+_TIMESPEC = struct.Struct("@qq")
+ANC_SIZE = socket.CMSG_SPACE(_TIMESPEC.size) if hasattr(socket, "CMSG_SPACE") else 0
+MAX_AGE_NS = 60 * 10**9  # a timestamp older than this is not the read's (a clock step): the read time stands in
+CLOCK_SLACK_NS = 1_000_000  # a timestamp up to this far "in the future" (the two clocks read apart) counts as now
+
+
+def enable(sock: socket.socket) -> bool:
+    """Ask the kernel to timestamp what `sock` receives; False where it cannot (the read time is used)."""
+    if SO_TIMESTAMPNS is None or not hasattr(sock, "recvmsg"):
+        return False
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+    except OSError:
+        return False
+    return True
+
+
+def read(sock: socket.socket, size: int) -> tuple[bytes, int | None, int]:
+    """One non-blocking read of at most `size` bytes: (data, when the kernel received it on
+    `perf_counter_ns` or None where it gave no timestamp, when this read returned on `perf_counter_ns`).
+    Raises what `recvmsg` / `recv` raise (BlockingIOError, OSError)."""
+    if not ANC_SIZE:
+        data = sock.recv(size)
+        return data, None, time.perf_counter_ns()
+    data, ancillary, _flags, _addr = sock.recvmsg(size, ANC_SIZE)
+    mono = time.perf_counter_ns()
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(payload) >= _TIMESPEC.size:
+            sec, nsec = _TIMESPEC.unpack_from(payload)
+            age = time.time_ns() - (sec * 10**9 + nsec)
+            if -CLOCK_SLACK_NS <= age <= MAX_AGE_NS:
+                return data, mono - max(0, age), mono
+    return data, None, mono
