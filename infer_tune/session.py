@@ -6,9 +6,12 @@ interleaved rounds (infer_tune.rounds) when their runner times closed-loop passe
 candidates as large as memory allows, each round one pass of each in shuffled order, until every
 ratio's 95% interval is within the protocol's target. Candidates whose runner does not run in passes
 (an arrival trace, a server, several processes) are measured alone against the group's baseline.
-Each result then gets the technique's `finalize` facts and files, `annotate`, an atomic save, and
-the sweep's `summarize` claim and `plots`. `build_document` turns a runner's raw timings into a
-result document. See docs/architecture.md, "The sweep engine".
+A config that runs its own workload (the registry's `workload` hook) is measured alone too. Each
+result then gets the technique's `finalize` facts and files, `annotate`, an atomic save, and the
+sweep's `complete` keys, `summarize` claim and `plots`, then the command's `SweepPlan.conclude`.
+`save_rows` is the one writer for rows run_configs cannot measure (a live endpoint's, expert-placement
+predictions). `build_document` turns a runner's raw timings into a result document. See
+docs/architecture.md, "The sweep engine".
 """
 
 from __future__ import annotations
