@@ -399,6 +399,7 @@ def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, proto
             if admission.skip is not None:
                 plan.skipped.append(Skipped(config, admission.skip, admission.reason, admission.facts))
                 continue
+            sweep.admitted[i] = admission.metrics
             prepared = entry.prepare(loaded, config, ctx)
             prepared.device = ctx.device
             if (prepared.runner or entry.runner) in PASS_RUNNERS and not first and not sweep.own_workload(config):
@@ -441,6 +442,7 @@ class _Sweep:
         self.loaded, self.inputs, self.workload, self.protocol, self.ctx = loaded, inputs, workload, protocol, ctx
         self.measure_ppl, self.execute, self.plan = measure_ppl, execute, plan
         self.batched: dict[int, Inputs] = {workload.batch_size: inputs}
+        self.admitted: dict[int, dict] = {}  # config index -> the metrics its admission adds to its row
         self.baseline: dict | None = None
         self.baseline_outputs: list[dict] | None = None
         self.finished = 0
@@ -490,7 +492,8 @@ class _Sweep:
             for (i, prepared), variant in zip(group, variants[1:]):
                 docs[i] = self._finish(configs[i], prepared, rounds.merged_run(variant), host,
                                        rounds_block=outcome.block(variant.name),
-                                       ratios=outcome.intervals.get(variant.name), earlier=docs)
+                                       ratios=outcome.intervals.get(variant.name), earlier=docs,
+                                       metrics=self.admitted.get(i))
         finally:
             for _, prepared in group:
                 if prepared.cleanup:
