@@ -6,15 +6,20 @@ interleaved rounds (infer_tune.rounds) when their runner times closed-loop passe
 candidates as large as memory allows, each round one pass of each in shuffled order, until every
 ratio's 95% interval is within the protocol's target. Candidates whose runner does not run in passes
 (an arrival trace, a server, several processes) are measured alone against the group's baseline.
-Each result then gets the technique's `finalize` facts and files, `annotate`, an atomic save, and
-the sweep's `summarize` claim and `plots`. `build_document` turns a runner's raw timings into a
-result document. See docs/architecture.md, "The sweep engine".
+A config that runs its own workload (the registry's `workload` hook) is measured alone too. Each
+result then gets the technique's `finalize` facts and files, `annotate`, an atomic save, and the
+sweep's `complete` keys, `summarize` claim and `plots`, then the command's `SweepPlan.conclude`.
+`save_rows` is the one writer for rows run_configs cannot measure (a live endpoint's, expert-placement
+predictions). `build_document` turns a runner's raw timings into a result document. See
+docs/architecture.md, "The sweep engine".
 """
 
 from __future__ import annotations
 
 import gc
-from dataclasses import asdict
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from infer_tune import env as envinfo
@@ -22,15 +27,68 @@ from infer_tune import models, results, rounds, suites
 from infer_tune.document import ResultDocument
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import deltas, kv, noise, quality, roofline
+from infer_tune.metrics.memory import is_out_of_memory
 from infer_tune.metrics.perplexity import reference_perplexity
 from infer_tune.metrics.stats import summarize
 from infer_tune.runners import GenerationRun, PreparedModel, get_runner
 from infer_tune.runners.base import PASS_RUNNERS, WHOLE_RUNNERS, Progress
 from infer_tune.tuners.base import TECHNIQUES, RunContext, TechniqueConfig, load_techniques, technique_for
-from infer_tune.workload import Inputs, Protocol, Workload, prepare_inputs, workload_block
+from infer_tune.workload import Inputs, Protocol, Workload, prepare_inputs, rebatched, workload_block
 
-__all__ = ["Inputs", "build_document", "ensure_baseline", "measure_prepared", "prepare_inputs", "run_configs",
-           "run_fingerprint"]
+__all__ = ["Admission", "Inputs", "Row", "Skipped", "SweepPlan", "build_document", "ensure_baseline",
+           "measure_prepared", "prepare_inputs", "run_configs", "run_fingerprint", "save_rows"]
+
+
+@dataclass
+class Admission:
+    """What a sweep's `admit` callback says of a config before it is prepared: facts for its row, or why it
+    is not measured (docs/architecture.md, "The sweep engine")."""
+
+    metrics: dict = field(default_factory=dict)  # added to the row's `metrics` once measured
+    facts: dict = field(default_factory=dict)  # what names the row when it is skipped (batch sweep: its size)
+    skip: str | None = None  # a status (e.g. `over_memory_limit`): the config is not measured
+    reason: str = ""
+
+
+@dataclass
+class Skipped:
+    """A config the sweep did not measure, and why."""
+
+    config: TechniqueConfig
+    status: str
+    reason: str
+    facts: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {**self.facts, "status": self.status, "reason": self.reason}
+
+
+@dataclass
+class SweepPlan:
+    """What a command asks of the engine beyond measuring its configs against the plain baseline.
+
+    - `reference`: `baseline` (the plain model, measured or reused) or `first`: every config measured
+      alone, one after another, against the first one measured (a batch-size sweep: the smallest size);
+      no plain baseline is measured.
+    - `admit(config, workload, inputs, earlier_docs) -> Admission`: called before each config is
+      prepared (a memory prediction that skips a config, facts for its row).
+    - `skip_out_of_memory`: a config whose measurement runs out of memory becomes a `Skipped` row
+      (`out_of_memory`) and the sweep goes on.
+    - `conclude(docs, skipped) -> {file name: bytes} | None`: after the techniques' sweep hooks, adds
+      to the results what the command's own options define (goodput under its SLOs, a plot over one
+      context length); the engine rewrites the results it changed and writes the files into each.
+    - `skipped`: filled by the engine, in config order.
+    """
+
+    reference: str = "baseline"
+    admit: Callable[[TechniqueConfig, Workload, Inputs, list[dict]], Admission] | None = None
+    skip_out_of_memory: bool = False
+    conclude: Callable[[list[dict], list[Skipped]], dict[str, bytes] | None] | None = None
+    skipped: list[Skipped] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.reference not in ("baseline", "first"):
+            raise ConfigError(f"reference must be 'baseline' or 'first', got '{self.reference}'")
 
 
 def run_fingerprint(loaded: models.LoadedModel, technique: str, config: dict, workload: Workload, env: dict,
@@ -265,11 +323,21 @@ def resolve_configs(configs: list[TechniqueConfig], ctx: RunContext) -> list[Tec
     return out
 
 
+def config_workload(config: TechniqueConfig, workload: Workload) -> Workload:
+    """The workload `config` runs: the sweep's, unless a part's registry entry overrides it per config
+    (`workload` hook: a batch-size sweep row runs at its own batch size)."""
+    for part in config.parts():
+        entry = technique_for(part)
+        if entry.workload is not None:
+            workload = entry.workload(part, workload)
+    return workload
+
+
 def preflight(loaded: models.LoadedModel, workload: Workload, configs: list[TechniqueConfig], ctx: RunContext) -> None:
     """Every check that can fail before a measurement: constraints, then each technique's own checks."""
     for config in configs:
         entry = technique_for(config)
-        entry.check_workload(workload, config)
+        entry.check_workload(config_workload(config, workload), config)
         if entry.preflight:
             entry.preflight(loaded, config, ctx)
 
@@ -286,44 +354,55 @@ def run_configs(
     reuse_baseline: bool = True,
     measure_ppl: bool = True,
     execute: bool = False,
-) -> tuple[dict, list[dict]]:
+    plan: SweepPlan | None = None,
+) -> tuple[dict | None, list[dict]]:
     """Every config prepared, measured beside the baseline (interleaved rounds where its runner runs in
-    passes, else alone against the baseline) and saved (module docstring; docs/architecture.md).
+    passes and its workload is the sweep's, else alone against the baseline) and saved (module
+    docstring; docs/architecture.md, "The sweep engine").
 
     Results are saved atomically as each group finishes, so an interrupted sweep keeps its rows and
-    `resume=True` skips them. A technique's `annotate` hook sees the results finished before it.
-    Returns (baseline document, candidate documents in config order).
+    `resume=True` skips them. A technique's `annotate` hook sees the results finished before it. `plan`
+    says what a command asks beyond that (`SweepPlan`: the reference, admission, out-of-memory skips,
+    its own sweep-level keys); the configs it skipped are in `plan.skipped`.
+    Returns (baseline document, candidate documents in config order); with `plan.reference == "first"`
+    the baseline is the first measured candidate (None when every config was skipped).
     """
+    plan = plan or SweepPlan()
     configs = resolve_configs(configs, ctx)
     preflight(loaded, workload, configs, ctx)
     waiting = (lambda: ctx.progress(f"waiting for another infer-tune run in {ctx.out_dir}", 0, None)) \
         if ctx.progress else None
     with results.runs_lock(ctx.out_dir, on_wait=waiting):  # concurrent sweeps queue; none measures twice
         return _sweep(loaded, inputs, workload, protocol, configs, ctx, resume=resume,
-                      reuse_baseline=reuse_baseline, measure_ppl=measure_ppl, execute=execute)
+                      reuse_baseline=reuse_baseline, measure_ppl=measure_ppl, execute=execute, plan=plan)
 
 
 def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, protocol: Protocol,
            configs: list[TechniqueConfig], ctx: RunContext, *, resume: bool, reuse_baseline: bool,
-           measure_ppl: bool, execute: bool | str) -> tuple[dict, list[dict]]:
-    sweep = _Sweep(loaded, inputs, workload, protocol, ctx, measure_ppl=measure_ppl, execute=execute)
+           measure_ppl: bool, execute: bool | str, plan: SweepPlan) -> tuple[dict | None, list[dict]]:
+    sweep = _Sweep(loaded, inputs, workload, protocol, ctx, measure_ppl=measure_ppl, execute=execute, plan=plan)
     docs: list[dict | None] = [None] * len(configs)
-    pending = []
-    for i, config in enumerate(configs):
-        done = find_result(ctx.out_dir, sweep.fingerprint(config)) if resume else None
-        if done is not None:
-            docs[i] = done
-        else:
-            pending.append(i)
-    sweep.progress_configs(len(configs) - len(pending), len(configs))
+    done = [find_result(ctx.out_dir, sweep.fingerprint(config)) if resume else None for config in configs]
+    sweep.progress_configs(sum(d is not None for d in done), len(configs))
+    first = plan.reference == "first"
     group: list[tuple[int, PreparedModel]] = []
     try:
-        for i in pending:
-            config = configs[i]
+        for i, config in enumerate(configs):
+            if done[i] is not None:
+                docs[i] = done[i]
+                if first and sweep.baseline is None:  # a resumed reference: the later rows compare with it
+                    sweep.baseline, sweep.baseline_outputs = done[i], results.load_outputs(done[i]["_path"])
+                continue
             entry = technique_for(config)
+            admission = plan.admit(config, *sweep.point(config), [d for d in docs if d is not None]) \
+                if plan.admit else Admission()
+            if admission.skip is not None:
+                plan.skipped.append(Skipped(config, admission.skip, admission.reason, admission.facts))
+                continue
+            sweep.admitted[i] = admission.metrics
             prepared = entry.prepare(loaded, config, ctx)
             prepared.device = ctx.device
-            if (prepared.runner or entry.runner) in PASS_RUNNERS:
+            if (prepared.runner or entry.runner) in PASS_RUNNERS and not first and not sweep.own_workload(config):
                 group.append((i, prepared))
                 if not fits_another(loaded, group):  # hold no more variants than memory allows
                     sweep.measure_group(group, configs, docs)
@@ -331,7 +410,7 @@ def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, proto
             else:
                 sweep.measure_group(group, configs, docs)
                 group = []
-                sweep.measure_alone(i, config, prepared, docs, reuse_baseline=reuse_baseline)
+                sweep.measure_alone(i, config, prepared, docs, reuse_baseline=reuse_baseline, admission=admission)
         sweep.measure_group(group, configs, docs)
         group = []
     finally:
@@ -339,10 +418,10 @@ def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, proto
             if prepared.cleanup:
                 prepared.cleanup()
     measured = [d for d in docs if d is not None]
-    if sweep.baseline is None:  # every config was found done (resume), or there were none: reuse or measure one
+    if sweep.baseline is None and not first:  # every config was found done (resume), or none: reuse or measure one
         sweep.baseline, _, _ = ensure_baseline(loaded, inputs, workload, protocol, ctx, reuse=True,
                                                measure_ppl=measure_ppl, execute=execute)
-    summarize_sweep(measured)
+    summarize_sweep(measured, plan)
     return sweep.baseline, measured
 
 
@@ -359,9 +438,11 @@ def fits_another(loaded: models.LoadedModel, group: list) -> bool:
 class _Sweep:
     """The state one sweep shares between its groups: the workload, the baseline measured last."""
 
-    def __init__(self, loaded, inputs, workload, protocol, ctx, *, measure_ppl, execute) -> None:
+    def __init__(self, loaded, inputs, workload, protocol, ctx, *, measure_ppl, execute, plan: SweepPlan) -> None:
         self.loaded, self.inputs, self.workload, self.protocol, self.ctx = loaded, inputs, workload, protocol, ctx
-        self.measure_ppl, self.execute = measure_ppl, execute
+        self.measure_ppl, self.execute, self.plan = measure_ppl, execute, plan
+        self.batched: dict[int, Inputs] = {workload.batch_size: inputs}
+        self.admitted: dict[int, dict] = {}  # config index -> the metrics its admission adds to its row
         self.baseline: dict | None = None
         self.baseline_outputs: list[dict] | None = None
         self.finished = 0
@@ -369,8 +450,19 @@ class _Sweep:
 
     def fingerprint(self, config: TechniqueConfig) -> str:
         entry = technique_for(config)
-        return run_fingerprint(self.loaded, entry.name, config.to_dict(), self.workload, self.ctx.env, self.execute,
-                               protocol=self.protocol, measure_ppl=self.measure_ppl and entry.measure_ppl)
+        return run_fingerprint(self.loaded, entry.name, config.to_dict(), config_workload(config, self.workload),
+                               self.ctx.env, self.execute, protocol=self.protocol,
+                               measure_ppl=self.measure_ppl and entry.measure_ppl)
+
+    def own_workload(self, config: TechniqueConfig) -> bool:
+        return config_workload(config, self.workload) != self.workload
+
+    def point(self, config: TechniqueConfig) -> tuple[Workload, Inputs]:
+        """The workload `config` runs and its inputs (encoded again at its own batch size when it has one)."""
+        workload = config_workload(config, self.workload)
+        if workload.batch_size not in self.batched:
+            self.batched[workload.batch_size] = rebatched(self.inputs, self.loaded.tokenizer, workload.batch_size)
+        return workload, self.batched[workload.batch_size]
 
     def progress_configs(self, done: int, total: int) -> None:
         self.total = total
@@ -400,7 +492,8 @@ class _Sweep:
             for (i, prepared), variant in zip(group, variants[1:]):
                 docs[i] = self._finish(configs[i], prepared, rounds.merged_run(variant), host,
                                        rounds_block=outcome.block(variant.name),
-                                       ratios=outcome.intervals.get(variant.name), earlier=docs)
+                                       ratios=outcome.intervals.get(variant.name), earlier=docs,
+                                       metrics=self.admitted.get(i))
         finally:
             for _, prepared in group:
                 if prepared.cleanup:
@@ -423,19 +516,31 @@ class _Sweep:
         return doc, outputs
 
     def measure_alone(self, i: int, config: TechniqueConfig, prepared: PreparedModel, docs: list[dict | None], *,
-                      reuse_baseline: bool) -> None:
-        """A candidate whose runner does not run in passes: measured once per the protocol, against the
-        baseline measured last (or one reused / measured now)."""
+                      reuse_baseline: bool, admission: Admission) -> None:
+        """A candidate measured once per the protocol (its runner does not run in passes, it runs its own
+        workload, or the plan compares every row with the first), against the baseline measured last (or
+        one reused / measured now; with `reference: first`, the first row measured, or none for that row)."""
         try:
-            if self.baseline is None:
+            if self.baseline is None and self.plan.reference == "baseline":
                 self.baseline, self.baseline_outputs, _ = ensure_baseline(
                     self.loaded, self.inputs, self.workload, self.protocol, self.ctx, reuse=reuse_baseline,
                     measure_ppl=self.measure_ppl, execute=self.execute)
             entry = technique_for(config)
+            workload, inputs = self.point(config)
             before = noise.HostSnapshot.take()
-            run = get_runner(prepared.runner or entry.runner)(prepared, self.inputs, self.workload, self.protocol,
-                                                             self.ctx.progress)
-            docs[i] = self._finish(config, prepared, run, (before, noise.HostSnapshot.take()), earlier=docs)
+            try:
+                run = get_runner(prepared.runner or entry.runner)(prepared, inputs, workload, self.protocol,
+                                                                 self.ctx.progress)
+            except Exception as exc:  # noqa: BLE001 (only allocation failures are skipped; the rest re-raise)
+                if not (self.plan.skip_out_of_memory and is_out_of_memory(exc)):
+                    raise
+                self.plan.skipped.append(Skipped(config, "out_of_memory", str(exc).splitlines()[0][:200],
+                                                 admission.facts))
+                return
+            docs[i] = self._finish(config, prepared, run, (before, noise.HostSnapshot.take()), earlier=docs,
+                                   metrics=admission.metrics)
+            if self.baseline is None:  # reference `first`: this row is what the later rows compare with
+                self.baseline, self.baseline_outputs = docs[i], results.load_outputs(docs[i]["_path"])
         finally:
             if prepared.cleanup:
                 prepared.cleanup()
@@ -443,11 +548,12 @@ class _Sweep:
 
     def _finish(self, config: TechniqueConfig, prepared: PreparedModel, run: GenerationRun, host, *,
                 earlier: list[dict | None], rounds_block: dict | None = None,
-                ratios: dict | None = None) -> dict:
+                ratios: dict | None = None, metrics: dict | None = None) -> dict:
         """Build, finalize (technique facts and files), annotate and save one candidate's result."""
         entry = technique_for(config)
+        workload, inputs = self.point(config)
         doc, outputs = build_document(
-            self.loaded, prepared, run, self.inputs, self.workload, self.protocol, technique=entry.name,
+            self.loaded, prepared, run, inputs, workload, self.protocol, technique=entry.name,
             config=config.to_dict(), env=self.ctx.env, runner=prepared.runner or entry.runner, host=host,
             baseline=self.baseline, baseline_outputs=self.baseline_outputs,
             measure_ppl=self.measure_ppl and entry.measure_ppl, execute=self.execute,
@@ -455,7 +561,8 @@ class _Sweep:
             ratios=ratios)
         objectives = [technique_for(p).objective for p in config.parts()]
         doc["objective"] = next((o for o in objectives if o != "decode"), "decode")  # what it is ranked on
-        files = entry.finalize(config, doc, outputs, prepared, self.inputs, self.ctx) if entry.finalize else None
+        doc["metrics"].update(metrics or {})
+        files = entry.finalize(config, doc, outputs, prepared, inputs, self.ctx) if entry.finalize else None
         if entry.annotate:
             entry.annotate(doc, [d for d in earlier if d is not None])
         saved = results.save_run(self.ctx.out_dir, doc, outputs, extra_files=files or None)
@@ -466,26 +573,75 @@ class _Sweep:
         return doc
 
 
-def summarize_sweep(docs: list[dict]) -> None:
-    """Each technique's sweep-level claim (`summarize`) and figures (`plots`), stored in its results."""
+@dataclass
+class Row:
+    """A result document built outside `run_configs`, its outputs rows and the files saved beside it."""
+
+    doc: dict
+    outputs: list[dict] = field(default_factory=list)
+    files: dict[str, bytes] = field(default_factory=dict)
+
+
+def save_rows(out_dir: Path, rows: list[Row], *, resume: bool = False) -> list[dict]:
+    """The engine's writer for rows that `run_configs` cannot measure: a live endpoint's (no weights here, no
+    plain baseline: docs/endpoint.md) and expert-placement plans (predictions, nothing measured). Under the
+    runs directory's lock, each row is saved atomically; with `resume`, a row whose fingerprint is already
+    saved is read back instead. Returns the saved documents (with `_path`), in order
+    (docs/architecture.md, "The sweep engine")."""
+    out = []
+    with results.runs_lock(out_dir):
+        for row in rows:
+            done = find_result(out_dir, row.doc["fingerprint"], row.doc.get("technique")) if resume else None
+            if done is None:
+                row.doc["_path"] = str(results.save_run(out_dir, row.doc, row.outputs,
+                                                        extra_files=row.files or None).run_dir)
+            out.append(done or row.doc)
+    return out
+
+
+def summarize_sweep(docs: list[dict], plan: SweepPlan | None = None) -> None:
+    """Each technique's sweep-level claim (`summarize`), keys (`complete`) and figures (`plots`), then the
+    plan's own (`conclude`), stored in the results: a changed `result.json` is rewritten atomically."""
     load_techniques()
+    plan = plan or SweepPlan()
+    before = {id(doc): _snapshot(doc) for doc in docs}
     by_technique: dict[str, list[dict]] = {}
     for doc in docs:
         by_technique.setdefault(doc["technique"], []).append(doc)
+    files_of: dict[int, dict[str, bytes]] = {}
     for entry in TECHNIQUES.values():
         group = by_technique.get(entry.name)
+        skipped = [s for s in plan.skipped if technique_for(s.config).name == entry.name]
+        if not group and not skipped:
+            continue
+        if entry.complete:
+            entry.complete(group or [], skipped)
         if not group:
             continue
-        if entry.summarize:
-            store_claim(group, entry.summarize(group))
+        claim = entry.summarize(group) if entry.summarize else None
+        for doc in group if claim is not None else ():
+            doc["metrics"]["claim_check"] = claim
         files = entry.plots(group) if entry.plots else {}
         for doc in group:
-            if files and doc.get("_path"):
-                results.add_files(doc, files)
+            files_of.setdefault(id(doc), {}).update(files)
+    own = (plan.conclude(docs, plan.skipped) if plan.conclude else None) or {}
+    for doc in docs:
+        if not doc.get("_path"):
+            continue
+        if _snapshot(doc) != before[id(doc)]:
+            results.update_result(doc)
+        files = {**files_of.get(id(doc), {}), **own}
+        if files:
+            results.add_files(doc, files)
+
+
+def _snapshot(doc: dict) -> str:
+    return json.dumps(doc, sort_keys=True, default=str)
 
 
 def store_claim(docs: list[dict], claim: dict | None) -> None:
-    """`claim` as `metrics.claim_check` of every doc in `docs`, rewritten where it changed."""
+    """`claim` as `metrics.claim_check` of every doc in `docs`, rewritten where it changed (a claim over
+    several sweeps of one command: speculate's suites)."""
     if claim is None:
         return
     for doc in docs:

@@ -183,6 +183,12 @@ def prepare_inputs(loaded, workload: Workload, prompts: list[Prompt] | None = No
     return Inputs(prompts=prompts, rendered=rendered, batches=batches, templated=templated)
 
 
+def rebatched(inputs: Inputs, tokenizer, batch_size: int) -> Inputs:
+    """The same prompts encoded into left-padded batches of `batch_size` (a per-config workload's batch size)."""
+    return Inputs(prompts=inputs.prompts, rendered=inputs.rendered, templated=inputs.templated,
+                  batches=encode_batches(tokenizer, inputs.rendered, batch_size, add_special_tokens=not inputs.templated))
+
+
 def workload_block(workload: Workload, inputs: Inputs) -> dict:
     """The result's `workload` section: the settings plus what was really run."""
     block = workload.to_dict()

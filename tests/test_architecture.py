@@ -267,6 +267,47 @@ def test_a_technique_document_is_the_same_whichever_command_ran_it(tiny_loaded, 
     # the command adds what its own options define (goodput under its SLOs), nothing the recipe row lacks
     assert set(recipe_batch["metrics"]) <= set(command_batch["metrics"])
 
+    # a batch-size sweep row: at its own batch size (the entry's workload hook), with the sweep's keys and figure
+    from infer_tune.scenarios.batch import SweepSpec, run_sweep
+
+    sized = Workload(suite=str(prompts_file), limit=2, max_new_tokens=3)
+    _, (recipe_row,) = run_configs(tiny_loaded, prepare_inputs(tiny_loaded, sized), sized, ONCE,
+                                   [BatchConfig(scheduler="sweep", batch_size=2)],
+                                   RunContext(env=env, out_dir=tmp_path / "recipe-sweep"))
+    spec = RunSpec(model=str(tiny_model_dir), workload=sized, protocol=ONCE, threads=1, out_dir=tmp_path / "sweep")
+    command_row = run_sweep(spec, SweepSpec(batch_sizes=[1, 2])).docs[-1]
+    for doc in (recipe_row, command_row):
+        assert doc["workload"]["batch_size"] == 2 and doc["metrics"]["batch_size"] == 2 and doc["sweep"]
+        assert (Path(doc["_path"]) / "sweep.png").is_file()
+    # the command adds its memory limit and prediction, nothing the recipe row lacks
+    assert set(recipe_row["metrics"]) <= set(command_row["metrics"])
+    assert set(command_row["metrics"]) - set(recipe_row["metrics"]) <= {
+        "predicted_peak_bytes", "memory_limit_bytes", "exceeded_memory_limit"}
+
+
+WRITERS = {"save_run", "update_result", "add_files"}
+
+
+def test_only_the_sweep_engine_writes_results():
+    """session.py is the only module that writes a result (executors.py lands remote results measured by
+    run_configs on cluster nodes through the same atomic writer); docs/architecture.md, "The sweep engine"."""
+    import ast
+    from pathlib import Path
+
+    import infer_tune
+
+    root = Path(infer_tune.__file__).parent
+    allowed = {"session.py": WRITERS, "executors.py": {"save_run"}, "results.py": WRITERS}
+    found = []
+    for file in sorted(root.rglob("*.py")):
+        name = file.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call):
+                called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                if called in WRITERS and called not in allowed.get(name, set()):
+                    found.append(f"{name}:{node.lineno} {called}")
+    assert not found, found
+
 
 def test_a_technique_from_its_own_package_reaches_every_surface(tiny_model_dir, prompts_file, tmp_path):
     """Registered by this test alone, a technique runs in `bench --recipe`, stacks in its phase after the

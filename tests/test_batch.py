@@ -260,16 +260,20 @@ def test_claim_verdict_from_the_intervals_of_paired_rounds():
 
 def test_sweep_reports_out_of_memory_and_memory_limit_and_goes_on(tiny_model_dir, mixed_suite, tmp_path, monkeypatch):
     import infer_tune.scenarios.batch as scenario
+    import infer_tune.session as session
     from infer_tune.scenarios.common import RunSpec
 
-    real = scenario.measure_prepared
+    real = session.get_runner
 
-    def allocator_refuses_batch_2(loaded, prepared, inputs, workload, *args, **kwargs):
-        if workload.batch_size == 2:
-            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes")
-        return real(loaded, prepared, inputs, workload, *args, **kwargs)
+    def allocator_refuses_batch_2(name):
+        def run(prepared, inputs, workload, *args):
+            if workload.batch_size == 2:
+                raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 "
+                                   "bytes")
+            return real(name)(prepared, inputs, workload, *args)
+        return run
 
-    monkeypatch.setattr(scenario, "measure_prepared", allocator_refuses_batch_2)
+    monkeypatch.setattr(session, "get_runner", allocator_refuses_batch_2)  # the engine measures every size
     monkeypatch.setattr(scenario.analysis, "analytic_batch_bytes", lambda shape, b, p, n, v: b * 2**40)  # 1 TiB a row
     spec = RunSpec(model=str(tiny_model_dir), threads=1, out_dir=tmp_path, protocol=ONCE,
                    workload=Workload(suite=str(mixed_suite), limit=8, max_new_tokens=6, chat_template=False))
@@ -305,15 +309,14 @@ def test_memory_prediction_and_oom_detection():
 
 
 def test_batch_config_through_the_registry_and_run_configs(tiny_loaded, mixed_suite, tmp_path):
-    """A recipe reaches the technique through the registry alone: the trace is built when the runner starts."""
+    """A recipe reaches the technique through the registry alone: the trace is built when the runner starts
+    (a batch-size sweep row from a recipe: tests/test_architecture.py)."""
     workload = Workload(suite=str(mixed_suite), limit=4, max_new_tokens=6, chat_template=False)
     ctx = RunContext(env=envinfo.collect_env(1), out_dir=tmp_path)
     inputs = prepare_inputs(tiny_loaded, workload)
     _, (doc,) = run_configs(tiny_loaded, inputs, workload, ONCE, [BatchConfig(scheduler="continuous", batch_size=2,
                                                                               rate=100.0)], ctx)
     assert doc["runner"] == "trace" and doc["metrics"]["output_mismatches"] == 0 and doc["metrics"]["trace_requests"] == 4
-    with pytest.raises(ConfigError, match="sweep"):
-        run_configs(tiny_loaded, inputs, workload, ONCE, [BatchConfig(scheduler="sweep")], ctx)
     for bad in ({"batch_size": 0}, {"rate": 0.0}, {"rate": -1.0}, {"burstiness": 0.0}, {"scheduler": "magic"},
                 {"requests": 0}, {"timeout_ms": -1.0, "scheduler": "static"}, {"max_batch_tokens": 0}):
         with pytest.raises(ConfigError):

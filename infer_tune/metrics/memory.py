@@ -85,3 +85,12 @@ def cuda_peak_bytes(device: str = "cuda") -> int | None:
     if not device.startswith("cuda") or not torch.cuda.is_available():
         return None
     return int(torch.cuda.max_memory_allocated())
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An allocation failure (CUDA OOM, or the CPU allocator refusing a request) rather than a bug."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, (RuntimeError, MemoryError)) and (
+        isinstance(exc, MemoryError) or "out of memory" in text or "can't allocate memory" in text)

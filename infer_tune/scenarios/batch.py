@@ -5,27 +5,24 @@ The sweep runs the same prompts through padded static batches of each size on th
 of memory or would exceed `memory_limit_bytes` is reported and the sweep goes on). The serving
 simulation replays one seeded arrival trace per rate open-loop through the static and the continuous
 batcher (`trace` runner) and adds goodput under the SLOs, the highest rate meeting them, plots and
-the continuous-batching claim check. Every serving row is measured and saved by the sweep engine
-(`session.run_configs`, with the technique's trace keys and `trace.jsonl`), then completed in its own
-folder with the goodput under the command's SLOs, the plots and the summary.
+the continuous-batching claim check. Every row of both is measured, completed and saved by the sweep
+engine (`session.run_configs`): the technique's keys and files come from its registry entry, what the
+command's options define (the memory limit, the SLOs) from its `SweepPlan`; nothing here writes a result.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import gc
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infer_tune import results
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import kv, memory
 from infer_tune.metrics.saturation import SLO, goodput
 from infer_tune.runners.base import Progress, RequestTiming
 from infer_tune.runners.generation import generate_once
 from infer_tune.scenarios.common import RunSpec, open_run
-from infer_tune.session import find_result, measure_prepared, run_configs, run_fingerprint
+from infer_tune.session import Admission, SweepPlan, run_configs
 from infer_tune.tuners.base import apply
 from infer_tune.tuners.batch import (
     DEFAULT_MAX_BATCH_TOKENS,
@@ -33,10 +30,9 @@ from infer_tune.tuners.batch import (
     BatchConfig,
     analysis,
     arrivals,
+    padding,
 )
-from infer_tune.tuners.batch import plots as batch_plots
-from infer_tune.tuners.batch.common import is_out_of_memory
-from infer_tune.workload import Inputs, encode_batches, load_prompts
+from infer_tune.workload import Inputs, load_prompts
 
 
 # --------------------------------------------------------------------------- sweep
@@ -63,104 +59,63 @@ class SweepResult:
     run_dirs: list[Path]
 
 
-def _padded(inputs: Inputs, max_new_tokens: int) -> tuple[float, int]:
-    """(padding share, longest padded prompt) of the batches, with the output length pinned."""
-    positions = pads = 0
-    width = 0
-    for batch in inputs.batches:
-        rows, prompt = batch["attention_mask"].shape
-        width = max(width, int(prompt))
-        positions += int(rows) * (int(prompt) + max_new_tokens)
-        pads += int(rows) * int(prompt) - int(batch["attention_mask"].sum())
-    return pads / positions if positions else 0.0, width
-
-
 def run_sweep(spec: RunSpec, sweep: SweepSpec, progress: Progress | None = None) -> SweepResult:
-    """Every batch size on the same prompts (the smallest size is the reference for output equality)."""
+    """Every batch size on the same prompts, measured by the sweep engine one after another against the
+    smallest size (the reference for output equality); a size predicted over the memory limit, or that
+    runs out of memory, is reported and the sweep goes on."""
     largest = sweep.batch_sizes[-1]
     if spec.workload.limit is not None and spec.workload.limit < largest:
         raise ConfigError(f"limit {spec.workload.limit} is smaller than batch size {largest}; a batch needs as many "
                           "prompts as its size")
     run = open_run(spec, progress)
-    loaded, ctx, workload, t = run.loaded, run.ctx, spec.workload, spec.workload.max_new_tokens
+    loaded, ctx, workload = run.loaded, run.ctx, spec.workload
     if len(run.inputs.prompts) < largest:
         raise ConfigError(f"only {len(run.inputs.prompts)} prompts of '{workload.suite}' fit in max_prompt_tokens="
                           f"{workload.max_prompt_tokens}; batch size {largest} needs {largest}")
     # one untimed token first: safetensors weights are paged in lazily, and the prediction starts from the RSS
     generate_once(apply(loaded, BatchConfig(scheduler="sweep", batch_size=1), ctx), run.inputs.batches[0], 1)
-    shape = kv.ModelShape.from_config(loaded.model.config)
-    value_bytes = next(loaded.model.parameters()).element_size()
-    docs: list[tuple[dict, list[dict]]] = []
-    skipped: list[dict] = []
-    measured: dict[int, tuple[int, int]] = {}
-    reference: tuple[dict, list[dict]] | None = None
-    for size in sweep.batch_sizes:
-        config = BatchConfig(scheduler="sweep", batch_size=size)
-        inputs = Inputs(prompts=run.inputs.prompts, rendered=run.inputs.rendered, templated=run.inputs.templated,
-                        batches=encode_batches(loaded.tokenizer, run.inputs.rendered, size,
-                                               add_special_tokens=not run.inputs.templated))
-        sized = dataclasses.replace(workload, batch_size=size)
-        share, width = _padded(inputs, t)
+    configs = [BatchConfig(scheduler="sweep", batch_size=size) for size in sweep.batch_sizes]
+    plan = SweepPlan(reference="first", admit=MemoryAdmission(loaded, workload.max_new_tokens, sweep.memory_limit_bytes),
+                     skip_out_of_memory=True, conclude=lambda docs, _: _memory_limit_keys(docs, sweep.memory_limit_bytes))
+    _, docs = run_configs(loaded, run.inputs, workload, spec.protocol, configs, ctx, resume=spec.resume,
+                          measure_ppl=False, plan=plan)
+    return SweepResult(docs=docs, skipped=[s.to_dict() for s in plan.skipped],
+                       knee=docs[0]["metrics"]["knee_batch_size"] if docs else None,
+                       run_dirs=[Path(d["_path"]) for d in docs])
+
+
+class MemoryAdmission:
+    """The sweep's `admit` callback: each size's peak memory predicted before it is prepared (the analytic
+    bytes of its batch, or the growth measured on the smaller sizes scaled to it, whichever is larger,
+    over the current RSS); a size over `memory_limit_bytes` is skipped."""
+
+    def __init__(self, loaded, max_new_tokens: int, memory_limit_bytes: int | None) -> None:
+        self.shape = kv.ModelShape.from_config(loaded.model.config)
+        self.value_bytes = next(loaded.model.parameters()).element_size()
+        self.new_tokens, self.limit = max_new_tokens, memory_limit_bytes
+        self.work: dict[int, int] = {}  # batch size -> its padded positions (size x (widest prompt + new tokens))
+
+    def __call__(self, config: BatchConfig, workload, inputs: Inputs, earlier: list[dict]) -> Admission:
+        size, t = config.batch_size, self.new_tokens
+        _, width = padding(inputs, t)
+        self.work[size] = size * (width + t)
+        measured = {d["metrics"]["batch_size"]: (d["metrics"]["peak_rss_delta_bytes"], self.work[d["metrics"]["batch_size"]])
+                    for d in earlier if d["metrics"].get("batch_size") in self.work}
         predicted = memory.current_rss_bytes() + analysis.predicted_delta(
-            size, size * (width + t), measured, analysis.analytic_batch_bytes(shape, size, width, t, value_bytes))
-        if sweep.memory_limit_bytes is not None and predicted > sweep.memory_limit_bytes:
-            skipped.append({"batch_size": size, "status": "over_memory_limit", "predicted_peak_bytes": predicted,
-                            "reason": f"predicted peak {predicted} bytes > memory limit {sweep.memory_limit_bytes}"})
-            continue
-        fp = run_fingerprint(loaded, config.technique, config.to_dict(), sized, ctx.env, protocol=spec.protocol,
-                             measure_ppl=False)
-        done = find_result(ctx.out_dir, fp) if spec.resume else None
-        if done is not None:
-            doc, outputs = done, results.load_outputs(done["_path"])
-        else:
-            prepared = apply(loaded, config, ctx)
-            try:
-                doc, outputs = measure_prepared(
-                    loaded, prepared, inputs, sized, spec.protocol, technique=config.technique,
-                    config=config.to_dict(), env=ctx.env, runner="generation", measure_ppl=False,
-                    baseline=reference[0] if reference else None,
-                    baseline_outputs=reference[1] if reference else None, progress=progress)
-            except Exception as exc:  # noqa: BLE001 (only allocation failures are reported; the rest re-raise)
-                if not is_out_of_memory(exc):
-                    raise
-                skipped.append({"batch_size": size, "status": "out_of_memory", "predicted_peak_bytes": predicted,
-                                "reason": str(exc).splitlines()[0][:200]})
-                del prepared
-                gc.collect()
-                continue
-            m = doc["metrics"]
-            m.update(batch_size=size, padding_share=share, predicted_peak_bytes=predicted,
-                     memory_limit_bytes=sweep.memory_limit_bytes,
-                     exceeded_memory_limit=(sweep.memory_limit_bytes is not None
-                                            and m["peak_rss_bytes"] > sweep.memory_limit_bytes))
-            m.setdefault("output_mismatches", 0 if reference is None else None)
-            doc["_path"] = str(results.save_run(ctx.out_dir, doc, outputs).run_dir)
-        reference = reference or (doc, outputs)
-        measured[size] = (doc["metrics"]["peak_rss_delta_bytes"], size * (width + t))
-        docs.append((doc, outputs))
-    return _finish_sweep(docs, skipped, loaded.ref)
+            size, self.work[size], measured, analysis.analytic_batch_bytes(self.shape, size, width, t, self.value_bytes))
+        facts = {"batch_size": size, "predicted_peak_bytes": predicted}
+        if self.limit is not None and predicted > self.limit:
+            return Admission(facts=facts, skip="over_memory_limit",
+                             reason=f"predicted peak {predicted} bytes > memory limit {self.limit}")
+        return Admission(metrics={"predicted_peak_bytes": predicted, "memory_limit_bytes": self.limit}, facts=facts)
 
 
-def _finish_sweep(docs: list[tuple[dict, list[dict]]], skipped: list[dict], model: str) -> SweepResult:
-    throughput = {d["metrics"]["batch_size"]: d["metrics"]["output_throughput_tok_s"] for d, _ in docs}
-    knee, gains = analysis.knee(throughput)
-    rows = [{"batch_size": d["metrics"]["batch_size"], "throughput": d["metrics"]["output_throughput_tok_s"],
-             "e2e_p50_ms": d["metrics"]["e2e_ms"]["p50"], "padding_share": d["metrics"]["padding_share"]}
-            for d, _ in docs]
-    png = batch_plots.sweep_png(rows, knee, f"{model}: padded static batches, closed loop") if rows else None
-    reference = docs[0][0]["metrics"]["batch_size"] if docs else None
-    run_dirs = []
-    for doc, _ in docs:
-        size = doc["metrics"]["batch_size"]
-        doc["metrics"].update(knee_batch_size=knee, is_knee=size == knee, reference_batch_size=reference,
-                              gain_per_doubling=gains.get(size))
-        doc["sweep"] = {"throughput_by_batch_size": {str(k): v for k, v in throughput.items()},
-                        "knee_batch_size": knee, "not_measured": skipped}
-        results.update_result(doc)  # its folder exists since its measurement: complete it there
-        if png:
-            results.add_files(doc, {"sweep.png": png})
-        run_dirs.append(Path(doc["_path"]))
-    return SweepResult(docs=[d for d, _ in docs], skipped=skipped, knee=knee, run_dirs=run_dirs)
+def _memory_limit_keys(docs: list[dict], limit: int | None) -> None:
+    """Whether each measured size's peak went over the command's memory limit."""
+    for doc in docs:
+        m = doc["metrics"]
+        m.setdefault("memory_limit_bytes", limit)
+        m["exceeded_memory_limit"] = limit is not None and m["peak_rss_bytes"] > limit
 
 
 # --------------------------------------------------------------------------- serving simulation
@@ -237,13 +192,16 @@ def run_serve(spec: RunSpec, serve: ServeSpec, progress: Progress | None = None)
         raise ConfigError(f"{serve.requests} requests but only {fitting} prompts fit in max_prompt_tokens="
                           f"{spec.workload.max_prompt_tokens}; ask for fewer requests or allow repeats")
     configs = [serve.config(name, rate) for rate in serve.rates for name in serve.schedulers]
+    summary: dict = {}
+    plan = SweepPlan(conclude=lambda docs, _: summary.update(serve_keys(docs, serve)))  # the engine saves them
     _, docs = run_configs(loaded, run.inputs, spec.workload, spec.protocol, configs, ctx, resume=spec.resume,
-                          measure_ppl=False)
-    return _finish_serve(docs, serve)
+                          measure_ppl=False, plan=plan)
+    return ServeResult(docs=docs, summary=summary, run_dirs=[Path(d["_path"]) for d in docs])
 
 
-def _finish_serve(measured: list[dict], serve: ServeSpec) -> ServeResult:
-    """Goodput under the SLOs, the highest rate meeting them, the claim check and the plots; saved into every result."""
+def serve_keys(measured: list[dict], serve: ServeSpec) -> dict:
+    """Goodput under the SLOs, the highest rate meeting them and the claim check, added to every result
+    (the sweep engine rewrites them); returns the summary."""
     table: dict[str, list[dict]] = {}
     for doc in measured:
         m = doc["metrics"]
@@ -263,15 +221,9 @@ def _finish_serve(measured: list[dict], serve: ServeSpec) -> ServeResult:
                                                  {r["rate"]: r["metrics"] for r in table["continuous"]})
     summary["claim_check"] = claim
     summary["claim_by_rate"] = by_rate
-    files = batch_plots.sweep_plots(measured)
-    run_dirs = []
     for doc in measured:
         doc["metrics"]["max_rate_meeting_slo"] = summary["max_rate_meeting_slo"].get(doc["config"]["scheduler"])
         if claim is not None:
             doc["metrics"]["claim_check"] = claim  # the claims table reads it from every result
         doc["serve_summary"] = summary
-        # the run folder exists since its measurement (trace.jsonl included): complete it there
-        results.update_result(doc)
-        results.add_files(doc, files)
-        run_dirs.append(Path(doc["_path"]))
-    return ServeResult(docs=measured, summary=summary, run_dirs=run_dirs)
+    return summary

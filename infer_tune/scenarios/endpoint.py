@@ -1,7 +1,9 @@
 """Benchmarks of a live OpenAI-compatible server: closed loop (`bench --endpoint`), one arrival trace,
 a request-rate sweep with its saturation knee (`endpoint sim`), and a reference engine on loopback.
 
-The result documents come from `session.measure_prepared` with the `endpoint` runner, so they have
+The result documents come from `session.measure_prepared` with the `endpoint` runner and are saved by
+the engine's writer (`session.save_rows`: no weights here and no plain baseline, so not `run_configs`),
+so they have
 the keys of in-process runs: `technique: "endpoint"`, `runner: "endpoint"`, `config` the endpoint
 (the name of the key's environment variable, never the key), `env.endpoint` what the server says
 about itself. There are no weights in this process: `model_bytes`, `ppl`, the roofline and the
@@ -29,7 +31,7 @@ from infer_tune.runners.endpoint import request_prompts
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.runners.trace import TraceRequest
 from infer_tune.scenarios.common import RunSpec
-from infer_tune.session import measure_prepared
+from infer_tune.session import Row, measure_prepared, save_rows
 from infer_tune.workload import Inputs, Protocol, load_prompts, prepare_inputs
 
 COMPARED_WORKLOAD_KEYS = ("suite", "limit", "seed", "max_new_tokens", "chat_template", "lang", "max_prompt_tokens",
@@ -184,9 +186,7 @@ def run_endpoint_bench(spec: RunSpec, config: EndpointConfig, *, model_given: bo
         run.weight_bytes = launched.get("weight_bytes")
     extra = {"engine": launched["engine"], "continuous_batching": launched["continuous_batching"]} if launched else None
     doc, outputs = measure_endpoint(run, spec, baseline=reference, extra_config=extra, progress=progress)
-    saved = results.save_run(spec.out_dir, doc, outputs)
-    doc["_path"] = str(saved.run_dir)
-    return doc
+    return save_rows(spec.out_dir, [Row(doc, outputs)])[0]
 
 
 def run_endpoint_trace(spec: RunSpec, config: EndpointConfig, trace: list[TraceRequest], *, model_given: bool,
@@ -195,9 +195,7 @@ def run_endpoint_trace(spec: RunSpec, config: EndpointConfig, trace: list[TraceR
     """One open-loop replay of `trace` (e.g. `batch serve-sim --endpoint`), saved; goodput under `slo`."""
     run = open_endpoint(spec, config, model_given=model_given)
     doc, outputs = trace_document(run, spec, trace, slo or {}, trace_info or {}, progress)
-    saved = results.save_run(spec.out_dir, doc, outputs)
-    doc["_path"] = str(saved.run_dir)
-    return doc
+    return save_rows(spec.out_dir, [Row(doc, outputs)])[0]
 
 
 def trace_document(run: EndpointRun, spec: RunSpec, trace: list[TraceRequest], slo: dict[str, float],
@@ -225,16 +223,13 @@ def run_endpoint_sweep(spec: RunSpec, config: EndpointConfig, rates: list[float]
         sorted(rates), [d["metrics"]["ttft_ms"]["p50"] for d, _ in measured],
         [d["metrics"]["request_throughput_req_s"] for d, _ in measured], knee_factor)
     png = rates_png([d for d, _ in measured], sorted(rates), knee_rate, f"{config.display_label()}: rate sweep")
-    outcome = SweepOutcome(docs=[], knee_rate=knee_rate, saturated=saturated, knee_status=status)
-    for rate, flag, (doc, outputs) in zip(sorted(rates), saturated, measured):
+    for rate, flag, (doc, _) in zip(sorted(rates), saturated, measured):
         doc["metrics"].update(offered_rate_req_s=None if math.isinf(rate) else rate, saturated=flag,
                               knee_rate_req_s=knee_rate, knee_status=status, knee_factor=knee_factor,
                               sweep_rates=[None if math.isinf(r) else r for r in sorted(rates)])
-        saved = results.save_run(spec.out_dir, doc, outputs, extra_files={"rates.png": png})
-        doc["_path"] = str(saved.run_dir)
-        outcome.docs.append(doc)
-        outcome.run_dirs.append(saved.run_dir)
-    return outcome
+    docs = save_rows(spec.out_dir, [Row(doc, outputs, {"rates.png": png}) for doc, outputs in measured])
+    return SweepOutcome(docs=docs, knee_rate=knee_rate, saturated=saturated, knee_status=status,
+                        run_dirs=[Path(d["_path"]) for d in docs])
 
 
 def rates_png(docs: list[dict], rates: list[float], knee_rate: float | None, title: str) -> bytes:

@@ -22,7 +22,7 @@ from infer_tune import env as envinfo
 from infer_tune.errors import ConfigError
 from infer_tune.runners.base import Progress
 from infer_tune.scenarios.common import RunSpec, open_run
-from infer_tune.session import run_configs
+from infer_tune.session import Row, run_configs, save_rows
 from infer_tune.tuners.experts import ExpertsConfig, loadfile, plan_from_load, plan_metrics, plots, routing
 from infer_tune.tuners.experts.claim import communication_claim
 from infer_tune.tuners.experts.planners import STRATEGIES, Plan
@@ -141,16 +141,15 @@ def run_plan(load_path: Path, *, devices: int, strategies: list[str] | None = No
     if save is not None:
         atomic.write_json(Path(save), document)
     docs = []
-    if out_dir is not None:
+    if out_dir is not None:  # predictions, nothing measured: the engine's writer saves them (not run_configs)
         env = envinfo.collect_env()
+        planned = []
         for config, (plan, metrics) in zip(configs, rows):
             doc = plan_doc(load, config, metrics, env, str(load_path))
             if claim is not None:
                 doc["metrics"]["claim_check"] = claim
-            extra = dict(images, **{"plan.json": json.dumps(plan.to_dict(), indent=1).encode()})
-            saved = results.save_run(out_dir, doc, [], extra_files=extra)
-            doc["_path"] = str(saved.run_dir)
-            docs.append(doc)
+            planned.append(Row(doc, [], dict(images, **{"plan.json": json.dumps(plan.to_dict(), indent=1).encode()})))
+        docs = save_rows(out_dir, planned)
     return PlanOutcome(load=load, rows=rows, docs=docs, claim=claim, saved=save, images=images)
 
 

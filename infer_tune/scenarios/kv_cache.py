@@ -14,12 +14,11 @@ from pathlib import Path
 
 import torch
 
-from infer_tune import results
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import kv
 from infer_tune.report.plots import per_position_png
 from infer_tune.scenarios.common import RunSpec, open_run
-from infer_tune.session import run_configs
+from infer_tune.session import SweepPlan, run_configs
 from infer_tune.suites import Prompt, SuiteSpec, load_suite
 from infer_tune.tuners.base import RunContext
 from infer_tune.tuners.kv_cache import (
@@ -134,26 +133,34 @@ def run_kv_sweep(
                 configs.append(config)
             else:
                 result.not_applicable.append({"impl": config.impl, "context_tokens": ctx, "reason": reason})
-        # the engine measures, finalizes (the cache keys) and saves every variant; the sweep adds what needs
-        # all variants of one context length: the compute claim and the latency plot
-        _, docs = run_configs(loaded, inputs, workload, protocol, configs, run_ctx, resume=resume, measure_ppl=False)
-        claims = [kv.compute_claim(shape, ctx, measured_wall(docs, n)), long_claim]
-        result.claims.append(claims[0])
-        curves = {d["label"].removesuffix(f"-ctx{ctx}"): d["metrics"]["per_position_ms"] for d in docs}
-        png = per_position_png(curves, first_position=ctx + 2, dpi=110,
-                               title=f"{loaded.ref}: per-token latency, {ctx}-token prompt",
-                               xlabel="position of the generated token (prompt + generated)")
-        for doc in docs:
-            doc["workload"].update(context_tokens=ctx, prompt_source="suite text (prompts + references) "
-                                   "concatenated and cut to exactly context_tokens tokens")
-            doc["claims"] = claims
-            doc["not_applicable"] = [r for r in result.not_applicable if r["context_tokens"] == ctx]
-            results.update_result(doc)  # saved by the engine: completed in its own folder
-            results.add_files(doc, {"latency.png": png})
-            result.docs.append(doc)
-            result.run_dirs.append(Path(doc["_path"]))
+        # the engine measures, finalizes (the cache keys) and saves every variant; the plan adds what needs
+        # all variants of one context length (the compute claim, the latency plot), which the engine saves too
+        plan = SweepPlan(conclude=lambda docs, _, ctx=ctx: _context_keys(docs, ctx, loaded.ref, n, shape, long_claim,
+                                                                        result))
+        _, docs = run_configs(loaded, inputs, workload, protocol, configs, run_ctx, resume=resume, measure_ppl=False,
+                              plan=plan)
+        result.docs.extend(docs)
+        result.run_dirs.extend(Path(d["_path"]) for d in docs)
     result.claims.append(long_claim)
     return result
+
+
+def _context_keys(docs: list[dict], ctx: int, model: str, n: int, shape: kv.ModelShape, long_claim: dict,
+                  result: KVSweepResult) -> dict[str, bytes]:
+    """What needs every variant of one context length: the compute claim, the rows not applicable, the
+    prompt's source, and the per-position latency plot (returned for each result's folder)."""
+    claims = [kv.compute_claim(shape, ctx, measured_wall(docs, n)), long_claim]
+    result.claims.append(claims[0])
+    curves = {d["label"].removesuffix(f"-ctx{ctx}"): d["metrics"]["per_position_ms"] for d in docs}
+    png = per_position_png(curves, first_position=ctx + 2, dpi=110,
+                           title=f"{model}: per-token latency, {ctx}-token prompt",
+                           xlabel="position of the generated token (prompt + generated)")
+    for doc in docs:
+        doc["workload"].update(context_tokens=ctx, prompt_source="suite text (prompts + references) "
+                               "concatenated and cut to exactly context_tokens tokens")
+        doc["claims"] = claims
+        doc["not_applicable"] = [r for r in result.not_applicable if r["context_tokens"] == ctx]
+    return {"latency.png": png}
 
 
 def measured_wall(docs: list[dict], new_tokens: int) -> dict | None:

@@ -122,6 +122,12 @@ class Technique:
     - `conflicts`: {other technique: why the two cannot share a stack}.
     - `tune_candidates(spec) -> [(config, {"lossless": bool, "compiles": bool})]`: what `tune` tries of
       this technique for a search `spec` (its objective, drift budget, whether compiling is allowed).
+    - `workload(config, workload) -> Workload`: the workload this config runs when it is not the sweep's
+      (a batch-size sweep row: its own batch size); the engine encodes the inputs again at that batch size
+      and measures the row alone, since it cannot share rounds with a baseline of another workload.
+    - `complete(docs, skipped) -> None`: keys that need every result of the technique in one sweep and
+      the configs the sweep skipped (`session.Skipped`), added to the docs in place (the batch-size sweep's
+      knee and `sweep` block); the engine rewrites the results it changed.
     - `report_columns(doc, docs) -> Lead`: what the combined report leads this technique's row with (the
       figures its claim is about and what they are compared with; infer_tune/report/leads.py). None:
       decode speedup vs the baseline.
@@ -144,6 +150,8 @@ class Technique:
     conflicts: dict[str, str] = field(default_factory=dict)
     tune_candidates: Callable[[Any], list[tuple[Any, dict]]] | None = None
     report_columns: Callable[[dict, list[dict]], Any] | None = None
+    workload: Callable[[Any, Any], Any] | None = None
+    complete: Callable[[list[dict], list[Any]], None] | None = None
 
     @property
     def name(self) -> str:
@@ -168,7 +176,8 @@ def register_technique(config_cls: type, *, runner: str = "generation", max_batc
                        per_position: bool = False, finalize: Callable | None = None, objective: str = "decode",
                        phase: int = 1, conflicts: dict[str, str] | None = None,
                        tune_candidates: Callable | None = None,
-                       report_columns: Callable | None = None,
+                       report_columns: Callable | None = None, workload: Callable | None = None,
+                       complete: Callable | None = None,
                        ) -> Callable[[PrepareFn], PrepareFn]:
     """Register `prepare(loaded, config, ctx) -> PreparedModel` for `config_cls` (see `Technique`)."""
     if not getattr(config_cls, "technique", ""):
@@ -177,7 +186,8 @@ def register_technique(config_cls: type, *, runner: str = "generation", max_batc
     def decorator(fn: PrepareFn) -> PrepareFn:
         TECHNIQUES[config_cls] = Technique(config_cls, fn, runner, max_batch_size, resolve, annotate, preflight,
                                            measure_ppl, summarize, plots, per_position, finalize, objective, phase,
-                                           dict(conflicts or {}), tune_candidates, report_columns)
+                                           dict(conflicts or {}), tune_candidates, report_columns, workload,
+                                           complete)
         return fn
 
     return decorator

@@ -3,13 +3,15 @@ and the closed-loop batch-size sweep.
 
 A `BatchConfig` with scheduler `static` or `continuous` runs on the `trace` runner: its trace is built
 when the runner starts (the prompts' single-request greedy lengths are needed first, see
-`TraceFactory`), and the scheduler replays it. Scheduler `sweep` rows are measured by the
-`batch sweep` scenario on the closed-loop `generation` runner. The commands, metric definitions and
-design: docs/batch.md.
+`TraceFactory`), and the scheduler replays it. A scheduler `sweep` row is one size of the closed-loop
+batch-size sweep: the sweep engine runs it on the `generation` runner at its own batch size (the entry's
+`workload` hook), and `complete_sweep` adds the knee over the sweep's rows. The commands, metric
+definitions and design: docs/batch.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -136,10 +138,60 @@ def make_scheduler(config: BatchConfig, shared: dict | None = None):
     return ContinuousBatcher(config.batch_size, config.max_batch_tokens)
 
 
-def _preflight(loaded: models.LoadedModel, config: BatchConfig, ctx: RunContext) -> None:
-    if config.scheduler == "sweep":
-        raise ConfigError("batch scheduler 'sweep' is the closed-loop batch-size sweep (infer-tune batch sweep); "
-                          "a recipe runs 'static' or 'continuous' on an arrival trace")
+def sweep_workload(config: BatchConfig, workload):
+    """A sweep row runs the workload at its own batch size; trace rows run the sweep's."""
+    return dataclasses.replace(workload, batch_size=config.batch_size) if config.scheduler == "sweep" else workload
+
+
+def padding(inputs, max_new_tokens: int) -> tuple[float, int]:
+    """(padding share, longest padded prompt) of the encoded batches, with the output length pinned."""
+    positions = pads = 0
+    width = 0
+    for batch in inputs.batches:
+        rows, prompt = batch["attention_mask"].shape
+        width = max(width, int(prompt))
+        positions += int(rows) * (int(prompt) + max_new_tokens)
+        pads += int(rows) * int(prompt) - int(batch["attention_mask"].sum())
+    return pads / positions if positions else 0.0, width
+
+
+def finalize_sweep_row(config: BatchConfig, doc: dict, inputs) -> None:
+    """A batch-size sweep row's own keys: its size and padding waste; the reference row (compared with
+    nothing) has no mismatches by definition."""
+    share, _ = padding(inputs, doc["workload"]["max_new_tokens"])
+    doc["metrics"].update(batch_size=config.batch_size, padding_share=share)
+    doc["metrics"].setdefault("output_mismatches", 0 if doc.get("baseline_run_id") is None else None)
+
+
+def complete_sweep(docs: list[dict], skipped: list) -> None:
+    """The keys that need every batch-size sweep row: throughput by size, the knee, the gain per doubling
+    to the next size, the reference (smallest) size and the sizes not measured (`session.Skipped`)."""
+    rows = sorted((d for d in docs if d["config"].get("scheduler") == "sweep"), key=lambda d: d["config"]["batch_size"])
+    skipped = [s for s in skipped if getattr(s.config, "scheduler", None) == "sweep"]
+    if not rows:
+        return
+    throughput = {d["metrics"]["batch_size"]: d["metrics"]["output_throughput_tok_s"] for d in rows}
+    knee, gains = analysis.knee(throughput)
+    reference = rows[0]["metrics"]["batch_size"]
+    for doc in rows:
+        size = doc["metrics"]["batch_size"]
+        doc["metrics"].update(knee_batch_size=knee, is_knee=size == knee, reference_batch_size=reference,
+                              gain_per_doubling=gains.get(size))
+        doc["sweep"] = {"throughput_by_batch_size": {str(k): v for k, v in throughput.items()},
+                        "knee_batch_size": knee, "not_measured": [s.to_dict() for s in skipped]}
+
+
+def plots(docs: list[dict]) -> dict[str, bytes]:
+    """The trace rows' latency CDFs and throughput-latency curve; the sweep rows' throughput by batch size."""
+    files = batch_plots.sweep_plots(docs)
+    rows = sorted((d for d in docs if d["config"].get("scheduler") == "sweep"), key=lambda d: d["config"]["batch_size"])
+    if rows:
+        table = [{"batch_size": d["metrics"]["batch_size"], "throughput": d["metrics"]["output_throughput_tok_s"],
+                  "e2e_p50_ms": d["metrics"]["e2e_ms"]["p50"], "padding_share": d["metrics"]["padding_share"]}
+                 for d in rows]
+        files["sweep.png"] = batch_plots.sweep_png(table, rows[0]["metrics"].get("knee_batch_size"),
+                                                   f"{rows[0]['model']['ref']}: padded static batches, closed loop")
+    return files
 
 
 def finalize_trace(config: BatchConfig, doc: dict, outputs: list[dict], prepared: PreparedModel, inputs,
@@ -150,6 +202,9 @@ def finalize_trace(config: BatchConfig, doc: dict, outputs: list[dict], prepared
 
     from infer_tune.tuners.batch.arrivals import interarrival_cv, offered_rate
 
+    if config.scheduler == "sweep":
+        finalize_sweep_row(config, doc, inputs)
+        return None
     factory = prepared.runner_options.get("trace")
     if not isinstance(factory, TraceFactory) or not factory.rows:
         return None
@@ -161,12 +216,12 @@ def finalize_trace(config: BatchConfig, doc: dict, outputs: list[dict], prepared
     return {"trace.jsonl": "".join(json.dumps(r) + "\n" for r in rows).encode()}
 
 
-@register_technique(BatchConfig, runner="trace", preflight=_preflight, measure_ppl=False,
-                    summarize=analysis.summarize, plots=batch_plots.sweep_plots, finalize=finalize_trace,
-                    objective="throughput",
-                    report_columns=report_columns)
+@register_technique(BatchConfig, runner="trace", measure_ppl=False, summarize=analysis.summarize, plots=plots,
+                    finalize=finalize_trace, objective="throughput", report_columns=report_columns,
+                    workload=sweep_workload, complete=complete_sweep)
 def prepare_batch(loaded: models.LoadedModel, config: BatchConfig, ctx: RunContext) -> PreparedModel:
-    """The model unchanged; the trace runner gets the trace factory and the scheduler (sweep: nothing)."""
+    """The model unchanged; the trace runner gets the trace factory and the scheduler (a sweep row: the
+    closed-loop `generation` runner at its batch size)."""
     options: dict = {}
     facts: dict = {}
     if config.scheduler != "sweep":
@@ -175,4 +230,5 @@ def prepare_batch(loaded: models.LoadedModel, config: BatchConfig, ctx: RunConte
         scheduler = make_scheduler(config, ctx.cache)
         options = {"trace": TraceFactory(config, scheduler, ctx.cache, ctx.progress), "scheduler": scheduler}
     return PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, label=config.label(), device=ctx.device,
-                         runner_options=options, metrics=facts)
+                         runner_options=options, metrics=facts,
+                         runner="generation" if config.scheduler == "sweep" else None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from infer_tune.metrics.memory import is_out_of_memory  # noqa: F401 (the batch sweep's name for it)
 from infer_tune.runners.base import Output, Progress
 from infer_tune.runners.generation import eos_ids, generate_once
 from infer_tune.runners.prepared import PreparedModel
@@ -85,12 +86,3 @@ def count_mismatches(outputs: list[Output], references: dict[int, list[int]], eo
         if ref is None or o.token_ids != (ref[:-1] if ref_hit else ref) or o.hit_eos != ref_hit:
             bad += 1
     return bad
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """An allocation failure (CUDA OOM, or the CPU allocator refusing a request) rather than a bug."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, (RuntimeError, MemoryError)) and (
-        isinstance(exc, MemoryError) or "out of memory" in text or "can't allocate memory" in text)
