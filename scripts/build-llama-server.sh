@@ -6,6 +6,11 @@
 #
 #   scripts/build-llama-server.sh                 # download, configure, build (10+ minutes on 2 cores)
 #   JOBS=2 TIME_LIMIT=540 scripts/build-llama-server.sh   # stop after 540 s; rerun to continue
+#   GGML_AMX=ON scripts/build-llama-server.sh     # keep llama.cpp's AMX kernels (default OFF, see below)
+#
+# GGML_NATIVE builds for this CPU. On an AMX-capable Xeon (a 2-core VM, this llama.cpp version) the AMX
+# matmul kernel crashed the server while it warmed up (SIGSEGV in ggml_backend_amx_mul_mat), so AMX
+# is compiled out by default (-mno-amx-*); AVX-512 / VNNI and llama.cpp's weight repacking stay.
 #
 # Rerunning resumes: the unpacked source and the cmake build folder are kept under
 # $INFER_TUNE_HOME/build/, so a build cut by TIME_LIMIT (exit 75) continues where it stopped.
@@ -35,9 +40,20 @@ if [ ! -f "$SRC/CMakeLists.txt" ]; then
 fi
 [ -f "$SRC/CMakeLists.txt" ] || { echo "error: no llama.cpp source in the sdist ($SRC)" >&2; exit 2; }
 
+GGML_AMX="${GGML_AMX:-OFF}"
+FLAGS=""
+if [ "$GGML_AMX" != "ON" ] && grep -q amx_tile /proc/cpuinfo 2>/dev/null; then
+  FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+fi
 BUILD="$WORK/build"
+STAMP="native $FLAGS"
+if [ -f "$BUILD/CMakeCache.txt" ] && [ "$(cat "$WORK/flags" 2>/dev/null)" != "$STAMP" ]; then
+  echo "compiler flags changed ($STAMP): configuring again"
+  rm -rf "$BUILD"
+fi
 if [ ! -f "$BUILD/CMakeCache.txt" ]; then
-  cmake -S "$SRC" -B "$BUILD" -G "$(command -v ninja >/dev/null && echo Ninja || echo 'Unix Makefiles')" \
+  echo "$STAMP" >"$WORK/flags"
+  cmake -S "$SRC" -B "$BUILD" -DCMAKE_C_FLAGS="$FLAGS" -DCMAKE_CXX_FLAGS="$FLAGS" -G "$(command -v ninja >/dev/null && echo Ninja || echo 'Unix Makefiles')" \
     -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DBUILD_SHARED_LIBS=OFF >"$WORK/configure.log" 2>&1 \
