@@ -644,8 +644,14 @@ def store_claim(docs: list[dict], claim: dict | None) -> None:
     several sweeps of one command: speculate's suites)."""
     if claim is None:
         return
-    for doc in docs:
-        if doc["metrics"].get("claim_check") != claim:
-            doc["metrics"]["claim_check"] = claim
-            if doc.get("_path"):
+    changed = [d for d in docs if d["metrics"].get("claim_check") != claim]
+    for doc in changed:
+        doc["metrics"]["claim_check"] = claim
+    by_dir: dict[Path, list[dict]] = {}
+    for doc in changed:
+        if doc.get("_path"):
+            by_dir.setdefault(Path(doc["_path"]).parent, []).append(doc)
+    for out_dir, mine in by_dir.items():
+        with results.runs_lock(out_dir):  # the same lock a sweep holds: no rewrite while another run saves
+            for doc in mine:
                 results.update_result(doc)
