@@ -17,7 +17,7 @@ two separate `bench` processes (or, for `slow5`, one recipe's rounds):
   inside this script's child processes (`child` mode below) and never ships in infer_tune/. Target:
   caught in at least 19 of 20. Baseline and busy-wait are measured in one process's interleaved rounds,
   so no run-to-run spread is added and a tighter threshold (`--slow5-fail-if`, +2.5%) than the
-  cross-process A/A gate's (`--fail-if`, +6%) applies: that difference is the point of measuring a
+  cross-process A/A gate's (`--fail-if`, +12%) applies: that difference is the point of measuring a
   candidate beside its base.
 
 Prints one JSON line per run (exit code, outcome, estimate, interval, detectable change, seconds) and
@@ -185,7 +185,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=20, help="runs per scenario")
     parser.add_argument("--scenarios", default="aa,threads,slow5", help="comma-separated: aa, threads, slow5")
-    parser.add_argument("--fail-if", default="tpot_ms.p50 > +6%", help="gate of the A/A pairs (separate processes)")
+    parser.add_argument("--fail-if", default="tpot_ms.p50 > +12%",
+                        help="gate of the A/A pairs (separate processes): above the calibrated run-to-run "
+                             "resolution of the host (about 6%% on the 2-core Xeon this was tuned on)")
     parser.add_argument("--slow5-fail-if", default="tpot_ms.p50 > +2.5%", help="gate of the 5%% runs (one process's rounds)")
     parser.add_argument("--calibrate", type=int, default=6,
                         help="baselines run first to calibrate the run-to-run spread (0: use what is stored / the default)")
