@@ -64,7 +64,7 @@ def compare(
                                                      "may record (endpoint runs) before the gate refuses it.")] = 0,
     run_to_run: Annotated[float | None, typer.Option("--run-to-run", min=0.0, max=50.0, help="One run's level spread "
                           "(%) added to timing intervals between separate runs; default: this machine's calibration "
-                          "(--calibrate), else 1%. 0 turns it off.")] = None,
+                          "(--calibrate), else 2%. 0 turns it off.")] = None,
     calibrate: Annotated[bool, typer.Option("--calibrate", help="Instead of comparing: measure this machine's "
                          "run-to-run spread from 3+ results of ONE measurement from separate runs (all paths "
                          "given), store it in $INFER_TUNE_HOME/run_to_run.json and print it.")] = False,
