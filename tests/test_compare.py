@@ -187,7 +187,7 @@ def test_run_to_run_spread_widens_separate_runs_only(tmp_path, monkeypatch):
     base, cand = _paired_doc("a", 1.0, 1), _paired_doc("b", 1.02, 2)
     tight = compare(base, [cand], [expr], spread=rtr.NONE).candidates[0].checks[0]
     wide = compare(base, [cand], [expr], spread=rtr.for_host(base, 1.5)).candidates[0].checks[0]
-    assert wide.run_to_run_pct == 1.5 and wide.method.endswith("+ run-to-run")
+    assert wide.run_to_run_pct == pytest.approx(1.5 * 2 ** 0.5) and wide.method.endswith("+ run-to-run")
     assert wide.interval[0] < tight.interval[0] and wide.interval[1] > tight.interval[1]
     assert wide.mde > tight.mde and "run-to-run spread" in wide.mde_hint
     assert wide.outcome == "inconclusive"  # +2% measured apart: cannot be told from +2.5% at 1.5% per run
@@ -195,6 +195,11 @@ def test_run_to_run_spread_widens_separate_runs_only(tmp_path, monkeypatch):
         doc["metrics"]["rounds"] = {"group": "g1"}
     same = compare(base, [cand], [expr], spread=rtr.for_host(base, 1.5)).candidates[0]
     assert same.same_rounds and same.checks[0].interval == tight.interval and same.checks[0].run_to_run_pct is None
+    # the host's drift counts in proportion to the time between the two results, up to the calibration's span
+    drifting = rtr.Spread({"*": 1.0}, "calibrated", "test", drift_pct={"*": 3.0}, span_s=600.0)
+    assert drifting.pair_sd("tpot_ms.p50", 0.0) == pytest.approx(2 ** 0.5)
+    assert drifting.pair_sd("tpot_ms.p50", 150.0) == pytest.approx(2 ** 0.5 * (1 + 9 / 4) ** 0.5)
+    assert drifting.pair_sd("tpot_ms.p50", 6000.0) == drifting.pair_sd("tpot_ms.p50", None) == pytest.approx(20 ** 0.5)
     # calibration: 4 repeated runs whose levels differ by a known 3% spread, far above their sampling error
     monkeypatch.setenv("INFER_TUNE_HOME", str(tmp_path / "home"))  # the stored calibration stays in this test
     runs = []
@@ -204,7 +209,7 @@ def test_run_to_run_spread_widens_separate_runs_only(tmp_path, monkeypatch):
     result = invoke(*map(str, runs), "--calibrate", "--json")
     assert result.exit_code == 0, result.output
     cal = {m["metric"]: m for m in json.loads(result.stdout)["metrics"]}
-    assert 1.5 < cal["tpot_ms"]["sigma_pct"] <= cal["tpot_ms"]["between_pct"] < 3.5
+    assert 1.5 < cal["tpot_ms"]["sigma_pct"] <= cal["tpot_ms"]["adjacent_pct"] < 3.5
     stored = rtr.for_host(make_result("x"))
     assert stored.source == "calibrated" and stored.sigma("tpot_ms.p50") == cal["tpot_ms"]["sigma_pct"]
     assert invoke(str(runs[0]), "--calibrate").exit_code == 2  # one run cannot show a spread

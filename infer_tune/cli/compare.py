@@ -136,10 +136,11 @@ def calibrate_host(paths: list[Path], fmt: str) -> None:
         output.print_json(cal.to_dict())
         return
     table = Table(title=f"run-to-run spread of {cal.runs} runs (this machine, {escape(cal.host)})")
-    for name in ("metric", "between runs", "within a run", "run-to-run (per run)"):
+    for name in ("metric", "between runs", "adjacent runs", "drift", "within a run", "run-to-run (per run)"):
         table.add_column(name, justify="left" if name == "metric" else "right")
     for m in cal.metrics:
-        table.add_row(m.metric, f"{m.between_pct:.2f}%", f"{m.within_pct:.2f}%", f"{m.sigma_pct:.2f}%")
+        table.add_row(m.metric, *(f"{v:.2f}%" for v in (m.between_pct, m.adjacent_pct, m.drift_pct, m.within_pct,
+                                                        m.sigma_pct)))
     output.out.print(table)
     output.out.print(f"  stored in {cal.path}; `compare` adds it to intervals between separate runs on this machine",
                      soft_wrap=True, markup=False)

@@ -215,7 +215,7 @@ class Check:
     mde: float | None = None
     mde_hint: str | None = None
     reason: str | None = None  # why a check the gate adds itself (failed requests) came out as it did
-    run_to_run_pct: float | None = None  # one run's level spread added to the interval (separate runs), %
+    run_to_run_pct: float | None = None  # sd of the two runs' level difference added to the interval (separate runs), %
 
 
 @dataclass
@@ -268,18 +268,19 @@ def delta(base: dict, cand: dict, metric: str, *, seed: int = 0, spread: rtr.Spr
     """Relative change of `metric`, with a bootstrap interval when both sides kept raw samples, widened by
     the run-to-run spread (`spread`) when base and candidate are separate runs (report/run_to_run.py)."""
     found = _delta(base, cand, metric, seed=seed)
-    sigma = _sigma(spread, base, cand, metric)
-    if sigma and found.change_pct is not None:
-        found.ci95_pct = rtr.widen(found.change_pct, found.ci95_pct, sigma, pair=True)
+    sd = _pair_sd(spread, base, cand, metric)
+    if sd and found.change_pct is not None:
+        found.ci95_pct = rtr.widen(found.change_pct, found.ci95_pct, sd)
         found.method += " + run-to-run"
     return found
 
 
-def _sigma(spread: rtr.Spread | None, base: dict, cand: dict, metric: str) -> float | None:
-    """The run-to-run spread that applies to `metric` between `base` and `cand`, None when none does."""
+def _pair_sd(spread: rtr.Spread | None, base: dict, cand: dict, metric: str, *, relative: bool = True) -> float | None:
+    """The run-to-run standard deviation (%) that applies to `metric` between `base` and `cand` (of their
+    difference; of the candidate's level for an absolute threshold), None when none does."""
     if spread is None or rtr.same_rounds(base, cand):
         return None
-    return spread.sigma(metric) or None
+    return (spread.pair_sd(metric, rtr.gap_s(base, cand)) if relative else spread.value_sd(metric)) or None
 
 
 def _delta(base: dict, cand: dict, metric: str, *, seed: int = 0) -> Delta:
@@ -331,10 +332,9 @@ def judge(expr: Expr, base: dict, cand: dict, *, seed: int = 0, spread: rtr.Spre
         if value is None:
             raise ExprError(f"{where}: the candidate has no value for it")
         observed, interval = value, None
-    sigma = _sigma(spread, base, cand, expr.metric) if method != "pairwise vs base" else None
-    if sigma:
-        interval = (rtr.widen(observed, interval, sigma, pair=True) if expr.relative
-                    else rtr.widen_value(observed, interval, sigma))
+    sd = _pair_sd(spread, base, cand, expr.metric, relative=expr.relative) if method != "pairwise vs base" else None
+    if sd:
+        interval = rtr.widen(observed, interval, sd) if expr.relative else rtr.widen_value(observed, interval, sd)
         method += " + run-to-run"
     result = gate.outcome(expr.op, expr.value, observed, interval)
     override, note = gate.noise_caution(expr.metric, expr.op, expr.value, expr.relative, observed, interval,
@@ -342,15 +342,16 @@ def judge(expr: Expr, base: dict, cand: dict, *, seed: int = 0, spread: rtr.Spre
     result = override or result
     mde, hint = gate.detectable(interval, expr.relative, observed, expr.value, cand,
                                 decided=result != gate.INCONCLUSIVE)
-    if sigma:
-        floor = rtr.Z95 * sigma * (2 ** 0.5 if expr.relative else 1.0)
-        hint = (f"{hint}; of it, about ±{floor:.2g}% is the run-to-run spread between separate runs "
-                f"({sigma:g}% per run, {spread.source}), which more samples do not shrink: measure base and "
+    if sd:
+        gap = rtr.gap_s(base, cand)
+        apart = f"{gap / 60:.3g} min apart" if gap is not None else "apart"
+        hint = (f"{hint}; of it, about ±{rtr.Z95 * sd:.2g}% is the run-to-run spread of two runs {apart} "
+                f"(sd {sd:.2g}%, {spread.source}), which more samples do not shrink: measure base and "
                 "candidate in one run's interleaved rounds (a recipe), or calibrate this machine "
                 "(`infer-tune compare --calibrate RUN RUN RUN ...`)")
     return Check(expr=expr.text, metric=expr.metric, observed=observed, interval=interval, threshold=expr.value,
                  relative=expr.relative, method=method, regressed=result == gate.REGRESSION, noise=note,
-                 outcome=result, mde=mde, mde_hint=hint, run_to_run_pct=sigma)
+                 outcome=result, mde=mde, mde_hint=hint, run_to_run_pct=sd)
 
 
 def failed_requests_check(cand: dict, max_failed: int) -> Check | None:

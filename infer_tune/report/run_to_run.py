@@ -4,9 +4,12 @@ thing on one host, beyond what each run's own samples show (docs/compare.md, "Ru
 Two `bench` processes of the same config land a percent or two apart on a quiet host (memory layout,
 thread placement, the host's own drift), while each run's bootstrap interval only covers the spread of
 its own samples. `compare` therefore adds, in quadrature on the log scale, the spread of a difference
-between two processes, sqrt(2) x `sigma_pct`, to the interval of a base and a candidate that were not
-measured in the same interleaved rounds (`metrics.rounds.group`): without it an A/A pair of separate
-runs is a false alarm as often as not.
+between two processes to the interval of a base and a candidate that were not measured in the same
+interleaved rounds (`metrics.rounds.group`): without it an A/A pair of separate runs is a false alarm as
+often as not. That spread has two parts: each run's own level (`sigma_pct`, from runs next to each other
+in time) and the host's slow drift (`drift_pct`, what runs spread apart in time add), which counts in
+proportion to the time between the two results (`created_at`) up to the calibration's span:
+sd(difference)^2 = 2 sigma^2 + 2 drift^2 x min(1, gap / span).
 
 `sigma_pct` (one process's level, in %, per metric) comes from, in this order: `--run-to-run PCT`; a
 calibration of this host (`compare --calibrate RUN RUN RUN ...`: three or more results of one
@@ -32,9 +35,12 @@ from infer_tune.report.match import hardware, mismatches
 
 # the timing figures whose level moves between processes (a key, or a key of a distribution)
 METRICS = ("ttft_ms", "tpot_ms", "e2e_ms", "itl_ms", "output_throughput_tok_s", "request_throughput_req_s")
-# per run, when the machine is not calibrated: the larger of two 2-core hosts' calibrations of `bench` (TPOT
-# p50: about 1% on an AMD EPYC, A/A pairs -1.45..+2.20%; 2.1% on a Xeon, 6 runs 34.9-37.4 ms)
+# when the machine is not calibrated: a 2-core Xeon's calibration of `bench` over 27 runs in 47 minutes
+# (TPOT p50: 1.74% per run from adjacent runs, 3.42% drift), rounded up; an AMD EPYC's A/A pairs spread
+# -1.45..+2.20% (about 1% per run)
 DEFAULT_SIGMA_PCT = 2.0
+DEFAULT_DRIFT_PCT = 3.5
+DEFAULT_SPAN_S = 3600.0
 MIN_RUNS = 3
 FILE = "run_to_run.json"
 Z95 = 1.96
@@ -47,12 +53,35 @@ class Spread:
     sigma_pct: dict[str, float]
     source: str  # "option", "calibrated" or "default"
     detail: str
+    drift_pct: dict[str, float] = field(default_factory=dict)  # the host's slow drift over `span_s`, per metric
+    span_s: float | None = None  # how long the calibration's runs took, first to last
 
     def sigma(self, metric: str) -> float | None:
         key = metric.partition(".")[0]
         if key not in METRICS:
             return None
         return self.sigma_pct.get(key, self.sigma_pct.get("*"))
+
+    def drift(self, metric: str, gap_s: float | None) -> float:
+        """The drift that applies `gap_s` apart: all of it when the gap is unknown or past the span."""
+        key = metric.partition(".")[0]
+        full = self.drift_pct.get(key, self.drift_pct.get("*", 0.0))
+        if not full:
+            return 0.0
+        share = 1.0 if gap_s is None or not self.span_s else min(1.0, gap_s / self.span_s)
+        return full * math.sqrt(share)
+
+    def pair_sd(self, metric: str, gap_s: float | None) -> float | None:
+        """Standard deviation (%) of the difference of two runs' levels `gap_s` apart (module docstring)."""
+        sigma = self.sigma(metric)
+        if not sigma:
+            return None
+        return math.sqrt(2.0) * math.hypot(sigma, self.drift(metric, gap_s))
+
+    def value_sd(self, metric: str) -> float | None:
+        """Standard deviation (%) of one run's level against a fixed threshold: its own spread and the drift."""
+        sigma = self.sigma(metric)
+        return math.hypot(sigma, self.drift(metric, None)) if sigma else None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -79,16 +108,36 @@ def for_host(base: dict, option_pct: float | None = None) -> Spread:
     stored = _load().get(host_key(base))
     if stored:
         return Spread(dict(stored["sigma_pct"]), "calibrated",
-                      f"calibrated on this machine from {stored['runs']} runs ({stored['created_at']})")
+                      f"calibrated on this machine from {stored['runs']} runs ({stored['created_at']})",
+                      drift_pct=dict(stored.get("drift_pct") or {}), span_s=stored.get("span_s"))
     return Spread({"*": DEFAULT_SIGMA_PCT}, "default",
-                  f"default {DEFAULT_SIGMA_PCT:g}% per run, not calibrated on this machine "
-                  "(`infer-tune compare --calibrate RUN RUN RUN ...`)")
+                  f"default {DEFAULT_SIGMA_PCT:g}% per run and {DEFAULT_DRIFT_PCT:g}% drift over "
+                  f"{DEFAULT_SPAN_S / 60:g} min, not calibrated on this machine "
+                  "(`infer-tune compare --calibrate RUN RUN RUN ...`)",
+                  drift_pct={"*": DEFAULT_DRIFT_PCT}, span_s=DEFAULT_SPAN_S)
 
 
-def widen(observed: float, interval: list[float] | None, sigma_pct: float, *, pair: bool) -> list[float]:
-    """`interval` (in % change, or a value's % around it when `pair` is False) widened by the run-to-run
-    spread in quadrature on the log scale; a point value gets the run-to-run interval alone."""
-    spread = Z95 * sigma_pct / 100.0 * (math.sqrt(2.0) if pair else 1.0)
+def gap_s(base: dict, cand: dict) -> float | None:
+    """Seconds between the two results' `created_at`, None when either lacks a readable one."""
+    stamps = []
+    for doc in (base, cand):
+        try:
+            stamps.append(dt.datetime.strptime(str(doc.get("created_at")), "%Y-%m-%dT%H:%M:%S.%f%z"))
+        except ValueError:
+            try:
+                stamps.append(dt.datetime.fromisoformat(str(doc.get("created_at"))))
+            except ValueError:
+                return None
+    try:
+        return abs((stamps[1] - stamps[0]).total_seconds())
+    except TypeError:  # one aware, one naive
+        return None
+
+
+def widen(observed: float, interval: list[float] | None, sd_pct: float) -> list[float]:
+    """`interval` (in % change) widened by a run-to-run standard deviation `sd_pct` in quadrature on the
+    log scale; a point value gets the run-to-run interval alone."""
+    spread = Z95 * sd_pct / 100.0
     center = math.log1p(observed / 100.0)
     low, high = interval if interval is not None else (observed, observed)
     below = center - math.log1p(max(low, -99.999) / 100.0)
@@ -96,12 +145,12 @@ def widen(observed: float, interval: list[float] | None, sigma_pct: float, *, pa
     return [100.0 * math.expm1(center - math.hypot(below, spread)), 100.0 * math.expm1(center + math.hypot(above, spread))]
 
 
-def widen_value(value: float, interval: list[float] | None, sigma_pct: float) -> list[float]:
-    """An absolute value's interval widened by one process's spread (the candidate's level alone)."""
+def widen_value(value: float, interval: list[float] | None, sd_pct: float) -> list[float]:
+    """An absolute value's interval widened by one run's level spread `sd_pct` (the candidate alone)."""
     if value <= 0:
         return interval if interval is not None else [value, value]
     as_pct = None if interval is None else [100.0 * (v / value - 1.0) if v > 0 else -99.999 for v in interval]
-    low, high = widen(0.0, as_pct, sigma_pct, pair=False)
+    low, high = widen(0.0, as_pct, sd_pct)
     return [value * (1.0 + low / 100.0), value * (1.0 + high / 100.0)]
 
 
@@ -111,8 +160,10 @@ class MetricSpread:
     metric: str
     runs: int
     between_pct: float  # standard deviation of the runs' log levels, %
+    adjacent_pct: float  # the same from runs next to each other in time: sqrt(mean squared successive difference / 2), %
+    drift_pct: float  # what the host's slow drift over the calibration adds: sqrt(between^2 - adjacent^2), at least 0
     within_pct: float  # the runs' own sampling error (root mean square of their bootstrap standard errors), %
-    sigma_pct: float  # sqrt(between^2 - within^2), at least 0
+    sigma_pct: float  # one run's level spread: sqrt(adjacent^2 - within^2), at least 0
 
 
 @dataclass
@@ -120,6 +171,7 @@ class Calibration:
     host: str
     runs: int
     run_ids: list[str]
+    span_s: float | None = None  # first run to last
     metrics: list[MetricSpread] = field(default_factory=list)
     created_at: str = ""
     path: str = ""
@@ -127,6 +179,10 @@ class Calibration:
     @property
     def sigma_pct(self) -> dict[str, float]:
         return {m.metric: m.sigma_pct for m in self.metrics}
+
+    @property
+    def drift_pct(self) -> dict[str, float]:
+        return {m.metric: m.drift_pct for m in self.metrics}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -148,7 +204,12 @@ def _level(doc: dict, key: str) -> tuple[float, float] | None:
 
 
 def calibrate(docs: Sequence[dict]) -> Calibration:
-    """The run-to-run spread of `docs` (three or more results of one measurement, separate processes)."""
+    """The run-to-run spread of `docs` (three or more results of one measurement, separate processes).
+
+    The runs are taken in the order they were measured. One run's level spread comes from successive
+    differences (runs next to each other in time), so a slow drift of the host across the calibration
+    (minutes of other tenants, clocks) is reported beside it (`drift_pct`) instead of inflating it; the
+    runs' own sampling error is taken out, since `compare` already has each run's interval."""
     if len(docs) < MIN_RUNS:
         raise InferTuneError(f"--calibrate needs at least {MIN_RUNS} results of the same measurement from separate "
                              f"runs; got {len(docs)}")
@@ -164,16 +225,21 @@ def calibrate(docs: Sequence[dict]) -> Calibration:
     groups = {((d.get("metrics") or {}).get("rounds") or {}).get("group") for d in docs}
     if None not in groups and len(groups) < len(docs):
         raise InferTuneError("--calibrate: some results come from the same rounds (one process); give one result per run")
-    cal = Calibration(host=host_key(first), runs=len(docs), run_ids=[d.get("run_id", "?") for d in docs])
+    docs = sorted(docs, key=lambda d: (str(d.get("created_at", "")), str(d.get("run_id", ""))))
+    cal = Calibration(host=host_key(first), runs=len(docs), run_ids=[d.get("run_id", "?") for d in docs],
+                      span_s=gap_s(docs[0], docs[-1]))
     for key in METRICS:
         levels = [_level(d, key) for d in docs]
         if any(v is None for v in levels):
             continue
         logs = np.array([v[0] for v in levels])
         between = float(np.std(logs, ddof=1))
+        adjacent = math.sqrt(float(np.mean(np.diff(logs) ** 2)) / 2.0)
+        drift = math.sqrt(max(between ** 2 - adjacent ** 2, 0.0))
         within = math.sqrt(float(np.mean([v[1] ** 2 for v in levels])))
-        sigma = math.sqrt(max(between ** 2 - within ** 2, 0.0))
-        cal.metrics.append(MetricSpread(key, len(docs), 100.0 * between, 100.0 * within, 100.0 * sigma))
+        sigma = math.sqrt(max(adjacent ** 2 - within ** 2, 0.0))
+        cal.metrics.append(MetricSpread(key, len(docs), 100.0 * between, 100.0 * adjacent, 100.0 * drift,
+                                        100.0 * within, 100.0 * sigma))
     if not cal.metrics:
         raise InferTuneError("--calibrate: the results share no timing figure to calibrate")
     return cal
@@ -184,8 +250,8 @@ def save(cal: Calibration) -> Calibration:
     cal.created_at = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     path = paths.home() / FILE
     stored = _load()
-    stored[cal.host] = {"sigma_pct": cal.sigma_pct, "runs": cal.runs, "run_ids": cal.run_ids,
-                        "created_at": cal.created_at}
+    stored[cal.host] = {"sigma_pct": cal.sigma_pct, "drift_pct": cal.drift_pct, "span_s": cal.span_s,
+                        "runs": cal.runs, "run_ids": cal.run_ids, "created_at": cal.created_at}
     atomic.write_json(path, stored)
     cal.path = str(path)
     return cal
