@@ -195,6 +195,12 @@ def test_run_to_run_spread_widens_separate_runs_only(tmp_path, monkeypatch):
         doc["metrics"]["rounds"] = {"group": "g1"}
     same = compare(base, [cand], [expr], spread=rtr.for_host(base, 1.5)).candidates[0]
     assert same.same_rounds and same.checks[0].interval == tight.interval and same.checks[0].run_to_run_pct is None
+    # with per-round figures, rows of one rounds run are judged on the rounds' pairs (the engine's interval)
+    base["metrics"]["rounds"]["per_round"] = {"tpot_ms": [40.0, 41.0, 39.5, 40.5]}
+    cand["metrics"]["rounds"]["per_round"] = {"tpot_ms": [42.0, 43.1, 41.4, 42.6]}
+    rounds_check = compare(base, [cand], [expr]).candidates[0].checks[0]
+    assert rounds_check.method == "paired rounds (4)" and rounds_check.outcome == "regression"
+    assert 4.8 < rounds_check.observed < 5.2 and rounds_check.interval[0] > 2.5
     # the host's drift counts in proportion to the time between the two results, up to the calibration's span
     drifting = rtr.Spread({"*": 1.0}, "calibrated", "test", drift_pct={"*": 3.0}, span_s=600.0)
     assert drifting.pair_sd("tpot_ms.p50", 0.0) == pytest.approx(2 ** 0.5)

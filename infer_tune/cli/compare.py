@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
@@ -31,7 +32,7 @@ def render(comparison) -> None:
                 checks.add_column(name, justify="left" if name == "--fail-if" else "right")
             for check in cand.checks:
                 row = [escape(cell) for cell in f.check_row(check)]
-                checks.add_row(*row[:-1], STYLED[check.outcome])
+                checks.add_row(*row[:-1], Text.from_markup(STYLED[check.outcome]))  # stdout prints no markup
             output.out.print(checks)
             for check in cand.checks:
                 for note in f.check_notes(check):

@@ -19,7 +19,10 @@ regression: the check fails when it holds.
   the median (`p50`) of `ttft_ms`, `tpot_ms` and `e2e_ms` is compared *paired*: per prompt the
   ratio of medians, their median as the estimate, and a two-level bootstrap (prompts, then each
   prompt's samples) for the interval. Pairing removes the prompt-to-prompt spread that makes an
-  unpaired interval of a few requests wide.
+  unpaired interval of a few requests wide. Two rows of the same interleaved rounds (one process,
+  `metrics.rounds.group`) are compared on their per-round figures instead, one ratio per round
+  (`rounds_ratio`). Between separate runs every timing interval is widened by the run-to-run spread
+  (report/run_to_run.py; docs/compare.md, "Run-to-run spread").
 - Every other metric compares point values.
 
 Base and candidates must be the same measurement but for the change under test: the same suite
@@ -44,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from infer_tune.errors import InferTuneError, ResultError
-from infer_tune.metrics.stats import bootstrap_interval, paired_ratio_interval, ratio_interval
+from infer_tune.metrics.stats import bootstrap_interval, pair_interval, paired_ratio_interval, ratio_interval
 from infer_tune.report import gate
 from infer_tune.report import run_to_run as rtr
 from infer_tune.report.match import MATCH, SERVER_SIDE, MismatchError, check_match, mismatches  # noqa: F401
@@ -152,6 +155,26 @@ def paired_ratio(base: dict, cand: dict, metric: str, *, seed: int = 0) -> tuple
     if not bi or not ci or not bv or not cv or len(bi) != len(bv) or len(ci) != len(cv):
         return None
     return paired_ratio_interval(bv, bi, cv, ci, seed=seed)
+
+
+# metric -> the figure a row measured in rounds keeps per round (metrics.rounds.per_round)
+ROUND_FIGURES = {"tpot_ms.p50": "tpot_ms", "ttft_ms.p50": "ttft_ms", "e2e_ms.mean": "e2e_ms_mean",
+                 "output_throughput_tok_s": "output_throughput_tok_s"}
+
+
+def rounds_ratio(base: dict, cand: dict, metric: str) -> tuple[float, float, float, int] | None:
+    """(estimate, low, high, rounds) of cand / base from their per-round figures, when both rows were
+    measured in the same interleaved rounds: each round's pair ran back to back, so the rounds are the
+    independent samples and the host's drift between rounds cancels (the engine's own interval)."""
+    figure = ROUND_FIGURES.get(metric)
+    if figure is None or not rtr.same_rounds(base, cand):
+        return None
+    b = (((base.get("metrics") or {}).get("rounds") or {}).get("per_round") or {}).get(figure)
+    c = (((cand.get("metrics") or {}).get("rounds") or {}).get("per_round") or {}).get(figure)
+    if not b or not c or len(b) != len(c):
+        return None
+    found = pair_interval(c, b)
+    return None if found is None else (found["point"], *found["ci95"], found["rounds"])
 
 
 def pairing(base: dict, cand: dict) -> str:
@@ -286,6 +309,11 @@ def _pair_sd(spread: rtr.Spread | None, base: dict, cand: dict, metric: str, *, 
 def _delta(base: dict, cand: dict, metric: str, *, seed: int = 0) -> Delta:
     b, c = metric_value(base, metric), metric_value(cand, metric)
     change = 100.0 * (c / b - 1.0) if b and c is not None else None
+    by_round = rounds_ratio(base, cand, metric)
+    if by_round is not None:
+        point, low, high, n = by_round
+        return Delta(metric, b, c, 100.0 * (point - 1.0), [100.0 * (low - 1.0), 100.0 * (high - 1.0)],
+                     f"paired rounds ({n})")
     paired = paired_ratio(base, cand, metric, seed=seed)
     if paired is not None:
         point, low, high = paired
@@ -304,8 +332,13 @@ def judge(expr: Expr, base: dict, cand: dict, *, seed: int = 0, spread: rtr.Spre
     where = f"{expr.metric} of {cand['run_id']}"
     stat = expr.metric.partition(".")[2]
     bs, cs = samples_of(base, expr.metric), samples_of(cand, expr.metric)
-    paired = paired_ratio(base, cand, expr.metric, seed=seed) if expr.relative else None
-    if paired is not None:
+    by_round = rounds_ratio(base, cand, expr.metric) if expr.relative else None
+    paired = paired_ratio(base, cand, expr.metric, seed=seed) if expr.relative and by_round is None else None
+    if by_round is not None:
+        point, low, high, n = by_round
+        interval = [100.0 * (low - 1.0), 100.0 * (high - 1.0)]
+        observed, method = 100.0 * (point - 1.0), f"paired rounds ({n})"
+    elif paired is not None:
         point, low, high = paired
         interval = [100.0 * (low - 1.0), 100.0 * (high - 1.0)]
         observed, method = 100.0 * (point - 1.0), "paired bootstrap ratio"
