@@ -35,9 +35,8 @@ from infer_tune.report.match import hardware, mismatches
 
 # the timing figures whose level moves between processes (a key, or a key of a distribution)
 METRICS = ("ttft_ms", "tpot_ms", "e2e_ms", "itl_ms", "output_throughput_tok_s", "request_throughput_req_s")
-# when the machine is not calibrated: a 2-core Xeon's calibration of `bench` over 27 runs in 47 minutes
-# (TPOT p50: 1.74% per run from adjacent runs, 3.42% drift), rounded up; an AMD EPYC's A/A pairs spread
-# -1.45..+2.20% (about 1% per run)
+# when the machine is not calibrated: a 2-core Xeon VM's calibration of `bench` over 27 runs in 46 minutes
+# (TPOT p50: 1.74% per run from adjacent runs, 3.42% drift), rounded up (docs/compare.md)
 DEFAULT_SIGMA_PCT = 2.0
 DEFAULT_DRIFT_PCT = 3.5
 DEFAULT_SPAN_S = 3600.0
