@@ -122,19 +122,29 @@ def test_paced_server_paces_from_arrival_and_records_what_it_did():
         for prompt, blocked_s in (("held 60 ms", 0.060), ("held 180 ms", 0.180)):
             with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
                 time.sleep(0.05)  # the connection is accepted and idle
-                server._loop.call_soon_threadsafe(time.sleep, blocked_s)  # the server's loop stops reading
-                time.sleep(0.01)
+                inside, sent, sent_at = threading.Event(), threading.Event(), []
+
+                def hold(blocked_s=blocked_s, inside=inside, sent=sent, sent_at=sent_at):
+                    inside.set()  # the server's loop stops reading until `blocked_s` after the request went out
+                    sent.wait(10)
+                    time.sleep(max(0.0, blocked_s - (time.perf_counter() - sent_at[0])))
+
+                server._loop.call_soon_threadsafe(hold)
+                assert inside.wait(10)
                 sock.sendall(_post(server, prompt))
+                sent_at.append(time.perf_counter())
+                sent.set()
                 assert b"[DONE]" in _read_to_done(sock)
         truth = {r["prompt"]: r for r in server.truth}
     held, late = truth["held 60 ms"], truth["held 180 ms"]
     for r in (held, late):
         assert r["arrival_from"] == "kernel" and r["read_ns"] >= r["arrival_ns"]
         assert len(r["send_ns"]) == 3
-    # read ~50 ms after arrival, yet the first token still goes out 100 ms after arrival (not after the read)
-    assert (held["read_ns"] - held["arrival_ns"]) / 1e6 > 30
+    # read ~60 ms after arrival, yet the first token still goes out 100 ms after arrival (after the read it
+    # would be 160 ms or more)
+    assert (held["read_ns"] - held["arrival_ns"]) / 1e6 > 50
     ttft = (held["send_ns"][0] - held["arrival_ns"]) / 1e6
-    assert 100 <= ttft < 100 + 30
+    assert 100 <= ttft < 150
     assert all(t >= held["arrival_ns"] + 100_000_000 + k * 10_000_000 for k, t in enumerate(held["send_ns"]))
     # read after its first token was due: sent late, and the truth says so (the actual send, not the schedule)
     late_ttft = (late["send_ns"][0] - late["arrival_ns"]) / 1e6

@@ -376,15 +376,10 @@ class _Wire:
             self.sender.loop.add_writer(self.fd, self.writable)
 
     def writable(self) -> None:
-        try:
-            sent = self.sock.send(self.pending)
-        except BlockingIOError:
-            return
-        except OSError:
+        done = rxtime.drain(self.sock, self.pending)
+        if done is None:
             self.readable_eof()
-            return
-        del self.pending[:sent]
-        if not self.pending:
+        elif done:
             self.sender.loop.remove_writer(self.fd)
 
     def readable(self) -> None:

@@ -171,15 +171,10 @@ class _Connection:
             self.loop.add_writer(self.fd, self.writable)
 
     def writable(self) -> None:
-        try:
-            sent = self.sock.send(self.pending)
-        except BlockingIOError:
-            return
-        except OSError:
+        done = rxtime.drain(self.sock, self.pending)
+        if done is None:
             self.close()
-            return
-        del self.pending[:sent]
-        if not self.pending:
+        elif done:
             self.loop.remove_writer(self.fd)
 
     def readable(self) -> None:

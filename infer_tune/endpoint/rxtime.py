@@ -50,3 +50,16 @@ def read(sock: socket.socket, size: int) -> tuple[bytes, int | None, int]:
             if -CLOCK_SLACK_NS <= age <= MAX_AGE_NS:
                 return data, mono - max(0, age), mono
     return data, None, mono
+
+
+def drain(sock: socket.socket, pending: bytearray) -> bool | None:
+    """Send what `pending` holds on a non-blocking socket and drop what went: True when nothing is left,
+    False when the socket took only part (wait until it is writable again), None when the connection failed."""
+    try:
+        sent = sock.send(pending)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    del pending[:sent]
+    return not pending
