@@ -116,20 +116,20 @@ def for_host(base: dict, option_pct: float | None = None) -> Spread:
                   drift_pct={"*": DEFAULT_DRIFT_PCT}, span_s=DEFAULT_SPAN_S)
 
 
+def _stamp(text: object) -> dt.datetime:
+    """A result's `created_at` (`...T03:08:45.960+0000`, or any ISO form; Python 3.10 reads no `+0000`
+    through fromisoformat)."""
+    try:
+        return dt.datetime.strptime(str(text), "%Y-%m-%dT%H:%M:%S.%f%z")
+    except ValueError:
+        return dt.datetime.fromisoformat(str(text))
+
+
 def gap_s(base: dict, cand: dict) -> float | None:
     """Seconds between the two results' `created_at`, None when either lacks a readable one."""
-    stamps = []
-    for doc in (base, cand):
-        try:
-            stamps.append(dt.datetime.strptime(str(doc.get("created_at")), "%Y-%m-%dT%H:%M:%S.%f%z"))
-        except ValueError:
-            try:
-                stamps.append(dt.datetime.fromisoformat(str(doc.get("created_at"))))
-            except ValueError:
-                return None
     try:
-        return abs((stamps[1] - stamps[0]).total_seconds())
-    except TypeError:  # one aware, one naive
+        return abs((_stamp(cand.get("created_at")) - _stamp(base.get("created_at"))).total_seconds())
+    except (ValueError, TypeError):  # unreadable, or one aware and one naive
         return None
 
 
