@@ -169,8 +169,7 @@ def rounds_ratio(base: dict, cand: dict, metric: str) -> tuple[float, float, flo
     figure = ROUND_FIGURES.get(metric)
     if figure is None or not rtr.same_rounds(base, cand):
         return None
-    b = (((base.get("metrics") or {}).get("rounds") or {}).get("per_round") or {}).get(figure)
-    c = (((cand.get("metrics") or {}).get("rounds") or {}).get("per_round") or {}).get(figure)
+    b, c = ((rtr.rounds_block(doc).get("per_round") or {}).get(figure) for doc in (base, cand))
     if not b or not c or len(b) != len(c):
         return None
     found = pair_interval(c, b)

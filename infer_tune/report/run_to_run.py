@@ -92,10 +92,15 @@ def host_key(doc: dict) -> str:
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
+def rounds_block(doc: dict) -> dict:
+    """A result's `metrics.rounds` ({} for a row not measured in rounds)."""
+    return (doc.get("metrics") or {}).get("rounds") or {}
+
+
 def same_rounds(base: dict, cand: dict) -> bool:
     """Whether both rows were measured in the same interleaved rounds (one process, alternating passes)."""
-    group = ((base.get("metrics") or {}).get("rounds") or {}).get("group")
-    return bool(group) and group == ((cand.get("metrics") or {}).get("rounds") or {}).get("group")
+    group = rounds_block(base).get("group")
+    return bool(group) and group == rounds_block(cand).get("group")
 
 
 def for_host(base: dict, option_pct: float | None = None) -> Spread:
@@ -221,7 +226,7 @@ def calibrate(docs: Sequence[dict]) -> Calibration:
         if doc.get("fingerprint") != first.get("fingerprint") or doc.get("technique") != first.get("technique"):
             raise InferTuneError(f"--calibrate: {doc.get('run_id', '?')} is another config or workload than "
                                  f"{first.get('run_id', '?')} (fingerprints differ); calibrate on one measurement repeated")
-    groups = {((d.get("metrics") or {}).get("rounds") or {}).get("group") for d in docs}
+    groups = {rounds_block(d).get("group") for d in docs}
     if None not in groups and len(groups) < len(docs):
         raise InferTuneError("--calibrate: some results come from the same rounds (one process); give one result per run")
     docs = sorted(docs, key=lambda d: (str(d.get("created_at", "")), str(d.get("run_id", ""))))
