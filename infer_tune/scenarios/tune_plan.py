@@ -139,7 +139,7 @@ def dtype_screen(shapes: Counter, rows: int, dtype: torch.dtype, *, inner: int =
         layers.append((count, {screen.FP32: (x, w), "bf16": (x.to(dtype), w.to(dtype))}))
 
     def measure(name: str) -> float:
-        return sum(count * kernel_choice._best_ms(functools.partial(torch.nn.functional.linear, *pair[name]), inner)
+        return sum(count * kernel_choice.best_ms(functools.partial(torch.nn.functional.linear, *pair[name]), inner)
                    for count, pair in layers)
 
     with torch.inference_mode():
@@ -182,7 +182,7 @@ def host_screen(model: nn.Module, methods: tuple[str, ...], prefill_rows: int, *
                 timings[(kind, regime)] = (dtype_screen(shapes, rows, torch.bfloat16, **SCREEN_LIMITS)
                                            if kind == "bf16" else
                                            kernel_choice.screen_kernels(shapes, rows, kind, **SCREEN_LIMITS))
-            kernel_ms, fp32_ms, stats = kernel_choice._unpack(timings[(kind, regime)])
+            kernel_ms, fp32_ms, stats = kernel_choice.unpack_timing(timings[(kind, regime)])
             skip = kernels.excluded(kind, regime) if kind != "bf16" else {}
             usable = {k: v for k, v in kernel_ms.items() if v is not None and k not in skip}
             choice = kernels.choose(usable, fp32_ms, vs_fp32=(stats or {}).get("vs_fp32_ci95")) if usable else None

@@ -35,7 +35,8 @@ def linear_shapes(model: nn.Module) -> dict[str, Counter]:
     return shapes
 
 
-def _best_ms(fn, reps: int) -> float:
+def best_ms(fn, reps: int) -> float:
+    """Best of `reps` timed calls of `fn`, in milliseconds (the kernel screen's point figure for a shape)."""
     times = []
     for _ in range(reps):
         start = time.perf_counter_ns()
@@ -83,7 +84,7 @@ def screen_kernels(shapes: Counter, rows: int, kind: str, *, group_size: int = 3
             else:
                 module.set_kernels(name, name)
                 call = functools.partial(module, x)
-            total += count * _best_ms(call, inner)
+            total += count * best_ms(call, inner)
         return total
 
     with torch.inference_mode():
@@ -101,7 +102,7 @@ def benchmark(shapes: Counter, rows: int, kind: str, *, group_size: int = 32,
     return screen_kernels(shapes, rows, kind, group_size=group_size, **limits).timings()
 
 
-def _unpack(value) -> tuple[dict[str, float | None], float, dict | None]:
+def unpack_timing(value) -> tuple[dict[str, float | None], float, dict | None]:
     """A timings entry: a Screen (measured here) or an injected (kernel -> ms, fp32 ms) pair."""
     if isinstance(value, screen.Screen):
         kernel_ms, fp32_ms = value.timings()
@@ -134,7 +135,7 @@ def choose_for_model(model: nn.Module, method: str, *, prefill_rows: int = 64, g
         for regime, rows, name in (("decode", 1, force[0]), ("prefill", prefill_rows, force[1])):
             if (kind, regime) not in timings:
                 timings[(kind, regime)] = screen_kernels(kind_shapes, rows, kind, group_size=group_size)
-            kernel_ms, fp32_ms, stats = _unpack(timings[(kind, regime)])
+            kernel_ms, fp32_ms, stats = unpack_timing(timings[(kind, regime)])
             skip = excluded(kind, regime)
             choice = choose({k: v for k, v in kernel_ms.items() if k not in skip}, fp32_ms, forced=name,
                             vs_fp32=(stats or {}).get("vs_fp32_ci95"))
