@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from infer_tune import atomic, results
+from infer_tune import atomic, paths, results
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = """\
@@ -84,6 +84,32 @@ def test_two_sweeps_into_one_runs_dir_both_complete(tiny_model_dir, prompts_file
         assert sweep_docs[0]["technique"] == "baseline" and sweep_docs[0]["run_id"] in ids
         assert all(d["run_id"] in ids for d in sweep_docs)
     assert {d["run_id"] for d in reported[0][1:]}.isdisjoint(d["run_id"] for d in reported[1][1:])
+
+
+def test_preflight_of_one_new_folder_by_many_at_once_never_refuses(tmp_path):
+    """Two sweeps started together check the same new runs folder: neither may see the other's
+    mkdir as "File exists" nor lose the folder to the other's clean-up."""
+    import threading
+
+    failures: list[str] = []
+    for round_ in range(40):
+        target = tmp_path / f"r{round_}" / "runs"
+        barrier = threading.Barrier(6)
+
+        def check(target=target, barrier=barrier):
+            barrier.wait()
+            try:
+                paths.ensure_writable(target, "the runs directory (out_dir)")
+            except Exception as exc:  # noqa: BLE001 - collected and asserted below
+                failures.append(str(exc))
+
+        threads = [threading.Thread(target=check) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert not target.exists() or not any(target.iterdir())
+    assert not failures, failures[:3]
 
 
 def test_run_folders_are_never_replaced(tmp_path):
