@@ -49,13 +49,16 @@ def test_step_buckets():
     assert BatchConfig(scheduler="static", rate=2.0, batch_size=4, engine="lean").label() == "static-b4-r2-lean"
 
 
-@pytest.mark.parametrize("arch,scheduler,compiled", [("llama", "continuous", True), ("qwen3", "static", False),
-                                                      ("qwen3", "continuous", False)])
-def test_int4_slots_equal_single_request_greedy(arch, scheduler, compiled, tiny_model_dir, qwen3_dir, mixed_suite,
-                                                tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch,scheduler,compiled,every", [("llama", "continuous", True, True),
+                                                            ("qwen3", "static", False, True),
+                                                            ("qwen3", "continuous", False, True),
+                                                            ("llama", "continuous", False, False)])
+def test_int4_slots_equal_single_request_greedy(arch, scheduler, compiled, every, tiny_model_dir, qwen3_dir,
+                                                mixed_suite, tmp_path, monkeypatch):
+    """`every` False: one step graph over every slot (`step_buckets: full`), the references included."""
     if not compiled:  # the same engine with its prefill and step eager (fast): the slot logic alone
         monkeypatch.setattr(slots_module.SlotBatcher.__init__, "__kwdefaults__",
-                            {"timeout_ms": None, "compile": False, "compile_prefill": False, "every_bucket": True,
+                            {"timeout_ms": None, "compile": False, "compile_prefill": False, "every_bucket": every,
                              "shared": None})
     loaded = models.load(str(tiny_model_dir if arch == "llama" else qwen3_dir))
     # compiled: 3 short prompts and 2 slots (prefill buckets 16, 32, 64 and step buckets 1, 2 to compile)

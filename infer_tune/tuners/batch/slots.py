@@ -248,7 +248,8 @@ class SlotBatcher:
 
     def own_references(self, prepared, encoded: list[dict], indices: list[int], max_new_tokens: int,
                        cache: dict | None = None) -> dict[int, list[int]]:
-        """Prompt index -> the tokens this engine decodes for it alone (one slot, the one-row step), up to
+        """Prompt index -> the tokens this engine decodes for it alone (slot 0 of the smallest step bucket:
+        the one-row step, or every slot's step when `step_buckets` is `full`, the other rows idle), up to
         and including end-of-sequence, at most `max_new_tokens`: what batching must not change."""
         from infer_tune.tuners.batch.common import weights_key
 
@@ -258,14 +259,18 @@ class SlotBatcher:
         eos = set(eos_ids(prepared.model, prepared.tokenizer))
         cache = {} if cache is None else cache
         out: dict[int, list[int]] = {}
+        rows = rows_for(0, self.batch_size, self.every_bucket)  # one row, or every slot when one graph is all
         with torch.inference_mode():
             for i in unique:
                 ids = encoded[i]["input_ids"].to(prepared.device)
-                key = ("slot-greedy", weights_key(prepared), self.batch_size, tuple(ids[0].tolist()), max_new_tokens)
+                key = ("slot-greedy", weights_key(prepared), self.batch_size, self.every_bucket, tuple(ids[0].tolist()), max_new_tokens)
                 if key not in cache:
+                    self.engine.positions.zero_()  # idle rows of a wider step start from 0 for each prompt
                     tokens = [int(greedy(self.engine.admit(0, ids)[None])[0])]
+                    step_in = torch.zeros(rows, dtype=torch.long)
                     while tokens[-1] not in eos and len(tokens) < max_new_tokens:
-                        tokens.append(int(greedy(self.engine.step(1, torch.tensor(tokens[-1:])))[0]))
+                        step_in[0] = tokens[-1]
+                        tokens.append(int(greedy(self.engine.step(rows, step_in))[0]))
                     cache[key] = tokens
                 out[i] = list(cache[key])
         self.engine.positions.zero_()
