@@ -68,7 +68,7 @@ def test_int4_slots_equal_single_request_greedy(arch, scheduler, compiled, every
     config = StackConfig(configs=[
         QuantizeConfig(method="int4-rtn", backend="torch", decode_kernel="int4pack", prefill_kernel="int4pack"),
         BatchConfig(scheduler=scheduler, batch_size=size, rate=200.0, requests=10, allow_repeat=True, engine="lean",
-                    compile_prefill=compiled)])
+                    compile_prefill=compiled, step_buckets="all" if every else "full")])
     ctx = RunContext(env=envinfo.collect_env(1), out_dir=tmp_path)
     prepared = apply(loaded, config, ctx)
     doc, _ = measure_prepared(loaded, prepared, inputs, workload, ONCE, technique="stack", config=config.to_dict(),
@@ -91,6 +91,8 @@ def test_int4_slots_equal_single_request_greedy(arch, scheduler, compiled, every
         assert m["slot_step_buckets"] == [1, 2] and m["scheduler_setup_s"] > 0
     else:
         assert m["lean_step"] == "eager"
+    if not every:
+        assert m["slot_step_buckets"] == [size]
 
 
 def test_decode_rows_only_where_rows_are_independent(tiny_loaded):
