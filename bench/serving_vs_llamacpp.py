@@ -125,14 +125,14 @@ def phase_llamacpp(args, state: dict) -> None:
         alone = dataclasses.replace(run, config=dataclasses.replace(run.config, concurrency=1))
         _, single = trace_document(alone, spec, [TraceRequest(p, 0.0, n) for p, n in sorted(lengths.items())], {}, {},
                                    None)
-        expected = {o["prompt_index"]: o["output"] for o in single}
+        expected = {o["prompt_id"]: o["output"] for o in single}
         for rate in args.rates:
             rows = state["trace"].get(str(rate))
             if rows is None:
                 continue
             trace = [TraceRequest(r["prompt_index"], r["arrival_s"], r["output_tokens"]) for r in rows]
             doc, outputs = trace_document(run, spec, trace, slo, {"rate_req_s": rate, "seed": args.seed}, None)
-            mismatches = sum(1 for o in outputs if o["output"] != expected.get(o["prompt_index"]))
+            mismatches = sum(1 for o in outputs if o["output"] != expected.get(o["prompt_id"]))
             m = doc["metrics"]
             good = {"goodput_req_s": m.get("goodput_req_s"), "slo_attainment": m.get("slo_attainment")}
             state["rows"].append(row_of(f"llama.cpp server x{args.batch}", rate, doc, good, mismatches,

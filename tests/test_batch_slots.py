@@ -127,3 +127,36 @@ def test_tune_throughput_objective_plans_batched_stacks():
     assert not [c for c in stack_candidates(TuneSpec(objective="decode"), [cand]) if "batch" in c.config.techniques()]
     assert not [c for c in stack_candidates(TuneSpec(objective="throughput", compile=False), [cand])
                 if "batch" in c.config.techniques()]
+
+
+def test_fbgemm_rows_kernel_rows_alone_equal_rows_together():
+    """`fbgemm_rows` puts each row on its own grid: an outlier row changes nothing for the others (plain
+    fbgemm's one grid per call would), and it stays close to the fp32 product of the int8 weight."""
+    from infer_tune.tuners.quantize.kernel_choice import sample_module
+
+    module = sample_module("int8-dynamic", 64, 96, 32)
+    module.set_kernels("fbgemm_rows", "fbgemm_rows")
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    x[2] *= 50  # an outlier token
+    with torch.no_grad():
+        together = module(x)
+        alone = torch.cat([module(x[i:i + 1]) for i in range(5)])
+        reference = torch.nn.functional.linear(x, module._weight_t().t().float() * module.weight_scale[:, None])
+    assert torch.equal(together, alone)
+    assert ((together - reference).norm(dim=1) / reference.norm(dim=1)).max() < 0.05
+
+
+def test_length_buckets_attend_over_the_used_cache_only(tiny_loaded):
+    """A step over a shorter length bucket gives the logits of the full-cache step (masked keys add zeros)."""
+    assert slots_module.length_buckets(512) == [128, 256, 512] and slots_module.length_buckets(100) == [100]
+    engine = slots_module.SlotEngine(tiny_loaded.model, 2, 512, compile=False)
+    ids = torch.tensor([[1, 5, 9, 13, 2, 7]])
+    with torch.inference_mode():
+        engine.admit(0, ids)
+        engine.admit(1, ids[:, :4])
+        assert engine.length_for(2) == 128
+        short = engine.step(2, torch.tensor([3, 4]), 128)
+        engine.positions -= 1  # the same step again, over the whole cache
+        full = engine.step(2, torch.tensor([3, 4]), 512)
+    assert torch.allclose(short, full, atol=1e-5) and torch.equal(short.argmax(-1), full.argmax(-1))
+    assert engine.facts["slot_length_buckets"] == [128, 512]

@@ -50,6 +50,17 @@ def step_buckets(batch_size: int, every: bool = True) -> list[int]:
     return sizes + [batch_size]
 
 
+def length_buckets(max_cache_len: int, smallest: int = 128) -> list[int]:
+    """Cache lengths a decode step attends over: powers of two from `smallest` below `max_cache_len`, and
+    `max_cache_len`. A step attends over the smallest one past every row's position, so a short
+    conversation no longer pays attention over the whole cache (masked keys add exact zeros)."""
+    sizes, k = [], smallest
+    while k < max_cache_len:
+        sizes.append(k)
+        k *= 2
+    return sizes + [max_cache_len]
+
+
 def rows_for(highest_busy: int, batch_size: int, every: bool = True) -> int:
     """The smallest step bucket holding slots 0..highest_busy."""
     return next(k for k in step_buckets(batch_size, every) if k > highest_busy)
@@ -61,27 +72,50 @@ def prepare_model(model: torch.nn.Module, batch_size: int) -> dict:
     prepared, before the single-request greedy references are computed, so both use the same kernels.
 
     - fbgemm kernels leave (their one activation scale per call would couple the requests, and the
-      int8-static one breaks a compiled graph): the fastest traceable per-row kernel measured
-      replaces them (quantize/kernel_choice.py `make_traceable`; int8-dynamic: int_mm, per-token scales);
+      int8-static one breaks a compiled graph): the row-independent candidates (int8-dynamic:
+      `fbgemm_rows`, each row on its own grid, and `int_mm`, per-token scales; int8-static: `int_mm`;
+      `dequant` where neither runs) are timed on the model's shapes at `batch_size` rows in interleaved rounds
+      (kernel_choice.screen_kernels) and the fastest replaces them, its screen kept in the facts;
     - int4 (bf16 activations per row) and int_mm / dequant kernels treat rows independently.
     """
+    from collections import Counter
+
+    from infer_tune.tuners.quantize.kernel_choice import screen_kernels
     from infer_tune.tuners.quantize.kernels import excluded
     from infer_tune.tuners.quantize.modules import LINEAR_KINDS
 
-    swaps: dict = {}
-    n = 0
-    for module in model.modules():
-        if not isinstance(module, tuple(LINEAR_KINDS.values())):
-            continue
+    linears = [m for m in model.modules() if isinstance(m, tuple(LINEAR_KINDS.values()))]
+    coupled: dict[str, Counter] = {}
+    for module in linears:
         if module.decode_kernel == "fbgemm":
-            new = "int_mm" if "int_mm" in module.KERNELS and "int_mm" not in excluded(module.kind, "decode") \
-                else "dequant"
-            prefill = module.prefill_kernel if module.prefill_kernel != "fbgemm" else new
-            swaps.setdefault(module.kind, {"decode": ("fbgemm", new)})
-            module.set_kernels(new, prefill)
+            coupled.setdefault(module.kind, Counter())[(module.in_features, module.out_features)] += 1
+    swaps: dict = {}
+    screens: dict = {}
+    for kind, shapes in coupled.items():
+        kernels = LINEAR_KINDS[kind].KERNELS
+        usable = tuple(k for k in ROW_KERNELS if k in kernels and k not in excluded(kind, "decode")) or ("dequant",)
+        new = usable[0]
+        if len(usable) > 1:
+            screen = screen_kernels(shapes, batch_size, kind, candidates=usable)
+            new = screen.fastest() or new
+            screens[kind] = {"rows": batch_size, **screen.record(), "median_ms": screen.timings()[0]}
+        swaps[kind] = {"decode": ("fbgemm", new)}
+    for module in linears:
+        if module.decode_kernel == "fbgemm":
+            new = swaps[module.kind]["decode"][1]
+            module.set_kernels(new, module.prefill_kernel if module.prefill_kernel != "fbgemm" else new)
         module.decode_rows = batch_size
-        n += 1
-    return {"slot_decode_kernel_rows": batch_size if n else 1, **({"slot_kernel_swaps": swaps} if swaps else {})}
+    facts = {"slot_decode_kernel_rows": batch_size if linears else 1}
+    if swaps:
+        facts["slot_kernel_swaps"] = swaps
+    if screens:
+        facts["slot_kernel_screen"] = screens
+    return facts
+
+
+# kernels whose rows give bit-identical results alone or together (integer GEMMs); `dequant` (an fp32
+# GEMM, whose blocking may change with the row count) only when neither runs here
+ROW_KERNELS = ("fbgemm_rows", "int_mm")
 
 
 def _slot_layer_class():
@@ -90,9 +124,9 @@ def _slot_layer_class():
     class SlotLayer(StaticLayer):
         """A static layer whose rows write at their own positions (`positions`, [rows], set before each step)."""
 
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, length: int) -> None:
             super().__init__(max_cache_len=keys.shape[2])
-            self.keys, self.values, self.positions = keys, values, positions
+            self.keys, self.values, self.positions, self.length = keys, values, positions, length
             self.device, self.batch_size, self.num_heads = keys.device, keys.shape[0], keys.shape[1]
             self.k_head_dim, self.v_head_dim = keys.shape[-1], values.shape[-1]
             self.is_initialized = True
@@ -102,7 +136,7 @@ def _slot_layer_class():
             index = self.positions.view(-1, 1, 1, 1)
             self.keys.scatter_(2, index.expand_as(key_states), key_states)
             self.values.scatter_(2, index.expand_as(value_states), value_states)
-            return self.keys, self.values
+            return self.keys[:, :, :self.length], self.values[:, :, :self.length]
 
     return SlotLayer
 
@@ -127,7 +161,8 @@ class SlotEngine:
         self.ids = torch.zeros((batch_size, 1), dtype=torch.long)
         # one view per row bucket, the same object in the cache layers and as the step's argument
         self._views = {rows: (self.ids[:rows], self.positions[:rows]) for rows in step_buckets(batch_size, every_bucket)}
-        self._steps: dict[int, object] = {}
+        self.lengths = length_buckets(max_cache_len)
+        self._steps: dict[tuple[int, int], object] = {}
 
     # ------------------------------------------------------------------ prefill into a slot
     def admit(self, slot: int, input_ids: torch.Tensor) -> torch.Tensor:
@@ -153,8 +188,8 @@ class SlotEngine:
         return logits[0, -1]
 
     # ------------------------------------------------------------------ one batched decode step
-    def _step_for(self, rows: int):
-        step = self._steps.get(rows)
+    def _step_for(self, rows: int, length: int):
+        step = self._steps.get((rows, length))
         if step is not None:
             return step
         from transformers.cache_utils import Cache
@@ -163,8 +198,8 @@ class SlotEngine:
 
         layer_class = _slot_layer_class()
         positions = self._views[rows][1]
-        cache = Cache(layers=[layer_class(k[:rows], v[:rows], positions) for k, v in zip(self.keys, self.values)])
-        span = torch.arange(self.max_cache_len)
+        cache = Cache(layers=[layer_class(k[:rows], v[:rows], positions, length) for k, v in zip(self.keys, self.values)])
+        span = torch.arange(length)
         model = self.model
 
         def forward(input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
@@ -175,16 +210,23 @@ class SlotEngine:
             step = CapturedStep(model, cache, {}, False, self.facts, forward=forward)
         else:
             step, self.facts["lean_step"] = forward, "eager"
-        self._steps[rows] = step
-        self.facts["slot_step_buckets"] = sorted(self._steps)
+        self._steps[(rows, length)] = step
+        self.facts["slot_step_buckets"] = sorted({r for r, _ in self._steps})
+        self.facts["slot_length_buckets"] = sorted({n for _, n in self._steps})
         return step
 
-    def step(self, rows: int, tokens: torch.Tensor) -> torch.Tensor:
+    def length_for(self, rows: int) -> int:
+        """The smallest length bucket past every position of slots 0..rows-1."""
+        need = int(self.positions[:rows].max()) + 1
+        return next((n for n in self.lengths if n >= need), self.lengths[-1])
+
+    def step(self, rows: int, tokens: torch.Tensor, length: int | None = None) -> torch.Tensor:
         """Decode one token for slots 0..rows-1 (`tokens` [rows]); returns the next greedy logits [rows, V].
-        Every row's position advances by one (free rows compute and write harmlessly at their own)."""
+        Every row's position advances by one (free rows compute and write harmlessly at their own).
+        Attends over `length` cache positions (default: `length_for(rows)`)."""
         ids, positions = self._views[rows]
         ids[:, 0] = tokens
-        logits = self._step_for(rows)(ids, positions)
+        logits = self._step_for(rows, length or self.length_for(rows))(ids, positions)
         positions += 1
         return logits[:, -1]
 
@@ -241,8 +283,9 @@ class SlotBatcher:
             for ids in sorted(prompts, key=lambda e: e["input_ids"].shape[1]):
                 engine.admit(0, ids["input_ids"].to(prepared.device))
             for rows in step_buckets(self.batch_size, self.every_bucket):
-                for _ in range(3):  # capture, capture again (same graph?), then compiled
-                    engine.step(rows, torch.zeros(rows, dtype=torch.long))
+                for length in engine.lengths:
+                    for _ in range(3):  # capture, capture again (same graph?), then compiled
+                        engine.step(rows, torch.zeros(rows, dtype=torch.long), length)
         engine.positions.zero_()
         engine.facts["slot_engine_build_s"] = engine.facts.get("slot_engine_build_s", 0.0) + time.perf_counter() - started
 

@@ -63,9 +63,10 @@ def sample_module(kind: str, k: int, n: int, group_size: int) -> nn.Module:
 
 
 def screen_kernels(shapes: Counter, rows: int, kind: str, *, group_size: int = 32, inner: int = 2,
-                   seed: int = 0, **limits) -> screen.Screen:
+                   seed: int = 0, candidates: tuple[str, ...] | None = None, **limits) -> screen.Screen:
     """Time every candidate kernel of `kind` and fp32 on the model's Linear shapes of that kind at `rows`
-    rows, in interleaved rounds (screen.run; `limits`: min_rounds, max_rounds, budget_s).
+    rows, in interleaved rounds (screen.run; `limits`: min_rounds, max_rounds, budget_s). `candidates`:
+    the kernels to time (default: every kernel of the kind, KERNELS).
 
     One sample of a candidate is the per-step cost of those Linears: each distinct shape timed (best of
     `inner` calls) and weighted by how many layers have it. One layer per distinct shape is held for
@@ -87,13 +88,14 @@ def screen_kernels(shapes: Counter, rows: int, kind: str, *, group_size: int = 3
             total += count * best_ms(call, inner)
         return total
 
+    names = [screen.FP32, *(KERNELS[kind] if candidates is None else candidates)]
     with torch.inference_mode():
-        for name in (screen.FP32, *KERNELS[kind]):  # warm every path once (first calls allocate, pack)
+        for name in names:  # warm every path once (first calls allocate, pack)
             try:
                 measure(name)
             except RuntimeError:  # a kernel this build / CPU does not provide: screen.run drops it
                 pass
-        return screen.run(measure, [screen.FP32, *KERNELS[kind]], seed=seed, **limits)
+        return screen.run(measure, names, seed=seed, **limits)
 
 
 def benchmark(shapes: Counter, rows: int, kind: str, *, group_size: int = 32,

@@ -47,7 +47,7 @@ FORCE_REDUCE_RANGE_ENV = "INFER_TUNE_INT8_REDUCE_RANGE"  # "1"/"0": simulate (or
 
 
 TRACEABLE: dict[str, tuple[str, ...]] = {
-    "int8-dynamic": ("fbgemm", "int_mm", "dequant"),
+    "int8-dynamic": ("fbgemm", "int_mm", "dequant", "fbgemm_rows"),
     "int8-static": ("int_mm", "dequant"),
     "int4": ("int4pack", "dequant"),
 }

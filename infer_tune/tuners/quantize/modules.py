@@ -123,17 +123,40 @@ class PortableModule(nn.Module):
 
 
 # --------------------------------------------------------------------------- int8
+@torch.library.custom_op("infer_tune::fbgemm_rows_linear_dynamic", mutates_args=())
+def fbgemm_rows_linear_dynamic(x: torch.Tensor, key: torch.Tensor, wsum: torch.Tensor, out_features: int,
+                               reduce_range: bool) -> torch.Tensor:
+    """fbgemm's dynamic int8 linear with each row on its own grid, in one call: row i is mapped onto
+    [0, 1] by its own min and range, an anchor row [0, 1, 0, ...] pins the call's grid to [0, 1] whatever
+    the other rows hold, and y_i = range_i * W x'_i + min_i * W 1 (`wsum`: W's dequantized row sums).
+    So a row's result depends on that row alone: a batch of requests decodes as each would alone."""
+    low = x.amin(dim=1, keepdim=True)
+    span = (x.amax(dim=1, keepdim=True) - low).clamp(min=1e-12)
+    anchor = x.new_zeros(1, x.shape[1])
+    anchor[0, min(1, x.shape[1] - 1)] = 1.0
+    scaled = torch.cat([(x - low) / span, anchor])
+    y = torch.ops.quantized.linear_dynamic(scaled, _PACKED[key], reduce_range)[:-1]
+    return y * span + low * wsum
+
+
+@fbgemm_rows_linear_dynamic.register_fake
+def _(x: torch.Tensor, key: torch.Tensor, wsum: torch.Tensor, out_features: int, reduce_range: bool) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
 class Int8DynamicLinear(PortableModule):
     """int8 per-channel weights, activations quantized per call.
 
     Kernels: `fbgemm` (torch.ops.quantized.linear_dynamic: one activation scale per call, i.e. per
     token at decode), `int_mm` (per-token symmetric int8 and one int8 x int8 -> int32 GEMM, so an
     outlier token (attention sinks) does not flatten every other token's precision at prefill),
-    `dequant` (the weight dequantized per call and an fp32 matmul: weight-only numerics).
+    `dequant` (the weight dequantized per call and an fp32 matmul: weight-only numerics), and
+    `fbgemm_rows` (fbgemm with each row on its own grid, rows independent: a batched decode step's
+    candidate, tuners/batch/slots.py; not screened for one request, where `fbgemm` is the same thing).
     """
 
     kind = "int8-dynamic"
-    KERNELS = ("fbgemm", "int_mm", "dequant")
+    KERNELS = ("fbgemm", "int_mm", "dequant", "fbgemm_rows")
     decode_kernel, prefill_kernel = "fbgemm", "int_mm"
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -154,6 +177,16 @@ class Int8DynamicLinear(PortableModule):
     def _run_fbgemm(self, rows: torch.Tensor) -> torch.Tensor:
         return fbgemm_linear_dynamic(rows.float(), self.weight_scale, self.out_features, self.reduce_range)
 
+    def _run_fbgemm_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return fbgemm_rows_linear_dynamic(rows.float(), self.weight_scale, self._weight_sums(), self.out_features,
+                                          self.reduce_range)
+
+    def _weight_sums(self) -> torch.Tensor:
+        """W 1 of the dequantized weight, [N] (fbgemm_rows adds it back per row), computed once."""
+        if getattr(self, "_wsum", None) is None:
+            self._wsum = self._weight_t().float().sum(0) * self.weight_scale
+        return self._wsum
+
     def _run_int_mm(self, rows: torch.Tensor) -> torch.Tensor:
         rows = rows.float()
         scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127.0  # [tokens, 1]
@@ -167,6 +200,8 @@ class Int8DynamicLinear(PortableModule):
     def _prepare_kernels(self) -> None:
         if {self.decode_kernel, self.prefill_kernel} & {"int_mm", "dequant"}:
             self._weight_t()
+        if "fbgemm_rows" in (self.decode_kernel, self.prefill_kernel):
+            self._weight_sums()
 
     def _weight_t(self) -> torch.Tensor:
         """int8 weight as [K, N], unpacked from fbgemm's copy once (kernels int_mm and dequant read it)."""
