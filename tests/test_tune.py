@@ -440,3 +440,14 @@ def test_tune_decides_from_intervals_and_names_overlapping_contenders():
     winner, contenders = decide(cands, _doc(20.0), "decode")
     assert winner is tight  # the highest lower bound, not the highest point (wide's 2.7)
     assert [c.doc for c in contenders] == [tight, wide]  # apart's interval does not reach 2.45
+
+
+# --------------------------------------------------------------------------- tune --objective goodput
+def test_one_request_at_a_time_queues_behind_the_request_before():
+    from infer_tune.metrics.saturation import one_at_a_time
+
+    timings, duration = one_at_a_time([0.0, 0.1, 5.0], [100.0, 100.0, 100.0], [10.0, 10.0, 10.0], [5, 5, 5])
+    # the first ends at 0.14 s; the second, arrived at 0.1 s, waits 40 ms; the third finds the server free
+    assert [t.ttft_ms for t in timings] == pytest.approx([100.0, 140.0, 100.0])
+    assert [t.e2e_ms for t in timings] == pytest.approx([140.0, 180.0, 140.0])
+    assert [t.tpot_ms for t in timings] == pytest.approx([10.0, 10.0, 10.0]) and duration == pytest.approx(5.14)
