@@ -443,6 +443,65 @@ def test_tune_decides_from_intervals_and_names_overlapping_contenders():
 
 
 # --------------------------------------------------------------------------- tune --objective goodput
+def _serving(ratio, ci, good=4, **metrics):
+    """A batched row's metrics as tune_goodput writes them (its goodput ratio vs the baseline, 95% interval)."""
+    return _doc(10.0, goodput_req_s=1.0, good_requests=good, goodput_ratio_vs_baseline=ratio,
+                goodput_ratio_vs_baseline_ci95=ci, **metrics)
+
+
+def test_goodput_judge_and_decide_take_the_interval():
+    from infer_tune.scenarios.tune_plan import Candidate, TuneSpec, decide, judge, may_stack
+
+    spec = TuneSpec(objective="goodput", max_ppl_delta=5, max_bleu_drift=1.0)
+    high = _serving(2.4, [1.8, 3.1])
+    wide = _serving(2.6, [1.2, 5.0])  # the highest point, not the highest lower bound
+    apart = _serving(1.5, [1.3, 1.7])
+    straddles = _serving(1.2, [0.8, 1.7])
+    none_good = _serving(1.9, [1.5, 2.3], good=0)  # two rows that meet no SLO compare durations, not goodput
+    drifted = _serving(3.0, [2.5, 3.5], bleu_drift=-4.0)
+    closed_loop = _doc(8.0, speedup_vs_baseline=2.5, ppl_delta_pct=1.0)  # a quantize row: no trace, no goodput
+    verdicts = {id(d): judge(d, spec, lossless_claimed=False)
+                for d in (high, wide, apart, straddles, none_good, drifted, closed_loop)}
+    assert all(verdicts[id(d)].eligible for d in (high, wide, apart))
+    assert "more goodput than the baseline with its whole 95% interval" in verdicts[id(straddles)].reasons[0]
+    assert "[0.80, 1.70]" in verdicts[id(straddles)].reasons[0]
+    assert "no request met the SLOs" in verdicts[id(none_good)].reasons[0]
+    assert not verdicts[id(drifted)].eligible and not verdicts[id(drifted)].within_budget
+    loop = verdicts[id(closed_loop)]
+    assert not loop.eligible and "did not serve the arrival trace" in loop.reasons[0] and loop.within_budget
+    cands = []
+    for doc in (high, wide, apart, straddles, none_good, drifted, closed_loop):
+        c = Candidate(QuantizeConfig(), lossless=False, doc=doc, status="measured")
+        c.eligible, c.within_budget = verdicts[id(doc)].eligible, verdicts[id(doc)].within_budget
+        cands.append(c)
+    baseline = _doc(20.0)
+    winner, contenders = decide(cands, baseline, "goodput")
+    assert winner is high and [c.doc for c in contenders] == [high, wide]  # apart's interval ends below 1.8
+    assert decide(cands[3:], baseline, "goodput") == (baseline, [])
+    # a quantize row within the budgets gets its batched stacks under goodput; under throughput it must win first
+    assert may_stack(cands[-1], spec) and not may_stack(cands[-1], TuneSpec(objective="throughput"))
+    assert not may_stack(cands[5], spec)
+
+
+def test_goodput_objective_plans_batched_stacks_on_a_poisson_trace():
+    from infer_tune.scenarios.tune_plan import Candidate, TuneSpec, single_candidates, stack_candidates
+
+    spec = TuneSpec(objective="goodput", rate=2.5, seed=7)
+    cand = Candidate(QuantizeConfig(method="int4-rtn"), lossless=False, method="int4-rtn")
+    parts = [c.config.configs[1] for c in stack_candidates(spec, [cand])]
+    assert [p.batch_size for p in parts] == [4, 8]  # only the batched stacks: a single stream serves one at a time
+    assert all(p.technique == "batch" and p.scheduler == "continuous" and p.engine == "lean" and p.rate == 2.5
+               and p.seed == 7 for p in parts)
+    assert stack_candidates(TuneSpec(objective="goodput", compile=False), [cand]) == []
+    assert not [c for c in single_candidates(spec, {}) if c.config.technique == "lean"]
+    assert [c for c in single_candidates(TuneSpec(), {}) if c.config.technique == "lean"]
+    for bad, fragment in (({"rate": -1.0}, "rate"), ({"rate": float("inf")}, "rate"),
+                          ({"slo_ttft_ms": -5.0}, "ttft_ms"), ({"slo_tpot_ms": 0.0}, "tpot_ms"),
+                          ({"objective": "latency"}, "objective")):
+        with pytest.raises(ConfigError, match=fragment):
+            TuneSpec(**{"objective": "goodput", **bad})
+
+
 def test_one_request_at_a_time_queues_behind_the_request_before():
     from infer_tune.metrics.saturation import one_at_a_time
 
