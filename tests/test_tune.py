@@ -510,3 +510,69 @@ def test_one_request_at_a_time_queues_behind_the_request_before():
     assert [t.ttft_ms for t in timings] == pytest.approx([100.0, 140.0, 100.0])
     assert [t.e2e_ms for t in timings] == pytest.approx([140.0, 180.0, 140.0])
     assert [t.tpot_ms for t in timings] == pytest.approx([10.0, 10.0, 10.0]) and duration == pytest.approx(5.14)
+
+
+def _trace_row(tmp_path, rows, rounds, ttft, e2e, tokens, group="g"):
+    """A candidate that replayed `rows` once per round (its trace.jsonl beside it), each request timed."""
+    (tmp_path / "trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    order = [r["prompt_index"] for r in rows]
+    return {"_path": str(tmp_path), "metrics": {"rounds": {"rounds": rounds, "group": group}},
+            "samples": {"prompt_index": order * rounds, "ttft_ms": ttft, "e2e_ms": e2e, "output_tokens": tokens}}
+
+
+def test_goodput_keys_pair_each_round_with_the_baseline_serving_the_trace_alone(tmp_path):
+    import math
+
+    from infer_tune.metrics.saturation import SLO
+    from infer_tune.scenarios.tune_goodput import goodput_keys
+
+    rows = [{"prompt_index": 1, "arrival_s": 0.0, "output_tokens": 4},
+            {"prompt_index": 0, "arrival_s": 0.5, "output_tokens": 3}]
+    cand_e2e = [80.0, 90.0, 85.0, 95.0, 70.0, 99.0]
+    cand = _trace_row(tmp_path, rows, 3, [50.0, 60.0] * 3, cand_e2e, [4, 3] * 3)
+    base_ttft = [400.0, 500.0, 410.0, 520.0, 390.0, 480.0]  # prompt 0, prompt 1, per round
+    base_e2e = [900.0, 1000.0, 950.0, 1020.0, 880.0, 990.0]
+    baseline = {"metrics": {"rounds": {"rounds": 3, "group": "g"}},
+                "samples": {"prompt_index": [0, 1] * 3, "ttft_ms": base_ttft, "e2e_ms": base_e2e,
+                            "output_tokens": [8, 8] * 3}}
+    slo = SLO(ttft_ms=600.0, tpot_ms=500.0)
+    goodput_keys([cand], baseline, slo, 2.0)
+    m = cand["metrics"]
+    expected = []
+    for k in range(3):
+        # the candidate: both requests good, the replay ends at the later of arrival + e2e
+        d_c = max(0.0 + cand_e2e[2 * k] / 1000, 0.5 + cand_e2e[2 * k + 1] / 1000)
+        # the baseline alone: prompt 1 (arrives at 0) for 4 tokens, then prompt 0 (arrives at 0.5 s) behind it
+        tpot1 = (base_e2e[2 * k + 1] - base_ttft[2 * k + 1]) / 7
+        tpot0 = (base_e2e[2 * k] - base_ttft[2 * k]) / 7
+        end1 = (base_ttft[2 * k + 1] + 3 * tpot1) / 1000
+        start0 = max(0.5, end1)
+        ttft0 = 1000 * (start0 - 0.5) + base_ttft[2 * k]
+        good_b = (base_ttft[2 * k + 1] <= 600) + (ttft0 <= 600)
+        d_b = 0.5 + (ttft0 + 2 * tpot0) / 1000
+        expected.append(((2 + 0.5) / d_c) / ((good_b + 0.5) / d_b))
+        assert m["goodput_vs_baseline"]["baseline_by_round"][k] == pytest.approx(good_b / d_b)
+        assert m["goodput_vs_baseline"]["by_round"][k] == pytest.approx(2 / d_c)
+    point = math.exp(sum(math.log(r) for r in expected) / 3)
+    assert m["goodput_ratio_vs_baseline"] == pytest.approx(point)
+    low, high = m["goodput_ratio_vs_baseline_ci95"]
+    assert low < point < high and m["goodput_vs_baseline"]["paired"]
+    assert m["good_requests"] == 6 and m["slo_attainment"] == 1.0 and m["goodput_req_s"] > 0
+    assert m["goodput_vs_baseline"]["baseline_good_requests"] < 6
+
+    # a baseline that meets no SLO at all: every round's ratio stays finite (half a request on each side)
+    strict = _trace_row(tmp_path, rows, 3, [50.0, 60.0] * 3, cand_e2e, [4, 3] * 3)
+    goodput_keys([strict], baseline, SLO(ttft_ms=100.0, tpot_ms=500.0), 2.0)
+    sm = strict["metrics"]
+    assert sm["goodput_vs_baseline"]["baseline_good_requests"] == 0 and math.isfinite(sm["goodput_ratio_vs_baseline"])
+    assert sm["goodput_ratio_vs_baseline_ci95"][0] > 1
+
+    # rounds that are not the baseline's (a resumed row): a point from the pooled figures, no interval
+    other = _trace_row(tmp_path, rows, 3, [50.0, 60.0] * 3, cand_e2e, [4, 3] * 3, group="elsewhere")
+    goodput_keys([other], baseline, slo, 2.0)
+    assert other["metrics"]["goodput_ratio_vs_baseline_ci95"] is None
+    assert other["metrics"]["goodput_vs_baseline"]["paired"] is False and other["metrics"]["goodput_ratio_vs_baseline"]
+
+    closed = {"_path": str(tmp_path / "none"), "metrics": {"rounds": {"rounds": 3, "group": "g"}}, "samples": {}}
+    goodput_keys([closed], baseline, slo, 2.0)  # replayed no trace: nothing added
+    assert "goodput_req_s" not in closed["metrics"]
