@@ -576,3 +576,53 @@ def test_goodput_keys_pair_each_round_with_the_baseline_serving_the_trace_alone(
     closed = {"_path": str(tmp_path / "none"), "metrics": {"rounds": {"rounds": 3, "group": "g"}}, "samples": {}}
     goodput_keys([closed], baseline, slo, 2.0)  # replayed no trace: nothing added
     assert "goodput_req_s" not in closed["metrics"]
+
+
+def test_tune_goodput_end_to_end(tiny_model_dir, prompts_file, tmp_path, monkeypatch):
+    """`tune --objective goodput` on a tiny model: the int4 row within the budgets gets its batched stacks,
+    which replay the trace beside the baseline; their saved results carry goodput, the baseline's on the
+    same trace and the ratio's 95% interval; the winner is the one the interval rule picks (or the baseline).
+    Injected kernel timings (int4 faster than fp32) keep the host's kernel screen out of it; the slot engine
+    runs eager (its compiled path is tests/test_batch_slots.py's)."""
+    from infer_tune import results
+    from infer_tune.scenarios.tune_plan import Candidate, TuneSpec, decide, judge
+    from infer_tune.tuners.batch import slots as slots_module
+
+    monkeypatch.setattr(slots_module.SlotBatcher.__init__, "__kwdefaults__",
+                        {"timeout_ms": None, "compile": False, "compile_prefill": False, "every_bucket": True,
+                         "shared": None})
+    monkeypatch.setattr(kernel_choice, "screen_kernels",
+                        lambda shapes, rows, kind, **_: ({k: 1.0 for k in kernel_choice.KERNELS[kind]}, 2.0))
+    out = tmp_path / "runs"
+    args = ["tune", "--model", str(tiny_model_dir), "--suite", str(prompts_file), "--limit", "2", "--max-new-tokens",
+            "4", "--min-iterations", "1", "--min-duration", "0", "--max-rounds", "4", "--methods", "int4-rtn",
+            "--max-ppl-delta", "1000", "--max-bleu-drift", "100", "--no-reference", "--objective", "goodput",
+            "--rate", "20", "--slo-ttft-ms", "5000", "--slo-tpot-ms", "500", "--out", str(out), "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["objective"] == "goodput" and doc["serving"]["rate_req_s"] == 20.0
+    assert doc["serving"]["slo"] == {"ttft_ms": 5000.0, "tpot_ms": 500.0} and doc["serving"]["requests"] == 2
+    assert any("goodput:" in n and "one request at a time" in n for n in doc["notes"])
+    batched = [t for t in doc["tried"] if t["technique"] == "stack" and t["status"] == "measured"]
+    assert len(batched) == 2 and not [t for t in doc["tried"] if t["technique"] == "lean"]
+    spec = TuneSpec(objective="goodput", max_ppl_delta=1000, max_bleu_drift=100, rate=20.0)
+    cands = []
+    for row in batched:
+        saved = results.load_result(out / row["run_id"])
+        m = saved["metrics"]
+        assert [p["technique"] for p in saved["config"]["configs"]] == ["quantize", "batch"]
+        assert m["goodput_req_s"] > 0 and m["slo"] == {"ttft_ms": 5000.0, "tpot_ms": 500.0}
+        assert m["goodput_vs_baseline"]["paired"] and m["goodput_vs_baseline"]["requests_per_round"] == 2
+        assert m["goodput_vs_baseline"]["baseline_goodput_req_s"] > 0
+        assert len(m["goodput_vs_baseline"]["by_round"]) == m["rounds"]["rounds"] >= 3
+        low, high = m["goodput_ratio_vs_baseline_ci95"]
+        assert low <= m["goodput_ratio_vs_baseline"] <= high
+        assert row["goodput_ratio_vs_baseline_ci95"] == [low, high]
+        verdict = judge(saved, spec, lossless_claimed=False)
+        assert row["eligible"] == verdict.eligible == (low > 1.0 and m["good_requests"] > 0)
+        cands.append(Candidate(QuantizeConfig(), lossless=False, doc=saved, status="measured",
+                               eligible=verdict.eligible))
+    winner, _ = decide(cands, {"run_id": "base", "technique": "baseline"}, "goodput")
+    expected = "baseline" if winner["run_id"] == "base" else winner["run_id"]
+    assert (doc["winner"]["technique"] if expected == "baseline" else doc["winner"]["run_id"]) == expected
