@@ -78,6 +78,9 @@ class SweepPlan:
       to the results what the command's own options define (goodput under its SLOs, a plot over one
       context length); the engine rewrites the results it changed and writes the files into each.
     - `skipped`: filled by the engine, in config order.
+    - `baseline`: filled by the engine before `conclude` runs: the baseline the rows were measured against
+      last (its rounds are those of the last group measured; `metrics.rounds.group` says which rows shared
+      them), so a command's own keys can be taken against it (tune's goodput).
     """
 
     reference: str = "baseline"
@@ -85,6 +88,7 @@ class SweepPlan:
     skip_out_of_memory: bool = False
     conclude: Callable[[list[dict], list[Skipped]], dict[str, bytes] | None] | None = None
     skipped: list[Skipped] = field(default_factory=list)
+    baseline: dict | None = None
 
     def __post_init__(self) -> None:
         if self.reference not in ("baseline", "first"):
@@ -421,6 +425,7 @@ def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, proto
     if sweep.baseline is None and not first:  # every config was found done (resume), or none: reuse or measure one
         sweep.baseline, _, _ = ensure_baseline(loaded, inputs, workload, protocol, ctx, reuse=True,
                                                measure_ppl=measure_ppl, execute=execute)
+    plan.baseline = sweep.baseline
     summarize_sweep(measured, plan)
     return sweep.baseline, measured
 

@@ -208,6 +208,18 @@ CASES: dict[str, tuple[list[str], str]] = {
     "kv-cache unknown impl": (["kv-cache", *M, "--impl", "bogus"], "--impl"),
     "kv-cache lengths not numbers": (["kv-cache", *M, "--context-lengths", "abc"], "--context-lengths"),
     "kv-cache beyond the context": (["kv-cache", *M, "--context-lengths", "100000"], "positions"),
+    "tune unknown objective": (["tune", *M, "--suite", "{suite}", "--objective", "latency"], "--objective"),
+    "tune negative TTFT SLO": (["tune", *M, "--suite", "{suite}", "--objective", "goodput", "--slo-ttft-ms", "-5"],
+                               "--slo-ttft-ms"),
+    "tune zero TPOT SLO": (["tune", *M, "--suite", "{suite}", "--objective", "goodput", "--slo-tpot-ms", "0"],
+                           "--slo-tpot-ms"),
+    "tune infinite rate": (["tune", *M, "--suite", "{suite}", "--objective", "goodput", "--rate", "inf"], "--rate"),
+    "tune SLO without goodput": (["tune", *M, "--suite", "{suite}", "--slo-ttft-ms", "500"],
+                                 "applies to --objective goodput"),
+    "tune goodput batched baseline": (["tune", *M, "--suite", "{suite}", "--objective", "goodput", "--batch-size", "2"],
+                                      "--batch-size must be 1"),
+    "tune goodput without compiling": (["tune", *M, "--suite", "{suite}", "--objective", "goodput", "--no-compile"],
+                                       "--no-compile"),
     # compare
     "compare missing base": (["compare", "./no/such/result.json", "{base}"], "not found"),
     "compare folder without result": (["compare", "{suite_dir}", "{base}"], "not found"),
@@ -255,7 +267,7 @@ def test_bad_input_is_one_line_exit_2_nothing_written(case, corpus, tmp_path):
     args, expected = CASES[case]
     out = tmp_path / "runs"
     argv = [a.format(**corpus) for a in args]
-    if argv[0] in ("bench", "quantize", "kv-cache") and "--out" not in argv:
+    if argv[0] in ("bench", "quantize", "kv-cache", "tune") and "--out" not in argv:
         argv += ["--out", str(out)]
     watched = [Path(corpus["base"]).parent, Path(corpus["suite_dir"]), Path(corpus["not_a_model"])]
     before = [files_under(w) for w in watched]

@@ -440,3 +440,189 @@ def test_tune_decides_from_intervals_and_names_overlapping_contenders():
     winner, contenders = decide(cands, _doc(20.0), "decode")
     assert winner is tight  # the highest lower bound, not the highest point (wide's 2.7)
     assert [c.doc for c in contenders] == [tight, wide]  # apart's interval does not reach 2.45
+
+
+# --------------------------------------------------------------------------- tune --objective goodput
+def _serving(ratio, ci, good=4, **metrics):
+    """A batched row's metrics as tune_goodput writes them (its goodput ratio vs the baseline, 95% interval)."""
+    return _doc(10.0, goodput_req_s=1.0, good_requests=good, goodput_ratio_vs_baseline=ratio,
+                goodput_ratio_vs_baseline_ci95=ci, **metrics)
+
+
+def test_goodput_judge_and_decide_take_the_interval():
+    from infer_tune.scenarios.tune_plan import Candidate, TuneSpec, decide, judge, may_stack
+
+    spec = TuneSpec(objective="goodput", max_ppl_delta=5, max_bleu_drift=1.0)
+    high = _serving(2.4, [1.8, 3.1])
+    wide = _serving(2.6, [1.2, 5.0])  # the highest point, not the highest lower bound
+    apart = _serving(1.5, [1.3, 1.7])
+    straddles = _serving(1.2, [0.8, 1.7])
+    none_good = _serving(1.9, [1.5, 2.3], good=0)  # two rows that meet no SLO compare durations, not goodput
+    drifted = _serving(3.0, [2.5, 3.5], bleu_drift=-4.0)
+    closed_loop = _doc(8.0, speedup_vs_baseline=2.5, ppl_delta_pct=1.0)  # a quantize row: no trace, no goodput
+    verdicts = {id(d): judge(d, spec, lossless_claimed=False)
+                for d in (high, wide, apart, straddles, none_good, drifted, closed_loop)}
+    assert all(verdicts[id(d)].eligible for d in (high, wide, apart))
+    assert "more goodput than the baseline with its whole 95% interval" in verdicts[id(straddles)].reasons[0]
+    assert "[0.80, 1.70]" in verdicts[id(straddles)].reasons[0]
+    assert "no request met the SLOs" in verdicts[id(none_good)].reasons[0]
+    assert not verdicts[id(drifted)].eligible and not verdicts[id(drifted)].within_budget
+    loop = verdicts[id(closed_loop)]
+    assert not loop.eligible and "did not serve the arrival trace" in loop.reasons[0] and loop.within_budget
+    cands = []
+    for doc in (high, wide, apart, straddles, none_good, drifted, closed_loop):
+        c = Candidate(QuantizeConfig(), lossless=False, doc=doc, status="measured")
+        c.eligible, c.within_budget = verdicts[id(doc)].eligible, verdicts[id(doc)].within_budget
+        cands.append(c)
+    baseline = _doc(20.0)
+    winner, contenders = decide(cands, baseline, "goodput")
+    assert winner is high and [c.doc for c in contenders] == [high, wide]  # apart's interval ends below 1.8
+    assert decide(cands[3:], baseline, "goodput") == (baseline, [])
+    # a quantize row within the budgets gets its batched stacks under goodput; under throughput it must win first
+    assert may_stack(cands[-1], spec) and not may_stack(cands[-1], TuneSpec(objective="throughput"))
+    assert not may_stack(cands[5], spec)
+
+
+def test_goodput_objective_plans_batched_stacks_on_a_poisson_trace():
+    from infer_tune.scenarios.tune_plan import Candidate, TuneSpec, single_candidates, stack_candidates
+
+    spec = TuneSpec(objective="goodput", rate=2.5, seed=7)
+    cand = Candidate(QuantizeConfig(method="int4-rtn"), lossless=False, method="int4-rtn")
+    parts = [c.config.configs[1] for c in stack_candidates(spec, [cand])]
+    assert [p.batch_size for p in parts] == [4, 8]  # only the batched stacks: a single stream serves one at a time
+    assert all(p.technique == "batch" and p.scheduler == "continuous" and p.engine == "lean" and p.rate == 2.5
+               and p.seed == 7 for p in parts)
+    assert stack_candidates(TuneSpec(objective="goodput", compile=False), [cand]) == []
+    assert not [c for c in single_candidates(spec, {}) if c.config.technique == "lean"]
+    assert [c for c in single_candidates(TuneSpec(), {}) if c.config.technique == "lean"]
+    for bad, fragment in (({"rate": -1.0}, "rate"), ({"rate": float("inf")}, "rate"),
+                          ({"slo_ttft_ms": -5.0}, "ttft_ms"), ({"slo_tpot_ms": 0.0}, "tpot_ms"),
+                          ({"objective": "latency"}, "objective")):
+        with pytest.raises(ConfigError, match=fragment):
+            TuneSpec(**{"objective": "goodput", **bad})
+
+
+def test_one_request_at_a_time_queues_behind_the_request_before():
+    from infer_tune.metrics.saturation import one_at_a_time
+
+    timings, duration = one_at_a_time([0.0, 0.1, 5.0], [100.0, 100.0, 100.0], [10.0, 10.0, 10.0], [5, 5, 5])
+    # the first ends at 0.14 s; the second, arrived at 0.1 s, waits 40 ms; the third finds the server free
+    assert [t.ttft_ms for t in timings] == pytest.approx([100.0, 140.0, 100.0])
+    assert [t.e2e_ms for t in timings] == pytest.approx([140.0, 180.0, 140.0])
+    assert [t.tpot_ms for t in timings] == pytest.approx([10.0, 10.0, 10.0]) and duration == pytest.approx(5.14)
+
+
+def _trace_row(tmp_path, rows, rounds, ttft, e2e, tokens, group="g"):
+    """A candidate that replayed `rows` once per round (its trace.jsonl beside it), each request timed."""
+    (tmp_path / "trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    order = [r["prompt_index"] for r in rows]
+    return {"_path": str(tmp_path), "metrics": {"rounds": {"rounds": rounds, "group": group}},
+            "samples": {"prompt_index": order * rounds, "ttft_ms": ttft, "e2e_ms": e2e, "output_tokens": tokens}}
+
+
+def test_goodput_keys_pair_each_round_with_the_baseline_serving_the_trace_alone(tmp_path):
+    import math
+
+    from infer_tune.metrics.saturation import SLO
+    from infer_tune.scenarios.tune_goodput import goodput_keys
+
+    rows = [{"prompt_index": 1, "arrival_s": 0.0, "output_tokens": 4},
+            {"prompt_index": 0, "arrival_s": 0.5, "output_tokens": 3}]
+    cand_e2e = [80.0, 90.0, 85.0, 95.0, 70.0, 99.0]
+    cand = _trace_row(tmp_path, rows, 3, [50.0, 60.0] * 3, cand_e2e, [4, 3] * 3)
+    base_ttft = [400.0, 500.0, 410.0, 520.0, 390.0, 480.0]  # prompt 0, prompt 1, per round
+    base_e2e = [900.0, 1000.0, 950.0, 1020.0, 880.0, 990.0]
+    baseline = {"metrics": {"rounds": {"rounds": 3, "group": "g"}},
+                "samples": {"prompt_index": [0, 1] * 3, "ttft_ms": base_ttft, "e2e_ms": base_e2e,
+                            "output_tokens": [8, 8] * 3}}
+    slo = SLO(ttft_ms=600.0, tpot_ms=500.0)
+    goodput_keys([cand], baseline, slo, 2.0)
+    m = cand["metrics"]
+    expected = []
+    for k in range(3):
+        # the candidate: both requests good, the replay ends at the later of arrival + e2e
+        d_c = max(0.0 + cand_e2e[2 * k] / 1000, 0.5 + cand_e2e[2 * k + 1] / 1000)
+        # the baseline alone: prompt 1 (arrives at 0) for 4 tokens, then prompt 0 (arrives at 0.5 s) behind it
+        tpot1 = (base_e2e[2 * k + 1] - base_ttft[2 * k + 1]) / 7
+        tpot0 = (base_e2e[2 * k] - base_ttft[2 * k]) / 7
+        end1 = (base_ttft[2 * k + 1] + 3 * tpot1) / 1000
+        start0 = max(0.5, end1)
+        ttft0 = 1000 * (start0 - 0.5) + base_ttft[2 * k]
+        good_b = (base_ttft[2 * k + 1] <= 600) + (ttft0 <= 600)
+        d_b = 0.5 + (ttft0 + 2 * tpot0) / 1000
+        expected.append(((2 + 0.5) / d_c) / ((good_b + 0.5) / d_b))
+        assert m["goodput_vs_baseline"]["baseline_by_round"][k] == pytest.approx(good_b / d_b)
+        assert m["goodput_vs_baseline"]["by_round"][k] == pytest.approx(2 / d_c)
+    point = math.exp(sum(math.log(r) for r in expected) / 3)
+    assert m["goodput_ratio_vs_baseline"] == pytest.approx(point)
+    low, high = m["goodput_ratio_vs_baseline_ci95"]
+    assert low < point < high and m["goodput_vs_baseline"]["paired"]
+    assert m["good_requests"] == 6 and m["slo_attainment"] == 1.0 and m["goodput_req_s"] > 0
+    assert m["goodput_vs_baseline"]["baseline_good_requests"] < 6
+
+    # a baseline that meets no SLO at all: every round's ratio stays finite (half a request on each side)
+    strict = _trace_row(tmp_path, rows, 3, [50.0, 60.0] * 3, cand_e2e, [4, 3] * 3)
+    goodput_keys([strict], baseline, SLO(ttft_ms=100.0, tpot_ms=500.0), 2.0)
+    sm = strict["metrics"]
+    assert sm["goodput_vs_baseline"]["baseline_good_requests"] == 0 and math.isfinite(sm["goodput_ratio_vs_baseline"])
+    assert sm["goodput_ratio_vs_baseline_ci95"][0] > 1
+
+    # rounds that are not the baseline's (a resumed row): a point from the pooled figures, no interval
+    other = _trace_row(tmp_path, rows, 3, [50.0, 60.0] * 3, cand_e2e, [4, 3] * 3, group="elsewhere")
+    goodput_keys([other], baseline, slo, 2.0)
+    assert other["metrics"]["goodput_ratio_vs_baseline_ci95"] is None
+    assert other["metrics"]["goodput_vs_baseline"]["paired"] is False and other["metrics"]["goodput_ratio_vs_baseline"]
+
+    closed = {"_path": str(tmp_path / "none"), "metrics": {"rounds": {"rounds": 3, "group": "g"}}, "samples": {}}
+    goodput_keys([closed], baseline, slo, 2.0)  # replayed no trace: nothing added
+    assert "goodput_req_s" not in closed["metrics"]
+
+
+def test_tune_goodput_end_to_end(tiny_model_dir, prompts_file, tmp_path, monkeypatch):
+    """`tune --objective goodput` on a tiny model: the int4 row within the budgets gets its batched stacks,
+    which replay the trace beside the baseline; their saved results carry goodput, the baseline's on the
+    same trace and the ratio's 95% interval; the winner is the one the interval rule picks (or the baseline).
+    Injected kernel timings (int4 faster than fp32) keep the host's kernel screen out of it; the slot engine
+    runs eager (its compiled path is tests/test_batch_slots.py's)."""
+    from infer_tune import results
+    from infer_tune.scenarios.tune_plan import Candidate, TuneSpec, decide, judge
+    from infer_tune.tuners.batch import slots as slots_module
+
+    monkeypatch.setattr(slots_module.SlotBatcher.__init__, "__kwdefaults__",
+                        {"timeout_ms": None, "compile": False, "compile_prefill": False, "every_bucket": True,
+                         "shared": None})
+    monkeypatch.setattr(kernel_choice, "screen_kernels",
+                        lambda shapes, rows, kind, **_: ({k: 1.0 for k in kernel_choice.KERNELS[kind]}, 2.0))
+    out = tmp_path / "runs"
+    args = ["tune", "--model", str(tiny_model_dir), "--suite", str(prompts_file), "--limit", "2", "--max-new-tokens",
+            "4", "--min-iterations", "1", "--min-duration", "0", "--max-rounds", "4", "--methods", "int4-rtn",
+            "--max-ppl-delta", "1000", "--max-bleu-drift", "100", "--no-reference", "--objective", "goodput",
+            "--rate", "20", "--slo-ttft-ms", "5000", "--slo-tpot-ms", "500", "--out", str(out), "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["objective"] == "goodput" and doc["serving"]["rate_req_s"] == 20.0
+    assert doc["serving"]["slo"] == {"ttft_ms": 5000.0, "tpot_ms": 500.0} and doc["serving"]["requests"] == 2
+    assert any("goodput:" in n and "one request at a time" in n for n in doc["notes"])
+    batched = [t for t in doc["tried"] if t["technique"] == "stack" and t["status"] == "measured"]
+    assert len(batched) == 2 and not [t for t in doc["tried"] if t["technique"] == "lean"]
+    spec = TuneSpec(objective="goodput", max_ppl_delta=1000, max_bleu_drift=100, rate=20.0)
+    cands = []
+    for row in batched:
+        saved = results.load_result(out / row["run_id"])
+        m = saved["metrics"]
+        assert [p["technique"] for p in saved["config"]["configs"]] == ["quantize", "batch"]
+        assert m["goodput_req_s"] > 0 and m["slo"] == {"ttft_ms": 5000.0, "tpot_ms": 500.0}
+        assert m["goodput_vs_baseline"]["paired"] and m["goodput_vs_baseline"]["requests_per_round"] == 2
+        assert m["goodput_vs_baseline"]["baseline_goodput_req_s"] > 0
+        assert len(m["goodput_vs_baseline"]["by_round"]) == m["rounds"]["rounds"] >= 3
+        low, high = m["goodput_ratio_vs_baseline_ci95"]
+        assert low <= m["goodput_ratio_vs_baseline"] <= high
+        assert row["goodput_ratio_vs_baseline_ci95"] == [low, high]
+        verdict = judge(saved, spec, lossless_claimed=False)
+        assert row["eligible"] == verdict.eligible == (low > 1.0 and m["good_requests"] > 0)
+        cands.append(Candidate(QuantizeConfig(), lossless=False, doc=saved, status="measured",
+                               eligible=verdict.eligible))
+    winner, _ = decide(cands, {"run_id": "base", "technique": "baseline"}, "goodput")
+    expected = "baseline" if winner["run_id"] == "base" else winner["run_id"]
+    assert (doc["winner"]["technique"] if expected == "baseline" else doc["winner"]["run_id"]) == expected

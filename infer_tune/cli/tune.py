@@ -15,7 +15,11 @@ from infer_tune.errors import ConfigError
 MaxPplDelta = Annotated[float, typer.Option("--max-ppl-delta", help="Largest perplexity change allowed, in percent.")]
 MaxBleuDrift = Annotated[float, typer.Option("--max-bleu-drift", help="Largest BLEU loss allowed vs the baseline (points).")]
 RequireLossless = Annotated[bool, typer.Option("--require-lossless", help="Only configs whose outputs equal the baseline's token for token.")]
-Objective = Annotated[str, typer.Option("--objective", help="decode (TPOT p50), ttft (TTFT p50) or throughput (output tok/s).")]
+Objective = Annotated[str, typer.Option("--objective", help="decode (TPOT p50), ttft (TTFT p50), throughput (output tok/s) "
+                                                            "or goodput (requests/s meeting --slo-ttft-ms and --slo-tpot-ms "
+                                                            "on a Poisson trace at --rate).")]
+Rate = Annotated[float | None, typer.Option("--rate", help="--objective goodput: offered load, requests/s of the seeded "
+                                                           "Poisson trace, one request per prompt (default 1).")]
 BudgetMinutes = Annotated[float, typer.Option("--budget-minutes", help="Wall-clock budget for the whole search.")]
 Methods = Annotated[str | None, typer.Option("--methods", help="Quantize methods to consider, comma-separated "
                                                                "(default: int4-rtn,int4-weight,int8-dynamic,int8-static,bf16).")]
@@ -27,25 +31,38 @@ def render(outcome) -> None:
     """The tried table, the winner, the reference verdict and how to reproduce."""
     table = Table(title=f"tune · {outcome.baseline['model']['ref']} · {outcome.baseline['workload']['suite']} "
                         f"({outcome.elapsed_s / 60:.1f} min)")
-    for name in ("config", "status", "decode tok/s", "TTFT p50 ms", "speedup", "ppl Δ%", "BLEU drift", "why not"):
+    goodput = outcome.objective == "goodput"
+    names = ["config", "status", "decode tok/s", "TTFT p50 ms", "speedup", "ppl Δ%", "BLEU drift", "why not"]
+    if goodput:  # good req/s (the baseline's on the same trace) and the ratio with its 95% interval
+        names[5:5] = ["goodput req/s (base)", "goodput ratio [95%]"]
+    for name in names:
         table.add_column(name, justify="left" if name in ("config", "status", "why not") else "right")
+    blank = ["-", "-"] if goodput else []
     base = outcome.baseline["metrics"]
     table.add_row("baseline", "measured", output.fmt(1000 / base["tpot_ms"]["p50"] if base["tpot_ms"]["p50"] else None, ".1f"),
-                  output.fmt(base["ttft_ms"]["p50"], ".0f"), "1.00", "-", "-", "")
+                  output.fmt(base["ttft_ms"]["p50"], ".0f"), "1.00", *blank, "-", "-", "")
     if outcome.reference is not None:
         ref = outcome.reference["metrics"]
         table.add_row(outcome.reference["label"], "reference",
                       output.fmt(1000 / ref["tpot_ms"]["p50"] if ref["tpot_ms"]["p50"] else None, ".1f"),
-                      output.fmt(ref["ttft_ms"]["p50"], ".0f"), output.fmt(ref.get("speedup_vs_baseline")), "-",
-                      output.fmt(ref.get("bleu_drift"), "+.2f"), "")
+                      output.fmt(ref["ttft_ms"]["p50"], ".0f"), output.fmt(ref.get("speedup_vs_baseline")), *blank,
+                      "-", output.fmt(ref.get("bleu_drift"), "+.2f"), "")
     for row in outcome.tried():
         status = row["status"] + (" ✓" if row["eligible"] else "")
+        cells = [goodput_cell(row["goodput_req_s"], row["baseline_goodput_req_s"]),
+                 ratio_cell(row["goodput_ratio_vs_baseline"], row["goodput_ratio_vs_baseline_ci95"])] if goodput else []
         table.add_row(row["label"], status, output.fmt(row["decode_tok_s"], ".1f"), output.fmt(row["ttft_p50_ms"], ".0f"),
-                      output.fmt(row["speedup_vs_baseline"]), output.fmt(row["ppl_delta_pct"], "+.2f"),
+                      output.fmt(row["speedup_vs_baseline"]), *cells, output.fmt(row["ppl_delta_pct"], "+.2f"),
                       output.fmt(row["bleu_drift"], "+.2f"), row["reason"] or "")
     output.out.print(table)
     winner = outcome.winner
     m = winner["metrics"]
+    if goodput and winner["technique"] != "baseline":  # the definition and the trace are in the notes
+        base_goodput = (m.get("goodput_vs_baseline") or {}).get("baseline_goodput_req_s")
+        ratio = ratio_cell(m.get("goodput_ratio_vs_baseline"), m.get("goodput_ratio_vs_baseline_ci95"))
+        output.out.print(f"winner's goodput: {output.fmt(m.get('goodput_req_s'))} req/s against the baseline's "
+                         f"{output.fmt(base_goodput)} on the same trace, ratio {ratio}, SLO attainment "
+                         f"{output.fmt(m.get('slo_attainment'), '.0%')}", soft_wrap=True)
     output.out.print(f"winner: {winner['label']} ({winner['technique']}): "
                      f"{output.fmt(1000 / m['tpot_ms']['p50'], '.1f')} tok/s decode, TTFT p50 "
                      f"{output.fmt(m['ttft_ms']['p50'], '.0f')} ms, speedup "
@@ -67,6 +84,16 @@ def render(outcome) -> None:
         output.out.print(f"weights: {outcome.weights_dir} (load with --model {outcome.weights_dir})", soft_wrap=True)
 
 
+def goodput_cell(value: float | None, baseline: float | None) -> str:
+    return f"{output.fmt(value)} ({output.fmt(baseline)})" if value is not None else "-"
+
+
+def ratio_cell(value: float | None, ci: list[float] | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}x" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else " (no interval)")
+
+
 @opt.measuring_command(limit=4, max_new_tokens=64, min_duration=2.0)
 def tune(
     opts: opt.MeasureOptions,
@@ -80,11 +107,24 @@ def tune(
     compile: Compile = True,
     executor: xo.Executor = "local",
     ray_address: xo.RayAddress = None,
+    rate: Rate = None,
+    slo_ttft_ms: opt.SloTtft = None,
+    slo_tpot_ms: opt.SloTpot = None,
 ) -> None:
     """Search the configurations the techniques offer (and their stacks) for the fastest one within the
     drift budget, on this machine; print the winner, its numbers and how to reproduce it.
 
     Example: infer-tune tune --model smollm2-135m --max-ppl-delta 5 --objective decode --budget-minutes 20
+
+    Example: infer-tune tune --model smollm2-135m --objective goodput --rate 1 --slo-ttft-ms 5000 --slo-tpot-ms 500
+
+    Goodput: requests per second that meet every SLO (TTFT from the request's arrival, queueing included,
+    at most --slo-ttft-ms, default 5000; TPOT at most --slo-tpot-ms, default 500) over the replay of a
+    seeded Poisson trace at --rate (default 1 req/s, one request per prompt). The candidates are the
+    batched stacks (a quantize method within the budgets + continuous batching on the slot engine, 4 and
+    8 slots); the baseline serves the same trace one request at a time, first come first served, from
+    its own times measured in the same rounds. The winner's goodput ratio must exceed 1 with its whole
+    95% interval (one ratio per round).
 
     Kernels are timed on the model's own shapes first, interleaved with fp32; a method whose 95%
     interval says slower than fp32 here is pruned; the survivors are measured against the baseline in
@@ -94,8 +134,8 @@ def tune(
     {"winner": <result document>, "tried": [...], ...}.
     """
     from infer_tune.cli.measure import run_spec
-    from infer_tune.scenarios.tune import run_tune
-    from infer_tune.scenarios.tune_plan import QUANT_METHODS, TuneSpec
+    from infer_tune.scenarios.tune import check_serving, run_tune
+    from infer_tune.scenarios.tune_plan import OBJECTIVES, QUANT_METHODS, TuneSpec
 
     if budget_minutes <= 0:
         raise ConfigError(f"--budget-minutes must be > 0, got {budget_minutes}")
@@ -104,16 +144,28 @@ def tune(
     if max_bleu_drift < 0:
         raise ConfigError(f"--max-bleu-drift must be >= 0 (BLEU points lost), got {max_bleu_drift}")
     chosen = tuple(m.strip() for m in methods.split(",") if m.strip()) if methods else QUANT_METHODS
-    if objective not in ("decode", "ttft", "throughput"):
-        raise ConfigError(f"--objective must be decode, ttft or throughput, got '{objective}'")
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"--objective must be {', '.join(OBJECTIVES[:-1])} or {OBJECTIVES[-1]}, got '{objective}'")
     if set(chosen) - set(QUANT_METHODS):
         raise ConfigError(f"--methods: unknown {', '.join(sorted(set(chosen) - set(QUANT_METHODS)))}; "
                           f"choose from {', '.join(QUANT_METHODS)}")
+    serving = {"--rate": rate, "--slo-ttft-ms": slo_ttft_ms, "--slo-tpot-ms": slo_tpot_ms}
+    for flag, value in serving.items():
+        if value is not None and not 0 < value < float("inf"):
+            unit = "requests/s" if flag == "--rate" else "milliseconds"
+            raise ConfigError(f"{flag} must be a finite number of {unit} > 0, got {value}")
+        if value is not None and objective != "goodput":
+            raise ConfigError(f"{flag} applies to --objective goodput, not {objective}")
+    if objective == "goodput" and executor != "local":
+        raise ConfigError("tune --objective goodput runs on the local executor only (--executor local)")
+    given = {"rate": rate, "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms}
     spec = TuneSpec(max_ppl_delta=max_ppl_delta, max_bleu_drift=max_bleu_drift, require_lossless=require_lossless,
                     objective=objective, budget_s=budget_minutes * 60, reference=reference, compile=compile,
-                    methods=chosen)
+                    methods=chosen, seed=opts.seed, **{k: v for k, v in given.items() if v is not None})
+    measured = run_spec(opts)
+    check_serving(measured, spec)  # before anything loads or is written
     with xo.scope(executor, ray_address, opts.device), output.progress_bar(not opts.json_out, out_dir=opts.out) as progress:
-        outcome = run_tune(run_spec(opts), spec, progress=progress)
+        outcome = run_tune(measured, spec, progress=progress)
     if opts.json_out:
         output.print_json(outcome.to_dict())
         return

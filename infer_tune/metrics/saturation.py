@@ -6,7 +6,11 @@
 - Goodput is the DistServe definition vLLM's and AIPerf's benchmarks use: `goodput_req_s` = good
   requests / duration of the run; `slo_attainment` = good / all requests submitted (failed or
   unfinished ones count against it). Without any SLO both are None: goodput needs objectives.
-  Batch traces (`batch serve-sim`) and live endpoints (`bench --endpoint --slo`) both use these.
+  Batch traces (`batch serve-sim`), live endpoints (`bench --endpoint --slo`) and `tune --objective
+  goodput` use these.
+- One request at a time (`one_at_a_time`): a server without batching, first come first served, on an
+  arrival trace: each request starts when it has arrived and the one before it has finished, and then
+  takes its own service time; its TTFT and e2e count the wait from its arrival.
 - Knee: along the rates in ascending order, a rate is *saturated* when its TTFT p50 exceeds
   `factor` x the TTFT p50 at the lowest rate (requests queue faster than they are served); the knee
   is the highest rate before the first saturated one. The lowest rate is the reference only if the
@@ -94,6 +98,32 @@ def goodput(timings: Sequence[RequestTiming], slo: SLO, duration_s: float, *, su
         "slo": slo.to_dict(),
         "slo_attainment_by_objective": by_objective,
     }
+
+
+def request_timing(ttft_ms: float, e2e_ms: float, tokens: int, prompt_index: int = 0) -> RequestTiming:
+    """A request known by its TTFT, e2e and token count from its arrival (what the SLO checks read: TPOT
+    is (e2e - TTFT) / (tokens - 1))."""
+    first, last = int(round(ttft_ms * 1e6)), int(round(e2e_ms * 1e6))
+    return RequestTiming(prompt_index, 0, 0, 0, [first] + [last] * (max(int(tokens), 1) - 1))
+
+
+def one_at_a_time(arrivals_s: Sequence[float], ttft_ms: Sequence[float], tpot_ms: Sequence[float],
+                  tokens: Sequence[int]) -> tuple[list[RequestTiming], float]:
+    """(each request's timing from its arrival, duration in s from time 0 to the last token) of a server
+    that serves requests one at a time, first come first served (module docstring): request i, once
+    started, takes `ttft_ms[i]` to its first token and `tpot_ms[i]` per further token of `tokens[i]`.
+    Timings are returned in the order given."""
+    order = sorted(range(len(arrivals_s)), key=lambda i: arrivals_s[i])
+    timings: list[RequestTiming | None] = [None] * len(order)
+    free_s = 0.0
+    for i in order:
+        start_s = max(float(arrivals_s[i]), free_s)
+        wait_ms = 1000.0 * (start_s - arrivals_s[i])
+        first = wait_ms + ttft_ms[i]
+        last = first + max(int(tokens[i]) - 1, 0) * tpot_ms[i]
+        timings[i] = request_timing(first, last, tokens[i], i)
+        free_s = arrivals_s[i] + last / 1000.0
+    return [t for t in timings if t is not None], free_s
 
 
 def knee(rates: Sequence[float], ttft_p50: Sequence[float | None], achieved: Sequence[float | None] | None = None,

@@ -20,7 +20,7 @@ from infer_tune.errors import InferTuneError
 from infer_tune.report.display import is_broken
 
 OBJECTIVES = {"decode": "speedup_vs_baseline", "ttft": "ttft_speedup_vs_baseline",
-              "throughput": "throughput_ratio_vs_baseline"}
+              "throughput": "throughput_ratio_vs_baseline", "goodput": "goodput_ratio_vs_baseline"}
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Budget:
     max_bleu_drift: float | None = 1.0  # points of BLEU lost at most
     max_ppl_delta: float | None = 5.0  # perplexity change in % at most
     require_lossless: bool = False  # token-identical to the baseline's outputs
-    objective: str = "auto"  # decode / ttft / throughput, or auto: the rows' own objective (decode first)
+    objective: str = "auto"  # decode / ttft / throughput / goodput, or auto: the rows' own objective (decode first)
 
 
 @dataclass
@@ -50,13 +50,14 @@ class Recommendation:
             return ""
         m = self.doc.get("metrics") or {}
         value = _num(m.get(OBJECTIVES[self.objective]))
-        what = {"decode": "decode speedup", "ttft": "TTFT speedup", "throughput": "output throughput"}[self.objective]
+        what = {"decode": "decode speedup", "ttft": "TTFT speedup", "throughput": "output throughput",
+                "goodput": "goodput"}[self.objective]
         shown = f"{value:.2f}x" if value is not None else "-"
         if self.interval:
             shown += f" [{self.interval[0]:.2f}, {self.interval[1]:.2f}] (95%)"
         else:
             shown += " (measured once, no interval)"
-        if self.objective == "throughput":
+        if self.objective in ("throughput", "goodput"):
             shown += " of the baseline's"
         tail = ("separated from every other row" if self.separated else
                 f"not separated from {len(self.contenders)} other row(s) whose interval overlaps: "

@@ -7,7 +7,10 @@
    same GGUF as a reference row when it is installed and the model came from a GGUF.
 3. Single techniques, most promising first, each measured against the baseline in the same run and
    judged (tune_plan.judge); a quantize method that may win has its stacks (with the lean decode
-   path) measured right after it, so the likely winner is measured early in the budget.
+   path) measured right after it, so the likely winner is measured early in the budget. For the
+   goodput objective a method within the budgets gets its batched stacks, which replay a seeded
+   Poisson trace and are judged on their goodput against the baseline serving the same trace one
+   request at a time (scenarios/tune_goodput.py, added by the sweep engine's `conclude`).
    Before each candidate the remaining time budget is checked against what similar candidates cost;
    what does not fit is skipped and listed.
 4. The winner from intervals (tune_plan.decide: the highest lower bound of the objective's 95%
@@ -36,11 +39,13 @@ from infer_tune.scenarios.tune_plan import (
     decode_tok_s,
     host_screen,
     judge,
+    may_stack,
     score,
     single_candidates,
+    slo_text,
     stack_candidates,
 )
-from infer_tune.session import ensure_baseline, run_configs
+from infer_tune.session import SweepPlan, ensure_baseline, run_configs
 
 COMPILE_ALLOWANCE_S = 150.0  # first guess of a compiled candidate's extra cost (2 cores); refined once measured
 STACKED_METHODS = 2  # the first quantize methods found eligible get stacked with the lean decode path
@@ -60,6 +65,8 @@ class TuneOutcome:
     versus_reference: dict | None
     elapsed_s: float
     notes: list[str] = field(default_factory=list)
+    objective: str = "decode"
+    serving: dict | None = None  # goodput: the load offered and the SLOs (`serving_terms`)
 
     def tried(self) -> list[dict]:
         return [c.summary() for c in self.candidates]
@@ -70,7 +77,29 @@ class TuneOutcome:
                 "reference": self.reference, "versus_reference": self.versus_reference,
                 "kernel_screen": self.screen, "recipe": str(self.recipe_path), "command": self.command,
                 "weights_dir": str(self.weights_dir) if self.weights_dir else None, "elapsed_s": self.elapsed_s,
-                "notes": self.notes}
+                "notes": self.notes, "objective": self.objective, "serving": self.serving}
+
+
+def serving_terms(tune: TuneSpec, requests: int) -> dict | None:
+    """What the goodput objective measured on (None for the other objectives)."""
+    if tune.objective != "goodput":
+        return None
+    return {"rate_req_s": tune.rate, "requests": requests, "arrivals": f"Poisson, seed {tune.seed}",
+            "slo": tune.slo.to_dict(),
+            "goodput": "requests per second meeting every SLO (TTFT from arrival, TPOT) over the replay's duration",
+            "baseline": "the plain model serving the same trace one request at a time, first come first served"}
+
+
+def _plan(tune: TuneSpec) -> SweepPlan | None:
+    """What tune asks of the sweep engine beyond its configs: for the goodput objective, the goodput keys
+    under its SLOs, taken against the baseline the rows were measured beside (scenarios/tune_goodput.py)."""
+    if tune.objective != "goodput":
+        return None
+    from infer_tune.scenarios.tune_goodput import goodput_keys
+
+    plan = SweepPlan()
+    plan.conclude = lambda docs, _: goodput_keys(docs, plan.baseline, tune.slo, tune.rate)
+    return plan
 
 
 class Budget:
@@ -101,6 +130,7 @@ class Budget:
 
 def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None) -> TuneOutcome:
     """The search (module docstring); every measured row is a saved result in `spec.out_dir`."""
+    check_serving(spec, tune)
     budget = Budget(tune.budget_s)
     note = progress or (lambda stage, done, total: None)
     run = open_run(spec, progress)
@@ -119,6 +149,11 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
                                          reuse=spec.resume, measure_ppl=spec.measure_ppl)
         budget.costs.append(time.monotonic() - started)
         reference, notes = _reference(run, spec, tune, ctx)
+        terms = serving_terms(tune, len(run.inputs.prompts))
+        if terms is not None:
+            notes.append(f"goodput: {terms['goodput']}, SLOs {slo_text(tune)}; a seeded Poisson trace of "
+                         f"{terms['requests']} requests (one per prompt) at {tune.rate:g} req/s; baseline: "
+                         f"{terms['baseline']}, from its own times measured in the same rounds")
         candidates = single_candidates(tune, screen)
         queue = [c for c in candidates if c.status == "pending"]
         best: tuple | None = None
@@ -133,19 +168,25 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
                 cand.reason = (f"time budget: {budget.elapsed:.0f} s used of {budget.seconds:.0f}, this one expected "
                                f"to take {budget.expected(cand):.0f} s")
                 continue
-            unit = {"decode": "tok/s", "ttft": "ms TTFT", "throughput": "tok/s out"}[tune.objective]
+            unit = {"decode": "tok/s", "ttft": "ms TTFT", "throughput": "tok/s out", "goodput": "good req/s"}[
+                tune.objective]
             shown = f"{best[0]} {best[1]:.1f} {unit}" if best else "the baseline"
             note(f"tune: trying {cand.label} ({done}/{total}), best so far {shown}", done - 1, total)
             _measure(cand, run, spec, tune, ctx, budget)
             value = score(cand.doc, tune.objective) if cand.doc else None
             if cand.eligible and value is not None and (best is None or value > best[2]):
                 best = (cand.label, abs(value), value)
-            if cand.eligible and cand.method and cand.config.technique == "quantize" and stacked < STACKED_METHODS:
+            if may_stack(cand, tune) and cand.method and cand.config.technique == "quantize" \
+                    and stacked < STACKED_METHODS:
                 stacks = stack_candidates(tune, [cand], first=stacked == 0)
                 stacked += 1
                 candidates += stacks
                 queue[:0] = stacks  # the stacks of a method that may win are measured next
         winner = _decide(candidates, baseline, run, spec, tune, ctx, budget, notes, note)
+        if tune.objective == "goodput" and not any(c.doc and c.doc["metrics"].get("goodput_req_s") is not None
+                                                   for c in candidates):
+            notes.append("no batched stack served the trace: they stack on the quantize methods within the "
+                         "budgets (none was measured within them, or the time budget ran out first)")
         if winner is baseline:
             notes.append("nothing measured beat the baseline within the budgets; ship the plain model")
         weights = _copy_weights(winner, tune_dir)
@@ -155,7 +196,27 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
     command = f"infer-tune bench --recipe {recipe_path} --out {spec.out_dir}"
     return TuneOutcome(baseline=baseline, winner=winner, candidates=candidates, reference=reference, screen=screen,
                        tune_dir=tune_dir, recipe_path=recipe_path, command=command, weights_dir=weights,
-                       versus_reference=versus_reference(winner, reference), elapsed_s=budget.elapsed, notes=notes)
+                       versus_reference=versus_reference(winner, reference), elapsed_s=budget.elapsed, notes=notes,
+                       objective=tune.objective, serving=terms)
+
+
+def check_serving(spec: RunSpec, tune: TuneSpec) -> None:
+    """What the goodput objective needs, checked before the model loads: the batched stacks (the slot
+    engine compiles its step), a baseline that serves one request at a time, and the sweep engine here
+    (its goodput keys are taken beside the baseline's rounds, which a remote executor does not return)."""
+    from infer_tune import executors
+    from infer_tune.errors import ConfigError
+
+    if tune.objective != "goodput":
+        return
+    if not tune.compile:
+        raise ConfigError("tune --objective goodput measures batched stacks on the slot engine, which compiles its "
+                          "decode step: drop --no-compile")
+    if spec.workload.batch_size != 1:
+        raise ConfigError(f"tune --objective goodput serves the baseline one request at a time: --batch-size must be "
+                          f"1, got {spec.workload.batch_size}")
+    if executors.current() is not None:
+        raise ConfigError("tune --objective goodput runs on the local executor only (--executor local)")
 
 
 def _decide(candidates: list[Candidate], baseline: dict, run, spec: RunSpec, tune: TuneSpec, ctx, budget: Budget,
@@ -176,14 +237,14 @@ def _decide(candidates: list[Candidate], baseline: dict, run, spec: RunSpec, tun
                     _, docs = executor.run_together(spec, [c.config for c in contenders])
                 else:
                     _, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol,
-                                          [c.config for c in contenders], ctx, measure_ppl=spec.measure_ppl)
+                                          [c.config for c in contenders], ctx, measure_ppl=spec.measure_ppl,
+                                          plan=_plan(tune))
             except InferTuneError as exc:
                 notes.append(f"contenders not measured again: {exc}")
             else:
                 for cand, doc in zip(contenders, docs):
                     cand.doc = doc
-                    verdict = judge(doc, tune, lossless_claimed=cand.lossless)
-                    cand.eligible, cand.reason = verdict.eligible, "; ".join(verdict.reasons) or None
+                    _apply(cand, judge(doc, tune, lossless_claimed=cand.lossless))
                 winner, contenders = decide(candidates, baseline, tune.objective)
             budget.costs.append(time.monotonic() - started)
         else:
@@ -204,15 +265,20 @@ def _measure(cand: Candidate, run, spec: RunSpec, tune: TuneSpec, ctx, budget: B
             _, docs = executor.run_configs(spec, [cand.config])
         else:
             _, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol, [cand.config], ctx,
-                                  resume=spec.resume, reuse_baseline=True, measure_ppl=spec.measure_ppl)
+                                  resume=spec.resume, reuse_baseline=True, measure_ppl=spec.measure_ppl,
+                                  plan=_plan(tune))
     except InferTuneError as exc:  # a candidate this model or host cannot run: listed, not fatal
         cand.status, cand.reason = "failed", str(exc)
         return
     finally:
         budget.record(cand, time.monotonic() - started)
     cand.doc, cand.status = docs[0], "measured"
-    verdict = judge(cand.doc, tune, lossless_claimed=cand.lossless)
-    cand.eligible, cand.reason = verdict.eligible, "; ".join(verdict.reasons) or None
+    _apply(cand, judge(cand.doc, tune, lossless_claimed=cand.lossless))
+
+
+def _apply(cand: Candidate, verdict) -> None:
+    cand.eligible, cand.within_budget = verdict.eligible, verdict.within_budget
+    cand.reason = "; ".join(verdict.reasons) or None
 
 
 def _reference(run, spec: RunSpec, tune: TuneSpec, ctx) -> tuple[dict | None, list[str]]:

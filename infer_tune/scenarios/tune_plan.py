@@ -10,6 +10,10 @@
   promising first), the lossless lean path, and stacks of the methods that may win with the lean path.
 - `judge`: whether a measured result may win (not broken, within the drift budget, lossless when
   required, faster than the baseline on the objective, no kernel slower than fp32), and why not.
+- The serving objectives measure batched stacks (`batched_parts`): `throughput` offers them the
+  workload's prompts in one burst (capacity); `goodput` offers them a seeded Poisson trace at
+  `TuneSpec.rate` and counts the requests per second that meet the SLOs (TTFT and TPOT), against the
+  baseline serving the same trace one request at a time (scenarios/tune_goodput.py).
 """
 
 from __future__ import annotations
@@ -21,10 +25,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from infer_tune.metrics.saturation import SLO
+from infer_tune.report.recommend import OBJECTIVES as OBJECTIVE_KEYS  # the key each objective is judged on
 from infer_tune.tuners.base import TechniqueConfig
 
-OBJECTIVES = ("decode", "ttft", "throughput")
+OBJECTIVES = ("decode", "ttft", "throughput", "goodput")
 QUANT_METHODS = ("int4-rtn", "int4-weight", "int8-dynamic", "int8-static", "bf16")
+# --objective goodput: the load offered and the objectives a good request meets (the SLOs of the
+# serving examples in docs/batch.md: SmolLM2 on a few CPU cores)
+DEFAULT_RATE = 1.0  # requests/s
+DEFAULT_SLO_TTFT_MS = 5000.0
+DEFAULT_SLO_TPOT_MS = 500.0
 
 
 @dataclass
@@ -33,9 +44,11 @@ class TuneSpec:
 
     max_ppl_delta: largest perplexity change allowed, in percent; max_bleu_drift: largest BLEU loss
     allowed (points); require_lossless: only configs whose outputs equal the baseline's token for token;
-    objective: decode (TPOT p50), ttft (TTFT p50) or throughput (output tok/s); budget_s: wall-clock
-    budget for the whole search; reference: measure llama.cpp on the same GGUF when it is installed;
-    compile: allow candidates that compile the decode step (minutes of compilation each).
+    objective: decode (TPOT p50), ttft (TTFT p50), throughput (output tok/s) or goodput (requests/s
+    meeting the SLOs); budget_s: wall-clock budget for the whole search; reference: measure llama.cpp on
+    the same GGUF when it is installed; compile: allow candidates that compile the decode step (minutes
+    of compilation each). goodput only: rate (requests/s of the seeded Poisson trace), slo_ttft_ms and
+    slo_tpot_ms (what a good request meets), seed (of the trace's arrivals and prompt order).
     """
 
     max_ppl_delta: float = 5.0
@@ -46,12 +59,21 @@ class TuneSpec:
     reference: bool = True
     compile: bool = True
     methods: tuple[str, ...] = QUANT_METHODS
+    rate: float = DEFAULT_RATE
+    slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS
+    slo_tpot_ms: float = DEFAULT_SLO_TPOT_MS
+    seed: int = 0
 
     def __post_init__(self) -> None:
+        import math
+
         from infer_tune.errors import ConfigError
 
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"tune: objective must be one of {', '.join(OBJECTIVES)}; got '{self.objective}'")
+        if not (self.rate > 0 and math.isfinite(self.rate)):
+            raise ConfigError(f"tune: rate must be a finite number > 0 requests/s; got {self.rate}")
+        _ = self.slo  # the SLO checks its objectives: finite milliseconds > 0
         if not self.max_ppl_delta >= 0:
             raise ConfigError(f"tune: max_ppl_delta must be >= 0 (percent); got {self.max_ppl_delta}")
         if not self.max_bleu_drift >= 0:
@@ -61,6 +83,11 @@ class TuneSpec:
         unknown = set(self.methods) - set(QUANT_METHODS)
         if unknown:
             raise ConfigError(f"tune: unknown methods {', '.join(sorted(unknown))}; choose from {', '.join(QUANT_METHODS)}")
+
+    @property
+    def slo(self) -> SLO:
+        """The goodput objectives: TTFT from arrival and TPOT, in ms."""
+        return SLO(ttft_ms=self.slo_ttft_ms, tpot_ms=self.slo_tpot_ms)
 
 
 @dataclass
@@ -77,6 +104,7 @@ class Candidate:
     reason: str | None = None
     doc: dict | None = None
     eligible: bool = False
+    within_budget: bool = False  # judged on everything but the objective: quality, lossless, kernels
 
     @property
     def label(self) -> str:
@@ -92,7 +120,11 @@ class Candidate:
                 "ttft_p50_ms": (m.get("ttft_ms") or {}).get("p50"),
                 "speedup_vs_baseline": m.get("speedup_vs_baseline"), "ppl_delta_pct": m.get("ppl_delta_pct"),
                 "bleu_drift": m.get("bleu_drift"), "exact_match_vs_baseline": m.get("exact_match_vs_baseline"),
-                "broken": m.get("broken"), "noisy": (m.get("noise") or {}).get("noisy")}
+                "broken": m.get("broken"), "noisy": (m.get("noise") or {}).get("noisy"),
+                "goodput_req_s": m.get("goodput_req_s"), "slo_attainment": m.get("slo_attainment"),
+                "goodput_ratio_vs_baseline": m.get("goodput_ratio_vs_baseline"),
+                "goodput_ratio_vs_baseline_ci95": m.get("goodput_ratio_vs_baseline_ci95"),
+                "baseline_goodput_req_s": (m.get("goodput_vs_baseline") or {}).get("baseline_goodput_req_s")}
 
 
 def decode_tok_s(doc: dict) -> float | None:
@@ -101,13 +133,15 @@ def decode_tok_s(doc: dict) -> float | None:
 
 
 def score(doc: dict, objective: str) -> float | None:
-    """Higher is better: decode tok/s, -TTFT p50, or output tok/s."""
+    """Higher is better: decode tok/s, -TTFT p50, output tok/s, or good requests/s."""
     m = doc.get("metrics") or {}
     if objective == "decode":
         return decode_tok_s(doc)
     if objective == "ttft":
         ttft = (m.get("ttft_ms") or {}).get("p50")
         return -ttft if ttft else None
+    if objective == "goodput":
+        return m.get("goodput_req_s")
     return m.get("output_throughput_tok_s")
 
 
@@ -248,11 +282,19 @@ def single_candidates(spec: TuneSpec, screen: dict) -> list[Candidate]:
     return out
 
 
+def may_stack(cand: Candidate, spec: TuneSpec) -> bool:
+    """Whether a measured quantize candidate gets its stacks: when it may win; for the goodput objective
+    when it is within the budgets (its own closed-loop row serves no arrival trace, so has no goodput:
+    its batched stacks are what is judged on it)."""
+    return cand.eligible or (spec.objective == "goodput" and cand.within_budget)
+
+
 def stack_candidates(spec: TuneSpec, methods: list[Candidate], *, first: bool = True) -> list[Candidate]:
     """Stacks of measured quantize candidates that may win: with the lean decode path, and for the first
     also with the lean path's C++ wrapper (measured faster on some runs, slower on others here: so
     measured) and a static compiled cache through generate(); for the throughput objective first the
-    batched stacks (`batched_parts`). None for the ttft objective (they speed decode)."""
+    batched stacks (`batched_parts`), for the goodput objective only those (a single stream serves the
+    trace one request at a time, as the baseline does). None for the ttft objective (they speed decode)."""
     from infer_tune.tuners.kv_cache import KVCacheConfig
     from infer_tune.tuners.lean import LeanConfig
     from infer_tune.tuners.stack import StackConfig
@@ -266,6 +308,8 @@ def stack_candidates(spec: TuneSpec, methods: list[Candidate], *, first: bool = 
             parts += [LeanConfig(compile=True, cpp_wrapper=True), KVCacheConfig(impl="static", compile=True)]
         if spec.objective == "throughput":  # serving many requests: the batched stacks come first
             parts[:0] = batched_parts(spec)
+        elif spec.objective == "goodput":
+            parts = batched_parts(spec)
         for part in parts:
             out.append(Candidate(StackConfig(configs=[cand.config, part]), lossless=False, method=cand.method,
                                  estimate=cand.estimate, estimate_ci95=cand.estimate_ci95, compiles=spec.compile))
@@ -277,14 +321,18 @@ BURST_RATE = 1000.0  # requests/s: every request of the workload arrives at once
 
 
 def batched_parts(spec: TuneSpec) -> list[TechniqueConfig]:
-    """For the throughput objective: continuous batching on the lean slot engine (docs/batch.md), as many
-    slots as BATCH_SLOTS, offered the workload's prompts in one burst, so the row's output tok/s is the
-    stack's capacity (the baseline's is one request at a time). Compiled when `spec.compile`."""
+    """For the serving objectives: continuous batching on the lean slot engine (docs/batch.md), as many
+    slots as BATCH_SLOTS. throughput: offered the workload's prompts in one burst, so the row's output
+    tok/s is the stack's capacity (the baseline's is one request at a time); goodput: offered them as a
+    seeded Poisson trace at `spec.rate` (one request per prompt, arrivals and order from `spec.seed`).
+    The slot engine compiles its step: none when `spec.compile` is off."""
     from infer_tune.tuners.batch import BatchConfig
 
     if not spec.compile:
         return []
-    return [BatchConfig(scheduler="continuous", batch_size=n, rate=BURST_RATE, engine="lean") for n in BATCH_SLOTS]
+    rate = spec.rate if spec.objective == "goodput" else BURST_RATE
+    return [BatchConfig(scheduler="continuous", batch_size=n, rate=rate, engine="lean", seed=spec.seed)
+            for n in BATCH_SLOTS]
 
 
 # --------------------------------------------------------------------------- judging
@@ -292,10 +340,13 @@ def batched_parts(spec: TuneSpec) -> list[TechniqueConfig]:
 class Judgement:
     eligible: bool
     reasons: list[str] = field(default_factory=list)
+    within_budget: bool = False  # no reason but the objective's comparison with the baseline
 
 
 def judge(doc: dict, spec: TuneSpec, *, lossless_claimed: bool) -> Judgement:
-    """Whether a measured result may be chosen, and every reason it may not."""
+    """Whether a measured result may be chosen, and every reason it may not. On the objective it must beat
+    the baseline with the whole 95% interval of its ratio (`OBJECTIVE_KEYS`); for goodput, at least one
+    of its requests must also have met the SLOs (two rows that meet none compare durations, not goodput)."""
     m = doc.get("metrics") or {}
     reasons = []
     if m.get("broken"):
@@ -316,15 +367,24 @@ def judge(doc: dict, spec: TuneSpec, *, lossless_claimed: bool) -> Judgement:
     regime = "prefill" if spec.objective == "ttft" else "decode"
     if (kernels.get(regime) or {}).get("slower_than_fp32"):
         reasons.append(f"its {regime} kernels are slower than fp32 on this host")
-    key = {"decode": "speedup_vs_baseline", "ttft": "ttft_speedup_vs_baseline",
-           "throughput": "throughput_ratio_vs_baseline"}[spec.objective]
+    within_budget = not reasons
+    key = OBJECTIVE_KEYS[spec.objective]
     ratio, ci = m.get(key), m.get(f"{key}_ci95")
     low = ci[0] if isinstance(ci, list) and len(ci) == 2 else ratio
-    if ratio is None or low <= 1.0:
+    better = "more goodput than" if spec.objective == "goodput" else "faster than"
+    if ratio is None:
+        reasons.append("no goodput: it did not serve the arrival trace beside the baseline"
+                       if spec.objective == "goodput" else f"no {key} measured")
+    elif spec.objective == "goodput" and not m.get("good_requests"):
+        reasons.append(f"no request met the SLOs ({slo_text(spec)})")
+    elif low <= 1.0:
         shown = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if low is not ratio else ""
-        reasons.append(f"not faster than the baseline with its whole 95% interval ({key} {ratio:.2f}{shown})"
-                       if ratio is not None else f"no {key} measured")
-    return Judgement(eligible=not reasons, reasons=reasons)
+        reasons.append(f"not {better} the baseline with its whole 95% interval ({key} {ratio:.2f}{shown})")
+    return Judgement(eligible=not reasons, reasons=reasons, within_budget=within_budget)
+
+
+def slo_text(spec: TuneSpec) -> str:
+    return f"TTFT <= {spec.slo_ttft_ms:g} ms, TPOT <= {spec.slo_tpot_ms:g} ms"
 
 
 def pick_winner(candidates: list[Candidate], baseline: dict, objective: str) -> dict:

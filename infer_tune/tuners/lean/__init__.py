@@ -43,7 +43,11 @@ class LeanConfig(TechniqueConfig):
 
 def tune_candidates(spec) -> list[tuple[LeanConfig, dict]]:
     """What `tune` tries of the lean path: compiled (when compiling is allowed and decode is the aim), and eager;
-    both lossless (the same greedy tokens as generate())."""
+    both lossless (the same greedy tokens as generate()). Nothing for the goodput objective: a single stream
+    serves an arrival trace one request at a time, as the baseline does (the batch part's engine: lean is
+    how batched stacks use it)."""
+    if spec.objective == "goodput":
+        return []
     out = []
     if spec.compile and spec.objective != "ttft":
         out.append((LeanConfig(compile=True), {"lossless": True, "compiles": True}))
