@@ -80,7 +80,7 @@ def prepare_model(model: torch.nn.Module, batch_size: int) -> dict:
     """
     from collections import Counter
 
-    from infer_tune.tuners.quantize.kernel_choice import screen_kernels
+    from infer_tune.tuners.quantize.kernel_choice import screen_kernels, unpack_timing
     from infer_tune.tuners.quantize.kernels import excluded
     from infer_tune.tuners.quantize.modules import LINEAR_KINDS
 
@@ -96,9 +96,10 @@ def prepare_model(model: torch.nn.Module, batch_size: int) -> dict:
         usable = tuple(k for k in ROW_KERNELS if k in kernels and k not in excluded(kind, "decode")) or ("dequant",)
         new = usable[0]
         if len(usable) > 1:
-            screen = screen_kernels(shapes, batch_size, kind, candidates=usable)
-            new = screen.fastest() or new
-            screens[kind] = {"rows": batch_size, **screen.record(), "median_ms": screen.timings()[0]}
+            kernel_ms, _, record = unpack_timing(screen_kernels(shapes, batch_size, kind, candidates=usable))
+            timed = {k: v for k, v in kernel_ms.items() if k in usable and v is not None}
+            new = min(timed, key=timed.get) if timed else new
+            screens[kind] = {"rows": batch_size, **(record or {}), "median_ms": timed}
         swaps[kind] = {"decode": ("fbgemm", new)}
     for module in linears:
         if module.decode_kernel == "fbgemm":
