@@ -6,9 +6,14 @@ argmax, so the timed requests generate one token and the decode step stays eager
 and no decode graph has to compile). Every prompt runs once before timing (the prefill compiles land
 there); the outputs of the two rows are then compared over `--tokens` greedy tokens. With llama-cpp-python installed, llama.cpp
 on the model's own GGUF runs the same prompts in the same rounds (the issue's TTFT targets: <= 1.5x
-llama.cpp at ~20 tokens, <= 1.0x at ~500). Run it under the CPU lock:
+llama.cpp at ~20 tokens, <= 1.0x at ~500). With `--llama-server` instead, llama.cpp's C++ server
+(scripts/build-llama-server.sh) on the same GGUF runs them in the same rounds: its figure is the
+server's own prompt time (`timings.prompt_ms`, no HTTP in it; the client's wall time is printed beside
+it), and with `--decode-tokens N` its single-stream decode (`predicted_per_second`, end-of-sequence
+ignored) runs three passes interleaved with the lean path's. Run it under the CPU lock:
 
     flock /tmp/infer-tune-cpu.lock python bench/lean_prefill.py --threads 2 --rounds 7
+    flock /tmp/infer-tune-cpu.lock python bench/lean_prefill.py --threads 2 --rounds 7 --llama-server --decode-tokens 128
 
 Not a test: read the ratios of one run.
 """
@@ -54,6 +59,8 @@ def main() -> None:
     p.add_argument("--short", type=int, default=20)
     p.add_argument("--long", type=int, default=500)
     p.add_argument("--method", default="int4-rtn")
+    p.add_argument("--llama-server", action="store_true",
+                   help="llama.cpp's C++ server (scripts/build-llama-server.sh) as the reference, same rounds")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     from infer_tune import models
@@ -82,13 +89,24 @@ def main() -> None:
         from infer_tune.tuners.llamacpp import LlamaCppConfig, decode, gguf_for
         llm = Llama(model_path=str(gguf_for(loaded, LlamaCppConfig())), n_ctx=1024, n_threads=torch.get_num_threads(),
                     n_threads_batch=torch.get_num_threads(), verbose=False)
+    server = None
+    if args.llama_server:
+        from contextlib import ExitStack
+
+        from infer_tune.endpoint.servers import local_server
+
+        stack = ExitStack()
+        server = stack.enter_context(local_server("llama.cpp", args.model, threads=torch.get_num_threads()))
+        for ids in cases.values():
+            server_completion(server.url, loaded.tokenizer.decode(ids[0]), 1)  # warms the server
     for name, decoder in rows.items():
         started = time.perf_counter()
         for ids in cases.values():
             decoder.generate(ids, 1, eos)  # compiles: outside the timed rounds
         print(f"{name}: warmup {time.perf_counter() - started:.1f} s, {decoder.facts.get('lean_prefill')}, "
               f"buckets {decoder.facts.get('lean_prefill_buckets')}")
-    ttft: dict = {(r, c): [] for r in list(rows) + (["llama.cpp"] if llm else []) for c in cases}
+    refs = (["llama.cpp"] if llm else []) + (["llama-server", "llama-server client"] if server else [])
+    ttft: dict = {(r, c): [] for r in list(rows) + refs for c in cases}
     for _ in range(args.rounds):
         for case, ids in cases.items():
             for name, decoder in rows.items():
@@ -98,6 +116,10 @@ def main() -> None:
                 text = loaded.tokenizer.decode(ids[0])
                 submit, token_ns, _, _ = decode(llm, text, 1, pin_length=True)
                 ttft[("llama.cpp", case)].append((token_ns[0] - submit) / 1e6)
+            if server is not None:
+                answer, wall_ms = server_completion(server.url, loaded.tokenizer.decode(ids[0]), 1)
+                ttft[("llama-server", case)].append(answer["timings"]["prompt_ms"])
+                ttft[("llama-server client", case)].append(wall_ms)
     for (name, decoder), case in ((r, c) for r in rows.items() for c in cases):
         runs[(name, case)] = decoder.generate(cases[case], args.tokens, eos)[2]
     print(f"{args.method} weights, {torch.get_num_threads()} threads, {args.rounds} interleaved rounds, "
@@ -113,12 +135,37 @@ def main() -> None:
         full = LeanDecoder(model, compile=True)
         full._prefill = rows["compiled prefill"]._prefill  # the prefill graphs compiled above
         full.generate(cases["short"], args.decode_tokens, eos)
-        speeds = []
+        speeds, theirs = [], []
+        text = loaded.tokenizer.decode(cases["short"][0])
         for _ in range(3):
             _, token_ns, _, _ = full.generate(cases["short"], args.decode_tokens, eos)
             speeds.append((len(token_ns) - 1) * 1e9 / (token_ns[-1] - token_ns[0]))
+            if server is not None:
+                theirs.append(server_completion(server.url, text, args.decode_tokens)[0]["timings"]["predicted_per_second"])
         print(f"lean+compile single-stream decode, {args.decode_tokens} tokens after the short prompt: "
-              f"{', '.join(f'{v:.1f}' for v in speeds)} tok/s ({full.facts.get('lean_step')})")
+              f"{', '.join(f'{v:.1f}' for v in speeds)} tok/s ({full.facts.get('lean_step')}; "
+              f"{len(token_ns)} tokens in the last pass)")
+        if theirs:
+            print(f"llama-server single-stream decode, {args.decode_tokens} tokens (end-of-sequence ignored): "
+                  f"{', '.join(f'{v:.1f}' for v in theirs)} tok/s; best of three vs best of three: "
+                  f"{max(speeds) / max(theirs):.2f}x")
+    if server is not None:
+        stack.close()
+
+
+def server_completion(url: str, text: str, n_predict: int) -> tuple[dict, float]:
+    """(llama-server's answer, the client's wall ms) of one greedy `/completion`, prompt cache off."""
+    import json
+    import urllib.request
+
+    body = json.dumps({"prompt": text, "n_predict": n_predict, "cache_prompt": False, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    request = urllib.request.Request(f"{url.rsplit('/v1', 1)[0]}/completion", data=body,
+                                     headers={"Content-Type": "application/json"})
+    started = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=300) as response:  # noqa: S310 (loopback)
+        answer = json.loads(response.read())
+    return answer, (time.perf_counter() - started) * 1e3
 
 
 if __name__ == "__main__":
