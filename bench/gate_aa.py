@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import ClassVar
 
 BENCH_TECHNIQUE = "bench-busy-wait"
+CALIBRATED_GATE: dict[str, float] = {}  # metric -> the calibration's smallest gate for separate runs (%)
 EXTRA: list[str] = []  # --bench-args: settings other than the defaults (a quick smoke run), recorded in the output
 
 
@@ -116,6 +117,16 @@ def gate(base: Path, cand: Path, expr: str, *extra: str) -> dict:
             "detectable_pct": None if check.get("mde") is None else round(check["mde"], 2)}
 
 
+def judged_at(interval: list[float] | None, threshold_pct: float) -> str:
+    """What `compare --fail-if "X > +T%"` says of a check with this 95% interval (its interval does not
+    depend on the threshold): regression when wholly above, pass when wholly below, else inconclusive."""
+    if not interval:
+        return "inconclusive"
+    if interval[0] > threshold_pct:
+        return "regression"
+    return "pass" if interval[1] < threshold_pct else "inconclusive"
+
+
 def tpot_p50(folder: Path) -> float:
     return json.loads((folder / "result.json").read_text())["metrics"]["tpot_ms"]["p50"]
 
@@ -157,7 +168,9 @@ def run_all(scenarios: list[str], root: Path, args: argparse.Namespace, rows: li
         if proc.returncode != 0:
             sys.exit(f"compare --calibrate failed ({proc.returncode}): {proc.stderr.strip()}")
         cal = json.loads(proc.stdout)
-        print(json.dumps({"calibration": {m["metric"]: {k: round(m[k], 3) for k in ("between_pct", "within_pct", "sigma_pct")}
+        CALIBRATED_GATE.update({m["metric"]: m["gate_pct"] for m in cal["metrics"]})
+        print(json.dumps({"calibration": {m["metric"]: {k: round(m[k], 3) for k in ("between_pct", "within_pct", "sigma_pct",
+                                                                                     "gate_pct")}
                                           for m in cal["metrics"]}, "runs": cal["runs"], "stored": cal["path"]}), flush=True)
     wait_us = 0
     if need_base and "slow5" in scenarios:
@@ -222,6 +235,11 @@ def main() -> int:
         print(json.dumps({"scenario": name, "runs": len(mine), **outcomes, "target_met": target,
                           "median_detectable_pct": sorted(r["detectable_pct"] or 0 for r in mine)[len(mine) // 2]
                           if mine else None}))
+        gate_pct = CALIBRATED_GATE.get(args.fail_if.split(".")[0].strip())
+        if name == "aa" and gate_pct and mine:  # the same pairs judged at the calibration's smallest gate
+            at = [judged_at(r["ci95_pct"], gate_pct) for r in mine]
+            print(json.dumps({"scenario": "aa at the calibrated smallest gate", "gate": f"> +{gate_pct:.1f}%",
+                              **{o: at.count(o) for o in ("pass", "inconclusive", "regression")}}))
     return 0 if ok else 1
 
 

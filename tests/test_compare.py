@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import xml.etree.ElementTree as ET
 
 import numpy as np
@@ -11,6 +12,7 @@ from result_docs import make_result, save
 from typer.testing import CliRunner
 
 from infer_tune.cli import app
+from infer_tune.report import run_to_run as rtr
 from infer_tune.report.compare import ExprError, MismatchError, compare, judge, parse_expr
 
 runner = CliRunner()
@@ -219,6 +221,24 @@ def test_run_to_run_spread_widens_separate_runs_only(tmp_path, monkeypatch):
     stored = rtr.for_host(make_result("x"))
     assert stored.source == "calibrated" and stored.sigma("tpot_ms.p50") == cal["tpot_ms"]["sigma_pct"]
     assert invoke(str(runs[0]), "--calibrate").exit_code == 2  # one run cannot show a spread
+    # the smallest gate separate runs pass 19 times in 20: (1.645 + 1.96) x sqrt(2) x the adjacent-run spread
+    adjacent = cal["tpot_ms"]["adjacent_pct"]
+    assert cal["tpot_ms"]["gate_pct"] == pytest.approx(100 * math.expm1(3.605 * 2 ** 0.5 * adjacent / 100), rel=1e-3)
+    assert "smallest gate" in invoke(*map(str, runs), "--calibrate").stdout
+
+
+def test_smallest_gate_of_a_simulated_host_passes_19_of_20_pairs():
+    """The rule behind `gate_pct`, checked by simulation: A/A pairs of runs whose levels spread by the
+    calibrated amount, each judged with the interval compare would give, pass at the smallest gate about
+    95% of the time, and far less often at half of it."""
+    rng = np.random.default_rng(0)
+    sigma = 3.0  # % per run
+    gate = rtr.smallest_gate_pct(sigma)
+    change = 100 * np.expm1(rng.normal(0, sigma / 100, 4000) - rng.normal(0, sigma / 100, 4000))
+    top = [rtr.widen(c, None, 2 ** 0.5 * sigma)[1] for c in change]
+    passed = np.mean([t < gate for t in top])
+    assert 0.93 < passed < 0.97
+    assert np.mean([t < gate / 2 for t in top]) < 0.75
 
 
 # --------------------------------------------------------------------------- outcomes (report/gate.py)

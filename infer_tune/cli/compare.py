@@ -137,14 +137,18 @@ def calibrate_host(paths: list[Path], fmt: str) -> None:
         output.print_json(cal.to_dict())
         return
     table = Table(title=f"run-to-run spread of {cal.runs} runs (this machine, {escape(cal.host)})")
-    for name in ("metric", "between runs", "adjacent runs", "drift", "within a run", "run-to-run (per run)"):
+    for name in ("metric", "between runs", "adjacent runs", "drift", "within a run", "run-to-run (per run)",
+                 "smallest gate (separate runs)"):
         table.add_column(name, justify="left" if name == "metric" else "right")
     for m in cal.metrics:
         table.add_row(m.metric, *(f"{v:.2f}%" for v in (m.between_pct, m.adjacent_pct, m.drift_pct, m.within_pct,
-                                                        m.sigma_pct)))
+                                                        m.sigma_pct)), f"+{m.gate_pct:.1f}%")
     output.out.print(table)
     output.out.print(f"  stored in {cal.path}; `compare` adds it to intervals between separate runs on this machine",
                      soft_wrap=True, markup=False)
+    output.out.print("  smallest gate: the smallest --fail-if threshold two separate runs of one config pass 19 times "
+                     "in 20 here; below it, measure base and candidate in one run (`bench --recipe`), where the "
+                     "run-to-run spread cancels", soft_wrap=True, markup=False)
 
 
 def exit_gate(comparison, strict: bool) -> None:

@@ -43,6 +43,16 @@ DEFAULT_SPAN_S = 3600.0
 MIN_RUNS = 3
 FILE = "run_to_run.json"
 Z95 = 1.96
+Z95_ONE_SIDED = 1.645
+
+
+def smallest_gate_pct(adjacent_pct: float) -> float:
+    """The smallest `--fail-if` threshold (%) that two runs of one config, minutes apart on this host, pass
+    19 times in 20: an A/A pair's change spreads with sd sqrt(2) x `adjacent_pct` (each run's level,
+    its own samples included), and a pair passes when its 95% interval's top, about that change plus
+    1.96 sd, is below the threshold; 95% of pairs stay below 1.645 sd. So (1.645 + 1.96) x sqrt(2) x
+    `adjacent_pct`, taken on the log scale."""
+    return 100.0 * math.expm1((Z95_ONE_SIDED + Z95) * math.sqrt(2.0) * adjacent_pct / 100.0)
 
 
 @dataclass(frozen=True)
@@ -168,6 +178,7 @@ class MetricSpread:
     drift_pct: float  # what the host's slow drift over the calibration adds: sqrt(between^2 - adjacent^2), at least 0
     within_pct: float  # the runs' own sampling error (root mean square of their bootstrap standard errors), %
     sigma_pct: float  # one run's level spread: sqrt(adjacent^2 - within^2), at least 0
+    gate_pct: float = 0.0  # the smallest threshold two separate runs minutes apart pass 19 times in 20: smallest_gate_pct
 
 
 @dataclass
@@ -243,7 +254,7 @@ def calibrate(docs: Sequence[dict]) -> Calibration:
         within = math.sqrt(float(np.mean([v[1] ** 2 for v in levels])))
         sigma = math.sqrt(max(adjacent ** 2 - within ** 2, 0.0))
         cal.metrics.append(MetricSpread(key, len(docs), 100.0 * between, 100.0 * adjacent, 100.0 * drift,
-                                        100.0 * within, 100.0 * sigma))
+                                        100.0 * within, 100.0 * sigma, smallest_gate_pct(100.0 * adjacent)))
     if not cal.metrics:
         raise InferTuneError("--calibrate: the results share no timing figure to calibrate")
     return cal
@@ -255,6 +266,7 @@ def save(cal: Calibration) -> Calibration:
     path = paths.home() / FILE
     stored = _load()
     stored[cal.host] = {"sigma_pct": cal.sigma_pct, "drift_pct": cal.drift_pct, "span_s": cal.span_s,
+                        "gate_pct": {m.metric: m.gate_pct for m in cal.metrics},
                         "runs": cal.runs, "run_ids": cal.run_ids, "created_at": cal.created_at}
     atomic.write_json(path, stored)
     cal.path = str(path)
