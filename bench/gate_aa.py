@@ -117,14 +117,12 @@ def gate(base: Path, cand: Path, expr: str, *extra: str) -> dict:
             "detectable_pct": None if check.get("mde") is None else round(check["mde"], 2)}
 
 
-def judged_at(interval: list[float] | None, threshold_pct: float) -> str:
-    """What `compare --fail-if "X > +T%"` says of a check with this 95% interval (its interval does not
-    depend on the threshold): regression when wholly above, pass when wholly below, else inconclusive."""
-    if not interval:
-        return "inconclusive"
-    if interval[0] > threshold_pct:
-        return "regression"
-    return "pass" if interval[1] < threshold_pct else "inconclusive"
+def judged_at(row: dict, threshold_pct: float) -> str:
+    """What `compare --fail-if "X > +T%"` says of a check already run at another threshold: its interval
+    does not depend on the threshold, so compare's own outcome rule (report/gate.py) on it."""
+    from infer_tune.report.gate import outcome
+
+    return outcome(">", threshold_pct, row["observed_pct"], row["ci95_pct"])
 
 
 def tpot_p50(folder: Path) -> float:
@@ -237,7 +235,7 @@ def main() -> int:
                           if mine else None}))
         gate_pct = CALIBRATED_GATE.get(args.fail_if.split(".")[0].strip())
         if name == "aa" and gate_pct and mine:  # the same pairs judged at the calibration's smallest gate
-            at = [judged_at(r["ci95_pct"], gate_pct) for r in mine]
+            at = [judged_at(r, gate_pct) for r in mine]
             print(json.dumps({"scenario": "aa at the calibrated smallest gate", "gate": f"> +{gate_pct:.1f}%",
                               **{o: at.count(o) for o in ("pass", "inconclusive", "regression")}}))
     return 0 if ok else 1

@@ -52,6 +52,13 @@ def prompts(tokenizer, short: int, long: int) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        run(stack)
+
+
+def run(stack) -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=16, help="greedy tokens compared between the two rows")
     p.add_argument("--decode-tokens", type=int, default=0,
@@ -90,12 +97,9 @@ def main() -> None:
         llm = Llama(model_path=str(gguf_for(loaded, LlamaCppConfig())), n_ctx=1024, n_threads=torch.get_num_threads(),
                     n_threads_batch=torch.get_num_threads(), verbose=False)
     server = None
-    if args.llama_server:
-        from contextlib import ExitStack
-
+    if args.llama_server:  # stopped when main returns or fails (its process group would outlive us)
         from infer_tune.endpoint.servers import local_server
 
-        stack = ExitStack()
         server = stack.enter_context(local_server("llama.cpp", args.model, threads=torch.get_num_threads()))
         for ids in cases.values():
             server_completion(server.url, loaded.tokenizer.decode(ids[0]), 1)  # warms the server
@@ -149,8 +153,6 @@ def main() -> None:
             print(f"llama-server single-stream decode, {args.decode_tokens} tokens (end-of-sequence ignored): "
                   f"{', '.join(f'{v:.1f}' for v in theirs)} tok/s; best of three vs best of three: "
                   f"{max(speeds) / max(theirs):.2f}x")
-    if server is not None:
-        stack.close()
 
 
 def server_completion(url: str, text: str, n_predict: int) -> tuple[dict, float]:

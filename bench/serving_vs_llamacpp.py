@@ -146,39 +146,23 @@ def ttft_probe(url: str, tokenizer, rounds: int) -> dict:
     """llama.cpp's TTFT on bench/lean_prefill.py's ~20- and ~500-token prompts, one request at a time:
     the client's wall time of a 1-token completion, and the server's own prompt time (`timings.prompt_ms`)."""
     import statistics
-    import urllib.request
 
-    from bench.lean_prefill import prompts
+    from bench.lean_prefill import prompts, server_completion
 
-    root = url.rsplit("/v1", 1)[0]
     out = {}
     for name, ids in prompts(tokenizer, 20, 500).items():
         text = tokenizer.decode(ids[0])
-        body = json.dumps({"prompt": text, "n_predict": 1, "cache_prompt": False, "temperature": 0}).encode()
-        walls, server_ms, n = [], [], None
-        for _ in range(rounds + 1):
-            request = urllib.request.Request(f"{root}/completion", data=body,
-                                             headers={"Content-Type": "application/json"})
-            started = time.perf_counter()
-            with urllib.request.urlopen(request, timeout=120) as response:  # noqa: S310 (loopback)
-                answer = json.loads(response.read())
-            walls.append((time.perf_counter() - started) * 1e3)
-            server_ms.append(answer["timings"]["prompt_ms"])
-            n = answer["timings"].get("prompt_n")
-        walls, server_ms = walls[1:], server_ms[1:]  # the first request warms the server
+        answers = [server_completion(url, text, 1) for _ in range(rounds + 1)][1:]  # the first warms the server
+        walls = [wall for _, wall in answers]
+        server_ms = [answer["timings"]["prompt_ms"] for answer, _ in answers]
+        n = answers[-1][0]["timings"].get("prompt_n")
         out[name] = {"prompt_tokens_here": int(ids.shape[1]), "prompt_tokens_llamacpp": n,
                      "client_ms_median": statistics.median(walls), "server_prompt_ms_median": statistics.median(server_ms)}
         print(f"llama.cpp TTFT {name} ({n} tokens): client {out[name]['client_ms_median']:.2f} ms, "
               f"server prompt {out[name]['server_prompt_ms_median']:.2f} ms (median of {rounds})", flush=True)
     # single-stream decode: 128 tokens after the short prompt, end-of-sequence ignored, three passes
     text = tokenizer.decode(prompts(tokenizer, 20, 500)["short"][0])
-    body = json.dumps({"prompt": text, "n_predict": 128, "cache_prompt": False, "temperature": 0,
-                       "ignore_eos": True}).encode()
-    speeds = []
-    for _ in range(3):
-        request = urllib.request.Request(f"{root}/completion", data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=120) as response:  # noqa: S310 (loopback)
-            speeds.append(json.loads(response.read())["timings"]["predicted_per_second"])
+    speeds = [server_completion(url, text, 128)[0]["timings"]["predicted_per_second"] for _ in range(3)]
     out["decode_tok_s_passes"] = speeds
     print(f"llama.cpp single-stream decode, 128 tokens: {', '.join(f'{v:.1f}' for v in speeds)} tok/s", flush=True)
     return out

@@ -27,14 +27,13 @@ def ensure_writable(folder: str | Path, what: str) -> Path:
     Safe when several commands check the same new folder at once: a folder another process made
     first counts as existing, and one it removed again under this check is made once more."""
     folder = Path(folder).expanduser()
-    for attempt in range(5):
+    for _ in range(5):
         try:
             _probe_writable(folder, what)
             return folder
-        except FileNotFoundError as exc:  # another pre-flight removed its folder under us
-            if attempt == 4:
-                raise InferTuneError(f"{what} {folder} is not writable: {exc.strerror or exc}") from None
-    return folder
+        except FileNotFoundError as exc:  # another pre-flight removed its folder under us: again
+            lost = exc
+    raise InferTuneError(f"{what} {folder} is not writable: {lost.strerror or lost}") from None
 
 
 def _probe_writable(folder: Path, what: str) -> None:
@@ -58,7 +57,7 @@ def _probe_writable(folder: Path, what: str) -> None:
         test.write_bytes(b"")
         test.unlink()
     except FileNotFoundError:
-        raise
+        raise  # ensure_writable tries again
     except OSError as exc:
         raise InferTuneError(f"{what} {folder} is not writable: {exc.strerror or exc}") from None
     finally:

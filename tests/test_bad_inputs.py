@@ -218,6 +218,8 @@ CASES: dict[str, tuple[list[str], str]] = {
                                  "applies to --objective goodput"),
     "tune goodput batched baseline": (["tune", *M, "--suite", "{suite}", "--objective", "goodput", "--batch-size", "2"],
                                       "--batch-size must be 1"),
+    "tune goodput on ray": (["tune", *M, "--suite", "{suite}", "--objective", "goodput", "--executor", "ray"],
+                            "--executor local"),
     "tune goodput without compiling": (["tune", *M, "--suite", "{suite}", "--objective", "goodput", "--no-compile"],
                                        "--no-compile"),
     # compare

@@ -160,3 +160,25 @@ def test_length_buckets_attend_over_the_used_cache_only(tiny_loaded):
         full = engine.step(2, torch.tensor([3, 4]), 512)
     assert torch.allclose(short, full, atol=1e-5) and torch.equal(short.argmax(-1), full.argmax(-1))
     assert engine.facts["slot_length_buckets"] == [128, 512]
+
+
+@pytest.mark.parametrize("separated,expected", [(True, "int_mm"), (False, "fbgemm_rows")])
+def test_slot_kernel_swap_is_taken_from_a_separated_screen(separated, expected, tiny_loaded, monkeypatch):
+    """fbgemm leaves the batched step for the kernel the screen separated as fastest; when the screen did
+    not separate them, for the first row-independent kernel (the finer grid), never for a lower median alone."""
+    import copy
+
+    from infer_tune.tuners.quantize import kernel_choice, kernels, screen
+    from infer_tune.tuners.quantize.pipeline import quantize_in_memory
+
+    def fake(shapes, rows, kind, candidates=None, **_):
+        return screen.Screen(samples={screen.FP32: [2.0] * 5, "fbgemm_rows": [1.2] * 5, "int_mm": [1.0] * 5},
+                             rounds=5, separated=separated, stopped="separated" if separated else "time budget")
+
+    monkeypatch.setattr(kernel_choice, "screen_kernels", fake)
+    monkeypatch.setattr(kernels, "excluded", lambda kind, regime: {})  # both candidates, whatever this host's probe
+    model = copy.deepcopy(tiny_loaded.model)
+    quantize_in_memory(model, QuantizeConfig(method="int8-dynamic", backend="torch", decode_kernel="fbgemm"), "torch")
+    facts = slots_module.prepare_model(model, 4)
+    assert facts["slot_kernel_swaps"]["int8-dynamic"]["decode"] == ("fbgemm", expected)
+    assert facts["slot_kernel_screen"]["int8-dynamic"]["chosen"] == expected

@@ -156,14 +156,12 @@ def tune(
             raise ConfigError(f"{flag} must be a finite number of {unit} > 0, got {value}")
         if value is not None and objective != "goodput":
             raise ConfigError(f"{flag} applies to --objective goodput, not {objective}")
-    if objective == "goodput" and executor != "local":
-        raise ConfigError("tune --objective goodput runs on the local executor only (--executor local)")
     given = {"rate": rate, "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms}
     spec = TuneSpec(max_ppl_delta=max_ppl_delta, max_bleu_drift=max_bleu_drift, require_lossless=require_lossless,
                     objective=objective, budget_s=budget_minutes * 60, reference=reference, compile=compile,
                     methods=chosen, seed=opts.seed, **{k: v for k, v in given.items() if v is not None})
     measured = run_spec(opts)
-    check_serving(measured, spec)  # before anything loads or is written
+    check_serving(measured, spec, remote=executor != "local")  # before anything loads, starts or is written
     with xo.scope(executor, ray_address, opts.device), output.progress_bar(not opts.json_out, out_dir=opts.out) as progress:
         outcome = run_tune(measured, spec, progress=progress)
     if opts.json_out:

@@ -200,10 +200,11 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
                        objective=tune.objective, serving=terms)
 
 
-def check_serving(spec: RunSpec, tune: TuneSpec) -> None:
+def check_serving(spec: RunSpec, tune: TuneSpec, *, remote: bool | None = None) -> None:
     """What the goodput objective needs, checked before the model loads: the batched stacks (the slot
     engine compiles its step), a baseline that serves one request at a time, and the sweep engine here
-    (its goodput keys are taken beside the baseline's rounds, which a remote executor does not return)."""
+    (its goodput keys are taken beside the baseline's rounds, which a remote executor does not return).
+    `remote`: whether a remote executor will run it (default: whether one is in scope now)."""
     from infer_tune import executors
     from infer_tune.errors import ConfigError
 
@@ -215,7 +216,7 @@ def check_serving(spec: RunSpec, tune: TuneSpec) -> None:
     if spec.workload.batch_size != 1:
         raise ConfigError(f"tune --objective goodput serves the baseline one request at a time: --batch-size must be "
                           f"1, got {spec.workload.batch_size}")
-    if executors.current() is not None:
+    if executors.current() is not None if remote is None else remote:
         raise ConfigError("tune --objective goodput runs on the local executor only (--executor local)")
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from infer_tune.metrics.saturation import SLO, goodput, one_at_a_time, request_timing
 from infer_tune.metrics.stats import log_ratio_interval
+from infer_tune.report.run_to_run import rounds_block, same_rounds
 
 HALF = 0.5  # requests added to each side's good count per round (see the module docstring)
 SERVED = ("one request at a time, first come first served, on the same trace: each request starts once it has "
@@ -105,19 +106,16 @@ def goodput_keys(docs: list[dict], baseline: dict | None, slo: SLO, rate: float)
     with its 95% interval, added to its metrics in place (module docstring)."""
     if baseline is None:
         return
-    base_rounds = (baseline["metrics"].get("rounds") or {})
-    base_split = by_round(baseline.get("samples") or {}, base_rounds.get("rounds") or 1)
+    base_split = by_round(baseline.get("samples") or {}, rounds_block(baseline).get("rounds") or 1)
     for doc in docs:
         rows = trace_rows(doc)
         if not rows or base_split is None:
             continue
         m = doc["metrics"]
-        mine = m.get("rounds") or {}
-        split = by_round(doc.get("samples") or {}, mine.get("rounds") or 1)
+        split = by_round(doc.get("samples") or {}, rounds_block(doc).get("rounds") or 1)
         if split is None:
             continue
-        paired = bool(mine.get("group")) and mine.get("group") == base_rounds.get("group") \
-            and len(split) == len(base_split)
+        paired = same_rounds(baseline, doc) and len(split) == len(base_split)
         ours = [replayed(rows, served, slo) for served in split]
         theirs = [one_at_a_time_replay(rows, alone, slo) for alone in base_split]
         if any(t is None for t in theirs):

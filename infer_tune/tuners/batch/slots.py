@@ -75,13 +75,14 @@ def prepare_model(model: torch.nn.Module, batch_size: int) -> dict:
       int8-static one breaks a compiled graph): the row-independent candidates (int8-dynamic:
       `fbgemm_rows`, each row on its own grid, and `int_mm`, per-token scales; int8-static: `int_mm`;
       `dequant` where neither runs) are timed on the model's shapes at `batch_size` rows in interleaved rounds
-      (kernel_choice.screen_kernels) and the fastest replaces them, its screen kept in the facts;
+      (kernel_choice.screen_kernels) and the one `kernels.choose` picks replaces them when the screen
+      separated it, else the first of ROW_KERNELS (the finer grid); its screen is kept in the facts;
     - int4 (bf16 activations per row) and int_mm / dequant kernels treat rows independently.
     """
     from collections import Counter
 
     from infer_tune.tuners.quantize.kernel_choice import screen_kernels, unpack_timing
-    from infer_tune.tuners.quantize.kernels import excluded
+    from infer_tune.tuners.quantize.kernels import choose, excluded
     from infer_tune.tuners.quantize.modules import LINEAR_KINDS
 
     linears = [m for m in model.modules() if isinstance(m, tuple(LINEAR_KINDS.values()))]
@@ -96,10 +97,14 @@ def prepare_model(model: torch.nn.Module, batch_size: int) -> dict:
         usable = tuple(k for k in ROW_KERNELS if k in kernels and k not in excluded(kind, "decode")) or ("dequant",)
         new = usable[0]
         if len(usable) > 1:
-            kernel_ms, _, record = unpack_timing(screen_kernels(shapes, batch_size, kind, candidates=usable))
+            kernel_ms, fp32_ms, record = unpack_timing(screen_kernels(shapes, batch_size, kind, candidates=usable))
             timed = {k: v for k, v in kernel_ms.items() if k in usable and v is not None}
-            new = min(timed, key=timed.get) if timed else new
-            screens[kind] = {"rows": batch_size, **(record or {}), "median_ms": timed}
+            if timed:
+                picked = choose(timed, fp32_ms, vs_fp32=(record or {}).get("vs_fp32_ci95"))
+                new, why = picked["chosen"], picked["why"]
+                if record is not None and not record.get("separated") and new != usable[0] and usable[0] in timed:
+                    new, why = usable[0], f"not separated in {record.get('rounds')} rounds: the first of {usable} kept"
+                screens[kind] = {"rows": batch_size, **(record or {}), "median_ms": timed, "chosen": new, "why": why}
         swaps[kind] = {"decode": ("fbgemm", new)}
     for module in linears:
         if module.decode_kernel == "fbgemm":

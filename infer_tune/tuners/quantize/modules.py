@@ -184,7 +184,7 @@ class Int8DynamicLinear(PortableModule):
     def _weight_sums(self) -> torch.Tensor:
         """W 1 of the dequantized weight, [N] (fbgemm_rows adds it back per row), computed once."""
         if getattr(self, "_wsum", None) is None:
-            self._wsum = self._weight_t().float().sum(0) * self.weight_scale
+            self._wsum = self.qweight().float().sum(1) * self.weight_scale  # [N, K] unpacked for this only
         return self._wsum
 
     def _run_int_mm(self, rows: torch.Tensor) -> torch.Tensor:
