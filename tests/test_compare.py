@@ -387,3 +387,19 @@ def test_cli_noise_never_exits_0_on_a_real_slowdown(tmp_path):
     bad_count = save(make_result("bad-count", seed=5, requests_failed=-3), tmp_path)
     for args in ((str(base), str(bad_count)), (str(bad_count), str(base))):
         assert invoke(*args).exit_code == 2
+
+
+def test_a_zero_latency_between_separate_runs_is_widened_not_a_crash():
+    """A loopback server can deliver every token of a response in one read: ITL and TPOT of 0 are real
+    measurements (-100%). Widening such a change by the run-to-run spread stays on the log scale's floor
+    instead of failing (it exited 3, "math domain error")."""
+    assert rtr.widen(-100.0, [-100.0, -100.0], 2.0)[0] == pytest.approx(-99.999, abs=1e-3)
+    low, high = rtr.widen(-100.0, None, 2.0)
+    assert low < high and high < -99.9
+    base, cand = make_result("a", seed=1), make_result("b", seed=2)
+    for key in ("itl_ms", "tpot_ms"):
+        cand["samples"][key] = [0.0] * len(cand["samples"][key])
+        cand["metrics"][key].update(p50=0.0, p90=0.0, p99=0.0, mean=0.0, stdev=0.0, mad=0.0, p50_ci95=[0.0, 0.0])
+    found = compare(base, [cand], [parse_expr("bleu_drift < -1.0")], spread=rtr.for_host(base, 1.5))
+    itl = next(d for d in found.candidates[0].deltas if d.metric == "itl_ms.p50")
+    assert itl.change_pct == pytest.approx(-100.0) and itl.ci95_pct[1] < -99.0

@@ -271,3 +271,37 @@ def test_raw_sender_parses_streams_and_fails_bad_answers_by_kind(kind, failure, 
         assert server.connections == 2
     if failure is None:
         assert stats["reads_kernel_timed"] + stats["reads_read_timed"] > 0
+
+
+def test_clock_offset_is_read_again_when_the_thread_was_switched_out(monkeypatch):
+    """The realtime -> monotonic offset comes from the closest realtime pair around a monotonic read: a pair
+    split by a thread switch (another thread took the GIL) would put receive times milliseconds early."""
+    realtime = iter([1_000_000, 3_000_000,  # 2 ms apart: switched out in between
+                     5_000_000, 5_000_010])  # 10 ns apart
+    mono = iter([100, 4_000_000])
+    monkeypatch.setattr(rxtime.time, "time_ns", lambda: next(realtime))
+    monkeypatch.setattr(rxtime.time, "perf_counter_ns", lambda: next(mono))
+    assert rxtime.realtime_offset_ns() == 5_000_005 - 4_000_000
+
+
+def test_a_receive_time_converted_early_is_held_at_the_send(monkeypatch):
+    """A kernel receive time converted 500 ms too early (before the request went out) is held at the send:
+    no token of a response is timed before its request."""
+    read = rxtime.read
+
+    def early(sock, size):
+        data, received, mono = read(sock, size)
+        return data, mono - 500_000_000, mono
+
+    monkeypatch.setattr(rxtime, "read", early)
+    server = Scripted("chunked")
+    try:
+        config = EndpointConfig(url=f"http://127.0.0.1:{server.port}/v1", served_model="m", concurrency=1,
+                                idle_timeout_s=2, timeout_s=5)
+        _, records = asyncio.run(asyncio.wait_for(
+            loadgen.raw_send_all(config, [TraceRequest(0, 0.0, 3)], ["p"], 3, closed_loop=True), 20))
+    finally:
+        server.close()
+    record = records[0][0]
+    assert record.failure is None and len(record.delivery_ns) == 3
+    assert all(t >= record.start_ns for t in record.delivery_ns) and record.delivery_ns[0] == record.start_ns

@@ -402,8 +402,11 @@ class _Wire:
             self.sender.plain_reads += 1
         exchange.last_ns = read_ns
         was_finished, broken = exchange.finished, False
+        # nothing of a response arrives before its request went out: a receive time converted between the
+        # clocks a little early (rxtime.realtime_offset_ns) is held at the send
+        when = max(received_ns if received_ns is not None else read_ns, exchange.record.start_ns)
         try:
-            exchange.feed(data, received_ns if received_ns is not None else read_ns)
+            exchange.feed(data, when)
         except StreamTooLarge as exc:
             exchange._fail("oversized", str(exc))
             broken = True

@@ -3,8 +3,9 @@
 With `SO_TIMESTAMPNS` set on a socket (set on a listening socket, accepted sockets inherit it), every
 `recvmsg` carries, as ancillary data, the CLOCK_REALTIME time the kernel received the data it returns
 (for TCP: the last segment that read consumed). `read` converts it to `perf_counter_ns` (CLOCK_MONOTONIC
-on Linux) by its age: now on `perf_counter_ns` minus (now on `time_ns` - the timestamp), both clocks
-read back to back, so a wall-clock step between runs does not matter. Where the platform gives no
+on Linux) by the two clocks' offset, read at that moment (`realtime_offset_ns`: a monotonic read between
+two realtime ones, read again when the thread was switched out between them), so a wall-clock step
+between runs does not matter. Where the platform gives no
 timestamp (no `SO_TIMESTAMPNS`, no ancillary data, or one that is in the future or older than
 `MAX_AGE_NS`), the caller gets None and uses the read time, recorded as such. docs/endpoint.md
 ("Load generation across processes").
@@ -21,6 +22,8 @@ _TIMESPEC = struct.Struct("@qq")
 ANC_SIZE = socket.CMSG_SPACE(_TIMESPEC.size) if hasattr(socket, "CMSG_SPACE") else 0
 MAX_AGE_NS = 60 * 10**9  # a timestamp older than this is not the read's (a clock step): the read time stands in
 CLOCK_SLACK_NS = 1_000_000  # a timestamp up to this far "in the future" (the two clocks read apart) counts as now
+CLOSE_PAIR_NS = 20_000  # two realtime reads this close around a monotonic one give the clocks' offset
+OFFSET_TRIES = 5
 
 
 def enable(sock: socket.socket) -> bool:
@@ -46,10 +49,27 @@ def read(sock: socket.socket, size: int) -> tuple[bytes, int | None, int]:
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(payload) >= _TIMESPEC.size:
             sec, nsec = _TIMESPEC.unpack_from(payload)
-            age = time.time_ns() - (sec * 10**9 + nsec)
+            age = mono - (sec * 10**9 + nsec - realtime_offset_ns())
             if -CLOCK_SLACK_NS <= age <= MAX_AGE_NS:
                 return data, mono - max(0, age), mono
     return data, None, mono
+
+
+def realtime_offset_ns() -> int:
+    """CLOCK_REALTIME minus `perf_counter_ns`, from a realtime read on each side of a monotonic one; a pair
+    read far apart (the thread was switched out between them: another Python thread took the GIL, or the
+    OS ran something else) is read again, so the offset is off by at most half the closest pair's gap, not
+    by a preemption (which put a read's time before its request's send)."""
+    best = None
+    for _ in range(OFFSET_TRIES):
+        before = time.time_ns()
+        mono = time.perf_counter_ns()
+        after = time.time_ns()
+        if best is None or after - before < best[0]:
+            best = (after - before, (before + after) // 2 - mono)
+        if after - before <= CLOSE_PAIR_NS:
+            break
+    return best[1]
 
 
 def drain(sock: socket.socket, pending: bytearray) -> bool | None:

@@ -148,14 +148,19 @@ def gap_s(base: dict, cand: dict) -> float | None:
         return None
 
 
+FLOOR_PCT = -99.999  # the lowest % change the log scale takes (a value of 0 is held just above it)
+
+
 def widen(observed: float, interval: list[float] | None, sd_pct: float) -> list[float]:
     """`interval` (in % change) widened by a run-to-run standard deviation `sd_pct` in quadrature on the
-    log scale; a point value gets the run-to-run interval alone."""
+    log scale; a point value gets the run-to-run interval alone. A change of -100% (the candidate's value
+    is 0, e.g. a latency below the clock's resolution) is held at -99.999% so the log scale stays defined."""
     spread = Z95 * sd_pct / 100.0
-    center = math.log1p(observed / 100.0)
     low, high = interval if interval is not None else (observed, observed)
-    below = center - math.log1p(max(low, -99.999) / 100.0)
-    above = math.log1p(high / 100.0) - center
+    observed, low, high = (max(v, FLOOR_PCT) for v in (observed, low, high))
+    center = math.log1p(observed / 100.0)
+    below = center - math.log1p(min(low, observed) / 100.0)
+    above = math.log1p(max(high, observed) / 100.0) - center
     return [100.0 * math.expm1(center - math.hypot(below, spread)), 100.0 * math.expm1(center + math.hypot(above, spread))]
 
 
@@ -163,7 +168,7 @@ def widen_value(value: float, interval: list[float] | None, sd_pct: float) -> li
     """An absolute value's interval widened by one run's level spread `sd_pct` (the candidate alone)."""
     if value <= 0:
         return interval if interval is not None else [value, value]
-    as_pct = None if interval is None else [100.0 * (v / value - 1.0) if v > 0 else -99.999 for v in interval]
+    as_pct = None if interval is None else [100.0 * (v / value - 1.0) if v > 0 else FLOOR_PCT for v in interval]
     low, high = widen(0.0, as_pct, sd_pct)
     return [value * (1.0 + low / 100.0), value * (1.0 + high / 100.0)]
 
