@@ -260,7 +260,8 @@ def test_drift_against_a_baseline_gates_a_deployment(tiny_model_dir, echo_suite,
     assert w["bleu_drift"] < -1.0 and w["exact_match_vs_baseline"] == 0.0 and w["output_mismatches"] == 3
     base_path = json.loads(base.stdout)["_path"]
     gate = ["compare", base_path, "--fail-if", "bleu_drift < -1.0"]
-    r0 = runner.invoke(app, [*gate, json.loads(same.stdout)["_path"]]); assert r0.exit_code == 0, r0.output
+    passed = runner.invoke(app, [*gate, json.loads(same.stdout)["_path"]])
+    assert passed.exit_code == 0, passed.output
     assert runner.invoke(app, [*gate, json.loads(worse.stdout)["_path"]]).exit_code == 1
 
 

@@ -216,7 +216,9 @@ def check_serving(spec: RunSpec, tune: TuneSpec, *, remote: bool | None = None) 
     if spec.workload.batch_size != 1:
         raise ConfigError(f"tune --objective goodput serves the baseline one request at a time: --batch-size must be "
                           f"1, got {spec.workload.batch_size}")
-    if executors.current() is not None if remote is None else remote:
+    if remote is None:
+        remote = executors.current() is not None
+    if remote:
         raise ConfigError("tune --objective goodput runs on the local executor only (--executor local)")
 
 

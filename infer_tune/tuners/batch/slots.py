@@ -100,11 +100,11 @@ def prepare_model(model: torch.nn.Module, batch_size: int) -> dict:
             kernel_ms, fp32_ms, record = unpack_timing(screen_kernels(shapes, batch_size, kind, candidates=usable))
             timed = {k: v for k, v in kernel_ms.items() if k in usable and v is not None}
             if timed:
-                picked = choose(timed, fp32_ms, vs_fp32=(record or {}).get("vs_fp32_ci95"))
-                new, why = picked["chosen"], picked["why"]
-                if record is not None and not record.get("separated") and new != usable[0] and usable[0] in timed:
-                    new, why = usable[0], f"not separated in {record.get('rounds')} rounds: the first of {usable} kept"
-                screens[kind] = {"rows": batch_size, **(record or {}), "median_ms": timed, "chosen": new, "why": why}
+                picked = choose(timed, fp32_ms, vs_fp32=(record or {}).get("vs_fp32_ci95"),
+                                unseparated=usable[0] if record is not None and not record.get("separated") else None)
+                new = picked["chosen"]
+                screens[kind] = {"rows": batch_size, **(record or {}), "median_ms": timed, "chosen": new,
+                                 "why": picked["why"]}
         swaps[kind] = {"decode": ("fbgemm", new)}
     for module in linears:
         if module.decode_kernel == "fbgemm":

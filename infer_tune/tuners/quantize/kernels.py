@@ -118,19 +118,22 @@ def activation_qmax() -> int:
 
 # --------------------------------------------------------------------------- choice
 def choose(timings_ms: dict[str, float], fp32_ms: float, *, forced: str | None = None,
-           vs_fp32: dict[str, list[float]] | None = None) -> dict:
+           vs_fp32: dict[str, list[float]] | None = None, unseparated: str | None = None) -> dict:
     """The kernel to run for one regime, from measured (or injected) timings.
 
     `timings_ms`: candidate -> time (median over rounds) of the model's Linears at that regime;
     `fp32_ms`: the same shapes in fp32; `vs_fp32`: candidate -> [median, low, high] of its per-round
     time over fp32's (screen.Screen.vs_fp32; None for point timings). `forced` names a kernel to use
-    regardless (the config's choice); otherwise screen.pick. Slower than fp32: the interval's low end
-    above 1 when there is an interval, else the point ratio.
+    regardless (the config's choice); `unseparated` a kernel to keep when the screen did not separate the
+    candidates (a caller's default; never a lower median alone); otherwise screen.pick. Slower than fp32:
+    the interval's low end above 1 when there is an interval, else the point ratio.
     """
     usable = {k: v for k, v in timings_ms.items() if v is not None}
     vs_fp32 = {k: v for k, v in (vs_fp32 or {}).items() if k in usable} or None
     if forced is not None:
         chosen, why = forced, "forced by the config"
+    elif unseparated in usable:
+        chosen, why = unseparated, f"the screen did not separate {sorted(usable)}: {unseparated} kept"
     elif usable:
         chosen, why = screen.pick(usable, vs_fp32)
     else:
