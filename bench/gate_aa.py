@@ -44,6 +44,7 @@ from typing import ClassVar
 
 BENCH_TECHNIQUE = "bench-busy-wait"
 CALIBRATED_GATE: dict[str, float] = {}  # metric -> the calibration's smallest gate for separate runs (%)
+RESUME = False  # --resume: reuse the finished benches of a --keep folder (a set continued in a later session)
 EXTRA: list[str] = []  # --bench-args: settings other than the defaults (a quick smoke run), recorded in the output
 
 
@@ -96,12 +97,15 @@ def infer_tune(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, __file__, "child", *args], capture_output=True, text=True)
 
 
-def bench(out: Path, model: str, *extra: str) -> list[Path]:
-    """One `infer-tune bench` at default settings into `out`; returns its run folders (baseline first)."""
-    proc = infer_tune("bench", "--model", model, "--no-ppl", "--out", str(out), "--json", *EXTRA, *extra)
-    if proc.returncode != 0:
-        sys.exit(f"bench failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+def bench(out: Path, model: str, *extra: str, results: int = 1) -> list[Path]:
+    """One `infer-tune bench` at default settings into `out`; returns its run folders (baseline first).
+    With --resume, a folder already holding the `results` rows of a finished bench is reused as it is."""
     folders = [p.parent for p in out.glob("*/result.json")]
+    if not (RESUME and len(folders) >= results):
+        proc = infer_tune("bench", "--model", model, "--no-ppl", "--out", str(out), "--json", *EXTRA, *extra)
+        if proc.returncode != 0:
+            sys.exit(f"bench failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        folders = [p.parent for p in out.glob("*/result.json")]
     return sorted(folders, key=lambda p: json.loads((p / "result.json").read_text())["technique"] != "baseline")
 
 
@@ -135,7 +139,7 @@ def slow5(i: int, root: Path, args: argparse.Namespace, wait_us: int) -> dict:
     recipe = out / "busy.yaml"
     recipe.parent.mkdir(parents=True, exist_ok=True)
     recipe.write_text(f"description: busy-wait\nconfigs:\n  - {{technique: {BENCH_TECHNIQUE}, wait_us: {wait_us}}}\n")
-    folders = bench(out, args.model, "--recipe", str(recipe))
+    folders = bench(out, args.model, "--recipe", str(recipe), results=2)
     return gate(folders[0], folders[-1], args.slow5_fail_if)
 
 
@@ -206,8 +210,14 @@ def main() -> int:
     parser.add_argument("--slowdown", type=float, default=0.05, help="injected slowdown, share of TPOT p50")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--keep", type=Path, default=None, help="keep the runs in this folder (default: a temp folder, removed)")
+    parser.add_argument("--resume", action="store_true",
+                        help="with --keep: reuse every bench that already finished there, run only the missing ones")
     parser.add_argument("--bench-args", default="", help="extra `bench` options, e.g. '--limit 2' (default: none)")
     args = parser.parse_args()
+    if args.resume and args.keep is None:
+        parser.error("--resume continues a --keep folder")
+    global RESUME
+    RESUME = args.resume
     EXTRA[:] = shlex.split(args.bench_args)
     print(json.dumps({"bench_args": EXTRA, "fail_if": args.fail_if, "slow5_fail_if": args.slow5_fail_if,
                       "threads_fail_if": args.threads_fail_if}), flush=True)
