@@ -134,5 +134,5 @@ def test_llama_server_parallel_slots(smollm2_dir, tmp_path):
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert doc["label"] == "llama.cpp x2" and doc["config"]["concurrency"] == 2
-    assert doc["metrics"]["requests_ok"] == 3
+    assert doc["metrics"]["requests_ok"] == 3, doc["metrics"]["failures"]
     assert "llama-server" in " ".join(doc["env"]["endpoint"]["launched"]["command"])
