@@ -82,7 +82,7 @@ def phase_infer_tune(args, state: dict) -> None:
             batch = BatchConfig(scheduler=scheduler, batch_size=args.batch, rate=rate, requests=args.requests,
                                 seed=args.seed, engine="lean", compile_prefill=args.compile_prefill,
                                 step_buckets=args.step_buckets)
-            config = StackConfig(configs=[QuantizeConfig(method=args.method), batch])
+            config = StackConfig(configs=[QuantizeConfig(method=args.method, activations=args.activations), batch])
             prepared = apply(run.loaded, config, run.ctx)
             doc, outputs = measure_prepared(run.loaded, prepared, run.inputs, spec.workload, spec.protocol,
                                             technique="stack", config=config.to_dict(), env=run.ctx.env,
@@ -196,6 +196,8 @@ def main() -> None:
     p.add_argument("--phase", choices=("infer-tune", "llama.cpp", "both", "table"), default="both")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--method", default="int4-rtn")
+    p.add_argument("--activations", default="int8", choices=("bf16", "int8"),
+                   help="int8: the w4a8 kernels (quantize's activations: int8); bf16: torch's int4 kernel")
     p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[2.0, 4.0, 8.0])
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--batch", type=int, default=4)

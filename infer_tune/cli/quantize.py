@@ -21,11 +21,23 @@ Alpha = Annotated[float, typer.Option("--alpha", help="SmoothQuant migration str
 GroupSize = Annotated[int, typer.Option("--group-size", help="Weights per 4-bit group (int4-*); must divide in_features.")]
 HeadBits = Annotated[int, typer.Option("--head-bits", help="int4 methods: embedding table and head in 8 bits "
                                                            "(default: 4 bits cost most there) or 4.")]
+Activations = Annotated[str, typer.Option("--activations", help="int4 methods: what the weights multiply: bf16 "
+                                                                "(torch's int4 kernel) or int8 (per block of 32, the "
+                                                                "project's w4a8 kernel; lossy on top of the weights).")]
 ComputeDtype = Annotated[str, typer.Option("--compute-dtype", help="Activations between quantized layers: float32 "
                                                                    "or bfloat16 (faster only with native bf16).")]
 Save = Annotated[Path | None, typer.Option("--save", help="Where the quantized model goes (a sweep writes DIR/<method>); "
                                                           "default: a temporary folder, deleted at the end.")]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an existing --save folder.")]
+
+
+def kernel_names(chosen) -> str:
+    """{kind: kernel} of a regime -> "w4a8 (int4-a8), w8a8 (int8-a8)"; one kind: its kernel alone."""
+    if not isinstance(chosen, dict):
+        return str(chosen)
+    if len(chosen) == 1:
+        return str(next(iter(chosen.values())))
+    return ", ".join(f"{kernel} ({kind})" for kind, kernel in chosen.items())
 
 
 def render_claim(claim: dict) -> None:
@@ -49,6 +61,7 @@ def quantize(
     alpha: Alpha = 0.5,
     group_size: GroupSize = 32,
     head_bits: HeadBits = 8,
+    activations: Activations = "bf16",
     compute_dtype: ComputeDtype = "float32",
     save: Save = None,
     overwrite: Overwrite = False,
@@ -56,6 +69,7 @@ def quantize(
     """Calibrate, quantize, save, reload and measure each method against the baseline of the same workload.
 
     Example: infer-tune quantize --method int8-dynamic --save ./smollm2-int8 --limit 4 --max-new-tokens 32
+    int8 activations: infer-tune quantize --method int4-rtn --activations int8
     Sweep:   infer-tune quantize --sweep bf16,int8-dynamic,int8-static,int4-weight,int4-rtn --out runs/q
 
     A sweep measures bf16 first when it is swept (the 16-bit reference of the INT8 claim check).
@@ -67,6 +81,7 @@ def quantize(
     methods = parse_sweep(sweep) if sweep else [method]
     configs = [QuantizeConfig(method=m, backend=backend, alpha=alpha, group_size=group_size, calib_suite=calib_suite,
                               calib_samples=calib_samples, head_bits=head_bits if m.startswith("int4") else 8,
+                              activations=activations if m.startswith("int4") else "bf16",
                               compute_dtype=compute_dtype) for m in methods]
     with output.progress_bar(not opts.json_out, out_dir=opts.out) as progress:
         outcome = run_quantize(run_spec(opts), configs, save=save, overwrite=overwrite, progress=progress)
@@ -82,9 +97,10 @@ def quantize(
         chosen = m.get("kernels") or {}
         if chosen.get("decode"):
             rng = chosen.get("activation_range")
-            output.out.print(f"  {'kernels (measured)':<22} decode {chosen['decode']['chosen']} "
+            output.out.print(f"  {'kernels (measured)':<22} decode {kernel_names(chosen['decode']['chosen'])} "
                              f"({output.fmt(chosen['decode']['speedup_vs_fp32'])}x fp32), prefill "
-                             f"{chosen['prefill']['chosen']} ({output.fmt(chosen['prefill']['speedup_vs_fp32'])}x fp32)"
+                             f"{kernel_names(chosen['prefill']['chosen'])} "
+                             f"({output.fmt(chosen['prefill']['speedup_vs_fp32'])}x fp32)"
                              + (f"; activations 0..{rng['qmax']} ({rng['why']})" if rng else ""), soft_wrap=True)
     if outcome.claim is not None:
         render_claim(outcome.claim)

@@ -30,7 +30,28 @@ from infer_tune.report.recommend import OBJECTIVES as OBJECTIVE_KEYS  # the key 
 from infer_tune.tuners.base import TechniqueConfig
 
 OBJECTIVES = ("decode", "ttft", "throughput", "goodput")
-QUANT_METHODS = ("int4-rtn", "int4-weight", "int8-dynamic", "int8-static", "bf16")
+# `-a8`: the method with int8 activations (QuantizeConfig.activations; the w4a8 kernel, infer_tune/native)
+QUANT_METHODS = ("int4-rtn-a8", "int4-rtn", "int4-weight", "int8-dynamic", "int8-static", "bf16")
+A8 = "-a8"
+
+
+def quantize_config(method: str):
+    """A tune method name -> its QuantizeConfig (`int4-rtn-a8`: int4-rtn with int8 activations)."""
+    from infer_tune.tuners.quantize import QuantizeConfig
+
+    if method.endswith(A8):
+        return QuantizeConfig(method=method[:-len(A8)], activations="int8")
+    return QuantizeConfig(method=method)
+
+
+def method_kind(method: str) -> str:
+    """The quantized Linear kind a tune method's layers are (what the kernel screen times)."""
+    from infer_tune.tuners.quantize import kernels
+
+    if method == "bf16":
+        return "bf16"
+    config = quantize_config(method)
+    return kernels.family(config.method, config.activations)
 # --objective goodput: the load offered and the objectives a good request meets (the SLOs of the
 # serving examples in docs/batch.md: SmolLM2 on a few CPU cores)
 DEFAULT_RATE = 1.0  # requests/s
@@ -209,7 +230,7 @@ def host_screen(model: nn.Module, methods: tuple[str, ...], prefill_rows: int, *
     timings = {} if timings is None else timings
     out: dict[str, dict] = {}
     for method in methods:
-        kind = "bf16" if method == "bf16" else kernels.family(method)
+        kind = method_kind(method)
         row: dict = {"kernels": {}}
         for regime, rows in (("decode", 1), ("prefill", prefill_rows)):
             if (kind, regime) not in timings:
@@ -259,13 +280,12 @@ def single_candidates(spec: TuneSpec, screen: dict) -> list[Candidate]:
     """Quantize methods (most promising first; pruned ones carry the reason), then what every other
     technique's registry entry offers `tune` (`tune_candidates`: the lossless lean path, ...)."""
     from infer_tune.tuners.base import TECHNIQUES, load_techniques
-    from infer_tune.tuners.quantize import QuantizeConfig
 
     regime = "prefill" if spec.objective == "ttft" else "decode"
     out = []
     if not spec.require_lossless:
         for method in spec.methods:
-            cand = Candidate(QuantizeConfig(method=method), lossless=False, method=method,
+            cand = Candidate(quantize_config(method), lossless=False, method=method,
                              estimate=screen.get(method, {}).get(regime),
                              estimate_ci95=screen.get(method, {}).get(f"{regime}_speedup_ci95"))
             reason = prune_reason(screen[method], spec.objective) if method in screen else None

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from infer_tune.errors import ConfigError
 from infer_tune.models import LoadedModel
 from infer_tune.runners.base import GenerationRun, Progress, Protocol, TokenClock, register_runner
 from infer_tune.runners.generation import eos_ids, measure_generation
@@ -22,23 +23,33 @@ from infer_tune.runners.prepared import PreparedModel
 from infer_tune.tuners.base import RunContext, TechniqueConfig, register_technique
 from infer_tune.tuners.lean.loop import LeanCounters, LeanDecoder
 
+ATTENTION = ("native", "sdpa")
+
 
 @dataclass
 class LeanConfig(TechniqueConfig):
     """compile: compile the decode step (captured once, called without guards: loop.py; False: the same
     loop, eager). cpp_wrapper: inductor's C++ wrapper around the compiled step's kernels (compiles
     minutes longer; measured no faster here, loop.py). compile_prefill: with `compile`, prompts prefill
-    through compiled length buckets (prefill.py); off by default: measured no faster here (docs/tune.md)."""
+    through compiled length buckets (prefill.py); off by default: measured no faster here (docs/tune.md).
+    attention: what the compiled step attends with: `native` (default: the project's decode attention,
+    infer_tune/native/attention.py, where the model attends with SDPA and the kernels build) or `sdpa`."""
 
     technique: ClassVar[str] = "lean"
 
     compile: bool = True
     cpp_wrapper: bool = False
     compile_prefill: bool = False
+    attention: str = "native"
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION:
+            raise ConfigError(f"lean: attention must be one of {', '.join(ATTENTION)}; got '{self.attention}'")
 
     def label(self) -> str:
         return "lean" + ("+compile" if self.compile else "") + ("+cpp" if self.compile and self.cpp_wrapper else "") \
-            + ("+prefill" if self.compile and self.compile_prefill else "")
+            + ("+prefill" if self.compile and self.compile_prefill else "") \
+            + ("+sdpa" if self.compile and self.attention == "sdpa" else "")
 
 
 def tune_candidates(spec) -> list[tuple[LeanConfig, dict]]:
@@ -71,7 +82,8 @@ def prepare_lean(loaded: LoadedModel, config: LeanConfig, ctx: RunContext) -> Pr
         if swaps:
             facts["lean_kernel_swaps"] = swaps
     decoder = LeanDecoder(loaded.model, compile=config.compile, cpp_wrapper=config.cpp_wrapper, counters=counters,
-                          compile_prefill=config.compile and config.compile_prefill)
+                          compile_prefill=config.compile and config.compile_prefill,
+                          native_attention=config.attention == "native")
     return PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, metrics=facts,
                          label=config.label(), device=ctx.device, counters=counters,
                          runner_options={"lean_decoder": decoder}, runner="lean")

@@ -51,9 +51,10 @@ class LeanDecoder:
 
     def __init__(self, model: torch.nn.Module, *, compile: bool = True, cpp_wrapper: bool = False,
                  counters: RunCounters | None = None, facts: dict | None = None,
-                 compile_prefill: bool = False) -> None:
+                 compile_prefill: bool = False, native_attention: bool = True) -> None:
         self.model = model
         self.compile = compile
+        self.native_attention = native_attention
         self.cpp_wrapper = cpp_wrapper
         self.counters = counters if counters is not None else RunCounters()
         self.facts = facts if facts is not None else {}  # how the step ran (`lean_step`), for the result
@@ -84,7 +85,8 @@ class LeanDecoder:
         entry = self._buckets.get(size)
         if entry is None:
             cache = StaticCache(config=self.model.config, max_cache_len=size)
-            step = CapturedStep(self.model, cache, self._extra, self.cpp_wrapper, self.facts) if self.compile \
+            step = CapturedStep(self.model, cache, self._extra, self.cpp_wrapper, self.facts,
+                                native_attention=self.native_attention) if self.compile \
                 else _call_model(self.model, cache, self._extra)
             if not self.compile:
                 self.facts["lean_step"] = "eager"
@@ -163,8 +165,9 @@ class CapturedStep:
     """
 
     def __init__(self, model: torch.nn.Module, cache, extra: dict, cpp_wrapper: bool, facts: dict,
-                 forward=None) -> None:
+                 forward=None, native_attention: bool = True) -> None:
         self.model, self.cache, self.extra, self.cpp_wrapper, self.facts = model, cache, extra, cpp_wrapper, facts
+        self.native_attention = native_attention
         self.calls = 0
         self.graphs: list = []
         self._current: tuple | None = None
@@ -207,7 +210,11 @@ class CapturedStep:
         self.calls += 1
         self._current = (input_ids, cache_position)
         try:
-            logits = self._capture(input_ids, cache_position)
+            from infer_tune.native.attention import attending
+
+            with attending(self.model, self.native_attention) as used:  # traced into the graph (attention.py)
+                logits = self._capture(input_ids, cache_position)
+            self.facts["lean_attention"] = used
         except Exception as exc:  # a graph break (fullgraph) or a capture failure: the guarded path
             return self._fall_back(f"capture failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}",
                                    input_ids, cache_position)

@@ -24,7 +24,9 @@ from infer_tune.nn_utils import set_module
 from infer_tune.tuners.quantize import calibrate, wrap
 from infer_tune.tuners.quantize.config import QuantizeConfig
 from infer_tune.tuners.quantize.modules import (
+    Int4A8Linear,
     Int4Linear,
+    Int8A8Linear,
     Int8DynamicLinear,
     Int8StaticLinear,
     int8_per_channel,
@@ -90,7 +92,7 @@ def quantize_linear(layer: nn.Linear, config: QuantizeConfig, stats: calibrate.A
     bias = layer.bias.detach().float() if layer.bias is not None else None
     if config.method.startswith("int4"):
         t = int4_quantize(layer.weight, config.group_size, hqq=config.method == "int4-weight")
-        return Int4Linear(t["qweight_int4"], t["scale"], t["zero"], config.group_size, bias), {}
+        return int4_class(config)(t["qweight_int4"], t["scale"], t["zero"], config.group_size, bias), {}
     if config.method == "int8-dynamic":
         return Int8DynamicLinear(*int8_per_channel(layer.weight), bias), {}
     assert stats is not None, "int8-static needs activation statistics"
@@ -165,15 +167,20 @@ def quantize_embeddings_and_head(model: nn.Module, config: QuantizeConfig) -> di
                                  "probe_rel_error": error}
             if tied and type(head) is nn.Linear:
                 model.set_output_embeddings(build_head(tensors, config, tied=True))
-                info["head"] = {"kind": "int4" if int4 else "int8-dynamic", "tied": True}
+                kind = int4_class(config).kind if int4 else int8_head_class(config, emb.embedding_dim).kind
+                info["head"] = {"kind": kind, "tied": True}
                 return info
             if tied:
                 raise ConfigError(f"the output head ({type(head).__name__}) is tied to the embedding but is not a "
                                   "plain Linear; it cannot share the quantized table")
     if type(head) is nn.Linear:
-        fake = QuantizeConfig(method=config.method if int4 else "int8-dynamic", group_size=config.group_size,
-                              head_bits=config.head_bits)
-        module, _ = quantize_linear(head, fake)
+        if not int4 and int8_head_class(config, head.in_features) is Int8A8Linear:
+            bias = head.bias.detach().float() if head.bias is not None else None
+            module = Int8A8Linear(*int8_per_channel(head.weight), bias)
+        else:
+            fake = QuantizeConfig(method=config.method if int4 else "int8-dynamic", group_size=config.group_size,
+                                  head_bits=config.head_bits, activations=config.activations if int4 else "bf16")
+            module, _ = quantize_linear(head, fake)
         model.set_output_embeddings(module)
         info["head"] = {"kind": type(module).kind, "tied": False}
     elif head is not None:
@@ -181,12 +188,23 @@ def quantize_embeddings_and_head(model: nn.Module, config: QuantizeConfig) -> di
     return info
 
 
+def int4_class(config: QuantizeConfig) -> type:
+    """The int4 Linear of a config: int8 activations (Int4A8Linear) or bf16 ones (Int4Linear)."""
+    return Int4A8Linear if config.activations == "int8" else Int4Linear
+
+
+def int8_head_class(config: QuantizeConfig, in_features: int) -> type:
+    """The int8 head of a config: int8 activations per block of 32 (Int8A8Linear) where the config asks for them
+    and the width allows, else fbgemm's dynamic int8 (Int8DynamicLinear)."""
+    return Int8A8Linear if config.activations == "int8" and in_features % 32 == 0 else Int8DynamicLinear
+
+
 def build_head(tensors: dict[str, torch.Tensor], config: QuantizeConfig, *, tied: bool) -> nn.Module:
     """The output head from portable tensors (the embedding's own when tied)."""
     if "qweight_int4" in tensors:
-        head = Int4Linear.from_portable(tensors, group_size=config.group_size)
+        head = int4_class(config).from_portable(tensors, group_size=config.group_size)
     else:
-        head = Int8DynamicLinear.from_portable(tensors)
+        head = int8_head_class(config, tensors["qweight"].shape[1]).from_portable(tensors)
     head.tied = tied
     return head
 

@@ -15,6 +15,7 @@ METHODS = ("bf16", "int8-dynamic", "int8-static", "int4-weight", "int4-rtn")
 BACKENDS = ("auto", "torch", "quanto", "torchao")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 CPU kernel accepts
 COMPUTE_DTYPES = ("float32", "bfloat16")
+ACTIVATIONS = ("bf16", "int8")
 
 # What each backend implements (`auto` resolves to one of these, see `resolve_backend`).
 SUPPORTED: dict[str, tuple[str, ...]] = {
@@ -40,13 +41,17 @@ class QuantizeConfig(TechniqueConfig):
         per row, 4 int4 per group like the layers. On SmolLM2 (whose GGUF holds that table as Q8_0),
         int4 layers measured +5.09% perplexity with an int4 table and head, -1.14% with an int8 one;
         the int4 head is faster to read (about 18 instead of 28 MB per token). int8 methods: always 8.
+    activations: what the int4 layers multiply their weights with: bf16 (default: torch's int4 kernel rounds
+        its input to bf16) or int8 (every input row quantized per block of 32, as llama.cpp's Q4 x Q8 dot
+        products do: the w4a8 kernel, modules.Int4A8Linear; lossy on top of the weights, so perplexity and
+        BLEU drift say what it costs). int4 methods only; label `...-a8`.
     compute_dtype: dtype of the activations between the quantized layers (norms, attention, residuals):
         float32 (default) or bfloat16 (the int4 kernel takes bf16 activations anyway; without native
         bf16 arithmetic it measured slower here, 8.3 against 5.9 ms/token in the lean path).
     decode_kernel / prefill_kernel: `auto` times the method's candidate kernels on the model's own
         Linear shapes on this host and runs the fastest (recorded in the result's `kernels`); a
         kernel name forces it (int8-dynamic: fbgemm, int_mm, dequant; int8-static: fbgemm, dequant;
-        int4-*: int4pack, dequant).
+        int4-*: int4pack, dequant; int4-* with int8 activations: w4a8, dequant).
     """
 
     technique: ClassVar[str] = "quantize"
@@ -60,6 +65,7 @@ class QuantizeConfig(TechniqueConfig):
     decode_kernel: str = "auto"
     prefill_kernel: str = "auto"
     head_bits: int = 8
+    activations: str = "bf16"
     compute_dtype: str = "float32"
 
     def __post_init__(self) -> None:
@@ -76,6 +82,10 @@ class QuantizeConfig(TechniqueConfig):
             raise ConfigError(f"quantize: head_bits must be 4 or 8; got {self.head_bits}")
         if self.head_bits == 4 and not self.method.startswith("int4"):
             raise ConfigError(f"quantize: head_bits 4 needs an int4 method; {self.method} stores the head int8")
+        if self.activations not in ACTIVATIONS:
+            raise ConfigError(f"quantize: activations must be one of {', '.join(ACTIVATIONS)}; got '{self.activations}'")
+        if self.activations == "int8" and not self.method.startswith("int4"):
+            raise ConfigError(f"quantize: activations int8 needs an int4 method; {self.method} sets its own")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ConfigError(f"quantize: compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}; "
                               f"got '{self.compute_dtype}'")
@@ -88,7 +98,7 @@ class QuantizeConfig(TechniqueConfig):
                               f"got method '{self.method}'")
         for name in ("decode_kernel", "prefill_kernel"):
             value = getattr(self, name)
-            allowed = KERNELS.get(kernel_family(self.method), ())
+            allowed = KERNELS.get(kernel_family(self.method, self.activations), ())
             if value != "auto" and value not in allowed:
                 choices = ", ".join(allowed) if allowed else f"(none: {self.method} has no kernel choice)"
                 raise ConfigError(f"quantize: {name} must be auto or one of {choices}; got '{value}'")
@@ -109,6 +119,8 @@ class QuantizeConfig(TechniqueConfig):
             parts.append(f"g{self.group_size}")
             if self.head_bits == 4:
                 parts.append("h4")
+            if self.activations == "int8":
+                parts.append("a8")
         if self.compute_dtype == "bfloat16" and self.method != "bf16":
             parts.append("bf16act")
         if (self.decode_kernel, self.prefill_kernel) != ("auto", "auto"):
@@ -122,8 +134,8 @@ class QuantizeConfig(TechniqueConfig):
         if self.calibrated:
             fields += ["alpha", "calib_suite", "calib_samples"]
         if self.method.startswith("int4"):
-            fields += ["group_size", "head_bits"]
-        if KERNELS.get(kernel_family(self.method)):
+            fields += ["group_size", "head_bits", "activations"]
+        if KERNELS.get(kernel_family(self.method, self.activations)):
             fields += ["decode_kernel", "prefill_kernel"]
         if self.method != "bf16":
             fields.append("compute_dtype")

@@ -51,12 +51,14 @@ def sample_module(kind: str, k: int, n: int, group_size: int) -> nn.Module:
 
     gen = torch.Generator().manual_seed(k * 7919 + n)
     weight = torch.randn(n, k, generator=gen) * 0.02
-    if kind == "int4":
+    if kind in ("int4", "int4-a8"):
         from infer_tune.tuners.quantize.apply import int4_quantize
 
         t = int4_quantize(weight, group_size, hqq=False)
-        return modules.Int4Linear(t["qweight_int4"], t["scale"], t["zero"], group_size)
+        return modules.LINEAR_KINDS[kind](t["qweight_int4"], t["scale"], t["zero"], group_size)
     q, scale = modules.int8_per_channel(weight)
+    if kind == "int8-a8":
+        return modules.Int8A8Linear(q, scale)
     if kind == "int8-static":
         return modules.Int8StaticLinear(q, scale, None, None, 0.05, 128 if activation_qmax() == 255 else 64)
     return modules.Int8DynamicLinear(q, scale)
@@ -115,19 +117,19 @@ def unpack_timing(value) -> tuple[dict[str, float | None], float, dict | None]:
 
 def choose_for_model(model: nn.Module, method: str, *, prefill_rows: int = 64, group_size: int = 32,
                      forced: tuple[str | None, str | None] = (None, None),
-                     timings: dict | None = None) -> dict:
+                     timings: dict | None = None, activations: str = "bf16") -> dict:
     """Measure and apply the decode and prefill kernels of every quantized Linear of `model`, per kind.
 
     An int8-static model also holds int8-dynamic Linears (its head, layers whose static error was too
     large); each kind gets its own choice. `forced` = (decode, prefill) kernel names from the config for
-    the method's own kind (None: choose); `timings` holds benchmark results {(kind, regime): (kernel ->
+    the method's own kind (`family(method, activations)`; None: choose); `timings` holds benchmark results {(kind, regime): (kernel ->
     ms, fp32 ms)}: given ones are used instead of measuring (tests inject them), missing ones are
     measured and stored there (a run reuses them across configs). Returns the record of the result.
     """
     shapes = linear_shapes(model)
     if not shapes:
         return {}
-    own = family(method)
+    own = family(method, activations)
     timings = {} if timings is None else timings
     record: dict = {"prefill_rows": prefill_rows, "by_kind": {}}
     totals = {"decode": [0.0, 0.0], "prefill": [0.0, 0.0]}
@@ -158,7 +160,7 @@ def choose_for_model(model: nn.Module, method: str, *, prefill_rows: int = 64, g
             slower = any(c["slower_than_fp32"] for c in choices)
         record[regime] = {"ms": ms, "fp32_ms": fp32_ms, "speedup_vs_fp32": ratio, "slower_than_fp32": slower,
                           "chosen": {k: v[regime]["chosen"] for k, v in record["by_kind"].items()}}
-    if any(k.startswith("int8") for k in shapes):
+    if any(k in ("int8-dynamic", "int8-static") for k in shapes):  # fbgemm's uint8 activations
         record["activation_range"] = activation_range()
     return record
 

@@ -20,7 +20,9 @@ per token at decode, per tensor at prefill), `int_mm` (per-token int8 x int8 -> 
 `dequant` (the int8 weight dequantized per call, fp32 matmul: weight-only numerics);
 int8-static: `fbgemm` (calibrated scale, int8 GEMM), `int_mm` (the same grid through torch._int_mm),
 `dequant` (the same activation grid, fake-quantized, fp32 matmul); int4: `int4pack` (torch's int4 CPU
-kernel, bf16 activations), `dequant` (fp32).
+kernel, bf16 activations), `dequant` (fp32); int4-a8 (int8 activations per block of 32): `w4a8` (the
+project's C++ kernel, infer_tune/native), `dequant` (the same activations, fp32 matmul); int8-a8 (the
+head of those models): `w8a8`, `dequant`.
 
 `TRACEABLE`: kernels torch.compile traces into its graph, per kind. int8-dynamic's fbgemm op is one
 (a custom op, modules.fbgemm_linear_dynamic); int8-static's fbgemm op breaks the graph (and recompiles
@@ -42,6 +44,8 @@ KERNELS: dict[str, tuple[str, ...]] = {  # quantized Linear kind -> its candidat
     "int8-dynamic": ("fbgemm", "int_mm", "dequant"),
     "int8-static": ("fbgemm", "int_mm", "dequant"),
     "int4": ("int4pack", "dequant"),
+    "int4-a8": ("w4a8", "dequant"),
+    "int8-a8": ("w8a8", "dequant"),
 }
 FORCE_REDUCE_RANGE_ENV = "INFER_TUNE_INT8_REDUCE_RANGE"  # "1"/"0": simulate (or deny) a saturating host
 
@@ -50,12 +54,17 @@ TRACEABLE: dict[str, tuple[str, ...]] = {
     "int8-dynamic": ("fbgemm", "int_mm", "dequant", "fbgemm_rows"),
     "int8-static": ("int_mm", "dequant"),
     "int4": ("int4pack", "dequant"),
+    "int4-a8": ("w4a8", "dequant"),
+    "int8-a8": ("w8a8", "dequant"),
 }
 
 
-def family(method: str) -> str:
-    """The quantized Linear kind a method produces (int4-weight and int4-rtn share one)."""
-    return "int4" if method.startswith("int4") else method
+def family(method: str, activations: str = "bf16") -> str:
+    """The quantized Linear kind a method produces (int4-weight and int4-rtn share one; with int8
+    activations, `int4-a8`)."""
+    if method.startswith("int4"):
+        return "int4-a8" if activations == "int8" else "int4"
+    return method
 
 
 def prepack_int8(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
@@ -161,6 +170,12 @@ def excluded(kind: str, regime: str) -> dict[str, str]:
                          "sinks) would flatten every other token's precision")
     if kind.startswith("int8") and saturation_probe().get("int_mm_saturates"):
         out["int_mm"] = "torch._int_mm saturates on this host (measured by the probe)"
+    if kind in ("int4-a8", "int8-a8"):
+        from infer_tune import native
+
+        ok, why = native.available()
+        if not ok:
+            out["w4a8" if kind == "int4-a8" else "w8a8"] = why
     return out
 
 

@@ -314,9 +314,13 @@ class Int4Linear(PortableModule):
         self.scale = scale.to(torch.bfloat16).contiguous()  # [N, K/g]
         self.zero = zero.to(torch.bfloat16).contiguous()
         self.bias_f = None if bias is None else bias.detach().float()
-        self._tiles = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_nibbles(self.packed), 1)
-        self._scales_and_zeros = torch.stack([self.scale.t(), self.zero.t()], dim=-1).contiguous()  # [K/g, N, 2]
         self.tied = False
+        self._prepare_kernels()
+
+    def _prepare_kernels(self) -> None:
+        if "int4pack" in (self.decode_kernel, self.prefill_kernel) and getattr(self, "_tiles", None) is None:
+            self._tiles = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_nibbles(self.packed), 1)
+            self._scales_and_zeros = torch.stack([self.scale.t(), self.zero.t()], dim=-1).contiguous()  # [K/g, N, 2]
 
     def _run_int4pack(self, rows: torch.Tensor) -> torch.Tensor:  # bf16 out: forward casts to the model's dtype
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(torch.bfloat16), self._tiles, self.group_size,
@@ -338,4 +342,146 @@ class Int4Linear(PortableModule):
                 f"kernels decode={self.decode_kernel} prefill={self.prefill_kernel}")
 
 
-LINEAR_KINDS: dict[str, type] = {cls.kind: cls for cls in (Int8DynamicLinear, Int8StaticLinear, Int4Linear)}
+A8_BLOCK = 32  # activations of the a8 numerics are quantized per row in blocks of this many inputs
+
+
+def fake_quantize_a8(rows: torch.Tensor) -> torch.Tensor:
+    """[M, K] -> the a8 activations as floats: per row and block of 32, dx = max|x| / 127 and
+    x_hat = dx * round(x / dx) (0 where the block is all zero); the w4a8 kernel's quantization, bit for bit."""
+    rows = rows.float()
+    blocks = rows.reshape(rows.shape[0], -1, A8_BLOCK)
+    dx = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    q = torch.where(dx > 0, torch.round(blocks / dx), torch.zeros_like(blocks))
+    return (q * dx).reshape(rows.shape)
+
+
+def pack_w4a8(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The w4a8 kernel's layout of portable int4 weights (infer_tune/native/matmul.cpp): uint8 [N/8, K/g, 32 + 4g],
+    per tile of 8 outputs and group: the 8 scales and 8 zeros (bf16, in the kernel's lane order: even outputs'
+    scales, their zeros, odd outputs' scales, their zeros), then each block of 32 weights of the 8 outputs in
+    16 bytes each (byte j: weight j in the low nibble, j + 16 in the high one). N is padded with zero rows to a
+    multiple of 8. One contiguous stream per tile, read in order."""
+    q = unpack_nibbles(packed).to(torch.uint8)  # [N, K]
+    scale, zero = scale.to(torch.bfloat16), zero.to(torch.bfloat16)
+    n, k = q.shape
+    pad = -n % 8
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, k)])
+        scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+        zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
+    tiles, groups = (n + pad) // 8, k // group_size
+    halves = q.view(tiles, 8, groups, group_size // 32, 2, 16)
+    nibbles = halves[..., 0, :] | (halves[..., 1, :] << 4)  # [tiles, 8, groups, blocks, 16]
+    nibbles = nibbles.permute(0, 2, 3, 1, 4).reshape(tiles, groups, -1)
+    s, z = (t.view(tiles, 8, groups).permute(0, 2, 1) for t in (scale, zero))  # [tiles, groups, 8]
+    sz = torch.cat([s[..., 0::2], z[..., 0::2], s[..., 1::2], z[..., 1::2]], dim=-1).contiguous()
+    return torch.cat([sz.view(torch.uint8), nibbles], dim=-1).contiguous()
+
+
+class Int4A8Linear(Int4Linear):
+    """int4 weights (as Int4Linear: the same stored tensors) with int8 activations: every row of the input is
+    quantized per block of 32 (`fake_quantize_a8`), as llama.cpp's Q4 x Q8 dot products do. Numerics: the
+    quantized activations times the dequantized weights.
+
+    Kernels: `w4a8` (the project's C++ kernel, infer_tune/native: integer dot products of the int8 activations with
+    the 4-bit weights, scales in fp32; rows independent) or `dequant` (the same quantized activations times
+    the weight dequantized per call, fp32 matmul: equal up to fp32 rounding). Both regimes default to `w4a8`
+    where it builds, else `dequant`; the kernel screen chooses per regime.
+    """
+
+    kind = "int4-a8"
+    KERNELS = ("w4a8", "dequant")
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None = None) -> None:
+        from infer_tune import native
+
+        kernel = "w4a8" if native.available()[0] else "dequant"
+        self.decode_kernel = self.prefill_kernel = kernel
+        super().__init__(packed, scale, zero, group_size, bias)
+
+    def _prepare_kernels(self) -> None:
+        if "w4a8" in (self.decode_kernel, self.prefill_kernel) and getattr(self, "_w4a8", None) is None:
+            from infer_tune import native
+
+            native.w4a8()  # builds or loads the kernel; raises KernelUnavailable with the reason
+            self._w4a8 = pack_w4a8(self.packed, self.scale, self.zero, self.group_size)
+
+    def _run_w4a8(self, rows: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.infer_tune_native.w4a8_mm(rows.float().contiguous(), self._w4a8, self.group_size)
+        return y if y.shape[1] == self.out_features else y[:, :self.out_features]
+
+    def _run_dequant(self, rows: torch.Tensor) -> torch.Tensor:
+        weight = dequantize_int4(self.packed, self.scale, self.zero, self.group_size)  # [N, K] fp32, per call
+        return torch.nn.functional.linear(fake_quantize_a8(rows), weight)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", int8 activations per 32"
+
+
+def pack_w8a8(qweight: torch.Tensor) -> torch.Tensor:
+    """The w8a8 kernel's layout of int8 weights [N, K] (infer_tune/native/matmul.cpp): int8 [N/8, K/32, 256], per
+    tile of 8 outputs and block of 32 inputs the 8 outputs' 32 weights; N padded with zero rows to a multiple of 8."""
+    n, k = qweight.shape
+    q = torch.cat([qweight, qweight.new_zeros(-n % 8, k)]) if n % 8 else qweight
+    return q.view(-1, 8, k // 32, 32).permute(0, 2, 1, 3).reshape(-1, k // 32, 8 * 32).contiguous()
+
+
+class Int8A8Linear(PortableModule):
+    """int8 weights per output channel with the int8 activations of Int4A8Linear (per row and block of 32):
+    the head (and embedding-tied table) of int4 methods with `activations: int8`, so every quantized layer of
+    such a model multiplies int8 activations.
+
+    Kernels: `w8a8` (the project's C++ kernel, infer_tune/native) or `dequant` (the same activations times the
+    weight dequantized per call, fp32 matmul). Stores what Int8DynamicLinear stores (qweight, weight_scale).
+    """
+
+    kind = "int8-a8"
+    KERNELS = ("w8a8", "dequant")
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        from infer_tune import native
+
+        self.decode_kernel = self.prefill_kernel = "w8a8" if native.available()[0] else "dequant"
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.qweight_i8 = qweight.to(torch.int8).contiguous()
+        self.weight_scale = scale.float().contiguous()
+        self.bias_f = None if bias is None else bias.detach().float().contiguous()
+        self.tied = False
+        self._prepare_kernels()
+
+    def _prepare_kernels(self) -> None:
+        if "w8a8" in (self.decode_kernel, self.prefill_kernel) and getattr(self, "_w8a8", None) is None:
+            from infer_tune import native
+
+            native.w4a8()  # builds or loads the kernels; raises KernelUnavailable with the reason
+            pad = -self.out_features % 8
+            self._w8a8 = (pack_w8a8(self.qweight_i8),
+                          torch.cat([self.weight_scale, self.weight_scale.new_zeros(pad)]) if pad else self.weight_scale)
+
+    def _run_w8a8(self, rows: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.infer_tune_native.w8a8_mm(rows.float().contiguous(), *self._w8a8)
+        return y if y.shape[1] == self.out_features else y[:, :self.out_features]
+
+    def _run_dequant(self, rows: torch.Tensor) -> torch.Tensor:
+        weight = self.qweight_i8.float() * self.weight_scale[:, None]  # [N, K], per call
+        return torch.nn.functional.linear(fake_quantize_a8(rows), weight)
+
+    def qweight(self) -> torch.Tensor:
+        return self.qweight_i8
+
+    def portable(self) -> dict[str, torch.Tensor]:
+        return self._with_bias({"qweight": self.qweight_i8, "weight_scale": self.weight_scale})
+
+    @classmethod
+    def from_portable(cls, t: dict[str, torch.Tensor], **_: object) -> Int8A8Linear:
+        return cls(t["qweight"], t["weight_scale"], t.get("bias"))
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel, "
+                f"int8 activations per 32, kernels decode={self.decode_kernel} prefill={self.prefill_kernel}")
+
+
+LINEAR_KINDS: dict[str, type] = {cls.kind: cls for cls in (Int8DynamicLinear, Int8StaticLinear, Int4Linear,
+                                                            Int4A8Linear, Int8A8Linear)}

@@ -128,7 +128,7 @@ def load_quantized(path: str | Path, *, choose_kernels: bool = True) -> nn.Modul
         from infer_tune.tuners.quantize.kernel_choice import choose_for_model
 
         model.infer_tune_kernels = choose_for_model(model, manifest["method"], group_size=config.group_size,
-                                                    forced=config.forced_kernels())
+                                                    forced=config.forced_kernels(), activations=config.activations)
     return model.eval()
 
 

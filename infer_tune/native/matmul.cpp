@@ -1,0 +1,413 @@
+// Low-bit weights x int8 activations: the CPU kernels of quantize's `activations: int8` (docs/quantize.md):
+// w4a8_mm for the int4 layers (modules.Int4A8Linear), w8a8_mm for the int8 embedding-tied head
+// (modules.Int8A8Linear). Both quantize the activations the same way (below).
+//
+// w4a8_mm.
+// Numerics, exactly: each row of x is cut into blocks of 32 along K; a block's scale is dx = max|x| / 127
+// and its int8 values a = round(x / dx) (half to even; 0 where dx == 0). The weight w = (q - 8) * s + z
+// per group (q 0..15, s and z bf16, the int4pack convention). The kernel returns, per row and output,
+//     y = sum over blocks b of dx_b * ( s_g * sum_k a_k (q_k - 8)  +  z_g * sum_k a_k )
+// which is x_hat . w_hat (x_hat = dx * a) with the integer part exact and the rest in fp32, so the
+// fake-quantized activations times the dequantized weights (the `dequant` kernel, modules.py) give the
+// same value up to fp32 rounding.
+//
+// Weight layout (modules.pack_w4a8): one uint8 tensor [N/8, K/group, 32 + 4 * group], the weights of 8
+// outputs (a tile) in the order the kernel reads them, so each thread streams one contiguous range. Per
+// tile and group: 16 bf16, the scales and zeros of the 8 outputs as [s0 s2 s4 s6 z0 z2 z4 z6 s1 s3 s5 s7
+// z1 z3 z5 z7] (the lane order the reduction below leaves the outputs in); then each 32-block of the group
+// as 8 x 16 bytes, output t's 32 weights with byte j holding q[j] in the low nibble and q[j + 16] in the
+// high one. N is a multiple of 8 (padded at pack time).
+//
+// The AVX2 path reads two outputs' blocks as one 32-byte vector: the low nibbles are both outputs'
+// weights 0..15, the high nibbles their weights 16..31, multiplied (vpmaddubsw: u8 x s8 pairs into int16,
+// exact: 4 x 15 x 127 < 32767 after the add) with the activations laid out to match ([a0..15, a0..15] and
+// [a16..31, a16..31]); vpmaddwd and two horizontal adds leave the 8 outputs' sums in one vector, and the
+// group's scales and zeros are applied in fp32. A tile's block is unpacked once for all rows. Threads
+// split the tiles. Without AVX2 a scalar loop computes the same value.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define W4A8_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t BLOCK = 32;   // activation block and weight sub-block
+constexpr int64_t TILE = 8;     // outputs per tile
+constexpr int64_t ABYTES = 64;  // one quantized activation block, laid out for the kernel
+#ifndef W4A8_PREFETCH
+#define W4A8_PREFETCH 6  // groups ahead the tile's stream is prefetched
+#endif
+constexpr int LANE_OF[TILE] = {0, 4, 1, 5, 2, 6, 3, 7};  // output t sits in lane LANE_OF[t]
+
+inline int64_t group_bytes(int64_t group) { return 4 * TILE + TILE * (group / 2); }
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+// One block of 32 fp32 -> ABYTES bytes [a0..15, a0..15, a16..31, a16..31] (int8), its scale and sum.
+inline void quantize_block(const float* src, int8_t* dst, float* dx, int32_t* asum) {
+#ifdef W4A8_AVX2
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], top = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(src + 8 * i);
+    top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_max_ss(half, _mm_movehdup_ps(half));
+  const float d = _mm_cvtss_f32(half) / 127.0f;
+  *dx = d;
+  if (!(d > 0.f)) {
+    std::memset(dst, 0, ABYTES);
+    *asum = 0;
+    return;
+  }
+  const __m256 dv = _mm256_set1_ps(d);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i)  // x / d rounded half to even, as torch.round(x / d)
+    q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(v[i], dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  s4 = _mm_hadd_epi32(s4, s4);
+  *asum = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+  // int32 -> int8 in order (the packs interleave 128-bit lanes; the permute puts them back)
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permute2x128_si256(bytes, bytes, 0x00));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32), _mm256_permute2x128_si256(bytes, bytes, 0x11));
+#else
+  float amax = 0.f;
+  for (int64_t k = 0; k < BLOCK; ++k) amax = std::max(amax, std::fabs(src[k]));
+  const float d = amax / 127.0f;
+  int32_t sum = 0;
+  int8_t q[BLOCK];
+  for (int64_t k = 0; k < BLOCK; ++k) {
+    const int32_t v = d > 0.f ? static_cast<int32_t>(std::nearbyint(src[k] / d)) : 0;  // as torch.round(x / d)
+    q[k] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  std::memcpy(dst, q, 16);
+  std::memcpy(dst + 16, q, 16);
+  std::memcpy(dst + 32, q + 16, 16);
+  std::memcpy(dst + 48, q + 16, 16);
+  *dx = d;
+  *asum = sum;
+#endif
+}
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* a, float* dx, int32_t* asum) {
+  const int64_t blocks = K / BLOCK;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < blocks; ++b)
+      quantize_block(x + m * K + b * BLOCK, a + (m * blocks + b) * ABYTES, dx + m * blocks + b, asum + m * blocks + b);
+}
+
+// One tile (8 outputs) for rows 0..M-1: y[m * ldy + t] for t < 8. Scalar.
+void tile_scalar(const int8_t* a, const float* dx, const int32_t* asum, int64_t M, int64_t K, int64_t group,
+                 const uint8_t* tile, float* y, int64_t ldy) {
+  const int64_t groups = K / group, per_group = group / BLOCK, blocks = K / BLOCK;
+  for (int64_t m = 0; m < M; ++m) {
+    float acc[TILE] = {0.f};
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = tile + g * group_bytes(group);
+      uint16_t sz[2 * TILE];
+      std::memcpy(sz, p, sizeof(sz));
+      for (int64_t i = 0; i < per_group; ++i) {
+        const int64_t b = g * per_group + i;
+        const int8_t* av = a + (m * blocks + b) * ABYTES;
+        for (int64_t t = 0; t < TILE; ++t) {
+          const uint8_t* bytes = p + 4 * TILE + i * TILE * 16 + t * 16;
+          int32_t dot = 0;
+          for (int64_t j = 0; j < 16; ++j) {
+            dot += static_cast<int32_t>(av[j]) * ((bytes[j] & 15) - 8);
+            dot += static_cast<int32_t>(av[32 + j]) * ((bytes[j] >> 4) - 8);
+          }
+          const int lane = LANE_OF[t];  // lanes 0..3 are in bf16 slots 0..3 (s) and 4..7 (z); 4..7 in 8..15
+          const int slot = lane < 4 ? lane : lane + 4;
+          const float s = bf16_to_float(sz[slot]), z = bf16_to_float(sz[slot + 4]);
+          acc[t] += dx[m * blocks + b] * (s * static_cast<float>(dot) + z * static_cast<float>(asum[m * blocks + b]));
+        }
+      }
+    }
+    for (int64_t t = 0; t < TILE; ++t) y[m * ldy + t] = acc[t];
+  }
+}
+
+#ifdef W4A8_AVX2
+struct Weights {  // one 32-block of a tile, unpacked: pairs (0, 1), (2, 3), (4, 5), (6, 7)
+  __m256i lo[4], hi[4];
+};
+
+inline void unpack(const uint8_t* q, Weights& w) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (int pair = 0; pair < 4; ++pair) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * pair));
+    w.lo[pair] = _mm256_and_si256(v, mask);
+    w.hi[pair] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+  }
+}
+
+// the 8 outputs' sums of a * q for one row's block, output t in lane LANE_OF[t]
+inline __m256i dot8(const Weights& w, const int8_t* act) {
+  const __m256i a_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(act));
+  const __m256i a_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(act + 32));
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i d[4];
+  for (int pair = 0; pair < 4; ++pair)
+    d[pair] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(w.lo[pair], a_lo),
+                                                 _mm256_maddubs_epi16(w.hi[pair], a_hi)), ones);
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+}
+
+inline void load_scales(const uint8_t* p, __m256& s, __m256& z) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i zero = _mm256_setzero_si256();
+  s = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));  // bf16 -> the high half of an fp32
+  z = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+}
+
+inline void store_tile(float* y, __m256 acc) {
+  _mm256_storeu_ps(y, _mm256_permutevar8x32_ps(acc, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+inline __m256 apply(__m256 acc, __m256i dot, __m256 s, __m256 z, float dx, int32_t asum) {
+  const __m256i sum_a = _mm256_set1_epi32(asum);
+  const __m256i centred = _mm256_sub_epi32(dot, _mm256_slli_epi32(sum_a, 3));  // sum a * (q - 8)
+  const __m256 inner = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(centred), _mm256_mul_ps(z, _mm256_set1_ps(float(asum))));
+  return _mm256_fmadd_ps(_mm256_set1_ps(dx), inner, acc);
+}
+
+void tile_avx2(const int8_t* a, const float* dx, const int32_t* asum, int64_t M, int64_t K, int64_t group,
+               const uint8_t* tile, float* y, int64_t ldy, float* acc) {
+  const int64_t groups = K / group, per_group = group / BLOCK, blocks = K / BLOCK, gbytes = group_bytes(group);
+  for (int64_t m = 0; m < M; ++m) _mm256_storeu_ps(acc + m * TILE, _mm256_setzero_ps());
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* p = tile + g * gbytes;
+    for (int64_t ahead = 0; ahead < gbytes; ahead += 64)  // the stream, some groups ahead
+      _mm_prefetch(reinterpret_cast<const char*>(p + W4A8_PREFETCH * gbytes + ahead), _MM_HINT_T0);
+    __m256 s, z;
+    load_scales(p, s, z);
+    for (int64_t i = 0; i < per_group; ++i) {
+      const int64_t b = g * per_group + i;
+      Weights w;
+      unpack(p + 4 * TILE + i * TILE * 16, w);
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t mb = m * blocks + b;
+        float* out = acc + m * TILE;
+        _mm256_storeu_ps(out, apply(_mm256_loadu_ps(out), dot8(w, a + mb * ABYTES), s, z, dx[mb], asum[mb]));
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) store_tile(y + m * ldy, _mm256_loadu_ps(acc + m * TILE));
+}
+
+// one row (decode): the accumulator stays in a register
+void tile1_avx2(const int8_t* a, const float* dx, const int32_t* asum, int64_t K, int64_t group,
+                const uint8_t* tile, float* y) {
+  const int64_t groups = K / group, per_group = group / BLOCK, gbytes = group_bytes(group);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* p = tile + g * gbytes;
+    for (int64_t ahead = 0; ahead < gbytes; ahead += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p + W4A8_PREFETCH * gbytes + ahead), _MM_HINT_T0);
+    __m256 s, z;
+    load_scales(p, s, z);
+    for (int64_t i = 0; i < per_group; ++i) {
+      const int64_t b = g * per_group + i;
+      Weights w;
+      unpack(p + 4 * TILE + i * TILE * 16, w);
+      acc = apply(acc, dot8(w, a + b * ABYTES), s, z, dx[b], asum[b]);
+    }
+  }
+  store_tile(y, acc);
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------------
+// w8a8_mm: int8 weights per output channel (w = q * s_n, q -127..127) x the same int8 activations:
+//     y = s_n * sum over blocks b of dx_b * sum_k a_k q_k
+// Layout (modules.pack_w8a8): int8 [N/8, K/32, 8 x 32], per tile and block the 8 outputs' 32 weights;
+// scales fp32 [N]. AVX2: vpsignb moves each weight's sign onto the activation (|q| x a, exact in int16:
+// 2 x 127 x 127 < 32767), vpmaddubsw / vpmaddwd, then the 8 outputs' lanes reduced into one vector.
+void tile8_scalar(const int8_t* a, const float* dx, int64_t M, int64_t K, const int8_t* tile, const float* scale,
+                  float* y, int64_t ldy) {
+  const int64_t blocks = K / BLOCK;
+  for (int64_t m = 0; m < M; ++m) {
+    float acc[TILE] = {0.f};
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int8_t* av = a + (m * blocks + b) * ABYTES;  // [a0..15, a0..15, a16..31, a16..31]
+      for (int64_t t = 0; t < TILE; ++t) {
+        const int8_t* q = tile + (b * TILE + t) * BLOCK;
+        int32_t dot = 0;
+        for (int64_t j = 0; j < 16; ++j) dot += int32_t(av[j]) * q[j] + int32_t(av[32 + j]) * q[16 + j];
+        acc[t] += dx[m * blocks + b] * static_cast<float>(dot);
+      }
+    }
+    for (int64_t t = 0; t < TILE; ++t) y[m * ldy + t] = acc[t] * scale[t];
+  }
+}
+
+#ifdef W4A8_AVX2
+void tile8_avx2(const int8_t* a, const float* dx, int64_t M, int64_t K, const int8_t* tile, const float* scale,
+                float* y, int64_t ldy, float* acc) {
+  const int64_t blocks = K / BLOCK;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t m = 0; m < M; ++m) _mm256_storeu_ps(acc + m * TILE, _mm256_setzero_ps());
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* q = tile + b * TILE * BLOCK;
+    _mm_prefetch(reinterpret_cast<const char*>(q + 4 * TILE * BLOCK), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(q + 4 * TILE * BLOCK + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(q + 4 * TILE * BLOCK + 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(q + 4 * TILE * BLOCK + 192), _MM_HINT_T0);
+    __m256i w[TILE], mag[TILE];
+    for (int t = 0; t < TILE; ++t) {
+      w[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * BLOCK));
+      mag[t] = _mm256_sign_epi8(w[t], w[t]);
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      const int8_t* act = a + (m * blocks + b) * ABYTES;
+      const __m256i av = _mm256_permute2x128_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(act)),
+                                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(act + 32)), 0x20);
+      __m256i d[TILE];
+      for (int t = 0; t < TILE; ++t)
+        d[t] = _mm256_madd_epi16(_mm256_maddubs_epi16(mag[t], _mm256_sign_epi8(av, w[t])), ones);
+      const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+      const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]), _mm256_hadd_epi32(d[6], d[7]));
+      const __m256i dot = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+      float* out = acc + m * TILE;
+      _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_set1_ps(dx[m * blocks + b]), _mm256_cvtepi32_ps(dot), _mm256_loadu_ps(out)));
+    }
+  }
+  const __m256 s = _mm256_loadu_ps(scale);
+  for (int64_t m = 0; m < M; ++m) _mm256_storeu_ps(y + m * ldy, _mm256_mul_ps(_mm256_loadu_ps(acc + m * TILE), s));
+}
+#endif
+
+}  // namespace
+
+namespace {
+
+struct Activations {
+  const int8_t* a;
+  const float* dx;
+  const int32_t* asum;
+};
+
+// x [M, K] quantized into the calling thread's scratch (no allocation per call once grown)
+Activations quantize_input(const at::Tensor& x, int64_t M, int64_t K) {
+  const int64_t blocks = K / BLOCK;
+  thread_local std::vector<int8_t> a;
+  thread_local std::vector<float> dx;
+  thread_local std::vector<int32_t> asum;
+  a.resize(std::max<size_t>(a.size(), M * blocks * ABYTES));
+  dx.resize(std::max<size_t>(dx.size(), M * blocks));
+  asum.resize(std::max<size_t>(asum.size(), M * blocks));
+  quantize_rows(x.data_ptr<float>(), M, K, a.data(), dx.data(), asum.data());
+  return {a.data(), dx.data(), asum.data()};
+}
+
+}  // namespace
+
+// x [M, K] fp32; packed [N/8, K/group, 32 + 4 * group] uint8 (the layout above) -> y [M, N] fp32
+at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "w4a8_mm: x must be [M, K] float32");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte, "w4a8_mm: packed must be uint8 [N/8, K/group, bytes]");
+  TORCH_CHECK(group % BLOCK == 0 && packed.size(2) == group_bytes(group), "w4a8_mm: packed does not hold groups of ",
+              group);
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * TILE;
+  TORCH_CHECK(packed.size(1) * group == K, "w4a8_mm: x has ", K, " inputs, the weights ", packed.size(1) * group);
+  auto xc = x.contiguous();
+  auto pc = packed.contiguous();
+  auto y = at::empty({M, N}, x.options());
+  const Activations act = quantize_input(xc, M, K);
+  const uint8_t* pp = pc.data_ptr<uint8_t>();
+  const int64_t tile_bytes = packed.size(1) * packed.size(2);
+  float* yp = y.data_ptr<float>();
+  const int8_t* ap = act.a;
+  const float* dp = act.dx;
+  const int32_t* sp = act.asum;
+  at::parallel_for(0, N / TILE, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> acc;
+    acc.resize(std::max<size_t>(acc.size(), M * TILE));
+    for (int64_t tile = begin; tile < end; ++tile) {
+#ifdef W4A8_AVX2
+      if (M == 1)
+        tile1_avx2(ap, dp, sp, K, group, pp + tile * tile_bytes, yp + tile * TILE);
+      else
+        tile_avx2(ap, dp, sp, M, K, group, pp + tile * tile_bytes, yp + tile * TILE, N, acc.data());
+#else
+      tile_scalar(ap, dp, sp, M, K, group, pp + tile * tile_bytes, yp + tile * TILE, N);
+#endif
+    }
+  });
+  return y;
+}
+
+// x [M, K] fp32; packed int8 [N/8, K/32, 256] (w8a8's layout); scale fp32 [N] -> y [M, N] fp32
+at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "w8a8_mm: x must be [M, K] float32");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.size(2) == TILE * BLOCK,
+              "w8a8_mm: packed must be int8 [N/8, K/32, 256]");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * TILE;
+  TORCH_CHECK(packed.size(1) * BLOCK == K, "w8a8_mm: x has ", K, " inputs, the weights ", packed.size(1) * BLOCK);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == N, "w8a8_mm: scale must be float32 [N]");
+  auto xc = x.contiguous();
+  auto pc = packed.contiguous();
+  auto sc = scale.contiguous();
+  auto y = at::empty({M, N}, x.options());
+  const Activations act = quantize_input(xc, M, K);
+  const int8_t* pp = pc.data_ptr<int8_t>();
+  const float* scp = sc.data_ptr<float>();
+  const int64_t tile_bytes = K * TILE;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N / TILE, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> acc;
+    acc.resize(std::max<size_t>(acc.size(), M * TILE));
+    for (int64_t tile = begin; tile < end; ++tile) {
+#ifdef W4A8_AVX2
+      tile8_avx2(act.a, act.dx, M, K, pp + tile * tile_bytes, scp + tile * TILE, yp + tile * TILE, N, acc.data());
+#else
+      tile8_scalar(act.a, act.dx, M, K, pp + tile * tile_bytes, scp + tile * TILE, yp + tile * TILE, N);
+#endif
+    }
+  });
+  return y;
+}
+
+const char* w4a8_isa() {
+#ifdef W4A8_AVX2
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+TORCH_LIBRARY_FRAGMENT(infer_tune_native, m) {
+  m.def("w4a8_mm(Tensor x, Tensor packed, int group) -> Tensor");
+  m.def("w8a8_mm(Tensor x, Tensor packed, Tensor scale) -> Tensor");
+  m.def("isa() -> str", []() { return std::string(w4a8_isa()); });
+}
+
+TORCH_LIBRARY_IMPL(infer_tune_native, CPU, m) {
+  m.impl("w4a8_mm", &w4a8_mm);
+  m.impl("w8a8_mm", &w8a8_mm);
+}
