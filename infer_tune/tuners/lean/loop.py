@@ -250,6 +250,7 @@ class CapturedStep:
 
     def _fall_back(self, why: str, *call) -> torch.Tensor | None:
         self.facts["lean_step"], self.facts["lean_step_fallback"] = "guarded", why
+        self.facts["lean_attention"] = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
         self.graphs = []
         self._guarded = torch.compile(self._forward, dynamic=False, fullgraph=False) if self._custom else \
             _call_model(torch.compile(self.model, dynamic=False, fullgraph=False), self.cache, self.extra)

@@ -1,0 +1,100 @@
+"""The native decode attention (infer_tune/native/attention.cpp, attention.py): what SDPA computes for one
+query per row, with grouped-query caches read as they are, per-row bool masks and additive float masks;
+and, switched on for a compiled lean step, the same greedy tokens as the eager step on several families."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from infer_tune import native
+from infer_tune.native.attention import NAME, attending, decode_attention
+
+pytestmark = pytest.mark.skipif(not native.available()[0], reason=native.available()[1])
+
+
+def sdpa(q, k, v, mask, scale):
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2)  # [B, 1, H, D]
+
+
+class _Module:
+    num_key_value_groups = 3
+    is_causal = True
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
+def test_decode_attention_equals_sdpa(mask_kind):
+    gen = torch.Generator().manual_seed(0)
+    b, h, hkv, length, d = 3, 6, 2, 40, 16
+    q = torch.randn(b, h, 1, d, generator=gen)
+    cache_k = torch.randn(b, hkv, 64, d, generator=gen)  # a static cache, read up to `length` (a strided view)
+    cache_v = torch.randn(b, hkv, 64, d, generator=gen)
+    k, v = cache_k[:, :, :length], cache_v[:, :, :length]
+    positions = torch.tensor([5, 39, 17])
+    if mask_kind == "bool":  # each row sees its own positions, as the slot engine's step does
+        mask = torch.arange(length).view(1, 1, 1, -1) <= positions.view(-1, 1, 1, 1)
+    elif mask_kind == "float":
+        mask = torch.randn(b, 1, 1, length, generator=gen)
+    else:
+        mask = None
+    got = torch.ops.infer_tune_native.decode_attention(q, k, v, mask, 0.25)
+    assert got.shape == (b, 1, h, d)
+    assert torch.allclose(got, sdpa(q, k, v, mask, 0.25), atol=1e-5, rtol=1e-5)
+
+
+def test_calls_it_cannot_do_go_to_sdpa():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(1, 6, 4, 8, generator=gen), torch.randn(1, 2, 4, 8, generator=gen), torch.randn(1, 2, 4, 8, generator=gen)
+    module = _Module()
+    prefill, _ = decode_attention(module, q, k, v, None, scaling=0.3)  # four queries: SDPA's own path
+    assert torch.equal(prefill, sdpa_attention_forward(module, q, k, v, None, scaling=0.3)[0])
+    one = q[:, :, :1]
+    native_out, _ = decode_attention(module, one, k, v, None, scaling=0.3)
+    reference, _ = sdpa_attention_forward(module, one, k, v, None, scaling=0.3)
+    assert torch.allclose(native_out, reference, atol=1e-6) and not torch.equal(native_out, prefill[:, :1])
+
+
+def test_attending_switches_sdpa_models_only_inside_the_block(tiny_loaded):
+    model = tiny_loaded.model
+    assert model.config._attn_implementation == "sdpa"
+    with attending(model) as used:
+        assert used == NAME and model.config._attn_implementation == NAME
+    assert model.config._attn_implementation == "sdpa"
+    with attending(model, enabled=False) as used:
+        assert used == "sdpa"
+    model.config._attn_implementation = "eager"
+    try:
+        with attending(model) as used:  # a model that asked for eager attention keeps it
+            assert used == "eager"
+    finally:
+        model.config._attn_implementation = "sdpa"
+
+
+@pytest.mark.parametrize("arch,step", [("llama", "captured"), ("qwen3", "captured"), ("phi3", "captured"),
+                                       ("gemma3", "guarded")])
+def test_compiled_lean_step_with_native_attention_decodes_as_eager(arch, step):
+    """Greedy tokens of the captured step (native attention traced in) against the eager step (SDPA) on
+    the same weights. Gemma3's sliding-window cache keeps per-step state: its step is guarded
+    torch.compile, which attends with the model's own SDPA (and says so)."""
+    from infer_tune.tuners.lean.loop import LeanDecoder
+    from tests.conftest import build_tiny_tokenizer
+    from tests.test_quantize_families import tiny
+
+    tok = build_tiny_tokenizer()
+    model = tiny(arch, tok)
+    ids = torch.randint(3, len(tok), (1, 12), generator=torch.Generator().manual_seed(2))
+    eos = [model.config.eos_token_id]
+    _, _, eager, _ = LeanDecoder(model, compile=False).generate(ids, 10, eos)
+    compiled = LeanDecoder(copy.deepcopy(model), compile=True)
+    _, _, tokens, _ = compiled.generate(ids, 10, eos)
+    assert compiled.facts["lean_step"] == step, compiled.facts
+    assert compiled.facts["lean_attention"] == (NAME if step == "captured" else "sdpa")
+    assert tokens == eager
+    assert model.config._attn_implementation == "sdpa"
