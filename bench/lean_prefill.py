@@ -66,6 +66,9 @@ def run(stack) -> None:
     p.add_argument("--short", type=int, default=20)
     p.add_argument("--long", type=int, default=500)
     p.add_argument("--method", default="int4-rtn")
+    p.add_argument("--activations", default="int8", choices=("bf16", "int8"),
+                   help="int8: the w4a8 / w8a8 kernels (quantize's activations: int8); bf16: torch's int4 kernel")
+    p.add_argument("--cpp-wrapper", action="store_true", help="the decode row's step with inductor's C++ wrapper")
     p.add_argument("--llama-server", action="store_true",
                    help="llama.cpp's C++ server (scripts/build-llama-server.sh) as the reference, same rounds")
     args = p.parse_args()
@@ -80,8 +83,8 @@ def run(stack) -> None:
     setup_threads(args.threads)
     loaded = models.load(args.model)
     model = loaded.model
-    quantize_in_memory(model, QuantizeConfig(method=args.method), "torch")
-    record = kernel_choice.choose_for_model(model, args.method, prefill_rows=64)
+    quantize_in_memory(model, QuantizeConfig(method=args.method, activations=args.activations), "torch")
+    record = kernel_choice.choose_for_model(model, args.method, prefill_rows=64, activations=args.activations)
     kernel_choice.make_traceable(model, record)
     eos = eos_ids(model, loaded.tokenizer)
     cases = prompts(loaded.tokenizer, args.short, args.long)
@@ -126,7 +129,7 @@ def run(stack) -> None:
                 ttft[("llama-server client", case)].append(wall_ms)
     for (name, decoder), case in ((r, c) for r in rows.items() for c in cases):
         runs[(name, case)] = decoder.generate(cases[case], args.tokens, eos)[2]
-    print(f"{args.method} weights, {torch.get_num_threads()} threads, {args.rounds} interleaved rounds, "
+    print(f"{args.method} weights ({args.activations} activations), {torch.get_num_threads()} threads, {args.rounds} interleaved rounds, "
           f"TTFT median ms (min-max)")
     for case, ids in cases.items():
         eager = statistics.median(ttft[("eager prefill", case)])
@@ -136,7 +139,7 @@ def run(stack) -> None:
                   f"({min(values):.2f}-{max(values):.2f})  eager/this {eager / statistics.median(values):.2f}x")
         print(f"  {case}: outputs identical: {runs[('eager prefill', case)] == runs[('compiled prefill', case)]}")
     if args.decode_tokens:  # single-stream decode of the whole lean path (compiled step), three passes
-        full = LeanDecoder(model, compile=True)
+        full = LeanDecoder(model, compile=True, cpp_wrapper=args.cpp_wrapper)
         full._prefill = rows["compiled prefill"]._prefill  # the prefill graphs compiled above
         full.generate(cases["short"], args.decode_tokens, eos)
         speeds, theirs = [], []
@@ -147,12 +150,28 @@ def run(stack) -> None:
             if server is not None:
                 theirs.append(server_completion(server.url, text, args.decode_tokens)[0]["timings"]["predicted_per_second"])
         print(f"lean+compile single-stream decode, {args.decode_tokens} tokens after the short prompt: "
-              f"{', '.join(f'{v:.1f}' for v in speeds)} tok/s ({full.facts.get('lean_step')}; "
-              f"{len(token_ns)} tokens in the last pass)")
+              f"{', '.join(f'{v:.1f}' for v in speeds)} tok/s ({full.facts.get('lean_step')}, attention "
+              f"{full.facts.get('lean_attention')}; {len(token_ns)} tokens in the last pass)")
+        print(roofline_line(model, cases["short"].shape[1] + args.decode_tokens / 2, max(speeds)))
         if theirs:
             print(f"llama-server single-stream decode, {args.decode_tokens} tokens (end-of-sequence ignored): "
                   f"{', '.join(f'{v:.1f}' for v in theirs)} tok/s; best of three vs best of three: "
                   f"{max(speeds) / max(theirs):.2f}x")
+
+
+def roofline_line(model, mean_context: float, tok_s: float) -> str:
+    """The best pass's `roofline_fraction`, as the result documents define it (metrics/roofline.py): decode
+    tok/s over the bandwidth ceiling of the weights' bytes plus the KV cache read at the mean context."""
+    from infer_tune import models
+    from infer_tune.env import bandwidth_reading
+    from infer_tune.metrics import kv, roofline
+
+    reading = bandwidth_reading()
+    kv_read = kv.kv_bytes(kv.ModelShape.from_config(model.config), 1, 32) * mean_context
+    facts = roofline.roofline(reading["gb_s"], models.model_bytes(model), kv_read, 1, 1000.0 / tok_s)
+    return (f"roofline: {models.model_bytes(model) / 2**20:.1f} MiB of weights + {kv_read / 2**20:.1f} MiB of KV per "
+            f"token at {reading['gb_s']:.1f} GB/s ({reading['source']}): ceiling {facts['roofline_tok_s']:.1f} tok/s, "
+            f"roofline_fraction {facts['roofline_fraction']:.2f} at {tok_s:.1f} tok/s")
 
 
 def server_completion(url: str, text: str, n_predict: int) -> tuple[dict, float]:

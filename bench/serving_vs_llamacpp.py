@@ -12,9 +12,11 @@ engines generate the same number of tokens). Output throughput, TTFT / TPOT perc
 same SLOs, `roofline_fraction`, and mismatches: infer-tune's against single-request greedy on its weights
 (checked by the trace runner), llama.cpp's against its own outputs for each prompt sent alone.
 
-Phases can run apart (each under the CPU lock, <= 10 minutes), sharing a state file; the table is printed
-from whatever the state holds:
+`--phase both` (the default) measures rate by rate, infer-tune then llama.cpp on the same trace (so a host
+whose speed drifts moves both rows of a rate alike), `--repeats` times over. The phases can also run apart,
+sharing a state file; the table is printed from whatever the state holds:
 
+    flock /tmp/infer-tune-cpu.lock python bench/serving_vs_llamacpp.py --threads 2 --rates 0.5,1,2,4 --repeats 2
     flock /tmp/infer-tune-cpu.lock python bench/serving_vs_llamacpp.py --phase infer-tune --threads 2
     flock /tmp/infer-tune-cpu.lock python bench/serving_vs_llamacpp.py --phase llama.cpp --threads 2
     python bench/serving_vs_llamacpp.py --phase table
@@ -63,7 +65,8 @@ def progress(started: float):
     return report
 
 
-def phase_infer_tune(args, state: dict) -> None:
+def infer_tune_side(args, state: dict):
+    """A function measuring infer-tune's batched stack at one rate (the model loaded once)."""
     from infer_tune import results
     from infer_tune.metrics.saturation import SLO, goodput
     from infer_tune.scenarios.common import open_run
@@ -76,70 +79,118 @@ def phase_infer_tune(args, state: dict) -> None:
     spec = spec_of(args)
     slo = SLO(ttft_ms=args.slo_ttft, tpot_ms=args.slo_tpot)
     run = open_run(spec)
+
+    def measure(scheduler: str, rate: float) -> None:
+        started = time.perf_counter()
+        batch = BatchConfig(scheduler=scheduler, batch_size=args.batch, rate=rate, requests=args.requests,
+                            seed=args.seed, engine="lean", compile_prefill=args.compile_prefill,
+                            step_buckets=args.step_buckets)
+        config = StackConfig(configs=[QuantizeConfig(method=args.method, activations=args.activations), batch])
+        prepared = apply(run.loaded, config, run.ctx)
+        doc, outputs = measure_prepared(run.loaded, prepared, run.inputs, spec.workload, spec.protocol,
+                                        technique="stack", config=config.to_dict(), env=run.ctx.env,
+                                        runner="trace", measure_ppl=False, progress=progress(started))
+        sched, factory = prepared.runner_options["scheduler"], prepared.runner_options["trace"]
+        good = goodput(sched.timings, slo, doc["metrics"]["trace_duration_s"])
+        doc["metrics"].update(good)
+        results.save_run(spec.out_dir, doc, outputs)
+        m = doc["metrics"]
+        state["trace"][str(rate)] = [r.to_dict() for r in factory.rows]
+        state["rows"].append(row_of(f"infer-tune {config.label()}", rate, doc, good, m.get("output_mismatches"),
+                                    {"mean_batch_size": m.get("mean_batch_size"),
+                                     "setup_s": m.get("scheduler_setup_s"),
+                                     "engine_reused": m.get("slot_engine_reused", False)}))
+        print(f"infer-tune {scheduler} @ {rate} req/s: {m['output_throughput_tok_s']:.1f} tok/s, "
+              f"mismatches {m.get('output_mismatches')}, setup {m.get('scheduler_setup_s') or 0:.1f} s, "
+              f"{time.perf_counter() - started:.1f} s in all", flush=True)
+        save(args, state)
+    return measure
+
+
+def phase_infer_tune(args, state: dict) -> None:
+    measure = infer_tune_side(args, state)
     for scheduler in args.schedulers.split(","):
         for rate in args.rates:
-            started = time.perf_counter()
-            batch = BatchConfig(scheduler=scheduler, batch_size=args.batch, rate=rate, requests=args.requests,
-                                seed=args.seed, engine="lean", compile_prefill=args.compile_prefill,
-                                step_buckets=args.step_buckets)
-            config = StackConfig(configs=[QuantizeConfig(method=args.method, activations=args.activations), batch])
-            prepared = apply(run.loaded, config, run.ctx)
-            doc, outputs = measure_prepared(run.loaded, prepared, run.inputs, spec.workload, spec.protocol,
-                                            technique="stack", config=config.to_dict(), env=run.ctx.env,
-                                            runner="trace", measure_ppl=False, progress=progress(started))
-            sched, factory = prepared.runner_options["scheduler"], prepared.runner_options["trace"]
-            good = goodput(sched.timings, slo, doc["metrics"]["trace_duration_s"])
-            doc["metrics"].update(good)
-            results.save_run(spec.out_dir, doc, outputs)
-            m = doc["metrics"]
-            state["trace"][str(rate)] = [r.to_dict() for r in factory.rows]
-            state["rows"].append(row_of(f"infer-tune {config.label()}", rate, doc, good, m.get("output_mismatches"),
-                                        {"mean_batch_size": m.get("mean_batch_size"),
-                                         "setup_s": m.get("scheduler_setup_s"),
-                                         "engine_reused": m.get("slot_engine_reused", False)}))
-            print(f"infer-tune {scheduler} @ {rate} req/s: {m['output_throughput_tok_s']:.1f} tok/s, "
-                  f"mismatches {m.get('output_mismatches')}, setup {m.get('scheduler_setup_s') or 0:.1f} s, "
-                  f"{time.perf_counter() - started:.1f} s in all", flush=True)
-            save(args, state)
+            measure(scheduler, rate)
+
+
+class LlamaSide:
+    """llama.cpp's server with `--batch` parallel slots, replaying the traces infer-tune measured."""
+
+    def __init__(self, args, state: dict, stack) -> None:
+        from infer_tune.endpoint.config import EndpointConfig
+        from infer_tune.endpoint.servers import local_server
+        from infer_tune.metrics.saturation import SLO
+        from infer_tune.scenarios.endpoint import open_endpoint, served_weight_bytes
+
+        self.args, self.state, self.spec = args, state, spec_of(args)
+        self.slo = SLO(ttft_ms=args.slo_ttft, tpot_ms=args.slo_tpot).to_dict()
+        server = stack.enter_context(local_server("llama.cpp", args.model, threads=args.threads, parallel=args.batch))
+        config = EndpointConfig(url=server.url, served_model=server.served_model, api="chat", ignore_eos=True,
+                                concurrency=max(64, args.requests), label=f"llama.cpp server x{args.batch}")
+        self.run = open_endpoint(self.spec, config, model_given=True)
+        self.run.weight_bytes = served_weight_bytes(server)
+        self.server = server
+        self.expected: dict = {}
+
+    def probe(self) -> None:
+        if self.args.ttft_rounds:
+            self.state["ttft_llamacpp"] = ttft_probe(self.server.url, self.run.model.tokenizer, self.args.ttft_rounds)
+
+    def replay(self, rate: float) -> None:
+        from infer_tune.runners.trace import TraceRequest
+        from infer_tune.scenarios.endpoint import trace_document
+
+        rows = self.state["trace"].get(str(rate))
+        if rows is None:
+            return
+        lengths = {r["prompt_index"]: r["output_tokens"] for r in rows}
+        missing = sorted(p for p in lengths if p not in self.expected)
+        if missing:  # each prompt alone, once: what its outputs under load are compared with
+            alone = dataclasses.replace(self.run, config=dataclasses.replace(self.run.config, concurrency=1))
+            _, single = trace_document(alone, self.spec, [TraceRequest(p, 0.0, lengths[p]) for p in missing], {}, {},
+                                       None)
+            self.expected.update({o["prompt_id"]: o["output"] for o in single})
+        trace = [TraceRequest(r["prompt_index"], r["arrival_s"], r["output_tokens"]) for r in rows]
+        doc, outputs = trace_document(self.run, self.spec, trace, self.slo, {"rate_req_s": rate, "seed": self.args.seed},
+                                      None)
+        mismatches = sum(1 for o in outputs if o["output"] != self.expected.get(o["prompt_id"]))
+        from infer_tune import results
+
+        results.save_run(self.spec.out_dir, doc, outputs)  # beside infer-tune's rows: one leaderboard of both
+        m = doc["metrics"]
+        good = {"goodput_req_s": m.get("goodput_req_s"), "slo_attainment": m.get("slo_attainment")}
+        self.state["rows"].append(row_of(f"llama.cpp server x{self.args.batch}", rate, doc, good, mismatches,
+                                         {"requests_ok": m.get("requests_ok")}))
+        print(f"llama.cpp @ {rate} req/s: {m['output_throughput_tok_s']:.1f} tok/s, mismatches {mismatches}", flush=True)
+        save(self.args, self.state)
 
 
 def phase_llamacpp(args, state: dict) -> None:
-    from infer_tune.endpoint.config import EndpointConfig
-    from infer_tune.endpoint.servers import local_server
-    from infer_tune.metrics.saturation import SLO
-    from infer_tune.runners.trace import TraceRequest
-    from infer_tune.scenarios.endpoint import open_endpoint, served_weight_bytes, trace_document
+    from contextlib import ExitStack
 
     if not state["trace"]:
         raise SystemExit("run --phase infer-tune first: llama.cpp replays the trace it measured (lengths)")
-    spec = spec_of(args)
-    slo = SLO(ttft_ms=args.slo_ttft, tpot_ms=args.slo_tpot).to_dict()
-    with local_server("llama.cpp", args.model, threads=args.threads, parallel=args.batch) as server:
-        config = EndpointConfig(url=server.url, served_model=server.served_model, api="chat", ignore_eos=True,
-                                concurrency=max(64, args.requests), label=f"llama.cpp server x{args.batch}")
-        run = open_endpoint(spec, config, model_given=True)
-        run.weight_bytes = served_weight_bytes(server)
-        if args.ttft_rounds:
-            state["ttft_llamacpp"] = ttft_probe(server.url, run.model.tokenizer, args.ttft_rounds)
-        lengths = {r["prompt_index"]: r["output_tokens"] for rows in state["trace"].values() for r in rows}
-        alone = dataclasses.replace(run, config=dataclasses.replace(run.config, concurrency=1))
-        _, single = trace_document(alone, spec, [TraceRequest(p, 0.0, n) for p, n in sorted(lengths.items())], {}, {},
-                                   None)
-        expected = {o["prompt_id"]: o["output"] for o in single}
+    with ExitStack() as stack:
+        side = LlamaSide(args, state, stack)
+        side.probe()
         for rate in args.rates:
-            rows = state["trace"].get(str(rate))
-            if rows is None:
-                continue
-            trace = [TraceRequest(r["prompt_index"], r["arrival_s"], r["output_tokens"]) for r in rows]
-            doc, outputs = trace_document(run, spec, trace, slo, {"rate_req_s": rate, "seed": args.seed}, None)
-            mismatches = sum(1 for o in outputs if o["output"] != expected.get(o["prompt_id"]))
-            m = doc["metrics"]
-            good = {"goodput_req_s": m.get("goodput_req_s"), "slo_attainment": m.get("slo_attainment")}
-            state["rows"].append(row_of(f"llama.cpp server x{args.batch}", rate, doc, good, mismatches,
-                                        {"requests_ok": m.get("requests_ok")}))
-            print(f"llama.cpp @ {rate} req/s: {m['output_throughput_tok_s']:.1f} tok/s, mismatches {mismatches}",
-                  flush=True)
-            save(args, state)
+            side.replay(rate)
+
+
+def phase_both(args, state: dict) -> None:
+    """Rate by rate, infer-tune then llama.cpp on the same trace, `--repeats` times over: a host whose
+    speed drifts during the run moves both engines' rows of a rate alike."""
+    from contextlib import ExitStack
+
+    measure = infer_tune_side(args, state)
+    with ExitStack() as stack:
+        side = LlamaSide(args, state, stack)
+        side.probe()
+        for _ in range(args.repeats):
+            for rate in args.rates:
+                measure(args.schedulers.split(",")[0], rate)
+                side.replay(rate)
 
 
 def ttft_probe(url: str, tokenizer, rounds: int) -> dict:
@@ -217,16 +268,20 @@ def main() -> None:
     p.add_argument("--out", default="/tmp/infer-tune-serving-bench")
     p.add_argument("--state", default="/tmp/infer-tune-serving-bench.json")
     p.add_argument("--ttft-rounds", type=int, default=7, help="llama.cpp TTFT probe rounds (0: none)")
+    p.add_argument("--repeats", type=int, default=1, help="--phase both: the rates measured this many times over")
     p.add_argument("--fresh", action="store_true", help="forget the rows of earlier phases in the state file")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     path = Path(args.state)
     state = {"trace": {}, "rows": []} if args.fresh or not path.is_file() else json.loads(path.read_text())
     state["slo"] = {"ttft_ms": args.slo_ttft, "tpot_ms": args.slo_tpot}
-    if args.phase in ("infer-tune", "both"):
+    if args.phase == "both":
+        state["rows"] = []
+        phase_both(args, state)
+    if args.phase == "infer-tune":
         state["rows"] = [r for r in state["rows"] if not r["engine"].startswith("infer-tune")]
         phase_infer_tune(args, state)
-    if args.phase in ("llama.cpp", "both"):
+    if args.phase == "llama.cpp":
         state["rows"] = [r for r in state["rows"] if not r["engine"].startswith("llama.cpp")]
         phase_llamacpp(args, state)
     save(args, state)

@@ -638,3 +638,18 @@ def test_tune_goodput_end_to_end(tiny_model_dir, prompts_file, tmp_path, monkeyp
     winner, _ = decide(cands, {"run_id": "base", "technique": "baseline"}, "goodput")
     expected = "baseline" if winner["run_id"] == "base" else winner["run_id"]
     assert (doc["winner"]["technique"] if expected == "baseline" else doc["winner"]["run_id"]) == expected
+
+
+def test_tune_offers_int8_activations_as_their_own_method():
+    from infer_tune.scenarios.tune_plan import QUANT_METHODS, TuneSpec, method_kind, quantize_config
+    from infer_tune.tuners.lean import LeanConfig
+
+    assert "int4-rtn-a8" in QUANT_METHODS and TuneSpec(methods=("int4-rtn-a8",)).methods == ("int4-rtn-a8",)
+    config = quantize_config("int4-rtn-a8")
+    assert (config.method, config.activations) == ("int4-rtn", "int8") and config.label().endswith("-a8")
+    assert quantize_config("int4-rtn").activations == "bf16"
+    assert [method_kind(m) for m in ("int4-rtn-a8", "int4-weight", "int8-dynamic", "bf16")] == \
+        ["int4-a8", "int4", "int8-dynamic", "bf16"]
+    assert LeanConfig().label() == "lean+compile" and LeanConfig(attention="sdpa").label() == "lean+compile+sdpa"
+    with pytest.raises(ConfigError, match="attention"):
+        LeanConfig(attention="flash")

@@ -22,7 +22,8 @@ Rate = Annotated[float | None, typer.Option("--rate", help="--objective goodput:
                                                            "Poisson trace, one request per prompt (default 1).")]
 BudgetMinutes = Annotated[float, typer.Option("--budget-minutes", help="Wall-clock budget for the whole search.")]
 Methods = Annotated[str | None, typer.Option("--methods", help="Quantize methods to consider, comma-separated "
-                                                               "(default: int4-rtn,int4-weight,int8-dynamic,int8-static,bf16).")]
+                                                               "(default: int4-rtn-a8,int4-rtn,int4-weight,int8-dynamic,int8-static,bf16; "
+                                                               "-a8: with int8 activations).")]
 Reference = Annotated[bool, typer.Option("--reference/--no-reference", help="Measure llama.cpp on the same GGUF as a reference row (needs the llamacpp extra: pip install infer-tune\\[llamacpp]).")]
 Compile = Annotated[bool, typer.Option("--compile/--no-compile", help="Allow candidates that compile the decode step (minutes each on few cores).")]
 
@@ -63,7 +64,9 @@ def render(outcome) -> None:
         output.out.print(f"winner's goodput: {output.fmt(m.get('goodput_req_s'))} req/s against the baseline's "
                          f"{output.fmt(base_goodput)} on the same trace, ratio {ratio}, SLO attainment "
                          f"{output.fmt(m.get('slo_attainment'), '.0%')}", soft_wrap=True)
-    output.out.print(f"winner: {winner['label']} ({winner['technique']}): "
+    found = outcome.winner_found_s
+    output.out.print(f"winner: {winner['label']} ({winner['technique']}"
+                     + (f", measured {found / 60:.1f} min into the search" if found is not None else "") + "): "
                      f"{output.fmt(1000 / m['tpot_ms']['p50'], '.1f')} tok/s decode, TTFT p50 "
                      f"{output.fmt(m['ttft_ms']['p50'], '.0f')} ms, speedup "
                      f"{output.fmt(m.get('speedup_vs_baseline') or 1.0)}x, ppl "

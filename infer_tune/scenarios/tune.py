@@ -71,12 +71,20 @@ class TuneOutcome:
     def tried(self) -> list[dict]:
         return [c.summary() for c in self.candidates]
 
+    @property
+    def winner_found_s(self) -> float | None:
+        """Seconds into the search when the winner's first measurement finished (None: the baseline won)."""
+        found = [c.measured_at_s for c in self.candidates if c.doc is not None
+                 and c.doc.get("run_id") == self.winner.get("run_id") and c.measured_at_s is not None]
+        return min(found) if found else None
+
     def to_dict(self) -> dict:
         """The --json document: `winner` (a result document) and `tried`, plus where things are."""
         return {"winner": self.winner, "tried": self.tried(), "baseline_run_id": self.baseline["run_id"],
                 "reference": self.reference, "versus_reference": self.versus_reference,
                 "kernel_screen": self.screen, "recipe": str(self.recipe_path), "command": self.command,
                 "weights_dir": str(self.weights_dir) if self.weights_dir else None, "elapsed_s": self.elapsed_s,
+                "winner_found_s": self.winner_found_s,
                 "notes": self.notes, "objective": self.objective, "serving": self.serving}
 
 
@@ -246,7 +254,7 @@ def _decide(candidates: list[Candidate], baseline: dict, run, spec: RunSpec, tun
                 notes.append(f"contenders not measured again: {exc}")
             else:
                 for cand, doc in zip(contenders, docs):
-                    cand.doc = doc
+                    cand.doc, cand.measured_at_s = doc, budget.elapsed
                     _apply(cand, judge(doc, tune, lossless_claimed=cand.lossless))
                 winner, contenders = decide(candidates, baseline, tune.objective)
             budget.costs.append(time.monotonic() - started)
@@ -275,7 +283,7 @@ def _measure(cand: Candidate, run, spec: RunSpec, tune: TuneSpec, ctx, budget: B
         return
     finally:
         budget.record(cand, time.monotonic() - started)
-    cand.doc, cand.status = docs[0], "measured"
+    cand.doc, cand.status, cand.measured_at_s = docs[0], "measured", budget.elapsed
     _apply(cand, judge(cand.doc, tune, lossless_claimed=cand.lossless))
 
 

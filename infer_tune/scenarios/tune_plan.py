@@ -126,6 +126,7 @@ class Candidate:
     doc: dict | None = None
     eligible: bool = False
     within_budget: bool = False  # judged on everything but the objective: quality, lossless, kernels
+    measured_at_s: float | None = None  # seconds into the search when its (last) measurement finished
 
     @property
     def label(self) -> str:
@@ -135,6 +136,7 @@ class Candidate:
         m = (self.doc or {}).get("metrics", {})
         return {"label": self.label, "technique": self.config.technique, "config": self.config.to_dict(),
                 "status": self.status, "eligible": self.eligible, "reason": self.reason,
+                "measured_at_s": self.measured_at_s,
                 "kernel_screen_speedup": self.estimate, "kernel_screen_speedup_ci95": self.estimate_ci95,
                 "run_id": (self.doc or {}).get("run_id"),
                 "decode_tok_s": decode_tok_s(self.doc) if self.doc else None,
