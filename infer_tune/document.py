@@ -22,7 +22,7 @@ class RoundsBlock:
     target_half_width_pct: float
     achieved_half_width_pct: float | None
     target_met: bool | None  # None for the baseline (it has no ratio of its own)
-    stopped_by: str  # "target", "max_rounds" or "max_duration_s"
+    stopped_by: str  # "target", "max_rounds", "max_duration_s" or "early: <why>" (rounds.run_rounds' `stop`)
     baseline_drift_pct: float | None
     design: str = "interleaved"
     # this variant's pass figures, one per round (rounds.PER_ROUND): two rows of the same rounds pair up

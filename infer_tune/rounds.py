@@ -24,6 +24,7 @@ import resource
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from infer_tune.document import RoundsBlock
@@ -66,7 +67,7 @@ class RoundsOutcome:
     elapsed_s: float
     target_half_width_pct: float
     target_met: bool
-    stopped_by: str  # "target", "max_rounds" or "max_duration_s"
+    stopped_by: str  # "target", "max_rounds", "max_duration_s" or "early: <why>" (run_rounds' `stop`)
     order: list[list[str]]
     intervals: dict[str, dict[str, dict]]  # candidate name -> ratio name -> log_ratio_interval(...)
     baseline_drift_pct: float | None  # the baseline's last round against its first (TPOT median)
@@ -149,12 +150,16 @@ def intervals(base: Variant, cand: Variant) -> dict[str, dict | None]:
 
 
 def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, protocol: Protocol, *, seed: int = 0,
-               progress: Progress | None = None) -> RoundsOutcome:
+               progress: Progress | None = None,
+               stop: Callable[[dict[str, dict]], str | None] | None = None) -> RoundsOutcome:
     """Warm every variant, then rounds of one pass each in shuffled order until the intervals are
     within `protocol.target_half_width_pct` (every candidate, every ratio), or a budget ends.
 
     `protocol.min_iterations` (at least MIN_ROUNDS) and `min_duration_s` (timed seconds per variant)
-    are floors; `max_rounds` and `max_duration_s` (from the first round) are the budget.
+    are floors; `max_rounds` and `max_duration_s` (from the first round) are the budget. `stop(intervals)`
+    (candidate name -> ratio name -> interval, after each round once the floors are met) may end the rounds
+    early with a reason (`stopped_by` "early: <reason>"): tune's rule that a candidate whose interval is
+    wholly behind the leader's cannot win, so more rounds would not change the decision.
     """
     for i, v in enumerate(variants):
         if protocol.warmup > 0:  # warmup 0 asks for none: the first round is timed as it comes
@@ -216,6 +221,10 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
             floors_met = len(order) >= floor and all(v.timed_s >= protocol.min_duration_s for v in variants)
             if floors_met and worst <= protocol.target_half_width_pct:
                 met, stopped_by = True, "target"
+                break
+            why = stop(found) if stop is not None and floors_met else None
+            if why:
+                stopped_by = f"early: {why}"
                 break
             if len(order) >= max(protocol.max_rounds, floor) and floors_met:
                 stopped_by = "max_rounds"

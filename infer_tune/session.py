@@ -77,6 +77,8 @@ class SweepPlan:
     - `conclude(docs, skipped) -> {file name: bytes} | None`: after the techniques' sweep hooks, adds
       to the results what the command's own options define (goodput under its SLOs, a plot over one
       context length); the engine rewrites the results it changed and writes the files into each.
+    - `stop_rounds(intervals) -> reason | None`: may end a group's interleaved rounds early
+      (rounds.run_rounds' `stop`; tune: a candidate wholly behind the leader).
     - `skipped`: filled by the engine, in config order.
     - `baseline`: filled by the engine before `conclude` runs: the baseline the rows were measured against
       last (its rounds are those of the last group measured; `metrics.rounds.group` says which rows shared
@@ -87,6 +89,7 @@ class SweepPlan:
     admit: Callable[[TechniqueConfig, Workload, Inputs, list[dict]], Admission] | None = None
     skip_out_of_memory: bool = False
     conclude: Callable[[list[dict], list[Skipped]], dict[str, bytes] | None] | None = None
+    stop_rounds: Callable[[dict[str, dict]], str | None] | None = None
     skipped: list[Skipped] = field(default_factory=list)
     baseline: dict | None = None
 
@@ -491,7 +494,7 @@ class _Sweep:
         before = noise.HostSnapshot.take()
         try:
             outcome = rounds.run_rounds(variants, self.inputs, self.workload, self.protocol, seed=self.workload.seed,
-                                        progress=self.ctx.progress)
+                                        progress=self.ctx.progress, stop=self.plan.stop_rounds)
             host = (before, noise.HostSnapshot.take())
             self.baseline, self.baseline_outputs = self._save_baseline(base, outcome, host)
             for (i, prepared), variant in zip(group, variants[1:]):

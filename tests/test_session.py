@@ -139,6 +139,15 @@ def test_rounds_stop_at_the_target_and_report_a_miss_as_noisy():
         # the rounds went on for b's sake; c's own intervals met the target, and its row says so
         assert out.block("b")["target_met"] is False and out.block("c")["target_met"] is True
         assert out.block("a")["target_met"] is None  # the baseline has no ratio of its own
+        # a candidate behind tune's leader: `stop` ends the scattered rounds at the floor, with its reason
+        b = rounds.Variant("b", PreparedModel(None, None), "test-scattered")
+        seen = []
+
+        def stop(found):
+            seen.append(sorted(found))
+            return "behind the leader" if found["b"]["speedup_vs_baseline"] else None
+        out = rounds.run_rounds([make("a"), b], one, None, protocol, stop=stop)
+        assert out.stopped_by == "early: behind the leader" and out.rounds == rounds.MIN_ROUNDS and seen == [["b"]]
     finally:
         RUNNERS.pop("test-steady")
         RUNNERS.pop("test-scattered")

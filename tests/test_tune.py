@@ -653,3 +653,21 @@ def test_tune_offers_int8_activations_as_their_own_method():
     assert LeanConfig().label() == "lean+compile" and LeanConfig(attention="sdpa").label() == "lean+compile+sdpa"
     with pytest.raises(ConfigError, match="attention"):
         LeanConfig(attention="flash")
+
+
+def test_a_candidate_wholly_behind_the_leader_stops_its_rounds():
+    from infer_tune.scenarios.tune import _leader, _plan, behind
+    from infer_tune.scenarios.tune_plan import Candidate, TuneSpec
+
+    ahead = {"x": {"speedup_vs_baseline": {"ci95": [1.6, 1.9]}}}
+    assert behind("speedup_vs_baseline", ("lean", 2.0), ahead).startswith("speedup_vs_baseline at most 1.90")
+    assert behind("speedup_vs_baseline", ("lean", 1.8), ahead) is None  # its interval reaches the leader's bound
+    assert behind("speedup_vs_baseline", ("lean", 1.0), {"x": {"speedup_vs_baseline": None}}) is None
+    leader = Candidate(QuantizeConfig(), lossless=False, doc=_doc(8.0, speedup_vs_baseline=2.5,
+                                                                    speedup_vs_baseline_ci95=[2.4, 2.6]))
+    leader.eligible = True
+    other = Candidate(QuantizeConfig(method="bf16"), lossless=False, doc=_doc(9.0, speedup_vs_baseline=3.0,
+                                                                              speedup_vs_baseline_ci95=[2.9, 3.1]))
+    assert _leader([leader, other], "decode") == (leader.label, 2.4)  # only eligible rows lead
+    assert _plan(TuneSpec(), None) is None and _plan(TuneSpec(), ("lean", 2.4)).stop_rounds is not None
+    assert _plan(TuneSpec(objective="goodput"), ("lean", 2.4)).stop_rounds is None

@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 import statistics
 import tempfile
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infer_tune.errors import InferTuneError
+from infer_tune.report.recommend import OBJECTIVES as OBJECTIVE_KEYS
 from infer_tune.runners.base import Progress
 from infer_tune.scenarios.common import RunSpec, open_run
 from infer_tune.scenarios.tune_plan import (
@@ -98,16 +100,35 @@ def serving_terms(tune: TuneSpec, requests: int) -> dict | None:
             "baseline": "the plain model serving the same trace one request at a time, first come first served"}
 
 
-def _plan(tune: TuneSpec) -> SweepPlan | None:
+def _plan(tune: TuneSpec, leader: tuple[str, float] | None = None) -> SweepPlan | None:
     """What tune asks of the sweep engine beyond its configs: for the goodput objective, the goodput keys
-    under its SLOs, taken against the baseline the rows were measured beside (scenarios/tune_goodput.py)."""
-    if tune.objective != "goodput":
-        return None
-    from infer_tune.scenarios.tune_goodput import goodput_keys
+    under its SLOs, taken against the baseline the rows were measured beside (scenarios/tune_goodput.py);
+    for the others, rounds that end early once the candidate's objective interval lies wholly below the
+    lower bound of the leader's (`leader`: its label and that bound), since it cannot win (`behind`)."""
+    if tune.objective == "goodput":
+        from infer_tune.scenarios.tune_goodput import goodput_keys
 
-    plan = SweepPlan()
-    plan.conclude = lambda docs, _: goodput_keys(docs, plan.baseline, tune.slo, tune.rate)
-    return plan
+        plan = SweepPlan()
+        plan.conclude = lambda docs, _: goodput_keys(docs, plan.baseline, tune.slo, tune.rate)
+        return plan
+    if leader is None:
+        return None
+    return SweepPlan(stop_rounds=functools.partial(behind, OBJECTIVE_KEYS[tune.objective], leader))
+
+
+def behind(key: str, leader: tuple[str, float], found: dict[str, dict]) -> str | None:
+    """Why every candidate of a group of rounds is out of the running: the upper end of its `key` interval
+    below the leader's lower bound (None while any candidate's interval still reaches it)."""
+    label, low = leader
+    highs = []
+    for intervals in found.values():
+        interval = intervals.get(key)
+        if not interval:
+            return None
+        highs.append(interval["ci95"][1])
+    if highs and max(highs) < low:
+        return f"{key} at most {max(highs):.2f} (95% interval), below the leader {label}'s {low:.2f}"
+    return None
 
 
 class Budget:
@@ -180,7 +201,7 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
                 tune.objective]
             shown = f"{best[0]} {best[1]:.1f} {unit}" if best else "the baseline"
             note(f"tune: trying {cand.label} ({done}/{total}), best so far {shown}", done - 1, total)
-            _measure(cand, run, spec, tune, ctx, budget)
+            _measure(cand, run, spec, tune, ctx, budget, leader=_leader(candidates, tune.objective))
             value = score(cand.doc, tune.objective) if cand.doc else None
             if cand.eligible and value is not None and (best is None or value > best[2]):
                 best = (cand.label, abs(value), value)
@@ -266,8 +287,22 @@ def _decide(candidates: list[Candidate], baseline: dict, run, spec: RunSpec, tun
     return winner
 
 
-def _measure(cand: Candidate, run, spec: RunSpec, tune: TuneSpec, ctx, budget: Budget) -> None:
-    """Measure one candidate against the baseline (a saved result) and judge it; failures are listed."""
+def _leader(candidates: list[Candidate], objective: str) -> tuple[str, float] | None:
+    """(label, lower bound of its objective interval) of the eligible candidate leading so far."""
+    from infer_tune.report.recommend import interval_of
+
+    scored = [(interval_of(c.doc, objective), c.label) for c in candidates if c.eligible and c.doc is not None]
+    scored = [(iv[0], label) for iv, label in scored if iv]
+    if not scored:
+        return None
+    low, label = max(scored)
+    return label, low
+
+
+def _measure(cand: Candidate, run, spec: RunSpec, tune: TuneSpec, ctx, budget: Budget,
+             leader: tuple[str, float] | None = None) -> None:
+    """Measure one candidate against the baseline (a saved result) and judge it; failures are listed. With a
+    `leader`, its rounds end early once its interval is wholly behind the leader's (`behind`)."""
     from infer_tune import executors
 
     started = time.monotonic()
@@ -277,7 +312,7 @@ def _measure(cand: Candidate, run, spec: RunSpec, tune: TuneSpec, ctx, budget: B
         else:
             _, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol, [cand.config], ctx,
                                   resume=spec.resume, reuse_baseline=True, measure_ppl=spec.measure_ppl,
-                                  plan=_plan(tune))
+                                  plan=_plan(tune, leader))
     except InferTuneError as exc:  # a candidate this model or host cannot run: listed, not fatal
         cand.status, cand.reason = "failed", str(exc)
         return

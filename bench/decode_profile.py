@@ -1,0 +1,99 @@
+"""Where a compiled lean decode step's time goes, against what its bytes need at the measured bandwidth.
+
+Quantizes the model (`--method`, `--activations`), builds the lean decode path (captured step, `--attention`,
+optionally inductor's C++ wrapper), decodes once to compile, then profiles two decodes of different lengths
+from the same prompt with torch.profiler and takes their difference, so the prefill and the first step
+cancel and what is left is per decode step. Prints, per step: each op's self time (the int4 / int8
+kernels, attention, the compiled graph's own time = inductor's wrapper and fused kernels), its share,
+calls per step, and the time the weights' bytes need at the host's measured bandwidth (the roofline).
+Profiling adds overhead of its own; the unprofiled decode speed is printed beside it.
+
+    flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/decode_profile.py --threads 2
+    flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/decode_profile.py --threads 2 --activations bf16 --attention sdpa
+
+Not a test: read the shares of one run.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import parser  # noqa: E402
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--method", default="int4-rtn")
+    p.add_argument("--activations", default="int8", choices=("bf16", "int8"))
+    p.add_argument("--attention", default="native", choices=("native", "sdpa"))
+    p.add_argument("--cpp-wrapper", action="store_true")
+    p.add_argument("--short", type=int, default=16, help="tokens of the shorter profiled decode")
+    p.add_argument("--long", type=int, default=48, help="tokens of the longer one")
+    p.add_argument("--top", type=int, default=14)
+    args = p.parse_args()
+    warnings.filterwarnings("ignore")
+    from torch.profiler import ProfilerActivity, profile
+
+    from infer_tune import models
+    from infer_tune.env import bandwidth_reading
+    from infer_tune.runners.generation import eos_ids
+    from infer_tune.scenarios.common import setup_threads
+    from infer_tune.tuners.lean.loop import LeanDecoder
+    from infer_tune.tuners.quantize import QuantizeConfig, kernel_choice
+    from infer_tune.tuners.quantize.pipeline import quantize_in_memory
+
+    setup_threads(args.threads)
+    loaded = models.load(args.model)
+    tok = loaded.tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": "Write quicksort in Python."}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    eos = eos_ids(loaded.model, tok)
+    model = copy.deepcopy(loaded.model)
+    quantize_in_memory(model, QuantizeConfig(method=args.method, activations=args.activations), "torch")
+    record = kernel_choice.choose_for_model(model, args.method, prefill_rows=64, activations=args.activations)
+    kernel_choice.make_traceable(model, record)
+    decoder = LeanDecoder(model, compile=True, cpp_wrapper=args.cpp_wrapper, native_attention=args.attention == "native")
+    started = time.perf_counter()
+    decoder.generate(ids, args.long + 1, eos)
+    print(f"{args.method} ({args.activations} activations), decode kernels {record['decode']['chosen']}, step "
+          f"{decoder.facts.get('lean_step')}, attention {decoder.facts.get('lean_attention')}, "
+          f"compiled in {time.perf_counter() - started:.0f} s, {torch.get_num_threads()} threads")
+    speeds = []
+    for _ in range(3):
+        _, token_ns, _, _ = decoder.generate(ids, args.long + 1, eos)
+        speeds.append((len(token_ns) - 1) * 1e9 / (token_ns[-1] - token_ns[0]))
+    print(f"unprofiled decode: {', '.join(f'{v:.1f}' for v in speeds)} tok/s "
+          f"(median {statistics.median(speeds):.1f}: {1000 / statistics.median(speeds):.2f} ms/step)")
+
+    def profiled(n: int) -> dict:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            decoder.generate(ids, n, eos)
+        return {e.key: (e.self_cpu_time_total, e.count) for e in prof.key_averages()}
+
+    short, long = profiled(args.short), profiled(args.long)
+    steps = args.long - args.short
+    rows = sorted((((long[k][0] - short.get(k, (0, 0))[0]) / steps / 1e3), (long[k][1] - short.get(k, (0, 0))[1]) / steps, k)
+                  for k in long)
+    total = sum(r[0] for r in rows)
+    reading = bandwidth_reading()
+    weight_bytes = models.model_bytes(model)
+    need_ms = weight_bytes / (reading["gb_s"] * 1e9) * 1e3
+    print(f"profiled: {total:.2f} ms per decode step; the weights' {weight_bytes / 2**20:.1f} MiB need {need_ms:.2f} ms "
+          f"at {reading['gb_s']:.1f} GB/s ({reading['source']}): roofline_fraction of this step "
+          f"{need_ms / total:.2f} profiled, {need_ms * statistics.median(speeds) / 1000:.2f} unprofiled")
+    print(f"{'ms/step':>8} {'share':>6} {'calls':>6}  op")
+    for ms, calls, key in rows[::-1][:args.top]:
+        print(f"{ms:8.3f} {ms / total:6.1%} {calls:6.1f}  {key[:100]}")
+
+
+if __name__ == "__main__":
+    main()
