@@ -209,7 +209,7 @@ def test_recommended_yaml_reproduces_the_recommended_config_with_only_the_fields
 
     config = {"kind": "QuantizeConfig", "method": "int8-dynamic", "backend": "torch", "alpha": 0.5, "group_size": 32,
               "calib_suite": "chat", "calib_samples": 16, "decode_kernel": "auto", "prefill_kernel": "auto",
-              "head_bits": 8, "compute_dtype": "float32"}
+              "head_bits": 8, "activations": "bf16", "compute_dtype": "float32"}
     best = make_result("q", technique="quantize", config=config, speedup_vs_baseline=2.7, ppl_delta_pct=1.8,
                        output_mismatches=4, seed=2)
     best["workload"].update(seed=0, batch_size=1, chat_template=True)
@@ -221,7 +221,7 @@ def test_recommended_yaml_reproduces_the_recommended_config_with_only_the_fields
     assert recipe_file == out / "recommended.yaml"
     saved = recipe_file.read_text()
     assert "infer-tune bench --recipe '" in saved  # the command in its header, shell-quoted
-    for absent in ("alpha", "group_size", "calib_suite", "calib_samples", "head_bits"):
+    for absent in ("alpha", "group_size", "calib_suite", "calib_samples", "head_bits", "activations"):
         assert absent not in saved  # int8-dynamic reads none of them
     stage = expand_stages(load_recipe(str(recipe_file)))[0]
     (rebuilt,) = build_configs(stage)
