@@ -196,6 +196,36 @@ def test_lean_is_bit_identical_to_generate(tiny_loaded, compile_step):
     decoder.generate(ids, 150, eos)  # a 256-position cache of its own; then back to the 128 one
     _, _, again, _ = decoder.generate(ids, 12, eos)
     assert again == reference and decoder.facts["lean_cache_buckets"] == [128, 256]
+    # an end-of-sequence id greedy does pick (the 4th token): recorded where it first wins, then suppressed
+    # as generate() suppresses it (the loop takes a second argmax only on those steps)
+    forced = [reference[3]]
+    pin = _PinLength(forced, ids.shape[1], 1)
+    config = GenerationConfig(max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=forced,
+                              cache_implementation="static")
+    with torch.inference_mode():
+        generated = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                                   logits_processor=[pin], disable_compile=True)[:, ids.shape[1]:]
+    _, _, tokens, natural = decoder.generate(ids, 12, forced)
+    assert tokens == generated[0].tolist() and forced[0] not in tokens
+    assert natural == reference.index(forced[0]) == pin.natural_lengths(generated)[0]
+
+
+def test_captured_step_drops_per_call_asserts(tiny_loaded):
+    """The captured step's inputs are fixed once captured: its compiled code checks no shapes per call."""
+    from torch._inductor.utils import run_and_get_code
+
+    from infer_tune.runners.generation import eos_ids
+    from infer_tune.tuners.lean.loop import LeanDecoder
+
+    model, tok = tiny_loaded.model, tiny_loaded.tokenizer
+    ids = tok(["Question 3: what is 3 plus 3?"], return_tensors="pt")["input_ids"]
+    decoder = LeanDecoder(model, compile=True)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        _, codes = run_and_get_code(decoder.generate, ids, 4, eos_ids(model, tok))
+    assert decoder.facts["lean_step"] == "captured" and codes, decoder.facts
+    calls = [line for code in codes for line in code.splitlines()
+             if "assert_size_stride(" in line or "assert_alignment(" in line]
+    assert not calls, calls[:3]
 
 
 def test_lean_runs_through_its_runner(tiny_model_dir, prompts_file, tmp_path):
