@@ -158,8 +158,8 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
     `protocol.min_iterations` (at least MIN_ROUNDS) and `min_duration_s` (timed seconds per variant)
     are floors; `max_rounds` and `max_duration_s` (from the first round) are the budget. `stop(intervals)`
     (candidate name -> ratio name -> interval, after each round once the floors are met) may end the rounds
-    early with a reason (`stopped_by` "early: <reason>"): tune's rule that a candidate whose interval is
-    wholly behind the leader's cannot win, so more rounds would not change the decision.
+    early with a reason (`stopped_by` "early: <reason>"): tune's rule that a candidate whose interval already
+    settles its place (below the baseline, behind the leader, or ahead of both) needs no more rounds.
     """
     for i, v in enumerate(variants):
         if protocol.warmup > 0:  # warmup 0 asks for none: the first round is timed as it comes

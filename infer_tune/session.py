@@ -78,7 +78,7 @@ class SweepPlan:
       to the results what the command's own options define (goodput under its SLOs, a plot over one
       context length); the engine rewrites the results it changed and writes the files into each.
     - `stop_rounds(intervals) -> reason | None`: may end a group's interleaved rounds early
-      (rounds.run_rounds' `stop`; tune: a candidate wholly behind the leader).
+      (rounds.run_rounds' `stop`; tune: a candidate whose interval settles its place, `scenarios/tune.decided`).
     - `skipped`: filled by the engine, in config order.
     - `baseline`: filled by the engine before `conclude` runs: the baseline the rows were measured against
       last (its rounds are those of the last group measured; `metrics.rounds.group` says which rows shared

@@ -100,35 +100,50 @@ def serving_terms(tune: TuneSpec, requests: int) -> dict | None:
             "baseline": "the plain model serving the same trace one request at a time, first come first served"}
 
 
-def _plan(tune: TuneSpec, leader: tuple[str, float] | None = None) -> SweepPlan | None:
+def _plan(tune: TuneSpec, leader: tuple[str, float, float] | None = None, *,
+          settle: bool = True) -> SweepPlan | None:
     """What tune asks of the sweep engine beyond its configs: for the goodput objective, the goodput keys
     under its SLOs, taken against the baseline the rows were measured beside (scenarios/tune_goodput.py);
-    for the others, rounds that end early once the candidate's objective interval lies wholly below the
-    lower bound of the leader's (`leader`: its label and that bound), since it cannot win (`behind`)."""
+    for the others, rounds that end once the candidate's place in the decision is settled by its objective
+    interval (`decided`; `leader`: the eligible leader's label and interval bounds, None before one exists);
+    none with `settle` off (contenders measured again together must separate from one another)."""
     if tune.objective == "goodput":
         from infer_tune.scenarios.tune_goodput import goodput_keys
 
         plan = SweepPlan()
         plan.conclude = lambda docs, _: goodput_keys(docs, plan.baseline, tune.slo, tune.rate)
         return plan
-    if leader is None:
+    if not settle:
         return None
-    return SweepPlan(stop_rounds=functools.partial(behind, OBJECTIVE_KEYS[tune.objective], leader))
+    return SweepPlan(stop_rounds=functools.partial(decided, OBJECTIVE_KEYS[tune.objective], leader))
 
 
-def behind(key: str, leader: tuple[str, float], found: dict[str, dict]) -> str | None:
-    """Why every candidate of a group of rounds is out of the running: the upper end of its `key` interval
-    below the leader's lower bound (None while any candidate's interval still reaches it)."""
-    label, low = leader
-    highs = []
+def decided(key: str, leader: tuple[str, float, float] | None, found: dict[str, dict]) -> str | None:
+    """Why more rounds would not change what the search does with every candidate of a group of rounds
+    (None while one is still open). A candidate is settled when the 95% interval of its `key` ratio over
+    the baseline lies wholly
+    - below 1: it does not beat the baseline, so it cannot be eligible;
+    - below the leader's lower bound: it cannot win;
+    - above 1 and above the leader's upper bound (or above 1 with no leader yet): it beats the baseline and
+      leads, separated from the rest so far.
+    What is left open is only where an interval overlaps 1 or the leader's: those rounds go on to the target
+    or the budget, and candidates that end overlapping the winner are measured again together (`_decide`)."""
+    why = []
     for intervals in found.values():
         interval = intervals.get(key)
         if not interval:
             return None
-        highs.append(interval["ci95"][1])
-    if highs and max(highs) < low:
-        return f"{key} at most {max(highs):.2f} (95% interval), below the leader {label}'s {low:.2f}"
-    return None
+        low, high = interval["ci95"]
+        if high < 1.0:
+            why.append(f"{key} at most {high:.2f} (95% interval): not above the baseline")
+        elif leader is not None and high < leader[1]:
+            why.append(f"{key} at most {high:.2f} (95% interval), below the leader {leader[0]}'s {leader[1]:.2f}")
+        elif low > 1.0 and (leader is None or low > leader[2]):
+            ahead = "" if leader is None else f" and the leader {leader[0]}'s upper bound {leader[2]:.2f}"
+            why.append(f"{key} at least {low:.2f} (95% interval), above the baseline{ahead}")
+        else:
+            return None
+    return "; ".join(why) if why else None
 
 
 class Budget:
@@ -270,7 +285,7 @@ def _decide(candidates: list[Candidate], baseline: dict, run, spec: RunSpec, tun
                 else:
                     _, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol,
                                           [c.config for c in contenders], ctx, measure_ppl=spec.measure_ppl,
-                                          plan=_plan(tune))
+                                          plan=_plan(tune, settle=False))
             except InferTuneError as exc:
                 notes.append(f"contenders not measured again: {exc}")
             else:
@@ -287,22 +302,23 @@ def _decide(candidates: list[Candidate], baseline: dict, run, spec: RunSpec, tun
     return winner
 
 
-def _leader(candidates: list[Candidate], objective: str) -> tuple[str, float] | None:
-    """(label, lower bound of its objective interval) of the eligible candidate leading so far."""
+def _leader(candidates: list[Candidate], objective: str) -> tuple[str, float, float] | None:
+    """(label, lower and upper bound of its objective interval) of the eligible candidate leading so far
+    (the highest lower bound)."""
     from infer_tune.report.recommend import interval_of
 
     scored = [(interval_of(c.doc, objective), c.label) for c in candidates if c.eligible and c.doc is not None]
-    scored = [(iv[0], label) for iv, label in scored if iv]
+    scored = [(iv[0], iv[2], label) for iv, label in scored if iv]
     if not scored:
         return None
-    low, label = max(scored)
-    return label, low
+    low, high, label = max(scored)
+    return label, low, high
 
 
 def _measure(cand: Candidate, run, spec: RunSpec, tune: TuneSpec, ctx, budget: Budget,
-             leader: tuple[str, float] | None = None) -> None:
-    """Measure one candidate against the baseline (a saved result) and judge it; failures are listed. With a
-    `leader`, its rounds end early once its interval is wholly behind the leader's (`behind`)."""
+             leader: tuple[str, float, float] | None = None) -> None:
+    """Measure one candidate against the baseline (a saved result) and judge it; failures are listed. Its
+    rounds end once its interval settles its place against the baseline and the `leader` (`decided`)."""
     from infer_tune import executors
 
     started = time.monotonic()
