@@ -8,8 +8,13 @@ kernels, attention, the compiled graph's own time = inductor's wrapper and fused
 calls per step, and the time the weights' bytes need at the host's measured bandwidth (the roofline).
 Profiling adds overhead of its own; the unprofiled decode speed is printed beside it.
 
+`--ab-checks N`: also compiles the same step with inductor's per-call input checks kept (what the lean
+step drops, `loop.CHECKED_ONCE`) and decodes with the two in N interleaved rounds (order alternating), then
+prints each one's median and the 95% interval of the per-round speed ratio (without / with the checks).
+
     flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/decode_profile.py --threads 2
     flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/decode_profile.py --threads 2 --activations bf16 --attention sdpa
+    flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/decode_profile.py --threads 2 --cpp-wrapper --ab-checks 9
 
 Not a test: read the shares of one run.
 """
@@ -39,6 +44,8 @@ def main() -> None:
     p.add_argument("--short", type=int, default=16, help="tokens of the shorter profiled decode")
     p.add_argument("--long", type=int, default=48, help="tokens of the longer one")
     p.add_argument("--top", type=int, default=14)
+    p.add_argument("--ab-checks", type=int, default=0, metavar="N",
+                   help="interleaved rounds against the same step compiled with inductor's per-call checks")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     from torch.profiler import ProfilerActivity, profile
@@ -67,12 +74,16 @@ def main() -> None:
     print(f"{args.method} ({args.activations} activations), decode kernels {record['decode']['chosen']}, step "
           f"{decoder.facts.get('lean_step')}, attention {decoder.facts.get('lean_attention')}, "
           f"compiled in {time.perf_counter() - started:.0f} s, {torch.get_num_threads()} threads")
-    speeds = []
-    for _ in range(3):
-        _, token_ns, _, _ = decoder.generate(ids, args.long + 1, eos)
-        speeds.append((len(token_ns) - 1) * 1e9 / (token_ns[-1] - token_ns[0]))
+    def decode_tok_s(dec: LeanDecoder) -> float:
+        _, token_ns, _, _ = dec.generate(ids, args.long + 1, eos)
+        return (len(token_ns) - 1) * 1e9 / (token_ns[-1] - token_ns[0])
+
+    speeds = [decode_tok_s(decoder) for _ in range(3)]
     print(f"unprofiled decode: {', '.join(f'{v:.1f}' for v in speeds)} tok/s "
           f"(median {statistics.median(speeds):.1f}: {1000 / statistics.median(speeds):.2f} ms/step)")
+
+    if args.ab_checks:
+        ab_checks(decoder, decode_tok_s, args)
 
     def profiled(n: int) -> dict:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -93,6 +104,30 @@ def main() -> None:
     print(f"{'ms/step':>8} {'share':>6} {'calls':>6}  op")
     for ms, calls, key in rows[::-1][:args.top]:
         print(f"{ms:8.3f} {ms / total:6.1%} {calls:6.1f}  {key[:100]}")
+
+
+def ab_checks(decoder, decode_tok_s, args) -> None:
+    """The step as the lean path compiles it against the same step with inductor's per-call checks kept."""
+    from infer_tune.metrics.stats import log_ratio_interval
+    from infer_tune.tuners.lean import loop
+
+    dropped = loop.CHECKED_ONCE
+    loop.CHECKED_ONCE = {}
+    try:
+        checked = loop.LeanDecoder(decoder.model, compile=True, cpp_wrapper=args.cpp_wrapper,
+                                   native_attention=args.attention == "native")
+        decode_tok_s(checked)  # compiles, outside the rounds
+    finally:
+        loop.CHECKED_ONCE = dropped
+    without, kept = [], []
+    for r in range(args.ab_checks):
+        pair = [(without, decoder), (kept, checked)]
+        for out, dec in (pair if r % 2 == 0 else pair[::-1]):
+            out.append(decode_tok_s(dec))
+    ratio = log_ratio_interval([a / b for a, b in zip(without, kept)])
+    print(f"per-call checks dropped (the lean step): {statistics.median(without):.1f} tok/s median; kept: "
+          f"{statistics.median(kept):.1f}; ratio {ratio['point']:.3f} [{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}] "
+          f"(95%, {ratio['rounds']} interleaved rounds)")
 
 
 if __name__ == "__main__":

@@ -686,7 +686,7 @@ def test_tune_offers_int8_activations_as_their_own_method():
 
 
 def test_a_candidates_rounds_end_once_its_interval_settles_its_place():
-    from infer_tune.scenarios.tune import _leader, _plan, decided
+    from infer_tune.scenarios.tune import Leader, _leader, _plan, decided
     from infer_tune.scenarios.tune_plan import Candidate, TuneSpec
 
     key = "speedup_vs_baseline"
@@ -695,11 +695,11 @@ def test_a_candidates_rounds_end_once_its_interval_settles_its_place():
         return {f"c{i}": {key: {"ci95": list(b)}} for i, b in enumerate(bounds)}
 
     # behind the leader's lower bound: cannot win
-    assert decided(key, ("lean", 2.0, 2.2), group((1.6, 1.9))).startswith(f"{key} at most 1.90 (95% interval), below")
-    assert decided(key, ("lean", 1.8, 2.2), group((1.6, 1.9))) is None  # reaches the leader's interval: open
+    assert decided(key, Leader("lean", 2.0, 2.2), group((1.6, 1.9))).startswith(f"{key} at most 1.90 (95% interval), below")
+    assert decided(key, Leader("lean", 1.8, 2.2), group((1.6, 1.9))) is None  # reaches the leader's interval: open
     # ahead of the baseline and of the leader's upper bound: leads, separated
-    assert "the leader lean's upper bound 2.20" in decided(key, ("lean", 1.8, 2.2), group((2.3, 2.6)))
-    assert decided(key, ("lean", 1.8, 2.2), group((2.1, 2.6))) is None
+    assert "the leader lean's upper bound 2.20" in decided(key, Leader("lean", 1.8, 2.2), group((2.3, 2.6)))
+    assert decided(key, Leader("lean", 1.8, 2.2), group((2.1, 2.6))) is None
     # no leader yet: settled once the interval is wholly above 1, or wholly below it (never eligible)
     assert decided(key, None, group((1.05, 1.3))).endswith("above the baseline")
     assert "not above the baseline" in decided(key, None, group((0.7, 0.95)))
@@ -713,6 +713,6 @@ def test_a_candidates_rounds_end_once_its_interval_settles_its_place():
     other = Candidate(QuantizeConfig(method="bf16"), lossless=False, doc=_doc(9.0, speedup_vs_baseline=3.0,
                                                                               speedup_vs_baseline_ci95=[2.9, 3.1]))
     assert _leader([leader, other], "decode") == (leader.label, 2.4, 2.6)  # only eligible rows lead
-    assert _plan(TuneSpec(), None).stop_rounds is not None and _plan(TuneSpec(), ("lean", 2.4, 2.6)).stop_rounds
+    assert _plan(TuneSpec(), None).stop_rounds is not None and _plan(TuneSpec(), Leader("lean", 2.4, 2.6)).stop_rounds
     assert _plan(TuneSpec(), None, settle=False) is None  # contenders measured again: to the target
-    assert _plan(TuneSpec(objective="goodput"), ("lean", 2.4, 2.6)).stop_rounds is None
+    assert _plan(TuneSpec(objective="goodput"), Leader("lean", 2.4, 2.6)).stop_rounds is None

@@ -29,6 +29,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from infer_tune.errors import InferTuneError
 from infer_tune.report.recommend import OBJECTIVES as OBJECTIVE_KEYS
@@ -100,8 +101,15 @@ def serving_terms(tune: TuneSpec, requests: int) -> dict | None:
             "baseline": "the plain model serving the same trace one request at a time, first come first served"}
 
 
-def _plan(tune: TuneSpec, leader: tuple[str, float, float] | None = None, *,
-          settle: bool = True) -> SweepPlan | None:
+class Leader(NamedTuple):
+    """The eligible candidate leading so far and the bounds of its objective's 95% interval."""
+
+    label: str
+    low: float
+    high: float
+
+
+def _plan(tune: TuneSpec, leader: Leader | None = None, *, settle: bool = True) -> SweepPlan | None:
     """What tune asks of the sweep engine beyond its configs: for the goodput objective, the goodput keys
     under its SLOs, taken against the baseline the rows were measured beside (scenarios/tune_goodput.py);
     for the others, rounds that end once the candidate's place in the decision is settled by its objective
@@ -118,7 +126,7 @@ def _plan(tune: TuneSpec, leader: tuple[str, float, float] | None = None, *,
     return SweepPlan(stop_rounds=functools.partial(decided, OBJECTIVE_KEYS[tune.objective], leader))
 
 
-def decided(key: str, leader: tuple[str, float, float] | None, found: dict[str, dict]) -> str | None:
+def decided(key: str, leader: Leader | None, found: dict[str, dict]) -> str | None:
     """Why more rounds would not change what the search does with every candidate of a group of rounds
     (None while one is still open). A candidate is settled when the 95% interval of its `key` ratio over
     the baseline lies wholly
@@ -136,10 +144,10 @@ def decided(key: str, leader: tuple[str, float, float] | None, found: dict[str, 
         low, high = interval["ci95"]
         if high < 1.0:
             why.append(f"{key} at most {high:.2f} (95% interval): not above the baseline")
-        elif leader is not None and high < leader[1]:
-            why.append(f"{key} at most {high:.2f} (95% interval), below the leader {leader[0]}'s {leader[1]:.2f}")
-        elif low > 1.0 and (leader is None or low > leader[2]):
-            ahead = "" if leader is None else f" and the leader {leader[0]}'s upper bound {leader[2]:.2f}"
+        elif leader is not None and high < leader.low:
+            why.append(f"{key} at most {high:.2f} (95% interval), below the leader {leader.label}'s {leader.low:.2f}")
+        elif low > 1.0 and (leader is None or low > leader.high):
+            ahead = "" if leader is None else f" and the leader {leader.label}'s upper bound {leader.high:.2f}"
             why.append(f"{key} at least {low:.2f} (95% interval), above the baseline{ahead}")
         else:
             return None
@@ -302,9 +310,8 @@ def _decide(candidates: list[Candidate], baseline: dict, run, spec: RunSpec, tun
     return winner
 
 
-def _leader(candidates: list[Candidate], objective: str) -> tuple[str, float, float] | None:
-    """(label, lower and upper bound of its objective interval) of the eligible candidate leading so far
-    (the highest lower bound)."""
+def _leader(candidates: list[Candidate], objective: str) -> Leader | None:
+    """The eligible candidate leading so far (the highest lower bound of its objective interval)."""
     from infer_tune.report.recommend import interval_of
 
     scored = [(interval_of(c.doc, objective), c.label) for c in candidates if c.eligible and c.doc is not None]
@@ -312,11 +319,11 @@ def _leader(candidates: list[Candidate], objective: str) -> tuple[str, float, fl
     if not scored:
         return None
     low, high, label = max(scored)
-    return label, low, high
+    return Leader(label, low, high)
 
 
 def _measure(cand: Candidate, run, spec: RunSpec, tune: TuneSpec, ctx, budget: Budget,
-             leader: tuple[str, float, float] | None = None) -> None:
+             leader: Leader | None = None) -> None:
     """Measure one candidate against the baseline (a saved result) and judge it; failures are listed. Its
     rounds end once its interval settles its place against the baseline and the `leader` (`decided`)."""
     from infer_tune import executors

@@ -39,7 +39,7 @@ from infer_tune.runners.prepared import RunCounters
 
 _STEP_IDS = itertools.count()
 # inductor's per-call input checks, off in a captured step (its inputs are fixed once captured): about 300 checks
-# per SmolLM2 step, 162.8 -> 170.3 tok/s (C++ wrapper) and 153.9 -> 161.9 (Python wrapper), 9 interleaved rounds
+# per SmolLM2 step; `bench/decode_profile.py --ab-checks N` measures what dropping them gains (docs/tune.md)
 CHECKED_ONCE = {"size_asserts": False, "alignment_asserts": False}
 CACHE_BUCKET = 128  # static caches are sized to multiples of this: one compiled graph per size a run needs
 
@@ -129,7 +129,8 @@ class LeanDecoder:
             if token_id in eos_set and pin_length:
                 # greedy would stop here: recorded, then end-of-sequence suppressed. Only when the argmax is an
                 # end-of-sequence id does suppressing them change it, so the other steps take one argmax.
-                natural = step if natural is None else natural
+                if natural is None:
+                    natural = step
                 scores = scores.clone()
                 scores[:, eos] = -float("inf")
                 token = scores.argmax(-1)
