@@ -11,10 +11,13 @@ Profiling adds overhead of its own; the unprofiled decode speed is printed besid
 `--ab-checks N`: also compiles the same step with inductor's per-call input checks kept (what the lean
 step drops, `loop.CHECKED_ONCE`) and decodes with the two in N interleaved rounds (order alternating), then
 prints each one's median and the 95% interval of the per-round speed ratio (without / with the checks).
+`--ab-cache N`: the same, for the step decoding in a cache of `--big-cache` positions (one cache sized for
+a run's longest request, `LeanDecoder.one_cache`) against one sized for this prompt.
 
     flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/decode_profile.py --threads 2
     flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/decode_profile.py --threads 2 --activations bf16 --attention sdpa
     flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/decode_profile.py --threads 2 --cpp-wrapper --ab-checks 9
+    flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/decode_profile.py --threads 2 --ab-cache 9
 
 Not a test: read the shares of one run.
 """
@@ -46,6 +49,9 @@ def main() -> None:
     p.add_argument("--top", type=int, default=14)
     p.add_argument("--ab-checks", type=int, default=0, metavar="N",
                    help="interleaved rounds against the same step compiled with inductor's per-call checks")
+    p.add_argument("--ab-cache", type=int, default=0, metavar="N",
+                   help="interleaved rounds against the same step decoding in a cache of --big-cache positions")
+    p.add_argument("--big-cache", type=int, default=640, help="positions of the large cache of --ab-cache")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     from torch.profiler import ProfilerActivity, profile
@@ -84,6 +90,8 @@ def main() -> None:
 
     if args.ab_checks:
         ab_checks(decoder, decode_tok_s, args)
+    if args.ab_cache:
+        ab_cache(decoder, decode_tok_s, args)
 
     def profiled(n: int) -> dict:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -108,7 +116,6 @@ def main() -> None:
 
 def ab_checks(decoder, decode_tok_s, args) -> None:
     """The step as the lean path compiles it against the same step with inductor's per-call checks kept."""
-    from infer_tune.metrics.stats import log_ratio_interval
     from infer_tune.tuners.lean import loop
 
     dropped = loop.CHECKED_ONCE
@@ -119,15 +126,35 @@ def ab_checks(decoder, decode_tok_s, args) -> None:
         decode_tok_s(checked)  # compiles, outside the rounds
     finally:
         loop.CHECKED_ONCE = dropped
-    without, kept = [], []
-    for r in range(args.ab_checks):
-        pair = [(without, decoder), (kept, checked)]
+    interleaved(decoder, checked, args.ab_checks, decode_tok_s, "per-call checks dropped (the lean step)", "kept")
+
+
+def ab_cache(decoder, decode_tok_s, args) -> None:
+    """The step in a cache sized for this prompt against the same step in one of `--big-cache` positions."""
+    from infer_tune.tuners.lean import loop
+
+    big = loop.LeanDecoder(decoder.model, compile=True, cpp_wrapper=args.cpp_wrapper,
+                           native_attention=args.attention == "native")
+    big.reserve(args.big_cache)
+    decode_tok_s(big)  # compiles, outside the rounds
+    print(f"caches: {decoder.facts.get('lean_cache_buckets')} against {big.facts.get('lean_cache_buckets')} "
+          f"(one cache: {big.one_cache})")
+    interleaved(decoder, big, args.ab_cache, decode_tok_s, "cache sized for the prompt", f"{args.big_cache}-position")
+
+
+def interleaved(first, second, rounds: int, decode_tok_s, first_name: str, second_name: str) -> None:
+    """Decode with two decoders in `rounds` interleaved rounds (order alternating); print each one's median
+    tok/s and the 95% interval of the per-round ratio first / second."""
+    from infer_tune.metrics.stats import log_ratio_interval
+
+    a, b = [], []
+    for r in range(rounds):
+        pair = [(a, first), (b, second)]
         for out, dec in (pair if r % 2 == 0 else pair[::-1]):
             out.append(decode_tok_s(dec))
-    ratio = log_ratio_interval([a / b for a, b in zip(without, kept)])
-    print(f"per-call checks dropped (the lean step): {statistics.median(without):.1f} tok/s median; kept: "
-          f"{statistics.median(kept):.1f}; ratio {ratio['point']:.3f} [{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}] "
-          f"(95%, {ratio['rounds']} interleaved rounds)")
+    ratio = log_ratio_interval([x / y for x, y in zip(a, b)])
+    print(f"{first_name}: {statistics.median(a):.1f} tok/s median; {second_name}: {statistics.median(b):.1f}; ratio "
+          f"{ratio['point']:.3f} [{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}] (95%, {ratio['rounds']} interleaved rounds)")
 
 
 if __name__ == "__main__":

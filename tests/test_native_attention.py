@@ -82,8 +82,10 @@ def test_attending_switches_sdpa_models_only_inside_the_block(tiny_loaded):
 def test_compiled_lean_step_with_native_attention_decodes_as_eager(arch, step):
     """Greedy tokens of the captured step (native attention traced in) against the eager step (SDPA) on
     the same weights. Gemma3's sliding-window cache keeps per-step state: its step is guarded
-    torch.compile, which attends with the model's own SDPA (and says so)."""
-    from infer_tune.tuners.lean.loop import LeanDecoder
+    torch.compile, which attends with the model's own SDPA (and says so). The compiled decoder decodes in
+    one cache sized for the run's longest request (reserved: 384 positions), the eager one in the prompt's
+    own 128-position bucket: masked positions change nothing."""
+    from infer_tune.tuners.lean.loop import LeanDecoder, bucket
     from tests.conftest import build_tiny_tokenizer
     from tests.test_quantize_families import tiny
 
@@ -93,8 +95,12 @@ def test_compiled_lean_step_with_native_attention_decodes_as_eager(arch, step):
     eos = [model.config.eos_token_id]
     _, _, eager, _ = LeanDecoder(model, compile=False).generate(ids, 10, eos)
     compiled = LeanDecoder(copy.deepcopy(model), compile=True)
+    assert compiled.one_cache and not LeanDecoder(model, compile=True, native_attention=False).one_cache
+    compiled.reserve(300)
     _, _, tokens, _ = compiled.generate(ids, 10, eos)
     assert compiled.facts["lean_step"] == step, compiled.facts
     assert compiled.facts["lean_attention"] == (NAME if step == "captured" else "sdpa")
     assert tokens == eager
+    _, _, again, _ = compiled.generate(ids, 4, eos)  # a shorter request: the same cache, no second compile
+    assert again == eager[:4] and compiled.facts["lean_cache_buckets"] == [bucket(300)] == [384]
     assert model.config._attn_implementation == "sdpa"

@@ -105,6 +105,8 @@ def run_lean(prepared: PreparedModel, inputs, workload, protocol: Protocol,
         clock.step_ns, clock.step_tokens = list(token_ns), [1] * len(token_ns)
         return submit_ns, torch.tensor([tokens], dtype=torch.long), [natural]
 
+    # the longest request sizes the one cache when the step attends natively (loop.LeanDecoder.one_cache)
+    decoder.reserve(max((b["input_ids"].shape[1] for b in inputs.batches), default=0) + workload.max_new_tokens)
     # compiled: every prompt warms once, so each cache size compiles its step outside the timed passes
     run = measure_generation(prepared, inputs.batches, workload.max_new_tokens, protocol, progress=progress,
                              decode=decode, warm_every_batch=decoder.compile)

@@ -64,6 +64,7 @@ class LeanDecoder:
         self.cache = None
         self._step = None
         self._buckets: dict[int, tuple] = {}  # static cache size -> (cache, its decode step)
+        self._reserved = 0  # the most positions a run said it needs (`reserve`)
         # only the last position's logits: the prompt's other positions would cost a head matmul each
         forward_params = inspect.signature(model.forward).parameters
         self._extra = {"logits_to_keep": 1} if "logits_to_keep" in forward_params else {}
@@ -76,15 +77,40 @@ class LeanDecoder:
         else:
             self.facts["lean_prefill"] = "eager"
 
-    def _ensure_cache(self, needed: int, device: torch.device) -> None:
-        """The cache (and compiled step) of the smallest bucket that holds `needed` positions.
+    @property
+    def one_cache(self) -> bool:
+        """Whether every prompt decodes in one cache of the run's largest size (one compile, not one per size).
 
-        One per bucket, not one of the largest size: attention reads the whole static cache (masked),
-        so a 33-token prompt decoding in a 640-position cache sized for a 511-token one pays for 640.
+        True when the compiled step will attend with the native decode attention (the model attends with
+        SDPA in fp32 and the kernels build here): it neither reads nor exponentiates the positions the mask
+        hides, so a 33-token prompt in a 640-position cache costs what it costs in a 128-position one. Else
+        attention reads the whole static cache (masked), so each size a run needs gets its own cache and step.
         """
+        if not (self.compile and self.native_attention):
+            return False
+        from infer_tune.native.attention import register
+
+        config = getattr(self.model, "config", None)
+        dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), None)
+        return getattr(config, "_attn_implementation", None) == "sdpa" and dtype == torch.float32 \
+            and register() is not None
+
+    def reserve(self, needed: int) -> None:
+        """Say the most positions (prompt + new tokens) any request of the run needs: with `one_cache`, the
+        first cache is made that large, so the step compiles once for the whole run."""
+        self._reserved = max(self._reserved, needed)
+
+    def _ensure_cache(self, needed: int, device: torch.device) -> None:
+        """The cache (and compiled step) for `needed` positions: with `one_cache`, the run's one cache (the
+        largest reserved or needed so far); else the smallest bucket that holds them (attention reads the
+        whole static cache there, so a 33-token prompt decoding in a 640-position cache would pay for 640)."""
         from transformers import StaticCache
 
-        size = bucket(needed)
+        if self.one_cache:
+            held = [size for size in self._buckets if size >= needed]
+            size = max(held) if held else bucket(max(needed, self._reserved))
+        else:
+            size = bucket(needed)
         entry = self._buckets.get(size)
         if entry is None:
             cache = StaticCache(config=self.model.config, max_cache_len=size)
