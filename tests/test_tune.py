@@ -716,3 +716,52 @@ def test_a_candidates_rounds_end_once_its_interval_settles_its_place():
     assert _plan(TuneSpec(), None).stop_rounds is not None and _plan(TuneSpec(), Leader("lean", 2.4, 2.6)).stop_rounds
     assert _plan(TuneSpec(), None, settle=False) is None  # contenders measured again: to the target
     assert _plan(TuneSpec(objective="goodput"), Leader("lean", 2.4, 2.6)).stop_rounds is None
+
+
+def test_the_most_promising_method_shares_its_rounds_with_its_compiled_stacks(tiny_model_dir, prompts_file, tmp_path,
+                                                                              monkeypatch):
+    """The screen's first method and its lean stacks are measured in one group (one baseline pass per round
+    for all); its static-cache stack waits until the method may win; the next eligible method gets its own
+    stack after it. The leader after each measurement is kept, and the winner was found when it became the
+    leader for good. Measurements are injected (the search, not the speed, is under test)."""
+    from infer_tune.scenarios import tune as tune_module
+    from infer_tune.scenarios.common import RunSpec
+    from infer_tune.scenarios.tune_plan import TuneSpec
+    from infer_tune.workload import Protocol, Workload
+
+    speed = {"int4-rtn-auto-g32": (3.0, 2.8, 3.2), "int8-dynamic-auto": (2.0, 1.9, 2.1),
+             "int4-rtn-auto-g32+lean+compile": (9.0, 8.0, 10.0), "int4-rtn-auto-g32+lean+compile+cpp": (10.0, 9.6, 10.4),
+             "int4-rtn-auto-g32+static+compile": (4.0, 3.8, 4.2), "int8-dynamic-auto+lean+compile": (5.0, 4.8, 5.2),
+             "lean+compile": (1.5, 1.4, 1.6), "lean": (1.2, 1.1, 1.3)}
+    groups = []
+
+    def fake_run_configs(loaded, inputs, workload, protocol, configs, ctx, **_):
+        groups.append([c.label().replace("-torch-", "-auto-") for c in configs])
+        docs = []
+        for config, label in zip(configs, groups[-1]):
+            point, low, high = speed[label]
+            docs.append({"run_id": label, "label": label, "technique": config.technique, "config": config.to_dict(),
+                         "metrics": {"tpot_ms": {"p50": 100 / point}, "ttft_ms": {"p50": 50.0},
+                                     "speedup_vs_baseline": point, "speedup_vs_baseline_ci95": [low, high]}})
+        return None, docs
+
+    monkeypatch.setattr(tune_module, "run_configs", fake_run_configs)
+    monkeypatch.setattr(kernel_choice, "screen_kernels",  # int4 the most promising, then int8
+                        lambda shapes, rows, kind, **_: ({k: 1.0 if kind == "int4" else 1.5
+                                                          for k in kernel_choice.KERNELS[kind]}, 2.0))
+    spec = RunSpec(model=str(tiny_model_dir), workload=Workload(suite=str(prompts_file), limit=2, max_new_tokens=4),
+                   protocol=Protocol(warmup=0, min_iterations=1, min_duration_s=0), out_dir=tmp_path / "runs",
+                   measure_ppl=False)
+    outcome = tune_module.run_tune(spec, TuneSpec(methods=("int8-dynamic", "int4-rtn"), reference=False))
+    assert groups == [["int4-rtn-auto-g32", "int4-rtn-auto-g32+lean+compile", "int4-rtn-auto-g32+lean+compile+cpp"],
+                      ["int4-rtn-auto-g32+static+compile"], ["int8-dynamic-auto"],
+                      ["int8-dynamic-auto+lean+compile"], ["lean+compile"], ["lean"],
+                      # the two lean stacks' intervals overlap: measured again together at the end
+                      ["int4-rtn-auto-g32+lean+compile+cpp", "int4-rtn-auto-g32+lean+compile"]]
+    assert outcome.winner["label"] == "int4-rtn-auto-g32+lean+compile+cpp"
+    assert [e["leader"] for e in outcome.leaders] == ["int4-rtn-auto-g32+lean+compile+cpp"] * 6
+    assert outcome.winner_found_s == outcome.leaders[0]["s"] > 0
+    # the winner's own first measurement does not make it found: it must lead from then on
+    outcome.leaders[:] = [{"s": 1.0, "leader": "int4-rtn-auto-g32+lean+compile+cpp"}, {"s": 2.0, "leader": "other"},
+                          {"s": 3.0, "leader": "int4-rtn-auto-g32+lean+compile+cpp"}]
+    assert outcome.winner_found_s == 3.0 and outcome.to_dict()["leaders"][1]["leader"] == "other"

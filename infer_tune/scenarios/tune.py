@@ -6,8 +6,11 @@
 2. The baseline (reused from `out` when one of the same fingerprint is there), then llama.cpp on the
    same GGUF as a reference row when it is installed and the model came from a GGUF.
 3. Single techniques, most promising first, each measured against the baseline in the same run and
-   judged (tune_plan.judge); a quantize method that may win has its stacks (with the lean decode
-   path) measured right after it, so the likely winner is measured early in the budget. For the
+   judged (tune_plan.judge). The kernel screen's most promising quantize method is measured in one
+   group with its compiled stacks (tune_plan.beside_method: the lean decode path, and for the
+   throughput objective the batched stacks), sharing the baseline's passes, so the likely winner is
+   measured first in the budget and the baseline's slow passes are paid once for all of them; any
+   other quantize method that may win has its stacks measured right after it. For the
    goodput objective a method within the budgets gets its batched stacks, which replay a seeded
    Poisson trace and are judged on their goodput against the baseline serving the same trace one
    request at a time (scenarios/tune_goodput.py, added by the sweep engine's `conclude`).
@@ -17,7 +20,8 @@
    interval; candidates overlapping it are measured again together in shared rounds while the budget
    allows, and a winner still not separated is said so), else the baseline; a recipe that reproduces
    it (`bench --recipe`), its quantized weights copied out of the scratch area, and whether it beat
-   the reference.
+   the reference. The leader after every measurement is kept (`TuneOutcome.leaders`): the winner was
+   found when it became the leader for good (`winner_found_s`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from infer_tune.scenarios.common import RunSpec, open_run
 from infer_tune.scenarios.tune_plan import (
     Candidate,
     TuneSpec,
+    beside_method,
     decide,
     decode_tok_s,
     host_screen,
@@ -70,16 +75,25 @@ class TuneOutcome:
     notes: list[str] = field(default_factory=list)
     objective: str = "decode"
     serving: dict | None = None  # goodput: the load offered and the SLOs (`serving_terms`)
+    leaders: list[dict] = field(default_factory=list)  # after each measurement: {"s", "leader"} (None: none yet)
 
     def tried(self) -> list[dict]:
         return [c.summary() for c in self.candidates]
 
     @property
     def winner_found_s(self) -> float | None:
-        """Seconds into the search when the winner's first measurement finished (None: the baseline won)."""
-        found = [c.measured_at_s for c in self.candidates if c.doc is not None
-                 and c.doc.get("run_id") == self.winner.get("run_id") and c.measured_at_s is not None]
-        return min(found) if found else None
+        """Seconds into the search from when the winner led for good: the first of the measurements after
+        which it was the leader every time (None: the baseline won)."""
+        if self.winner.get("technique") == "baseline":
+            return None
+        label = self.winner.get("label")
+        found = None
+        for entry in self.leaders:
+            if entry["leader"] != label:
+                found = None
+            elif found is None:
+                found = entry["s"]
+        return found
 
     def to_dict(self) -> dict:
         """The --json document: `winner` (a result document) and `tried`, plus where things are."""
@@ -87,7 +101,7 @@ class TuneOutcome:
                 "reference": self.reference, "versus_reference": self.versus_reference,
                 "kernel_screen": self.screen, "recipe": str(self.recipe_path), "command": self.command,
                 "weights_dir": str(self.weights_dir) if self.weights_dir else None, "elapsed_s": self.elapsed_s,
-                "winner_found_s": self.winner_found_s,
+                "winner_found_s": self.winner_found_s, "leaders": self.leaders,
                 "notes": self.notes, "objective": self.objective, "serving": self.serving}
 
 
@@ -174,10 +188,17 @@ class Budget:
         return base
 
     def fits(self, cand: Candidate) -> bool:
-        return self.elapsed + self.expected(cand) <= self.seconds
+        return self.fits_all([cand])
 
-    def record(self, cand: Candidate, seconds: float) -> None:
-        (self.compile_costs if cand.compiles else self.costs).append(seconds)
+    def fits_all(self, cands: list[Candidate]) -> bool:
+        """Whether `cands` measured one after another would end within the budget (a group in shared rounds
+        costs less: one baseline pass per round for all of them)."""
+        return self.elapsed + sum(self.expected(c) for c in cands) <= self.seconds
+
+    def record(self, cands: list[Candidate], seconds: float) -> None:
+        """What a group of candidates cost, counted as an equal share per candidate."""
+        for cand in cands:
+            (self.compile_costs if cand.compiles else self.costs).append(seconds / len(cands))
 
 
 def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None) -> TuneOutcome:
@@ -208,8 +229,10 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
                          f"{terms['baseline']}, from its own times measured in the same rounds")
         candidates = single_candidates(tune, screen)
         queue = [c for c in candidates if c.status == "pending"]
+        leaders: list[dict] = []
         best: tuple | None = None
         stacked = 0
+        speculated = False
         done = 0
         while queue:
             cand = queue.pop(0)
@@ -220,21 +243,35 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
                 cand.reason = (f"time budget: {budget.elapsed:.0f} s used of {budget.seconds:.0f}, this one expected "
                                f"to take {budget.expected(cand):.0f} s")
                 continue
+            group, later = [cand], []
+            if not speculated and cand.config.technique == "quantize":  # the screen's most promising method
+                speculated = True
+                beside, later = beside_method(tune, cand)
+                if beside and budget.fits_all([cand, *beside]):
+                    group += beside
+                    candidates += beside
+                    total += len(beside)
             unit = {"decode": "tok/s", "ttft": "ms TTFT", "throughput": "tok/s out", "goodput": "good req/s"}[
                 tune.objective]
             shown = f"{best[0]} {best[1]:.1f} {unit}" if best else "the baseline"
-            note(f"tune: trying {cand.label} ({done}/{total}), best so far {shown}", done - 1, total)
-            _measure(cand, run, spec, tune, ctx, budget, leader=_leader(candidates, tune.objective))
-            value = score(cand.doc, tune.objective) if cand.doc else None
-            if cand.eligible and value is not None and (best is None or value > best[2]):
-                best = (cand.label, abs(value), value)
+            along = f" with {len(group) - 1} of its stacks in the same rounds" if len(group) > 1 else ""
+            note(f"tune: trying {cand.label}{along} ({done}/{total}), best so far {shown}", done - 1, total)
+            _measure(group, run, spec, tune, ctx, budget, leader=_leader(candidates, tune.objective))
+            done += len(group) - 1
+            for measured in group:
+                value = score(measured.doc, tune.objective) if measured.doc else None
+                if measured.eligible and value is not None and (best is None or value > best[2]):
+                    best = (measured.label, abs(value), value)
+            leaders.append(_lead(candidates, tune.objective, budget))
             if may_stack(cand, tune) and cand.method and cand.config.technique == "quantize" \
                     and stacked < STACKED_METHODS:
-                stacks = stack_candidates(tune, [cand], first=stacked == 0)
+                stacks = later if len(group) > 1 else stack_candidates(tune, [cand], first=stacked == 0)
                 stacked += 1
                 candidates += stacks
                 queue[:0] = stacks  # the stacks of a method that may win are measured next
         winner = _decide(candidates, baseline, run, spec, tune, ctx, budget, notes, note)
+        if not leaders or leaders[-1]["leader"] != (None if winner is baseline else winner.get("label")):
+            leaders.append({"s": budget.elapsed, "leader": None if winner is baseline else winner.get("label")})
         if tune.objective == "goodput" and not any(c.doc and c.doc["metrics"].get("goodput_req_s") is not None
                                                    for c in candidates):
             notes.append("no batched stack served the trace: they stack on the quantize methods within the "
@@ -249,7 +286,7 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
     return TuneOutcome(baseline=baseline, winner=winner, candidates=candidates, reference=reference, screen=screen,
                        tune_dir=tune_dir, recipe_path=recipe_path, command=command, weights_dir=weights,
                        versus_reference=versus_reference(winner, reference), elapsed_s=budget.elapsed, notes=notes,
-                       objective=tune.objective, serving=terms)
+                       objective=tune.objective, serving=terms, leaders=leaders)
 
 
 def check_serving(spec: RunSpec, tune: TuneSpec, *, remote: bool | None = None) -> None:
@@ -322,27 +359,41 @@ def _leader(candidates: list[Candidate], objective: str) -> Leader | None:
     return Leader(label, low, high)
 
 
-def _measure(cand: Candidate, run, spec: RunSpec, tune: TuneSpec, ctx, budget: Budget,
+def _lead(candidates: list[Candidate], objective: str, budget: Budget) -> dict:
+    """The leader now, for the outcome's timeline."""
+    leader = _leader(candidates, objective)
+    return {"s": budget.elapsed, "leader": leader.label if leader else None}
+
+
+def _measure(group: list[Candidate], run, spec: RunSpec, tune: TuneSpec, ctx, budget: Budget,
              leader: Leader | None = None) -> None:
-    """Measure one candidate against the baseline (a saved result) and judge it; failures are listed. Its
-    rounds end once its interval settles its place against the baseline and the `leader` (`decided`)."""
+    """Measure candidates against the baseline, together in shared rounds (saved results), and judge each;
+    failures are listed (a group that fails is measured again one candidate at a time, so one that cannot
+    run here does not take the others with it). The rounds end once every interval settles its
+    candidate's place against the baseline and the `leader` (`decided`)."""
     from infer_tune import executors
 
     started = time.monotonic()
     try:
         if (executor := executors.current()) is not None:  # e.g. Ray: measured with its node's baseline there
-            _, docs = executor.run_configs(spec, [cand.config])
+            _, docs = executor.run_configs(spec, [c.config for c in group])
         else:
-            _, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol, [cand.config], ctx,
-                                  resume=spec.resume, reuse_baseline=True, measure_ppl=spec.measure_ppl,
+            _, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol, [c.config for c in group],
+                                  ctx, resume=spec.resume, reuse_baseline=True, measure_ppl=spec.measure_ppl,
                                   plan=_plan(tune, leader))
     except InferTuneError as exc:  # a candidate this model or host cannot run: listed, not fatal
-        cand.status, cand.reason = "failed", str(exc)
+        if len(group) > 1:
+            budget.record(group, time.monotonic() - started)
+            for cand in group:
+                _measure([cand], run, spec, tune, ctx, budget, leader=leader)
+            return
+        group[0].status, group[0].reason = "failed", str(exc)
+        budget.record(group, time.monotonic() - started)
         return
-    finally:
-        budget.record(cand, time.monotonic() - started)
-    cand.doc, cand.status, cand.measured_at_s = docs[0], "measured", budget.elapsed
-    _apply(cand, judge(cand.doc, tune, lossless_claimed=cand.lossless))
+    budget.record(group, time.monotonic() - started)
+    for cand, doc in zip(group, docs):
+        cand.doc, cand.status, cand.measured_at_s = doc, "measured", budget.elapsed
+        _apply(cand, judge(cand.doc, tune, lossless_claimed=cand.lossless))
 
 
 def _apply(cand: Candidate, verdict) -> None:

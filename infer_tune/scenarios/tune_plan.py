@@ -338,6 +338,23 @@ def stack_candidates(spec: TuneSpec, methods: list[Candidate], *, first: bool = 
     return out
 
 
+def beside_method(spec: TuneSpec, cand: Candidate) -> tuple[list[Candidate], list[Candidate]]:
+    """The stacks of the kernel screen's most promising quantize method split in two: those measured in the
+    same group of rounds as the method itself, before its own row says whether it may win (the lean decode
+    path with a compiled step, and for the throughput objective the batched stacks: the likely winners),
+    and the rest, measured after it only if it may win (a static compiled cache through generate()). The
+    group shares the baseline's passes, the slowest part of every round. Nothing beside it for the goodput
+    objective (its batched stacks are judged on goodput keys taken one row at a time) or where there are no
+    stacks (ttft)."""
+    from infer_tune.tuners.kv_cache import KVCacheConfig
+
+    if spec.objective == "goodput":
+        return [], []
+    stacks = stack_candidates(spec, [cand], first=True)
+    after = [isinstance(s.config.configs[-1], KVCacheConfig) for s in stacks]
+    return [s for s, a in zip(stacks, after) if not a], [s for s, a in zip(stacks, after) if a]
+
+
 BATCH_SLOTS = (4, 8)  # slots of the batched candidates (the issue's reference serves 4 in parallel)
 BURST_RATE = 1000.0  # requests/s: every request of the workload arrives at once, so a row measures capacity
 
