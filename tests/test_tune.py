@@ -740,7 +740,8 @@ def test_the_most_promising_method_shares_its_rounds_with_its_compiled_stacks(ti
         docs = []
         for config, label in zip(configs, groups[-1]):
             point, low, high = speed[label]
-            docs.append({"run_id": label, "label": label, "technique": config.technique, "config": config.to_dict(),
+            docs.append({"run_id": label, "label": f"{label} (resolved)", "technique": config.technique,
+                         "config": config.to_dict(),
                          "metrics": {"tpot_ms": {"p50": 100 / point}, "ttft_ms": {"p50": 50.0},
                                      "speedup_vs_baseline": point, "speedup_vs_baseline_ci95": [low, high]}})
         return None, docs
@@ -758,7 +759,7 @@ def test_the_most_promising_method_shares_its_rounds_with_its_compiled_stacks(ti
                       ["int8-dynamic-auto+lean+compile"], ["lean+compile"], ["lean"],
                       # the two lean stacks' intervals overlap: measured again together at the end
                       ["int4-rtn-auto-g32+lean+compile+cpp", "int4-rtn-auto-g32+lean+compile"]]
-    assert outcome.winner["label"] == "int4-rtn-auto-g32+lean+compile+cpp"
+    assert outcome.winner["run_id"] == outcome.winner_label == "int4-rtn-auto-g32+lean+compile+cpp"
     assert [e["leader"] for e in outcome.leaders] == ["int4-rtn-auto-g32+lean+compile+cpp"] * 6
     assert outcome.winner_found_s == outcome.leaders[0]["s"] > 0
     # the winner's own first measurement does not make it found: it must lead from then on

@@ -67,7 +67,6 @@ def test_kernel_computes_its_numerics(n, k, group, rows):
 
 
 @needs_kernel
-@needs_kernel
 @pytest.mark.parametrize("n,k", [(64, 64), (20, 96), (8, 576)])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_int8_head_kernel_computes_its_numerics(n, k, rows):

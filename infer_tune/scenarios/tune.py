@@ -3,8 +3,8 @@
 1. The kernel screen (tune_plan.host_screen): every quantize method's candidate kernels timed on the
    model's own Linear shapes, interleaved with fp32; a method whose best kernel's 95% interval says
    slower than fp32 cannot win on this host and is pruned with that interval as the reason.
-2. The baseline (reused from `out` when one of the same fingerprint is there), then llama.cpp on the
-   same GGUF as a reference row when it is installed and the model came from a GGUF.
+2. The baseline: measured in the rounds of the first group, beside the candidates (no pass of its own
+   before them); alone only when nothing else was measured.
 3. Single techniques, most promising first, each measured against the baseline in the same run and
    judged (tune_plan.judge). The kernel screen's most promising quantize method is measured in one
    group with its compiled stacks (tune_plan.beside_method: the lean decode path, and for the
@@ -20,7 +20,8 @@
    interval; candidates overlapping it are measured again together in shared rounds while the budget
    allows, and a winner still not separated is said so), else the baseline; a recipe that reproduces
    it (`bench --recipe`), its quantized weights copied out of the scratch area, and whether it beat
-   the reference. The leader after every measurement is kept (`TuneOutcome.leaders`): the winner was
+   llama.cpp on the same GGUF (a reference row, measured after the search when it is installed and the
+   model came from a GGUF). The leader after every measurement is kept (`TuneOutcome.leaders`): the winner was
    found when it became the leader for good (`winner_found_s`).
 """
 
@@ -81,12 +82,18 @@ class TuneOutcome:
         return [c.summary() for c in self.candidates]
 
     @property
+    def winner_label(self) -> str | None:
+        """The winning candidate's label as `leaders` names it (its config as tried; the saved row's label has
+        the choices resolved on this host, e.g. `auto` kernels named). None when the baseline won."""
+        return winner_label(self.candidates, self.winner)
+
+    @property
     def winner_found_s(self) -> float | None:
         """Seconds into the search from when the winner led for good: the first of the measurements after
         which it was the leader every time (None: the baseline won)."""
-        if self.winner.get("technique") == "baseline":
+        label = self.winner_label
+        if label is None:
             return None
-        label = self.winner.get("label")
         found = None
         for entry in self.leaders:
             if entry["leader"] != label:
@@ -217,11 +224,8 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
         note("tune: timing kernels on this model's shapes", 0, 1)
         screen = host_screen(run.loaded.model, tune.methods, ctx.cache["prefill_rows"])
         note("tune: timing kernels on this model's shapes", 1, 1)
-        started = time.monotonic()
-        baseline, _, _ = ensure_baseline(run.loaded, run.inputs, spec.workload, spec.protocol, ctx,
-                                         reuse=spec.resume, measure_ppl=spec.measure_ppl)
-        budget.costs.append(time.monotonic() - started)
-        reference, notes = _reference(run, spec, tune, ctx)
+        notes: list[str] = []
+        baseline: dict | None = None  # measured in the rounds of the first group (no pass of its own before)
         terms = serving_terms(tune, len(run.inputs.prompts))
         if terms is not None:
             notes.append(f"goodput: {terms['goodput']}, SLOs {slo_text(tune)}; a seeded Poisson trace of "
@@ -256,7 +260,8 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
             shown = f"{best[0]} {best[1]:.1f} {unit}" if best else "the baseline"
             along = f" with {len(group) - 1} of its stacks in the same rounds" if len(group) > 1 else ""
             note(f"tune: trying {cand.label}{along} ({done}/{total}), best so far {shown}", done - 1, total)
-            _measure(group, run, spec, tune, ctx, budget, leader=_leader(candidates, tune.objective))
+            baseline = _measure(group, run, spec, tune, ctx, budget, leader=_leader(candidates, tune.objective)) \
+                or baseline
             done += len(group) - 1
             for measured in group:
                 value = score(measured.doc, tune.objective) if measured.doc else None
@@ -269,9 +274,15 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
                 stacked += 1
                 candidates += stacks
                 queue[:0] = stacks  # the stacks of a method that may win are measured next
+        if baseline is None:  # nothing was measured (every candidate pruned or skipped): the baseline alone
+            baseline, _, _ = ensure_baseline(run.loaded, run.inputs, spec.workload, spec.protocol, ctx,
+                                             reuse=spec.resume, measure_ppl=spec.measure_ppl)
+        reference, found = _reference(run, spec, tune, ctx)
+        notes[:0] = found
         winner = _decide(candidates, baseline, run, spec, tune, ctx, budget, notes, note)
-        if not leaders or leaders[-1]["leader"] != (None if winner is baseline else winner.get("label")):
-            leaders.append({"s": budget.elapsed, "leader": None if winner is baseline else winner.get("label")})
+        final = winner_label(candidates, winner)
+        if not leaders or leaders[-1]["leader"] != final:
+            leaders.append({"s": budget.elapsed, "leader": final})
         if tune.objective == "goodput" and not any(c.doc and c.doc["metrics"].get("goodput_req_s") is not None
                                                    for c in candidates):
             notes.append("no batched stack served the trace: they stack on the quantize methods within the "
@@ -359,6 +370,12 @@ def _leader(candidates: list[Candidate], objective: str) -> Leader | None:
     return Leader(label, low, high)
 
 
+def winner_label(candidates: list[Candidate], winner: dict) -> str | None:
+    """The label of the candidate whose measured row is `winner` (None: the baseline)."""
+    return next((c.label for c in candidates if c.doc is not None and winner.get("technique") != "baseline"
+                 and c.doc.get("run_id") == winner.get("run_id")), None)
+
+
 def _lead(candidates: list[Candidate], objective: str, budget: Budget) -> dict:
     """The leader now, for the outcome's timeline."""
     leader = _leader(candidates, objective)
@@ -366,34 +383,34 @@ def _lead(candidates: list[Candidate], objective: str, budget: Budget) -> dict:
 
 
 def _measure(group: list[Candidate], run, spec: RunSpec, tune: TuneSpec, ctx, budget: Budget,
-             leader: Leader | None = None) -> None:
+             leader: Leader | None = None) -> dict | None:
     """Measure candidates against the baseline, together in shared rounds (saved results), and judge each;
     failures are listed (a group that fails is measured again one candidate at a time, so one that cannot
     run here does not take the others with it). The rounds end once every interval settles its
-    candidate's place against the baseline and the `leader` (`decided`)."""
+    candidate's place against the baseline and the `leader` (`decided`). Returns the baseline of those
+    rounds (None when nothing was measured)."""
     from infer_tune import executors
 
     started = time.monotonic()
     try:
         if (executor := executors.current()) is not None:  # e.g. Ray: measured with its node's baseline there
-            _, docs = executor.run_configs(spec, [c.config for c in group])
+            baseline, docs = executor.run_configs(spec, [c.config for c in group])
         else:
-            _, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol, [c.config for c in group],
+            baseline, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol, [c.config for c in group],
                                   ctx, resume=spec.resume, reuse_baseline=True, measure_ppl=spec.measure_ppl,
                                   plan=_plan(tune, leader))
     except InferTuneError as exc:  # a candidate this model or host cannot run: listed, not fatal
-        if len(group) > 1:
-            budget.record(group, time.monotonic() - started)
-            for cand in group:
-                _measure([cand], run, spec, tune, ctx, budget, leader=leader)
-            return
-        group[0].status, group[0].reason = "failed", str(exc)
         budget.record(group, time.monotonic() - started)
-        return
+        if len(group) > 1:
+            found = [_measure([cand], run, spec, tune, ctx, budget, leader=leader) for cand in group]
+            return next((b for b in reversed(found) if b is not None), None)
+        group[0].status, group[0].reason = "failed", str(exc)
+        return None
     budget.record(group, time.monotonic() - started)
     for cand, doc in zip(group, docs):
         cand.doc, cand.status, cand.measured_at_s = doc, "measured", budget.elapsed
         _apply(cand, judge(cand.doc, tune, lossless_claimed=cand.lossless))
+    return baseline
 
 
 def _apply(cand: Candidate, verdict) -> None:
