@@ -5,8 +5,9 @@ optionally inductor's C++ wrapper), decodes once to compile, then profiles two d
 from the same prompt with torch.profiler and takes their difference, so the prefill and the first step
 cancel and what is left is per decode step. Prints, per step: each op's self time (the int4 / int8
 kernels, attention, the compiled graph's own time = inductor's wrapper and fused kernels), its share,
-calls per step, and the time the weights' bytes need at the host's measured bandwidth (the roofline).
-Profiling adds overhead of its own; the unprofiled decode speed is printed beside it.
+calls per step, and the time the weights' bytes and the cache's (fp32 keys and values up to the mean
+profiled position) need at the host's measured bandwidth (the roofline). Profiling adds overhead of its
+own; the unprofiled decode speed is printed beside it. `--prompt-tokens N` decodes after a longer prompt.
 
 `--ab-checks N`: also compiles the same step with inductor's per-call input checks kept (what the lean
 step drops, `loop.CHECKED_ONCE`) and decodes with the two in N interleaved rounds (order alternating), then
@@ -47,6 +48,8 @@ def main() -> None:
     p.add_argument("--short", type=int, default=16, help="tokens of the shorter profiled decode")
     p.add_argument("--long", type=int, default=48, help="tokens of the longer one")
     p.add_argument("--top", type=int, default=14)
+    p.add_argument("--prompt-tokens", type=int, default=0,
+                   help="decode after a prompt of about this many tokens (the request repeated; 0: the request once)")
     p.add_argument("--ab-checks", type=int, default=0, metavar="N",
                    help="interleaved rounds against the same step compiled with inductor's per-call checks")
     p.add_argument("--ab-cache", type=int, default=0, metavar="N",
@@ -67,8 +70,13 @@ def main() -> None:
     setup_threads(args.threads)
     loaded = models.load(args.model)
     tok = loaded.tokenizer
-    ids = tok.apply_chat_template([{"role": "user", "content": "Write quicksort in Python."}], add_generation_prompt=True,
+    request = "Write quicksort in Python."
+    ids = tok.apply_chat_template([{"role": "user", "content": request}], add_generation_prompt=True,
                                   return_tensors="pt", return_dict=True)["input_ids"]
+    while ids.shape[1] < args.prompt_tokens:  # a longer context: the request repeated
+        request += " Write quicksort in Python."
+        ids = tok.apply_chat_template([{"role": "user", "content": request}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
     eos = eos_ids(loaded.model, tok)
     model = copy.deepcopy(loaded.model)
     quantize_in_memory(model, QuantizeConfig(method=args.method, activations=args.activations), "torch")
@@ -77,7 +85,7 @@ def main() -> None:
     decoder = LeanDecoder(model, compile=True, cpp_wrapper=args.cpp_wrapper, native_attention=args.attention == "native")
     started = time.perf_counter()
     decoder.generate(ids, args.long + 1, eos)
-    print(f"{args.method} ({args.activations} activations), decode kernels {record['decode']['chosen']}, step "
+    print(f"prompt of {ids.shape[1]} tokens; {args.method} ({args.activations} activations), decode kernels {record['decode']['chosen']}, step "
           f"{decoder.facts.get('lean_step')}, attention {decoder.facts.get('lean_attention')}, "
           f"compiled in {time.perf_counter() - started:.0f} s, {torch.get_num_threads()} threads")
     def decode_tok_s(dec: LeanDecoder) -> float:
@@ -105,8 +113,14 @@ def main() -> None:
     total = sum(r[0] for r in rows)
     reading = bandwidth_reading()
     weight_bytes = models.model_bytes(model)
-    need_ms = weight_bytes / (reading["gb_s"] * 1e9) * 1e3
-    print(f"profiled: {total:.2f} ms per decode step; the weights' {weight_bytes / 2**20:.1f} MiB need {need_ms:.2f} ms "
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    context = ids.shape[1] + (args.short + args.long) / 2  # the mean position of the profiled steps
+    kv_bytes = 2 * cfg.num_hidden_layers * kv_heads * head_dim * 4 * context  # fp32 keys and values read per step
+    need_ms = (weight_bytes + kv_bytes) / (reading["gb_s"] * 1e9) * 1e3
+    print(f"profiled: {total:.2f} ms per decode step; the weights' {weight_bytes / 2**20:.1f} MiB and the cache's "
+          f"{kv_bytes / 2**20:.1f} MiB need {need_ms:.2f} ms "
           f"at {reading['gb_s']:.1f} GB/s ({reading['source']}): roofline_fraction of this step "
           f"{need_ms / total:.2f} profiled, {need_ms * statistics.median(speeds) / 1000:.2f} unprofiled")
     print(f"{'ms/step':>8} {'share':>6} {'calls':>6}  op")
