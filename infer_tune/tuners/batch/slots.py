@@ -136,12 +136,15 @@ def _slot_layer_class():
             self.device, self.batch_size, self.num_heads = keys.device, keys.shape[0], keys.shape[1]
             self.k_head_dim, self.v_head_dim = keys.shape[-1], values.shape[-1]
             self.is_initialized = True
+            self.rows = torch.arange(keys.shape[0], device=keys.device)
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-            # key_states [rows, heads, 1, head_dim]: one new token per row, at that row's position
-            index = self.positions.view(-1, 1, 1, 1)
-            self.keys.scatter_(2, index.expand_as(key_states), key_states)
-            self.values.scatter_(2, index.expand_as(value_states), value_states)
+            # key_states [rows, heads, 1, head_dim]: one new token per row, at that row's position. Written as an
+            # index_put_ (row b, every head, position[b]): compiled, it stores the new entries in place, where a
+            # scatter_ was compiled to a copy of the whole cache every step (measured: a 2048-position cache
+            # took 49-56 ms a 4-row step, a 256-position one 16-21 ms)
+            self.keys[self.rows, :, self.positions] = key_states[:, :, 0]
+            self.values[self.rows, :, self.positions] = value_states[:, :, 0]
             return self.keys[:, :, :self.length], self.values[:, :, :self.length]
 
     return SlotLayer
