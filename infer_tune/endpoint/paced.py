@@ -112,9 +112,9 @@ class PacedState:
             s.left -= 1
             if s.left > 0:
                 heapq.heappush(self.heap, (due + interval, next(self.seq), s))
-            else:
-                s.transport.write(s.tail)
+            else:  # recorded before the tail goes out: a client that has read [DONE] finds its request in the truth
                 self._finish(s)
+                s.transport.write(s.tail)
             now = time.perf_counter_ns()
         self._arm()
 
