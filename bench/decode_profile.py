@@ -61,6 +61,7 @@ def main() -> None:
 
     from infer_tune import models
     from infer_tune.env import bandwidth_reading
+    from infer_tune.metrics import kv
     from infer_tune.runners.generation import eos_ids
     from infer_tune.scenarios.common import setup_threads
     from infer_tune.tuners.lean.loop import LeanDecoder
@@ -113,11 +114,8 @@ def main() -> None:
     total = sum(r[0] for r in rows)
     reading = bandwidth_reading()
     weight_bytes = models.model_bytes(model)
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     context = ids.shape[1] + (args.short + args.long) / 2  # the mean position of the profiled steps
-    kv_bytes = 2 * cfg.num_hidden_layers * kv_heads * head_dim * 4 * context  # fp32 keys and values read per step
+    kv_bytes = kv.kv_bytes(kv.ModelShape.from_config(model.config), 1, 32) * context  # fp32 keys and values per step
     need_ms = (weight_bytes + kv_bytes) / (reading["gb_s"] * 1e9) * 1e3
     print(f"profiled: {total:.2f} ms per decode step; the weights' {weight_bytes / 2**20:.1f} MiB and the cache's "
           f"{kv_bytes / 2**20:.1f} MiB need {need_ms:.2f} ms "

@@ -49,7 +49,6 @@ from infer_tune.scenarios.tune_plan import (
     host_screen,
     judge,
     may_stack,
-    score,
     single_candidates,
     slo_text,
     stack_candidates,
@@ -234,7 +233,6 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
         candidates = single_candidates(tune, screen)
         queue = [c for c in candidates if c.status == "pending"]
         leaders: list[dict] = []
-        best: tuple | None = None
         stacked = 0
         speculated = False
         done = 0
@@ -255,21 +253,18 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
                     group += beside
                     candidates += beside
                     total += len(beside)
-            unit = {"decode": "tok/s", "ttft": "ms TTFT", "throughput": "tok/s out", "goodput": "good req/s"}[
-                tune.objective]
-            shown = f"{best[0]} {best[1]:.1f} {unit}" if best else "the baseline"
+            leader = _leader(candidates, tune.objective)
+            shown = f"{leader.label} ({OBJECTIVE_KEYS[tune.objective]} [{leader.low:.2f}, {leader.high:.2f}])" \
+                if leader else "the baseline"
             along = f" with {len(group) - 1} of its stacks in the same rounds" if len(group) > 1 else ""
-            note(f"tune: trying {cand.label}{along} ({done}/{total}), best so far {shown}", done - 1, total)
-            baseline = _measure(group, run, spec, tune, ctx, budget, leader=_leader(candidates, tune.objective)) \
-                or baseline
+            note(f"tune: trying {cand.label}{along} ({done}/{total}), leading so far {shown}", done - 1, total)
+            baseline = _measure(group, run, spec, tune, ctx, budget, leader=leader) or baseline
             done += len(group) - 1
-            for measured in group:
-                value = score(measured.doc, tune.objective) if measured.doc else None
-                if measured.eligible and value is not None and (best is None or value > best[2]):
-                    best = (measured.label, abs(value), value)
-            leaders.append(_lead(candidates, tune.objective, budget))
+            leader = _leader(candidates, tune.objective)
+            leaders.append({"s": budget.elapsed, "leader": leader.label if leader else None})
             if may_stack(cand, tune) and cand.method and cand.config.technique == "quantize" \
                     and stacked < STACKED_METHODS:
+                # measured beside it already: only the rest (`later`); else all of its stacks
                 stacks = later if len(group) > 1 else stack_candidates(tune, [cand], first=stacked == 0)
                 stacked += 1
                 candidates += stacks
@@ -376,12 +371,6 @@ def winner_label(candidates: list[Candidate], winner: dict) -> str | None:
                  and c.doc.get("run_id") == winner.get("run_id")), None)
 
 
-def _lead(candidates: list[Candidate], objective: str, budget: Budget) -> dict:
-    """The leader now, for the outcome's timeline."""
-    leader = _leader(candidates, objective)
-    return {"s": budget.elapsed, "leader": leader.label if leader else None}
-
-
 def _measure(group: list[Candidate], run, spec: RunSpec, tune: TuneSpec, ctx, budget: Budget,
              leader: Leader | None = None) -> dict | None:
     """Measure candidates against the baseline, together in shared rounds (saved results), and judge each;
@@ -400,13 +389,16 @@ def _measure(group: list[Candidate], run, spec: RunSpec, tune: TuneSpec, ctx, bu
                                   ctx, resume=spec.resume, reuse_baseline=True, measure_ppl=spec.measure_ppl,
                                   plan=_plan(tune, leader))
     except InferTuneError as exc:  # a candidate this model or host cannot run: listed, not fatal
-        budget.record(group, time.monotonic() - started)
+        failed = exc
+    else:
+        failed = None
+    budget.record(group, time.monotonic() - started)
+    if failed is not None:
         if len(group) > 1:
             found = [_measure([cand], run, spec, tune, ctx, budget, leader=leader) for cand in group]
             return next((b for b in reversed(found) if b is not None), None)
-        group[0].status, group[0].reason = "failed", str(exc)
+        group[0].status, group[0].reason = "failed", str(failed)
         return None
-    budget.record(group, time.monotonic() - started)
     for cand, doc in zip(group, docs):
         cand.doc, cand.status, cand.measured_at_s = doc, "measured", budget.elapsed
         _apply(cand, judge(cand.doc, tune, lossless_claimed=cand.lossless))

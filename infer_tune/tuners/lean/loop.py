@@ -27,6 +27,7 @@ run and 151.7 against 165.4 in another: an option, off by default, that `tune` m
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import time
@@ -77,7 +78,7 @@ class LeanDecoder:
         else:
             self.facts["lean_prefill"] = "eager"
 
-    @property
+    @functools.cached_property
     def one_cache(self) -> bool:
         """Whether every prompt decodes in one cache of the run's largest size (one compile, not one per size).
 
