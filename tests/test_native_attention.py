@@ -47,6 +47,38 @@ def test_decode_attention_equals_sdpa(mask_kind):
     assert torch.allclose(got, sdpa(q, k, v, mask, 0.25), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("d", [64, 128, 12])  # the two register paths and the generic loop
+@pytest.mark.parametrize("mask_kind", ["per-row", "per-head", "float"])
+def test_long_caches_split_in_chunks_equal_sdpa(mask_kind, d):
+    """Several chunks per (row, kv head), merged: a long context read in pieces gives SDPA's values, for
+    per-row and per-head bool masks (a chunk one head sees and another does not) and additive masks."""
+    gen = torch.Generator().manual_seed(2)
+    b, h, hkv, length = 2, 8, 2, 300
+    q = torch.randn(b, h, 1, d, generator=gen)
+    k, v = torch.randn(b, hkv, length, d, generator=gen), torch.randn(b, hkv, length, d, generator=gen)
+    if mask_kind == "per-row":
+        mask = torch.arange(length).view(1, 1, 1, -1) <= torch.tensor([70, 299]).view(-1, 1, 1, 1)
+    elif mask_kind == "per-head":  # head h sees positions < 40 * (h + 1)
+        mask = (torch.arange(length).view(1, 1, 1, -1) < 40 * (torch.arange(h) + 1).view(1, -1, 1, 1)).expand(b, h, 1, length)
+    else:
+        mask = torch.randn(b, 1, 1, length, generator=gen) * 4
+    got = torch.ops.infer_tune_native.decode_attention(q, k, v, mask, d ** -0.5)
+    assert torch.allclose(got, sdpa(q, k, v, mask, d ** -0.5), atol=1e-5, rtol=1e-4)
+
+
+def test_a_row_gives_the_same_values_in_any_cache_length():
+    """Positions past a row's last visible one change nothing, bit for bit: the slot engine's step attends
+    over a length bucket chosen by the busiest row, and a request must decode as it would alone."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 9, 1, 64, generator=gen)
+    k, v = torch.randn(1, 3, 512, 64, generator=gen), torch.randn(1, 3, 512, 64, generator=gen)
+    outs = []
+    for length in (130, 256, 512):
+        mask = torch.arange(length).view(1, 1, 1, -1) <= 129
+        outs.append(torch.ops.infer_tune_native.decode_attention(q, k[:, :, :length], v[:, :, :length], mask, 0.125))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 def test_calls_it_cannot_do_go_to_sdpa():
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

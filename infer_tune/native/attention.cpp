@@ -7,8 +7,18 @@
 // returns [B, 1, H, D] (the layout transformers' attention functions return), fp32 throughout:
 //     out = sum_j softmax_j(scale * q.k_j + mask_j) v_j
 // Positions a bool mask hides are skipped (neither read nor exponentiated); a row that attends nowhere
-// gets zeros. What torch's SDPA does in several small kernels (and a copy of every kv head per query head)
-// is here one pass per (row, head), the (row, head) pairs split over torch's threads.
+// gets zeros.
+//
+// The work is split into items of (row, kv head, chunk of CHUNK positions): an item reads each of its
+// keys and values once for every query head of the group (grouped-query heads share one read), and leaves
+// per query head its chunk's maximum score m, sum of exp(score - m) and the exp-weighted sum of values;
+// the calling thread then merges a head's chunks in order (weights exp(m_c - max_c m_c)). Items spread
+// over torch's threads even for one row and a few kv heads (a long context is split along its length).
+// Chunk boundaries sit at fixed positions (multiples of CHUNK), and a chunk whose positions are all
+// hidden contributes nothing, so a row's result does not depend on how many positions past its last
+// visible one the cache view holds: the slot engine's rows give the same values in any length bucket.
+// exp runs 8 lanes at a time where the CPU has AVX2 and FMA (range reduction to r in [-ln2/2, ln2/2],
+// a degree-6 polynomial, 2^n from the exponent bits; exactly 0 below -87.3), std::exp elsewhere.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -23,7 +33,15 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ATTN_AVX2 1
+#endif
+
 namespace {
+
+constexpr int64_t CHUNK = 64;  // positions per work item
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
@@ -31,6 +49,111 @@ inline float dot(const float* a, const float* b, int64_t n) {
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
 }
+
+#ifdef ATTN_AVX2
+// e^x for 8 lanes, x <= 0 (scores minus their maximum); 0 for x below -87.3 (and for -inf)
+inline __m256 exp8(__m256 x) {
+  const __m256 low = _mm256_set1_ps(-87.3f);
+  const __m256 gone = _mm256_cmp_ps(x, low, _CMP_LT_OQ);  // also true for NaN-free -inf
+  x = _mm256_max_ps(x, low);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2, split in two parts
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 r2 = _mm256_mul_ps(r, r);
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(gone, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
+}
+#endif
+
+// p[j] = exp(s[j] - top) for j < n, in place; returns their sum (0 for hidden positions, s = -inf)
+inline float exp_shifted(float* s, int64_t n, float top) {
+  int64_t j = 0;
+  float total = 0.f;
+#ifdef ATTN_AVX2
+  __m256 sum = _mm256_setzero_ps();
+  const __m256 t = _mm256_set1_ps(top);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), t));
+    _mm256_storeu_ps(s + j, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, sum);
+  for (float v : lanes) total += v;
+  if (j < n) {  // the tail, padded with hidden positions
+    float tail[8];
+    for (int64_t i = 0; i < 8; ++i) tail[i] = j + i < n ? s[j + i] : NEG_INF;
+    _mm256_storeu_ps(tail, exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), t)));
+    for (int64_t i = 0; j + i < n; ++i) {
+      s[j + i] = tail[i];
+      total += tail[i];
+    }
+  }
+#else
+  for (; j < n; ++j) {
+    s[j] = s[j] == NEG_INF ? 0.f : std::exp(s[j] - top);
+    total += s[j];
+  }
+#endif
+  return total;
+}
+
+#ifdef ATTN_AVX2
+// the 8 sums of v[0..7]'s lanes, in one vector (lane t = sum of v[t])
+inline __m256 sums8(const __m256* v) {
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+// s[t] = scale * q . k[at[t]] for t < n (D a multiple of 8): 8 positions at a time, one vector sum each,
+// reduced together
+inline void scores_avx2(const float* qv, const float* kb, int64_t ks2, const int64_t* at, int64_t n, int64_t D,
+                        float scale, float* s) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int64_t t = 0; t < n; t += 8) {
+    __m256 acc[8];
+    const float* rows[8];
+    for (int u = 0; u < 8; ++u) {
+      rows[u] = kb + at[std::min<int64_t>(t + u, n - 1)] * ks2;  // past n: the last row again, dropped below
+      acc[u] = _mm256_setzero_ps();
+    }
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 qd = _mm256_loadu_ps(qv + d);
+      for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(rows[u] + d), acc[u]);
+    }
+    const __m256 out = _mm256_mul_ps(sums8(acc), sc);
+    if (t + 8 <= n) {
+      _mm256_storeu_ps(s + t, out);
+    } else {
+      float lanes[8];
+      _mm256_storeu_ps(lanes, out);
+      for (int64_t u = 0; t + u < n; ++u) s[t + u] = lanes[u];
+    }
+  }
+}
+
+// a[:] = sum_t p[t] * v[at[t]] for a head dimension of 8 * DB, the sum in DB registers
+template <int DB>
+inline void values_avx2(const float* p, const float* vb, int64_t vs2, const int64_t* at, int64_t n, float* a) {
+  __m256 acc[DB];
+  for (int d = 0; d < DB; ++d) acc[d] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 pt = _mm256_set1_ps(p[t]);
+    const float* vj = vb + at[t] * vs2;
+    for (int d = 0; d < DB; ++d) acc[d] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vj + 8 * d), acc[d]);
+  }
+  for (int d = 0; d < DB; ++d) _mm256_storeu_ps(a + 8 * d, acc[d]);
+}
+#endif
 
 }  // namespace
 
@@ -62,7 +185,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t groups = H / Hkv;
+  const int64_t G = H / Hkv;  // query heads per kv head
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
   const int64_t ms0 = has_mask ? (m.size(0) == 1 ? 0 : m.stride(0)) : 0;
@@ -71,52 +194,91 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const bool* mb = has_mask && bool_mask ? m.data_ptr<bool>() : nullptr;
   const float* mf = has_mask && !bool_mask ? m.data_ptr<float>() : nullptr;
   const float fscale = static_cast<float>(scale);
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, L * D));  // small work: one thread
-  at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scores;
-    thread_local std::vector<float> acc;
-    scores.resize(std::max<size_t>(scores.size(), L));
-    acc.resize(std::max<size_t>(acc.size(), D));
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / H, h = bh % H, g = h / groups;
-      const float* qv = qp + (b * H + h) * D;
+  const int64_t chunks = std::max<int64_t>(1, (L + CHUNK - 1) / CHUNK);
+  // per (row, query head, chunk): the chunk's maximum score, its sum of exp, its weighted values [D]
+  std::vector<float> part_max(B * H * chunks), part_sum(B * H * chunks), part_acc(B * H * chunks * D);
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, CHUNK * D * G));  // small work: one thread
+  at::parallel_for(0, B * Hkv * chunks, grain, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scores;  // [G, CHUNK]
+    thread_local std::vector<int64_t> seen;  // the chunk's positions some head of the group attends to
+    scores.resize(std::max<size_t>(scores.size(), G * CHUNK));
+    seen.resize(std::max<size_t>(seen.size(), CHUNK));
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t c = item % chunks, bg = item / chunks, b = bg / Hkv, g = bg % Hkv;
+      const int64_t j0 = c * CHUNK, j1 = std::min(L, j0 + CHUNK);
       const float* kb = kp + b * ks0 + g * ks1;
       const float* vb = vp + b * vs0 + g * vs1;
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < L; ++j) {
-        float s;
-        if (mb != nullptr) {
-          if (!mb[b * ms0 + h * ms1 + j * ms3]) {
-            scores[j] = -std::numeric_limits<float>::infinity();
-            continue;
-          }
-          s = fscale * dot(qv, kb + j * ks2, D);
-        } else {
-          s = fscale * dot(qv, kb + j * ks2, D) + (mf != nullptr ? mf[b * ms0 + h * ms1 + j * ms3] : 0.f);
+      int64_t n = 0;
+      for (int64_t j = j0; j < j1; ++j) {
+        bool any = mb == nullptr;
+        for (int64_t i = 0; i < G && !any; ++i) any = mb[b * ms0 + (g * G + i) * ms1 + j * ms3];
+        if (any) seen[n++] = j;
+      }
+      for (int64_t i = 0; i < G; ++i) {
+        const int64_t h = g * G + i, slot = (b * H + h) * chunks + c;
+        const float* qv = qp + (b * H + h) * D;
+        float* s = scores.data() + i * CHUNK;
+        float top = NEG_INF;
+#ifdef ATTN_AVX2
+        if (D % 8 == 0)
+          scores_avx2(qv, kb, ks2, seen.data(), n, D, fscale, s);
+        else
+#endif
+          for (int64_t t = 0; t < n; ++t) s[t] = fscale * dot(qv, kb + seen[t] * ks2, D);
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t j = seen[t];
+          if (mb != nullptr && !mb[b * ms0 + h * ms1 + j * ms3])
+            s[t] = NEG_INF;
+          else if (mf != nullptr)
+            s[t] += mf[b * ms0 + h * ms1 + j * ms3];
+          top = std::max(top, s[t]);
         }
-        scores[j] = s;
-        top = std::max(top, s);
+        part_max[slot] = top;
+        part_sum[slot] = top == NEG_INF ? 0.f : exp_shifted(s, n, top);
+        float* a = part_acc.data() + slot * D;
+        std::fill(a, a + D, 0.f);
+        if (top == NEG_INF) std::fill(s, s + n, 0.f);
       }
-      float* o = op + (b * H + h) * D;  // out[b, 0, h, :]
-      std::fill(acc.begin(), acc.begin() + D, 0.f);
-      if (top == -std::numeric_limits<float>::infinity()) {
-        std::fill(o, o + D, 0.f);
-        continue;
-      }
-      float total = 0.f;
-      for (int64_t j = 0; j < L; ++j) {
-        if (scores[j] == -std::numeric_limits<float>::infinity()) continue;
-        const float p = std::exp(scores[j] - top);
-        total += p;
-        const float* vj = vb + j * vs2;
-        float* a = acc.data();
+      for (int64_t i = 0; i < G; ++i) {  // the chunk's values stay in L1 across the group's heads
+        const float* p = scores.data() + i * CHUNK;
+        float* a = part_acc.data() + ((b * H + g * G + i) * chunks + c) * D;
+#ifdef ATTN_AVX2
+        if (D == 64) {  // the head's accumulator in registers
+          values_avx2<8>(p, vb, vs2, seen.data(), n, a);
+          continue;
+        }
+        if (D == 128) {
+          values_avx2<16>(p, vb, vs2, seen.data(), n, a);
+          continue;
+        }
+#endif
+        for (int64_t t = 0; t < n; ++t) {
+          const float* vj = vb + seen[t] * vs2;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] += p * vj[d];
+          for (int64_t d = 0; d < D; ++d) a[d] += p[t] * vj[d];
+        }
       }
-      const float inv = 1.f / total;
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
     }
   });
+  for (int64_t bh = 0; bh < B * H; ++bh) {  // merge each head's chunks, in order
+    float* o = op + bh * D;  // out[b, 0, h, :] ([B, 1, H, D] contiguous)
+    const float* mx = part_max.data() + bh * chunks;
+    float top = NEG_INF;
+    for (int64_t c = 0; c < chunks; ++c) top = std::max(top, mx[c]);
+    std::fill(o, o + D, 0.f);
+    if (top == NEG_INF) continue;
+    float total = 0.f;
+    for (int64_t c = 0; c < chunks; ++c) {
+      if (mx[c] == NEG_INF) continue;
+      const float w = mx[c] == top ? 1.f : std::exp(mx[c] - top);
+      total += w * part_sum[bh * chunks + c];
+      const float* a = part_acc.data() + (bh * chunks + c) * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+    }
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+  }
   return out;
 }
 
