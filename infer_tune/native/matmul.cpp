@@ -23,7 +23,12 @@
 // exact: 4 x 15 x 127 < 32767 after the add) with the activations laid out to match ([a0..15, a0..15] and
 // [a16..31, a16..31]); vpmaddwd and two horizontal adds leave the 8 outputs' sums in one vector, and the
 // group's scales and zeros are applied in fp32. A tile's block is unpacked once for all rows. Threads
-// split the tiles. Without AVX2 a scalar loop computes the same value.
+// split the tiles. Without AVX2 a scalar loop computes the same value. Where the CPU has AVX-512 VNNI
+// (with VL), the u8 x s8 products are summed straight into int32 by vpdpbusd (the same exact sums, half
+// the instructions). The scales apply as dx * (s * sum a q + (z - 8 s) * sum a), z - 8 s once per group and
+// dx and sum a broadcast from memory (interleaved against the earlier centred form, 120 layers of
+// SmolLM2's shapes: 0.939x [0.913, 0.965] of its time for one row, 0.942x [0.923, 0.962] for four;
+// without vpdpbusd 0.984x [0.957, 1.012] and 0.961x [0.933, 0.989]).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -40,6 +45,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define W4A8_AVX2 1
+#if !defined(W4A8_NO_VNNI) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define W4A8_VNNI 1  // vpdpbusd on 256-bit vectors (AVX-512 VNNI with VL)
+#endif
 #endif
 
 namespace {
@@ -62,7 +70,7 @@ inline float bf16_to_float(uint16_t bits) {
 }
 
 // One block of 32 fp32 -> ABYTES bytes [a0..15, a0..15, a16..31, a16..31] (int8), its scale and sum.
-inline void quantize_block(const float* src, int8_t* dst, float* dx, int32_t* asum) {
+inline void quantize_block(const float* src, int8_t* dst, float* dx, float* asum) {
 #ifdef W4A8_AVX2
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v[4], top = _mm256_setzero_ps();
@@ -77,7 +85,7 @@ inline void quantize_block(const float* src, int8_t* dst, float* dx, int32_t* as
   *dx = d;
   if (!(d > 0.f)) {
     std::memset(dst, 0, ABYTES);
-    *asum = 0;
+    *asum = 0.f;
     return;
   }
   const __m256 dv = _mm256_set1_ps(d);
@@ -87,7 +95,7 @@ inline void quantize_block(const float* src, int8_t* dst, float* dx, int32_t* as
   const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
   __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
   s4 = _mm_hadd_epi32(s4, s4);
-  *asum = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+  *asum = static_cast<float>(_mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4)));
   // int32 -> int8 in order (the packs interleave 128-bit lanes; the permute puts them back)
   const __m256i bytes = _mm256_permutevar8x32_epi32(
       _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
@@ -110,11 +118,11 @@ inline void quantize_block(const float* src, int8_t* dst, float* dx, int32_t* as
   std::memcpy(dst + 32, q + 16, 16);
   std::memcpy(dst + 48, q + 16, 16);
   *dx = d;
-  *asum = sum;
+  *asum = static_cast<float>(sum);
 #endif
 }
 
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* a, float* dx, int32_t* asum) {
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* a, float* dx, float* asum) {
   const int64_t blocks = K / BLOCK;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < blocks; ++b)
@@ -122,7 +130,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* a, float* dx, i
 }
 
 // One tile (8 outputs) for rows 0..M-1: y[m * ldy + t] for t < 8. Scalar.
-void tile_scalar(const int8_t* a, const float* dx, const int32_t* asum, int64_t M, int64_t K, int64_t group,
+void tile_scalar(const int8_t* a, const float* dx, const float* asum, int64_t M, int64_t K, int64_t group,
                  const uint8_t* tile, float* y, int64_t ldy) {
   const int64_t groups = K / group, per_group = group / BLOCK, blocks = K / BLOCK;
   for (int64_t m = 0; m < M; ++m) {
@@ -138,13 +146,13 @@ void tile_scalar(const int8_t* a, const float* dx, const int32_t* asum, int64_t 
           const uint8_t* bytes = p + 4 * TILE + i * TILE * 16 + t * 16;
           int32_t dot = 0;
           for (int64_t j = 0; j < 16; ++j) {
-            dot += static_cast<int32_t>(av[j]) * ((bytes[j] & 15) - 8);
-            dot += static_cast<int32_t>(av[32 + j]) * ((bytes[j] >> 4) - 8);
+            dot += static_cast<int32_t>(av[j]) * (bytes[j] & 15);
+            dot += static_cast<int32_t>(av[32 + j]) * (bytes[j] >> 4);
           }
           const int lane = LANE_OF[t];  // lanes 0..3 are in bf16 slots 0..3 (s) and 4..7 (z); 4..7 in 8..15
           const int slot = lane < 4 ? lane : lane + 4;
-          const float s = bf16_to_float(sz[slot]), z = bf16_to_float(sz[slot + 4]);
-          acc[t] += dx[m * blocks + b] * (s * static_cast<float>(dot) + z * static_cast<float>(asum[m * blocks + b]));
+          const float s = bf16_to_float(sz[slot]), zc = bf16_to_float(sz[slot + 4]) - 8.f * s;
+          acc[t] += dx[m * blocks + b] * std::fma(s, static_cast<float>(dot), zc * asum[m * blocks + b]);
         }
       }
     }
@@ -170,11 +178,17 @@ inline void unpack(const uint8_t* q, Weights& w) {
 inline __m256i dot8(const Weights& w, const int8_t* act) {
   const __m256i a_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(act));
   const __m256i a_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(act + 32));
+#ifdef W4A8_VNNI  // u8 x s8 summed four at a time straight into int32: the same exact sums
+  __m256i d[4];
+  for (int pair = 0; pair < 4; ++pair)
+    d[pair] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w.lo[pair], a_lo), w.hi[pair], a_hi);
+#else
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i d[4];
   for (int pair = 0; pair < 4; ++pair)
     d[pair] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(w.lo[pair], a_lo),
                                                  _mm256_maddubs_epi16(w.hi[pair], a_hi)), ones);
+#endif
   return _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
 }
 
@@ -182,21 +196,20 @@ inline void load_scales(const uint8_t* p, __m256& s, __m256& z) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   const __m256i zero = _mm256_setzero_si256();
   s = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));  // bf16 -> the high half of an fp32
-  z = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+  z = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v)));  // z - 8 s
 }
 
 inline void store_tile(float* y, __m256 acc) {
   _mm256_storeu_ps(y, _mm256_permutevar8x32_ps(acc, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
-inline __m256 apply(__m256 acc, __m256i dot, __m256 s, __m256 z, float dx, int32_t asum) {
-  const __m256i sum_a = _mm256_set1_epi32(asum);
-  const __m256i centred = _mm256_sub_epi32(dot, _mm256_slli_epi32(sum_a, 3));  // sum a * (q - 8)
-  const __m256 inner = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(centred), _mm256_mul_ps(z, _mm256_set1_ps(float(asum))));
-  return _mm256_fmadd_ps(_mm256_set1_ps(dx), inner, acc);
+// acc + dx * (s * sum a q + (z - 8 s) * sum a): the block's sum a (q - 8) s + a z, with zc = z - 8 s
+inline __m256 apply(__m256 acc, __m256i dot, __m256 s, __m256 zc, const float* dx, const float* asum) {
+  const __m256 inner = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dot), _mm256_mul_ps(zc, _mm256_broadcast_ss(asum)));
+  return _mm256_fmadd_ps(_mm256_broadcast_ss(dx), inner, acc);
 }
 
-void tile_avx2(const int8_t* a, const float* dx, const int32_t* asum, int64_t M, int64_t K, int64_t group,
+void tile_avx2(const int8_t* a, const float* dx, const float* asum, int64_t M, int64_t K, int64_t group,
                const uint8_t* tile, float* y, int64_t ldy, float* acc) {
   const int64_t groups = K / group, per_group = group / BLOCK, blocks = K / BLOCK, gbytes = group_bytes(group);
   for (int64_t m = 0; m < M; ++m) _mm256_storeu_ps(acc + m * TILE, _mm256_setzero_ps());
@@ -213,7 +226,7 @@ void tile_avx2(const int8_t* a, const float* dx, const int32_t* asum, int64_t M,
       for (int64_t m = 0; m < M; ++m) {
         const int64_t mb = m * blocks + b;
         float* out = acc + m * TILE;
-        _mm256_storeu_ps(out, apply(_mm256_loadu_ps(out), dot8(w, a + mb * ABYTES), s, z, dx[mb], asum[mb]));
+        _mm256_storeu_ps(out, apply(_mm256_loadu_ps(out), dot8(w, a + mb * ABYTES), s, z, dx + mb, asum + mb));
       }
     }
   }
@@ -221,7 +234,7 @@ void tile_avx2(const int8_t* a, const float* dx, const int32_t* asum, int64_t M,
 }
 
 // one row (decode): the accumulator stays in a register
-void tile1_avx2(const int8_t* a, const float* dx, const int32_t* asum, int64_t K, int64_t group,
+void tile1_avx2(const int8_t* a, const float* dx, const float* asum, int64_t K, int64_t group,
                 const uint8_t* tile, float* y) {
   const int64_t groups = K / group, per_group = group / BLOCK, gbytes = group_bytes(group);
   __m256 acc = _mm256_setzero_ps();
@@ -235,7 +248,7 @@ void tile1_avx2(const int8_t* a, const float* dx, const int32_t* asum, int64_t K
       const int64_t b = g * per_group + i;
       Weights w;
       unpack(p + 4 * TILE + i * TILE * 16, w);
-      acc = apply(acc, dot8(w, a + b * ABYTES), s, z, dx[b], asum[b]);
+      acc = apply(acc, dot8(w, a + b * ABYTES), s, z, dx + b, asum + b);
     }
   }
   store_tile(y, acc);
@@ -309,7 +322,7 @@ namespace {
 struct Activations {
   const int8_t* a;
   const float* dx;
-  const int32_t* asum;
+  const float* asum;
 };
 
 // x [M, K] quantized into the calling thread's scratch (no allocation per call once grown)
@@ -317,7 +330,7 @@ Activations quantize_input(const at::Tensor& x, int64_t M, int64_t K) {
   const int64_t blocks = K / BLOCK;
   thread_local std::vector<int8_t> a;
   thread_local std::vector<float> dx;
-  thread_local std::vector<int32_t> asum;
+  thread_local std::vector<float> asum;
   a.resize(std::max<size_t>(a.size(), M * blocks * ABYTES));
   dx.resize(std::max<size_t>(dx.size(), M * blocks));
   asum.resize(std::max<size_t>(asum.size(), M * blocks));
@@ -344,7 +357,7 @@ at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group)
   float* yp = y.data_ptr<float>();
   const int8_t* ap = act.a;
   const float* dp = act.dx;
-  const int32_t* sp = act.asum;
+  const float* sp = act.asum;
   at::parallel_for(0, N / TILE, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> acc;
     acc.resize(std::max<size_t>(acc.size(), M * TILE));
