@@ -95,7 +95,7 @@ def test_kernel_differs_from_bf16_activations_and_padding_is_cut():
     assert torch.allclose(a8, bf16, rtol=0.05, atol=0.05)
 
 
-def test_pack_layout_puts_weight_j_and_j_plus_16_in_one_byte():
+def test_pack_layout_puts_four_weights_of_one_output_in_each_lane():
     q = torch.arange(32).remainder(16).repeat(8, 1)  # one 32-block per row: 0..15, 0..15
     from infer_tune.tuners.quantize.modules import pack_nibbles
 
@@ -105,7 +105,12 @@ def test_pack_layout_puts_weight_j_and_j_plus_16_in_one_byte():
     slots = tiles[0, 0, :32].view(torch.bfloat16).tolist()  # even outputs' scales, zeros, odd outputs' ...
     assert slots[0:4] == [1.0, 3.0, 5.0, 7.0] and slots[8:12] == [2.0, 4.0, 6.0, 8.0]
     assert slots[4:8] == slots[12:16] == [0.0] * 4
-    assert tiles[0, 0, 32:48].tolist() == [j | (j << 4) for j in range(16)]  # output 0's 32 weights
+    q = (torch.arange(32) + 32 * torch.arange(8)[:, None]).remainder(16)  # output t's weight j: (32 t + j) % 16
+    tiles = pack_w4a8(pack_nibbles(q), scale, torch.zeros(8, 1), 32)
+    block = tiles[0, 0, 32:].view(4, 8, 4)  # [i, lane, r]: weight 4i + r (low nibble), 16 + 4i + r (high)
+    for lane, t in enumerate([0, 2, 4, 6, 1, 3, 5, 7]):
+        for i in range(4):
+            assert block[i, lane].tolist() == [int(q[t, 4 * i + r]) | int(q[t, 16 + 4 * i + r]) << 4 for r in range(4)]
 
 
 def test_config_label_and_validation():

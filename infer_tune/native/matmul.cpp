@@ -14,21 +14,23 @@
 // Weight layout (modules.pack_w4a8): one uint8 tensor [N/8, K/group, 32 + 4 * group], the weights of 8
 // outputs (a tile) in the order the kernel reads them, so each thread streams one contiguous range. Per
 // tile and group: 16 bf16, the scales and zeros of the 8 outputs as [s0 s2 s4 s6 z0 z2 z4 z6 s1 s3 s5 s7
-// z1 z3 z5 z7] (the lane order the reduction below leaves the outputs in); then each 32-block of the group
-// as 8 x 16 bytes, output t's 32 weights with byte j holding q[j] in the low nibble and q[j + 16] in the
-// high one. N is a multiple of 8 (padded at pack time).
+// z1 z3 z5 z7] (lane l of a vector holds output LANE_OF^-1[l]: 0 2 4 6 1 3 5 7, the order bf16 -> fp32
+// unpacking leaves the scales in); then each 32-block of the group as 4 x 32 bytes: in the i-th 32 bytes,
+// lane l's 4 bytes hold its output's weights 4i..4i+3 in the low nibbles and 16+4i..16+4i+3 in the high
+// ones. N is a multiple of 8 (padded at pack time).
 //
-// The AVX2 path reads two outputs' blocks as one 32-byte vector: the low nibbles are both outputs'
-// weights 0..15, the high nibbles their weights 16..31, multiplied (vpmaddubsw: u8 x s8 pairs into int16,
-// exact: 4 x 15 x 127 < 32767 after the add) with the activations laid out to match ([a0..15, a0..15] and
-// [a16..31, a16..31]); vpmaddwd and two horizontal adds leave the 8 outputs' sums in one vector, and the
-// group's scales and zeros are applied in fp32. A tile's block is unpacked once for all rows. Threads
-// split the tiles. Without AVX2 a scalar loop computes the same value. Where the CPU has AVX-512 VNNI
-// (with VL), the u8 x s8 products are summed straight into int32 by vpdpbusd (the same exact sums, half
-// the instructions). The scales apply as dx * (s * sum a q + (z - 8 s) * sum a), z - 8 s once per group and
-// dx and sum a broadcast from memory (interleaved against the earlier centred form, 120 layers of
-// SmolLM2's shapes: 0.939x [0.913, 0.965] of its time for one row, 0.942x [0.923, 0.962] for four;
-// without vpdpbusd 0.984x [0.957, 1.012] and 0.961x [0.933, 0.989]).
+// The AVX2 path unpacks each 32 bytes into two vectors of u8 weights (low and high nibbles), each lane
+// 4 consecutive weights of one output, and multiplies them with the 4 matching activations broadcast to
+// every lane (vpmaddubsw: u8 x s8 pairs into int16; the 8 products of a block summed in int16 are exact,
+// 8 x 2 x 15 x 127 < 32767; one vpmaddwd then leaves each output's sum in its own int32 lane, no
+// horizontal adds). With AVX-512 VNNI (and VL), vpdpbusd sums the u8 x s8 products straight into int32.
+// The group's scales and zeros are applied in fp32. A tile's block is unpacked once for all rows. Threads
+// split the tiles. Without AVX2 a scalar loop computes the same value. The scales apply as
+// dx * (s * sum a q + (z - 8 s) * sum a), z - 8 s once per group, dx and sum a broadcast from memory.
+// Measured against the previous layout (two outputs per vector, three horizontal adds per block; same
+// results bit for bit), interleaved, 120 layers of SmolLM2's shapes on an AVX-512 VNNI host: 0.796x
+// [0.760, 0.834] of its time for four rows (0.851x [0.825, 0.878] without vpdpbusd), 0.971x [0.919,
+// 1.026] for one row, where the stream of weights bounds it.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -143,13 +145,15 @@ void tile_scalar(const int8_t* a, const float* dx, const float* asum, int64_t M,
         const int64_t b = g * per_group + i;
         const int8_t* av = a + (m * blocks + b) * ABYTES;
         for (int64_t t = 0; t < TILE; ++t) {
-          const uint8_t* bytes = p + 4 * TILE + i * TILE * 16 + t * 16;
+          const int lane = LANE_OF[t];
+          const uint8_t* block = p + 4 * TILE + i * TILE * 16;
           int32_t dot = 0;
-          for (int64_t j = 0; j < 16; ++j) {
-            dot += static_cast<int32_t>(av[j]) * (bytes[j] & 15);
-            dot += static_cast<int32_t>(av[32 + j]) * (bytes[j] >> 4);
+          for (int64_t j = 0; j < 16; ++j) {  // weight j: the (j / 4)-th 32 bytes, lane `lane`, byte j % 4
+            const uint8_t byte = block[(j / 4) * 32 + lane * 4 + j % 4];
+            dot += static_cast<int32_t>(av[j]) * (byte & 15);
+            dot += static_cast<int32_t>(av[32 + j]) * (byte >> 4);
           }
-          const int lane = LANE_OF[t];  // lanes 0..3 are in bf16 slots 0..3 (s) and 4..7 (z); 4..7 in 8..15
+          // lanes 0..3 are in bf16 slots 0..3 (s) and 4..7 (z); 4..7 in 8..15
           const int slot = lane < 4 ? lane : lane + 4;
           const float s = bf16_to_float(sz[slot]), zc = bf16_to_float(sz[slot + 4]) - 8.f * s;
           acc[t] += dx[m * blocks + b] * std::fma(s, static_cast<float>(dot), zc * asum[m * blocks + b]);
@@ -161,35 +165,41 @@ void tile_scalar(const int8_t* a, const float* dx, const float* asum, int64_t M,
 }
 
 #ifdef W4A8_AVX2
-struct Weights {  // one 32-block of a tile, unpacked: pairs (0, 1), (2, 3), (4, 5), (6, 7)
+struct Weights {  // one 32-block of a tile, unpacked: lo[i] lane l = weights 4i..4i+3, hi[i] 16+4i..
   __m256i lo[4], hi[4];
 };
 
 inline void unpack(const uint8_t* q, Weights& w) {
   const __m256i mask = _mm256_set1_epi8(0x0F);
-  for (int pair = 0; pair < 4; ++pair) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * pair));
-    w.lo[pair] = _mm256_and_si256(v, mask);
-    w.hi[pair] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+  for (int i = 0; i < 4; ++i) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * i));
+    w.lo[i] = _mm256_and_si256(v, mask);
+    w.hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
   }
 }
 
 // the 8 outputs' sums of a * q for one row's block, output t in lane LANE_OF[t]
-inline __m256i dot8(const Weights& w, const int8_t* act) {
-  const __m256i a_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(act));
-  const __m256i a_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(act + 32));
-#ifdef W4A8_VNNI  // u8 x s8 summed four at a time straight into int32: the same exact sums
-  __m256i d[4];
-  for (int pair = 0; pair < 4; ++pair)
-    d[pair] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w.lo[pair], a_lo), w.hi[pair], a_hi);
+inline __m256i quad(const int8_t* act) {  // 4 activations broadcast to every lane
+  int32_t v;
+  std::memcpy(&v, act, sizeof(v));
+  return _mm256_set1_epi32(v);
+}
+
+inline __m256i dot8(const Weights& w, const int8_t* act) {  // act: [a0..15, a0..15, a16..31, a16..31]
+#ifdef W4A8_VNNI
+  __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();  // two chains of four
+  for (int i = 0; i < 4; ++i) {
+    lo = _mm256_dpbusd_epi32(lo, w.lo[i], quad(act + 4 * i));
+    hi = _mm256_dpbusd_epi32(hi, w.hi[i], quad(act + 32 + 4 * i));
+  }
+  return _mm256_add_epi32(lo, hi);
 #else
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i d[4];
-  for (int pair = 0; pair < 4; ++pair)
-    d[pair] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(w.lo[pair], a_lo),
-                                                 _mm256_maddubs_epi16(w.hi[pair], a_hi)), ones);
+  __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(w.lo[0], quad(act)), _mm256_maddubs_epi16(w.hi[0], quad(act + 32)));
+  for (int i = 1; i < 4; ++i)
+    d = _mm256_add_epi16(d, _mm256_add_epi16(_mm256_maddubs_epi16(w.lo[i], quad(act + 4 * i)),
+                                             _mm256_maddubs_epi16(w.hi[i], quad(act + 32 + 4 * i))));
+  return _mm256_madd_epi16(d, _mm256_set1_epi16(1));
 #endif
-  return _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
 }
 
 inline void load_scales(const uint8_t* p, __m256& s, __m256& z) {

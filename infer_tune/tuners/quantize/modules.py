@@ -355,12 +355,16 @@ def fake_quantize_a8(rows: torch.Tensor) -> torch.Tensor:
     return (q * dx).reshape(rows.shape)
 
 
+LANE_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # the output in each lane of the w4a8 kernel's vectors
+
+
 def pack_w4a8(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> torch.Tensor:
     """The w4a8 kernel's layout of portable int4 weights (infer_tune/native/matmul.cpp): uint8 [N/8, K/g, 32 + 4g],
     per tile of 8 outputs and group: the 8 scales and 8 zeros (bf16, in the kernel's lane order: even outputs'
-    scales, their zeros, odd outputs' scales, their zeros), then each block of 32 weights of the 8 outputs in
-    16 bytes each (byte j: weight j in the low nibble, j + 16 in the high one). N is padded with zero rows to a
-    multiple of 8. One contiguous stream per tile, read in order."""
+    scales, their zeros, odd outputs' scales, their zeros), then each block of 32 weights as 4 x 32 bytes: in
+    the i-th 32 bytes, lane l (outputs 0 2 4 6 1 3 5 7) holds its output's weights 4i..4i+3 in the low nibbles
+    of its 4 bytes and 16+4i..16+4i+3 in the high ones. N is padded with zero rows to a multiple of 8. One
+    contiguous stream per tile, read in order."""
     q = unpack_nibbles(packed).to(torch.uint8)  # [N, K]
     scale, zero = scale.to(torch.bfloat16), zero.to(torch.bfloat16)
     n, k = q.shape
@@ -370,9 +374,9 @@ def pack_w4a8(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, gro
         scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
         zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
     tiles, groups = (n + pad) // 8, k // group_size
-    halves = q.view(tiles, 8, groups, group_size // 32, 2, 16)
-    nibbles = halves[..., 0, :] | (halves[..., 1, :] << 4)  # [tiles, 8, groups, blocks, 16]
-    nibbles = nibbles.permute(0, 2, 3, 1, 4).reshape(tiles, groups, -1)
+    halves = q.view(tiles, 8, groups, group_size // 32, 2, 4, 4)  # [.., half, i, r]: weight 16 half + 4 i + r
+    nibbles = halves[..., 0, :, :] | (halves[..., 1, :, :] << 4)  # [tiles, 8, groups, blocks, i, r]
+    nibbles = nibbles[:, LANE_ORDER].permute(0, 2, 3, 4, 1, 5).reshape(tiles, groups, -1)  # [.., i, lane, r]
     s, z = (t.view(tiles, 8, groups).permute(0, 2, 1) for t in (scale, zero))  # [tiles, groups, 8]
     sz = torch.cat([s[..., 0::2], z[..., 0::2], s[..., 1::2], z[..., 1::2]], dim=-1).contiguous()
     return torch.cat([sz.view(torch.uint8), nibbles], dim=-1).contiguous()
