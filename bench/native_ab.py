@@ -1,0 +1,129 @@
+"""The native kernels as they are against the same kernels at an earlier git revision, interleaved in one process.
+
+Builds the revision's `infer_tune/native/matmul.cpp` and `attention.cpp` into a library of their own (op
+namespace `ab_native`, `-O3 -march=native -fopenmp` like `infer_tune/native`), then times, in `--rounds`
+interleaved rounds (order alternating), on SmolLM2-135M's shapes with random data:
+
+- `w4a8_mm` over one model's 120 int4 layers (q|k|v, o, gate|up, down x 30) at 1 and 4 rows, each side's
+  weights packed by its own revision's `pack_w4a8` (the layout may differ), after checking both give the
+  same values;
+- `decode_attention` over 30 layers' caches (9 query heads, 3 kv heads of 64) at 64, 512 and 1024
+  positions, 1 and 4 rows.
+
+Prints each side's median and the 95% interval of the per-round time ratio (now / then).
+
+    flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/native_ab.py --against HEAD~1 --threads 2
+
+Not a test: read the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench._common import parser  # noqa: E402
+
+
+def at_revision(rev: str, path: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def build_then(rev: str, folder: Path) -> None:
+    from torch.utils import cpp_extension
+
+    sources = []
+    for name in ("matmul.cpp", "attention.cpp"):
+        target = folder / name
+        target.write_text(at_revision(rev, f"infer_tune/native/{name}").replace("infer_tune_native", "ab_native"))
+        sources.append(str(target))
+    cpp_extension.load(name="ab_native", sources=sources, build_directory=str(folder), is_python_module=False,
+                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+
+
+def pack_then(rev: str):
+    """The revision's pack_w4a8 (and what it calls from its module)."""
+    source = at_revision(rev, "infer_tune/tuners/quantize/modules.py")
+    namespace: dict = {}
+    exec(compile(source, f"{rev}:modules.py", "exec"), namespace)  # noqa: S102 - this repository's own source
+    return namespace["pack_w4a8"]
+
+
+def interleaved(now, then, rounds: int) -> tuple[float, float, dict]:
+    from infer_tune.metrics.stats import log_ratio_interval
+
+    a, b = [], []
+    for r in range(rounds):
+        pair = [(a, now), (b, then)]
+        for out, fn in (pair if r % 2 == 0 else pair[::-1]):
+            started = time.perf_counter_ns()
+            fn()
+            out.append((time.perf_counter_ns() - started) / 1e6)
+    return statistics.median(a), statistics.median(b), log_ratio_interval([x / y for x, y in zip(a, b)])
+
+
+def show(what: str, result) -> None:
+    now, then, ratio = result
+    print(f"{what}: now {now:.3f} ms, then {then:.3f} ms; now/then {ratio['point']:.3f} "
+          f"[{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}]", flush=True)
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--against", default="HEAD~1", help="the git revision to compare with")
+    p.set_defaults(rounds=30)
+    args = p.parse_args()
+    from infer_tune import native
+    from infer_tune.scenarios.common import setup_threads
+    from infer_tune.tuners.quantize.modules import pack_nibbles, pack_w4a8
+
+    setup_threads(args.threads)
+    native.w4a8()
+    build_then(args.against, Path(tempfile.mkdtemp(prefix="infer-tune-ab-")))
+    now, then = torch.ops.infer_tune_native, torch.ops.ab_native
+    print(f"{args.against} against the working tree, {torch.get_num_threads()} threads, {args.rounds} rounds")
+
+    g, gen = 32, torch.Generator().manual_seed(0)
+    shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
+    old_pack = pack_then(args.against)
+    packed = []
+    for k, n in shapes:
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+        scale, zero = torch.rand(n, k // g, generator=gen) * 0.02 + 1e-3, torch.randn(n, k // g, generator=gen) * 0.01
+        nibbles = pack_nibbles(q)
+        packed.append((k, pack_w4a8(nibbles, scale, zero, g), old_pack(nibbles, scale, zero, g)))
+    for rows in (1, 4):
+        xs = {k: torch.randn(rows, k, generator=gen) for k in (576, 1536)}
+        for k, new_w, old_w in packed:
+            same = torch.allclose(now.w4a8_mm(xs[k], new_w, g), then.w4a8_mm(xs[k], old_w, g), rtol=1e-5, atol=1e-5)
+            assert same, "the two revisions' w4a8 give different values"
+        show(f"w4a8_mm, 120 layers, {rows} row(s)", interleaved(
+            lambda xs=xs: [now.w4a8_mm(xs[k], w, g) for _ in range(30) for k, w, _ in packed],
+            lambda xs=xs: [then.w4a8_mm(xs[k], w, g) for _ in range(30) for k, _, w in packed], args.rounds))
+
+    for rows in (1, 4):
+        for length in (64, 512, 1024):
+            keys = [torch.randn(rows, 3, 1024, 64, generator=gen)[:, :, :length] for _ in range(30)]
+            values = [torch.randn(rows, 3, 1024, 64, generator=gen)[:, :, :length] for _ in range(30)]
+            q = torch.randn(rows, 9, 1, 64, generator=gen)
+            last = torch.tensor([length - 1, length // 2, 5, length - 3][:rows])
+            mask = torch.arange(length).view(1, 1, 1, -1) <= last.view(-1, 1, 1, 1)
+            assert torch.allclose(now.decode_attention(q, keys[0], values[0], mask, 0.125),
+                                  then.decode_attention(q, keys[0], values[0], mask, 0.125), atol=1e-5)
+            show(f"decode_attention, 30 layers, {rows} row(s), {length} positions", interleaved(
+                lambda q=q, mask=mask, kv=list(zip(keys, values)): [now.decode_attention(q, k, v, mask, 0.125) for k, v in kv],
+                lambda q=q, mask=mask, kv=list(zip(keys, values)): [then.decode_attention(q, k, v, mask, 0.125) for k, v in kv], args.rounds))
+
+
+if __name__ == "__main__":
+    main()
