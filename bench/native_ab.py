@@ -62,6 +62,7 @@ def pack_then(rev: str):
 def interleaved(now, then, rounds: int) -> tuple[float, float, dict]:
     from infer_tune.metrics.stats import log_ratio_interval
 
+    now(), then()  # once each before timing: scratch buffers, threads, first touches
     a, b = [], []
     for r in range(rounds):
         pair = [(a, now), (b, then)]

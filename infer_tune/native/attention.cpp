@@ -54,7 +54,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // e^x for 8 lanes, x <= 0 (scores minus their maximum); 0 for x below -87.3 (and for -inf)
 inline __m256 exp8(__m256 x) {
   const __m256 low = _mm256_set1_ps(-87.3f);
-  const __m256 gone = _mm256_cmp_ps(x, low, _CMP_LT_OQ);  // also true for NaN-free -inf
+  const __m256 gone = _mm256_cmp_ps(x, low, _CMP_LT_OQ);  // -inf included
   x = _mm256_max_ps(x, low);
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -195,8 +195,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const float* mf = has_mask && !bool_mask ? m.data_ptr<float>() : nullptr;
   const float fscale = static_cast<float>(scale);
   const int64_t chunks = std::max<int64_t>(1, (L + CHUNK - 1) / CHUNK);
-  // per (row, query head, chunk): the chunk's maximum score, its sum of exp, its weighted values [D]
-  std::vector<float> part_max(B * H * chunks), part_sum(B * H * chunks), part_acc(B * H * chunks * D);
+  // per (row, query head, chunk): the chunk's maximum score, its sum of exp, its weighted values [D];
+  // the calling thread's scratch (every slot is written by exactly one item before the merge reads it)
+  thread_local std::vector<float> part_max, part_sum, part_acc;
+  part_max.resize(std::max<size_t>(part_max.size(), B * H * chunks));
+  part_sum.resize(std::max<size_t>(part_sum.size(), B * H * chunks));
+  part_acc.resize(std::max<size_t>(part_acc.size(), B * H * chunks * D));
+  // pointers, not the names: inside the worker lambda a thread_local name would be the worker's own
+  float* const pmax = part_max.data();
+  float* const psum = part_sum.data();
+  float* const pacc = part_acc.data();
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, CHUNK * D * G));  // small work: one thread
   at::parallel_for(0, B * Hkv * chunks, grain, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scores;  // [G, CHUNK]
@@ -233,15 +241,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
             s[t] += mf[b * ms0 + h * ms1 + j * ms3];
           top = std::max(top, s[t]);
         }
-        part_max[slot] = top;
-        part_sum[slot] = top == NEG_INF ? 0.f : exp_shifted(s, n, top);
-        float* a = part_acc.data() + slot * D;
+        pmax[slot] = top;
+        psum[slot] = top == NEG_INF ? 0.f : exp_shifted(s, n, top);
+        float* a = pacc + slot * D;
         std::fill(a, a + D, 0.f);
         if (top == NEG_INF) std::fill(s, s + n, 0.f);
       }
       for (int64_t i = 0; i < G; ++i) {  // the chunk's values stay in L1 across the group's heads
         const float* p = scores.data() + i * CHUNK;
-        float* a = part_acc.data() + ((b * H + g * G + i) * chunks + c) * D;
+        float* a = pacc + ((b * H + g * G + i) * chunks + c) * D;
 #ifdef ATTN_AVX2
         if (D == 64) {  // the head's accumulator in registers
           values_avx2<8>(p, vb, vs2, seen.data(), n, a);
@@ -262,7 +270,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   });
   for (int64_t bh = 0; bh < B * H; ++bh) {  // merge each head's chunks, in order
     float* o = op + bh * D;  // out[b, 0, h, :] ([B, 1, H, D] contiguous)
-    const float* mx = part_max.data() + bh * chunks;
+    const float* mx = pmax + bh * chunks;
     float top = NEG_INF;
     for (int64_t c = 0; c < chunks; ++c) top = std::max(top, mx[c]);
     std::fill(o, o + D, 0.f);
@@ -271,8 +279,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     for (int64_t c = 0; c < chunks; ++c) {
       if (mx[c] == NEG_INF) continue;
       const float w = mx[c] == top ? 1.f : std::exp(mx[c] - top);
-      total += w * part_sum[bh * chunks + c];
-      const float* a = part_acc.data() + (bh * chunks + c) * D;
+      total += w * psum[bh * chunks + c];
+      const float* a = pacc + (bh * chunks + c) * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
     }

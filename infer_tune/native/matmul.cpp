@@ -21,16 +21,15 @@
 //
 // The AVX2 path unpacks each 32 bytes into two vectors of u8 weights (low and high nibbles), each lane
 // 4 consecutive weights of one output, and multiplies them with the 4 matching activations broadcast to
-// every lane (vpmaddubsw: u8 x s8 pairs into int16; the 8 products of a block summed in int16 are exact,
+// every lane (vpmaddubsw: u8 x s8 pairs into int16; the block's 8 such vectors added in int16 stay exact,
 // 8 x 2 x 15 x 127 < 32767; one vpmaddwd then leaves each output's sum in its own int32 lane, no
 // horizontal adds). With AVX-512 VNNI (and VL), vpdpbusd sums the u8 x s8 products straight into int32.
-// The group's scales and zeros are applied in fp32. A tile's block is unpacked once for all rows. Threads
-// split the tiles. Without AVX2 a scalar loop computes the same value. The scales apply as
-// dx * (s * sum a q + (z - 8 s) * sum a), z - 8 s once per group, dx and sum a broadcast from memory.
-// Measured against the previous layout (two outputs per vector, three horizontal adds per block; same
-// results bit for bit), interleaved, 120 layers of SmolLM2's shapes on an AVX-512 VNNI host: 0.796x
-// [0.760, 0.834] of its time for four rows (0.851x [0.825, 0.878] without vpdpbusd), 0.971x [0.919,
-// 1.026] for one row, where the stream of weights bounds it.
+// The scales apply in fp32 as dx * (s * sum a q + (z - 8 s) * sum a), z - 8 s once per group, dx and
+// sum a broadcast from memory. A tile's block is unpacked once for all rows. Threads split the tiles.
+// Without AVX2 a scalar loop computes the same value. Measured against the previous layout (two outputs
+// per vector, three horizontal adds per block; same results bit for bit), interleaved, 120 layers of
+// SmolLM2's shapes on an AVX-512 VNNI host: 0.796x [0.760, 0.834] of its time for four rows (0.851x
+// [0.825, 0.878] without vpdpbusd), 0.971x [0.919, 1.026] for one row (bench/native_ab.py).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -178,14 +177,15 @@ inline void unpack(const uint8_t* q, Weights& w) {
   }
 }
 
-// the 8 outputs' sums of a * q for one row's block, output t in lane LANE_OF[t]
 inline __m256i quad(const int8_t* act) {  // 4 activations broadcast to every lane
   int32_t v;
   std::memcpy(&v, act, sizeof(v));
   return _mm256_set1_epi32(v);
 }
 
-inline __m256i dot8(const Weights& w, const int8_t* act) {  // act: [a0..15, a0..15, a16..31, a16..31]
+// the 8 outputs' sums of a * q for one row's block, output t in lane LANE_OF[t];
+// act: [a0..15, a0..15, a16..31, a16..31]
+inline __m256i dot8(const Weights& w, const int8_t* act) {
 #ifdef W4A8_VNNI
   __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();  // two chains of four
   for (int i = 0; i < 4; ++i) {

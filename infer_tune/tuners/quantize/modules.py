@@ -378,7 +378,8 @@ def pack_w4a8(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, gro
     nibbles = halves[..., 0, :, :] | (halves[..., 1, :, :] << 4)  # [tiles, 8, groups, blocks, i, r]
     nibbles = nibbles[:, LANE_ORDER].permute(0, 2, 3, 4, 1, 5).reshape(tiles, groups, -1)  # [.., i, lane, r]
     s, z = (t.view(tiles, 8, groups).permute(0, 2, 1) for t in (scale, zero))  # [tiles, groups, 8]
-    sz = torch.cat([s[..., 0::2], z[..., 0::2], s[..., 1::2], z[..., 1::2]], dim=-1).contiguous()
+    low, high = LANE_ORDER[:4], LANE_ORDER[4:]  # the lanes of the low and the high 128 bits
+    sz = torch.cat([s[..., low], z[..., low], s[..., high], z[..., high]], dim=-1).contiguous()
     return torch.cat([sz.view(torch.uint8), nibbles], dim=-1).contiguous()
 
 
