@@ -1,6 +1,6 @@
 """The native kernels as they are against the same kernels at an earlier git revision, interleaved in one process.
 
-Builds the revision's `infer_tune/native/matmul.cpp` and `attention.cpp` into a library of their own (op
+Builds the revision's `infer_tune/native/` C++ sources into a library of their own (op
 namespace `ab_native`, `-O3 -march=native -fopenmp` like `infer_tune/native`), then times, in `--rounds`
 interleaved rounds (order alternating), on SmolLM2-135M's shapes with random data:
 
@@ -43,10 +43,16 @@ def build_then(rev: str, folder: Path) -> None:
     from torch.utils import cpp_extension
 
     sources = []
-    for name in ("matmul.cpp", "attention.cpp"):
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", rev, "infer_tune/native/"],
+                            capture_output=True, text=True, check=True).stdout.split()
+    for path in listed:  # every C++ source and header of the revision
+        name = Path(path).name
+        if not name.endswith((".cpp", ".h")):
+            continue
         target = folder / name
-        target.write_text(at_revision(rev, f"infer_tune/native/{name}").replace("infer_tune_native", "ab_native"))
-        sources.append(str(target))
+        target.write_text(at_revision(rev, path).replace("infer_tune_native", "ab_native"))
+        if name.endswith(".cpp"):
+            sources.append(str(target))
     cpp_extension.load(name="ab_native", sources=sources, build_directory=str(folder), is_python_module=False,
                        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
 

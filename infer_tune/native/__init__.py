@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("matmul.cpp", "attention.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("matmul.cpp", "attention.cpp", "step.cpp"))
+HEADERS = (Path(__file__).with_name("kernels.h"),)  # in the build key, not compiled on their own
 NAME = "infer_tune_native"
 DISABLE_ENV = "INFER_TUNE_NO_NATIVE"
 
@@ -79,7 +80,7 @@ def _build() -> None:
 
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         raise KernelUnavailable("no C++ compiler (c++) on PATH to build the native kernels")
-    folder = paths.home() / "kernels" / f"native-{build_key([s.read_bytes() for s in SOURCES])}"
+    folder = paths.home() / "kernels" / f"native-{build_key([s.read_bytes() for s in SOURCES + HEADERS])}"
     folder.mkdir(parents=True, exist_ok=True)
     try:
         from torch.utils import cpp_extension

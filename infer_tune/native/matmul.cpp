@@ -43,6 +43,8 @@
 #include <string>
 #include <vector>
 
+#include "kernels.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define W4A8_AVX2 1
@@ -336,7 +338,7 @@ struct Activations {
 };
 
 // x [M, K] quantized into the calling thread's scratch (no allocation per call once grown)
-Activations quantize_input(const at::Tensor& x, int64_t M, int64_t K) {
+Activations quantize_input(const float* x, int64_t M, int64_t K) {
   const int64_t blocks = K / BLOCK;
   thread_local std::vector<int8_t> a;
   thread_local std::vector<float> dx;
@@ -344,11 +346,39 @@ Activations quantize_input(const at::Tensor& x, int64_t M, int64_t K) {
   a.resize(std::max<size_t>(a.size(), M * blocks * ABYTES));
   dx.resize(std::max<size_t>(dx.size(), M * blocks));
   asum.resize(std::max<size_t>(asum.size(), M * blocks));
-  quantize_rows(x.data_ptr<float>(), M, K, a.data(), dx.data(), asum.data());
+  quantize_rows(x, M, K, a.data(), dx.data(), asum.data());
   return {a.data(), dx.data(), asum.data()};
 }
 
+Activations quantize_input(const at::Tensor& x, int64_t M, int64_t K) { return quantize_input(x.data_ptr<float>(), M, K); }
+
+// one row of one tile: 8 outputs to y
+inline void tile_row(const Activations& act, int64_t K, int64_t group, const uint8_t* tile, float* y) {
+#ifdef W4A8_AVX2
+  tile1_avx2(act.a, act.dx, act.asum, K, group, tile, y);
+#else
+  tile_scalar(act.a, act.dx, act.asum, 1, K, group, tile, y, TILE);
+#endif
+}
+
 }  // namespace
+
+void w4a8_row_multi(const float* x, int64_t K, int64_t group, int count, const uint8_t* const* packed,
+                    const int64_t* tiles, float* const* y) {
+  TORCH_CHECK(count >= 1 && count <= 4 && K % group == 0 && group % BLOCK == 0, "w4a8_row_multi: bad shapes");
+  const Activations act = quantize_input(x, 1, K);
+  const int64_t tile_bytes = (K / group) * group_bytes(group);
+  int64_t start[5] = {0};
+  for (int i = 0; i < count; ++i) start[i + 1] = start[i] + tiles[i];
+  at::parallel_for(0, start[count], 1, [&](int64_t begin, int64_t end) {
+    int m = 0;
+    for (int64_t t = begin; t < end; ++t) {
+      while (t >= start[m + 1]) ++m;
+      const int64_t local = t - start[m];
+      tile_row(act, K, group, packed[m] + local * tile_bytes, y[m] + local * TILE);
+    }
+  });
+}
 
 // x [M, K] fp32; packed [N/8, K/group, 32 + 4 * group] uint8 (the layout above) -> y [M, N] fp32
 at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group) {

@@ -312,7 +312,8 @@ def may_stack(cand: Candidate, spec: TuneSpec) -> bool:
 
 
 def stack_candidates(spec: TuneSpec, methods: list[Candidate], *, first: bool = True) -> list[Candidate]:
-    """Stacks of measured quantize candidates that may win: with the lean decode path, and for the first
+    """Stacks of measured quantize candidates that may win: with the lean decode path (and, for methods with
+    int8 activations, its native step: no compile, so cheap to measure), and for the first
     also with the lean path's C++ wrapper (measured faster on some runs, slower on others here: so
     measured) and a static compiled cache through generate(); for the throughput objective first the
     batched stacks (`batched_parts`), for the goodput objective only those (a single stream serves the
@@ -326,6 +327,8 @@ def stack_candidates(spec: TuneSpec, methods: list[Candidate], *, first: bool = 
         return out
     for cand in methods:
         parts = [LeanConfig(compile=spec.compile)]
+        if getattr(cand.config, "activations", None) == "int8" and native_step_runs():
+            parts.append(LeanConfig(native_step=True))  # the whole step in one native call (no compile)
         if first and spec.compile:
             parts += [LeanConfig(compile=True, cpp_wrapper=True), KVCacheConfig(impl="static", compile=True)]
         if spec.objective == "throughput":  # serving many requests: the batched stacks come first
@@ -336,6 +339,13 @@ def stack_candidates(spec: TuneSpec, methods: list[Candidate], *, first: bool = 
             out.append(Candidate(StackConfig(configs=[cand.config, part]), lossless=False, method=cand.method,
                                  estimate=cand.estimate, estimate_ci95=cand.estimate_ci95, compiles=spec.compile))
     return out
+
+
+def native_step_runs() -> bool:
+    """Whether the lean path's native step (infer_tune/native/step.py) can run here: its kernels build."""
+    from infer_tune import native
+
+    return native.available()[0]
 
 
 def beside_method(spec: TuneSpec, cand: Candidate) -> tuple[list[Candidate], list[Candidate]]:

@@ -33,7 +33,10 @@ class LeanConfig(TechniqueConfig):
     minutes longer; measured no faster here, loop.py). compile_prefill: with `compile`, prompts prefill
     through compiled length buckets (prefill.py); off by default: measured no faster here (docs/tune.md).
     attention: what the compiled step attends with: `native` (default: the project's decode attention,
-    infer_tune/native/attention.py, where the model attends with SDPA and the kernels build) or `sdpa`."""
+    infer_tune/native/attention.py, where the model attends with SDPA and the kernels build) or `sdpa`.
+    native_step: the whole decode step in one native call (infer_tune/native/step.py: Llama-family models
+    whose layers are int4 with int8 activations); any other model gets the compiled (or eager) step, the
+    reason in `lean_native_fallback`."""
 
     technique: ClassVar[str] = "lean"
 
@@ -41,12 +44,15 @@ class LeanConfig(TechniqueConfig):
     cpp_wrapper: bool = False
     compile_prefill: bool = False
     attention: str = "native"
+    native_step: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
             raise ConfigError(f"lean: attention must be one of {', '.join(ATTENTION)}; got '{self.attention}'")
 
     def label(self) -> str:
+        if self.native_step:
+            return "lean+native"
         return "lean" + ("+compile" if self.compile else "") + ("+cpp" if self.compile and self.cpp_wrapper else "") \
             + ("+prefill" if self.compile and self.compile_prefill else "") \
             + ("+sdpa" if self.compile and self.attention == "sdpa" else "")
@@ -83,7 +89,7 @@ def prepare_lean(loaded: LoadedModel, config: LeanConfig, ctx: RunContext) -> Pr
             facts["lean_kernel_swaps"] = swaps
     decoder = LeanDecoder(loaded.model, compile=config.compile, cpp_wrapper=config.cpp_wrapper, counters=counters,
                           compile_prefill=config.compile and config.compile_prefill,
-                          native_attention=config.attention == "native")
+                          native_attention=config.attention == "native", native_step=config.native_step)
     return PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, metrics=facts,
                          label=config.label(), device=ctx.device, counters=counters,
                          runner_options={"lean_decoder": decoder}, runner="lean")

@@ -55,7 +55,7 @@ class LeanDecoder:
 
     def __init__(self, model: torch.nn.Module, *, compile: bool = True, cpp_wrapper: bool = False,
                  counters: RunCounters | None = None, facts: dict | None = None,
-                 compile_prefill: bool = False, native_attention: bool = True) -> None:
+                 compile_prefill: bool = False, native_attention: bool = True, native_step: bool = False) -> None:
         self.model = model
         self.compile = compile
         self.native_attention = native_attention
@@ -66,6 +66,15 @@ class LeanDecoder:
         self._step = None
         self._buckets: dict[int, tuple] = {}  # static cache size -> (cache, its decode step)
         self._reserved = 0  # the most positions a run said it needs (`reserve`)
+        # the whole step in one native call (infer_tune/native/step.py) where the model is one it runs exactly;
+        # else the compiled (or eager) step, and why not
+        self._native_parts = None
+        if native_step:
+            from infer_tune.native.step import recognize
+
+            self._native_parts, why = recognize(model)
+            if self._native_parts is None:
+                self.facts["lean_native_fallback"] = why
         # only the last position's logits: the prompt's other positions would cost a head matmul each
         forward_params = inspect.signature(model.forward).parameters
         self._extra = {"logits_to_keep": 1} if "logits_to_keep" in forward_params else {}
@@ -87,6 +96,8 @@ class LeanDecoder:
         hides, so a 33-token prompt in a 640-position cache costs what it costs in a 128-position one. Else
         attention reads the whole static cache (masked), so each size a run needs gets its own cache and step.
         """
+        if self._native_parts is not None:  # step.cpp attends with the native decode attention
+            return True
         if not (self.compile and self.native_attention):
             return False
         from infer_tune.native.attention import register
@@ -115,10 +126,16 @@ class LeanDecoder:
         entry = self._buckets.get(size)
         if entry is None:
             cache = StaticCache(config=self.model.config, max_cache_len=size)
-            step = CapturedStep(self.model, cache, self._extra, self.cpp_wrapper, self.facts,
-                                native_attention=self.native_attention) if self.compile \
-                else _call_model(self.model, cache, self._extra)
-            if not self.compile:
+            if self._native_parts is not None:
+                from infer_tune.native.step import NativeStep
+
+                step = NativeStep(self.model, cache, self._native_parts)
+                self.facts["lean_step"] = "native"
+            elif self.compile:
+                step = CapturedStep(self.model, cache, self._extra, self.cpp_wrapper, self.facts,
+                                    native_attention=self.native_attention)
+            else:
+                step = _call_model(self.model, cache, self._extra)
                 self.facts["lean_step"] = "eager"
             entry = self._buckets[size] = (cache, step)
         else:
