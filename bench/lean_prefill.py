@@ -14,6 +14,7 @@ ignored) runs three passes interleaved with the lean path's. Run it under the CP
 
     flock /tmp/infer-tune-cpu.lock python bench/lean_prefill.py --threads 2 --rounds 7
     flock /tmp/infer-tune-cpu.lock python bench/lean_prefill.py --threads 2 --rounds 7 --llama-server --decode-tokens 128
+    flock /tmp/infer-tune-cpu.lock python bench/lean_prefill.py --threads 2 --rounds 7 --llama-server --decode-tokens 128 --native-step
 
 Not a test: read the ratios of one run.
 """
@@ -69,6 +70,8 @@ def run(stack) -> None:
     p.add_argument("--activations", default="int8", choices=("bf16", "int8"),
                    help="int8: the w4a8 / w8a8 kernels (quantize's activations: int8); bf16: torch's int4 kernel")
     p.add_argument("--cpp-wrapper", action="store_true", help="the decode row's step with inductor's C++ wrapper")
+    p.add_argument("--native-step", action="store_true",
+                   help="the decode row's step in one native call (int4 a8 Llama models: infer_tune/native/step.py)")
     p.add_argument("--llama-server", action="store_true",
                    help="llama.cpp's C++ server (scripts/build-llama-server.sh) as the reference, same rounds")
     args = p.parse_args()
@@ -139,7 +142,7 @@ def run(stack) -> None:
                   f"({min(values):.2f}-{max(values):.2f})  eager/this {eager / statistics.median(values):.2f}x")
         print(f"  {case}: outputs identical: {runs[('eager prefill', case)] == runs[('compiled prefill', case)]}")
     if args.decode_tokens:  # single-stream decode of the whole lean path (compiled step), three passes
-        full = LeanDecoder(model, compile=True, cpp_wrapper=args.cpp_wrapper)
+        full = LeanDecoder(model, compile=True, cpp_wrapper=args.cpp_wrapper, native_step=args.native_step)
         full._prefill = rows["compiled prefill"]._prefill  # the prefill graphs compiled above
         full.generate(cases["short"], args.decode_tokens, eos)
         speeds, theirs = [], []
@@ -149,7 +152,8 @@ def run(stack) -> None:
             speeds.append((len(token_ns) - 1) * 1e9 / (token_ns[-1] - token_ns[0]))
             if server is not None:
                 theirs.append(server_completion(server.url, text, args.decode_tokens)[0]["timings"]["predicted_per_second"])
-        print(f"lean+compile single-stream decode, {args.decode_tokens} tokens after the short prompt: "
+        print(f"{'lean+native' if args.native_step else 'lean+compile'} single-stream decode, {args.decode_tokens} "
+              f"tokens after the short prompt: "
               f"{', '.join(f'{v:.1f}' for v in speeds)} tok/s ({full.facts.get('lean_step')}, attention "
               f"{full.facts.get('lean_attention')}; {len(token_ns)} tokens in the last pass)")
         print(roofline_line(model, cases["short"].shape[1] + args.decode_tokens / 2, max(speeds)))

@@ -84,7 +84,7 @@ def infer_tune_side(args, state: dict):
         started = time.perf_counter()
         batch = BatchConfig(scheduler=scheduler, batch_size=args.batch, rate=rate, requests=args.requests,
                             seed=args.seed, engine="lean", compile_prefill=args.compile_prefill,
-                            step_buckets=args.step_buckets)
+                            step_buckets=args.step_buckets, native_step=args.native_step)
         config = StackConfig(configs=[QuantizeConfig(method=args.method, activations=args.activations), batch])
         prepared = apply(run.loaded, config, run.ctx)
         doc, outputs = measure_prepared(run.loaded, prepared, run.inputs, spec.workload, spec.protocol,
@@ -264,6 +264,8 @@ def main() -> None:
                    help="full: one batched step graph; all: one per 1, 2, 4 ... rows")
     p.add_argument("--compiled-prefill", dest="compile_prefill", action="store_true",
                    help="prefill through compiled length buckets (one compile per bucket the prompts need)")
+    p.add_argument("--native-step", action="store_true",
+                   help="the slot engine's step in one native call (int4 a8 Llama models: infer_tune/native/step.py)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="/tmp/infer-tune-serving-bench")
     p.add_argument("--state", default="/tmp/infer-tune-serving-bench.json")

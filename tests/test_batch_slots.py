@@ -182,3 +182,27 @@ def test_slot_kernel_swap_is_taken_from_a_separated_screen(separated, expected, 
     facts = slots_module.prepare_model(model, 4)
     assert facts["slot_kernel_swaps"]["int8-dynamic"]["decode"] == ("fbgemm", expected)
     assert facts["slot_kernel_screen"]["int8-dynamic"]["chosen"] == expected
+
+
+def test_native_slot_step_serves_as_each_request_alone(tiny_model_dir, mixed_suite, tmp_path):
+    """The slot engine's native step (int4 a8 Llama: infer_tune/native/step.py): rows 1 and 2 of one step give
+    each request the tokens of the one-row step serving it alone, 0 mismatches, no step compiled."""
+    from infer_tune import native
+
+    if not native.available()[0]:
+        pytest.skip(native.available()[1])
+    loaded = models.load(str(tiny_model_dir))
+    workload = Workload(suite=str(mixed_suite), limit=6, max_new_tokens=10, chat_template=False)
+    inputs = prepare_inputs(loaded, workload)
+    batch = BatchConfig(scheduler="continuous", batch_size=3, rate=200.0, requests=10, allow_repeat=True,
+                        engine="lean", native_step=True)
+    assert batch.label() == "continuous-b3-r200-lean-native"
+    config = StackConfig(configs=[QuantizeConfig(method="int4-rtn", backend="torch", activations="int8"), batch])
+    ctx = RunContext(env=envinfo.collect_env(1), out_dir=tmp_path)
+    prepared = apply(loaded, config, ctx)
+    doc, _ = measure_prepared(loaded, prepared, inputs, workload, ONCE, technique="stack", config=config.to_dict(),
+                              env=ctx.env, runner="trace", measure_ppl=False)
+    m = doc["metrics"]
+    assert m["lean_step"] == "native" and "lean_native_fallback" not in m, m
+    assert m["output_mismatches"] == 0 and m["ttft_ms"]["n"] == 10, m
+    assert m["mean_batch_size"] > 1 and m["slot_step_buckets"] == [1, 2, 3]

@@ -131,3 +131,31 @@ def test_models_it_does_not_know_get_the_compiled_step_and_the_reason(tokenizer,
     decoder.generate(ids, 3, [model.config.eos_token_id])
     assert decoder.facts["lean_step"] in ("captured", "guarded")
     assert fragment in decoder.facts["lean_native_fallback"]
+
+
+def test_rows_of_a_slot_step_do_not_depend_on_each_other(tokenizer):
+    """step_rows (the slot engine's step): each row of a 3-row step, bit for bit, what a one-row step on that
+    row's own cache gives, at its own position (one past a 64-position chunk, so chunks are skipped unevenly)."""
+    from infer_tune.native.step import recognize
+
+    model = quantized(tiny_llama(tokenizer))
+    parts, why = recognize(model)
+    assert parts is not None, why
+    gen = torch.Generator().manual_seed(4)
+    layers, kv, d = model.config.num_hidden_layers, model.config.num_key_value_heads, 16
+    keys = [torch.randn(3, kv, 192, d, generator=gen) for _ in range(layers)]
+    values = [torch.randn(3, kv, 192, d, generator=gen) for _ in range(layers)]
+    x = torch.randn(3, model.config.hidden_size, generator=gen)
+    positions = torch.tensor([5, 70, 130])
+    p = parts
+
+    def native(k, v):
+        return torch.classes.infer_tune_native.LlamaStep(p["tensors"], k, v, [], p["inv_freq"], p["ints"], p["floats"])
+    k3, v3 = [t.clone() for t in keys], [t.clone() for t in values]
+    together = native(k3, v3).step_rows(x, positions)
+    for b in range(3):
+        k1, v1 = [t[b:b + 1].clone() for t in keys], [t[b:b + 1].clone() for t in values]
+        alone = native(k1, v1).step_rows(x[b:b + 1], positions[b:b + 1])
+        assert torch.equal(together[b], alone[0]), b
+        for layer in range(layers):
+            assert torch.equal(k3[layer][b], k1[layer][0]) and torch.equal(v3[layer][b], v1[layer][0])

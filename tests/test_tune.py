@@ -707,6 +707,17 @@ def test_a_candidates_rounds_end_once_its_interval_settles_its_place():
     # a group stops only when every candidate in it is settled; a missing interval keeps it going
     assert decided(key, None, group((1.05, 1.3), (0.95, 1.3))) is None
     assert decided(key, None, {"x": {key: None}}) is None
+    # rivals: a group measured together goes on until its best separates from the others above the baseline
+    assert decided(key, None, group((2.0, 3.0), (2.5, 3.5))) is not None
+    assert decided(key, None, group((2.0, 3.0), (2.5, 3.5)), rivals=True) is None
+    separated = decided(key, None, group((2.0, 2.4), (2.5, 3.5), (0.5, 0.9)), rivals=True)
+    assert "at most 2.40 (95% interval), below c1's 2.50" in separated and "above the baseline and c0's upper bound 2.40" in separated
+    assert "c1" not in decided(key, Leader("lean", 1.0, 1.2), group((2.5, 3.5), (0.5, 0.9)), rivals=True)
+    plan = _plan(TuneSpec())  # rivals for RIVAL_ROUNDS calls, then each candidate against the baseline and leader
+    from infer_tune.scenarios.tune import RIVAL_ROUNDS
+
+    assert [plan.stop_rounds(group((2.0, 3.0), (2.5, 3.5))) is None for _ in range(RIVAL_ROUNDS + 1)] == \
+        [True] * RIVAL_ROUNDS + [False]
     leader = Candidate(QuantizeConfig(), lossless=False, doc=_doc(8.0, speedup_vs_baseline=2.5,
                                                                     speedup_vs_baseline_ci95=[2.4, 2.6]))
     leader.eligible = True

@@ -11,8 +11,8 @@ at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& mask, double scale);
 
-// One row x [K] through up to 4 w4a8 matrices that read it (q, k, v; gate, up), in w4a8_mm's layout:
-// the row is quantized once and the tiles of all of them split over torch's threads in one parallel
-// region; matrix i (tiles[i] tiles of 8 outputs) writes its outputs to y[i]. Same values as w4a8_mm.
-void w4a8_row_multi(const float* x, int64_t K, int64_t group, int count, const uint8_t* const* packed,
-                    const int64_t* tiles, float* const* y);
+// Rows x [M, K] through up to 4 w4a8 matrices that read them (q, k, v; gate, up), in w4a8_mm's layout: the
+// rows are quantized once and the tiles of all of them split over torch's threads in one parallel region;
+// matrix i (tiles[i] tiles of 8 outputs) writes y[i] [M, 8 * tiles[i]]. The values w4a8_mm gives.
+void w4a8_rows_multi(const float* x, int64_t M, int64_t K, int64_t group, int count, const uint8_t* const* packed,
+                     const int64_t* tiles, float* const* y);

@@ -352,30 +352,37 @@ Activations quantize_input(const float* x, int64_t M, int64_t K) {
 
 Activations quantize_input(const at::Tensor& x, int64_t M, int64_t K) { return quantize_input(x.data_ptr<float>(), M, K); }
 
-// one row of one tile: 8 outputs to y
-inline void tile_row(const Activations& act, int64_t K, int64_t group, const uint8_t* tile, float* y) {
+// rows 0..M-1 of one tile: 8 outputs of each row to y[m * ldy], acc [M * TILE] scratch
+inline void tile_rows(const Activations& act, int64_t M, int64_t K, int64_t group, const uint8_t* tile, float* y,
+                      int64_t ldy, float* acc) {
 #ifdef W4A8_AVX2
-  tile1_avx2(act.a, act.dx, act.asum, K, group, tile, y);
+  if (M == 1)
+    tile1_avx2(act.a, act.dx, act.asum, K, group, tile, y);
+  else
+    tile_avx2(act.a, act.dx, act.asum, M, K, group, tile, y, ldy, acc);
 #else
-  tile_scalar(act.a, act.dx, act.asum, 1, K, group, tile, y, TILE);
+  tile_scalar(act.a, act.dx, act.asum, M, K, group, tile, y, ldy);
 #endif
 }
 
 }  // namespace
 
-void w4a8_row_multi(const float* x, int64_t K, int64_t group, int count, const uint8_t* const* packed,
-                    const int64_t* tiles, float* const* y) {
-  TORCH_CHECK(count >= 1 && count <= 4 && K % group == 0 && group % BLOCK == 0, "w4a8_row_multi: bad shapes");
-  const Activations act = quantize_input(x, 1, K);
+void w4a8_rows_multi(const float* x, int64_t M, int64_t K, int64_t group, int count, const uint8_t* const* packed,
+                     const int64_t* tiles, float* const* y) {
+  TORCH_CHECK(count >= 1 && count <= 4 && M >= 1 && K % group == 0 && group % BLOCK == 0,
+              "w4a8_rows_multi: bad shapes");
+  const Activations act = quantize_input(x, M, K);
   const int64_t tile_bytes = (K / group) * group_bytes(group);
   int64_t start[5] = {0};
   for (int i = 0; i < count; ++i) start[i + 1] = start[i] + tiles[i];
   at::parallel_for(0, start[count], 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> acc;
+    acc.resize(std::max<size_t>(acc.size(), M * TILE));
     int m = 0;
     for (int64_t t = begin; t < end; ++t) {
       while (t >= start[m + 1]) ++m;
       const int64_t local = t - start[m];
-      tile_row(act, K, group, packed[m] + local * tile_bytes, y[m] + local * TILE);
+      tile_rows(act, M, K, group, packed[m] + local * tile_bytes, y[m] + local * TILE, tiles[m] * TILE, acc.data());
     }
   });
 }

@@ -1,17 +1,20 @@
-// The whole decode step of a Llama-family model in one native call: the lean path's `native` step
-// (infer_tune/native/step.py builds it from a model whose every part it recognizes; docs/tune.md).
+// The whole decode step of a Llama-family model in one native call: the lean path's `native` step and
+// the slot engine's (infer_tune/native/step.py builds it from a model whose every part it recognizes;
+// docs/tune.md, docs/batch.md).
 //
-// One token, batch 1, fp32 residual stream, the model's own quantized weights in the w4a8 layout
-// (modules.Int4A8Linear) and its int8 (w8a8) or int4 (w4a8) head, its static KV cache written in place.
-// Per layer, what transformers' LlamaDecoderLayer computes:
-//     h = rms_norm(x) * w_in;  q, k, v = h W_q, h W_k, h W_v;  rotary embedding of q and k at `position`;
-//     k, v written at `position` of the layer's cache (its length counter set to position + 1);
-//     x += attention(q, cache[0..position]) W_o;
+// One new token per row (the lean loop: one row; the slot engine: rows 0..R-1 of its slot cache, each at
+// its own position), fp32 residual stream, the model's own quantized weights in the w4a8 layout
+// (modules.Int4A8Linear) and its int8 (w8a8) or int4 (w4a8) head, the static KV cache written in place.
+// Per layer, what transformers' LlamaDecoderLayer computes, per row:
+//     h = rms_norm(x) * w_in;  q, k, v = h W_q, h W_k, h W_v;  rotary embedding of q and k at the position;
+//     k, v written at the position of the row's cache (a one-row step sets the length counter to position + 1);
+//     x += attention(q, the row's cache up to its position) W_o;
 //     h = rms_norm(x) * w_post;  x += (silu(h W_gate) * (h W_up)) W_down
-// then logits = (rms_norm(x) * w_final) W_head. The matmuls are w4a8_row_multi / w8a8_mm and the attention
+// then logits = (rms_norm(x) * w_final) W_head. The matmuls are w4a8_rows_multi / w8a8_mm and the attention
 // decode_attention, the kernels the compiled step calls, called directly: no dispatcher, no Python, no
 // allocation but the attention's and the head's outputs, norms and rotary embedding in plain loops. The
-// values equal the compiled step's up to fp32 rounding (the norms' sums and cos / sin are computed here).
+// values equal the compiled step's up to fp32 rounding (the norms' sums and cos / sin are computed here);
+// a row's values do not depend on the other rows (every kernel here treats rows independently).
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -57,11 +60,16 @@ struct LlamaStep : torch::CustomClassHolder {
   // weights: per layer PER_LAYER tensors, then the final norm, the head's packed weights and (w8a8) its scale
   std::vector<at::Tensor> weights, keys, values, lengths;
   at::Tensor inv_freq, mask, q;
-  int64_t layers, heads, kv_heads, head_dim, hidden, inter, group, vocab, max_len;
+  int64_t layers, heads, kv_heads, head_dim, hidden, inter, group, vocab, max_len, batch;
   int64_t head_group;  // 0: a w8a8 head (packed, scale); else an int4 head in the w4a8 layout with this group
   double eps, scaling, rope_scale;
-  std::vector<float> resid, h, qkv, act, proj, gate, up, cos, sin;
+  std::vector<float> resid, h, qs, ks, vs, proj, gate, up, act, cos, sin;
+  // per layer and row count r: the caches' first r rows, and the mask's (views made once)
+  std::vector<std::vector<at::Tensor>> key_rows, value_rows;
+  std::vector<at::Tensor> mask_rows, q_rows;
 
+  // keys / values: per layer the cache [rows, kv heads, length, head dim] fp32; lengths: per layer the
+  // cache's int64 length counter, set to position + 1 by a one-row step (empty: none to keep)
   LlamaStep(std::vector<at::Tensor> weights_, std::vector<at::Tensor> keys_, std::vector<at::Tensor> values_,
             std::vector<at::Tensor> lengths_, at::Tensor inv_freq_, std::vector<int64_t> ints,
             std::vector<double> floats)
@@ -74,102 +82,139 @@ struct LlamaStep : torch::CustomClassHolder {
     TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * PER_LAYER + 2 + (head_group ? 0 : 1),
                 "LlamaStep: ", weights.size(), " weight tensors for ", layers, " layers");
     TORCH_CHECK(static_cast<int64_t>(keys.size()) == layers && static_cast<int64_t>(values.size()) == layers &&
-                    static_cast<int64_t>(lengths.size()) == layers,
-                "LlamaStep: one key, value and length tensor per layer");
+                    (lengths.empty() || static_cast<int64_t>(lengths.size()) == layers),
+                "LlamaStep: one key and value tensor (and length counter) per layer");
     TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0 && inv_freq.numel() == head_dim / 2,
                 "LlamaStep: head shapes");
+    batch = keys[0].size(0), max_len = keys[0].size(2);
     for (int64_t l = 0; l < layers; ++l) {
-      TORCH_CHECK(keys[l].dim() == 4 && keys[l].size(0) == 1 && keys[l].size(1) == kv_heads &&
-                      keys[l].size(3) == head_dim && keys[l].stride(3) == 1 &&
+      TORCH_CHECK(keys[l].dim() == 4 && keys[l].size(0) == batch && keys[l].size(1) == kv_heads &&
+                      keys[l].size(2) == max_len && keys[l].size(3) == head_dim && keys[l].stride(3) == 1 &&
                       keys[l].scalar_type() == at::kFloat && values[l].sizes() == keys[l].sizes() &&
                       values[l].stride(3) == 1 && values[l].scalar_type() == at::kFloat,
-                  "LlamaStep: layer ", l, "'s cache is not [1, kv heads, length, head dim] fp32");
-      TORCH_CHECK(lengths[l].scalar_type() == at::kLong && lengths[l].numel() == 1,
-                  "LlamaStep: layer ", l, "'s length counter is not one int64");
+                  "LlamaStep: layer ", l, "'s cache is not [rows, kv heads, length, head dim] fp32");
+      if (!lengths.empty())
+        TORCH_CHECK(lengths[l].scalar_type() == at::kLong && lengths[l].numel() == 1,
+                    "LlamaStep: layer ", l, "'s length counter is not one int64");
     }
-    max_len = keys[0].size(2);
-    const at::Tensor& head = weights[layers * PER_LAYER + 1];
-    vocab = head.size(0) * 8;  // padded to a multiple of 8; the caller narrows
-    mask = at::zeros({1, 1, 1, max_len}, at::TensorOptions().dtype(at::kBool));
-    q = at::empty({1, heads, 1, head_dim}, at::TensorOptions().dtype(at::kFloat));
-    resid.resize(hidden), h.resize(std::max(hidden, heads * head_dim));
-    qkv.resize((heads + 2 * kv_heads) * head_dim), act.resize(inter), proj.resize(hidden);
-    gate.resize(inter), up.resize(inter), cos.resize(head_dim / 2), sin.resize(head_dim / 2);
+    vocab = weights[layers * PER_LAYER + 1].size(0) * 8;  // padded to a multiple of 8; the caller narrows
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    mask = at::zeros({batch, 1, 1, max_len}, at::TensorOptions().dtype(at::kBool));
+    q = at::empty({batch, heads, 1, head_dim}, f32);
+    key_rows.resize(layers), value_rows.resize(layers);
+    for (int64_t r = 1; r <= batch; ++r) {
+      mask_rows.push_back(mask.narrow(0, 0, r));
+      q_rows.push_back(q.narrow(0, 0, r));
+      for (int64_t l = 0; l < layers; ++l) {
+        key_rows[l].push_back(keys[l].narrow(0, 0, r));
+        value_rows[l].push_back(values[l].narrow(0, 0, r));
+      }
+    }
+    const int64_t qn = heads * head_dim, kn = kv_heads * head_dim;
+    resid.resize(batch * hidden), h.resize(batch * std::max(hidden, qn)), qs.resize(batch * qn);
+    ks.resize(batch * kn), vs.resize(batch * kn), proj.resize(batch * hidden), gate.resize(batch * inter);
+    up.resize(batch * inter), act.resize(batch * inter);
+    cos.resize(batch * head_dim / 2), sin.resize(batch * head_dim / 2);
   }
 
-  // x: the token's embedding [1, hidden] fp32 -> logits [1, vocab padded to 8] fp32
+  // the lean loop's step: x the token's embedding [1, hidden] fp32 at `position` -> logits [1, vocab padded]
   at::Tensor step(const at::Tensor& x, int64_t position) {
     TORCH_CHECK(x.numel() == hidden && x.scalar_type() == at::kFloat, "LlamaStep: x must be [1, hidden] fp32");
-    TORCH_CHECK(position >= 0 && position < max_len, "LlamaStep: position ", position, " outside the cache of ",
-                max_len);
-    const float fe = static_cast<float>(eps);
-    std::copy_n(x.contiguous().data_ptr<float>(), hidden, resid.data());
+    const at::Tensor logits = run(1, x.contiguous().data_ptr<float>(), &position);
+    for (const at::Tensor& counter : lengths) *counter.data_ptr<int64_t>() = position + 1;
+    return logits;
+  }
+
+  // the slot engine's step: rows 0..R-1 of the caches, row b's token x[b] at positions[b] -> logits [R, vocab padded]
+  at::Tensor step_rows(const at::Tensor& x, const at::Tensor& positions) {
+    const int64_t rows = x.size(0);
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden && x.scalar_type() == at::kFloat && rows >= 1 && rows <= batch,
+                "LlamaStep: x must be [rows <= ", batch, ", hidden] fp32");
+    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == rows, "LlamaStep: one int64 position per row");
+    return run(rows, x.contiguous().data_ptr<float>(), positions.contiguous().data_ptr<int64_t>());
+  }
+
+  at::Tensor run(int64_t rows, const float* x, const int64_t* positions) {
+    const int64_t D = head_dim, half = head_dim / 2, qn = heads * D, kn = kv_heads * D;
+    const float fe = static_cast<float>(eps), rs = static_cast<float>(rope_scale);
     const float* inv = inv_freq.data_ptr<float>();
-    const float rs = static_cast<float>(rope_scale);
-    for (int64_t i = 0; i < head_dim / 2; ++i) {  // as transformers: freqs = position * inv_freq in fp32
-      const float f = static_cast<float>(position) * inv[i];
-      cos[i] = std::cos(f) * rs;
-      sin[i] = std::sin(f) * rs;
-    }
     bool* mb = mask.data_ptr<bool>();
-    std::fill(mb, mb + position + 1, true);
-    std::fill(mb + position + 1, mb + max_len, false);
-    const int64_t D = head_dim, qn = heads * D, kn = kv_heads * D;
+    for (int64_t b = 0; b < rows; ++b) {
+      const int64_t p = positions[b];
+      TORCH_CHECK(p >= 0 && p < max_len, "LlamaStep: position ", p, " outside the cache of ", max_len);
+      for (int64_t i = 0; i < half; ++i) {  // as transformers: freqs = position * inv_freq in fp32
+        const float f = static_cast<float>(p) * inv[i];
+        cos[b * half + i] = std::cos(f) * rs;
+        sin[b * half + i] = std::sin(f) * rs;
+      }
+      std::fill(mb + b * max_len, mb + b * max_len + p + 1, true);
+      std::fill(mb + b * max_len + p + 1, mb + (b + 1) * max_len, false);
+    }
+    std::copy_n(x, rows * hidden, resid.data());
     float* qp = q.data_ptr<float>();
     for (int64_t l = 0; l < layers; ++l) {
       const at::Tensor* w = weights.data() + l * PER_LAYER;
-      rms_norm(resid.data(), w[0].data_ptr<float>(), hidden, fe, h.data());
+      for (int64_t b = 0; b < rows; ++b)
+        rms_norm(resid.data() + b * hidden, w[0].data_ptr<float>(), hidden, fe, h.data() + b * hidden);
       {
         const uint8_t* packed[3] = {bytes(w[1]), bytes(w[2]), bytes(w[3])};
         const int64_t tiles[3] = {qn / 8, kn / 8, kn / 8};
-        float* out[3] = {qkv.data(), qkv.data() + qn, qkv.data() + qn + kn};
-        w4a8_row_multi(h.data(), hidden, group, 3, packed, tiles, out);
+        float* out[3] = {qs.data(), ks.data(), vs.data()};
+        w4a8_rows_multi(h.data(), rows, hidden, group, 3, packed, tiles, out);
       }
-      for (int64_t i = 0; i < heads; ++i) rotate(qkv.data() + i * D, cos.data(), sin.data(), D, qp + i * D);
       float* kc = keys[l].data_ptr<float>();
       float* vc = values[l].data_ptr<float>();
-      for (int64_t g = 0; g < kv_heads; ++g) {
-        rotate(qkv.data() + qn + g * D, cos.data(), sin.data(), D, kc + g * keys[l].stride(1) + position * keys[l].stride(2));
-        std::copy_n(qkv.data() + qn + kn + g * D, D, vc + g * values[l].stride(1) + position * values[l].stride(2));
+      const int64_t k0 = keys[l].stride(0), k1 = keys[l].stride(1), k2 = keys[l].stride(2);
+      const int64_t v0 = values[l].stride(0), v1 = values[l].stride(1), v2 = values[l].stride(2);
+      for (int64_t b = 0; b < rows; ++b) {
+        const float* c = cos.data() + b * half;
+        const float* sn = sin.data() + b * half;
+        const int64_t p = positions[b];
+        for (int64_t i = 0; i < heads; ++i) rotate(qs.data() + b * qn + i * D, c, sn, D, qp + b * qn + i * D);
+        for (int64_t g = 0; g < kv_heads; ++g) {
+          rotate(ks.data() + b * kn + g * D, c, sn, D, kc + b * k0 + g * k1 + p * k2);
+          std::copy_n(vs.data() + b * kn + g * D, D, vc + b * v0 + g * v1 + p * v2);
+        }
       }
-      *lengths[l].data_ptr<int64_t>() = position + 1;
-      const at::Tensor attended = decode_attention(q, keys[l], values[l], mask, scaling);  // [1, 1, H, D]
+      const at::Tensor attended = decode_attention(q_rows[rows - 1], key_rows[l][rows - 1], value_rows[l][rows - 1],
+                                                   mask_rows[rows - 1], scaling);  // [rows, 1, H, D]
       {
         const uint8_t* packed[1] = {bytes(w[4])};
         const int64_t tiles[1] = {hidden / 8};
         float* out[1] = {proj.data()};
-        w4a8_row_multi(attended.data_ptr<float>(), qn, group, 1, packed, tiles, out);
+        w4a8_rows_multi(attended.data_ptr<float>(), rows, qn, group, 1, packed, tiles, out);
       }
-      for (int64_t i = 0; i < hidden; ++i) resid[i] += proj[i];
-      rms_norm(resid.data(), w[5].data_ptr<float>(), hidden, fe, h.data());
+      for (int64_t i = 0; i < rows * hidden; ++i) resid[i] += proj[i];
+      for (int64_t b = 0; b < rows; ++b)
+        rms_norm(resid.data() + b * hidden, w[5].data_ptr<float>(), hidden, fe, h.data() + b * hidden);
       {
         const uint8_t* packed[2] = {bytes(w[6]), bytes(w[7])};
         const int64_t tiles[2] = {inter / 8, inter / 8};
         float* out[2] = {gate.data(), up.data()};
-        w4a8_row_multi(h.data(), hidden, group, 2, packed, tiles, out);
+        w4a8_rows_multi(h.data(), rows, hidden, group, 2, packed, tiles, out);
       }
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) act[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+      for (int64_t i = 0; i < rows * inter; ++i) act[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
       {
         const uint8_t* packed[1] = {bytes(w[8])};
         const int64_t tiles[1] = {hidden / 8};
         float* out[1] = {proj.data()};
-        w4a8_row_multi(act.data(), inter, group, 1, packed, tiles, out);
+        w4a8_rows_multi(act.data(), rows, inter, group, 1, packed, tiles, out);
       }
-      for (int64_t i = 0; i < hidden; ++i) resid[i] += proj[i];
+      for (int64_t i = 0; i < rows * hidden; ++i) resid[i] += proj[i];
     }
     const at::Tensor* tail = weights.data() + layers * PER_LAYER;
-    rms_norm(resid.data(), tail[0].data_ptr<float>(), hidden, fe, h.data());
+    for (int64_t b = 0; b < rows; ++b)
+      rms_norm(resid.data() + b * hidden, tail[0].data_ptr<float>(), hidden, fe, h.data() + b * hidden);
     if (head_group) {
-      at::Tensor logits = at::empty({1, vocab}, at::TensorOptions().dtype(at::kFloat));
+      at::Tensor logits = at::empty({rows, vocab}, at::TensorOptions().dtype(at::kFloat));
       const uint8_t* packed[1] = {bytes(tail[1])};
       const int64_t tiles[1] = {vocab / 8};
       float* out[1] = {logits.data_ptr<float>()};
-      w4a8_row_multi(h.data(), hidden, head_group, 1, packed, tiles, out);
+      w4a8_rows_multi(h.data(), rows, hidden, head_group, 1, packed, tiles, out);
       return logits;
     }
-    const at::Tensor row = at::from_blob(h.data(), {1, hidden}, at::TensorOptions().dtype(at::kFloat));
-    return w8a8_mm(row, tail[1], tail[2]);
+    const at::Tensor normed = at::from_blob(h.data(), {rows, hidden}, at::TensorOptions().dtype(at::kFloat));
+    return w8a8_mm(normed, tail[1], tail[2]);
   }
 };
 
@@ -177,5 +222,6 @@ TORCH_LIBRARY_FRAGMENT(infer_tune_native, m) {
   m.class_<LlamaStep>("LlamaStep")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, at::Tensor, std::vector<int64_t>, std::vector<double>>())
-      .def("step", &LlamaStep::step);
+      .def("step", &LlamaStep::step)
+      .def("step_rows", &LlamaStep::step_rows);
 }

@@ -160,3 +160,24 @@ class NativeStep:
         logits = self._native.step(x.reshape(1, -1), int(cache_position[0]))
         vocab = self.parts["vocab"]
         return logits[:, :vocab].unsqueeze(0)
+
+
+class NativeSlotStep:
+    """The slot engine's decode step (tuners/batch/slots.py) as `step(input_ids [R, 1], positions [R]) -> logits
+    [R, 1, vocab]`: rows 0..R-1 of its slot cache (`keys`, `values`: per layer [slots, kv heads, length, head
+    dim], filled by its admits before the first step), each at its own position. Built at the first call."""
+
+    def __init__(self, model: torch.nn.Module, keys: list, values: list, parts: dict) -> None:
+        self.embed = model.get_input_embeddings()
+        self.keys, self.values, self.parts = keys, values, parts
+        self._native = None
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self._native is None:
+            p = self.parts
+            self._native = torch.classes.infer_tune_native.LlamaStep(
+                p["tensors"], list(self.keys), list(self.values), [], p["inv_freq"], p["ints"], p["floats"])
+        rows = input_ids.shape[0]
+        x = self.embed(input_ids).reshape(rows, -1)
+        logits = self._native.step_rows(x, positions)
+        return logits[:, :self.parts["vocab"]].unsqueeze(1)

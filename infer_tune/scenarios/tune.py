@@ -27,7 +27,7 @@
 
 from __future__ import annotations
 
-import functools
+import itertools
 import shutil
 import statistics
 import tempfile
@@ -129,12 +129,16 @@ class Leader(NamedTuple):
     high: float
 
 
+RIVAL_ROUNDS = 4  # rounds past the floor a group's candidates get to separate from one another (`decided`)
+
+
 def _plan(tune: TuneSpec, leader: Leader | None = None, *, settle: bool = True) -> SweepPlan | None:
     """What tune asks of the sweep engine beyond its configs: for the goodput objective, the goodput keys
     under its SLOs, taken against the baseline the rows were measured beside (scenarios/tune_goodput.py);
     for the others, rounds that end once the candidate's place in the decision is settled by its objective
-    interval (`decided`; `leader`: the eligible leader's label and interval bounds, None before one exists);
-    none with `settle` off (contenders measured again together must separate from one another)."""
+    interval (`decided`; `leader`: the eligible leader's label and interval bounds, None before one exists;
+    for RIVAL_ROUNDS rounds past the floor also against the group's other candidates); none with `settle`
+    off (contenders measured again together must separate from one another)."""
     if tune.objective == "goodput":
         from infer_tune.scenarios.tune_goodput import goodput_keys
 
@@ -143,10 +147,12 @@ def _plan(tune: TuneSpec, leader: Leader | None = None, *, settle: bool = True) 
         return plan
     if not settle:
         return None
-    return SweepPlan(stop_rounds=functools.partial(decided, OBJECTIVE_KEYS[tune.objective], leader))
+    calls = itertools.count()
+    key = OBJECTIVE_KEYS[tune.objective]
+    return SweepPlan(stop_rounds=lambda found: decided(key, leader, found, rivals=next(calls) < RIVAL_ROUNDS))
 
 
-def decided(key: str, leader: Leader | None, found: dict[str, dict]) -> str | None:
+def decided(key: str, leader: Leader | None, found: dict[str, dict], *, rivals: bool = False) -> str | None:
     """Why more rounds would not change what the search does with every candidate of a group of rounds
     (None while one is still open). A candidate is settled when the 95% interval of its `key` ratio over
     the baseline lies wholly
@@ -154,21 +160,31 @@ def decided(key: str, leader: Leader | None, found: dict[str, dict]) -> str | No
     - below the leader's lower bound: it cannot win;
     - above 1 and above the leader's upper bound (or above 1 with no leader yet): it beats the baseline and
       leads, separated from the rest so far.
-    What is left open is only where an interval overlaps 1 or the leader's: those rounds go on to the target
+    With `rivals`, the group's other candidates above the baseline count as leaders too: a group measured
+    together (a method and its lean stacks, the likely winners) goes on until its best is separated from
+    the others, instead of stopping once each is above the baseline (`_plan` allows RIVAL_ROUNDS such rounds).
+    What is left open is only where an interval overlaps 1 or a leader's: those rounds go on to the target
     or the budget, and candidates that end overlapping the winner are measured again together (`_decide`)."""
-    why = []
-    for intervals in found.values():
+    bounds = {}
+    for name, intervals in found.items():
         interval = intervals.get(key)
         if not interval:
             return None
-        low, high = interval["ci95"]
+        bounds[name] = tuple(interval["ci95"])
+    why = []
+    for name, (low, high) in bounds.items():
+        ahead = [(f"the leader {leader.label}", leader.low, leader.high)] if leader is not None else []
+        if rivals:
+            ahead += [(other, b[0], b[1]) for other, b in bounds.items() if other != name and b[1] >= 1.0]
+        best = max(ahead, key=lambda a: a[1], default=None)
+        top = max(ahead, key=lambda a: a[2], default=None)
         if high < 1.0:
             why.append(f"{key} at most {high:.2f} (95% interval): not above the baseline")
-        elif leader is not None and high < leader.low:
-            why.append(f"{key} at most {high:.2f} (95% interval), below the leader {leader.label}'s {leader.low:.2f}")
-        elif low > 1.0 and (leader is None or low > leader.high):
-            ahead = "" if leader is None else f" and the leader {leader.label}'s upper bound {leader.high:.2f}"
-            why.append(f"{key} at least {low:.2f} (95% interval), above the baseline{ahead}")
+        elif best is not None and high < best[1]:
+            why.append(f"{key} at most {high:.2f} (95% interval), below {best[0]}'s {best[1]:.2f}")
+        elif low > 1.0 and (top is None or low > top[2]):
+            past = "" if top is None else f" and {top[0]}'s upper bound {top[2]:.2f}"
+            why.append(f"{key} at least {low:.2f} (95% interval), above the baseline{past}")
         else:
             return None
     return "; ".join(why) if why else None

@@ -326,15 +326,16 @@ def stack_candidates(spec: TuneSpec, methods: list[Candidate], *, first: bool = 
     if spec.objective == "ttft":
         return out
     for cand in methods:
+        native = getattr(cand.config, "activations", None) == "int8" and native_step_runs()
         parts = [LeanConfig(compile=spec.compile)]
-        if getattr(cand.config, "activations", None) == "int8" and native_step_runs():
+        if native:
             parts.append(LeanConfig(native_step=True))  # the whole step in one native call (no compile)
         if first and spec.compile:
             parts += [LeanConfig(compile=True, cpp_wrapper=True), KVCacheConfig(impl="static", compile=True)]
         if spec.objective == "throughput":  # serving many requests: the batched stacks come first
-            parts[:0] = batched_parts(spec)
+            parts[:0] = batched_parts(spec, native=native)
         elif spec.objective == "goodput":
-            parts = batched_parts(spec)
+            parts = batched_parts(spec, native=native)
         for part in parts:
             out.append(Candidate(StackConfig(configs=[cand.config, part]), lossless=False, method=cand.method,
                                  estimate=cand.estimate, estimate_ci95=cand.estimate_ci95, compiles=spec.compile))
@@ -369,19 +370,20 @@ BATCH_SLOTS = (4, 8)  # slots of the batched candidates (the issue's reference s
 BURST_RATE = 1000.0  # requests/s: every request of the workload arrives at once, so a row measures capacity
 
 
-def batched_parts(spec: TuneSpec) -> list[TechniqueConfig]:
+def batched_parts(spec: TuneSpec, *, native: bool = False) -> list[TechniqueConfig]:
     """For the serving objectives: continuous batching on the lean slot engine (docs/batch.md), as many
     slots as BATCH_SLOTS. throughput: offered the workload's prompts in one burst, so the row's output
     tok/s is the stack's capacity (the baseline's is one request at a time); goodput: offered them as a
     seeded Poisson trace at `spec.rate` (one request per prompt, arrivals and order from `spec.seed`).
-    The slot engine compiles its step: none when `spec.compile` is off."""
+    The slot engine compiles its step: none when `spec.compile` is off. `native` (a method with int8
+    activations, where the native kernels build): the same slots with the native step as well."""
     from infer_tune.tuners.batch import BatchConfig
 
     if not spec.compile:
         return []
     rate = spec.rate if spec.objective == "goodput" else BURST_RATE
-    return [BatchConfig(scheduler="continuous", batch_size=n, rate=rate, engine="lean", seed=spec.seed)
-            for n in BATCH_SLOTS]
+    return [BatchConfig(scheduler="continuous", batch_size=n, rate=rate, engine="lean", seed=spec.seed,
+                        native_step=step) for step in ((False, True) if native else (False,)) for n in BATCH_SLOTS]
 
 
 # --------------------------------------------------------------------------- judging

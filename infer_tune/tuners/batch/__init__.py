@@ -45,7 +45,9 @@ class BatchConfig(TechniqueConfig):
     compiled batched decode step, slots.py); stacks after quantize like any technique.
     compile_prefill (lean): prompts prefill through compiled length buckets (default off: measured no
     faster than eager here, docs/tune.md). step_buckets (lean): `all` compiles the step for 1, 2, 4 ... batch_size
-    rows; `full` for batch_size rows only (one graph: every step computes every slot).
+    rows; `full` for batch_size rows only (one graph: every step computes every slot). native_step (lean): the
+    step in one native call where the model is one it runs (infer_tune/native/step.py; else compiled, the
+    reason in `lean_native_fallback`).
     """
 
     technique: ClassVar[str] = "batch"
@@ -62,6 +64,7 @@ class BatchConfig(TechniqueConfig):
     engine: str = "transformers"
     compile_prefill: bool = False
     step_buckets: str = "all"
+    native_step: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -100,7 +103,8 @@ class BatchConfig(TechniqueConfig):
         if self.scheduler == "sweep":
             return f"sweep-b{self.batch_size}"
         return f"{self.scheduler}-b{self.batch_size}-r{self.rate:g}" + (
-            f"-k{self.burstiness:g}" if self.burstiness != 1.0 else "") + ("-lean" if self.engine == "lean" else "")
+            f"-k{self.burstiness:g}" if self.burstiness != 1.0 else "") + ("-lean" if self.engine == "lean" else "") \
+            + ("-native" if self.engine == "lean" and self.native_step else "")
 
 
 class TraceFactory:
@@ -132,7 +136,8 @@ class TraceFactory:
 def make_scheduler(config: BatchConfig, shared: dict | None = None):
     if config.engine == "lean":
         return SlotBatcher(config.batch_size, config.scheduler, timeout_ms=config.timeout_ms, shared=shared,
-                           compile_prefill=config.compile_prefill, every_bucket=config.step_buckets == "all")
+                           compile_prefill=config.compile_prefill, every_bucket=config.step_buckets == "all",
+                           native_step=config.native_step)
     if config.scheduler == "static":
         return StaticBatcher(config.batch_size, config.timeout_ms)
     return ContinuousBatcher(config.batch_size, config.max_batch_tokens)

@@ -7,6 +7,9 @@ continuous scheduler of an arrival trace.
   to row b iff j <= position[b]), passed to the model as a ready 4-D mask.
 - A request is admitted into a free slot by a batch-1 prefill (eager, or with `compile_prefill` the
   lean compiled prefill, tuners/lean/prefill.py), whose cache rows are copied into the slot's row.
+- With `native_step` (Llama-family models with int4 a8 layers: infer_tune/native/step.py), the decode step
+  of rows 0..R-1 is one native call for any R and any length (its attention skips the hidden positions);
+  any other model gets the compiled step below, and `lean_native_fallback` says why.
 - The decode step of the active slots runs as one batched forward, captured and compiled once per
   shape bucket (1, 2, 4 ... `batch_size` rows: the lowest rows up to the highest busy slot; free
   slots are always the lowest free ones) by the lean `CapturedStep` (no guards, int4 siblings
@@ -154,11 +157,20 @@ class SlotEngine:
     """The slot cache, the compiled prefill and one compiled decode step per row bucket."""
 
     def __init__(self, model: torch.nn.Module, batch_size: int, max_cache_len: int, *, compile: bool = True,
-                 compile_prefill: bool = False, every_bucket: bool = True) -> None:
+                 compile_prefill: bool = False, every_bucket: bool = True, native_step: bool = False) -> None:
         from infer_tune.tuners.lean.prefill import CompiledPrefill
 
         self.model, self.batch_size, self.max_cache_len, self.compile = model, batch_size, max_cache_len, compile
         self.facts: dict = {}
+        # the step of every row bucket in one native call (infer_tune/native/step.py) where the model is one it
+        # runs exactly; else compiled, and why not
+        self._native_parts, self._native = None, None
+        if native_step:
+            from infer_tune.native.step import recognize
+
+            self._native_parts, why = recognize(model)
+            if self._native_parts is None:
+                self.facts["lean_native_fallback"] = why
         self.every_bucket = every_bucket
         self.prefill = CompiledPrefill(model, logits_to_keep=True, facts=self.facts) if compile and compile_prefill \
             else None
@@ -201,6 +213,15 @@ class SlotEngine:
         step = self._steps.get((rows, length))
         if step is not None:
             return step
+        if self._native_parts is not None:  # one native step for every bucket: it reads rows 0..R-1 of the slot cache
+            from infer_tune.native.step import NativeSlotStep
+
+            if self._native is None:
+                self._native = NativeSlotStep(self.model, self.keys, self.values, self._native_parts)
+            self._steps[(rows, length)] = self._native
+            self.facts["lean_step"] = "native"
+            self.facts["slot_step_buckets"] = sorted({r for r, _ in self._steps})
+            return self._native
         from transformers.cache_utils import Cache
 
         from infer_tune.tuners.lean.loop import CapturedStep
@@ -249,9 +270,10 @@ class SlotBatcher:
     """Serves a trace on a `SlotEngine` with the `continuous` or `static` policy (module docstring)."""
 
     def __init__(self, batch_size: int, policy: str, *, timeout_ms: float | None = None, compile: bool = True,
-                 compile_prefill: bool = False, every_bucket: bool = True, shared: dict | None = None) -> None:
+                 compile_prefill: bool = False, every_bucket: bool = True, shared: dict | None = None,
+                 native_step: bool = False) -> None:
         self.batch_size, self.policy, self.compile = batch_size, policy, compile
-        self.compile_prefill, self.every_bucket = compile_prefill, every_bucket
+        self.compile_prefill, self.every_bucket, self.native_step = compile_prefill, every_bucket, native_step
         self.shared = shared  # the run's cache: configs with the same weights and shapes share one engine
         self.name = f"{policy}-lean"
         self.timeout_ns = int((timeout_ms or 0.0) * 1e6)
@@ -278,7 +300,7 @@ class SlotBatcher:
         size = bucket(longest + 1)
         if self.engine is None or self.engine.max_cache_len < size:
             key = ("slot-engine", weights_key(prepared), self.batch_size, size, self.compile, self.compile_prefill,
-                   self.every_bucket)
+                   self.every_bucket, self.native_step)
             shared = self.shared if self.shared is not None else {}
             if key in shared:  # compiled for another config of this run (same weights, slots, cache): reused
                 self.engine = shared[key]
@@ -286,7 +308,7 @@ class SlotBatcher:
             else:
                 self.engine = shared[key] = SlotEngine(prepared.model, self.batch_size, size, compile=self.compile,
                                                        compile_prefill=self.compile_prefill,
-                                                       every_bucket=self.every_bucket)
+                                                       every_bucket=self.every_bucket, native_step=self.native_step)
         engine = self.engine
         with torch.inference_mode():
             for ids in sorted(prompts, key=lambda e: e["input_ids"].shape[1]):
