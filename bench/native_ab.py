@@ -8,7 +8,8 @@ interleaved rounds (order alternating), on SmolLM2-135M's shapes with random dat
   they stream from memory as in a decode step) at 1 and 4 rows, each side's weights packed by its own
   revision's `pack_w4a8` (the layout may differ), after checking both give the same values;
 - `decode_attention` over 30 layers' caches (9 query heads, 3 kv heads of 64) at 64, 512 and 1024
-  positions, and 240 seen of a 512-position cache (a run's one cache), 1 and 4 rows.
+  positions, and 240 seen of a 512-position cache (a run's one cache), 1 and 4 rows;
+- with `--step`, only the native decode step (LlamaStep) of both revisions on the model's int4 a8 weights.
 
 Prints each side's median and the 95% interval of the per-round time ratio (now / then).
 
@@ -50,7 +51,8 @@ def build_then(rev: str, folder: Path) -> None:
         if not name.endswith((".cpp", ".h")):
             continue
         target = folder / name
-        target.write_text(at_revision(rev, path).replace("infer_tune_native", "ab_native"))
+        # its own op namespace, and its own C++ class names (a class is registered by its C++ type)
+        target.write_text(at_revision(rev, path).replace("infer_tune_native", "ab_native").replace("LlamaStep", "AbLlamaStep"))
         if name.endswith(".cpp"):
             sources.append(str(target))
     cpp_extension.load(name="ab_native", sources=sources, build_directory=str(folder), is_python_module=False,
@@ -79,6 +81,47 @@ def interleaved(now, then, rounds: int) -> tuple[float, float, dict]:
     return statistics.median(a), statistics.median(b), log_ratio_interval([x / y for x, y in zip(a, b)])
 
 
+def step_rounds(args):
+    """Both revisions' LlamaStep on the same quantized weights, each on its own copy of a prefilled cache."""
+    import copy
+
+    from transformers import StaticCache
+
+    from infer_tune import models
+    from infer_tune.native.step import recognize
+    from infer_tune.tuners.quantize import QuantizeConfig, kernel_choice
+    from infer_tune.tuners.quantize.pipeline import quantize_in_memory
+
+    loaded = models.load(args.model)
+    ids = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Write quicksort in Python."}],
+                                               add_generation_prompt=True, return_tensors="pt",
+                                               return_dict=True)["input_ids"]
+    model = copy.deepcopy(loaded.model)
+    quantize_in_memory(model, QuantizeConfig(method="int4-rtn", activations="int8"), "torch")
+    kernel_choice.choose_for_model(model, "int4-rtn", prefill_rows=64, activations="int8")
+    parts, why = recognize(model)
+    if parts is None:
+        raise SystemExit(f"no native step for {args.model}: {why}")
+    prompt = ids.shape[1]
+
+    def built(cls):
+        cache = StaticCache(config=model.config, max_cache_len=512)
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(prompt))
+        return cls(parts["tensors"], [c.keys for c in cache.layers], [c.values for c in cache.layers],
+                   [c.cumulative_length for c in cache.layers], parts["inv_freq"], parts["ints"], parts["floats"])
+    now, then = built(torch.classes.infer_tune_native.LlamaStep), built(torch.classes.ab_native.AbLlamaStep)
+    x = model.get_input_embeddings()(torch.tensor([[42]])).reshape(1, -1)
+    same = float((now.step(x, prompt) - then.step(x, prompt)).abs().max())
+    print(f"largest logit difference at the first step: {same:.3g}", flush=True)
+    steps = 128
+
+    def decode(step):
+        return lambda: [step.step(x, prompt + 1 + i) for i in range(steps)]
+    now_ms, then_ms, ratio = interleaved(decode(now), decode(then), args.rounds)
+    return now_ms / steps, then_ms / steps, ratio
+
+
 def show(what: str, result) -> None:
     now, then, ratio = result
     print(f"{what}: now {now:.3f} ms, then {then:.3f} ms; now/then {ratio['point']:.3f} "
@@ -88,6 +131,9 @@ def show(what: str, result) -> None:
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--against", default="HEAD~1", help="the git revision to compare with")
+    p.add_argument("--step", action="store_true",
+                   help="only the native decode step (LlamaStep, both revisions must have it) on the model's int4 a8 "
+                        "weights: 128 steps after a short prompt per round")
     p.set_defaults(rounds=30)
     args = p.parse_args()
     from infer_tune import native
@@ -97,6 +143,9 @@ def main() -> None:
     setup_threads(args.threads)
     native.w4a8()
     build_then(args.against, Path(tempfile.mkdtemp(prefix="infer-tune-ab-")))
+    if args.step:
+        show(f"native decode step (LlamaStep), {args.model} int4-rtn a8, per step", step_rounds(args))
+        return
     now, then = torch.ops.infer_tune_native, torch.ops.ab_native
     print(f"{args.against} against the working tree, {torch.get_num_threads()} threads, {args.rounds} rounds")
 

@@ -17,8 +17,8 @@
 // Chunk boundaries sit at fixed positions (multiples of CHUNK), and a chunk whose positions are all
 // hidden contributes nothing, so a row's result does not depend on how many positions past its last
 // visible one the cache view holds: the slot engine's rows give the same values in any length bucket.
-// exp runs 8 lanes at a time where the CPU has AVX2 and FMA (range reduction to r in [-ln2/2, ln2/2],
-// a degree-6 polynomial, 2^n from the exponent bits; exactly 0 below -87.3), std::exp elsewhere.
+// exp runs 8 lanes at a time where the CPU has AVX2 and FMA (kernels.h's exp8: exactly 0 below -87.3),
+// std::exp elsewhere.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -32,6 +32,8 @@
 #include <cstdint>
 #include <limits>
 #include <vector>
+
+#include "kernels.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -50,28 +52,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-#ifdef ATTN_AVX2
-// e^x for 8 lanes, x <= 0 (scores minus their maximum); 0 for x below -87.3 (and for -inf)
-inline __m256 exp8(__m256 x) {
-  const __m256 low = _mm256_set1_ps(-87.3f);
-  const __m256 gone = _mm256_cmp_ps(x, low, _CMP_LT_OQ);  // -inf included
-  x = _mm256_max_ps(x, low);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2, split in two parts
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 r2 = _mm256_mul_ps(r, r);
-  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(gone, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
-}
-#endif
 
 // p[j] = exp(s[j] - top) for j < n, in place; returns their sum (0 for hidden positions, s = -inf)
 inline float exp_shifted(float* s, int64_t n, float top) {

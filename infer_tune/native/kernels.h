@@ -6,6 +6,32 @@
 
 #include <cstdint>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+// e^x for 8 lanes, x <= 0; 0 for x below -87.3 (and for -inf). Range reduction to r in [-ln2/2, ln2/2],
+// a degree-6 polynomial, 2^n from the exponent bits.
+inline __m256 exp8(__m256 x) {
+  const __m256 low = _mm256_set1_ps(-87.3f);
+  const __m256 gone = _mm256_cmp_ps(x, low, _CMP_LT_OQ);  // -inf included
+  x = _mm256_max_ps(x, low);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2, split in two parts
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 r2 = _mm256_mul_ps(r, r);
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(gone, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
+}
+#endif
+
 at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group);
 at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -16,3 +42,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // matrix i (tiles[i] tiles of 8 outputs) writes y[i] [M, 8 * tiles[i]]. The values w4a8_mm gives.
 void w4a8_rows_multi(const float* x, int64_t M, int64_t K, int64_t group, int count, const uint8_t* const* packed,
                      const int64_t* tiles, float* const* y);
+
+// Rows x [M, K] through w8a8 weights in w8a8_mm's layout (packed [N/8, K/32, 256] int8, scale [N]) into y [M, N]:
+// the values w8a8_mm gives, without a tensor per call.
+void w8a8_rows(const float* x, int64_t M, int64_t K, const int8_t* packed, const float* scale, int64_t N, float* y);

@@ -453,6 +453,23 @@ at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   return y;
 }
 
+void w8a8_rows(const float* x, int64_t M, int64_t K, const int8_t* packed, const float* scale, int64_t N, float* y) {
+  TORCH_CHECK(K % BLOCK == 0 && N % TILE == 0, "w8a8_rows: bad shapes");
+  const Activations act = quantize_input(x, M, K);
+  const int64_t tile_bytes = K * TILE, tiles = N / TILE;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> acc;
+    acc.resize(std::max<size_t>(acc.size(), M * TILE));
+    for (int64_t tile = begin; tile < end; ++tile) {
+#ifdef W4A8_AVX2
+      tile8_avx2(act.a, act.dx, M, K, packed + tile * tile_bytes, scale + tile * TILE, y + tile * TILE, N, acc.data());
+#else
+      tile8_scalar(act.a, act.dx, M, K, packed + tile * tile_bytes, scale + tile * TILE, y + tile * TILE, N);
+#endif
+    }
+  });
+}
+
 const char* w4a8_isa() {
 #ifdef W4A8_AVX2
   return "avx2";
