@@ -129,8 +129,10 @@ class LeanDecoder:
             if self._native_parts is not None:
                 from infer_tune.native.step import NativeStep
 
+                from infer_tune.native.attention import NAME
+
                 step = NativeStep(self.model, cache, self._native_parts)
-                self.facts["lean_step"] = "native"
+                self.facts["lean_step"], self.facts["lean_attention"] = "native", NAME  # step.cpp attends natively
             elif self.compile:
                 step = CapturedStep(self.model, cache, self._extra, self.cpp_wrapper, self.facts,
                                     native_attention=self.native_attention)
