@@ -88,7 +88,7 @@ def step_rounds(args):
     from transformers import StaticCache
 
     from infer_tune import models
-    from infer_tune.native.step import recognize
+    from infer_tune.native.step import llama_step, recognize
     from infer_tune.tuners.quantize import QuantizeConfig, kernel_choice
     from infer_tune.tuners.quantize.pipeline import quantize_in_memory
 
@@ -108,8 +108,8 @@ def step_rounds(args):
         cache = StaticCache(config=model.config, max_cache_len=512)
         with torch.no_grad():
             model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(prompt))
-        return cls(parts["tensors"], [c.keys for c in cache.layers], [c.values for c in cache.layers],
-                   [c.cumulative_length for c in cache.layers], parts["inv_freq"], parts["ints"], parts["floats"])
+        return llama_step(parts, [c.keys for c in cache.layers], [c.values for c in cache.layers],
+                          [c.cumulative_length for c in cache.layers], cls=cls)
     now, then = built(torch.classes.infer_tune_native.LlamaStep), built(torch.classes.ab_native.AbLlamaStep)
     x = model.get_input_embeddings()(torch.tensor([[42]])).reshape(1, -1)
     same = float((now.step(x, prompt) - then.step(x, prompt)).abs().max())

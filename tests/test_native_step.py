@@ -144,7 +144,7 @@ def test_models_it_does_not_know_get_the_compiled_step_and_the_reason(tokenizer,
 def test_rows_of_a_slot_step_do_not_depend_on_each_other(tokenizer):
     """step_rows (the slot engine's step): each row of a 3-row step, bit for bit, what a one-row step on that
     row's own cache gives, at its own position (one past a 64-position chunk, so chunks are skipped unevenly)."""
-    from infer_tune.native.step import recognize
+    from infer_tune.native.step import llama_step, recognize
 
     model = quantized(tiny_llama(tokenizer))
     parts, why = recognize(model)
@@ -158,7 +158,7 @@ def test_rows_of_a_slot_step_do_not_depend_on_each_other(tokenizer):
     p = parts
 
     def native(k, v):
-        return torch.classes.infer_tune_native.LlamaStep(p["tensors"], k, v, [], p["inv_freq"], p["ints"], p["floats"])
+        return llama_step(p, k, v)
     k3, v3 = [t.clone() for t in keys], [t.clone() for t in values]
     together = native(k3, v3).step_rows(x, positions)
     for b in range(3):

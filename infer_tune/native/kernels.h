@@ -32,8 +32,6 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
-at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group);
-at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& mask, double scale);
 

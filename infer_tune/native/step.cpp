@@ -150,7 +150,7 @@ struct LlamaStep : torch::CustomClassHolder {
       head_scale = tail[2].data_ptr<float>();
     }
     const int64_t qn = heads * head_dim, kn = kv_heads * head_dim;
-    resid.resize(batch * hidden), h.resize(batch * std::max(hidden, qn)), qs.resize(batch * qn);
+    resid.resize(batch * hidden), h.resize(batch * hidden), qs.resize(batch * qn);
     ks.resize(batch * kn), vs.resize(batch * kn), proj.resize(batch * hidden), gate.resize(batch * inter);
     up.resize(batch * inter), act.resize(batch * inter);
     cos.resize(batch * head_dim / 2), sin.resize(batch * head_dim / 2);

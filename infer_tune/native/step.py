@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 
-PER_LAYER = 9  # step.cpp's tensors per layer
 ROPE_TYPES = ("default", "linear", "llama3")  # frequencies fixed at load (dynamic ones change with the position)
 
 
@@ -67,7 +66,8 @@ def recognize(model: torch.nn.Module) -> tuple[dict | None, str]:
         if type(module) is not Int4A8Linear or module.decode_kernel != "w4a8" or module.bias_f is not None:
             return f"{name} is {type(module).__name__} (kernel {getattr(module, 'decode_kernel', None)}), not int4 a8 on w4a8"
         if module.out_features % 8 or module.in_features % module.group_size:
-            return f"{name} has {module.out_features} outputs (not a multiple of 8)"
+            return (f"{name} has {module.out_features} outputs and {module.in_features} inputs (the step needs outputs "
+                    f"in multiples of 8 and inputs in whole groups of {module.group_size})")
         return module._w4a8
 
     def norm(module, name: str) -> torch.Tensor | str:
@@ -131,11 +131,19 @@ def recognize(model: torch.nn.Module) -> tuple[dict | None, str]:
             "vocab": head.out_features}, ""
 
 
+def llama_step(parts: dict, keys: list, values: list, lengths: list = (), cls=None):
+    """step.cpp's LlamaStep over `recognize`'s parts and a cache's per-layer keys, values (and length counters,
+    which a one-row step advances); `cls` another build of the class (bench/native_ab.py)."""
+    cls = cls or torch.classes.infer_tune_native.LlamaStep
+    return cls(parts["tensors"], list(keys), list(values), list(lengths), parts["inv_freq"], parts["ints"],
+               parts["floats"])
+
+
 class NativeStep:
     """The decode step of one model on one static cache as `step(input_ids [1, 1], cache_position [1]) ->
     logits [1, 1, vocab]`, the call the lean loop makes of a compiled step. The token is embedded by the
     model's own embedding (whatever its quantization); everything after runs in step.cpp. Built at the
-    first call, after the prefill has allocated the cache's tensors."""
+    first call, after the prefill has allocated the cache's tensors (again if the cache reallocates them)."""
 
     def __init__(self, model: torch.nn.Module, cache, parts: dict) -> None:
         self.embed = model.get_input_embeddings()
@@ -143,23 +151,16 @@ class NativeStep:
         self._native = None
         self._keys = None
 
-    def _build(self) -> None:
-        layers = self.cache.layers
-        if any(type(layer).__name__ != "StaticLayer" or not layer.is_initialized for layer in layers):
-            raise RuntimeError("the native step needs a static cache whose layers the prefill has filled")
-        p = self.parts
-        self._native = torch.classes.infer_tune_native.LlamaStep(
-            p["tensors"], [layer.keys for layer in layers], [layer.values for layer in layers],
-            [layer.cumulative_length for layer in layers], p["inv_freq"], p["ints"], p["floats"])
-        self._keys = layers[0].keys
-
     def __call__(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
-        if self._native is None or self.cache.layers[0].keys is not self._keys:
-            self._build()
-        x = self.embed(input_ids)  # [1, 1, hidden]
-        logits = self._native.step(x.reshape(1, -1), int(cache_position[0]))
-        vocab = self.parts["vocab"]
-        return logits[:, :vocab].unsqueeze(0)
+        layers = self.cache.layers
+        if self._native is None or layers[0].keys is not self._keys:
+            if any(type(layer).__name__ != "StaticLayer" or not layer.is_initialized for layer in layers):
+                raise RuntimeError("the native step needs a static cache whose layers the prefill has filled")
+            self._native = llama_step(self.parts, [c.keys for c in layers], [c.values for c in layers],
+                                      [c.cumulative_length for c in layers])
+            self._keys = layers[0].keys
+        logits = self._native.step(self.embed(input_ids).reshape(1, -1), int(cache_position[0]))
+        return logits[:, :self.parts["vocab"]].unsqueeze(0)
 
 
 class NativeSlotStep:
@@ -174,10 +175,6 @@ class NativeSlotStep:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self._native is None:
-            p = self.parts
-            self._native = torch.classes.infer_tune_native.LlamaStep(
-                p["tensors"], list(self.keys), list(self.values), [], p["inv_freq"], p["ints"], p["floats"])
-        rows = input_ids.shape[0]
-        x = self.embed(input_ids).reshape(rows, -1)
-        logits = self._native.step_rows(x, positions)
+            self._native = llama_step(self.parts, self.keys, self.values)
+        logits = self._native.step_rows(self.embed(input_ids).reshape(input_ids.shape[0], -1), positions)
         return logits[:, :self.parts["vocab"]].unsqueeze(1)

@@ -245,6 +245,11 @@ class SlotEngine:
         self.facts["slot_length_buckets"] = sorted({n for _, n in self._steps})
         return step
 
+    @property
+    def native(self) -> bool:
+        """Whether the decode step is the native one (one object for every row and length bucket)."""
+        return self._native_parts is not None
+
     def length_for(self, rows: int) -> int:
         """The smallest length bucket past every position of slots 0..rows-1."""
         need = int(self.positions[:rows].max()) + 1
@@ -313,9 +318,12 @@ class SlotBatcher:
         with torch.inference_mode():
             for ids in sorted(prompts, key=lambda e: e["input_ids"].shape[1]):
                 engine.admit(0, ids["input_ids"].to(prepared.device))
+            # compiled: capture, capture again (same graph?), then compiled, per (rows, length) bucket; the native
+            # step is one object for every bucket, built and run once
+            lengths, calls = (engine.lengths[:1], 1) if engine.native else (engine.lengths, 3)
             for rows in step_buckets(self.batch_size, self.every_bucket):
-                for length in engine.lengths:
-                    for _ in range(3):  # capture, capture again (same graph?), then compiled
+                for length in lengths:
+                    for _ in range(calls):
                         engine.step(rows, torch.zeros(rows, dtype=torch.long), length)
         engine.positions.zero_()
         engine.facts["slot_engine_build_s"] = engine.facts.get("slot_engine_build_s", 0.0) + time.perf_counter() - started
