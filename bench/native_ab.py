@@ -7,6 +7,7 @@ interleaved rounds (order alternating), on SmolLM2-135M's shapes with random dat
 - `w4a8_mm` over one model's 120 int4 layers (q|k|v, o, gate|up, down x 30, each layer its own weights, so
   they stream from memory as in a decode step) at 1 and 4 rows, each side's weights packed by its own
   revision's `pack_w4a8` (the layout may differ), after checking both give the same values;
+- `w8a8_mm` as SmolLM2's int8 head (576 -> 49152, 28 MB) at 1 and 4 rows, after the same check;
 - `decode_attention` over 30 layers' caches (9 query heads, 3 kv heads of 64) at 64, 512 and 1024
   positions, and 240 seen of a 512-position cache (a run's one cache), 1 and 4 rows;
 - with `--step`, only the native decode step (LlamaStep) of both revisions on the model's int4 a8 weights.
@@ -134,11 +135,13 @@ def main() -> None:
     p.add_argument("--step", action="store_true",
                    help="only the native decode step (LlamaStep, both revisions must have it) on the model's int4 a8 "
                         "weights: 128 steps after a short prompt per round")
+    p.add_argument("--parts", default="w4a8,w8a8,attention",
+                   help="which kernels to time (comma-separated: w4a8, w8a8, attention)")
     p.set_defaults(rounds=30)
     args = p.parse_args()
     from infer_tune import native
     from infer_tune.scenarios.common import setup_threads
-    from infer_tune.tuners.quantize.modules import pack_nibbles, pack_w4a8
+    from infer_tune.tuners.quantize.modules import pack_nibbles, pack_w4a8, pack_w8a8
 
     setup_threads(args.threads)
     native.w4a8()
@@ -149,6 +152,7 @@ def main() -> None:
     now, then = torch.ops.infer_tune_native, torch.ops.ab_native
     print(f"{args.against} against the working tree, {torch.get_num_threads()} threads, {args.rounds} rounds")
 
+    parts = set(args.parts.split(","))
     g, gen = 32, torch.Generator().manual_seed(0)
     shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
     old_pack = pack_then(args.against)
@@ -160,7 +164,7 @@ def main() -> None:
         packed.append((k, pack_w4a8(nibbles, scale, zero, g), old_pack(nibbles, scale, zero, g)))
     first = list(packed)
     packed += [(k, a.clone(), b.clone()) for _ in range(29) for k, a, b in first]  # 30 layers' own weights (67 MB)
-    for rows in (1, 4):
+    for rows in (1, 4) if "w4a8" in parts else ():
         xs = {k: torch.randn(rows, k, generator=gen) for k in (576, 1536)}
         for k, new_w, old_w in first:
             same = torch.allclose(now.w4a8_mm(xs[k], new_w, g), then.w4a8_mm(xs[k], old_w, g), rtol=1e-5, atol=1e-5)
@@ -169,7 +173,16 @@ def main() -> None:
             lambda xs=xs: [now.w4a8_mm(xs[k], w, g) for k, w, _ in packed],
             lambda xs=xs: [then.w4a8_mm(xs[k], w, g) for k, _, w in packed], args.rounds))
 
-    for rows in (1, 4):
+    head = pack_w8a8(torch.randint(-127, 128, (49152, 576), dtype=torch.int8, generator=gen))
+    head_scale = torch.rand(49152, generator=gen) * 0.01
+    for rows in (1, 4) if "w8a8" in parts else ():
+        x = torch.randn(rows, 576, generator=gen)
+        assert torch.equal(now.w8a8_mm(x, head, head_scale), then.w8a8_mm(x, head, head_scale)), \
+            "the two revisions' w8a8 give different values"
+        show(f"w8a8_mm, the head (576 -> 49152), {rows} row(s)", interleaved(
+            lambda x=x: now.w8a8_mm(x, head, head_scale), lambda x=x: then.w8a8_mm(x, head, head_scale), args.rounds))
+
+    for rows in (1, 4) if "attention" in parts else ():
         for length, seen in ((64, 64), (512, 512), (1024, 1024), (512, 240)):  # 240 of 512: one cache per run
             keys = [torch.randn(rows, 3, 1024, 64, generator=gen)[:, :, :length] for _ in range(30)]
             values = [torch.randn(rows, 3, 1024, 64, generator=gen)[:, :, :length] for _ in range(30)]

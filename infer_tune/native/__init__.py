@@ -54,7 +54,7 @@ def available() -> tuple[bool, str]:
 
 
 def w4a8() -> str:
-    """Load (building once if needed) the native kernels; returns their ISA (`avx2` or `scalar`).
+    """Load (building once if needed) the native kernels; returns their ISA (`avx512`, `avx2` or `scalar`).
     Raises KernelUnavailable with the reason."""
     ok, detail = _load()
     if not ok:
