@@ -777,3 +777,54 @@ def test_the_most_promising_method_shares_its_rounds_with_its_compiled_stacks(ti
     outcome.leaders[:] = [{"s": 1.0, "leader": "int4-rtn-auto-g32+lean+compile+cpp"}, {"s": 2.0, "leader": "other"},
                           {"s": 3.0, "leader": "int4-rtn-auto-g32+lean+compile+cpp"}]
     assert outcome.winner_found_s == 3.0 and outcome.to_dict()["leaders"][1]["leader"] == "other"
+
+
+@pytest.mark.parametrize("native_runs", [True, False])
+def test_native_stacks_go_first_and_the_compiled_ones_share_their_own_rounds(monkeypatch, native_runs):
+    from infer_tune.scenarios import tune_plan
+    from infer_tune.scenarios.tune_plan import Candidate, TuneSpec, beside_method
+    from infer_tune.tuners.kv_cache import KVCacheConfig
+
+    monkeypatch.setattr(tune_plan, "native_step_runs", lambda: native_runs)
+    cand = Candidate(QuantizeConfig(method="int4-rtn", activations="int8"), lossless=False, method="int4-rtn")
+    beside, later = beside_method(TuneSpec(), cand)
+    if native_runs:  # before any compile: the native step alone beside its method
+        assert [c.config.configs[1].native_step for c in beside] == [True] and not beside[0].compiles
+        compiled = [c for c in later if not isinstance(c.config.configs[1], KVCacheConfig)]
+        assert len(compiled) == 2 and all(c.compiles and c.rounds_with for c in compiled)
+        assert len({c.rounds_with for c in compiled}) == 1  # one group of shared rounds
+    else:  # nothing native: the compiled stacks beside it, as before
+        assert len(beside) == 2 and all(c.compiles for c in beside)
+    assert isinstance(later[-1].config.configs[1], KVCacheConfig) and later[-1].rounds_with is None
+
+
+def test_tune_measures_queued_rounds_with_candidates_in_one_group(monkeypatch, tiny_model_dir, prompts_file,
+                                                                  tmp_path):
+    """The search loop takes every queued candidate tagged like the one it pops into that one's rounds."""
+    from infer_tune.scenarios import tune, tune_plan
+    from infer_tune.scenarios.common import RunSpec
+    from infer_tune.scenarios.tune_plan import TuneSpec
+    from infer_tune.workload import Workload
+
+    monkeypatch.setattr(tune_plan, "native_step_runs", lambda: True)
+    monkeypatch.setattr(tune, "host_screen", lambda *a: {})
+    groups = []
+
+    def fake_measure(group, *args, **kwargs):
+        groups.append([c.label for c in group])
+        for c in group:
+            c.status = "measured"
+        return None
+    monkeypatch.setattr(tune, "_measure", fake_measure)
+    monkeypatch.setattr(tune, "_decide", lambda candidates, baseline, *a: baseline)
+    monkeypatch.setattr(tune, "ensure_baseline", lambda *a, **k: ({"run_id": "b", "metrics": {}}, None, None))
+    monkeypatch.setattr(tune, "_reference", lambda *a: (None, []))
+    monkeypatch.setattr(tune, "_copy_weights", lambda *a: None)
+    monkeypatch.setattr(tune, "write_recipe", lambda d, w, s: tmp_path / "recipe.yaml")
+    monkeypatch.setattr(tune, "may_stack", lambda cand, spec: True)
+    spec = RunSpec(model=str(tiny_model_dir), workload=Workload(suite=str(prompts_file), limit=1, max_new_tokens=2),
+                   out_dir=tmp_path / "out", measure_ppl=False)
+    tune.run_tune(spec, TuneSpec(methods=("int4-rtn-a8",), budget_s=3600))
+    first, second = groups[0], groups[1]
+    assert first[0].startswith("int4-rtn") and len(first) == 2 and first[1].endswith("+lean+native")
+    assert len(second) == 2 and all("compile" in label for label in second)  # together, after the native row

@@ -7,10 +7,12 @@
    before them); alone only when nothing else was measured.
 3. Single techniques, most promising first, each measured against the baseline in the same run and
    judged (tune_plan.judge). The kernel screen's most promising quantize method is measured in one
-   group with its compiled stacks (tune_plan.beside_method: the lean decode path, and for the
-   throughput objective the batched stacks), sharing the baseline's passes, so the likely winner is
-   measured first in the budget and the baseline's slow passes are paid once for all of them; any
-   other quantize method that may win has its stacks measured right after it. For the
+   group with its likely winners (tune_plan.beside_method: the lean decode path, and for the
+   throughput objective the batched stacks; those that compile nothing, the native steps, where they
+   run, and then its compiled ones as a second group of shared rounds), sharing the baseline's passes,
+   so the likely winner is measured first in the budget, before any compile, and the baseline's slow
+   passes are paid once per group; any other quantize method that may win has its stacks measured
+   right after it. For the
    goodput objective a method within the budgets gets its batched stacks, which replay a seeded
    Poisson trace and are judged on their goodput against the baseline serving the same trace one
    request at a time (scenarios/tune_goodput.py, added by the sweep engine's `conclude`).
@@ -262,6 +264,11 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
                                f"to take {budget.expected(cand):.0f} s")
                 continue
             group, later = [cand], []
+            together = [c for c in queue if cand.rounds_with and c.rounds_with == cand.rounds_with]
+            if together and budget.fits_all([cand, *together]):  # queued to share rounds (beside_method)
+                group += together
+                queue = [c for c in queue if c not in together]
+                total += len(together)
             if not speculated and cand.config.technique == "quantize":  # the screen's most promising method
                 speculated = True
                 beside, later = beside_method(tune, cand)
@@ -272,7 +279,7 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
             leader = _leader(candidates, tune.objective)
             shown = f"{leader.label} ({OBJECTIVE_KEYS[tune.objective]} [{leader.low:.2f}, {leader.high:.2f}])" \
                 if leader else "the baseline"
-            along = f" with {len(group) - 1} of its stacks in the same rounds" if len(group) > 1 else ""
+            along = f" with {len(group) - 1} more in the same rounds" if len(group) > 1 else ""
             note(f"tune: trying {cand.label}{along} ({done}/{total}), leading so far {shown}", done - 1, total)
             baseline = _measure(group, run, spec, tune, ctx, budget, leader=leader) or baseline
             done += len(group) - 1

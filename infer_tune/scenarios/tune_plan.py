@@ -121,6 +121,7 @@ class Candidate:
     estimate: float | None = None  # kernel screen: speedup of its Linears vs fp32 for the objective's regime
     estimate_ci95: list[float] | None = None  # its 95% interval over the screen's rounds (None: point timings)
     compiles: bool = False
+    rounds_with: str | None = None  # queued candidates with the same tag are measured in one group of rounds
     status: str = "pending"  # measured | pruned | skipped | failed
     reason: str | None = None
     doc: dict | None = None
@@ -336,9 +337,10 @@ def stack_candidates(spec: TuneSpec, methods: list[Candidate], *, first: bool = 
             parts[:0] = batched_parts(spec, native=native)
         elif spec.objective == "goodput":
             parts = batched_parts(spec, native=native)
-        for part in parts:
+        for part in parts:  # a native step compiles nothing (its C++ is built once, with the kernels)
             out.append(Candidate(StackConfig(configs=[cand.config, part]), lossless=False, method=cand.method,
-                                 estimate=cand.estimate, estimate_ci95=cand.estimate_ci95, compiles=spec.compile))
+                                 estimate=cand.estimate, estimate_ci95=cand.estimate_ci95,
+                                 compiles=spec.compile and not getattr(part, "native_step", False)))
     return out
 
 
@@ -351,10 +353,13 @@ def native_step_runs() -> bool:
 
 def beside_method(spec: TuneSpec, cand: Candidate) -> tuple[list[Candidate], list[Candidate]]:
     """The stacks of the kernel screen's most promising quantize method split in two: those measured in the
-    same group of rounds as the method itself, before its own row says whether it may win (the lean decode
-    path with a compiled step, and for the throughput objective the batched stacks: the likely winners),
-    and the rest, measured after it only if it may win (a static compiled cache through generate()). The
-    group shares the baseline's passes, the slowest part of every round. Nothing beside it for the goodput
+    same group of rounds as the method itself, before its own row says whether it may win, and the rest,
+    measured after it only if it may win. Beside it go its likely winners that compile nothing (the native
+    step, single-stream and, for the throughput objective, batched), so a leader stands before any compile
+    is paid; its compiled stacks (the lean decode path, with and without the C++ wrapper, and the compiled
+    batched steps) follow as one group of their own rounds (`rounds_with`), then a static compiled cache
+    through generate(). Where no stack runs natively, the compiled ones go beside it as before. The group
+    shares the baseline's passes, the slowest part of every round. Nothing beside it for the goodput
     objective (its batched stacks are judged on goodput keys taken one row at a time) or where there are no
     stacks (ttft)."""
     from infer_tune.tuners.kv_cache import KVCacheConfig
@@ -362,8 +367,15 @@ def beside_method(spec: TuneSpec, cand: Candidate) -> tuple[list[Candidate], lis
     if spec.objective == "goodput":
         return [], []
     stacks = stack_candidates(spec, [cand], first=True)
-    after = [isinstance(s.config.configs[-1], KVCacheConfig) for s in stacks]
-    return [s for s, a in zip(stacks, after) if not a], [s for s, a in zip(stacks, after) if a]
+    last = [s for s in stacks if isinstance(s.config.configs[-1], KVCacheConfig)]
+    likely = [s for s in stacks if s not in last]
+    cheap = [s for s in likely if not s.compiles]
+    if not cheap or len(cheap) == len(likely):
+        return likely, last
+    compiled = [s for s in likely if s.compiles]
+    for s in compiled:
+        s.rounds_with = f"compiled stacks of {cand.label}"
+    return cheap, compiled + last
 
 
 BATCH_SLOTS = (4, 8)  # slots of the batched candidates (the issue's reference serves 4 in parallel)
