@@ -726,7 +726,32 @@ def test_a_candidates_rounds_end_once_its_interval_settles_its_place():
     assert _leader([leader, other], "decode") == (leader.label, 2.4, 2.6)  # only eligible rows lead
     assert _plan(TuneSpec(), None).stop_rounds is not None and _plan(TuneSpec(), Leader("lean", 2.4, 2.6)).stop_rounds
     assert _plan(TuneSpec(), None, settle=False) is None  # contenders measured again: to the target
-    assert _plan(TuneSpec(objective="goodput"), Leader("lean", 2.4, 2.6)).stop_rounds is None
+    assert _plan(TuneSpec(objective="goodput"), Leader("lean", 2.4, 2.6)).stop_rounds(group((0.5, 3.0))) is None
+
+
+def test_the_time_budget_expects_the_costliest_similar_row_and_ends_rounds_once_spent():
+    from infer_tune.scenarios.tune import Budget, _plan
+    from infer_tune.scenarios.tune_plan import Candidate, TuneSpec
+
+    plain, compiled = Candidate(QuantizeConfig(), lossless=False), Candidate(QuantizeConfig(), lossless=False)
+    compiled.compiles = True
+    budget = Budget(1200.0)
+    assert budget.expected(plain) == 0.0 and budget.expected(compiled) == 150.0  # nothing measured: the allowance
+    budget.record([plain, plain], 189.6)  # a group's shares, then a slower row alone (a 2-core run's costs)
+    budget.record([plain], 167.2)
+    budget.record([compiled], 281.0)
+    assert budget.expected(plain) == 167.2 and budget.expected(compiled) == 281.0
+    budget.start -= 1088.3  # that run's clock when it started a 203 s row expecting the median, 94.8 s
+    assert not budget.fits(plain) and budget.fits_all([]) and not budget.spent
+    key = "speedup_vs_baseline"
+    open_interval = {"c0": {key: {"ci95": [0.9, 1.3]}}}
+    for spec in (TuneSpec(), TuneSpec(objective="goodput")):
+        assert _plan(spec, budget=budget).stop_rounds(open_interval) is None
+    budget.start -= 120.0
+    assert budget.spent
+    for spec in (TuneSpec(), TuneSpec(objective="goodput")):
+        assert _plan(spec, budget=budget).stop_rounds(open_interval) == "the time budget (1200 s) is spent"
+        assert _plan(spec).stop_rounds(open_interval) is None  # no budget given: rounds go on
 
 
 def test_the_most_promising_method_shares_its_rounds_with_its_compiled_stacks(tiny_model_dir, prompts_file, tmp_path,

@@ -16,8 +16,8 @@
    goodput objective a method within the budgets gets its batched stacks, which replay a seeded
    Poisson trace and are judged on their goodput against the baseline serving the same trace one
    request at a time (scenarios/tune_goodput.py, added by the sweep engine's `conclude`).
-   Before each candidate the remaining time budget is checked against what similar candidates cost;
-   what does not fit is skipped and listed.
+   Before each candidate the remaining time budget is checked against what the costliest similar
+   candidate cost; what does not fit is skipped and listed; rounds past the floor end once it is spent.
 4. The winner from intervals (tune_plan.decide: the highest lower bound of the objective's 95%
    interval; candidates overlapping it are measured again together in shared rounds while the budget
    allows, and a winner still not separated is said so), else the baseline; a recipe that reproduces
@@ -134,24 +134,30 @@ class Leader(NamedTuple):
 RIVAL_ROUNDS = 4  # rounds past the floor a group's candidates get to separate from one another (`decided`)
 
 
-def _plan(tune: TuneSpec, leader: Leader | None = None, *, settle: bool = True) -> SweepPlan | None:
+def _plan(tune: TuneSpec, leader: Leader | None = None, *, settle: bool = True,
+          budget: Budget | None = None) -> SweepPlan | None:
     """What tune asks of the sweep engine beyond its configs: for the goodput objective, the goodput keys
     under its SLOs, taken against the baseline the rows were measured beside (scenarios/tune_goodput.py);
     for the others, rounds that end once the candidate's place in the decision is settled by its objective
     interval (`decided`; `leader`: the eligible leader's label and interval bounds, None before one exists;
     for RIVAL_ROUNDS rounds past the floor also against the group's other candidates); none with `settle`
-    off (contenders measured again together must separate from one another)."""
+    off (contenders measured again together must separate from one another). With a `budget`, rounds
+    past the floor also end once it is spent: a row that started within it ends at most a round after."""
+    def spent() -> str | None:
+        return f"the time budget ({budget.seconds:.0f} s) is spent" if budget is not None and budget.spent else None
+
     if tune.objective == "goodput":
         from infer_tune.scenarios.tune_goodput import goodput_keys
 
-        plan = SweepPlan()
+        plan = SweepPlan(stop_rounds=lambda found: spent())
         plan.conclude = lambda docs, _: goodput_keys(docs, plan.baseline, tune.slo, tune.rate)
         return plan
     if not settle:
         return None
     calls = itertools.count()
     key = OBJECTIVE_KEYS[tune.objective]
-    return SweepPlan(stop_rounds=lambda found: decided(key, leader, found, rivals=next(calls) < RIVAL_ROUNDS))
+    return SweepPlan(stop_rounds=lambda found: decided(key, leader, found, rivals=next(calls) < RIVAL_ROUNDS)
+                     or spent())
 
 
 def decided(key: str, leader: Leader | None, found: dict[str, dict], *, rivals: bool = False) -> str | None:
@@ -206,10 +212,17 @@ class Budget:
         return time.monotonic() - self.start
 
     def expected(self, cand: Candidate) -> float:
-        base = statistics.median(self.costs) if self.costs else 0.0
+        """The costliest similar candidate so far (compiled ones apart): a median let a 2-core run start a
+        row at 1088 s of 1200 expecting 95 s that took 203 s (a method without int8 activations decodes
+        slower than the shares of the first group it was compared with)."""
+        base = max(self.costs, default=0.0)
         if cand.compiles:
-            return statistics.median(self.compile_costs) if self.compile_costs else base + COMPILE_ALLOWANCE_S
+            return max(self.compile_costs) if self.compile_costs else base + COMPILE_ALLOWANCE_S
         return base
+
+    @property
+    def spent(self) -> bool:
+        return self.elapsed >= self.seconds
 
     def fits(self, cand: Candidate) -> bool:
         return self.fits_all([cand])
@@ -410,7 +423,7 @@ def _measure(group: list[Candidate], run, spec: RunSpec, tune: TuneSpec, ctx, bu
         else:
             baseline, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol, [c.config for c in group],
                                   ctx, resume=spec.resume, reuse_baseline=True, measure_ppl=spec.measure_ppl,
-                                  plan=_plan(tune, leader))
+                                  plan=_plan(tune, leader, budget=budget))
     except InferTuneError as exc:  # a candidate this model or host cannot run: listed, not fatal
         failed = exc
     else:
