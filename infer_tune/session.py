@@ -27,7 +27,7 @@ from infer_tune import models, results, rounds, suites
 from infer_tune.document import ResultDocument
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import deltas, kv, noise, quality, roofline
-from infer_tune.metrics.memory import is_out_of_memory
+from infer_tune.metrics.memory import is_out_of_memory, long_lived_heap
 from infer_tune.metrics.perplexity import reference_perplexity
 from infer_tune.metrics.stats import summarize
 from infer_tune.runners import GenerationRun, PreparedModel, get_runner
@@ -379,7 +379,8 @@ def run_configs(
     preflight(loaded, workload, configs, ctx)
     waiting = (lambda: ctx.progress(f"waiting for another infer-tune run in {ctx.out_dir}", 0, None)) \
         if ctx.progress else None
-    with results.runs_lock(ctx.out_dir, on_wait=waiting):  # concurrent sweeps queue; none measures twice
+    # concurrent sweeps queue (none measures twice); the collection before each pass skips what lives on
+    with results.runs_lock(ctx.out_dir, on_wait=waiting), long_lived_heap():
         return _sweep(loaded, inputs, workload, protocol, configs, ctx, resume=resume,
                       reuse_baseline=reuse_baseline, measure_ppl=measure_ppl, execute=execute, plan=plan)
 

@@ -104,6 +104,47 @@ def test_candidates_are_measured_in_interleaved_rounds_with_intervals(noise_tech
     assert base["metrics"]["iterations"] == docs[0]["metrics"]["rounds"]["rounds"]
 
 
+def test_passes_collect_only_what_the_sweep_made_and_its_models_are_still_freed(noise_technique, tiny_loaded,
+                                                                               prompts_file, tmp_path, monkeypatch):
+    """Inside a sweep what lived before it is set aside from the collector (the collection before each
+    pass scans only what the sweep made); the candidates' models, cyclic like every transformers model,
+    are still collected when their group ends, and everything is handed back after the sweep."""
+    import gc
+    import weakref
+
+    from infer_tune.metrics import memory
+
+    frozen_at_passes: list[int] = []
+    release = memory.release_and_reset_peak
+
+    def recording() -> int:
+        frozen_at_passes.append(gc.get_freeze_count())
+        return release()
+
+    monkeypatch.setattr(memory, "release_and_reset_peak", recording)
+    made: list[weakref.ref] = []
+
+    def keep_a_ref(loaded, config, ctx):
+        prepared = _apply_noise(loaded, config, ctx)
+        made.append(weakref.ref(prepared.model))
+        return prepared
+
+    register_technique(noise_technique)(keep_a_ref)  # the fixture takes it out again
+    workload = Workload(suite=str(prompts_file), limit=2, max_new_tokens=4)
+    inputs = prepare_inputs(tiny_loaded, workload)
+    ctx = RunContext(env=envinfo.collect_env(1), out_dir=tmp_path)
+    assert gc.get_freeze_count() == 0
+    with memory.long_lived_heap():
+        nested = gc.get_freeze_count()
+        with memory.long_lived_heap():  # the outermost acts
+            assert gc.get_freeze_count() == nested > 10_000
+    assert gc.get_freeze_count() == 0
+    run_configs(tiny_loaded, inputs, workload, ONCE, [NoiseConfig(scale=0.5)], ctx)
+    assert frozen_at_passes and min(frozen_at_passes) > 10_000  # torch, transformers and the model set aside
+    assert len(made) == 1 and made[0]() is None  # the candidate's model was made inside and is gone
+    assert gc.get_freeze_count() == 0
+
+
 @pytest.mark.full_rounds
 def test_rounds_stop_at_the_target_and_report_a_miss_as_noisy():
     """The stopping rule on scripted timings: steady ratios stop at the floor; scattered ones run to the
