@@ -368,11 +368,11 @@ def beside_method(spec: TuneSpec, cand: Candidate) -> tuple[list[Candidate], lis
         return [], []
     stacks = stack_candidates(spec, [cand], first=True)
     last = [s for s in stacks if isinstance(s.config.configs[-1], KVCacheConfig)]
-    likely = [s for s in stacks if s not in last]
+    likely = [s for s in stacks if not isinstance(s.config.configs[-1], KVCacheConfig)]
     cheap = [s for s in likely if not s.compiles]
-    if not cheap or len(cheap) == len(likely):
-        return likely, last
     compiled = [s for s in likely if s.compiles]
+    if not cheap or not compiled:
+        return likely, last
     for s in compiled:
         s.rounds_with = f"compiled stacks of {cand.label}"
     return cheap, compiled + last
