@@ -15,6 +15,7 @@ ignored) runs three passes interleaved with the lean path's. Run it under the CP
     flock /tmp/infer-tune-cpu.lock python bench/lean_prefill.py --threads 2 --rounds 7
     flock /tmp/infer-tune-cpu.lock python bench/lean_prefill.py --threads 2 --rounds 7 --llama-server --decode-tokens 128
     flock /tmp/infer-tune-cpu.lock python bench/lean_prefill.py --threads 2 --rounds 7 --llama-server --decode-tokens 128 --native-step
+    flock /tmp/infer-tune-cpu.lock python bench/lean_prefill.py --threads 2 --rounds 3 --decode-tokens 64 --native-step --after-fp32
 
 Not a test: read the ratios of one run.
 """
@@ -72,6 +73,9 @@ def run(stack) -> None:
     p.add_argument("--cpp-wrapper", action="store_true", help="the decode row's step with inductor's C++ wrapper")
     p.add_argument("--native-step", action="store_true",
                    help="the decode row's step in one native call (int4 a8 Llama models: infer_tune/native/step.py)")
+    p.add_argument("--after-fp32", action="store_true",
+                   help="with --decode-tokens: three more decode passes, each right after an fp32 generate() of the "
+                        "same prompt (what interleaved rounds do to the step: caches and threads used by another model)")
     p.add_argument("--llama-server", action="store_true",
                    help="llama.cpp's C++ server (scripts/build-llama-server.sh) as the reference, same rounds")
     args = p.parse_args()
@@ -161,6 +165,16 @@ def run(stack) -> None:
             print(f"llama-server single-stream decode, {args.decode_tokens} tokens (end-of-sequence ignored): "
                   f"{', '.join(f'{v:.1f}' for v in theirs)} tok/s; best of three vs best of three: "
                   f"{max(speeds) / max(theirs):.2f}x")
+        if args.after_fp32:
+            plain = models.load(args.model).model
+            after = []
+            for _ in range(3):
+                with torch.inference_mode():
+                    plain.generate(cases["short"], max_new_tokens=args.decode_tokens, do_sample=False)
+                _, token_ns, _, _ = full.generate(cases["short"], args.decode_tokens, eos)
+                after.append((len(token_ns) - 1) * 1e9 / (token_ns[-1] - token_ns[0]))
+            print(f"the same decode right after an fp32 generate of the prompt: "
+                  f"{', '.join(f'{v:.1f}' for v in after)} tok/s (alone above: {', '.join(f'{v:.1f}' for v in speeds)})")
 
 
 def roofline_line(model, mean_context: float, tok_s: float) -> str:
