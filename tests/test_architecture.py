@@ -338,7 +338,7 @@ def test_a_technique_from_its_own_package_reaches_every_surface(tiny_model_dir, 
         assert CliRunner().invoke(app, ["leaderboard", str(out)]).exit_code == 0
         assert echo.STATEMENT in (out / "leaderboard.md").read_text()
         assert "echo-b" in (out / "leaderboard.html").read_text()
-        offered = [c.config for c in single_candidates(TuneSpec(), {})]
+        offered = [c.config for c in single_candidates(TuneSpec())]
         assert echo.EchoConfig(tag="tuned") in offered
     finally:
         echo.unregister()

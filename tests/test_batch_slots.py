@@ -117,7 +117,8 @@ def test_decode_rows_only_where_rows_are_independent(tiny_loaded):
 def test_tune_throughput_objective_plans_batched_stacks():
     """`tune --objective throughput` measures int4 + continuous batching on the slot engine first; the
     decode objective plans none (one request at a time is what it measures)."""
-    from infer_tune.scenarios.tune_plan import BURST_RATE, Candidate, TuneSpec, stack_candidates
+    from infer_tune.scenarios.tune_plan import Candidate, TuneSpec, stack_candidates
+    from infer_tune.tuners.batch import BURST_RATE
 
     cand = Candidate(QuantizeConfig(method="int4-rtn"), lossless=False, method="int4-rtn")
     stacks = stack_candidates(TuneSpec(objective="throughput"), [cand])

@@ -11,6 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from infer_tune import results
 from infer_tune.cli import app
 from infer_tune.errors import ConfigError
 from infer_tune.tuners.base import RunContext, apply
@@ -337,7 +338,8 @@ def test_judge_and_pick_winner():
 
 
 def test_host_screen_prunes_what_cannot_win_here(tiny_loaded):
-    from infer_tune.scenarios.tune_plan import TuneSpec, host_screen, single_candidates
+    from infer_tune.scenarios.tune_plan import TuneSpec, candidate, single_candidates
+    from infer_tune.tuners.quantize.tune import host_screen, method_offers
 
     avx2 = {("int8-dynamic", "decode"): ({"fbgemm": 0.5, "int_mm": 20.0, "dequant": 9.0}, 1.0),
             ("int8-dynamic", "prefill"): ({"fbgemm": 1.0, "int_mm": 354.0, "dequant": 9.0}, 7.8),
@@ -345,19 +347,20 @@ def test_host_screen_prunes_what_cannot_win_here(tiny_loaded):
             ("int4", "prefill"): ({"int4pack": 9.0, "dequant": 10.0}, 7.8)}
     screen = host_screen(tiny_loaded.model, ("int8-dynamic", "int4-rtn"), 33, timings=avx2)
     assert screen["int8-dynamic"]["decode"] == pytest.approx(2.0) and screen["int4-rtn"]["decode"] == pytest.approx(0.5)
-    cands = {c.label: c for c in single_candidates(TuneSpec(methods=("int8-dynamic", "int4-rtn")), screen)}
+    cands = {c.label: c for c in map(candidate, method_offers(("int8-dynamic", "int4-rtn"), "decode", screen))}
     assert cands["int4-rtn-auto-g32"].status == "pruned" and "slower than fp32" in cands["int4-rtn-auto-g32"].reason
     assert cands["int8-dynamic-auto"].status == "pending"
-    lossless = single_candidates(TuneSpec(require_lossless=True), screen)
-    assert all(c.lossless for c in lossless)
+    lossless = single_candidates(TuneSpec(require_lossless=True))
+    assert lossless and all(c.lossless for c in lossless)
 
 
 def test_host_screen_prunes_only_when_the_interval_says_slower_than_fp32(tiny_loaded):
     """Per-round samples injected (no timing here): int8's every kernel slower than fp32 in every round
     (interval wholly below 1: pruned, the reason names the interval); int4pack's median a little slower
     than fp32 but its rounds straddle it (kept and measured, the interval recorded)."""
-    from infer_tune.scenarios.tune_plan import TuneSpec, host_screen, single_candidates
+    from infer_tune.scenarios.tune_plan import candidate
     from infer_tune.tuners.quantize.screen import Screen
+    from infer_tune.tuners.quantize.tune import host_screen, method_offers
 
     fp32 = [10.0, 10.1, 9.9, 10.0, 10.2, 9.8, 10.0]
     slow = Screen(samples={"fp32": fp32, "fbgemm": [14.0, 14.3, 13.8, 14.1, 14.4, 13.9, 14.0],
@@ -373,7 +376,7 @@ def test_host_screen_prunes_only_when_the_interval_says_slower_than_fp32(tiny_lo
     low, high = int4["decode_speedup_ci95"]
     assert int4["decode"] < 1.0 and low < 1.0 < high  # the point says slower, the interval does not
     assert int4["prefill_speedup_ci95"] is None  # point timings: no interval
-    cands = {c.label: c for c in single_candidates(TuneSpec(methods=("int8-dynamic", "int4-rtn")), screen)}
+    cands = {c.label: c for c in map(candidate, method_offers(("int8-dynamic", "int4-rtn"), "decode", screen))}
     pruned, kept = cands["int8-dynamic-auto"], cands["int4-rtn-auto-g32"]
     assert pruned.status == "pruned" and "95% interval" in pruned.reason and "wholly below 1" in pruned.reason
     assert kept.status == "pending" and kept.summary()["kernel_screen_speedup_ci95"] == [low, high]
@@ -535,8 +538,8 @@ def test_goodput_objective_plans_batched_stacks_on_a_poisson_trace():
     assert all(p.technique == "batch" and p.scheduler == "continuous" and p.engine == "lean" and p.rate == 2.5
                and p.seed == 7 for p in parts)
     assert stack_candidates(TuneSpec(objective="goodput", compile=False), [cand]) == []
-    assert not [c for c in single_candidates(spec, {}) if c.config.technique == "lean"]
-    assert [c for c in single_candidates(TuneSpec(), {}) if c.config.technique == "lean"]
+    assert not [c for c in single_candidates(spec) if c.config.technique == "lean"]
+    assert [c for c in single_candidates(TuneSpec()) if c.config.technique == "lean"]
     for bad, fragment in (({"rate": -1.0}, "rate"), ({"rate": float("inf")}, "rate"),
                           ({"slo_ttft_ms": -5.0}, "ttft_ms"), ({"slo_tpot_ms": 0.0}, "tpot_ms"),
                           ({"objective": "latency"}, "objective")):
@@ -671,10 +674,11 @@ def test_tune_goodput_end_to_end(tiny_model_dir, prompts_file, tmp_path, monkeyp
 
 
 def test_tune_offers_int8_activations_as_their_own_method():
-    from infer_tune.scenarios.tune_plan import QUANT_METHODS, TuneSpec, method_kind, quantize_config
+    from infer_tune.scenarios.tune_plan import TuneSpec, tune_methods
     from infer_tune.tuners.lean import LeanConfig
+    from infer_tune.tuners.quantize.tune import TUNE_METHODS, method_kind, quantize_config
 
-    assert "int4-rtn-a8" in QUANT_METHODS and TuneSpec(methods=("int4-rtn-a8",)).methods == ("int4-rtn-a8",)
+    assert "int4-rtn-a8" in TUNE_METHODS and set(TUNE_METHODS) <= set(tune_methods()) and TuneSpec(methods=("int4-rtn-a8",)).methods == ("int4-rtn-a8",)
     config = quantize_config("int4-rtn-a8")
     assert (config.method, config.activations) == ("int4-rtn", "int8") and config.label().endswith("-a8")
     assert quantize_config("int4-rtn").activations == "bf16"
@@ -759,37 +763,28 @@ def test_the_most_promising_method_shares_its_rounds_with_its_compiled_stacks(ti
     """The screen's first method and its lean stacks are measured in one group (one baseline pass per round
     for all); its static-cache stack waits until the method may win; the next eligible method gets its own
     stack after it. The leader after each measurement is kept, and the winner was found when it became the
-    leader for good. Measurements are injected (the search, not the speed, is under test)."""
+    leader for good. Measurements come from a scripted executor (the search, not the speed, is under test)."""
+    from infer_tune import executors
     from infer_tune.scenarios import tune as tune_module
     from infer_tune.scenarios.common import RunSpec
     from infer_tune.scenarios.tune_plan import TuneSpec
     from infer_tune.workload import Protocol, Workload
+    from tests.plugins.tunable import ScriptedExecutor
 
-    speed = {"int4-rtn-auto-g32": (3.0, 2.8, 3.2), "int8-dynamic-auto": (2.0, 1.9, 2.1),
-             "int4-rtn-auto-g32+lean+compile": (9.0, 8.0, 10.0), "int4-rtn-auto-g32+lean+compile+cpp": (10.0, 9.6, 10.4),
-             "int4-rtn-auto-g32+static+compile": (4.0, 3.8, 4.2), "int8-dynamic-auto+lean+compile": (5.0, 4.8, 5.2),
-             "lean+compile": (1.5, 1.4, 1.6), "lean": (1.2, 1.1, 1.3)}
-    groups = []
-
-    def fake_run_configs(loaded, inputs, workload, protocol, configs, ctx, **_):
-        groups.append([c.label().replace("-torch-", "-auto-") for c in configs])
-        docs = []
-        for config, label in zip(configs, groups[-1]):
-            point, low, high = speed[label]
-            docs.append({"run_id": label, "label": f"{label} (resolved)", "technique": config.technique,
-                         "config": config.to_dict(),
-                         "metrics": {"tpot_ms": {"p50": 100 / point}, "ttft_ms": {"p50": 50.0},
-                                     "speedup_vs_baseline": point, "speedup_vs_baseline_ci95": [low, high]}})
-        return None, docs
-
-    monkeypatch.setattr(tune_module, "run_configs", fake_run_configs)
+    executor = ScriptedExecutor({
+        "int4-rtn-auto-g32": (3.0, 2.8, 3.2), "int8-dynamic-auto": (2.0, 1.9, 2.1),
+        "int4-rtn-auto-g32+lean+compile": (9.0, 8.0, 10.0), "int4-rtn-auto-g32+lean+compile+cpp": (10.0, 9.6, 10.4),
+        "int4-rtn-auto-g32+static+compile": (4.0, 3.8, 4.2), "int8-dynamic-auto+lean+compile": (5.0, 4.8, 5.2),
+        "lean+compile": (1.5, 1.4, 1.6), "lean": (1.2, 1.1, 1.3)})
+    groups = executor.groups
     monkeypatch.setattr(kernel_choice, "screen_kernels",  # int4 the most promising, then int8
                         lambda shapes, rows, kind, **_: ({k: 1.0 if kind == "int4" else 1.5
                                                           for k in kernel_choice.KERNELS[kind]}, 2.0))
     spec = RunSpec(model=str(tiny_model_dir), workload=Workload(suite=str(prompts_file), limit=2, max_new_tokens=4),
                    protocol=Protocol(warmup=0, min_iterations=1, min_duration_s=0), out_dir=tmp_path / "runs",
                    measure_ppl=False)
-    outcome = tune_module.run_tune(spec, TuneSpec(methods=("int8-dynamic", "int4-rtn"), reference=False))
+    with executors.use(executor):
+        outcome = tune_module.run_tune(spec, TuneSpec(methods=("int8-dynamic", "int4-rtn"), reference=False))
     assert groups == [["int4-rtn-auto-g32", "int4-rtn-auto-g32+lean+compile", "int4-rtn-auto-g32+lean+compile+cpp"],
                       ["int4-rtn-auto-g32+static+compile"], ["int8-dynamic-auto"],
                       ["int8-dynamic-auto+lean+compile"], ["lean+compile"], ["lean"],
@@ -806,11 +801,11 @@ def test_the_most_promising_method_shares_its_rounds_with_its_compiled_stacks(ti
 
 @pytest.mark.parametrize("native_runs", [True, False])
 def test_native_stacks_go_first_and_the_compiled_ones_share_their_own_rounds(monkeypatch, native_runs):
-    from infer_tune.scenarios import tune_plan
     from infer_tune.scenarios.tune_plan import Candidate, TuneSpec, beside_method
+    from infer_tune.tuners import lean
     from infer_tune.tuners.kv_cache import KVCacheConfig
 
-    monkeypatch.setattr(tune_plan, "native_step_runs", lambda: native_runs)
+    monkeypatch.setattr(lean, "native_step_runs", lambda: native_runs)
     cand = Candidate(QuantizeConfig(method="int4-rtn", activations="int8"), lossless=False, method="int4-rtn")
     beside, later = beside_method(TuneSpec(), cand)
     if native_runs:  # before any compile: the native step alone beside its method
@@ -823,33 +818,113 @@ def test_native_stacks_go_first_and_the_compiled_ones_share_their_own_rounds(mon
     assert isinstance(later[-1].config.configs[1], KVCacheConfig) and later[-1].rounds_with is None
 
 
-def test_tune_measures_queued_rounds_with_candidates_in_one_group(monkeypatch, tiny_model_dir, prompts_file,
-                                                                  tmp_path):
-    """The search loop takes every queued candidate tagged like the one it pops into that one's rounds."""
-    from infer_tune.scenarios import tune, tune_plan
+def test_a_registered_technique_is_searched_by_its_offers(tiny_model_dir, prompts_file, tmp_path):
+    """Two techniques registered by the test alone (tests/plugins/tunable.py), searched through `run_tune`
+    with a scripted executor: the bases most promising first (the pruned one never measured), the first
+    base measured in one group with the part that compiles nothing, its compiled parts (its own and the
+    lean path's) as one group of shared rounds, the late parts after it, the second base that may win
+    stacked with its parts after it (not the first base's only ones), the contenders measured again
+    together, and the winner the highest lower bound."""
+    from infer_tune import executors
     from infer_tune.scenarios.common import RunSpec
+    from infer_tune.scenarios.tune import run_tune
     from infer_tune.scenarios.tune_plan import TuneSpec
     from infer_tune.workload import Workload
+    from tests.plugins import tunable
 
-    monkeypatch.setattr(tune_plan, "native_step_runs", lambda: True)
-    monkeypatch.setattr(tune, "host_screen", lambda *a: {})
-    groups = []
-
-    def fake_measure(group, *args, **kwargs):
-        groups.append([c.label for c in group])
-        for c in group:
-            c.status = "measured"
-        return None
-    monkeypatch.setattr(tune, "_measure", fake_measure)
-    monkeypatch.setattr(tune, "_decide", lambda candidates, baseline, *a: baseline)
-    monkeypatch.setattr(tune, "ensure_baseline", lambda *a, **k: ({"run_id": "b", "metrics": {}}, None, None))
-    monkeypatch.setattr(tune, "_reference", lambda *a: (None, []))
-    monkeypatch.setattr(tune, "_copy_weights", lambda *a: None)
-    monkeypatch.setattr(tune, "write_recipe", lambda d, w, s: tmp_path / "recipe.yaml")
-    monkeypatch.setattr(tune, "may_stack", lambda cand, spec: True)
+    executor = tunable.ScriptedExecutor({
+        "t-fast": (3.0, 2.8, 3.2), "t-slow": (1.5, 1.4, 1.6), "t-fast+part-cheap": (5.0, 4.8, 5.2),
+        "t-fast+part-c1": (6.0, 5.0, 7.0), "t-fast+part-c2": (6.5, 5.5, 7.5), "t-slow+part-cheap": (2.0, 1.9, 2.1)})
     spec = RunSpec(model=str(tiny_model_dir), workload=Workload(suite=str(prompts_file), limit=1, max_new_tokens=2),
                    out_dir=tmp_path / "out", measure_ppl=False)
-    tune.run_tune(spec, TuneSpec(methods=("int4-rtn-a8",), budget_s=3600))
-    first, second = groups[0], groups[1]
-    assert first[0].startswith("int4-rtn") and len(first) == 2 and first[1].endswith("+lean+native")
-    assert len(second) == 2 and all("compile" in label for label in second)  # together, after the native row
+    tunable.register()
+    try:
+        with executors.use(executor):
+            outcome = run_tune(spec, TuneSpec(methods=tunable.METHODS, budget_s=3600, reference=False))
+    finally:
+        tunable.unregister()
+    groups = executor.groups
+    assert groups[0] == ["t-fast", "t-fast+part-cheap"]  # before any compile, in the same rounds
+    assert sorted(groups[1]) == sorted(["t-fast+lean+compile", "t-fast+lean+compile+cpp", "t-fast+part-c1",
+                                        "t-fast+part-c2"])  # the compiled parts: one group of shared rounds
+    assert groups[2:4] == [["t-fast+static+compile"], ["t-fast+part-late"]]  # not beside: after it may win
+    assert groups[4] == ["t-slow"]
+    assert groups[5:9] == [["t-slow+lean+compile"], ["t-slow+part-cheap"], ["t-slow+part-c1"], ["t-slow+part-c2"]]
+    assert groups[9:11] == [["lean+compile"], ["lean"]]  # the single rows, after the bases and their stacks
+    assert sorted(groups[11]) == ["t-fast+part-c1", "t-fast+part-c2"] and len(groups) == 12  # contenders, again
+    tried = {t["label"]: t for t in outcome.tried()}
+    assert tried["t-pruned"]["status"] == "pruned" and tried["t-pruned"]["reason"] == tunable.PRUNED
+    assert not [g for g in groups if "t-pruned" in " ".join(g)]
+    assert outcome.screen == {m: {"decode": tunable.ESTIMATES[m], "screened": True} for m in tunable.METHODS}
+    assert outcome.winner["run_id"] == "t-fast+part-c2" and "not separated" in " ".join(outcome.notes)
+
+
+def test_a_registered_technique_is_measured_by_the_tune_command(tiny_model_dir, prompts_file, tmp_path):
+    """`infer-tune tune` measures a test package's techniques for real: its base rows, the part stacked beside
+    the first base in the same rounds, the pruned method listed and never measured, a recipe that reruns."""
+    from tests.plugins import tunable
+
+    out = tmp_path / "runs"
+    tunable.register()
+    try:
+        result = runner.invoke(app, ["tune", "--model", str(tiny_model_dir), "--suite", str(prompts_file), "--limit",
+                                     "2", "--max-new-tokens", "4", "--min-iterations", "1", "--min-duration", "0",
+                                     "--max-rounds", "3", "--methods", "t-fast,t-pruned", "--no-compile",
+                                     "--no-reference", "--max-ppl-delta", "1000", "--max-bleu-drift", "100",
+                                     "--out", str(out), "--json"])
+        assert result.exit_code == 0, result.output
+        doc = json.loads(result.stdout)
+        tried = {t["label"]: t for t in doc["tried"]}
+        assert tried["t-pruned"]["status"] == "pruned" and tried["t-pruned"]["run_id"] is None
+        assert tried["t-fast"]["status"] == tried["t-fast+part-cheap"]["status"] == "measured"
+        first, beside = (results.load_result(out / tried[k]["run_id"]) for k in ("t-fast", "t-fast+part-cheap"))
+        assert first["metrics"]["test_base"] == beside["metrics"]["test_base"] == "t-fast"
+        assert beside["metrics"]["test_part"] == "part-cheap" and "test_part" not in first["metrics"]
+        assert [p["technique"] for p in beside["config"]["configs"]] == ["test-base", "test-part"]
+        assert first["metrics"]["rounds"]["group"] == beside["metrics"]["rounds"]["group"]  # the same rounds
+        assert doc["kernel_screen"]["t-fast"]["screened"] is True
+        replay = runner.invoke(app, ["bench", "--recipe", doc["recipe"], "--model", str(tiny_model_dir), "--suite",
+                                     str(prompts_file), "--limit", "1", "--max-new-tokens", "2", "--min-iterations",
+                                     "1", "--min-duration", "0", "--no-ppl", "--out", str(tmp_path / "replay"), "--json"])
+        assert replay.exit_code == 0, replay.output
+    finally:
+        tunable.unregister()
+
+
+def test_tune_scenarios_name_no_technique():
+    """scenarios/tune*.py know techniques only through the registry: no technique's name as a string, no
+    technique module imported or cited, no config class named (the names come from the registry)."""
+    import ast
+    import re
+    from pathlib import Path
+
+    import infer_tune
+    from infer_tune.tuners.base import TECHNIQUES, load_techniques
+
+    load_techniques()
+    names = {cls.technique for cls in TECHNIQUES}
+    classes = {cls.__name__ for cls in TECHNIQUES}
+    tuners_dir = Path(infer_tune.__file__).parent / "tuners"
+    modules = {p.stem for p in tuners_dir.iterdir() if p.stem not in ("base", "__init__", "__pycache__")
+               and (p.suffix == ".py" or (p / "__init__.py").is_file())}
+    assert {"quantize", "lean", "kv_cache", "batch", "stack", "llamacpp"} <= modules and "kv-cache" in names
+    cited = re.compile(r"tuners[./](" + "|".join(sorted(modules)) + r")\b")
+    found = []
+    files = sorted((tuners_dir.parent / "scenarios").glob("tune*.py"))
+    assert len(files) >= 3
+    for file in files:
+        text = file.read_text(encoding="utf-8")
+        found += [f"{file.name}: cites {m.group(0)}" for m in cited.finditer(text)]
+        found += [f"{file.name}: names {c}" for c in sorted(classes) if re.search(rf"\b{c}\b", text)]
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.strip() in names:
+                found.append(f"{file.name}:{node.lineno} the string {node.value!r}")
+            elif isinstance(node, ast.ImportFrom) and node.module and (
+                    any(node.module.startswith(f"infer_tune.tuners.{m}") for m in modules)
+                    or node.module == "infer_tune.tuners" and {a.name for a in node.names} & modules):
+                found.append(f"{file.name}:{node.lineno} imports {node.module}")
+            elif isinstance(node, ast.Name) and node.id in modules | classes:
+                found.append(f"{file.name}:{node.lineno} the name {node.id}")
+            elif isinstance(node, ast.Attribute) and node.attr in classes:
+                found.append(f"{file.name}:{node.lineno} the attribute {node.attr}")
+    assert not found, found

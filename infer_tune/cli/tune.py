@@ -138,7 +138,7 @@ def tune(
     """
     from infer_tune.cli.measure import run_spec
     from infer_tune.scenarios.tune import check_serving, run_tune
-    from infer_tune.scenarios.tune_plan import OBJECTIVES, QUANT_METHODS, TuneSpec
+    from infer_tune.scenarios.tune_plan import OBJECTIVES, TuneSpec, tune_methods
 
     if budget_minutes <= 0:
         raise ConfigError(f"--budget-minutes must be > 0, got {budget_minutes}")
@@ -146,12 +146,13 @@ def tune(
         raise ConfigError(f"--max-ppl-delta must be >= 0 (percent), got {max_ppl_delta}")
     if max_bleu_drift < 0:
         raise ConfigError(f"--max-bleu-drift must be >= 0 (BLEU points lost), got {max_bleu_drift}")
-    chosen = tuple(m.strip() for m in methods.split(",") if m.strip()) if methods else QUANT_METHODS
+    chosen = tuple(m.strip() for m in methods.split(",") if m.strip()) if methods else None
     if objective not in OBJECTIVES:
         raise ConfigError(f"--objective must be {', '.join(OBJECTIVES[:-1])} or {OBJECTIVES[-1]}, got '{objective}'")
-    if set(chosen) - set(QUANT_METHODS):
-        raise ConfigError(f"--methods: unknown {', '.join(sorted(set(chosen) - set(QUANT_METHODS)))}; "
-                          f"choose from {', '.join(QUANT_METHODS)}")
+    known = tune_methods()  # what the registry's entries answer to (tuners/base.py `Tuning.methods`)
+    if chosen is not None and set(chosen) - set(known):
+        raise ConfigError(f"--methods: unknown {', '.join(sorted(set(chosen) - set(known)))}; "
+                          f"choose from {', '.join(known)}")
     serving = {"--rate": rate, "--slo-ttft-ms": slo_ttft_ms, "--slo-tpot-ms": slo_tpot_ms}
     for flag, value in serving.items():
         if value is not None and not 0 < value < float("inf"):

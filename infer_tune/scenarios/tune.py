@@ -1,19 +1,21 @@
 """`tune`: find the fastest configuration within a drift budget on the machine in front of it.
 
-1. The kernel screen (tune_plan.host_screen): every quantize method's candidate kernels timed on the
-   model's own Linear shapes, interleaved with fp32; a method whose best kernel's 95% interval says
-   slower than fp32 cannot win on this host and is pruned with that interval as the reason.
+What is tried comes from the registry: each technique's entry says what `tune` may try of it and how it
+stacks (`tune=`, tuners/base.py `Tuning`; scenarios/tune_plan.py asks). This module is the search.
+
+1. The offers: every entry is asked for its own rows (`TuneAsk`: the objective, budgets, the loaded
+   model). A technique may screen the host first (a method's kernels timed on the model's own shapes,
+   interleaved with fp32) and prune what cannot win here, with the interval as the reason; its screen
+   rows are the outcome's `kernel_screen`.
 2. The baseline: measured in the rounds of the first group, beside the candidates (no pass of its own
    before them); alone only when nothing else was measured.
-3. Single techniques, most promising first, each measured against the baseline in the same run and
-   judged (tune_plan.judge). The kernel screen's most promising quantize method is measured in one
-   group with its likely winners (tune_plan.beside_method: the lean decode path, and for the
-   throughput objective the batched stacks; those that compile nothing, the native steps, where they
-   run, and then its compiled ones as a second group of shared rounds), sharing the baseline's passes,
-   so the likely winner is measured first in the budget, before any compile, and the baseline's slow
-   passes are paid once per group; any other quantize method that may win has its stacks measured
-   right after it. For the
-   goodput objective a method within the budgets gets its batched stacks, which replay a seeded
+3. Single rows, the bases most promising first, each measured against the baseline in the same run and
+   judged (tune_plan.judge). The most promising base is measured in one group with its likely winners
+   (tune_plan.beside_method: the parts offered beside it, those that compile nothing first, then its
+   compiled ones as a second group of shared rounds), sharing the baseline's passes, so the likely winner
+   is measured first in the budget, before any compile, and the baseline's slow passes are paid once per
+   group; the next base that may win has its stacks measured right after it (STACKED_METHODS bases in
+   all). For the goodput objective a base within the budgets gets its stacks, which replay a seeded
    Poisson trace and are judged on their goodput against the baseline serving the same trace one
    request at a time (scenarios/tune_goodput.py, added by the sweep engine's `conclude`).
    Before each candidate the remaining time budget is checked against what the costliest similar
@@ -21,9 +23,9 @@
 4. The winner from intervals (tune_plan.decide: the highest lower bound of the objective's 95%
    interval; candidates overlapping it are measured again together in shared rounds while the budget
    allows, and a winner still not separated is said so), else the baseline; a recipe that reproduces
-   it (`bench --recipe`), its quantized weights copied out of the scratch area, and whether it beat
-   llama.cpp on the same GGUF (a reference row, measured after the search when it is installed and the
-   model came from a GGUF). The leader after every measurement is kept (`TuneOutcome.leaders`): the winner was
+   it (`bench --recipe`), its saved weights copied out of the scratch area, and how it compares with the
+   reference rows the registry offers (another engine on the same weights file, measured after the search
+   when it can run here). The leader after every measurement is kept (`TuneOutcome.leaders`): the winner was
    found when it became the leader for good (`winner_found_s`).
 """
 
@@ -44,21 +46,22 @@ from infer_tune.runners.base import Progress
 from infer_tune.scenarios.common import RunSpec, open_run
 from infer_tune.scenarios.tune_plan import (
     Candidate,
+    Host,
     TuneSpec,
     beside_method,
     decide,
     decode_tok_s,
-    host_screen,
     judge,
     may_stack,
-    single_candidates,
+    singles,
     slo_text,
     stack_candidates,
 )
+from infer_tune.tuners.base import Offer
 from infer_tune.session import SweepPlan, ensure_baseline, run_configs
 
 COMPILE_ALLOWANCE_S = 150.0  # first guess of a compiled candidate's extra cost (2 cores); refined once measured
-STACKED_METHODS = 2  # the first quantize methods found eligible get stacked with the lean decode path
+STACKED_METHODS = 2  # the first bases that may win get their stacks (every entry's parts on them)
 
 
 @dataclass
@@ -169,7 +172,7 @@ def decided(key: str, leader: Leader | None, found: dict[str, dict], *, rivals: 
     - above 1 and above the leader's upper bound (or above 1 with no leader yet): it beats the baseline and
       leads, separated from the rest so far.
     With `rivals`, the group's other candidates above the baseline count as leaders too: a group measured
-    together (a method and its lean stacks, the likely winners) goes on until its best is separated from
+    together (a base and its likely stacks) goes on until its best is separated from
     the others, instead of stopping once each is above the baseline (`_plan` allows RIVAL_ROUNDS such rounds).
     What is left open is only where an interval overlaps 1 or a leader's: those rounds go on to the target
     or the budget, and candidates that end overlapping the winner are measured again together (`_decide`)."""
@@ -251,9 +254,12 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
     scratch = Path(tempfile.mkdtemp(prefix="infer-tune-tune-"))
     ctx.scratch_dir = scratch
     try:
-        note("tune: timing kernels on this model's shapes", 0, 1)
-        screen = host_screen(run.loaded.model, tune.methods, ctx.cache["prefill_rows"])
-        note("tune: timing kernels on this model's shapes", 1, 1)
+        stage = "tune: asking each technique what to try here (kernel screens)"
+        note(stage, 0, 1)
+        host = Host(run.loaded, ctx.cache["prefill_rows"])
+        offered = singles(tune, host)
+        screen = offered.screen
+        note(stage, 1, 1)
         notes: list[str] = []
         baseline: dict | None = None  # measured in the rounds of the first group (no pass of its own before)
         terms = serving_terms(tune, len(run.inputs.prompts))
@@ -261,7 +267,7 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
             notes.append(f"goodput: {terms['goodput']}, SLOs {slo_text(tune)}; a seeded Poisson trace of "
                          f"{terms['requests']} requests (one per prompt) at {tune.rate:g} req/s; baseline: "
                          f"{terms['baseline']}, from its own times measured in the same rounds")
-        candidates = single_candidates(tune, screen)
+        candidates = offered.candidates
         queue = [c for c in candidates if c.status == "pending"]
         leaders: list[dict] = []
         stacked = 0
@@ -282,9 +288,9 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
                 group += together
                 queue = [c for c in queue if c not in together]
                 total += len(together)
-            if not speculated and cand.config.technique == "quantize":  # the screen's most promising method
+            if not speculated and cand.base:  # the most promising base
                 speculated = True
-                beside, later = beside_method(tune, cand)
+                beside, later = beside_method(tune, cand, host)
                 if beside and budget.fits_all([cand, *beside]):
                     group += beside
                     candidates += beside
@@ -298,17 +304,16 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
             done += len(group) - 1
             leader = _leader(candidates, tune.objective)
             leaders.append({"s": budget.elapsed, "leader": leader.label if leader else None})
-            if may_stack(cand, tune) and cand.method and cand.config.technique == "quantize" \
-                    and stacked < STACKED_METHODS:
+            if may_stack(cand, tune) and cand.base and stacked < STACKED_METHODS:
                 # measured beside it already: only the rest (`later`); else all of its stacks
-                stacks = later if len(group) > 1 else stack_candidates(tune, [cand], first=stacked == 0)
+                stacks = later if len(group) > 1 else stack_candidates(tune, [cand], first=stacked == 0, host=host)
                 stacked += 1
                 candidates += stacks
                 queue[:0] = stacks  # the stacks of a method that may win are measured next
         if baseline is None:  # nothing was measured (every candidate pruned or skipped): the baseline alone
             baseline, _, _ = ensure_baseline(run.loaded, run.inputs, spec.workload, spec.protocol, ctx,
                                              reuse=spec.resume, measure_ppl=spec.measure_ppl)
-        reference, found = _reference(run, spec, tune, ctx)
+        reference, found = _reference(offered.references, run, spec, tune, ctx)
         notes[:0] = found
         winner = _decide(candidates, baseline, run, spec, tune, ctx, budget, notes, note)
         final = winner_label(candidates, winner)
@@ -316,8 +321,8 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
             leaders.append({"s": budget.elapsed, "leader": final})
         if tune.objective == "goodput" and not any(c.doc and c.doc["metrics"].get("goodput_req_s") is not None
                                                    for c in candidates):
-            notes.append("no batched stack served the trace: they stack on the quantize methods within the "
-                         "budgets (none was measured within them, or the time budget ran out first)")
+            notes.append("no batched stack served the trace: they stack on the bases within the budgets (none "
+                         "was measured within them, or the time budget ran out first)")
         if winner is baseline:
             notes.append("nothing measured beat the baseline within the budgets; ship the plain model")
         weights = _copy_weights(winner, tune_dir)
@@ -446,27 +451,29 @@ def _apply(cand: Candidate, verdict) -> None:
     cand.reason = "; ".join(verdict.reasons) or None
 
 
-def _reference(run, spec: RunSpec, tune: TuneSpec, ctx) -> tuple[dict | None, list[str]]:
-    """llama.cpp on the same GGUF, measured like every row (None, with why, when it cannot run here)."""
+def _reference(references: list[Offer], run, spec: RunSpec, tune: TuneSpec, ctx) -> tuple[dict | None, list[str]]:
+    """The first reference row the registry offers (another engine on the same weights file), measured like every row
+    (None, with why, when none can run here)."""
     if not tune.reference:
         return None, []
-    from infer_tune.tuners import llamacpp
-
-    if not llamacpp.available():
-        return None, ["llama.cpp reference not measured: llama-cpp-python is not installed "
-                      "(pip install 'infer-tune[llamacpp]')"]
-    config = llamacpp.LlamaCppConfig()
-    try:
-        llamacpp.gguf_for(run.loaded, config)
-        _, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol, [config], ctx,
-                              resume=spec.resume, reuse_baseline=True, measure_ppl=False)
-    except InferTuneError as exc:
-        return None, [f"llama.cpp reference not measured: {exc}"]
-    return docs[0], []
+    notes = []
+    for offer in references:
+        name = offer.config.label()
+        if offer.reason:
+            notes.append(f"reference {name} not measured: {offer.reason}")
+            continue
+        try:
+            _, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol, [offer.config], ctx,
+                                  resume=spec.resume, reuse_baseline=True, measure_ppl=False)
+        except InferTuneError as exc:
+            notes.append(f"reference {name} not measured: {exc}")
+            continue
+        return docs[0], notes
+    return None, notes
 
 
 def versus_reference(winner: dict, reference: dict | None) -> dict | None:
-    """Decode tok/s and TTFT of the winner against llama.cpp's in the same run."""
+    """Decode tok/s and TTFT of the winner against the reference row's in the same run."""
     if reference is None:
         return None
     ours, theirs = decode_tok_s(winner), decode_tok_s(reference)
@@ -482,7 +489,7 @@ def versus_reference(winner: dict, reference: dict | None) -> dict | None:
 
 
 def _copy_weights(winner: dict, tune_dir: Path) -> Path | None:
-    """The winner's saved quantized checkpoint, copied out of the scratch area (None when it has none)."""
+    """The winner's saved checkpoint (`metrics.save_dir`), copied out of the scratch area (None when it has none)."""
     saved = (winner.get("metrics") or {}).get("save_dir")
     if not saved or not Path(saved).is_dir():
         return None

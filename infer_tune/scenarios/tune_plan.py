@@ -1,57 +1,39 @@
 """What `tune` tries, what it prunes before measuring, and how it judges what it measured.
 
-- `host_screen`: times every quantize method's candidate kernels (and bf16) on the model's own Linear
-  shapes at decode (1 row) and prefill rows, interleaved with fp32 on the same shapes in shuffled
-  rounds (the quantize kernel screen, tuners/quantize/screen.py). A method whose best kernel's 95%
-  interval of its speedup over fp32 lies wholly below 1 for the objective's regime cannot win on this
-  host and is pruned with that interval, before anything is quantized; one whose interval reaches 1 is
-  measured (docs/architecture.md, "Decisions taken from intervals").
-- `single_candidates` / `stack_candidates`: what is measured: quantize methods (the kernel screen's most
-  promising first), the lossless lean path, and stacks of the methods that may win with the lean path.
+Nothing here knows a technique: each one's registry entry says what `tune` may try of it (`tune=`,
+tuners/base.py `Tuning`; docs/tune.md, "What a technique offers").
+- `singles`: every entry's own offers for the search (`TuneAsk`): bases (most promising first by the
+  speedup a host screen expects; pruned where the screen says they cannot win here, with the reason),
+  single rows, and reference rows measured after the search. The screens' rows are the outcome's
+  `kernel_screen`.
+- `stack_candidates`: each entry's parts for a base that may win, stacked with it by the entry that
+  composes stacks; `beside_method` splits them into those measured in the base's own rounds and
+  those measured after it only if it may win.
 - `judge`: whether a measured result may win (not broken, within the drift budget, lossless when
   required, faster than the baseline on the objective, no kernel slower than fp32), and why not.
-- The serving objectives measure batched stacks (`batched_parts`): `throughput` offers them the
-  workload's prompts in one burst (capacity); `goodput` offers them a seeded Poisson trace at
-  `TuneSpec.rate` and counts the requests per second that meet the SLOs (TTFT and TPOT), against the
-  baseline serving the same trace one request at a time (scenarios/tune_goodput.py).
+- The serving objectives measure the parts whose technique ranks on them (batched stacks):
+  `throughput` offers them the workload's prompts in one burst (capacity); `goodput` offers them a
+  seeded Poisson trace at `TuneSpec.rate` and counts the requests per second that meet the SLOs (TTFT
+  and TPOT), against the baseline serving the same trace one request at a time (scenarios/tune_goodput.py).
 """
 
 from __future__ import annotations
 
-import functools
-from collections import Counter
 from dataclasses import dataclass, field
-
-import torch
-from torch import nn
+from typing import Any, NamedTuple
 
 from infer_tune.metrics.saturation import SLO
 from infer_tune.report.recommend import OBJECTIVES as OBJECTIVE_KEYS  # the key each objective is judged on
-from infer_tune.tuners.base import TechniqueConfig
+from infer_tune.tuners.base import Offer, TechniqueConfig, TuneAsk, tuning_entries
 
 OBJECTIVES = ("decode", "ttft", "throughput", "goodput")
-# `-a8`: the method with int8 activations (QuantizeConfig.activations; the w4a8 kernel, infer_tune/native)
-QUANT_METHODS = ("int4-rtn-a8", "int4-rtn", "int4-weight", "int8-dynamic", "int8-static", "bf16")
-A8 = "-a8"
 
 
-def quantize_config(method: str):
-    """A tune method name -> its QuantizeConfig (`int4-rtn-a8`: int4-rtn with int8 activations)."""
-    from infer_tune.tuners.quantize import QuantizeConfig
-
-    if method.endswith(A8):
-        return QuantizeConfig(method=method[:-len(A8)], activations="int8")
-    return QuantizeConfig(method=method)
+def tune_methods() -> tuple[str, ...]:
+    """The names `--methods` chooses among: every registry entry's `Tuning.methods`, in registry order."""
+    return tuple(m for entry in tuning_entries() for m in entry.tune.methods)
 
 
-def method_kind(method: str) -> str:
-    """The quantized Linear kind a tune method's layers are (what the kernel screen times)."""
-    from infer_tune.tuners.quantize import kernels
-
-    if method == "bf16":
-        return "bf16"
-    config = quantize_config(method)
-    return kernels.family(config.method, config.activations)
 # --objective goodput: the load offered and the objectives a good request meets (the SLOs of the
 # serving examples in docs/batch.md: SmolLM2 on a few CPU cores)
 DEFAULT_RATE = 1.0  # requests/s
@@ -66,8 +48,9 @@ class TuneSpec:
     max_ppl_delta: largest perplexity change allowed, in percent; max_bleu_drift: largest BLEU loss
     allowed (points); require_lossless: only configs whose outputs equal the baseline's token for token;
     objective: decode (TPOT p50), ttft (TTFT p50), throughput (output tok/s) or goodput (requests/s
-    meeting the SLOs); budget_s: wall-clock budget for the whole search; reference: measure llama.cpp on
-    the same GGUF when it is installed; compile: allow candidates that compile the decode step (minutes
+    meeting the SLOs); budget_s: wall-clock budget for the whole search; reference: measure the reference
+    rows the registry offers (another engine on the same weights file) when they can run here; methods: the
+    `--methods` names of the bases tried (None: all, `tune_methods`); compile: allow candidates that compile the decode step (minutes
     of compilation each). goodput only: rate (requests/s of the seeded Poisson trace), slo_ttft_ms and
     slo_tpot_ms (what a good request meets), seed (of the trace's arrivals and prompt order).
     """
@@ -79,7 +62,7 @@ class TuneSpec:
     budget_s: float = 1200.0
     reference: bool = True
     compile: bool = True
-    methods: tuple[str, ...] = QUANT_METHODS
+    methods: tuple[str, ...] | None = None  # None: every method the registry offers
     rate: float = DEFAULT_RATE
     slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS
     slo_tpot_ms: float = DEFAULT_SLO_TPOT_MS
@@ -101,23 +84,41 @@ class TuneSpec:
             raise ConfigError(f"tune: max_bleu_drift must be >= 0 (BLEU points); got {self.max_bleu_drift}")
         if not self.budget_s > 0:
             raise ConfigError(f"tune: budget_s must be > 0; got {self.budget_s}")
-        unknown = set(self.methods) - set(QUANT_METHODS)
-        if unknown:
-            raise ConfigError(f"tune: unknown methods {', '.join(sorted(unknown))}; choose from {', '.join(QUANT_METHODS)}")
+        if self.methods is not None:
+            known = tune_methods()
+            unknown = set(self.methods) - set(known)
+            if unknown:
+                raise ConfigError(f"tune: unknown methods {', '.join(sorted(unknown))}; choose from {', '.join(known)}")
 
     @property
     def slo(self) -> SLO:
         """The goodput objectives: TTFT from arrival and TPOT, in ms."""
         return SLO(ttft_ms=self.slo_ttft_ms, tpot_ms=self.slo_tpot_ms)
 
+    def ask(self, host: Host | None = None, *, on: TechniqueConfig | None = None, first: bool = False) -> TuneAsk:
+        """What a technique is told when asked for its offers (tuners/base.py `TuneAsk`)."""
+        return TuneAsk(objective=self.objective, compile=self.compile, require_lossless=self.require_lossless,
+                       budget_s=self.budget_s, methods=self.methods, rate=self.rate, seed=self.seed,
+                       loaded=host.loaded if host else None, prefill_rows=host.prefill_rows if host else 64,
+                       on=on, first=first)
+
+
+class Host(NamedTuple):
+    """The machine-side facts a technique's offer may screen on: the loaded model and the prompts' median length."""
+
+    loaded: Any
+    prefill_rows: int = 64
+
 
 @dataclass
 class Candidate:
-    """One configuration `tune` considers, and what became of it."""
+    """One configuration `tune` considers (from a registry entry's `Offer`), and what became of it."""
 
     config: TechniqueConfig
     lossless: bool
-    method: str | None = None  # the quantize method it holds, if any
+    method: str | None = None  # the `--methods` name of the base it is or holds, if any
+    base: bool = False  # offered as a base: its stacks are tried when it may win
+    beside: bool = True  # a stack that may be measured in its base's own rounds (`beside_method`)
     estimate: float | None = None  # kernel screen: speedup of its Linears vs fp32 for the objective's regime
     estimate_ci95: list[float] | None = None  # its 95% interval over the screen's rounds (None: point timings)
     compiles: bool = False
@@ -169,206 +170,100 @@ def score(doc: dict, objective: str) -> float | None:
     return m.get("output_throughput_tok_s")
 
 
-# --------------------------------------------------------------------------- host screen
-def model_linear_shapes(model: nn.Module) -> Counter:
-    """(in_features, out_features) of every Linear a quantize method would replace, plus the head."""
-    from infer_tune.tuners.quantize.apply import targeted_linears
-
-    shapes = Counter((m.in_features, m.out_features) for m in targeted_linears(model).values())
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if isinstance(head, nn.Linear):
-        shapes[(head.in_features, head.out_features)] += 1
-    return shapes
-
-
-# per (kind, regime) of the host screen: at least screen.MIN_ROUNDS rounds, at most this many or seconds
-# (the quantize screen's own defaults are 40 rounds / 5 s; tune screens up to 8 regimes before its budget)
-SCREEN_LIMITS = {"max_rounds": 20, "budget_s": 2.0}
-
-
-def dtype_screen(shapes: Counter, rows: int, dtype: torch.dtype, *, inner: int = 2, **limits):
-    """F.linear over `shapes` at `rows` rows in `dtype` against fp32, in the quantize screen's interleaved
-    rounds (screen.run; the candidate is named "bf16"): the bf16 method's screen."""
-    from infer_tune.tuners.quantize import kernel_choice, screen
-
-    layers = []
-    for (k, n), count in shapes.items():
-        x, w = torch.randn(rows, k), torch.randn(n, k)
-        layers.append((count, {screen.FP32: (x, w), "bf16": (x.to(dtype), w.to(dtype))}))
-
-    def measure(name: str) -> float:
-        return sum(count * kernel_choice.best_ms(functools.partial(torch.nn.functional.linear, *pair[name]), inner)
-                   for count, pair in layers)
-
-    with torch.inference_mode():
-        for name in (screen.FP32, "bf16"):  # warm both paths once
-            measure(name)
-        return screen.run(measure, [screen.FP32, "bf16"], **limits)
-
-
-def _speedup_interval(vs_fp32: list[float] | None) -> tuple[float, list[float]] | None:
-    """(point, [low, high]) of fp32's time over the kernel's from the screen's [median, low, high] of the
-    kernel's per-round time over fp32's (above 1: faster than fp32)."""
-    if not vs_fp32 or not all(v and v > 0 for v in vs_fp32):
-        return None
-    mid, low, high = vs_fp32
-    return 1.0 / mid, [1.0 / high, 1.0 / low]
-
-
-def host_screen(model: nn.Module, methods: tuple[str, ...], prefill_rows: int, *, timings: dict | None = None) -> dict:
-    """Method -> {decode: speedup vs fp32, decode_speedup_ci95: [low, high], prefill: ..., kernels: {regime:
-    best kernel}} on this host.
-
-    Each (kind, regime) is timed by the quantize kernel screen (kernel_choice.screen_kernels; bf16 by
-    `dtype_screen`): every candidate and fp32 once per round, order shuffled per round, within
-    SCREEN_LIMITS. The best kernel is the one quantize would choose (kernels.choose: the fastest by
-    median unless its interval says slower than fp32 while another's does not); its speedup is fp32's
-    time over its own with the 95% interval of the per-round ratio. `timings` injects {(kind, regime):
-    screen.Screen (per-round samples) or (kernel -> ms, fp32 ms) point timings} (tests; a saturating or
-    slow host); point timings give no interval (`*_speedup_ci95` None).
-    """
-    from infer_tune.tuners.quantize import kernel_choice, kernels
-
-    shapes = model_linear_shapes(model)
-    timings = {} if timings is None else timings
-    out: dict[str, dict] = {}
-    for method in methods:
-        kind = method_kind(method)
-        row: dict = {"kernels": {}}
-        for regime, rows in (("decode", 1), ("prefill", prefill_rows)):
-            if (kind, regime) not in timings:
-                timings[(kind, regime)] = (dtype_screen(shapes, rows, torch.bfloat16, **SCREEN_LIMITS)
-                                           if kind == "bf16" else
-                                           kernel_choice.screen_kernels(shapes, rows, kind, **SCREEN_LIMITS))
-            kernel_ms, fp32_ms, stats = kernel_choice.unpack_timing(timings[(kind, regime)])
-            skip = kernels.excluded(kind, regime) if kind != "bf16" else {}
-            usable = {k: v for k, v in kernel_ms.items() if v is not None and k not in skip}
-            choice = kernels.choose(usable, fp32_ms, vs_fp32=(stats or {}).get("vs_fp32_ci95")) if usable else None
-            best = choice["chosen"] if choice else None
-            ci = _speedup_interval((choice.get("vs_fp32_ci95") or {}).get(best)) if choice else None
-            row[regime] = ci[0] if ci else (fp32_ms / usable[best] if best and usable[best] else None)
-            row[f"{regime}_speedup_ci95"] = ci[1] if ci else None
-            row[f"{regime}_rounds"] = stats["rounds"] if stats else None
-            row["kernels"][regime] = best
-            row[f"{regime}_ms"], row[f"{regime}_fp32_ms"] = (usable.get(best) if best else None), fp32_ms
-        out[method] = row
-    return out
-
-
-def prune_reason(screen_row: dict, objective: str) -> str | None:
-    """Why a method cannot win on this host (None: keep it): its best kernel for the objective's regime is
-    slower than fp32 with the whole 95% interval of its speedup below 1. An interval that reaches 1 keeps
-    it (measured, not guessed); point timings (no interval) are judged on the point and say so."""
-    regime = "prefill" if objective == "ttft" else "decode"
-    speedup = screen_row.get(regime)
-    if speedup is None:
-        return f"no {regime} kernel runs on this host"
-    ci = screen_row.get(f"{regime}_speedup_ci95")
-    if ci is not None:
-        if ci[1] >= 1.0:
-            return None
-        evidence = (f"95% interval of its speedup over fp32 [{ci[0]:.2f}, {ci[1]:.2f}] wholly below 1, "
-                    f"{screen_row.get(f'{regime}_rounds')} interleaved rounds")
-    elif speedup < 1.0:
-        evidence = "point timings, no interval"
-    else:
-        return None
-    return (f"its best {regime} kernel ({screen_row['kernels'][regime]}) is {1 / speedup:.2f}x slower than fp32 "
-            f"on this model's shapes here ({evidence}; {screen_row[f'{regime}_ms']:.2f} vs "
-            f"{screen_row[f'{regime}_fp32_ms']:.2f} ms)")
-
-
 # --------------------------------------------------------------------------- plan
-def single_candidates(spec: TuneSpec, screen: dict) -> list[Candidate]:
-    """Quantize methods (most promising first; pruned ones carry the reason), then what every other
-    technique's registry entry offers `tune` (`tune_candidates`: the lossless lean path, ...)."""
-    from infer_tune.tuners.base import TECHNIQUES, load_techniques
+def candidate(offer: Offer) -> Candidate:
+    """A registry entry's offer as a `tune` candidate (pruned, with the reason, where the offer says so)."""
+    cand = Candidate(offer.config, lossless=offer.lossless, method=offer.method, estimate=offer.estimate,
+                     estimate_ci95=offer.estimate_ci95, compiles=offer.compiles, base=offer.role == "base",
+                     beside=offer.beside)
+    if offer.reason:
+        cand.status, cand.reason = "pruned", offer.reason
+    return cand
 
-    regime = "prefill" if spec.objective == "ttft" else "decode"
-    out = []
-    if not spec.require_lossless:
-        for method in spec.methods:
-            cand = Candidate(quantize_config(method), lossless=False, method=method,
-                             estimate=screen.get(method, {}).get(regime),
-                             estimate_ci95=screen.get(method, {}).get(f"{regime}_speedup_ci95"))
-            reason = prune_reason(screen[method], spec.objective) if method in screen else None
-            if reason:
-                cand.status, cand.reason = "pruned", reason
-            out.append(cand)
-        out.sort(key=lambda c: (c.status == "pruned", -(c.estimate or 0.0)))
-    load_techniques()
-    for entry in list(TECHNIQUES.values()):
-        for config, attrs in (entry.tune_candidates(spec) if entry.tune_candidates else []):
-            if spec.require_lossless and not attrs.get("lossless"):
-                continue
-            out.append(Candidate(config, lossless=bool(attrs.get("lossless")), compiles=bool(attrs.get("compiles"))))
-    return out
+
+def offers(spec: TuneSpec, host: Host | None = None, *, on: TechniqueConfig | None = None,
+           first: bool = False) -> list[tuple[Any, Offer]]:
+    """(entry, offer) of every registry entry that offers `tune` something for this search, in registry order."""
+    ask = spec.ask(host, on=on, first=first)
+    return [(entry, o) for entry in tuning_entries() if entry.tune.offer for o in entry.tune.offer(ask)]
+
+
+class Singles(NamedTuple):
+    candidates: list[Candidate]
+    screen: dict  # method -> its screen row on this host (`kernel_screen`)
+    references: list[Offer]  # measured after the search, the winner compared with them
+
+
+def singles(spec: TuneSpec, host: Host | None = None) -> Singles:
+    """Every entry's own offers: the bases, most promising first (the speedup the screen expects; pruned ones
+    last, with the reason), then the single rows, in registry order; with `require_lossless` only the
+    offers that claim to be lossless. `host` None: planned without screening."""
+    found = [o for _, o in offers(spec, host)]
+    screen = {o.method: o.screen for o in found if o.method and o.screen is not None}
+    cands = [candidate(o) for o in found if o.role in ("single", "base")
+             and (o.lossless or not spec.require_lossless)]
+    cands.sort(key=lambda c: (not c.base, c.base and c.status == "pruned", -(c.estimate or 0.0) if c.base else 0.0))
+    return Singles(cands, screen, [o for o in found if o.role == "reference"])
+
+
+def single_candidates(spec: TuneSpec, host: Host | None = None) -> list[Candidate]:
+    """The candidates of `singles`."""
+    return singles(spec, host).candidates
 
 
 def may_stack(cand: Candidate, spec: TuneSpec) -> bool:
-    """Whether a measured quantize candidate gets its stacks: when it may win; for the goodput objective
-    when it is within the budgets (its own closed-loop row serves no arrival trace, so has no goodput:
-    its batched stacks are what is judged on it)."""
+    """Whether a measured base gets its stacks: when it may win; for the goodput objective when it is within
+    the budgets (its own closed-loop row serves no arrival trace, so has no goodput: its batched stacks are
+    what is judged on it)."""
     return cand.eligible or (spec.objective == "goodput" and cand.within_budget)
 
 
-def stack_candidates(spec: TuneSpec, methods: list[Candidate], *, first: bool = True) -> list[Candidate]:
-    """Stacks of measured quantize candidates that may win: with the lean decode path (and, for methods with
-    int8 activations, its native step: no compile, so cheap to measure), and for the first
-    also with the lean path's C++ wrapper (measured faster on some runs, slower on others here: so
-    measured) and a static compiled cache through generate(); for the throughput objective first the
-    batched stacks (`batched_parts`), for the goodput objective only those (a single stream serves the
-    trace one request at a time, as the baseline does). None for the ttft objective (they speed decode)."""
-    from infer_tune.tuners.kv_cache import KVCacheConfig
-    from infer_tune.tuners.lean import LeanConfig
-    from infer_tune.tuners.stack import StackConfig
+def composer():
+    """The registry's stack composer (`Tuning.compose`: parts -> one config), None when none is registered."""
+    return next((e.tune.compose for e in tuning_entries() if e.tune.compose), None)
 
-    out = []
-    if spec.objective == "ttft":
+
+def stack_candidates(spec: TuneSpec, bases: list[Candidate], *, first: bool = True,
+                     host: Host | None = None) -> list[Candidate]:
+    """Every entry's parts for each base (`TuneAsk.on`; `first`: the first base stacked, which gets the
+    parts that are costly to try), each stacked with its base by the registry's composer. Order: the parts
+    that may go beside their base first, and among them those whose technique ranks on the search's own
+    objective (batched stacks for throughput); a pair that cannot share a stack (the entries' `conflicts`)
+    is left out."""
+    from infer_tune.errors import ConfigError
+
+    compose = composer()
+    out: list[Candidate] = []
+    if compose is None:
         return out
-    for cand in methods:
-        native = getattr(cand.config, "activations", None) == "int8" and native_step_runs()
-        parts = [LeanConfig(compile=spec.compile)]
-        if native:
-            parts.append(LeanConfig(native_step=True))  # the whole step in one native call (no compile)
-        if first and spec.compile:
-            parts += [LeanConfig(compile=True, cpp_wrapper=True), KVCacheConfig(impl="static", compile=True)]
-        if spec.objective == "throughput":  # serving many requests: the batched stacks come first
-            parts[:0] = batched_parts(spec, native=native)
-        elif spec.objective == "goodput":
-            parts = batched_parts(spec, native=native)
-        for part in parts:  # a native step compiles nothing (its C++ is built once, with the kernels)
-            out.append(Candidate(StackConfig(configs=[cand.config, part]), lossless=False, method=cand.method,
-                                 estimate=cand.estimate, estimate_ci95=cand.estimate_ci95,
-                                 compiles=spec.compile and not getattr(part, "native_step", False)))
+    for cand in bases:
+        parts = [(e, o) for e, o in offers(spec, host, on=cand.config, first=first) if o.role == "part"]
+        parts.sort(key=lambda eo: (not eo[1].beside, eo[0].objective != spec.objective))
+        for _, part in parts:
+            try:
+                config = compose([cand.config, part.config])
+            except ConfigError:
+                continue
+            out.append(Candidate(config, lossless=False, method=cand.method, estimate=cand.estimate,
+                                 estimate_ci95=cand.estimate_ci95, compiles=part.compiles, beside=part.beside))
     return out
 
 
-def native_step_runs() -> bool:
-    """Whether the lean path's native step (infer_tune/native/step.py) can run here: its kernels build."""
-    from infer_tune import native
-
-    return native.available()[0]
-
-
-def beside_method(spec: TuneSpec, cand: Candidate) -> tuple[list[Candidate], list[Candidate]]:
-    """The stacks of the kernel screen's most promising quantize method split in two: those measured in the
-    same group of rounds as the method itself, before its own row says whether it may win, and the rest,
-    measured after it only if it may win. Beside it go its likely winners that compile nothing (the native
-    step, single-stream and, for the throughput objective, batched), so a leader stands before any compile
-    is paid; its compiled stacks (the lean decode path, with and without the C++ wrapper, and the compiled
-    batched steps) follow as one group of their own rounds (`rounds_with`), then a static compiled cache
-    through generate(). Where no stack runs natively, the compiled ones go beside it as before. The group
-    shares the baseline's passes, the slowest part of every round. Nothing beside it for the goodput
+def beside_method(spec: TuneSpec, cand: Candidate, host: Host | None = None) -> tuple[list[Candidate], list[Candidate]]:
+    """The stacks of the most promising base split in two: those measured in the same group of rounds as the
+    base itself, before its own row says whether it may win, and the rest, measured after it only if it may
+    win. Beside it go its likely winners (parts offered `beside`) that compile nothing (a native step,
+    single-stream and, for the throughput objective, batched), so a leader stands before any compile is
+    paid; its compiled ones follow as one group of their own rounds (`rounds_with`), then the parts not
+    offered beside. Where none of the likely ones is cheap (or none compiles), they all go beside it. The
+    group shares the baseline's passes, the slowest part of every round. Nothing beside it for the goodput
     objective (its batched stacks are judged on goodput keys taken one row at a time) or where there are no
     stacks (ttft)."""
-    from infer_tune.tuners.kv_cache import KVCacheConfig
-
     if spec.objective == "goodput":
         return [], []
-    stacks = stack_candidates(spec, [cand], first=True)
-    last = [s for s in stacks if isinstance(s.config.configs[-1], KVCacheConfig)]
-    likely = [s for s in stacks if not isinstance(s.config.configs[-1], KVCacheConfig)]
+    stacks = stack_candidates(spec, [cand], first=True, host=host)
+    last = [s for s in stacks if not s.beside]
+    likely = [s for s in stacks if s.beside]
     cheap = [s for s in likely if not s.compiles]
     compiled = [s for s in likely if s.compiles]
     if not cheap or not compiled:
@@ -376,26 +271,6 @@ def beside_method(spec: TuneSpec, cand: Candidate) -> tuple[list[Candidate], lis
     for s in compiled:
         s.rounds_with = f"compiled stacks of {cand.label}"
     return cheap, compiled + last
-
-
-BATCH_SLOTS = (4, 8)  # slots of the batched candidates (the issue's reference serves 4 in parallel)
-BURST_RATE = 1000.0  # requests/s: every request of the workload arrives at once, so a row measures capacity
-
-
-def batched_parts(spec: TuneSpec, *, native: bool = False) -> list[TechniqueConfig]:
-    """For the serving objectives: continuous batching on the lean slot engine (docs/batch.md), as many
-    slots as BATCH_SLOTS. throughput: offered the workload's prompts in one burst, so the row's output
-    tok/s is the stack's capacity (the baseline's is one request at a time); goodput: offered them as a
-    seeded Poisson trace at `spec.rate` (one request per prompt, arrivals and order from `spec.seed`).
-    The slot engine compiles its step: none when `spec.compile` is off. `native` (a method with int8
-    activations, where the native kernels build): the same slots with the native step as well."""
-    from infer_tune.tuners.batch import BatchConfig
-
-    if not spec.compile:
-        return []
-    rate = spec.rate if spec.objective == "goodput" else BURST_RATE
-    return [BatchConfig(scheduler="continuous", batch_size=n, rate=rate, engine="lean", seed=spec.seed,
-                        native_step=step) for step in ((False, True) if native else (False,)) for n in BATCH_SLOTS]
 
 
 # --------------------------------------------------------------------------- judging

@@ -1,11 +1,10 @@
-"""The technique registry: one dict, filled by `@register_technique(ConfigClass, ...)`.
+"""The technique registry: one dict, filled by `@register_technique(ConfigClass, **options)`.
 
 A technique is a config dataclass (validates itself in `__post_init__`, naming the field, the
 allowed values and what it received) plus one registered entry: a `prepare(loaded, config, ctx)`
-function that returns a `PreparedModel`, the runner that measures it, its constraints, and two
-optional hooks (`resolve` a config for this host before it is fingerprinted; `annotate` a result
-with facts that need the results measured before it in the same sweep). How to add one:
-docs/architecture.md, "Adding a technique".
+function that returns a `PreparedModel`, and the entry's options (`Technique`, built by keyword):
+the runner that measures it, its constraints, its hooks, and what `tune` may try of it (`Tuning`).
+How to add one: docs/architecture.md, "Adding a technique".
 """
 
 from __future__ import annotations
@@ -92,6 +91,84 @@ PrepareFn = Callable[[LoadedModel, Any, RunContext], PreparedModel]
 
 
 @dataclass(frozen=True)
+class TuneAsk:
+    """What `tune` tells a technique when it asks what to try (docs/tune.md, "What a technique offers").
+
+    The search: `objective` (decode, ttft, throughput or goodput), `compile` (candidates that compile a
+    step are allowed), `require_lossless`, `budget_s` (the whole search's time budget), `methods` (the
+    `--methods` names chosen; None: all), and for the serving objectives `rate` / `seed` of the arrival
+    trace. The host: `loaded` (the model in front of it; None when only planning, nothing is screened)
+    and `prefill_rows` (the prompts' median length). `on`: an earlier winner to stack on (None: asked
+    for the technique's own rows); `first`: `on` is the first winner stacked (what is costly to try is
+    tried on it alone).
+    """
+
+    objective: str = "decode"
+    compile: bool = True
+    require_lossless: bool = False
+    budget_s: float = 1200.0
+    methods: tuple[str, ...] | None = None
+    rate: float = 1.0
+    seed: int = 0
+    loaded: Any = None
+    prefill_rows: int = 64
+    on: Any = None
+    first: bool = False
+
+
+ROLES = ("single", "base", "part", "reference")
+
+
+@dataclass
+class Offer:
+    """One config a technique offers `tune`, and how it takes part in the search.
+
+    - `role`: `single` (measured on its own), `base` (measured on its own, most promising first by
+      `estimate`; the first bases that may win get every technique's `part`s stacked on them), `part`
+      (offered when asked `on` a base: stacked with it by the technique that composes stacks), or
+      `reference` (measured once after the search, the winner compared with it; `reason` says why it
+      cannot run here).
+    - `lossless`: claims the baseline's outputs token for token (held to it); `compiles`: pays a compile
+      (the budget expects more of it).
+    - `beside` (parts): may be measured in the same rounds as its base, before the base's own row says
+      whether it may win; False: only after it may (and never beside the first base).
+    - `method`: the `--methods` name a base stands for; `estimate` / `estimate_ci95` / `screen`: what a
+      screen on this host found (the speedup it expects, its 95% interval, the whole screen row,
+      reported as `kernel_screen`); `reason`: why it cannot win here (a base or single is pruned with it).
+    """
+
+    config: Any
+    role: str = "single"
+    lossless: bool = False
+    compiles: bool = False
+    beside: bool = True
+    method: str | None = None
+    estimate: float | None = None
+    estimate_ci95: list[float] | None = None
+    screen: dict | None = None
+    reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"offer role must be one of {', '.join(ROLES)}; got '{self.role}'")
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """What `tune` may try of a technique (the entry's `tune=` option).
+
+    - `offer(ask) -> [Offer]`: its candidates for a search (`TuneAsk`): its own rows when `ask.on` is None,
+      the parts it would stack on the base `ask.on` otherwise; an empty list when it has nothing to offer.
+    - `methods`: the names `tune --methods` chooses among (the bases it offers, by `Offer.method`).
+    - `compose(parts) -> config`: the technique that stacks configs (one part per technique, in phase order).
+    """
+
+    offer: Callable[[TuneAsk], list[Offer]] | None = None
+    methods: tuple[str, ...] = ()
+    compose: Callable[[list], Any] | None = None
+
+
+@dataclass(frozen=True)
 class Technique:
     """One registry entry.
 
@@ -120,8 +197,8 @@ class Technique:
       report.recommend.OBJECTIVES: `decode` for single-stream techniques, `throughput` for batching).
     - `phase`: where the technique goes in a stack (lower first: weights 0, cache 1, decoding loop 2-3).
     - `conflicts`: {other technique: why the two cannot share a stack}.
-    - `tune_candidates(spec) -> [(config, {"lossless": bool, "compiles": bool})]`: what `tune` tries of
-      this technique for a search `spec` (its objective, drift budget, whether compiling is allowed).
+    - `tune`: what `tune` may try of this technique and how it stacks (`Tuning`): its offers for a search,
+      the `--methods` names it answers to, or how it composes a stack.
     - `workload(config, workload) -> Workload`: the workload this config runs when it is not the sweep's
       (a batch-size sweep row: its own batch size); the engine encodes the inputs again at that batch size
       and measures the row alone, since it cannot share rounds with a baseline of another workload.
@@ -148,7 +225,7 @@ class Technique:
     objective: str = "decode"
     phase: int = 1
     conflicts: dict[str, str] = field(default_factory=dict)
-    tune_candidates: Callable[[Any], list[tuple[Any, dict]]] | None = None
+    tune: Tuning | None = None
     report_columns: Callable[[dict, list[dict]], Any] | None = None
     workload: Callable[[Any, Any], Any] | None = None
     complete: Callable[[list[dict], list[Any]], None] | None = None
@@ -169,25 +246,21 @@ class Technique:
 TECHNIQUES: dict[type, Technique] = {}
 
 
-def register_technique(config_cls: type, *, runner: str = "generation", max_batch_size: int | None = None,
-                       resolve: Callable | None = None, annotate: Callable | None = None,
-                       preflight: Callable | None = None, measure_ppl: bool = True,
-                       summarize: Callable | None = None, plots: Callable | None = None,
-                       per_position: bool = False, finalize: Callable | None = None, objective: str = "decode",
-                       phase: int = 1, conflicts: dict[str, str] | None = None,
-                       tune_candidates: Callable | None = None,
-                       report_columns: Callable | None = None, workload: Callable | None = None,
-                       complete: Callable | None = None,
-                       ) -> Callable[[PrepareFn], PrepareFn]:
-    """Register `prepare(loaded, config, ctx) -> PreparedModel` for `config_cls` (see `Technique`)."""
+def register_technique(config_cls: type, **options: Any) -> Callable[[PrepareFn], PrepareFn]:
+    """Register `prepare(loaded, config, ctx) -> PreparedModel` for `config_cls`, the entry built by keyword
+    from `options` (the fields of `Technique`; an unknown one is a TypeError naming it)."""
     if not getattr(config_cls, "technique", ""):
         raise TypeError(f"{config_cls.__name__} needs a `technique: ClassVar[str]` name")
+    known = {f.name for f in dataclasses.fields(Technique)} - {"config_cls", "prepare"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"register_technique({config_cls.__name__}): unknown option(s) {', '.join(unknown)}; "
+                        f"the entry's options are {', '.join(sorted(known))}")
+    if "conflicts" in options:
+        options["conflicts"] = dict(options["conflicts"] or {})
 
     def decorator(fn: PrepareFn) -> PrepareFn:
-        TECHNIQUES[config_cls] = Technique(config_cls, fn, runner, max_batch_size, resolve, annotate, preflight,
-                                           measure_ppl, summarize, plots, per_position, finalize, objective, phase,
-                                           dict(conflicts or {}), tune_candidates, report_columns, workload,
-                                           complete)
+        TECHNIQUES[config_cls] = Technique(config_cls=config_cls, prepare=fn, **options)
         return fn
 
     return decorator
@@ -228,6 +301,12 @@ def entry_named(name: str) -> Technique | None:
     """The registry entry of the technique called `name` (None when there is none)."""
     load_techniques()
     return next((e for e in TECHNIQUES.values() if e.name == name), None)
+
+
+def tuning_entries() -> list[Technique]:
+    """The entries that say what `tune` may try of them (`tune=`), in registry order."""
+    load_techniques()
+    return [e for e in TECHNIQUES.values() if e.tune is not None]
 
 
 def configs_by_technique() -> dict[str, type]:

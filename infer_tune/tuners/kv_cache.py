@@ -19,7 +19,7 @@ from infer_tune.errors import ConfigError
 from infer_tune.metrics import kv
 from infer_tune.runners.generation import eos_ids, split_generate_kwargs
 from infer_tune.runners.prepared import PreparedModel
-from infer_tune.tuners.base import RunContext, TechniqueConfig, register_technique
+from infer_tune.tuners.base import Offer, RunContext, TechniqueConfig, TuneAsk, Tuning, register_technique
 
 IMPLS = ("none", "dynamic", "static", "quantized", "offloaded")
 LOSSLESS_IMPLS = ("none", "dynamic", "static", "offloaded")
@@ -182,8 +182,17 @@ def finalize_cache(config: KVCacheConfig, doc: dict, outputs: list[dict], prepar
     return None
 
 
+def tune_offer(ask: TuneAsk) -> list[Offer]:
+    """What `tune` tries of the cache: on the first base that may win, a static cache with the model compiled
+    through generate() (decode and throughput objectives, compiling allowed); measured after the base's own
+    row says it may win, never beside it (the lean path is the likelier winner). Nothing of its own."""
+    if ask.on is None or not ask.first or not ask.compile or ask.objective not in ("decode", "throughput"):
+        return []
+    return [Offer(KVCacheConfig(impl="static", compile=True), role="part", compiles=True, beside=False)]
+
+
 @register_technique(KVCacheConfig, preflight=_preflight, measure_ppl=False, per_position=True,
-                    finalize=finalize_cache, phase=1, report_columns=report_columns)
+                    finalize=finalize_cache, phase=1, report_columns=report_columns, tune=Tuning(offer=tune_offer))
 def apply_kv_cache(loaded: models.LoadedModel, config: KVCacheConfig, ctx: RunContext) -> PreparedModel:
     """Choose how `generate` builds its cache; the model itself is unchanged."""
     model = loaded.model

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from infer_tune.runners.prepared import PreparedModel
-from infer_tune.tuners.base import TechniqueConfig, register_technique, unregister_technique
+from infer_tune.tuners.base import Offer, TechniqueConfig, Tuning, register_technique, unregister_technique
 
 STATEMENT = "an echo decodes exactly like its source"
 
@@ -29,7 +29,8 @@ def summarize(docs: list[dict]) -> dict:
 
 def register() -> None:
     register_technique(EchoConfig, summarize=summarize, phase=2,
-                       tune_candidates=lambda spec: [(EchoConfig(tag="tuned"), {"lossless": True})])(prepare)
+                       tune=Tuning(offer=lambda ask: [] if ask.on is not None else
+                                   [Offer(EchoConfig(tag="tuned"), lossless=True)]))(prepare)
 
 
 def unregister() -> None:

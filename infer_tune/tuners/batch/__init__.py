@@ -20,7 +20,7 @@ from infer_tune import models
 from infer_tune.errors import ConfigError
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.runners.trace import TraceRequest
-from infer_tune.tuners.base import RunContext, TechniqueConfig, register_technique
+from infer_tune.tuners.base import Offer, RunContext, TechniqueConfig, TuneAsk, Tuning, register_technique
 from infer_tune.tuners.batch import analysis
 from infer_tune.tuners.batch import plots as batch_plots
 from infer_tune.tuners.batch.arrivals import TraceRow, check_burstiness, check_rate, trace_plan
@@ -221,9 +221,33 @@ def finalize_trace(config: BatchConfig, doc: dict, outputs: list[dict], prepared
     return {"trace.jsonl": "".join(json.dumps(r) + "\n" for r in rows).encode()}
 
 
+BATCH_SLOTS = (4, 8)  # slots of tune's batched candidates (the issue's reference serves 4 in parallel)
+BURST_RATE = 1000.0  # requests/s: every request of the workload arrives at once, so a row measures capacity
+
+
+def tune_offer(ask: TuneAsk) -> list[Offer]:
+    """What `tune` tries of batching, for the serving objectives, stacked on a base that may win: continuous
+    batching on the lean slot engine (docs/batch.md), as many slots as BATCH_SLOTS. throughput: offered the
+    workload's prompts in one burst, so the row's output tok/s is the stack's capacity (the baseline's is
+    one request at a time); goodput: offered them as a seeded Poisson trace at `ask.rate` (one request per
+    prompt, arrivals and order from `ask.seed`). The slot engine compiles its step: nothing when compiling
+    is off. On a base the native step runs on (lean.runs_natively), the same slots with the native step as
+    well (they compile nothing). Nothing of its own, nor for the single-stream objectives."""
+    from infer_tune.tuners import lean
+
+    if ask.on is None or not ask.compile or ask.objective not in ("throughput", "goodput"):
+        return []
+    native = lean.runs_natively(ask.on)
+    rate = ask.rate if ask.objective == "goodput" else BURST_RATE
+    return [Offer(BatchConfig(scheduler="continuous", batch_size=n, rate=rate, engine="lean", seed=ask.seed,
+                              native_step=step), role="part", compiles=not step)
+            for step in ((False, True) if native else (False,)) for n in BATCH_SLOTS]
+
+
 @register_technique(BatchConfig, runner="trace", measure_ppl=False, summarize=analysis.summarize, plots=plots,
                     finalize=finalize_trace, objective="throughput", report_columns=report_columns,
-                    workload=sweep_workload, complete=complete_sweep)
+                    workload=sweep_workload, complete=complete_sweep,
+                    tune=Tuning(offer=tune_offer))
 def prepare_batch(loaded: models.LoadedModel, config: BatchConfig, ctx: RunContext) -> PreparedModel:
     """The model unchanged; the trace runner gets the trace factory and the scheduler (a sweep row: the
     closed-loop `generation` runner at its batch size)."""

@@ -20,7 +20,7 @@ from infer_tune.models import LoadedModel
 from infer_tune.runners.base import GenerationRun, Progress, Protocol, TokenClock, register_runner
 from infer_tune.runners.generation import eos_ids, measure_generation
 from infer_tune.runners.prepared import PreparedModel
-from infer_tune.tuners.base import RunContext, TechniqueConfig, register_technique
+from infer_tune.tuners.base import Offer, RunContext, TechniqueConfig, TuneAsk, Tuning, register_technique
 from infer_tune.tuners.lean.loop import LeanCounters, LeanDecoder
 
 ATTENTION = ("native", "sdpa")
@@ -58,21 +58,44 @@ class LeanConfig(TechniqueConfig):
             + ("+sdpa" if self.compile and self.attention == "sdpa" else "")
 
 
-def tune_candidates(spec) -> list[tuple[LeanConfig, dict]]:
-    """What `tune` tries of the lean path: compiled (when compiling is allowed and decode is the aim), and eager;
-    both lossless (the same greedy tokens as generate()). Nothing for the goodput objective: a single stream
-    serves an arrival trace one request at a time, as the baseline does (the batch part's engine: lean is
-    how batched stacks use it)."""
-    if spec.objective == "goodput":
+def native_step_runs() -> bool:
+    """Whether the native step (infer_tune/native/step.py) can run here: its kernels build."""
+    from infer_tune import native
+
+    return native.available()[0]
+
+
+def runs_natively(base) -> bool:
+    """Whether the native step may run on a model `base` prepared: its activations are int8 (the step's
+    kernels are w4a8 / w8a8) and the kernels build here."""
+    return any(getattr(part, "activations", None) == "int8" for part in base.parts()) and native_step_runs()
+
+
+def offer(ask: TuneAsk) -> list[Offer]:
+    """What `tune` tries of the lean path. Its own rows: compiled (when compiling is allowed and decode is the
+    aim), and eager; both lossless (the same greedy tokens as generate()). On a base that may win (its
+    stacks, decode and throughput objectives): the loop compiled (eager with compiling off), the native step
+    where it runs on that base (it compiles nothing: beside the base first), and on the first base the
+    compiled step with inductor's C++ wrapper (measured faster on some runs, slower on others here). Nothing
+    for ttft (the path speeds decode) or goodput: a single stream serves an arrival trace one request at a
+    time, as the baseline does (the batch part's engine: lean is how batched stacks use it)."""
+    if ask.objective == "goodput" or (ask.on is not None and ask.objective == "ttft"):
         return []
-    out = []
-    if spec.compile and spec.objective != "ttft":
-        out.append((LeanConfig(compile=True), {"lossless": True, "compiles": True}))
-    out.append((LeanConfig(compile=False), {"lossless": True}))
-    return out
+    if ask.on is None:
+        out = []
+        if ask.compile and ask.objective != "ttft":
+            out.append(Offer(LeanConfig(compile=True), lossless=True, compiles=True))
+        out.append(Offer(LeanConfig(compile=False), lossless=True))
+        return out
+    parts = [Offer(LeanConfig(compile=ask.compile), role="part", compiles=ask.compile)]
+    if runs_natively(ask.on):  # the whole step in one native call (no compile)
+        parts.append(Offer(LeanConfig(native_step=True), role="part"))
+    if ask.first and ask.compile:
+        parts.append(Offer(LeanConfig(compile=True, cpp_wrapper=True), role="part", compiles=True))
+    return parts
 
 
-@register_technique(LeanConfig, runner="lean", max_batch_size=1, measure_ppl=False, phase=3, tune_candidates=tune_candidates,
+@register_technique(LeanConfig, runner="lean", max_batch_size=1, measure_ppl=False, phase=3, tune=Tuning(offer=offer),
                     conflicts={"kv-cache": "lean runs its own static cache; drop kv-cache from the stack",
                                "speculate": "lean and speculate each run their own decoding loop",
                                "batch": "a batch of slots runs the lean path as the batch part's engine: "

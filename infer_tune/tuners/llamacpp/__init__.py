@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import ClassVar
 
 from infer_tune import models
-from infer_tune.errors import ConfigError
+from infer_tune.errors import ConfigError, InferTuneError
 from infer_tune.metrics import memory
 from infer_tune.models import LoadedModel
 from infer_tune.runners.base import GenerationRun, Output, Progress, Protocol, RequestTiming, register_runner
 from infer_tune.runners.prepared import PreparedModel
-from infer_tune.tuners.base import RunContext, TechniqueConfig, register_technique
+from infer_tune.tuners.base import Offer, RunContext, TechniqueConfig, TuneAsk, Tuning, register_technique
 
 
 @dataclass
@@ -82,7 +82,25 @@ def _preflight(loaded: LoadedModel, config: LlamaCppConfig, ctx: RunContext) -> 
     gguf_for(loaded, config)
 
 
-@register_technique(LlamaCppConfig, runner="llama-cpp", max_batch_size=1, preflight=_preflight, measure_ppl=False)
+def tune_offer(ask: TuneAsk) -> list[Offer]:
+    """What `tune` measures of llama.cpp: a reference row on the same GGUF after the search (the winner is
+    compared with it), with why not when it cannot run here (not installed, no GGUF behind the model)."""
+    if ask.on is not None:
+        return []
+    config = LlamaCppConfig()
+    reason = None
+    if not available():
+        reason = "llama-cpp-python is not installed (pip install 'infer-tune[llamacpp]')"
+    elif ask.loaded is not None:
+        try:
+            gguf_for(ask.loaded, config)
+        except InferTuneError as exc:
+            reason = str(exc)
+    return [Offer(config, role="reference", reason=reason)]
+
+
+@register_technique(LlamaCppConfig, runner="llama-cpp", max_batch_size=1, preflight=_preflight, measure_ppl=False,
+                    tune=Tuning(offer=tune_offer))
 def prepare_llamacpp(loaded: LoadedModel, config: LlamaCppConfig, ctx: RunContext) -> PreparedModel:
     """Load the GGUF into llama.cpp with the run's thread count; no torch model is kept."""
     _preflight(loaded, config, ctx)

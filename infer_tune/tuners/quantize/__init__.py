@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 from infer_tune import models
-from infer_tune.tuners.base import RunContext, register_technique
-from infer_tune.tuners.quantize import pipeline, serialize
+from infer_tune.tuners.base import RunContext, Tuning, register_technique
+from infer_tune.tuners.quantize import pipeline, serialize, tune
 from infer_tune.tuners.quantize.config import BACKENDS, METHODS, QuantizeConfig, parse_sweep, resolve_backend
 from infer_tune.tuners.quantize.report import report_columns
 
@@ -27,4 +27,5 @@ def _resolve(config: QuantizeConfig, ctx: RunContext) -> QuantizeConfig:
 
 
 register_technique(QuantizeConfig, resolve=_resolve, annotate=pipeline.annotate_claim,
-                   preflight=pipeline.preflight, phase=0, report_columns=report_columns)(pipeline.prepare_quantized)
+                   preflight=pipeline.preflight, phase=0, report_columns=report_columns,
+                   tune=Tuning(offer=tune.offer, methods=tune.TUNE_METHODS))(pipeline.prepare_quantized)

@@ -26,6 +26,7 @@ from infer_tune.tuners.base import (
     configs_by_technique,
     entry_named,
     register_technique,
+    Tuning,
     technique_for,
 )
 
@@ -166,7 +167,8 @@ def _finalize(config: StackConfig, doc: dict, outputs: list[dict], prepared: Pre
     return files or None
 
 
-@register_technique(StackConfig, resolve=_resolve, preflight=_preflight, finalize=_finalize)
+@register_technique(StackConfig, resolve=_resolve, preflight=_preflight, finalize=_finalize,
+                    tune=Tuning(compose=lambda parts: StackConfig(configs=list(parts))))
 def prepare_stack(loaded: LoadedModel, config: StackConfig, ctx: RunContext) -> PreparedModel:
     """Prepare each part on the previous part's model, in phase order, and merge what they hand the runner."""
     runner = runner_of(config)
