@@ -342,3 +342,28 @@ def test_a_technique_from_its_own_package_reaches_every_surface(tiny_model_dir, 
         assert echo.EchoConfig(tag="tuned") in offered
     finally:
         echo.unregister()
+
+
+def test_the_documented_contract_is_the_registrys():
+    """docs/architecture.md's technique contract shows every option of a registry entry (tuners/base.py
+    `Technique`) as a keyword of `register_technique`, and no option the entry does not have; an unknown
+    option is refused by name."""
+    import dataclasses
+    from pathlib import Path
+
+    from infer_tune.tuners.base import Technique
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text[text.index("## The technique contract"):text.index("### Adding a technique")]
+    block = section[section.index("@register_technique(MyConfig"):section.index("def prepare(")]
+    shown = set(re.findall(r"(\w+)=", block))
+    options = {f.name for f in dataclasses.fields(Technique)} - {"config_cls", "prepare"}
+    assert shown == options, (sorted(options - shown), sorted(shown - options))
+    assert f"from those {len(options)} options" in section
+
+    @dataclass
+    class Odd(TechniqueConfig):
+        technique: ClassVar[str] = "test-odd"
+
+    with pytest.raises(TypeError, match="unknown option.*tune_candidates"):
+        register_technique(Odd, tune_candidates=None)
