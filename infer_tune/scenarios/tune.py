@@ -57,8 +57,8 @@ from infer_tune.scenarios.tune_plan import (
     slo_text,
     stack_candidates,
 )
-from infer_tune.tuners.base import Offer
 from infer_tune.session import SweepPlan, ensure_baseline, run_configs
+from infer_tune.tuners.base import Offer
 
 COMPILE_ALLOWANCE_S = 150.0  # first guess of a compiled candidate's extra cost (2 cores); refined once measured
 STACKED_METHODS = 2  # the first bases that may win get their stacks (every entry's parts on them)

@@ -12,7 +12,14 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from infer_tune.runners.prepared import PreparedModel
-from infer_tune.tuners.base import Offer, TechniqueConfig, TuneAsk, Tuning, register_technique, unregister_technique
+from infer_tune.tuners.base import (
+    Offer,
+    TechniqueConfig,
+    TuneAsk,
+    Tuning,
+    register_technique,
+    unregister_technique,
+)
 
 METHODS = ("t-fast", "t-slow", "t-pruned")
 ESTIMATES = {"t-fast": 3.0, "t-slow": 1.5, "t-pruned": 0.5}  # what the base's own "screen" expects

@@ -23,10 +23,10 @@ from infer_tune.runners.prepared import PreparedModel, RunCounters
 from infer_tune.tuners.base import (
     RunContext,
     TechniqueConfig,
+    Tuning,
     configs_by_technique,
     entry_named,
     register_technique,
-    Tuning,
     technique_for,
 )
 
