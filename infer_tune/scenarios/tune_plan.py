@@ -98,7 +98,8 @@ class TuneSpec:
     def ask(self, host: Host | None = None, *, on: TechniqueConfig | None = None, first: bool = False) -> TuneAsk:
         """What a technique is told when asked for its offers (tuners/base.py `TuneAsk`)."""
         return TuneAsk(objective=self.objective, compile=self.compile, require_lossless=self.require_lossless,
-                       budget_s=self.budget_s, methods=self.methods, rate=self.rate, seed=self.seed,
+                       budget_s=self.budget_s, methods=self.methods, reference=self.reference, rate=self.rate,
+                       seed=self.seed,
                        loaded=host.loaded if host else None, prefill_rows=host.prefill_rows if host else 64,
                        on=on, first=first)
 
@@ -119,7 +120,7 @@ class Candidate:
     method: str | None = None  # the `--methods` name of the base it is or holds, if any
     base: bool = False  # offered as a base: its stacks are tried when it may win
     beside: bool = True  # a stack that may be measured in its base's own rounds (`beside_method`)
-    estimate: float | None = None  # kernel screen: speedup of its Linears vs fp32 for the objective's regime
+    estimate: float | None = None  # what its technique's host screen expects: speedup for the objective's regime
     estimate_ci95: list[float] | None = None  # its 95% interval over the screen's rounds (None: point timings)
     compiles: bool = False
     rounds_with: str | None = None  # queued candidates with the same tag are measured in one group of rounds

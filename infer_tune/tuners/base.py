@@ -96,8 +96,8 @@ class TuneAsk:
 
     The search: `objective` (decode, ttft, throughput or goodput), `compile` (candidates that compile a
     step are allowed), `require_lossless`, `budget_s` (the whole search's time budget), `methods` (the
-    `--methods` names chosen; None: all), and for the serving objectives `rate` / `seed` of the arrival
-    trace. The host: `loaded` (the model in front of it; None when only planning, nothing is screened)
+    `--methods` names chosen; None: all), `reference` (reference rows are wanted), and for the serving
+    objectives `rate` / `seed` of the arrival trace. The host: `loaded` (the model in front of it; None when only planning, nothing is screened)
     and `prefill_rows` (the prompts' median length). `on`: an earlier winner to stack on (None: asked
     for the technique's own rows); `first`: `on` is the first winner stacked (what is costly to try is
     tried on it alone).
@@ -108,6 +108,7 @@ class TuneAsk:
     require_lossless: bool = False
     budget_s: float = 1200.0
     methods: tuple[str, ...] | None = None
+    reference: bool = True
     rate: float = 1.0
     seed: int = 0
     loaded: Any = None

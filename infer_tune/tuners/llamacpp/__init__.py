@@ -85,7 +85,7 @@ def _preflight(loaded: LoadedModel, config: LlamaCppConfig, ctx: RunContext) -> 
 def tune_offer(ask: TuneAsk) -> list[Offer]:
     """What `tune` measures of llama.cpp: a reference row on the same GGUF after the search (the winner is
     compared with it), with why not when it cannot run here (not installed, no GGUF behind the model)."""
-    if ask.on is not None:
+    if ask.on is not None or not ask.reference:
         return []
     config = LlamaCppConfig()
     reason = None
