@@ -188,10 +188,11 @@ class SlotEngine:
     # ------------------------------------------------------------------ prefill into a slot
     def admit(self, slot: int, input_ids: torch.Tensor) -> torch.Tensor:
         """Prefill one prompt [1, P] into `slot`; returns the logits of its last position [V]."""
-        from transformers import StaticCache
+        from infer_tune.native.step import plain_cache
 
         length = input_ids.shape[1]
-        scratch = StaticCache(config=self.model.config, max_cache_len=length)
+        # every layer full length (a sliding-window layer's rolling buffer would hold only its window)
+        scratch = plain_cache(self.model.config, length)
         logits = self.prefill(input_ids, scratch) if self.prefill is not None else None
         if logits is None:
             logits = self.model(input_ids=input_ids, past_key_values=scratch, use_cache=True,
