@@ -232,6 +232,20 @@ def test_lean_decoder_runs_the_native_step_and_says_so(tokenizer, arch):
     assert LeanConfig(native_step=True).label() == "lean+native"
 
 
+def test_compiled_prefill_fills_the_native_steps_plain_cache(tokenizer):
+    """Gemma 3 with a 40-token prompt (past its 24-position window): the compiled prefill's bucket cache is plain
+    like the native step's, so the tokens are the eager decoder's on transformers' own cache."""
+    from infer_tune.tuners.lean.loop import LeanDecoder
+
+    model = quantized(tiny_family(tokenizer, "gemma3"))
+    ids = torch.randint(3, len(tokenizer), (1, 40), generator=torch.Generator().manual_seed(6))
+    decoder = LeanDecoder(model, compile=True, native_step=True, compile_prefill=True)
+    _, _, tokens, _ = decoder.generate(ids, 20, [model.config.eos_token_id])
+    assert decoder.facts["lean_prefill"] == "compiled" and decoder.facts["lean_step"] == "native", decoder.facts
+    _, _, want, _ = LeanDecoder(model, compile=False).generate(ids, 20, [model.config.eos_token_id])
+    assert tokens == want
+
+
 @pytest.mark.parametrize("case,fragment", [
     ("phi3", "is not a model class the native step runs"),
     ("attention-softcap", "soft-caps the scores"),
