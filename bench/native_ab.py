@@ -82,6 +82,20 @@ def interleaved(now, then, rounds: int) -> tuple[float, float, dict]:
     return statistics.median(a), statistics.median(b), log_ratio_interval([x / y for x, y in zip(a, b)])
 
 
+def llama_only(parts: dict) -> dict:
+    """`recognize`'s parts of a Llama model in the step's earlier arguments (9 tensors a layer: input norm, q, k,
+    v, o, post-attention norm, gate, up, down; 8 ints; eps, scale, rotary scale; one rotary table)."""
+    from infer_tune.native.step import PER_LAYER
+
+    layers, tensors = parts["ints"][0], parts["tensors"]
+    if any(t.numel() for layer in range(layers) for t in tensors[layer * PER_LAYER + 9:(layer + 1) * PER_LAYER]):
+        raise SystemExit("the earlier revision's step runs Llama only (no biases, head norms or post norms)")
+    old = [tensors[layer * PER_LAYER + i] for layer in range(layers) for i in (0, 1, 2, 3, 4, 8, 5, 6, 7)]
+    floats = parts["floats"]
+    return {**parts, "tensors": old + tensors[layers * PER_LAYER:], "inv_freq": parts["inv_freq"][0],
+            "ints": parts["ints"][:8], "floats": [floats[0], floats[1], floats[3]]}
+
+
 def step_rounds(args):
     """Both revisions' LlamaStep on the same quantized weights, each on its own copy of a prefilled cache."""
     import copy
@@ -105,13 +119,17 @@ def step_rounds(args):
         raise SystemExit(f"no native step for {args.model}: {why}")
     prompt = ids.shape[1]
 
-    def built(cls):
+    def built(cls, parts=parts):
         cache = StaticCache(config=model.config, max_cache_len=512)
         with torch.no_grad():
             model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(prompt))
         return llama_step(parts, [c.keys for c in cache.layers], [c.values for c in cache.layers],
                           [c.cumulative_length for c in cache.layers], cls=cls)
-    now, then = built(torch.classes.infer_tune_native.LlamaStep), built(torch.classes.ab_native.AbLlamaStep)
+    now = built(torch.classes.infer_tune_native.LlamaStep)
+    try:
+        then = built(torch.classes.ab_native.AbLlamaStep)
+    except RuntimeError:  # a revision from before the step ran other families: its Llama-only arguments
+        then = built(torch.classes.ab_native.AbLlamaStep, llama_only(parts))
     x = model.get_input_embeddings()(torch.tensor([[42]])).reshape(1, -1)
     same = float((now.step(x, prompt) - then.step(x, prompt)).abs().max())
     print(f"largest logit difference at the first step: {same:.3g}", flush=True)

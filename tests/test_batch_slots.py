@@ -39,6 +39,21 @@ def qwen3_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+    """A tiny Gemma 3 whose sliding window (32) is shorter than most of the mixed suite's prompts."""
+    from tests.conftest import build_tiny_tokenizer
+    from tests.test_native_step import tiny_family
+
+    tok = build_tiny_tokenizer()
+    path = tmp_path_factory.mktemp("tiny-gemma3")
+    model = tiny_family(tok, "gemma3", sliding_window=32, max_position_embeddings=1024)
+    model.config.pad_token_id, model.config.eos_token_id = tok.pad_token_id, tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 def test_step_buckets():
     assert step_buckets(1) == [1] and step_buckets(4) == [1, 2, 4] and step_buckets(6) == [1, 2, 4, 6]
     assert [rows_for(i, 6) for i in range(6)] == [1, 2, 4, 4, 6, 6]
@@ -185,14 +200,17 @@ def test_slot_kernel_swap_is_taken_from_a_separated_screen(separated, expected, 
     assert facts["slot_kernel_screen"]["int8-dynamic"]["chosen"] == expected
 
 
-def test_native_slot_step_serves_as_each_request_alone(tiny_model_dir, mixed_suite, tmp_path):
-    """The slot engine's native step (int4 a8 Llama: infer_tune/native/step.py): rows 1 and 2 of one step give
-    each request the tokens of the one-row step serving it alone, 0 mismatches, no step compiled."""
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_native_slot_step_serves_as_each_request_alone(arch, tiny_model_dir, qwen3_dir, gemma3_dir, mixed_suite,
+                                                       tmp_path):
+    """The slot engine's native step (int4 a8 Llama, Qwen3, Gemma 3: infer_tune/native/step.py): rows 1 and 2 of one
+    step give each request the tokens of the one-row step serving it alone, 0 mismatches, no step compiled (Gemma 3's
+    prompts longer than its window admitted whole)."""
     from infer_tune import native
 
     if not native.available()[0]:
         pytest.skip(native.available()[1])
-    loaded = models.load(str(tiny_model_dir))
+    loaded = models.load(str({"llama": tiny_model_dir, "qwen3": qwen3_dir, "gemma3": gemma3_dir}[arch]))
     workload = Workload(suite=str(mixed_suite), limit=6, max_new_tokens=10, chat_template=False)
     inputs = prepare_inputs(loaded, workload)
     batch = BatchConfig(scheduler="continuous", batch_size=3, rate=200.0, requests=10, allow_repeat=True,

@@ -1,20 +1,28 @@
-// The whole decode step of a Llama-family model in one native call: the lean path's `native` step and
-// the slot engine's (infer_tune/native/step.py builds it from a model whose every part it recognizes;
-// docs/tune.md, docs/batch.md).
+// The whole decode step of a Llama-like decoder in one native call: the lean path's `native` step and the
+// slot engine's (infer_tune/native/step.py builds it from a model whose every part it recognizes: Llama,
+// Mistral, Qwen2, Qwen3, Gemma 3; docs/tune.md, docs/batch.md). The class keeps the name of the first
+// family it ran (LlamaStep).
 //
 // One new token per row (the lean loop: one row; the slot engine: rows 0..R-1 of its slot cache, each at
 // its own position), fp32 residual stream, the model's own quantized weights in the w4a8 layout
 // (modules.Int4A8Linear) and its int8 (w8a8) or int4 (w4a8) head, the static KV cache written in place.
-// Per layer, what transformers' LlamaDecoderLayer computes, per row:
-//     h = rms_norm(x) * w_in;  q, k, v = h W_q, h W_k, h W_v;  rotary embedding of q and k at the position;
-//     k, v written at the position of the row's cache (a one-row step sets the length counter to position + 1);
-//     x += attention(q, the row's cache up to its position) W_o;
-//     h = rms_norm(x) * w_post;  x += (silu(h W_gate) * (h W_up)) W_down
-// then logits = (rms_norm(x) * w_final) W_head. The matmuls are w4a8_rows_multi / w8a8_rows and the attention
-// decode_attention, the kernels the compiled step calls, called directly: no dispatcher, no Python, no
-// allocation but the attention's and the head's outputs, norms and rotary embedding in plain loops. The
-// values equal the compiled step's up to fp32 rounding (the norms' sums and cos / sin are computed here);
-// a row's values do not depend on the other rows (every kernel here treats rows independently).
+// Per layer, what transformers' decoder layers of these families compute, per row (the parts in [brackets]
+// only where the layer has them):
+//     h = rms_norm(x) * w_in;  q, k, v = h W_q [+ b_q], h W_k [+ b_k], h W_v [+ b_v];
+//     [q, k = rms_norm per head * w_qnorm, w_knorm (Qwen3, Gemma 3)];
+//     rotary embedding of q and k at the position (the layer's own frequencies: Gemma 3's sliding layers
+//     have theirs); k, v written at the position of the row's cache (position p at index p; a one-row step
+//     sets the length counter to p + 1);
+//     a = attention(q, the row's cache up to p [and from p - window + 1: a sliding-window layer]) W_o [+ b_o];
+//     x += a [normed: rms_norm(a) * w_attn_out, Gemma 3];
+//     h = rms_norm(x) * w_mlp_in;  m = (act(h W_gate) * (h W_up)) W_down, act SiLU or GELU (tanh);
+//     x += m [normed: rms_norm(m) * w_mlp_out, Gemma 3]
+// then logits = (rms_norm(x) * w_final) W_head [soft-capped: tanh(logits / c) * c]. Gemma's (1 + w) norms
+// arrive as 1 + w (step.py). The matmuls are w4a8_rows_multi / w8a8_rows and the attention decode_attention,
+// the kernels the compiled step calls, called directly: no dispatcher, no Python, no allocation but the
+// attention's and the head's outputs, norms and rotary embedding in plain loops. The values equal the eager
+// model's up to fp32 rounding (the norms' sums and cos / sin are computed here); a row's values do not
+// depend on the other rows (every kernel here treats rows independently).
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -31,9 +39,15 @@
 
 namespace {
 
-constexpr int64_t PER_LAYER = 9;  // input norm, q, k, v, o, post-attention norm, gate, up, down
+// per layer, in this order (an absent part: an empty tensor): input norm, q, k, v, o, gate, up, down, the
+// MLP's input norm, the attention output's norm, the MLP output's norm, q / k / v / o biases, q / k head norms
+constexpr int64_t PER_LAYER = 17;
+enum Part : int64_t { IN_NORM, Q, K, V, O, GATE, UP, DOWN, MLP_IN_NORM, ATTN_OUT_NORM, MLP_OUT_NORM, Q_BIAS, K_BIAS,
+                      V_BIAS, O_BIAS, Q_NORM, K_NORM };
+constexpr int64_t HEADER_INTS = 10, HEADER_FLOATS = 3;
+enum Act : int64_t { SILU = 0, GELU_TANH = 1 };
 
-// out = w * (x / sqrt(mean(x^2) + eps)), transformers' LlamaRMSNorm in fp32
+// out = w * (x / sqrt(mean(x^2) + eps)), transformers' LlamaRMSNorm in fp32 (Gemma's (1 + w) passed as w)
 void rms_norm(const float* x, const float* w, int64_t n, float eps, float* out) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -54,10 +68,31 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t D
 
 const uint8_t* bytes(const at::Tensor& t) { return static_cast<const uint8_t*>(t.data_ptr()); }
 
+// an optional fp32 part: its values, or nullptr where the layer has none (an empty tensor)
+const float* optional_floats(const at::Tensor& t, int64_t n, int64_t layer, const char* what) {
+  if (t.numel() == 0) return nullptr;
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == n && t.is_contiguous(), "LlamaStep: layer ", layer, "'s ",
+              what, " must be fp32 [", n, "]");
+  return t.data_ptr<float>();
+}
+
 // act = silu(gate) * up = gate / (1 + e^-gate) * up, n values (std::exp: an 8-lane polynomial exp here
 // measured no faster in a whole step and moved SmolLM2's logits by a rounding of an int8 activation)
 void silu_mul(const float* gate, const float* up, int64_t n, float* act) {
   for (int64_t i = 0; i < n; ++i) act[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+
+// act = gelu_tanh(gate) * up, torch's gelu(approximate="tanh"): x / 2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+void gelu_tanh_mul(const float* gate, const float* up, int64_t n, float* act) {
+  const float beta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = gate[i];
+    act[i] = 0.5f * x * (1.f + std::tanh(beta * (x + kappa * x * x * x))) * up[i];
+  }
+}
+
+inline void add(float* y, const float* b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += b[i];
 }
 
 }  // namespace
@@ -65,43 +100,62 @@ void silu_mul(const float* gate, const float* up, int64_t n, float* act) {
 struct LlamaStep : torch::CustomClassHolder {
   // weights: per layer PER_LAYER tensors, then the final norm, the head's packed weights and (w8a8) its scale
   std::vector<at::Tensor> weights, keys, values, lengths;
-  at::Tensor inv_freq, mask, q;
+  at::Tensor inv_freq, q;
   int64_t layers, heads, kv_heads, head_dim, hidden, inter, group, vocab, max_len, batch;
   int64_t head_group;  // 0: a w8a8 head (packed, scale); else an int4 head in the w4a8 layout with this group
-  double eps, scaling, rope_scale;
-  std::vector<float> resid, h, qs, ks, vs, proj, gate, up, act, cos, sin;
-  // per layer and row count r: the caches' first r rows, and the mask's (views made once)
+  int64_t act_kind, ropes;
+  double eps, scaling, softcap;  // softcap: the final logits' soft cap, 0 for none
+  std::vector<double> rope_scale;  // per rotary table: its attention scaling of cos and sin
+  std::vector<int64_t> windows;    // per mask: 0 (the whole cache up to the position) or a sliding window
+  std::vector<float> resid, h, qs, ks, vs, proj, normed, gate, up, act, cos, sin;
+  // per mask (the full one, then one per sliding window) [batch, 1, 1, max_len] and its first r rows' views
+  std::vector<at::Tensor> masks;
+  std::vector<std::vector<at::Tensor>> mask_rows;
+  // per layer and row count r: the caches' first r rows (views made once)
   std::vector<std::vector<at::Tensor>> key_rows, value_rows;
-  std::vector<at::Tensor> mask_rows, q_rows;
+  std::vector<at::Tensor> q_rows;
   // raw pointers, taken once (each data_ptr() call checks the tensor: ~3% of a step when taken per use)
   struct Layer {
-    const float *in_norm, *post_norm;
+    const float *in_norm, *mlp_in_norm, *attn_out_norm, *mlp_out_norm, *q_bias, *k_bias, *v_bias, *o_bias, *q_norm,
+        *k_norm;
     const uint8_t *q, *k, *v, *o, *gate, *up, *down;
     float *keys, *values;
     int64_t k0, k1, k2, v0, v1, v2;
+    int64_t rope, mask;  // which rotary table and which mask the layer uses
   };
   std::vector<Layer> at_layer;
   const float* final_norm = nullptr;
   const uint8_t* head = nullptr;
   const float* head_scale = nullptr;
 
-  // keys / values: per layer the cache [rows, kv heads, length, head dim] fp32; lengths: per layer the
-  // cache's int64 length counter, set to position + 1 by a one-row step (empty: none to keep)
+  // keys / values: per layer the cache [rows, kv heads, length, head dim] fp32, position p at index p;
+  // lengths: per layer the cache's int64 length counter, set to position + 1 by a one-row step (empty: none
+  // to keep); inv_freq [rotary tables, head dim / 2];
+  // ints: layers, heads, kv heads, head dim, hidden, intermediate, group, head group (0: w8a8), activation
+  //   (0 SiLU, 1 GELU tanh), rotary tables; then per layer its window (0: full) and its rotary table;
+  // floats: norm epsilon, attention scale, final soft cap (0: none); then per rotary table its cos / sin scale
   LlamaStep(std::vector<at::Tensor> weights_, std::vector<at::Tensor> keys_, std::vector<at::Tensor> values_,
             std::vector<at::Tensor> lengths_, at::Tensor inv_freq_, std::vector<int64_t> ints,
             std::vector<double> floats)
       : weights(std::move(weights_)), keys(std::move(keys_)), values(std::move(values_)),
         lengths(std::move(lengths_)), inv_freq(inv_freq_.contiguous()) {
-    TORCH_CHECK(ints.size() == 8 && floats.size() == 3, "LlamaStep: 8 ints and 3 floats");
+    TORCH_CHECK(ints.size() >= HEADER_INTS && floats.size() >= HEADER_FLOATS, "LlamaStep: ", HEADER_INTS,
+                " ints and ", HEADER_FLOATS, " floats at least");
     layers = ints[0], heads = ints[1], kv_heads = ints[2], head_dim = ints[3], hidden = ints[4], inter = ints[5];
-    group = ints[6], head_group = ints[7];
-    eps = floats[0], scaling = floats[1], rope_scale = floats[2];
+    group = ints[6], head_group = ints[7], act_kind = ints[8], ropes = ints[9];
+    eps = floats[0], scaling = floats[1], softcap = floats[2];
+    TORCH_CHECK(layers >= 1 && static_cast<int64_t>(ints.size()) == HEADER_INTS + 2 * layers &&
+                    ropes >= 1 && static_cast<int64_t>(floats.size()) == HEADER_FLOATS + ropes,
+                "LlamaStep: per layer a window and a rotary table, per rotary table a scale");
+    TORCH_CHECK(act_kind == SILU || act_kind == GELU_TANH, "LlamaStep: activation ", act_kind);
+    rope_scale.assign(floats.begin() + HEADER_FLOATS, floats.end());
     TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * PER_LAYER + 2 + (head_group ? 0 : 1),
                 "LlamaStep: ", weights.size(), " weight tensors for ", layers, " layers");
     TORCH_CHECK(static_cast<int64_t>(keys.size()) == layers && static_cast<int64_t>(values.size()) == layers &&
                     (lengths.empty() || static_cast<int64_t>(lengths.size()) == layers),
                 "LlamaStep: one key and value tensor (and length counter) per layer");
-    TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0 && inv_freq.numel() == head_dim / 2,
+    TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0 && inv_freq.scalar_type() == at::kFloat &&
+                    inv_freq.dim() == 2 && inv_freq.size(0) == ropes && inv_freq.size(1) == head_dim / 2,
                 "LlamaStep: head shapes");
     batch = keys[0].size(0), max_len = keys[0].size(2);
     for (int64_t l = 0; l < layers; ++l) {
@@ -116,27 +170,48 @@ struct LlamaStep : torch::CustomClassHolder {
     }
     vocab = weights[layers * PER_LAYER + 1].size(0) * 8;  // padded to a multiple of 8; the caller narrows
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
-    mask = at::zeros({batch, 1, 1, max_len}, at::TensorOptions().dtype(at::kBool));
     q = at::empty({batch, heads, 1, head_dim}, f32);
     key_rows.resize(layers), value_rows.resize(layers);
     for (int64_t r = 1; r <= batch; ++r) {
-      mask_rows.push_back(mask.narrow(0, 0, r));
       q_rows.push_back(q.narrow(0, 0, r));
       for (int64_t l = 0; l < layers; ++l) {
         key_rows[l].push_back(keys[l].narrow(0, 0, r));
         value_rows[l].push_back(values[l].narrow(0, 0, r));
       }
     }
+    windows.push_back(0);  // mask 0: the whole cache up to the position
+    const int64_t qn = heads * head_dim, kn = kv_heads * head_dim;
     for (int64_t l = 0; l < layers; ++l) {
       const at::Tensor* w = weights.data() + l * PER_LAYER;
-      for (int64_t i : {0, 5}) TORCH_CHECK(w[i].scalar_type() == at::kFloat && w[i].numel() == hidden && w[i].is_contiguous(),
-                                            "LlamaStep: layer ", l, "'s norms must be fp32 [hidden]");
-      for (int64_t i : {1, 2, 3, 4, 6, 7, 8}) TORCH_CHECK(w[i].scalar_type() == at::kByte && w[i].is_contiguous(),
-                                                          "LlamaStep: layer ", l, "'s projections must be packed uint8");
-      at_layer.push_back({w[0].data_ptr<float>(), w[5].data_ptr<float>(), bytes(w[1]), bytes(w[2]), bytes(w[3]),
-                          bytes(w[4]), bytes(w[6]), bytes(w[7]), bytes(w[8]), keys[l].data_ptr<float>(),
+      const int64_t window = ints[HEADER_INTS + 2 * l], rope = ints[HEADER_INTS + 2 * l + 1];
+      TORCH_CHECK(window >= 0 && rope >= 0 && rope < ropes, "LlamaStep: layer ", l, "'s window or rotary table");
+      int64_t mask_index = 0;
+      if (window) {
+        const auto found = std::find(windows.begin(), windows.end(), window);
+        mask_index = found - windows.begin();
+        if (found == windows.end()) windows.push_back(window);
+      }
+      for (int64_t i : {IN_NORM, MLP_IN_NORM})
+        TORCH_CHECK(w[i].scalar_type() == at::kFloat && w[i].numel() == hidden && w[i].is_contiguous(),
+                    "LlamaStep: layer ", l, "'s norms must be fp32 [hidden]");
+      for (int64_t i : {Q, K, V, O, GATE, UP, DOWN})
+        TORCH_CHECK(w[i].scalar_type() == at::kByte && w[i].is_contiguous(),
+                    "LlamaStep: layer ", l, "'s projections must be packed uint8");
+      at_layer.push_back({w[IN_NORM].data_ptr<float>(), w[MLP_IN_NORM].data_ptr<float>(),
+                          optional_floats(w[ATTN_OUT_NORM], hidden, l, "attention output norm"),
+                          optional_floats(w[MLP_OUT_NORM], hidden, l, "MLP output norm"),
+                          optional_floats(w[Q_BIAS], qn, l, "q bias"), optional_floats(w[K_BIAS], kn, l, "k bias"),
+                          optional_floats(w[V_BIAS], kn, l, "v bias"), optional_floats(w[O_BIAS], hidden, l, "o bias"),
+                          optional_floats(w[Q_NORM], head_dim, l, "q norm"),
+                          optional_floats(w[K_NORM], head_dim, l, "k norm"), bytes(w[Q]), bytes(w[K]), bytes(w[V]),
+                          bytes(w[O]), bytes(w[GATE]), bytes(w[UP]), bytes(w[DOWN]), keys[l].data_ptr<float>(),
                           values[l].data_ptr<float>(), keys[l].stride(0), keys[l].stride(1), keys[l].stride(2),
-                          values[l].stride(0), values[l].stride(1), values[l].stride(2)});
+                          values[l].stride(0), values[l].stride(1), values[l].stride(2), rope, mask_index});
+    }
+    mask_rows.resize(windows.size());
+    for (size_t m = 0; m < windows.size(); ++m) {
+      masks.push_back(at::zeros({batch, 1, 1, max_len}, at::TensorOptions().dtype(at::kBool)));
+      for (int64_t r = 1; r <= batch; ++r) mask_rows[m].push_back(masks[m].narrow(0, 0, r));
     }
     const at::Tensor* tail = weights.data() + layers * PER_LAYER;
     TORCH_CHECK(tail[0].scalar_type() == at::kFloat && tail[0].numel() == hidden && tail[1].is_contiguous(),
@@ -149,11 +224,10 @@ struct LlamaStep : torch::CustomClassHolder {
                   "LlamaStep: a w8a8 head is int8 [N/8, K/32, 256] with fp32 scales [N]");
       head_scale = tail[2].data_ptr<float>();
     }
-    const int64_t qn = heads * head_dim, kn = kv_heads * head_dim;
     resid.resize(batch * hidden), h.resize(batch * hidden), qs.resize(batch * qn);
-    ks.resize(batch * kn), vs.resize(batch * kn), proj.resize(batch * hidden), gate.resize(batch * inter);
-    up.resize(batch * inter), act.resize(batch * inter);
-    cos.resize(batch * head_dim / 2), sin.resize(batch * head_dim / 2);
+    ks.resize(batch * kn), vs.resize(batch * kn), proj.resize(batch * hidden), normed.resize(batch * hidden);
+    gate.resize(batch * inter), up.resize(batch * inter), act.resize(batch * inter);
+    cos.resize(ropes * batch * head_dim / 2), sin.resize(ropes * batch * head_dim / 2);
   }
 
   // the lean loop's step: x the token's embedding [1, hidden] fp32 at `position` -> logits [1, vocab padded]
@@ -173,21 +247,39 @@ struct LlamaStep : torch::CustomClassHolder {
     return run(rows, x.contiguous().data_ptr<float>(), positions.contiguous().data_ptr<int64_t>());
   }
 
+  // x [n] += rms_norm(y) * w, or += y where the layer has no such norm (w nullptr), per row
+  void add_residual(int64_t rows, const float* y, const float* w, float fe) {
+    if (w == nullptr) {
+      add(resid.data(), y, rows * hidden);
+      return;
+    }
+    for (int64_t b = 0; b < rows; ++b) rms_norm(y + b * hidden, w, hidden, fe, normed.data() + b * hidden);
+    add(resid.data(), normed.data(), rows * hidden);
+  }
+
   at::Tensor run(int64_t rows, const float* x, const int64_t* positions) {
     const int64_t D = head_dim, half = head_dim / 2, qn = heads * D, kn = kv_heads * D;
-    const float fe = static_cast<float>(eps), rs = static_cast<float>(rope_scale);
+    const float fe = static_cast<float>(eps);
     const float* inv = inv_freq.data_ptr<float>();
-    bool* mb = mask.data_ptr<bool>();
     for (int64_t b = 0; b < rows; ++b) {
       const int64_t p = positions[b];
       TORCH_CHECK(p >= 0 && p < max_len, "LlamaStep: position ", p, " outside the cache of ", max_len);
-      for (int64_t i = 0; i < half; ++i) {  // as transformers: freqs = position * inv_freq in fp32
-        const float f = static_cast<float>(p) * inv[i];
-        cos[b * half + i] = std::cos(f) * rs;
-        sin[b * half + i] = std::sin(f) * rs;
+      for (int64_t t = 0; t < ropes; ++t) {
+        const float rs = static_cast<float>(rope_scale[t]);
+        float* c = cos.data() + (t * batch + b) * half;
+        float* sn = sin.data() + (t * batch + b) * half;
+        for (int64_t i = 0; i < half; ++i) {  // as transformers: freqs = position * inv_freq in fp32
+          const float f = static_cast<float>(p) * inv[t * half + i];
+          c[i] = std::cos(f) * rs;
+          sn[i] = std::sin(f) * rs;
+        }
       }
-      std::fill(mb + b * max_len, mb + b * max_len + p + 1, true);
-      std::fill(mb + b * max_len + p + 1, mb + (b + 1) * max_len, false);
+      for (size_t m = 0; m < windows.size(); ++m) {  // positions (p - window, p] of a sliding window, else [0, p]
+        bool* mb = masks[m].data_ptr<bool>() + b * max_len;
+        const int64_t first = windows[m] ? std::max<int64_t>(0, p - windows[m] + 1) : 0;
+        std::fill(mb, mb + max_len, false);
+        std::fill(mb + first, mb + p + 1, true);
+      }
     }
     std::copy_n(x, rows * hidden, resid.data());
     float* qp = q.data_ptr<float>();
@@ -201,39 +293,55 @@ struct LlamaStep : torch::CustomClassHolder {
         w4a8_rows_multi(h.data(), rows, hidden, group, 3, packed, tiles, out);
       }
       for (int64_t b = 0; b < rows; ++b) {
-        const float* c = cos.data() + b * half;
-        const float* sn = sin.data() + b * half;
+        float* qb = qs.data() + b * qn;
+        float* kb = ks.data() + b * kn;
+        float* vb = vs.data() + b * kn;
+        if (L.q_bias) add(qb, L.q_bias, qn);
+        if (L.k_bias) add(kb, L.k_bias, kn);
+        if (L.v_bias) add(vb, L.v_bias, kn);
+        if (L.q_norm)  // per head, in place (rms_norm reads each value before it writes it)
+          for (int64_t i = 0; i < heads; ++i) rms_norm(qb + i * D, L.q_norm, D, fe, qb + i * D);
+        if (L.k_norm)
+          for (int64_t g = 0; g < kv_heads; ++g) rms_norm(kb + g * D, L.k_norm, D, fe, kb + g * D);
+        const float* c = cos.data() + (L.rope * batch + b) * half;
+        const float* sn = sin.data() + (L.rope * batch + b) * half;
         const int64_t p = positions[b];
-        for (int64_t i = 0; i < heads; ++i) rotate(qs.data() + b * qn + i * D, c, sn, D, qp + b * qn + i * D);
+        for (int64_t i = 0; i < heads; ++i) rotate(qb + i * D, c, sn, D, qp + b * qn + i * D);
         for (int64_t g = 0; g < kv_heads; ++g) {
-          rotate(ks.data() + b * kn + g * D, c, sn, D, L.keys + b * L.k0 + g * L.k1 + p * L.k2);
-          std::copy_n(vs.data() + b * kn + g * D, D, L.values + b * L.v0 + g * L.v1 + p * L.v2);
+          rotate(kb + g * D, c, sn, D, L.keys + b * L.k0 + g * L.k1 + p * L.k2);
+          std::copy_n(vb + g * D, D, L.values + b * L.v0 + g * L.v1 + p * L.v2);
         }
       }
       const at::Tensor attended = decode_attention(q_rows[rows - 1], key_rows[l][rows - 1], value_rows[l][rows - 1],
-                                                   mask_rows[rows - 1], scaling);  // [rows, 1, H, D]
+                                                   mask_rows[L.mask][rows - 1], scaling);  // [rows, 1, H, D]
       {
         const uint8_t* packed[1] = {L.o};
         const int64_t tiles[1] = {hidden / 8};
         float* out[1] = {proj.data()};
         w4a8_rows_multi(attended.data_ptr<float>(), rows, qn, group, 1, packed, tiles, out);
       }
-      for (int64_t i = 0; i < rows * hidden; ++i) resid[i] += proj[i];
-      for (int64_t b = 0; b < rows; ++b) rms_norm(resid.data() + b * hidden, L.post_norm, hidden, fe, h.data() + b * hidden);
+      if (L.o_bias)
+        for (int64_t b = 0; b < rows; ++b) add(proj.data() + b * hidden, L.o_bias, hidden);
+      add_residual(rows, proj.data(), L.attn_out_norm, fe);
+      for (int64_t b = 0; b < rows; ++b)
+        rms_norm(resid.data() + b * hidden, L.mlp_in_norm, hidden, fe, h.data() + b * hidden);
       {
         const uint8_t* packed[2] = {L.gate, L.up};
         const int64_t tiles[2] = {inter / 8, inter / 8};
         float* out[2] = {gate.data(), up.data()};
         w4a8_rows_multi(h.data(), rows, hidden, group, 2, packed, tiles, out);
       }
-      silu_mul(gate.data(), up.data(), rows * inter, act.data());
+      if (act_kind == GELU_TANH)
+        gelu_tanh_mul(gate.data(), up.data(), rows * inter, act.data());
+      else
+        silu_mul(gate.data(), up.data(), rows * inter, act.data());
       {
         const uint8_t* packed[1] = {L.down};
         const int64_t tiles[1] = {hidden / 8};
         float* out[1] = {proj.data()};
         w4a8_rows_multi(act.data(), rows, inter, group, 1, packed, tiles, out);
       }
-      for (int64_t i = 0; i < rows * hidden; ++i) resid[i] += proj[i];
+      add_residual(rows, proj.data(), L.mlp_out_norm, fe);
     }
     for (int64_t b = 0; b < rows; ++b) rms_norm(resid.data() + b * hidden, final_norm, hidden, fe, h.data() + b * hidden);
     at::Tensor logits = at::empty({rows, vocab}, at::TensorOptions().dtype(at::kFloat));
@@ -244,6 +352,11 @@ struct LlamaStep : torch::CustomClassHolder {
       w4a8_rows_multi(h.data(), rows, hidden, head_group, 1, packed, tiles, out);
     } else {
       w8a8_rows(h.data(), rows, hidden, reinterpret_cast<const int8_t*>(head), head_scale, vocab, logits.data_ptr<float>());
+    }
+    if (softcap > 0) {  // as transformers: logits / cap, tanh, * cap
+      const float cap = static_cast<float>(softcap);
+      float* y = logits.data_ptr<float>();
+      for (int64_t i = 0; i < rows * vocab; ++i) y[i] = std::tanh(y[i] / cap) * cap;
     }
     return logits;
   }

@@ -9,12 +9,18 @@ norms, rotary embedding, cache writes and residual adds in plain C++ loops betwe
 matmuls and decode attention, so the step is one call.
 
 It runs a model only where every part is one it knows, checked part by part (`recognize`): transformers'
-Llama classes (`LlamaForCausalLM`: SmolLM2, Llama 2 / 3, TinyLlama, ...), fp32, every projection an
-`Int4A8Linear` on its `w4a8` kernel without bias, the head `Int8A8Linear` (w8a8) or `Int4A8Linear`, RMS
-norms, SiLU, a rotary embedding whose frequencies do not change with the position, no forward hooks, a
-static cache. Anything else (another family, a bias, a sliding window, a wrapped module) gets the compiled
-step and the reason (`lean_native_fallback`): a step that silently computed something else would be worse
-than none. Values equal the compiled step's up to fp32 rounding (tests/test_native_step.py).
+classes of five families (`FAMILIES`): Llama (SmolLM2, Llama 2 / 3, TinyLlama, ...), Mistral (a sliding
+window over every layer where the config sets one), Qwen2 (q / k / v biases), Qwen3 (q / k RMS norms per
+head) and Gemma 3 text models (`Gemma3ForCausalLM`: (1 + w) norms around attention and MLP, GELU (tanh),
+q / k norms, sliding-window layers with their own rotary frequencies, a query scale of its own, final
+logit soft-capping where set; its embedding's sqrt(hidden) scale is the model's own embedding module's,
+which the step calls). Every projection an `Int4A8Linear` on its `w4a8` kernel (biases of the attention's
+projections allowed), the head `Int8A8Linear` (w8a8) or `Int4A8Linear`, fp32, a rotary embedding whose
+frequencies do not change with the position, no forward hooks, a cache of plain full-length static layers
+(`plain_cache`: position p at index p in every layer; a sliding window is the step's mask, as it is the
+eager model's). Anything else (another family, an MLP bias, attention logit soft-capping, a wrapped module)
+gets the compiled step and the reason (`lean_native_fallback`): a step that silently computed something
+else would be worse than none. Values equal the eager model's up to fp32 rounding (tests/test_native_step.py).
 """
 
 from __future__ import annotations
@@ -22,11 +28,70 @@ from __future__ import annotations
 import torch
 
 ROPE_TYPES = ("default", "linear", "llama3")  # frequencies fixed at load (dynamic ones change with the position)
+# the model classes it runs: class name -> (transformers.models module, class prefix)
+FAMILIES = {"LlamaForCausalLM": ("llama", "Llama"), "MistralForCausalLM": ("mistral", "Mistral"),
+            "Qwen2ForCausalLM": ("qwen2", "Qwen2"), "Qwen3ForCausalLM": ("qwen3", "Qwen3"),
+            "Gemma3ForCausalLM": ("gemma3", "Gemma3")}
+HEAD_NORMS = ("Qwen3", "Gemma3")  # q / k RMS norms per head
+GEMMA = ("Gemma3",)  # (1 + w) norms, a norm after attention and after the MLP
+PER_LAYER = 17  # step.cpp's parts per layer
+EMPTY = torch.empty(0)  # an absent part
 
 
 def _hooked(module: torch.nn.Module) -> bool:
     return any(bool(getattr(m, name, None)) for m in module.modules()
                for name in ("_forward_hooks", "_forward_pre_hooks"))
+
+
+def plain_cache(config, size: int):
+    """A static cache of `size` positions whose every layer is a plain full-length `StaticLayer` (position p
+    at index p), sliding-window layers included: what the native step reads and writes. transformers' own
+    `StaticCache` keeps a sliding layer as a rolling buffer of the window's length instead; over a plain layer
+    the eager model's mask hides what lies outside the window (absolute positions), so its values are the
+    same (tests/test_native_step.py). A model without sliding layers gets its `StaticCache` as it is."""
+    from transformers import StaticCache
+    from transformers.cache_utils import Cache, StaticLayer
+
+    cache = StaticCache(config=config, max_cache_len=size)
+    if all(type(layer) is StaticLayer for layer in cache.layers):
+        return cache
+    return Cache(layers=[StaticLayer(max_cache_len=size) for _ in cache.layers])
+
+
+def _family(model) -> tuple[object, str] | str:
+    name = type(model).__name__
+    if name not in FAMILIES:
+        return f"{name} is not a model class the native step runs ({', '.join(FAMILIES)})"
+    module_name, prefix = FAMILIES[name]
+    try:
+        import importlib
+
+        module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+    except ImportError as exc:  # pragma: no cover - an older transformers
+        return f"transformers has no {prefix} classes ({exc})"
+    if type(model) is not getattr(module, name, None):
+        return f"{name} is not transformers' own class"
+    return module, prefix
+
+
+def _rotary_tables(model, prefix: str, layer_types: list[str]) -> tuple[list, list] | str:
+    """Per layer type (Gemma 3's sliding and full layers have their own), (inv_freq, cos / sin scale)."""
+    rotary = model.model.rotary_emb
+    tables = {}
+    for kind in sorted(set(layer_types)):
+        if prefix in GEMMA:
+            rope_type = rotary.rope_type.get(kind, "default")
+            inv_freq = getattr(rotary, f"{kind}_inv_freq", None)
+            scale = getattr(rotary, f"{kind}_attention_scaling", 1.0)
+        else:
+            rope_type = getattr(rotary, "rope_type", "default")
+            inv_freq, scale = rotary.inv_freq, getattr(rotary, "attention_scaling", 1.0)
+        if rope_type not in ROPE_TYPES:
+            return f"rotary embedding '{rope_type}' changes with the position"
+        if inv_freq is None:
+            return f"no rotary frequencies for {kind} layers"
+        tables[kind] = (inv_freq.detach().float().contiguous(), float(scale if scale is not None else 1.0))
+    return tables
 
 
 def recognize(model: torch.nn.Module) -> tuple[dict | None, str]:
@@ -36,78 +101,120 @@ def recognize(model: torch.nn.Module) -> tuple[dict | None, str]:
     ok, detail = native.available()
     if not ok:
         return None, detail
-    try:
-        from transformers.activations import SiLUActivation
-        from transformers.models.llama import modeling_llama as llama
-    except ImportError as exc:  # pragma: no cover - transformers without Llama
-        return None, f"transformers has no Llama classes ({exc})"
+    from transformers.activations import GELUTanh, SiLUActivation
+
     from infer_tune.tuners.quantize.modules import Int4A8Linear, Int8A8Linear
 
-    if type(model) is not llama.LlamaForCausalLM:
-        return None, f"{type(model).__name__} is not LlamaForCausalLM (the only family the native step runs)"
+    family = _family(model)
+    if isinstance(family, str):
+        return None, family
+    module, prefix = family
+    classes = {part: getattr(module, f"{prefix}{part}") for part in ("DecoderLayer", "Attention", "MLP", "RMSNorm")}
     config = model.config
-    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        return None, "the model's projections have biases"
+    gemma = prefix in GEMMA
+    if getattr(config, "mlp_bias", False):
+        return None, "the model's MLP projections have biases"
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         return None, "pretraining_tp > 1"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return None, "its attention soft-caps the scores"
+    if getattr(config, "use_bidirectional_attention", False):
+        return None, "its attention is bidirectional"
     if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in model.parameters()):
         return None, "not every parameter is fp32 on the CPU"
-    body = model.model
-    rotary = body.rotary_emb
-    if getattr(rotary, "rope_type", "default") not in ROPE_TYPES:
-        return None, f"rotary embedding '{rotary.rope_type}' changes with the position"
     if _hooked(model):
         return None, "a module has forward hooks"
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types and any(t != "full_attention" for t in layer_types):
-        return None, "a layer does not attend over the full cache"
+    body = model.model
+    layers = list(body.layers)
+    layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * len(layers))
+    if len(layer_types) != len(layers) or any(t not in ("full_attention", "sliding_attention") for t in layer_types):
+        return None, f"a layer is of a type the native step does not run ({sorted(set(layer_types))})"
+    tables = _rotary_tables(model, prefix, layer_types)
+    if isinstance(tables, str):
+        return None, tables
 
-    def projection(module, name: str) -> torch.Tensor | str:
-        if type(module) is not Int4A8Linear or module.decode_kernel != "w4a8" or module.bias_f is not None:
+    def projection(module, name: str) -> tuple[torch.Tensor, torch.Tensor] | str:
+        if type(module) is not Int4A8Linear or module.decode_kernel != "w4a8":
             return f"{name} is {type(module).__name__} (kernel {getattr(module, 'decode_kernel', None)}), not int4 a8 on w4a8"
         if module.out_features % 8 or module.in_features % module.group_size:
             return (f"{name} has {module.out_features} outputs and {module.in_features} inputs (the step needs outputs "
                     f"in multiples of 8 and inputs in whole groups of {module.group_size})")
-        return module._w4a8
+        bias = module.bias_f
+        return module._w4a8, (EMPTY if bias is None else bias.detach().float().contiguous())
 
     def norm(module, name: str) -> torch.Tensor | str:
-        if type(module) is not llama.LlamaRMSNorm:
-            return f"{name} is {type(module).__name__}, not LlamaRMSNorm"
-        return module.weight.detach()
+        if type(module) is not classes["RMSNorm"]:
+            return f"{name} is {type(module).__name__}, not {prefix}RMSNorm"
+        weight = module.weight.detach().float()
+        return (1.0 + weight).contiguous() if gemma else weight.contiguous()  # Gemma: x_normed * (1 + w)
 
-    layers = list(body.layers)
+    def epsilon(module) -> float | None:
+        return getattr(module, "variance_epsilon", getattr(module, "eps", None))
+
     first = layers[0].self_attn
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = first.head_dim
-    group = layers[0].self_attn.q_proj.group_size if type(first.q_proj) is Int4A8Linear else None
-    eps = layers[0].input_layernorm.variance_epsilon if type(layers[0].input_layernorm) is llama.LlamaRMSNorm else None
+    group = first.q_proj.group_size if type(first.q_proj) is Int4A8Linear else None
+    eps = epsilon(layers[0].input_layernorm)
+    act = None
     tensors: list[torch.Tensor] = []
+    windows: list[int] = []
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if type(layer) is not llama.LlamaDecoderLayer or type(attn) is not llama.LlamaAttention \
-                or type(mlp) is not llama.LlamaMLP:
-            return None, f"layer {i} is not transformers' Llama decoder layer"
-        if not isinstance(mlp.act_fn, (SiLUActivation, torch.nn.SiLU)):
-            return None, f"layer {i}'s activation is {type(mlp.act_fn).__name__}, not SiLU"
-        if attn.head_dim != head_dim or abs(attn.scaling - head_dim ** -0.5) > 1e-12 * attn.scaling:
+        if type(layer) is not classes["DecoderLayer"] or type(attn) is not classes["Attention"] \
+                or type(mlp) is not classes["MLP"]:
+            return None, f"layer {i} is not transformers' {prefix} decoder layer"
+        if isinstance(mlp.act_fn, (SiLUActivation, torch.nn.SiLU)):
+            kind = 0
+        elif isinstance(mlp.act_fn, GELUTanh) or (type(mlp.act_fn) is torch.nn.GELU and mlp.act_fn.approximate == "tanh"):
+            kind = 1
+        else:
+            return None, f"layer {i}'s activation is {type(mlp.act_fn).__name__}, not SiLU or GELU (tanh)"
+        if act is not None and kind != act:
+            return None, f"layer {i}'s activation differs"
+        act = kind
+        if attn.head_dim != head_dim or attn.scaling != first.scaling:
             return None, f"layer {i} attends with another head size or scale"
-        parts = [norm(layer.input_layernorm, f"layer {i}'s input norm"),
-                 *(projection(getattr(attn, n), f"layer {i}'s {n}") for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
-                 norm(layer.post_attention_layernorm, f"layer {i}'s post-attention norm"),
-                 *(projection(getattr(mlp, n), f"layer {i}'s {n}") for n in ("gate_proj", "up_proj", "down_proj"))]
-        why = next((p for p in parts if isinstance(p, str)), None)
+        projections = {n: projection(getattr(attn, n), f"layer {i}'s {n}") for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        projections |= {n: projection(getattr(mlp, n), f"layer {i}'s {n}") for n in ("gate_proj", "up_proj", "down_proj")}
+        norms = {"in": norm(layer.input_layernorm, f"layer {i}'s input norm")}
+        if gemma:
+            norms["mlp_in"] = norm(layer.pre_feedforward_layernorm, f"layer {i}'s pre-MLP norm")
+            norms["attn_out"] = norm(layer.post_attention_layernorm, f"layer {i}'s post-attention norm")
+            norms["mlp_out"] = norm(layer.post_feedforward_layernorm, f"layer {i}'s post-MLP norm")
+        else:
+            norms["mlp_in"] = norm(layer.post_attention_layernorm, f"layer {i}'s post-attention norm")
+        if prefix in HEAD_NORMS:
+            norms["q"], norms["k"] = norm(attn.q_norm, f"layer {i}'s q norm"), norm(attn.k_norm, f"layer {i}'s k norm")
+        why = next((p for p in (*projections.values(), *norms.values()) if isinstance(p, str)), None)
         if why:
             return None, why
+        if any(projections[n][1].numel() for n in ("gate_proj", "up_proj", "down_proj")):
+            return None, f"layer {i}'s MLP projections have biases"
         if any(getattr(m, "group_size", group) != group for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
                                                                      mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
             return None, f"layer {i}'s int4 groups differ"
-        if layer.input_layernorm.variance_epsilon != eps or layer.post_attention_layernorm.variance_epsilon != eps:
+        norm_modules = [layer.input_layernorm, layer.post_attention_layernorm]
+        norm_modules += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm] if gemma else []
+        norm_modules += [attn.q_norm, attn.k_norm] if prefix in HEAD_NORMS else []
+        if any(epsilon(m) != eps for m in norm_modules):
             return None, f"layer {i}'s norms have another epsilon"
-        tensors += parts
+        if prefix == "Mistral":  # every layer slides where the config sets a window (MistralModel's mask)
+            window = getattr(config, "sliding_window", None)
+        else:  # the layer's own (Qwen2, Qwen3, Gemma 3: sliding layers by config.layer_types)
+            window = getattr(attn, "sliding_window", None)
+            if (window is not None) != (layer_types[i] == "sliding_attention"):
+                return None, f"layer {i}'s sliding window does not match its type"
+        windows.append(int(window or 0))
+        tensors += [norms["in"], *(projections[n][0] for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                               "up_proj", "down_proj")),
+                    norms["mlp_in"], norms.get("attn_out", EMPTY), norms.get("mlp_out", EMPTY),
+                    *(projections[n][1] for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                    norms.get("q", EMPTY), norms.get("k", EMPTY)]
     final = norm(body.norm, "the final norm")
     if isinstance(final, str):
         return None, final
-    if body.norm.variance_epsilon != eps:
+    if epsilon(body.norm) != eps:
         return None, "the final norm has another epsilon"
     tensors.append(final)
     head = model.lm_head
@@ -119,16 +226,20 @@ def recognize(model: torch.nn.Module) -> tuple[dict | None, str]:
         head_group = head.group_size
     else:
         return None, f"the head is {type(head).__name__} (kernel {getattr(head, 'decode_kernel', None)}), not w8a8 or w4a8"
-    if heads * head_dim != layers[0].self_attn.o_proj.in_features or heads % kv_heads:
+    if heads * head_dim != first.o_proj.in_features or heads % kv_heads:
         return None, "the attention's head counts do not match its projections"
-    inv_freq = rotary.inv_freq.detach().float().contiguous()
-    if inv_freq.numel() != head_dim // 2:
+    kinds = sorted(tables)
+    if any(inv.numel() != head_dim // 2 for inv, _ in tables.values()):
         return None, "the rotary embedding does not cover the whole head (partial rotary)"
+    inv_freq = torch.stack([tables[k][0] for k in kinds]).contiguous()
+    softcap = getattr(config, "final_logit_softcapping", None) if gemma else None
     ints = [len(layers), heads, kv_heads, head_dim, config.hidden_size, layers[0].mlp.gate_proj.out_features,
-            group, head_group]
-    floats = [float(eps), float(first.scaling), float(getattr(rotary, "attention_scaling", 1.0))]
+            group, head_group, act, len(kinds)]
+    for window, kind in zip(windows, layer_types):
+        ints += [window, kinds.index(kind)]
+    floats = [float(eps), float(first.scaling), float(softcap or 0.0), *(tables[k][1] for k in kinds)]
     return {"tensors": tensors, "inv_freq": inv_freq, "ints": ints, "floats": floats,
-            "vocab": head.out_features}, ""
+            "vocab": head.out_features, "windows": windows}, ""
 
 
 def llama_step(parts: dict, keys: list, values: list, lengths: list = (), cls=None):
@@ -155,7 +266,8 @@ class NativeStep:
         layers = self.cache.layers
         if self._native is None or layers[0].keys is not self._keys:
             if any(type(layer).__name__ != "StaticLayer" or not layer.is_initialized for layer in layers):
-                raise RuntimeError("the native step needs a static cache whose layers the prefill has filled")
+                raise RuntimeError("the native step needs a plain static cache (plain_cache) whose layers the "
+                                   "prefill has filled")
             self._native = llama_step(self.parts, [c.keys for c in layers], [c.values for c in layers],
                                       [c.cumulative_length for c in layers])
             self._keys = layers[0].keys

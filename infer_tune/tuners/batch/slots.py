@@ -7,9 +7,10 @@ continuous scheduler of an arrival trace.
   to row b iff j <= position[b]), passed to the model as a ready 4-D mask.
 - A request is admitted into a free slot by a batch-1 prefill (eager, or with `compile_prefill` the
   lean compiled prefill, tuners/lean/prefill.py), whose cache rows are copied into the slot's row.
-- With `native_step` (Llama-family models with int4 a8 layers: infer_tune/native/step.py), the decode step
-  of rows 0..R-1 is one native call for any R and any length (its attention skips the hidden positions);
-  any other model gets the compiled step below, and `lean_native_fallback` says why.
+- With `native_step` (Llama, Mistral, Qwen2, Qwen3, Gemma 3 models with int4 a8 layers:
+  infer_tune/native/step.py), the decode step of rows 0..R-1 is one native call for any R and any length
+  (its attention skips the hidden positions); any other model gets the compiled step below, and
+  `lean_native_fallback` says why.
 - The decode step of the active slots runs as one batched forward, captured and compiled once per
   shape bucket (1, 2, 4 ... `batch_size` rows: the lowest rows up to the highest busy slot; free
   slots are always the lowest free ones) by the lean `CapturedStep` (no guards, int4 siblings
@@ -188,10 +189,11 @@ class SlotEngine:
     # ------------------------------------------------------------------ prefill into a slot
     def admit(self, slot: int, input_ids: torch.Tensor) -> torch.Tensor:
         """Prefill one prompt [1, P] into `slot`; returns the logits of its last position [V]."""
-        from transformers import StaticCache
+        from infer_tune.native.step import plain_cache
 
         length = input_ids.shape[1]
-        scratch = StaticCache(config=self.model.config, max_cache_len=length)
+        # every layer full length (a sliding-window layer's rolling buffer would hold only its window)
+        scratch = plain_cache(self.model.config, length)
         logits = self.prefill(input_ids, scratch) if self.prefill is not None else None
         if logits is None:
             logits = self.model(input_ids=input_ids, past_key_values=scratch, use_cache=True,

@@ -34,9 +34,9 @@ class LeanConfig(TechniqueConfig):
     through compiled length buckets (prefill.py); off by default: measured no faster here (docs/tune.md).
     attention: what the compiled step attends with: `native` (default: the project's decode attention,
     infer_tune/native/attention.py, where the model attends with SDPA and the kernels build) or `sdpa`.
-    native_step: the whole decode step in one native call (infer_tune/native/step.py: Llama-family models
-    whose layers are int4 with int8 activations); any other model gets the compiled (or eager) step, the
-    reason in `lean_native_fallback`."""
+    native_step: the whole decode step in one native call (infer_tune/native/step.py: Llama, Mistral, Qwen2,
+    Qwen3 and Gemma 3 models whose layers are int4 with int8 activations); any other model gets the compiled
+    (or eager) step, the reason in `lean_native_fallback`."""
 
     technique: ClassVar[str] = "lean"
 

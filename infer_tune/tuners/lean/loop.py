@@ -128,8 +128,9 @@ class LeanDecoder:
             cache = StaticCache(config=self.model.config, max_cache_len=size)
             if self._native_parts is not None:
                 from infer_tune.native.attention import NAME
-                from infer_tune.native.step import NativeStep
+                from infer_tune.native.step import NativeStep, plain_cache
 
+                cache = plain_cache(self.model.config, size)  # sliding layers full length (masked by position)
                 step = NativeStep(self.model, cache, self._native_parts)
                 self.facts["lean_step"], self.facts["lean_attention"] = "native", NAME  # step.cpp attends natively
             elif self.compile:

@@ -68,6 +68,10 @@ class CompiledPrefill:
         if entry is not None:
             return entry, False
         cache = StaticCache(config=self.model.config, max_cache_len=size)
+        if not plain_static(cache):  # a decode cache of plain layers for a sliding-window model (the native
+            from infer_tune.native.step import plain_cache  # step's): the bucket's layers are plain as well
+
+            cache = plain_cache(self.model.config, size)
         model, keep = self.model, self.keep
 
         def forward(input_ids: torch.Tensor, cache_position: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
