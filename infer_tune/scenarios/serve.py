@@ -36,7 +36,7 @@ class ServePlan:
     notes: list[str] = dataclasses.field(default_factory=list)
 
     def describe(self) -> str:
-        weights = "+".join(getattr(c, "label")() for c in self.weights) or "model weights as loaded"
+        weights = "+".join(c.label() for c in self.weights) or "model weights as loaded"
         step = "native step" if self.native_step else ("compiled step" if self.compile else "eager step")
         return f"{self.model} ({weights}), {self.slots} slot{'s' if self.slots != 1 else ''}, {step}"
 
