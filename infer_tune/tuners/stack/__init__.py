@@ -209,12 +209,12 @@ def _plots(docs: list[dict]) -> dict[str, bytes]:
 
 
 def _report_columns(doc: dict, docs: list[dict]):
-    """The lead of the part that declares one (the last in phase order: the decoding loop's, then the
-    scheduler's), read on the stack rows seen as that part's rows."""
+    """The lead of a part ranked on something other than decode speed (batch: throughput against static
+    batching), read on the stack rows seen as that part's rows; other stacks lead with the decode speedup."""
     for part in reversed((doc.get("config") or {}).get("configs") or []):
         name = part.get("technique") if isinstance(part, dict) else None
         entry = entry_named(name) if name else None
-        if entry and entry.report_columns:
+        if entry and entry.report_columns and entry.objective != "decode":
             others = [v for v in (as_part(d, name) if d.get("technique") == "stack" else d for d in docs) if v]
             return entry.report_columns(as_part(doc, name), others)
     raise ValueError("no part declares report columns")  # the report falls back to the decode speedup
