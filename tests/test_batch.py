@@ -408,3 +408,28 @@ def test_continuous_row_leads_with_intervals_against_static_of_the_same_rounds()
     assert "[" in through.text() and "static batching" in lead.vs
     other_rounds = row("static", [30.0, 31.0, 29.0, 30.0], [4000.0, 4100.0, 3900.0, 4000.0], elapsed=99.0)
     assert report_columns(cont, [other_rounds, cont]).figures[0].ci95 is None
+
+
+def test_stacked_batch_rows_get_the_batch_claim_plots_and_lead():
+    """Static and continuous batch parts of two stacks (int4 weights + the slot engine, as the quick recipe's
+    batching stage runs them) are judged like batch rows: the same claim, figures and report lead."""
+    from infer_tune.tuners.base import entry_named
+
+    fast, short = [1.8, 1.9, 1.85, 1.75, 1.8], [0.40, 0.45, 0.42, 0.41, 0.43]
+    static_m, continuous_m = _claim_rows(fast, short)
+    quantize = {"technique": "quantize", "method": "int4-rtn", "activations": "int8"}
+
+    def stack(scheduler, metrics, run_id):
+        batch = {"technique": "batch", "scheduler": scheduler, "rate": 2.0, "batch_size": 4, "burstiness": 1.0,
+                 "requests": 8, "seed": 0, "engine": "lean", "native_step": True}
+        return {"run_id": run_id, "technique": "stack", "config": {"kind": "StackConfig", "configs": [quantize, batch]},
+                "metrics": metrics}
+
+    docs = [stack("static", static_m, "s"), stack("continuous", continuous_m, "c")]
+    entry = entry_named("stack")
+    plain = analysis.summarize([{"config": {"scheduler": "static", "rate": 2.0}, "metrics": static_m},
+                                {"config": {"scheduler": "continuous", "rate": 2.0}, "metrics": continuous_m}])
+    assert entry.summarize(docs) == plain and plain["verdict"] == "held"
+    lead = entry.report_columns(docs[1], docs)
+    assert lead.vs.startswith("static batching at the same rate") and lead.figures[0].name == "throughput"
+    assert entry.summarize([{"run_id": "q", "technique": "stack", "config": {"configs": [quantize]}, "metrics": {}}]) is None

@@ -23,6 +23,7 @@ from infer_tune.cli import experts as experts_cmd
 from infer_tune.cli import kv_cache as kv_cache_cmd
 from infer_tune.cli import leaderboard as leaderboard_cmd
 from infer_tune.cli import quantize as quantize_cmd
+from infer_tune.cli import serve as serve_cmd
 from infer_tune.cli import speculate as speculate_cmd
 from infer_tune.cli import tune as tune_cmd
 from infer_tune.errors import InferTuneError
@@ -137,6 +138,7 @@ app.add_typer(endpoint_cmd.app, name="endpoint")
 app.add_typer(experts_cmd.app, name="experts")
 app.command("tune")(tune_cmd.tune)
 app.add_typer(speculate_cmd.app, name="speculate")
+app.command("serve")(serve_cmd.serve)
 
 
 def main() -> None:

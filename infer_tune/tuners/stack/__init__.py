@@ -167,7 +167,62 @@ def _finalize(config: StackConfig, doc: dict, outputs: list[dict], prepared: Pre
     return files or None
 
 
-@register_technique(StackConfig, resolve=_resolve, preflight=_preflight, finalize=_finalize,
+def as_part(doc: dict, name: str) -> dict | None:
+    """The stack row seen as a row of its part `name` (its technique and its config; the same metrics
+    object), so the part's sweep-level hooks read it like one of their own; None without such a part."""
+    for part in (doc.get("config") or {}).get("configs") or []:
+        if isinstance(part, dict) and part.get("technique") == name:
+            return {**doc, "technique": name, "config": {k: v for k, v in part.items() if k != "technique"}}
+    return None
+
+
+def _by_part(docs: list[dict]) -> dict[str, list[dict]]:
+    """Part technique name -> the stack rows holding that part, each seen as the part's row."""
+    out: dict[str, list[dict]] = {}
+    for doc in docs:
+        for part in (doc.get("config") or {}).get("configs") or []:
+            name = part.get("technique") if isinstance(part, dict) else None
+            view = as_part(doc, name) if name else None
+            if view is not None:
+                out.setdefault(name, []).append(view)
+    return out
+
+
+def _summarize(docs: list[dict]) -> dict | None:
+    """A part's claim over the stack rows that hold it (batch: static vs continuous stacks on one trace):
+    the first part, in phase order, whose `summarize` judges one."""
+    for name, views in _by_part(docs).items():
+        entry = entry_named(name)
+        claim = entry.summarize(views) if entry and entry.summarize else None
+        if claim is not None:
+            return claim
+    return None
+
+
+def _plots(docs: list[dict]) -> dict[str, bytes]:
+    """Every part's own figures over the stack rows that hold it."""
+    files: dict[str, bytes] = {}
+    for name, views in _by_part(docs).items():
+        entry = entry_named(name)
+        if entry and entry.plots:
+            files.update(entry.plots(views) or {})
+    return files
+
+
+def _report_columns(doc: dict, docs: list[dict]):
+    """The lead of a part ranked on something other than decode speed (batch: throughput against static
+    batching), read on the stack rows seen as that part's rows; other stacks lead with the decode speedup."""
+    for part in reversed((doc.get("config") or {}).get("configs") or []):
+        name = part.get("technique") if isinstance(part, dict) else None
+        entry = entry_named(name) if name else None
+        if entry and entry.report_columns and entry.objective != "decode":
+            others = [v for v in (as_part(d, name) if d.get("technique") == "stack" else d for d in docs) if v]
+            return entry.report_columns(as_part(doc, name), others)
+    raise ValueError("no part declares report columns")  # the report falls back to the decode speedup
+
+
+@register_technique(StackConfig, resolve=_resolve, preflight=_preflight, finalize=_finalize, summarize=_summarize,
+                    plots=_plots, report_columns=_report_columns,
                     tune=Tuning(compose=lambda parts: StackConfig(configs=list(parts))))
 def prepare_stack(loaded: LoadedModel, config: StackConfig, ctx: RunContext) -> PreparedModel:
     """Prepare each part on the previous part's model, in phase order, and merge what they hand the runner."""

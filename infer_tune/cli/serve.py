@@ -1,0 +1,73 @@
+"""`infer-tune serve`: a recipe's configuration (or a model and a quantization method) behind an
+OpenAI-compatible HTTP server on loopback (docs/endpoint.md, "Serving")."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from infer_tune.cli import options as opt
+from infer_tune.cli import output
+from infer_tune.errors import ConfigError
+
+
+def serve(
+    recipe: Annotated[str | None, typer.Option("--recipe", "-r", help="Recipe or recommended.yaml whose config to serve.")] = None,
+    config_index: Annotated[int | None, typer.Option("--config", help="Which of the recipe's configs (0-based), when it has several.")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="The model (with --method; with --recipe it replaces the recipe's).")] = None,
+    method: Annotated[str | None, typer.Option("--method", help="Quantization method without a recipe (bf16, int8-dynamic, int4-rtn, ...).")] = None,
+    activations: Annotated[str, typer.Option("--activations", help="With --method int4-*: bf16 or int8 (the w4a8 kernels).")] = "bf16",
+    slots: Annotated[int | None, typer.Option("--slots", help="Requests decoded together (default: the config's batch size; 1 for a lean config; else 4).")] = None,
+    native_step: Annotated[bool | None, typer.Option("--native-step/--no-native-step", help="The decode step in one native call (int4 a8 Llama models).")] = None,
+    compile: Annotated[bool | None, typer.Option("--compile/--no-compile", help="Compile the batched decode step (default on; the native step needs none).")] = None,
+    context: Annotated[int | None, typer.Option("--context", help="Cache positions per slot (prompt + output; default min(2048, the model's)).")] = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port (0: a free one, printed when ready).")] = 8000,
+    max_waiting: Annotated[int, typer.Option("--max-waiting", help="Requests that may wait for a slot; more get HTTP 503.")] = 256,
+    threads: opt.Threads = None,
+    debug: opt.Debug = False,
+) -> None:
+    """Serve a configuration over HTTP (OpenAI-compatible: /v1/chat/completions, /v1/completions, streaming,
+    usage; /v1/models, /health) with the slot engine; stops cleanly on Ctrl-C or SIGTERM.
+
+    Example: infer-tune serve --recipe runs/x/recommended.yaml --port 8000
+    Example: infer-tune serve --model smollm2-135m --method int4-rtn --activations int8 --native-step --slots 4
+    """
+    from infer_tune.scenarios import serve as scenario
+
+    if (recipe is None) == (method is None):
+        raise ConfigError("give --recipe (a recipe or recommended.yaml) or --method (with --model), not both")
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port must be 0 .. 65535, got {port}")
+    if slots is not None and slots < 1:
+        raise ConfigError(f"--slots must be >= 1, got {slots}")
+    if max_waiting < 1:
+        raise ConfigError(f"--max-waiting must be >= 1, got {max_waiting}")
+    if recipe is not None:
+        plan = scenario.plan_from_recipe(recipe, config_index, model)
+    else:
+        if model is None:
+            raise ConfigError("--method needs --model")
+        plan = scenario.plan_from_method(model, method, activations)
+    if slots is not None:
+        plan.slots = slots
+    if native_step is not None:
+        plan.native_step = native_step
+    if compile is not None:
+        plan.compile = compile
+    for note in plan.notes:
+        output.warn(note)
+    output.err.print(f"loading {plan.describe()} ...", markup=False, highlight=False)
+    served = scenario.build(plan, threads=threads, max_context=context, max_waiting=max_waiting)
+    fallback = served.facts.get("lean_native_fallback")
+    if fallback:
+        output.warn(f"native step not used: {fallback}")
+
+    def ready(url: str) -> None:
+        output.err.print(f"warmed in {served.warm_s:.1f} s; serving {served.served_model} at {url} "
+                         f"(Ctrl-C stops)", markup=False, highlight=False)
+        print(f"READY {url}", flush=True)
+
+    scenario.serve(served, host, port, ready)
+    output.err.print(f"stopped after {served.engine.served} requests", markup=False, highlight=False)

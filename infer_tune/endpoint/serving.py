@@ -1,0 +1,285 @@
+"""`infer-tune serve`'s HTTP side: an OpenAI-compatible server (aiohttp) in front of the slot engine
+(infer_tune/tuners/batch/serving.py). docs/endpoint.md, "Serving".
+
+Routes: `POST /v1/chat/completions` (the messages rendered with the model's chat template, as the
+in-process runs render a prompt), `POST /v1/completions` (the prompt text, or a list of token ids, encoded
+as the in-process runs encode a prompt without a template), both streaming (server-sent events, one
+`data:` event per token that adds text, a last event with `finish_reason`, `[DONE]`) or not; `usage`
+(prompt_tokens, completion_tokens, total_tokens) in every non-streaming answer and, with
+`stream_options.include_usage`, in a last streamed chunk with no choices; `GET /v1/models`, `GET /health`.
+
+Greedy decoding only: `temperature` must be 0 or absent (a sampling request is refused, not silently
+decoded greedily), `n` 1. `ignore_eos: true` (the llama.cpp / vLLM extension) decodes past
+end-of-sequence up to `max_tokens`; without `max_tokens`, a request decodes until end-of-sequence or its
+slot's cache is full. Bad requests get HTTP 400 with `{"error": {"message", "type", "code"}}`: a body that
+is not a JSON object, a missing or malformed field, a prompt longer than the context; an unknown model
+404; a body over `MAX_BODY_BYTES` 413; a full queue 503. Streamed text is the decoded text of all tokens
+so far minus what was sent (held back while it ends in an incomplete character), so the concatenated
+deltas equal the decoded output exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import queue
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+
+MAX_BODY_BYTES = 1 << 20
+MAX_MESSAGES = 1024
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+@dataclass
+class Parsed:
+    chat: bool
+    ids: list[int]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error"):
+    from aiohttp import web
+
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+class OpenAIServer:
+    """The routes over one `LiveSlots` engine, its tokenizer and the model name it serves."""
+
+    def __init__(self, engine, tokenizer, served_model: str, *, max_waiting: int = 256) -> None:
+        self.engine, self.tokenizer, self.served_model = engine, tokenizer, served_model
+        self.max_waiting = max_waiting
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ requests
+    def encode(self, body: dict, chat: bool) -> list[int]:
+        tok = self.tokenizer
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
+                raise BadRequest(f"'messages' must be a non-empty list of at most {MAX_MESSAGES} messages")
+            clean = []
+            for i, m in enumerate(messages):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise BadRequest(f"messages[{i}] must be an object with string 'role' and 'content'")
+                clean.append({"role": m["role"], "content": m["content"]})
+            if not getattr(tok, "chat_template", None):
+                raise BadRequest("this model has no chat template: use /v1/completions")
+            try:
+                text = tok.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
+            except Exception as exc:  # noqa: BLE001 (a template that refuses these messages: the client's input)
+                raise BadRequest(f"the chat template refused these messages: {str(exc).splitlines()[0]}") from None
+            return list(tok(text, add_special_tokens=False)["input_ids"])
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise BadRequest("'prompt' is empty")
+            return list(tok(prompt)["input_ids"])
+        vocab = len(tok)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                       for t in prompt):
+            return list(prompt)
+        raise BadRequest("'prompt' must be a string or a non-empty list of token ids (one prompt per request)")
+
+    def parse(self, raw: bytes, chat: bool) -> Parsed:
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"the body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.served_model:
+            raise BadRequest(f"the model `{model}` does not exist; this server serves `{self.served_model}`", 404,
+                             "model_not_found")
+        temperature = body.get("temperature")
+        if temperature is not None and (not isinstance(temperature, (int, float)) or isinstance(temperature, bool)
+                                        or temperature != 0):
+            raise BadRequest("this server decodes greedily: 'temperature' must be 0 or absent")
+        if body.get("n", 1) != 1:
+            raise BadRequest("'n' must be 1")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise BadRequest("'stream' must be true or false")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise BadRequest("'stream_options' must be an object")
+        ignore_eos = body.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise BadRequest("'ignore_eos' must be true or false")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+            raise BadRequest("'max_tokens' must be an integer >= 1")
+        ids = self.encode(body, chat)
+        room = self.engine.limit(len(ids), max_tokens or self.engine.max_context)
+        if room < 1:
+            raise BadRequest(f"the prompt is {len(ids)} tokens; this server's context is {self.engine.max_context}")
+        return Parsed(chat, ids, room, stream, bool(options.get("include_usage")), ignore_eos)
+
+    # ------------------------------------------------------------------ routes
+    async def models(self, request):
+        from aiohttp import web
+
+        return web.json_response({"object": "list", "data": [
+            {"id": self.served_model, "object": "model", "created": self.created, "owned_by": "infer-tune"}]})
+
+    async def health(self, request):
+        from aiohttp import web
+
+        if not self.engine.alive:
+            return _error(503, "the engine is not serving", "unavailable")
+        return web.json_response({"status": "ok"})
+
+    async def chat(self, request):
+        return await self.complete(request, chat=True)
+
+    async def completions(self, request):
+        return await self.complete(request, chat=False)
+
+    async def complete(self, request, chat: bool):
+        from aiohttp import web
+
+        from infer_tune.tuners.batch.serving import EngineStopped, LiveRequest
+
+        try:
+            raw = await request.read()
+            parsed = self.parse(raw, chat)
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"the body is over {MAX_BODY_BYTES} bytes")
+        except BadRequest as exc:
+            return _error(exc.status, str(exc), exc.kind)
+        loop = asyncio.get_running_loop()
+        tokens: asyncio.Queue = asyncio.Queue()
+
+        def emit(token, finish) -> None:  # on the engine thread
+            loop.call_soon_threadsafe(tokens.put_nowait, (token, finish))
+
+        live = LiveRequest(ids=parsed.ids, max_tokens=parsed.max_tokens, emit=emit, ignore_eos=parsed.ignore_eos)
+        try:
+            self.engine.submit(live)
+        except queue.Full:
+            return _error(503, f"{self.max_waiting} requests are waiting; try again later", "overloaded")
+        except EngineStopped as exc:
+            return _error(503, str(exc), "unavailable")
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        try:
+            if parsed.stream:
+                return await self.stream(request, parsed, rid, tokens)
+            return await self.whole(parsed, rid, tokens)
+        finally:
+            live.cancelled = True  # a client that left frees its slot at the next step
+
+    def _usage(self, parsed: Parsed, n: int) -> dict:
+        return {"prompt_tokens": len(parsed.ids), "completion_tokens": n, "total_tokens": len(parsed.ids) + n}
+
+    async def whole(self, parsed: Parsed, rid: str, tokens: asyncio.Queue):
+        from aiohttp import web
+
+        out: list[int] = []
+        while True:
+            token, finish = await tokens.get()
+            if token is not None:
+                out.append(token)
+            if finish is not None:
+                break
+        if finish in ("abort", "error"):
+            return _error(503 if finish == "abort" else 500, f"the request ended early ({finish})", "unavailable")
+        text = self.tokenizer.decode(out, skip_special_tokens=True)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+                  if parsed.chat else {"index": 0, "text": text, "finish_reason": finish})
+        return web.json_response({"id": rid, "object": "chat.completion" if parsed.chat else "text_completion",
+                                  "created": int(time.time()), "model": self.served_model, "choices": [choice],
+                                  "usage": self._usage(parsed, len(out))})
+
+    async def stream(self, request, parsed: Parsed, rid: str, tokens: asyncio.Queue):
+        from aiohttp import web
+
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        base = {"id": rid, "object": "chat.completion.chunk" if parsed.chat else "text_completion",
+                "created": int(time.time()), "model": self.served_model}
+
+        def event(obj) -> bytes:
+            return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+        def choice(text: str, finish=None, role: bool = False) -> dict:
+            if parsed.chat:
+                delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+                return {"index": 0, "delta": delta, "finish_reason": finish}
+            return {"index": 0, "text": text, "finish_reason": finish}
+
+        if parsed.chat:
+            await response.write(event({**base, "choices": [choice("", role=True)]}))
+        out: list[int] = []
+        sent = ""
+        while True:
+            token, finish = await tokens.get()
+            if token is not None:
+                out.append(token)
+            text = self.tokenizer.decode(out, skip_special_tokens=True)
+            if finish is None and (text.endswith("\ufffd") or not text.startswith(sent)):
+                continue  # an incomplete character (or a re-spelled prefix): wait for the next token
+            delta, sent = (text[len(sent):] if text.startswith(sent) else ""), text
+            if finish in ("abort", "error"):
+                await response.write(event({"error": {"message": f"the request ended early ({finish})",
+                                                      "type": "unavailable", "code": 503}}))
+                break
+            if delta:
+                await response.write(event({**base, "choices": [choice(delta)]}))
+            if finish is not None:
+                await response.write(event({**base, "choices": [choice("", finish)]}))
+                if parsed.include_usage:
+                    await response.write(event({**base, "choices": [], "usage": self._usage(parsed, len(out))}))
+                break
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def app(self):
+        from aiohttp import web
+
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.add_routes([web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
+                        web.get("/v1/models", self.models), web.get("/health", self.health),
+                        web.get("/v1/health", self.health)])
+        return app
+
+
+async def serve_until_signal(server: OpenAIServer, host: str, port: int, ready) -> None:
+    """Listen on host:port (0: a free port), call `ready(url)`, serve until SIGINT or SIGTERM, then stop
+    accepting, end open requests (their streams get an error event) and stop the engine."""
+    from aiohttp import web
+
+    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, shutdown_timeout=5.0)
+    await site.start()
+    bound = runner.addresses[0]
+    shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    ready(f"http://{shown}:{bound[1]}/v1")
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(sig)
+        await asyncio.get_running_loop().run_in_executor(None, server.engine.stop)
+        await runner.cleanup()

@@ -1,0 +1,202 @@
+"""The slot engine (slots.py) fed by live requests: what `infer-tune serve` runs (docs/endpoint.md, "Serving").
+
+`LiveSlots` owns one `SlotEngine` and a thread that runs the continuous policy of `SlotBatcher` on requests
+as they come: before every decode step the waiting requests are admitted into the free slots (a batch-1
+prefill each, whose greedy token is the request's first), then one batched step decodes a token for every
+busy slot (rows 0 .. the highest busy one). A request ends at end-of-sequence (unless `ignore_eos`), at its
+`max_tokens`, or when its slot's cache is full (`finish_reason` `length`). Tokens go to the request's
+`emit(token, finish_reason)` callback on the engine thread, which must return at once (the server hands
+them to its event loop). Greedy decoding only: a request's tokens are the ones this engine decodes for its
+prompt alone (`alone`), whichever requests share its steps (the row kernels of `prepare_model`).
+
+Every step bucket (and, compiled, every length bucket) is built and run once in `warm()`, before the
+first request, so no compile happens inside a request.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from infer_tune.tuners.batch.slots import SlotEngine, greedy, rows_for, step_buckets
+
+Emit = Callable[[int | None, str | None], None]
+
+
+@dataclass
+class LiveRequest:
+    """One request: its prompt ids, how many tokens at most, and where its tokens go."""
+
+    ids: list[int]
+    max_tokens: int
+    emit: Emit
+    ignore_eos: bool = False
+    cancelled: bool = False
+    tokens: list[int] = field(default_factory=list)
+    submitted_ns: int = 0
+
+
+class EngineStopped(RuntimeError):
+    """The engine is stopping (or its thread failed): no new requests."""
+
+
+class LiveSlots:
+    """A `SlotEngine` serving requests submitted from any thread (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, eos: list[int], *, slots: int, max_context: int, compile: bool = True,
+                 compile_prefill: bool = False, every_bucket: bool = True, native_step: bool = False,
+                 max_waiting: int = 256) -> None:
+        self.model, self.eos, self.slots, self.max_context = model, set(eos), slots, max_context
+        self.every_bucket, self.max_waiting = every_bucket, max_waiting
+        self.engine = SlotEngine(model, slots, max_context, compile=compile, compile_prefill=compile_prefill,
+                                 every_bucket=every_bucket, native_step=native_step)
+        self._inbox: queue.Queue[LiveRequest] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None
+        self.served = 0
+        self.steps = 0
+
+    # ------------------------------------------------------------------ before serving
+    def warm(self, prompt: list[int]) -> float:
+        """Prefill `prompt` once and run every step bucket (every length bucket when compiled); seconds taken."""
+        started = time.perf_counter()
+        engine = self.engine
+        with torch.inference_mode():
+            engine.admit(0, torch.tensor([prompt], dtype=torch.long))
+            lengths, calls = (engine.lengths[:1], 1) if engine.native else (engine.lengths, 3 if engine.compile else 1)
+            for rows in step_buckets(self.slots, self.every_bucket):
+                for length in lengths:
+                    for _ in range(calls):
+                        engine.step(rows, torch.zeros(rows, dtype=torch.long), length)
+        engine.positions.zero_()
+        return time.perf_counter() - started
+
+    def alone(self, prompt: list[int], max_tokens: int, ignore_eos: bool = False) -> list[int]:
+        """The tokens this engine decodes for `prompt` alone (slot 0, the smallest step bucket); call only
+        while the engine thread is not running (tests, and the single-request references of a bench)."""
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("alone() runs the engine in this thread: stop serving first")
+        engine = self.engine
+        rows = rows_for(0, self.slots, self.every_bucket)
+        limit = self.limit(len(prompt), max_tokens)
+        with torch.inference_mode():
+            engine.positions.zero_()
+            tokens = [int(greedy(engine.admit(0, torch.tensor([prompt], dtype=torch.long))[None])[0])]
+            step_in = torch.zeros(rows, dtype=torch.long)
+            while (ignore_eos or tokens[-1] not in self.eos) and len(tokens) < limit:
+                step_in[0] = tokens[-1]
+                tokens.append(int(greedy(engine.step(rows, step_in))[0]))
+        engine.positions.zero_()
+        return tokens
+
+    def limit(self, prompt_tokens: int, max_tokens: int) -> int:
+        """Most tokens a request of `prompt_tokens` may decode: `max_tokens`, and what its slot's cache holds."""
+        return max(0, min(max_tokens, self.max_context - prompt_tokens))
+
+    # ------------------------------------------------------------------ serving
+    def start(self) -> LiveSlots:
+        self._thread = threading.Thread(target=self._run, name="infer-tune slots", daemon=True)
+        self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.failure is None
+
+    def submit(self, request: LiveRequest) -> None:
+        """Queue a request (any thread). Raises EngineStopped when the engine no longer serves, and
+        queue.Full when `max_waiting` requests already wait."""
+        if self._stop.is_set() or not self.alive:
+            raise EngineStopped("the engine is not serving" + (f": {self.failure}" if self.failure else ""))
+        if self._inbox.qsize() >= self.max_waiting:
+            raise queue.Full
+        request.submitted_ns = time.perf_counter_ns()
+        self._inbox.put(request)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop after the current step; requests still waiting or decoding end with finish_reason `abort`."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        waiting: deque[LiveRequest] = deque()
+        busy: list[LiveRequest | None] = [None] * self.slots
+        try:
+            with torch.inference_mode():
+                self._loop(waiting, busy)
+        except BaseException as exc:  # noqa: BLE001 (the thread's failure is reported to every request)
+            self.failure = exc
+        finally:
+            reason = "error" if self.failure is not None else "abort"
+            for request in [*waiting, *(r for r in busy if r is not None), *self._drain()]:
+                request.emit(None, reason)
+
+    def _drain(self) -> list[LiveRequest]:
+        out = []
+        while True:
+            try:
+                out.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _loop(self, waiting: deque[LiveRequest], busy: list[LiveRequest | None]) -> None:
+        engine, size = self.engine, self.slots
+        nxt = torch.zeros(size, dtype=torch.long)
+
+        def emit(slot: int, token: int) -> None:
+            request = busy[slot]
+            request.tokens.append(token)
+            n = len(request.tokens)
+            if token in self.eos and not request.ignore_eos:
+                finish = "stop"
+            elif n >= request.max_tokens or int(engine.positions[slot]) >= self.max_context:
+                finish = "length"
+            else:
+                finish = None
+            request.emit(token, finish)
+            if finish is not None:
+                busy[slot] = None
+                self.served += 1
+            else:
+                nxt[slot] = token
+
+        while not self._stop.is_set():
+            idle = all(r is None for r in busy)
+            if idle and not waiting:
+                try:  # nothing to do: wait for a request (bounded, so a stop is seen)
+                    waiting.append(self._inbox.get(timeout=0.1))
+                except queue.Empty:
+                    continue
+            waiting.extend(self._drain())
+            for slot in range(size):
+                while busy[slot] is None and waiting:
+                    request = waiting.popleft()
+                    if request.cancelled:
+                        request.emit(None, "abort")
+                        continue
+                    busy[slot] = request
+                    logits = engine.admit(slot, torch.tensor([request.ids], dtype=torch.long))
+                    emit(slot, int(greedy(logits[None])[0]))
+            for slot in range(size):
+                if busy[slot] is not None and busy[slot].cancelled:
+                    busy[slot].emit(None, "abort")
+                    busy[slot] = None
+            active = [s for s in range(size) if busy[s] is not None]
+            if not active:
+                continue
+            rows = rows_for(active[-1], size, self.every_bucket)
+            picks = greedy(engine.step(rows, nxt[:rows])).tolist()
+            self.steps += 1
+            for slot in active:
+                emit(slot, picks[slot])
+            free = [slot for slot in range(rows) if busy[slot] is None]
+            if free:  # a free row's write position stays inside its row (it writes harmlessly at 0)
+                engine.positions[free] = 0
