@@ -22,8 +22,10 @@
    interval; candidates overlapping it are measured again together in shared rounds while the budget
    allows, and a winner still not separated is said so), else the baseline; a recipe that reproduces
    it (`bench --recipe`), its quantized weights copied out of the scratch area, and whether it beat
-   llama.cpp on the same GGUF (a reference row, measured after the search when it is installed and the
-   model came from a GGUF). The leader after every measurement is kept (`TuneOutcome.leaders`): the winner was
+   llama.cpp at its best (a reference row measured after the search, `_reference`: the checkpoint the
+   search quantized made into Q4_0, Q4_K_M and Q8_0 GGUFs by the pinned llama.cpp build, the fastest of
+   them by llama-bench at the workload's prompt lengths, served by its llama-server; without that build,
+   llama-cpp-python on the GGUF the model came from, said so in the notes). The leader after every measurement is kept (`TuneOutcome.leaders`): the winner was
    found when it became the leader for good (`winner_found_s`).
 """
 
@@ -447,22 +449,66 @@ def _apply(cand: Candidate, verdict) -> None:
 
 
 def _reference(run, spec: RunSpec, tune: TuneSpec, ctx) -> tuple[dict | None, list[str]]:
-    """llama.cpp on the same GGUF, measured like every row (None, with why, when it cannot run here)."""
+    """llama.cpp at its best on this host, measured like every row (None, with why, when it cannot run here).
+
+    With the pinned build (scripts/build-llama-cpp.sh): the fastest of Q4_0 / Q4_K_M / Q8_0 made from the
+    checkpoint the search quantized (engines/llamacpp.best, at the workload's prompt lengths and new tokens,
+    the shipped GGUF timed beside them for the record), served by llama-server. Without it: the GGUF the
+    model came from (SmolLM2's shipped Q4_1) through llama-cpp-python, and a note saying it is not the best."""
     if not tune.reference:
         return None, []
+    from infer_tune.engines import llamacpp as engine
     from infer_tune.tuners import llamacpp
 
-    if not llamacpp.available():
-        return None, ["llama.cpp reference not measured: llama-cpp-python is not installed "
-                      "(pip install 'infer-tune[llamacpp]')"]
-    config = llamacpp.LlamaCppConfig()
+    notes: list[str] = []
+    config = None
+    missing = engine.missing_tools(("llama-server", "llama-quantize", "llama-bench"))
+    if missing:
+        notes.append(f"llama.cpp reference not at its fastest format: {', '.join(missing)} not built "
+                     f"({engine.BUILD_HINT}); it runs the GGUF the model came from")
+    else:
+        try:
+            chosen = fastest_reference(run, spec, ctx)
+            ctx.cache["llamacpp_best"] = chosen.to_dict()
+            config = llamacpp.LlamaCppConfig(gguf=str(chosen.gguf), engine="server")
+            timing = chosen.timing()
+            notes.append(f"llama.cpp reference: {chosen.format} is the fastest of "
+                         f"{', '.join(t.format for t in chosen.timings)} here by llama-bench "
+                         f"({timing.decode_tok_s:.1f} tok/s decode, commit {chosen.llama_cpp.get('commit')})")
+        except InferTuneError as exc:
+            notes.append(f"llama.cpp's fastest format not chosen: {exc}; the reference runs the GGUF the model came from")
+    if config is None:
+        if not llamacpp.runnable():
+            return None, notes + ["llama.cpp reference not measured: neither llama.cpp's llama-server "
+                                  f"({engine.BUILD_HINT}) nor llama-cpp-python (pip install 'infer-tune[llamacpp]') "
+                                  "is here"]
+        config = llamacpp.LlamaCppConfig()
     try:
         llamacpp.gguf_for(run.loaded, config)
         _, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol, [config], ctx,
                               resume=spec.resume, reuse_baseline=True, measure_ppl=False)
     except InferTuneError as exc:
-        return None, [f"llama.cpp reference not measured: {exc}"]
-    return docs[0], []
+        return None, notes + [f"llama.cpp reference not measured: {exc}"]
+    return docs[0], notes
+
+
+def fastest_reference(run, spec: RunSpec, ctx):
+    """engines/llamacpp.best for this run: its checkpoint, the workload's prompt lengths (tokens, as the
+    runner sends them) and new tokens, the run's threads; the GGUF the model came from timed beside."""
+    from infer_tune.engines import llamacpp as engine
+    from infer_tune.tuners import llamacpp
+
+    tokenizer = run.loaded.tokenizer
+    counts = [len(tokenizer(text, add_special_tokens=not run.inputs.templated)["input_ids"])
+              for text in run.inputs.rendered]
+    extra = {}
+    try:
+        shipped = llamacpp.gguf_for(run.loaded, llamacpp.LlamaCppConfig())
+        extra[f"{shipped.stem} (shipped)"] = shipped
+    except InferTuneError:
+        pass
+    return engine.best(run.loaded.path, engine.prompt_lengths(counts), spec.workload.max_new_tokens, ctx.threads,
+                       extra=extra)
 
 
 def versus_reference(winner: dict, reference: dict | None) -> dict | None:
@@ -478,7 +524,9 @@ def versus_reference(winner: dict, reference: dict | None) -> dict | None:
             "ttft_ms": ttft_ours, "reference_ttft_ms": ttft_theirs, "ttft_ratio": ttft_ratio,
             "beat_decode": decode_ratio is not None and decode_ratio >= 1.0,
             "ttft_within_2x": ttft_ratio is not None and ttft_ratio <= 2.0,
-            "reference_bleu_drift": reference["metrics"].get("bleu_drift")}
+            "reference_bleu_drift": reference["metrics"].get("bleu_drift"),
+            "reference_format": reference["metrics"].get("gguf_format"),
+            "reference_llama_cpp": reference["metrics"].get("llama_cpp")}
 
 
 def _copy_weights(winner: dict, tune_dir: Path) -> Path | None:
