@@ -1,6 +1,10 @@
 """Serving under load, one seeded trace, two engines: infer-tune's batched stack (int4 weights + the lean slot
 engine: static per-slot cache, compiled prefill buckets, compiled batched decode step; docs/batch.md) and
-llama.cpp's own C++ server with as many parallel slots, on the model's own GGUF (docs/endpoint.md).
+llama.cpp's own C++ server with as many parallel slots, on `--gguf` (docs/endpoint.md): `best` (the default)
+is the fastest of Q4_0 / Q4_K_M / Q8_0 made from the same checkpoint by the pinned llama.cpp build, timed by
+llama-bench at the trace prompts' lengths and --max-new-tokens first (infer_tune/engines/llamacpp.py; the
+line printed says which, with every format's figures and the commit); `shipped` is the model's own GGUF
+(SmolLM2's Q4_1, llama.cpp's slowest 4-bit path on x86).
 
 By default the slot engine compiles one graph (the step over all slots; prefill eager), which bounds the
 compile time on a busy host; `--step-buckets all --compiled-prefill` runs the whole engine.
@@ -21,7 +25,7 @@ sharing a state file; the table is printed from whatever the state holds:
     flock /tmp/infer-tune-cpu.lock python bench/serving_vs_llamacpp.py --phase llama.cpp --threads 2
     python bench/serving_vs_llamacpp.py --phase table
 
-llama.cpp's server is built by scripts/build-llama-server.sh. Not a test: read the table of one run.
+llama.cpp's server is built by scripts/build-llama-cpp.sh. Not a test: read the table of one run.
 """
 
 from __future__ import annotations
@@ -114,6 +118,22 @@ def phase_infer_tune(args, state: dict) -> None:
             measure(scheduler, rate)
 
 
+def reference_gguf(args, spec: RunSpec) -> Path:
+    """The GGUF llama-server serves (`--gguf`), chosen at the trace prompts' own lengths; printed and kept in
+    the state with the record."""
+    from infer_tune.engines import llamacpp as engine
+    from infer_tune.scenarios.endpoint import load_tokenizer
+    from infer_tune.workload import load_prompts
+
+    tokenizer = load_tokenizer(args.model)
+    counts = [min(len(tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True, return_dict=True)["input_ids"]),
+                  args.max_prompt_tokens) for p in load_prompts(spec.workload)]
+    gguf, chosen = engine.reference_gguf(args.model, args.gguf, engine.prompt_lengths(counts), args.max_new_tokens,
+                                         args.threads or 1)
+    print(f"llama.cpp reference: {engine.describe(gguf, chosen)}", flush=True)
+    return gguf
+
+
 class LlamaSide:
     """llama.cpp's server with `--batch` parallel slots, replaying the traces infer-tune measured."""
 
@@ -125,7 +145,8 @@ class LlamaSide:
 
         self.args, self.state, self.spec = args, state, spec_of(args)
         self.slo = SLO(ttft_ms=args.slo_ttft, tpot_ms=args.slo_tpot).to_dict()
-        server = stack.enter_context(local_server("llama.cpp", args.model, threads=args.threads, parallel=args.batch))
+        gguf = reference_gguf(args, self.spec)
+        server = stack.enter_context(local_server("llama.cpp", str(gguf), threads=args.threads, parallel=args.batch))
         config = EndpointConfig(url=server.url, served_model=server.served_model, api="chat", ignore_eos=True,
                                 concurrency=max(64, args.requests), label=f"llama.cpp server x{args.batch}")
         self.run = open_endpoint(self.spec, config, model_given=True)
@@ -252,6 +273,8 @@ def main() -> None:
     p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[2.0, 4.0, 8.0])
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--gguf", default="best",
+                   help="llama-server's GGUF: best (fastest of q4_0 / q4_k_m / q8_0 here), shipped, a type, or a path")
     p.add_argument("--schedulers", default="continuous")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-prompt-tokens", type=int, default=256)

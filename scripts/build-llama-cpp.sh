@@ -117,7 +117,8 @@ fi
 "$PYTHON" - "$INFO" "$VERSION" "$STAMP" "$SRC" "$version" "$system_info" $TARGETS <<'PY'
 import json, os, re, sys, time
 path, version, flags, source, line, system_info, *tools = sys.argv[1:]
-m = re.search(r"version:\s*(\d+)\s*\(([0-9a-fA-F]+|unknown)\)", line)
+m = (re.search(r"version:.*\(build\s+(\d+),\s*commit\s+([0-9a-fA-F]+|unknown)\)", line)
+     or re.search(r"version:\s*(\d+)\s*\(([0-9a-fA-F]+|unknown)\)", line))
 try:
     old = json.load(open(path))
 except (OSError, ValueError):

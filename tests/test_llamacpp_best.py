@@ -84,12 +84,14 @@ def _script(path: Path, body: str) -> Path:
 @pytest.fixture()
 def fake_tools(tmp_path, monkeypatch):
     """Stand-in llama-quantize (copies, logs its argv), llama-bench (prints JSON where Q4_K_M is fastest,
-    logs its argv), a source folder whose convert_hf_to_gguf.py writes a file, and the build's record."""
-    home = Path(os.environ["INFER_TUNE_HOME"])
+    logs its argv), a source folder whose convert_hf_to_gguf.py writes a file, and the build's record, in a
+    home of their own (the test home links the real bin/ folder: nothing may be written through it)."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("INFER_TUNE_HOME", str(home))
     log = tmp_path / "calls.log"
     tools = tmp_path / "tools"
     tools.mkdir()
-    quantize = _script(tools / "llama-quantize", f'echo "quantize $*" >> {log}\n'
+    _script(tools / "llama-quantize", f'echo "quantize $*" >> {log}\n'
                        'src=; dst=; for a in "$@"; do if [ -n "$src" ] && [ -z "$dst" ]; then dst="$a"; fi\n'
                        'case "$a" in *f16.gguf) src="$a";; esac; done; cp "$src" "$dst"\n')
     rows = {"q4_0": (30.0, 350.0, 5.0), "q4_k_m": (28.0, 330.0, 4.0), "q8_0": (25.0, 300.0, 7.0),
@@ -118,15 +120,14 @@ def fake_tools(tmp_path, monkeypatch):
         "out = sys.argv[sys.argv.index('--outfile') + 1]\n"
         "open(out, 'wb').write(b'GGUF' + b'0' * 64)\n")
     bin_dir = home / "bin"
-    bin_dir.mkdir(exist_ok=True)
+    bin_dir.mkdir(parents=True, exist_ok=True)
     record = bin_dir / llamacpp.BUILD_INFO
     record.write_text(json.dumps({"commit": "abc1234", "build_number": 7, "llama_cpp_python": "0.3.36",
                                   "source": str(source), "flags": "native",
                                   "system_info": "system_info: n_threads = 2 / 2 | CPU : AVX2 = 1 | AVX512 = 1"}))
     for name in ("llama-quantize", "llama-bench", "llama-server"):
         monkeypatch.setenv(name.upper().replace("-", "_"), str(tools / name))
-    yield log
-    record.unlink()
+    return log
 
 
 def test_ggufs_are_made_once_per_checkpoint_and_build(fake_tools, tiny_model_dir, tmp_path):
@@ -207,6 +208,7 @@ def test_reference_row_records_the_choice(fake_tools, tiny_model_dir):
 def test_missing_tools_are_one_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("LLAMA_BENCH", str(tmp_path / "missing"))
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setenv("INFER_TUNE_HOME", str(tmp_path / "home"))  # no bin/llama-bench there
     with pytest.raises(ConfigError, match="build-llama-cpp.sh"):
         llamacpp.require("llama-bench")
     with pytest.raises(ConfigError, match="not a checkpoint"):
@@ -218,6 +220,8 @@ def test_missing_tools_are_one_clear_error(monkeypatch, tmp_path):
 def test_parse_version_line():
     assert llamacpp.parse_version("version: 1 (0c1e570)\nbuilt with GNU 12.2.0") == {"build_number": 1,
                                                                                      "commit": "0c1e570"}
+    assert llamacpp.parse_version("version: 0.5.0-dev (build 1, commit 0c1e570)") == {"build_number": 1,
+                                                                                      "commit": "0c1e570"}
     assert llamacpp.parse_version("nothing") == {}
 
 

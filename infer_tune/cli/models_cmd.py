@@ -56,6 +56,9 @@ def gguf(name: str = typer.Argument(..., help="The model: a built-in alias (smol
          threads: opt.Threads = None, json_out: opt.Json = False, debug: opt.Debug = False) -> None:
     """The checkpoint infer-tune loads as llama.cpp GGUFs, made by the pinned llama.cpp build (cached).
 
+    With --bench, one llama-bench run times them (and a built-in model's shipped GGUF, for the record: it is
+    never the one chosen) and names the fastest (docs/endpoint.md, "llama.cpp at its best").
+
     Example: infer-tune models gguf smollm2-135m --type q4_0,q4_k_m,q8_0 --bench --threads 2
     """
     import os
@@ -81,8 +84,9 @@ def gguf(name: str = typer.Argument(..., help="The model: a built-in alias (smol
         raise typer.BadParameter("must be >= 1", param_hint="--threads")
     threads = threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1
     if bench:
+        shipped = {f"{name} (shipped)": models.builtin_gguf(name)} if name in models.BUILTINS else {}
         chosen = llamacpp.best(checkpoint, lengths, n_gen, threads, repeats=repeats, formats=formats,
-                               objective=objective)
+                               objective=objective, extra=shipped)
         if json_out:
             output.print_json(chosen.to_dict())
             return
@@ -95,7 +99,7 @@ def gguf(name: str = typer.Argument(..., help="The model: a built-in alias (smol
                           *(output.fmt(t.prefill_ms.get(n), ".1f") for n in lengths), output.fmt(t.e2e_ms(n_gen), ".1f"))
         output.out.print(table)
         output.out.print(f"fastest ({objective}): {chosen.format} at {chosen.gguf}", soft_wrap=True)
-        output.out.print(f"system_info: {chosen.llama_cpp.get('system_info') or '-'}", soft_wrap=True)
+        output.out.print(chosen.llama_cpp.get("system_info") or "system_info: -", soft_wrap=True)
         return
     made = {fmt: str(llamacpp.gguf(checkpoint, fmt, threads=threads)) for fmt in formats}
     if json_out:

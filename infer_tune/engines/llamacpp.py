@@ -73,13 +73,18 @@ def missing_tools(names=("llama-quantize", "llama-bench")) -> list[str]:
     return [n for n in names if tool(n) is None]
 
 
-VERSION_LINE = re.compile(r"version:\s*(\d+)\s*\(([0-9a-fA-F]+|unknown)\)")
+VERSION_LINES = (re.compile(r"version:.*\(build\s+(\d+),\s*commit\s+([0-9a-fA-F]+|unknown)\)"),
+                 re.compile(r"version:\s*(\d+)\s*\(([0-9a-fA-F]+|unknown)\)"))
 
 
 def parse_version(text: str) -> dict:
-    """`{build_number, commit}` from a tool's `--version` output ({} when it has no version line)."""
-    match = VERSION_LINE.search(text or "")
-    return {"build_number": int(match.group(1)), "commit": match.group(2)} if match else {}
+    """`{build_number, commit}` from a tool's `--version` output, `version: 0.5.0-dev (build 1, commit
+    0c1e570)` or the older `version: 1 (0c1e570)` ({} when it has no version line)."""
+    for pattern in VERSION_LINES:
+        match = pattern.search(text or "")
+        if match:
+            return {"build_number": int(match.group(1)), "commit": match.group(2)}
+    return {}
 
 
 def build_info() -> dict:
@@ -354,3 +359,40 @@ def best(checkpoint: str | Path, lengths: list[int], n_gen: int, threads: int, *
                 prompt_lengths=list(lengths), threads=threads, repeats=repeats, timings=timings,
                 llama_cpp=llama_cpp, command=[Path(cmd[0]).name] + cmd[1:],
                 measured_s=round(time.monotonic() - started, 3))
+
+
+def reference_gguf(model_ref: str, choice: str, lengths: list[int], n_gen: int, threads: int, *,
+                   repeats: int = 3, progress=None) -> tuple[Path, Best | None]:
+    """The GGUF a llama.cpp reference serves, for the bench/ scripts' `--gguf`: `best` (the fastest of
+    BEST_FORMATS by `best`, with the record), `shipped` (the GGUF a built-in model ships in, SmolLM2's Q4_1),
+    a format name (made, not timed), or a .gguf path."""
+    from infer_tune import models
+
+    if choice == "shipped":
+        return models.builtin_gguf(model_ref) if model_ref in models.BUILTINS else Path(model_ref), None
+    if choice.lower() in QUANT_TYPES:
+        return gguf(models.resolve(model_ref), choice, threads=threads), None
+    if choice == "best":
+        extra = {f"{model_ref} (shipped)": models.builtin_gguf(model_ref)} if model_ref in models.BUILTINS else {}
+        chosen = best(models.resolve(model_ref), lengths, n_gen, threads, repeats=repeats, extra=extra,
+                      progress=progress)
+        return chosen.gguf, chosen
+    path = Path(choice).expanduser()
+    if path.suffix.lower() != ".gguf" or not path.is_file():
+        raise ConfigError(f"--gguf must be best, shipped, one of {', '.join(QUANT_TYPES)} or a .gguf file; "
+                          f"got {choice!r}")
+    return path, None
+
+
+def describe(path: Path, chosen: Best | None) -> str:
+    """One line for a bench script's output: which GGUF, why, and the build."""
+    info = build_info()
+    build = f"llama.cpp {info.get('commit')} (build {info.get('build_number')})"
+    if chosen is None:
+        made = gguf_facts(path)
+        return f"{build}, GGUF {path.name} ({made.get('format', 'given')}), {path}"
+    per = "; ".join(f"{t.format} {t.decode_tok_s or 0:.1f} tok/s, "
+                    + ", ".join(f"pp{n} {ms:.1f} ms" for n, ms in sorted(t.prefill_ms.items()))
+                    for t in chosen.timings)
+    return (f"{build}, fastest format here {chosen.format} ({chosen.objective}, llama-bench -r {chosen.repeats}: "
+            f"{per}), {path}")

@@ -41,7 +41,6 @@ from infer_tune.runners.base import GenerationRun, Output, Progress, Protocol, R
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.tuners.base import RunContext, TechniqueConfig, register_technique
 
-
 ENGINES = ("auto", "server", "python")
 
 
