@@ -272,3 +272,35 @@ def test_real_pipeline_on_a_tiny_llama(tiny_bpe_checkpoint):
     best = llamacpp.best(tiny_bpe_checkpoint, [8], 4, 1, repeats=1, formats=("q4_0", "q8_0"))
     assert best.format in ("q4_0", "q8_0") and all(t.decode_tok_s > 0 for t in best.timings)
     assert best.llama_cpp["commit"] and best.llama_cpp.get("build_commit")
+
+
+def test_tune_times_the_workloads_own_prompt_lengths(fake_tools, tiny_loaded):
+    """tune's reference: llama-bench at the prompts' token counts (as the runner sends them) and the
+    workload's new tokens, the run's threads; the fastest becomes a server-engine config's GGUF."""
+    from types import SimpleNamespace
+
+    from infer_tune.scenarios.tune import fastest_reference
+    from infer_tune.tuners.base import RunContext
+
+    rendered = ["a short question", "a somewhat longer question about caches and batching and kernels"]
+    counts = [len(tiny_loaded.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in rendered]
+    run = SimpleNamespace(loaded=tiny_loaded, inputs=SimpleNamespace(rendered=rendered, templated=True))
+    spec = SimpleNamespace(workload=SimpleNamespace(max_new_tokens=24))
+    chosen = fastest_reference(run, spec, RunContext(device="cpu", dtype="float32", threads=3))
+    bench_call = next(c for c in fake_tools.read_text().splitlines() if c.startswith("bench"))
+    assert f"-p {','.join(str(n) for n in sorted(set(counts)))} -n 24 -t 3 " in bench_call
+    assert chosen.format == "q4_k_m" and chosen.n_gen == 24 and chosen.threads == 3
+    assert bench_call.count(" -m ") == 3  # no shipped GGUF behind a random model: nothing timed beside
+
+
+@pytest.mark.parametrize("extra, fragment", [(["--type", "q4_1"], "GGUF type"),
+                                             (["--bench", "--prompt-lengths", "40,x"], "--prompt-lengths"),
+                                             (["--bench", "--n-gen", "0"], "--bench"),
+                                             (["--objective", "latency"], "--objective")])
+def test_models_gguf_bad_input_exits_2(tiny_model_dir, extra, fragment):
+    from typer.testing import CliRunner
+
+    from infer_tune.cli import app
+
+    result = CliRunner().invoke(app, ["models", "gguf", str(tiny_model_dir), *extra])
+    assert result.exit_code == 2 and fragment in result.output and "Traceback" not in result.output
