@@ -304,3 +304,30 @@ def test_models_gguf_bad_input_exits_2(tiny_model_dir, extra, fragment):
 
     result = CliRunner().invoke(app, ["models", "gguf", str(tiny_model_dir), *extra])
     assert result.exit_code == 2 and fragment in result.output and "Traceback" not in result.output
+
+
+def test_real_server_row_records_the_build(tiny_bpe_checkpoint, prompts_file, tmp_path):
+    """A `technique: llama-cpp` row on the built llama-server (engine server): measured through the endpoint
+    runner, labelled by its format, with the commit and system_info of the build in its metrics."""
+    _real_tools_or_skip()
+    if llamacpp.tool("llama-server") is None:
+        pytest.skip("llama.cpp's llama-server not built here (scripts/build-llama-cpp.sh)")
+    from typer.testing import CliRunner
+
+    from infer_tune.cli import app
+
+    path = llamacpp.gguf(tiny_bpe_checkpoint, "q8_0", threads=2)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(json.dumps({
+        "model": str(tiny_bpe_checkpoint), "workload": {"suite": str(prompts_file), "limit": 2, "max_new_tokens": 4},
+        "protocol": {"warmup": 1, "min_iterations": 1, "min_duration_s": 0},
+        "configs": [{"technique": "llama-cpp", "gguf": str(path), "engine": "server"}]}))
+    result = CliRunner().invoke(app, ["bench", "--recipe", str(recipe), "--threads", "1", "--no-ppl",
+                                      "--out", str(tmp_path / "runs"), "--json"])
+    assert result.exit_code == 0, result.output
+    docs = json.loads(result.stdout)
+    row = next(d for d in (docs if isinstance(docs, list) else [docs]) if d["technique"] == "llama-cpp")
+    m = row["metrics"]
+    assert row["label"] == "llama.cpp q8_0" and row["runner"] == "endpoint" and m["gguf_format"] == "q8_0"
+    assert m["llama_cpp"]["commit"] == llamacpp.build_info()["commit"]
+    assert m["command"][0] == "llama-server" and m["requests_ok"] == 2
