@@ -1,13 +1,16 @@
 """TTFT of the lean path with the eager prefill and with the compiled prefill buckets, side by side in one
-process: the same int4 weights, a ~20-token and a ~500-token prompt, greedy, rounds interleaved.
+process: the same int4 weights, a ~40-token and a ~500-token prompt, greedy, rounds interleaved.
 
 Only the prefill differs between the two rows (tuners/lean/prefill.py); TTFT is the prefill and the first
 argmax, so the timed requests generate one token and the decode step stays eager (it never enters TTFT,
 and no decode graph has to compile). Every prompt runs once before timing (the prefill compiles land
 there); the outputs of the two rows are then compared over `--tokens` greedy tokens. With llama-cpp-python installed, llama.cpp
-on the model's own GGUF runs the same prompts in the same rounds (the issue's TTFT targets: <= 1.5x
-llama.cpp at ~20 tokens, <= 1.0x at ~500). With `--llama-server` instead, llama.cpp's C++ server
-(scripts/build-llama-server.sh) on the same GGUF runs them in the same rounds: its figure is the
+on the `--gguf` GGUF runs the same prompts in the same rounds (the TTFT targets: <= 1.2x llama.cpp at ~40
+tokens, <= 1.0x at ~500). With `--llama-server` instead, llama.cpp's C++ server (scripts/build-llama-cpp.sh)
+runs them in the same rounds on `--gguf`: `best` (the default) is the fastest of Q4_0 / Q4_K_M / Q8_0 made
+from the same checkpoint, timed by llama-bench at these prompts' lengths first (infer_tune/engines/llamacpp.py;
+the line printed says which, with every format's figures and the llama.cpp commit), `shipped` the model's own
+GGUF (SmolLM2's Q4_1, llama.cpp's slowest 4-bit path on x86). Its figure is the
 server's own prompt time (`timings.prompt_ms`, no HTTP in it; the client's wall time is printed beside
 it), and with `--decode-tokens N` its single-stream decode (`predicted_per_second`, end-of-sequence
 ignored) runs three passes interleaved with the lean path's. Run it under the CPU lock:
@@ -15,6 +18,7 @@ ignored) runs three passes interleaved with the lean path's. Run it under the CP
     flock /tmp/infer-tune-cpu.lock python bench/lean_prefill.py --threads 2 --rounds 7
     flock /tmp/infer-tune-cpu.lock python bench/lean_prefill.py --threads 2 --rounds 7 --llama-server --decode-tokens 128
     flock /tmp/infer-tune-cpu.lock python bench/lean_prefill.py --threads 2 --rounds 7 --llama-server --decode-tokens 128 --native-step
+    flock /tmp/infer-tune-cpu.lock python bench/lean_prefill.py --threads 2 --rounds 7 --llama-server --gguf shipped
     flock /tmp/infer-tune-cpu.lock python bench/lean_prefill.py --threads 2 --rounds 3 --decode-tokens 64 --native-step --after-fp32
 
 Not a test: read the ratios of one run.
@@ -36,19 +40,21 @@ from bench._common import parser  # noqa: E402
 
 
 def prompts(tokenizer, short: int, long: int) -> dict[str, torch.Tensor]:
-    """Chat-templated prompts of about `short` and `long` tokens (a question; a long document to summarize)."""
+    """Chat-templated prompts of at least `short` and `long` tokens (a question, longer by a sentence at a time;
+    a long document to summarize)."""
     base = "Summarize the following notes about caches, batching and quantization in two sentences. "
     filler = ("A key-value cache keeps the keys and values of earlier tokens so that each decoding step "
               "only computes the newest position; batching shares each weight read among many requests. ")
+    more = " Explain each step, its cost and when it is slow."
     out = {}
-    for name, target, body in (("short", short, "Write quicksort in Python."), ("long", long, base)):
+    for name, target, body, grow in (("short", short, "Write quicksort in Python.", more), ("long", long, base, filler)):
         text = body
         while True:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                 return_tensors="pt", return_dict=True)["input_ids"]
-            if ids.shape[1] >= target or name == "short":
+            if ids.shape[1] >= target:
                 break
-            text += filler
+            text += grow
         out[name] = ids
     return out
 
@@ -65,7 +71,7 @@ def run(stack) -> None:
     p.add_argument("--tokens", type=int, default=16, help="greedy tokens compared between the two rows")
     p.add_argument("--decode-tokens", type=int, default=0,
                    help="also a single-stream decode row of the compiled lean path (compiles its step; 0: none)")
-    p.add_argument("--short", type=int, default=20)
+    p.add_argument("--short", type=int, default=40, help="tokens of the short prompt, at least (a chat question)")
     p.add_argument("--long", type=int, default=500)
     p.add_argument("--method", default="int4-rtn")
     p.add_argument("--activations", default="int8", choices=("bf16", "int8"),
@@ -77,7 +83,9 @@ def run(stack) -> None:
                    help="with --decode-tokens: three more decode passes, each right after an fp32 generate() of the "
                         "same prompt (what interleaved rounds do to the step: caches and threads used by another model)")
     p.add_argument("--llama-server", action="store_true",
-                   help="llama.cpp's C++ server (scripts/build-llama-server.sh) as the reference, same rounds")
+                   help="llama.cpp's C++ server (scripts/build-llama-cpp.sh) as the reference, same rounds")
+    p.add_argument("--gguf", default="best",
+                   help="the reference's GGUF: best (fastest of q4_0 / q4_k_m / q8_0 here), shipped, a type, or a path")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     from infer_tune import models
@@ -100,17 +108,24 @@ def run(stack) -> None:
     runs = {}
     llm = None
     from infer_tune.tuners.llamacpp import available
+    reference_gguf = None
+    if available() or args.llama_server:
+        from infer_tune.engines import llamacpp as engine
+
+        reference_gguf, chosen = engine.reference_gguf(args.model, args.gguf, [c.shape[1] for c in cases.values()],
+                                                       args.decode_tokens or 128, torch.get_num_threads())
+        print(f"reference: {engine.describe(reference_gguf, chosen)}")
     if available():
         from llama_cpp import Llama
 
-        from infer_tune.tuners.llamacpp import LlamaCppConfig, decode, gguf_for
-        llm = Llama(model_path=str(gguf_for(loaded, LlamaCppConfig())), n_ctx=1024, n_threads=torch.get_num_threads(),
+        from infer_tune.tuners.llamacpp import decode
+        llm = Llama(model_path=str(reference_gguf), n_ctx=1024, n_threads=torch.get_num_threads(),
                     n_threads_batch=torch.get_num_threads(), verbose=False)
     server = None
     if args.llama_server:  # stopped when main returns or fails (its process group would outlive us)
         from infer_tune.endpoint.servers import local_server
 
-        server = stack.enter_context(local_server("llama.cpp", args.model, threads=torch.get_num_threads()))
+        server = stack.enter_context(local_server("llama.cpp", str(reference_gguf), threads=torch.get_num_threads()))
         for ids in cases.values():
             server_completion(server.url, loaded.tokenizer.decode(ids[0]), 1)  # warms the server
     for name, decoder in rows.items():

@@ -11,12 +11,15 @@ and `usage.prompt_tokens` of every prompt is checked equal across the two server
 same tokens: a chat template that renders differently would make the comparison unfair).
 
     flock /tmp/infer-tune-cpu.lock python bench/serving_vs_llamacpp.py --threads 2 --rates 1,2,4 \\
-        --repeats 3 --native-step --activations int8 --gguf ~/.cache/infer-tune/models/smollm2-135m-q4_0.gguf
+        --repeats 3 --native-step --activations int8
     python bench/serving_vs_llamacpp.py --table            # the table of the last run (the state file)
 
-`--gguf` names the file llama-server runs (default: the model alias's shipped GGUF). llama-server is found
-as infer_tune/endpoint/servers.py finds it (`$LLAMA_SERVER`, `$INFER_TUNE_HOME/bin`, PATH). Not a test:
-read the table of one run.
+`--gguf` says what llama-server runs: `best` (the default) is the fastest of Q4_0 / Q4_K_M / Q8_0 made from
+the same checkpoint by the pinned llama.cpp build (scripts/build-llama-cpp.sh), timed by llama-bench at the
+trace prompts' lengths and --max-new-tokens first (infer_tune/engines/llamacpp.py; the line printed says
+which, with every format's figures and the commit); `shipped` is the model's own GGUF (SmolLM2's Q4_1,
+llama.cpp's slowest 4-bit path on x86); a type (q4_0, q8_0, ...) or a .gguf path. Not a test: read the table
+of one run.
 """
 
 from __future__ import annotations
@@ -93,14 +96,33 @@ def infer_tune_server(args):
         stop(process)
 
 
+def reference_gguf(args) -> Path:
+    """The GGUF llama-server serves (`--gguf`): `best` is chosen by llama-bench at the suite prompts' own
+    lengths (capped at --max-prompt-tokens) and --max-new-tokens; printed with every format's figures."""
+    from infer_tune.engines import llamacpp as engine
+    from infer_tune.scenarios.endpoint import load_tokenizer
+    from infer_tune.workload import Workload, load_prompts
+
+    lengths = [64]
+    if args.gguf == "best":
+        tokenizer = load_tokenizer(args.model)
+        prompts = load_prompts(Workload(suite=args.suite, limit=args.prompts))[:args.prompts]
+        counts = [min(len(tokenizer.apply_chat_template([{"role": "user", "content": p.text}],
+                                                        add_generation_prompt=True, return_dict=True)["input_ids"]),
+                      args.max_prompt_tokens) for p in prompts]
+        lengths = engine.prompt_lengths(counts)
+    gguf, chosen = engine.reference_gguf(args.model, args.gguf, lengths, args.max_new_tokens, args.threads or 1)
+    print(f"llama.cpp reference: {engine.describe(gguf, chosen)}", flush=True)
+    return gguf
+
+
 @contextlib.contextmanager
-def llama_server(args):
+def llama_server(args, gguf: Path):
     from infer_tune.endpoint.servers import local_server
 
-    with local_server("llama.cpp", args.gguf or args.model, threads=args.threads, parallel=args.batch) as server:
+    with local_server("llama.cpp", str(gguf), threads=args.threads, parallel=args.batch) as server:
         print(f"llama-server: {server.url} ({server.served_model}, {' '.join(server.command[:3])} ...)", flush=True)
-        yield Server(f"llama-server x{args.batch} {Path(args.gguf or args.model).name}", server.url,
-                     server.served_model)
+        yield Server(f"llama-server x{args.batch} {gguf.name}", server.url, server.served_model)
 
 
 class Side:
@@ -157,7 +179,8 @@ def compare(args, state: dict) -> None:
 
     spec = spec_of(args)
     slo = {"ttft_ms": args.slo_ttft, "tpot_ms": args.slo_tpot}
-    with infer_tune_server(args) as ours_server, llama_server(args) as theirs_server:
+    gguf = reference_gguf(args)
+    with infer_tune_server(args) as ours_server, llama_server(args, gguf) as theirs_server:
         ours, theirs = Side(ours_server, args, spec), Side(theirs_server, args, spec)
         n_prompts = len(ours.run.inputs.prompts)
         traces = {rate: poisson_trace(args.requests, rate, n_prompts, seed=args.seed,
@@ -227,7 +250,9 @@ def save(args, state: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m", help="the checkpoint infer-tune serves (and the tokenizer)")
-    p.add_argument("--gguf", default=None, help="the GGUF llama-server runs (default: the model alias's own)")
+    p.add_argument("--gguf", default="best",
+                   help="llama-server's GGUF: best (the fastest of q4_0 / q4_k_m / q8_0 made from the same checkpoint, "
+                        "by llama-bench here), shipped (the model's own GGUF), a type, or a .gguf path")
     p.add_argument("--method", default="int4-rtn")
     p.add_argument("--activations", default="int8", choices=("bf16", "int8"))
     p.add_argument("--native-step", action="store_true", help="infer-tune serve --native-step")

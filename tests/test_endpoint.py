@@ -337,7 +337,7 @@ def test_llama_server_command_and_parallel_checks(tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMA_SERVER", str(tmp_path / "missing"))
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     monkeypatch.setenv("INFER_TUNE_HOME", str(tmp_path / "home"))  # no bin/llama-server there
-    with pytest.raises(ConfigError, match="build-llama-server"):
+    with pytest.raises(ConfigError, match="build-llama-cpp"):
         servers.check_engine("llama.cpp", 2)
     cmd, _ = servers.engine_command("llama.cpp", str(gguf), 8123)
     assert cmd[1:3] == ["-m", "llama_cpp.server"]

@@ -24,7 +24,7 @@ BudgetMinutes = Annotated[float, typer.Option("--budget-minutes", help="Wall-clo
 Methods = Annotated[str | None, typer.Option("--methods", help="Quantize methods to consider, comma-separated "
                                                                "(default: int4-rtn-a8,int4-rtn,int4-weight,int8-dynamic,int8-static,bf16; "
                                                                "-a8: with int8 activations).")]
-Reference = Annotated[bool, typer.Option("--reference/--no-reference", help="Measure llama.cpp on the same GGUF as a reference row (needs the llamacpp extra: pip install infer-tune\\[llamacpp]).")]
+Reference = Annotated[bool, typer.Option("--reference/--no-reference", help="Measure llama.cpp at its best as a reference row: the fastest of Q4_0 / Q4_K_M / Q8_0 made from the same checkpoint (needs scripts/build-llama-cpp.sh; else llama-cpp-python on the shipped GGUF).")]
 Compile = Annotated[bool, typer.Option("--compile/--no-compile", help="Allow candidates that compile the decode step (minutes each on few cores).")]
 
 
@@ -75,7 +75,8 @@ def render(outcome) -> None:
     vs = outcome.versus_reference
     if vs is not None:
         verdict = "beat" if vs["beat_decode"] else "did not beat"
-        output.out.print(f"vs llama.cpp (same GGUF, same run): {verdict} it on decode "
+        which = f"its fastest format here, {vs['reference_format']}" if vs.get("reference_format") else "the GGUF the model came from"
+        output.out.print(f"vs llama.cpp ({which}, same run): {verdict} it on decode "
                          f"({output.fmt(vs['decode_tok_s'], '.1f')} vs {output.fmt(vs['reference_decode_tok_s'], '.1f')} "
                          f"tok/s, {output.fmt(vs['decode_ratio'])}x); TTFT {output.fmt(vs['ttft_ms'], '.0f')} vs "
                          f"{output.fmt(vs['reference_ttft_ms'], '.0f')} ms ({output.fmt(vs['ttft_ratio'])}x)", soft_wrap=True)
@@ -132,8 +133,8 @@ def tune(
     Kernels are timed on the model's own shapes first, interleaved with fp32; a method whose 95%
     interval says slower than fp32 here is pruned; the survivors are measured against the baseline in
     one run (each a saved result in --out), and a method that may win has its stacks (with the lean
-    decode path) measured right after it; llama.cpp on the same GGUF is a reference row when
-    installed. --json prints
+    decode path) measured right after it; llama.cpp at its best is a reference row when built (the
+    fastest of Q4_0 / Q4_K_M / Q8_0 made from the same checkpoint, by llama-bench here). --json prints
     {"winner": <result document>, "tried": [...], ...}.
     """
     from infer_tune.cli.measure import run_spec

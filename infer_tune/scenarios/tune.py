@@ -24,8 +24,8 @@ stacks (`tune=`, tuners/base.py `Tuning`; scenarios/tune_plan.py asks). This mod
    interval; candidates overlapping it are measured again together in shared rounds while the budget
    allows, and a winner still not separated is said so), else the baseline; a recipe that reproduces
    it (`bench --recipe`), its saved weights copied out of the scratch area, and how it compares with the
-   reference rows the registry offers (another engine on the same weights file, measured after the search
-   when it can run here). The leader after every measurement is kept (`TuneOutcome.leaders`): the winner was
+   reference rows the registry offers (llama.cpp at its best: its fastest format made from the checkpoint
+   the search quantized, measured after the search when it can run here). The leader after every measurement is kept (`TuneOutcome.leaders`): the winner was
    found when it became the leader for good (`winner_found_s`).
 """
 
@@ -256,7 +256,7 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
     try:
         stage = "tune: asking each technique what to try here (kernel screens)"
         note(stage, 0, 1)
-        host = Host(run.loaded, ctx.cache["prefill_rows"])
+        host = Host(run.loaded, ctx.cache["prefill_rows"], tuple(prompt_tokens), spec.workload.max_new_tokens)
         offered = singles(tune, host)
         screen = offered.screen
         note(stage, 1, 1)
@@ -485,7 +485,9 @@ def versus_reference(winner: dict, reference: dict | None) -> dict | None:
             "ttft_ms": ttft_ours, "reference_ttft_ms": ttft_theirs, "ttft_ratio": ttft_ratio,
             "beat_decode": decode_ratio is not None and decode_ratio >= 1.0,
             "ttft_within_2x": ttft_ratio is not None and ttft_ratio <= 2.0,
-            "reference_bleu_drift": reference["metrics"].get("bleu_drift")}
+            "reference_bleu_drift": reference["metrics"].get("bleu_drift"),
+            "reference_format": reference["metrics"].get("gguf_format"),
+            "reference_llama_cpp": reference["metrics"].get("llama_cpp")}
 
 
 def _copy_weights(winner: dict, tune_dir: Path) -> Path | None:

