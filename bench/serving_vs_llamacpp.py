@@ -67,10 +67,9 @@ def progress(started: float):
 
 def infer_tune_side(args, state: dict):
     """A function measuring infer-tune's batched stack at one rate (the model loaded once)."""
-    from infer_tune import results
     from infer_tune.metrics.saturation import SLO, goodput
     from infer_tune.scenarios.common import open_run
-    from infer_tune.session import measure_prepared
+    from infer_tune.session import Row, measure_prepared, save_rows
     from infer_tune.tuners import apply
     from infer_tune.tuners.batch import BatchConfig
     from infer_tune.tuners.quantize import QuantizeConfig
@@ -93,7 +92,7 @@ def infer_tune_side(args, state: dict):
         sched, factory = prepared.runner_options["scheduler"], prepared.runner_options["trace"]
         good = goodput(sched.timings, slo, doc["metrics"]["trace_duration_s"])
         doc["metrics"].update(good)
-        results.save_run(spec.out_dir, doc, outputs)
+        save_rows(spec.out_dir, [Row(doc, outputs)])  # the engine's writer, under the runs folder's lock
         m = doc["metrics"]
         state["trace"][str(rate)] = [r.to_dict() for r in factory.rows]
         state["rows"].append(row_of(f"infer-tune {config.label()}", rate, doc, good, m.get("output_mismatches"),
@@ -155,9 +154,10 @@ class LlamaSide:
         doc, outputs = trace_document(self.run, self.spec, trace, self.slo, {"rate_req_s": rate, "seed": self.args.seed},
                                       None)
         mismatches = sum(1 for o in outputs if o["output"] != self.expected.get(o["prompt_id"]))
-        from infer_tune import results
+        from infer_tune.session import Row, save_rows
 
-        results.save_run(self.spec.out_dir, doc, outputs)  # beside infer-tune's rows: one leaderboard of both
+        # beside infer-tune's rows (one leaderboard of both), through the engine's writer under the lock
+        save_rows(self.spec.out_dir, [Row(doc, outputs)])
         m = doc["metrics"]
         good = {"goodput_req_s": m.get("goodput_req_s"), "slo_attainment": m.get("slo_attainment")}
         self.state["rows"].append(row_of(f"llama.cpp server x{self.args.batch}", rate, doc, good, mismatches,

@@ -136,6 +136,7 @@ class RayExecutor:
         self.job = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]
         self.landed = 0
         self.skipped = 0
+        self.landed_ids: set[str] = set()  # run ids this executor wrote: the only ones its sweep hooks rewrite
         _messages_to_stderr()
         if not ray.is_initialized():
             try:
@@ -200,6 +201,7 @@ class RayExecutor:
         saved = results.save_run(out_dir, doc, outputs, extra_files=files)
         doc["_path"] = str(saved.run_dir)
         self.landed += 1
+        self.landed_ids.add(doc["run_id"])
         return doc
 
     def run_configs(self, spec, configs: list, progress=None) -> tuple[dict, list[dict]]:
@@ -210,8 +212,8 @@ class RayExecutor:
         refs = self.submit(spec, list(configs))
         with runs_lock(spec.out_dir):
             pairs = self.collect(refs, Path(spec.out_dir), progress)
-        docs = [doc for _, task_docs in pairs for doc in task_docs]
-        summarize_sweep(docs)
+            docs = [doc for _, task_docs in pairs for doc in task_docs]
+            summarize_sweep(docs, own=self.landed_ids)  # never a folder that was there before it landed
         return pairs[0][0], docs
 
     def run_together(self, spec, configs: list, progress=None) -> tuple[dict, list[dict]]:

@@ -83,6 +83,9 @@ class SweepPlan:
     - `baseline`: filled by the engine before `conclude` runs: the baseline the rows were measured against
       last (its rounds are those of the last group measured; `metrics.rounds.group` says which rows shared
       them), so a command's own keys can be taken against it (tune's goodput).
+    - `written`: filled by the engine: the run ids of the candidate rows this sweep saved (not those
+      `resume` read back), in config order: the only rows a later step of the command may rewrite
+      (`store_claim`).
     """
 
     reference: str = "baseline"
@@ -92,6 +95,7 @@ class SweepPlan:
     stop_rounds: Callable[[dict[str, dict]], str | None] | None = None
     skipped: list[Skipped] = field(default_factory=list)
     baseline: dict | None = None
+    written: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.reference not in ("baseline", "first"):
@@ -311,14 +315,15 @@ def ensure_baseline(
     """
     fp = run_fingerprint(loaded, "baseline", {}, workload, ctx.env, execute, protocol=protocol,
                          measure_ppl=measure_ppl)
-    if reuse and (found := find_result(ctx.out_dir, fp, "baseline")) is not None:
-        return found, results.load_outputs(found["_path"]), True
-    prepared = PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, label="baseline", device=ctx.device)
-    doc, outputs = measure_prepared(loaded, prepared, inputs, workload, protocol, technique="baseline", config={},
-                                    env=ctx.env, measure_ppl=measure_ppl, execute=execute, progress=ctx.progress)
-    saved = results.save_run(ctx.out_dir, doc, outputs)
-    doc["_path"] = str(saved.run_dir)
-    return doc, outputs, False
+    with results.runs_lock(ctx.out_dir):  # re-entrant: a sweep holds it already; `tune` calls this alone
+        if reuse and (found := find_result(ctx.out_dir, fp, "baseline")) is not None:
+            return found, results.load_outputs(found["_path"]), True
+        prepared = PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, label="baseline", device=ctx.device)
+        doc, outputs = measure_prepared(loaded, prepared, inputs, workload, protocol, technique="baseline", config={},
+                                        env=ctx.env, measure_ppl=measure_ppl, execute=execute, progress=ctx.progress)
+        saved = results.save_run(ctx.out_dir, doc, outputs)
+        doc["_path"] = str(saved.run_dir)
+        return doc, outputs, False
 
 
 def resolve_configs(configs: list[TechniqueConfig], ctx: RunContext) -> list[TechniqueConfig]:
@@ -430,7 +435,8 @@ def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, proto
         sweep.baseline, _, _ = ensure_baseline(loaded, inputs, workload, protocol, ctx, reuse=True,
                                                measure_ppl=measure_ppl, execute=execute)
     plan.baseline = sweep.baseline
-    summarize_sweep(measured, plan)
+    plan.written = [d["run_id"] for d in measured if d["run_id"] in sweep.written]
+    summarize_sweep(measured, plan, own=sweep.written)
     return sweep.baseline, measured
 
 
@@ -456,6 +462,7 @@ class _Sweep:
         self.baseline_outputs: list[dict] | None = None
         self.finished = 0
         self.total = 0
+        self.written: set[str] = set()  # run ids this sweep saved: the only results its hooks may rewrite
 
     def fingerprint(self, config: TechniqueConfig) -> str:
         entry = technique_for(config)
@@ -515,13 +522,10 @@ class _Sweep:
                                       self.protocol, technique="baseline", config={}, env=self.ctx.env,
                                       runner="generation", host=host, measure_ppl=self.measure_ppl,
                                       execute=self.execute, rounds_block=outcome.block("baseline"))
-        # one baseline row per measurement (fingerprint) in a runs directory: a later sweep's rounds refresh it
-        existing = find_result(self.ctx.out_dir, doc["fingerprint"], "baseline")
-        if existing is not None:
-            doc["run_id"], doc["_path"] = existing["run_id"], existing["_path"]
-            results.update_result(doc)
-        else:
-            doc["_path"] = str(results.save_run(self.ctx.out_dir, doc, outputs).run_dir)
+        # a new result with its own run id, never a rewrite of an earlier baseline of the same fingerprint:
+        # the rows saved against that one keep the numbers they were compared with (`baseline_run_id`)
+        doc["_path"] = str(results.save_run(self.ctx.out_dir, doc, outputs).run_dir)
+        self.written.add(doc["run_id"])
         return doc, outputs
 
     def measure_alone(self, i: int, config: TechniqueConfig, prepared: PreparedModel, docs: list[dict | None], *,
@@ -531,9 +535,11 @@ class _Sweep:
         one reused / measured now; with `reference: first`, the first row measured, or none for that row)."""
         try:
             if self.baseline is None and self.plan.reference == "baseline":
-                self.baseline, self.baseline_outputs, _ = ensure_baseline(
+                self.baseline, self.baseline_outputs, reused = ensure_baseline(
                     self.loaded, self.inputs, self.workload, self.protocol, self.ctx, reuse=reuse_baseline,
                     measure_ppl=self.measure_ppl, execute=self.execute)
+                if not reused:
+                    self.written.add(self.baseline["run_id"])
             entry = technique_for(config)
             workload, inputs = self.point(config)
             before = noise.HostSnapshot.take()
@@ -576,6 +582,7 @@ class _Sweep:
             entry.annotate(doc, [d for d in earlier if d is not None])
         saved = results.save_run(self.ctx.out_dir, doc, outputs, extra_files=files or None)
         doc["_path"] = str(saved.run_dir)
+        self.written.add(doc["run_id"])
         self.finished += 1
         if self.ctx.progress:
             self.ctx.progress("configs", self.finished, self.total)
@@ -608,9 +615,12 @@ def save_rows(out_dir: Path, rows: list[Row], *, resume: bool = False) -> list[d
     return out
 
 
-def summarize_sweep(docs: list[dict], plan: SweepPlan | None = None) -> None:
+def summarize_sweep(docs: list[dict], plan: SweepPlan | None = None, *, own: set[str] | frozenset[str]) -> None:
     """Each technique's sweep-level claim (`summarize`), keys (`complete`) and figures (`plots`), then the
-    plan's own (`conclude`), stored in the results: a changed `result.json` is rewritten atomically."""
+    plan's own (`conclude`), over every result of the sweep; stored only in the results this sweep saved
+    (`own`: their run ids), whose changed `result.json` is rewritten atomically. A result read back from
+    an earlier run (`resume`, a reused baseline, a landed folder that was there) is never rewritten: its
+    `result.json` stays byte for byte what that run wrote."""
     load_techniques()
     plan = plan or SweepPlan()
     before = {id(doc): _snapshot(doc) for doc in docs}
@@ -633,13 +643,13 @@ def summarize_sweep(docs: list[dict], plan: SweepPlan | None = None) -> None:
         files = entry.plots(group) if entry.plots else {}
         for doc in group:
             files_of.setdefault(id(doc), {}).update(files)
-    own = (plan.conclude(docs, plan.skipped) if plan.conclude else None) or {}
+    extra = (plan.conclude(docs, plan.skipped) if plan.conclude else None) or {}
     for doc in docs:
-        if not doc.get("_path"):
+        if not doc.get("_path") or doc["run_id"] not in own:
             continue
         if _snapshot(doc) != before[id(doc)]:
             results.update_result(doc)
-        files = {**files_of.get(id(doc), {}), **own}
+        files = {**files_of.get(id(doc), {}), **extra}
         if files:
             results.add_files(doc, files)
 
@@ -648,9 +658,10 @@ def _snapshot(doc: dict) -> str:
     return json.dumps(doc, sort_keys=True, default=str)
 
 
-def store_claim(docs: list[dict], claim: dict | None) -> None:
+def store_claim(docs: list[dict], claim: dict | None, *, own: set[str] | frozenset[str]) -> None:
     """`claim` as `metrics.claim_check` of every doc in `docs`, rewritten where it changed (a claim over
-    several sweeps of one command: speculate's suites)."""
+    several sweeps of one command: speculate's suites); only the results of `own` (run ids the command's
+    sweeps saved, `SweepPlan.written`) are rewritten, never one an earlier run wrote."""
     if claim is None:
         return
     changed = [d for d in docs if d["metrics"].get("claim_check") != claim]
@@ -658,7 +669,7 @@ def store_claim(docs: list[dict], claim: dict | None) -> None:
         doc["metrics"]["claim_check"] = claim
     by_dir: dict[Path, list[dict]] = {}
     for doc in changed:
-        if doc.get("_path"):
+        if doc.get("_path") and doc["run_id"] in own:
             by_dir.setdefault(Path(doc["_path"]).parent, []).append(doc)
     for out_dir, mine in by_dir.items():
         with results.runs_lock(out_dir):  # the same lock a sweep holds: no rewrite while another run saves

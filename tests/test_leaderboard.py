@@ -138,7 +138,7 @@ def test_sweep_level_claims_reach_the_claims_table(tmp_path):
     for doc in batch + spec + experts:
         doc["label"] = doc["run_id"]
         doc["_path"] = str(save(doc, tmp_path))
-    summarize_sweep(batch + spec + experts)
+    summarize_sweep(batch + spec + experts, own={d["run_id"] for d in batch + spec + experts})
     on_disk = results.find_results(tmp_path)
     rows = claims.collect(on_disk)
     by = {r.technique: r for r in rows}
