@@ -104,7 +104,7 @@ def measure_task(spec, config, job: str) -> dict:
     except Exception:  # noqa: BLE001  (outside Ray, e.g. a direct call)
         pass
     return {"node": node, "folders": [{"technique": d["technique"], "run_id": d["run_id"],
-                                       "fingerprint": d.get("fingerprint"), "files": _folder_files(d["_path"])}
+                                       "fingerprint": d.get("fingerprint"), "files": _folder_files(d.location)}
                                       for d in (baseline, *docs)]}
 
 
@@ -198,11 +198,10 @@ class RayExecutor:
                 return found
         doc.setdefault("env", {})["executor"] = dict(node, kind="ray", job=self.job)
         outputs = [json.loads(line) for line in files.pop("outputs.jsonl", b"").decode().splitlines() if line]
-        saved = results.save_run(out_dir, doc, outputs, extra_files=files)
-        doc["_path"] = str(saved.run_dir)
+        landed = results.save_run(out_dir, doc, outputs, extra_files=files).result
         self.landed += 1
-        self.landed_ids.add(doc["run_id"])
-        return doc
+        self.landed_ids.add(landed.run_id)
+        return landed
 
     def run_configs(self, spec, configs: list, progress=None) -> tuple[dict, list[dict]]:
         """Every config (with its node's baseline) as a Ray task, landed in spec.out_dir: (a baseline, docs)."""

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from infer_tune import env as envinfo
 from infer_tune import models, results, rounds, suites
-from infer_tune.document import ResultDocument
+from infer_tune.document import ResultDocument, merge_facts
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import deltas, kv, noise, quality, roofline
 from infer_tune.metrics.memory import is_out_of_memory, long_lived_heap
@@ -89,12 +89,12 @@ class SweepPlan:
     """
 
     reference: str = "baseline"
-    admit: Callable[[TechniqueConfig, Workload, Inputs, list[dict]], Admission] | None = None
+    admit: Callable[[TechniqueConfig, Workload, Inputs, list[ResultDocument]], Admission] | None = None
     skip_out_of_memory: bool = False
-    conclude: Callable[[list[dict], list[Skipped]], dict[str, bytes] | None] | None = None
+    conclude: Callable[[list[ResultDocument], list[Skipped]], dict[str, bytes] | None] | None = None
     stop_rounds: Callable[[dict[str, dict]], str | None] | None = None
     skipped: list[Skipped] = field(default_factory=list)
-    baseline: dict | None = None
+    baseline: ResultDocument | None = None
     written: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -168,7 +168,7 @@ def measure_prepared(
     execute: bool | str = False,
     per_position: bool = False,
     progress: Progress | None = None,
-) -> tuple[dict, list[dict]]:
+) -> tuple[ResultDocument, list[dict]]:
     """Run the workload on `prepared` through `runner` (alone, per the protocol) and build its result
     document and outputs rows (`build_document`)."""
     before = noise.HostSnapshot.take()
@@ -200,7 +200,7 @@ def build_document(
     per_position: bool = False,
     rounds_block: dict | None = None,
     ratios: dict[str, dict | None] | None = None,
-) -> tuple[dict, list[dict]]:
+) -> tuple[ResultDocument, list[dict]]:
     """The result document and outputs rows of one measured run.
 
     `per_position=True` adds `per_position_ms` (mean latency of each decode step, in order);
@@ -248,8 +248,9 @@ def build_document(
         metrics["pass_at_1"] = pass_at_1([inputs.prompts[o.prompt_index] for o in run.outputs], texts,
                                          isolation=isolation)
         metrics["pass_at_1_isolation"] = isolation
-    metrics.update(prepared.metrics)
-    metrics.update(run.counters)
+    # the technique's facts and counters beside the measured figures, never over them (OverwriteError)
+    merge_facts(metrics, prepared.metrics, f"{technique}'s prepared facts")
+    merge_facts(metrics, run.counters, f"{technique}'s counters")
     if run.ranks:
         metrics["ranks"] = run.ranks
     outputs = [{"prompt_id": inputs.prompts[o.prompt_index].id, "prompt": inputs.prompts[o.prompt_index].text,
@@ -285,10 +286,10 @@ def build_document(
         fingerprint=run_fingerprint(loaded, technique, config, workload, env, execute, protocol=protocol,
                                     measure_ppl=measure_ppl),
     )
-    return result.to_dict(), outputs
+    return result, outputs
 
 
-def find_result(out_dir: Path, fingerprint: str, technique: str | None = None) -> dict | None:
+def find_result(out_dir: Path, fingerprint: str, technique: str | None = None) -> ResultDocument | None:
     """The newest finished result with this fingerprint in `out_dir` (baseline reuse and --resume)."""
     if not Path(out_dir).exists():
         return None
@@ -308,7 +309,7 @@ def ensure_baseline(
     reuse: bool = True,
     measure_ppl: bool = True,
     execute: bool = False,
-) -> tuple[dict, list[dict], bool]:
+) -> tuple[ResultDocument, list[dict], bool]:
     """Reuse a baseline of the same fingerprint from `ctx.out_dir`, or measure and save one.
 
     Returns (doc, outputs, reused).
@@ -317,12 +318,11 @@ def ensure_baseline(
                          measure_ppl=measure_ppl)
     with results.runs_lock(ctx.out_dir):  # re-entrant: a sweep holds it already; `tune` calls this alone
         if reuse and (found := find_result(ctx.out_dir, fp, "baseline")) is not None:
-            return found, results.load_outputs(found["_path"]), True
+            return found, results.load_outputs(found), True
         prepared = PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, label="baseline", device=ctx.device)
         doc, outputs = measure_prepared(loaded, prepared, inputs, workload, protocol, technique="baseline", config={},
                                         env=ctx.env, measure_ppl=measure_ppl, execute=execute, progress=ctx.progress)
-        saved = results.save_run(ctx.out_dir, doc, outputs)
-        doc["_path"] = str(saved.run_dir)
+        results.save_run(ctx.out_dir, doc, outputs)
         return doc, outputs, False
 
 
@@ -367,7 +367,7 @@ def run_configs(
     measure_ppl: bool = True,
     execute: bool = False,
     plan: SweepPlan | None = None,
-) -> tuple[dict | None, list[dict]]:
+) -> tuple[ResultDocument | None, list[ResultDocument]]:
     """Every config prepared, measured beside the baseline (interleaved rounds where its runner runs in
     passes and its workload is the sweep's, else alone against the baseline) and saved (module
     docstring; docs/architecture.md, "The sweep engine").
@@ -392,7 +392,7 @@ def run_configs(
 
 def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, protocol: Protocol,
            configs: list[TechniqueConfig], ctx: RunContext, *, resume: bool, reuse_baseline: bool,
-           measure_ppl: bool, execute: bool | str, plan: SweepPlan) -> tuple[dict | None, list[dict]]:
+           measure_ppl: bool, execute: bool | str, plan: SweepPlan) -> tuple[ResultDocument | None, list[ResultDocument]]:
     sweep = _Sweep(loaded, inputs, workload, protocol, ctx, measure_ppl=measure_ppl, execute=execute, plan=plan)
     docs: list[dict | None] = [None] * len(configs)
     done = [find_result(ctx.out_dir, sweep.fingerprint(config)) if resume else None for config in configs]
@@ -404,7 +404,7 @@ def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, proto
             if done[i] is not None:
                 docs[i] = done[i]
                 if first and sweep.baseline is None:  # a resumed reference: the later rows compare with it
-                    sweep.baseline, sweep.baseline_outputs = done[i], results.load_outputs(done[i]["_path"])
+                    sweep.baseline, sweep.baseline_outputs = done[i], results.load_outputs(done[i])
                 continue
             entry = technique_for(config)
             admission = plan.admit(config, *sweep.point(config), [d for d in docs if d is not None]) \
@@ -458,7 +458,7 @@ class _Sweep:
         self.measure_ppl, self.execute, self.plan = measure_ppl, execute, plan
         self.batched: dict[int, Inputs] = {workload.batch_size: inputs}
         self.admitted: dict[int, dict] = {}  # config index -> the metrics its admission adds to its row
-        self.baseline: dict | None = None
+        self.baseline: ResultDocument | None = None
         self.baseline_outputs: list[dict] | None = None
         self.finished = 0
         self.total = 0
@@ -517,15 +517,15 @@ class _Sweep:
             group.clear()
             gc.collect()
 
-    def _save_baseline(self, base: rounds.Variant, outcome: rounds.RoundsOutcome, host) -> tuple[dict, list[dict]]:
+    def _save_baseline(self, base: rounds.Variant, outcome: rounds.RoundsOutcome, host) -> tuple[ResultDocument, list[dict]]:
         doc, outputs = build_document(self.loaded, base.prepared, rounds.merged_run(base), self.inputs, self.workload,
                                       self.protocol, technique="baseline", config={}, env=self.ctx.env,
                                       runner="generation", host=host, measure_ppl=self.measure_ppl,
                                       execute=self.execute, rounds_block=outcome.block("baseline"))
         # a new result with its own run id, never a rewrite of an earlier baseline of the same fingerprint:
         # the rows saved against that one keep the numbers they were compared with (`baseline_run_id`)
-        doc["_path"] = str(results.save_run(self.ctx.out_dir, doc, outputs).run_dir)
-        self.written.add(doc["run_id"])
+        results.save_run(self.ctx.out_dir, doc, outputs)
+        self.written.add(doc.run_id)
         return doc, outputs
 
     def measure_alone(self, i: int, config: TechniqueConfig, prepared: PreparedModel, docs: list[dict | None], *,
@@ -555,7 +555,7 @@ class _Sweep:
             docs[i] = self._finish(config, prepared, run, (before, noise.HostSnapshot.take()), earlier=docs,
                                    metrics=admission.metrics)
             if self.baseline is None:  # reference `first`: this row is what the later rows compare with
-                self.baseline, self.baseline_outputs = docs[i], results.load_outputs(docs[i]["_path"])
+                self.baseline, self.baseline_outputs = docs[i], results.load_outputs(docs[i])
         finally:
             if prepared.cleanup:
                 prepared.cleanup()
@@ -563,7 +563,7 @@ class _Sweep:
 
     def _finish(self, config: TechniqueConfig, prepared: PreparedModel, run: GenerationRun, host, *,
                 earlier: list[dict | None], rounds_block: dict | None = None,
-                ratios: dict | None = None, metrics: dict | None = None) -> dict:
+                ratios: dict | None = None, metrics: dict | None = None) -> ResultDocument:
         """Build, finalize (technique facts and files), annotate and save one candidate's result."""
         entry = technique_for(config)
         workload, inputs = self.point(config)
@@ -575,14 +575,13 @@ class _Sweep:
             per_position=any(technique_for(p).per_position for p in config.parts()), rounds_block=rounds_block,
             ratios=ratios)
         objectives = [technique_for(p).objective for p in config.parts()]
-        doc["objective"] = next((o for o in objectives if o != "decode"), "decode")  # what it is ranked on
-        doc["metrics"].update(metrics or {})
+        doc.objective = next((o for o in objectives if o != "decode"), "decode")  # what it is ranked on
+        doc.add_metrics(metrics, source="the sweep's admission")
         files = entry.finalize(config, doc, outputs, prepared, inputs, self.ctx) if entry.finalize else None
         if entry.annotate:
             entry.annotate(doc, [d for d in earlier if d is not None])
-        saved = results.save_run(self.ctx.out_dir, doc, outputs, extra_files=files or None)
-        doc["_path"] = str(saved.run_dir)
-        self.written.add(doc["run_id"])
+        results.save_run(self.ctx.out_dir, doc, outputs, extra_files=files or None)
+        self.written.add(doc.run_id)
         self.finished += 1
         if self.ctx.progress:
             self.ctx.progress("configs", self.finished, self.total)
@@ -593,29 +592,28 @@ class _Sweep:
 class Row:
     """A result document built outside `run_configs`, its outputs rows and the files saved beside it."""
 
-    doc: dict
+    doc: ResultDocument | dict  # a dict is typed (ResultDocument.from_dict) when it is saved
     outputs: list[dict] = field(default_factory=list)
     files: dict[str, bytes] = field(default_factory=dict)
 
 
-def save_rows(out_dir: Path, rows: list[Row], *, resume: bool = False) -> list[dict]:
+def save_rows(out_dir: Path, rows: list[Row], *, resume: bool = False) -> list[ResultDocument]:
     """The engine's writer for rows that `run_configs` cannot measure: a live endpoint's (no weights here, no
     plain baseline: docs/endpoint.md) and expert-placement plans (predictions, nothing measured). Under the
     runs directory's lock, each row is saved atomically; with `resume`, a row whose fingerprint is already
-    saved is read back instead. Returns the saved documents (with `_path`), in order
+    saved is read back instead. Returns the saved documents (typed, with their `location`), in order
     (docs/architecture.md, "The sweep engine")."""
     out = []
     with results.runs_lock(out_dir):
         for row in rows:
             done = find_result(out_dir, row.doc["fingerprint"], row.doc.get("technique")) if resume else None
             if done is None:
-                row.doc["_path"] = str(results.save_run(out_dir, row.doc, row.outputs,
-                                                        extra_files=row.files or None).run_dir)
-            out.append(done or row.doc)
+                done = results.save_run(out_dir, row.doc, row.outputs, extra_files=row.files or None).result
+            out.append(done)
     return out
 
 
-def summarize_sweep(docs: list[dict], plan: SweepPlan | None = None, *, own: set[str] | frozenset[str]) -> None:
+def summarize_sweep(docs: list[ResultDocument], plan: SweepPlan | None = None, *, own: set[str] | frozenset[str]) -> None:
     """Each technique's sweep-level claim (`summarize`), keys (`complete`) and figures (`plots`), then the
     plan's own (`conclude`), over every result of the sweep; stored only in the results this sweep saved
     (`own`: their run ids), whose changed `result.json` is rewritten atomically. A result read back from
@@ -645,7 +643,7 @@ def summarize_sweep(docs: list[dict], plan: SweepPlan | None = None, *, own: set
             files_of.setdefault(id(doc), {}).update(files)
     extra = (plan.conclude(docs, plan.skipped) if plan.conclude else None) or {}
     for doc in docs:
-        if not doc.get("_path") or doc["run_id"] not in own:
+        if not isinstance(doc, ResultDocument) or doc.location is None or doc.run_id not in own:
             continue
         if _snapshot(doc) != before[id(doc)]:
             results.update_result(doc)
@@ -655,10 +653,10 @@ def summarize_sweep(docs: list[dict], plan: SweepPlan | None = None, *, own: set
 
 
 def _snapshot(doc: dict) -> str:
-    return json.dumps(doc, sort_keys=True, default=str)
+    return json.dumps(doc.to_dict() if isinstance(doc, ResultDocument) else doc, sort_keys=True, default=str)
 
 
-def store_claim(docs: list[dict], claim: dict | None, *, own: set[str] | frozenset[str]) -> None:
+def store_claim(docs: list[ResultDocument], claim: dict | None, *, own: set[str] | frozenset[str]) -> None:
     """`claim` as `metrics.claim_check` of every doc in `docs`, rewritten where it changed (a claim over
     several sweeps of one command: speculate's suites); only the results of `own` (run ids the command's
     sweeps saved, `SweepPlan.written`) are rewritten, never one an earlier run wrote."""
@@ -669,8 +667,8 @@ def store_claim(docs: list[dict], claim: dict | None, *, own: set[str] | frozens
         doc["metrics"]["claim_check"] = claim
     by_dir: dict[Path, list[dict]] = {}
     for doc in changed:
-        if doc.get("_path") and doc["run_id"] in own:
-            by_dir.setdefault(Path(doc["_path"]).parent, []).append(doc)
+        if isinstance(doc, ResultDocument) and doc.location is not None and doc.run_id in own:
+            by_dir.setdefault(Path(doc.location).parent, []).append(doc)
     for out_dir, mine in by_dir.items():
         with results.runs_lock(out_dir):  # the same lock a sweep holds: no rewrite while another run saves
             for doc in mine:

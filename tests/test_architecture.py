@@ -152,7 +152,7 @@ def test_each_runner_kind_measures_a_technique_end_to_end(test_techniques, tiny_
     assert [r["sum_seen"] for r in multi["ranks"]] == [3.0, 3.0]  # 1 + 2, reduced across two real processes
     assert multi["bytes_exchanged"] == 2 * 256 * 4
     assert all(r["peak_rss_bytes"] > 0 and r["elapsed_s"] > 0 for r in multi["ranks"])
-    assert load_outputs(trace["_path"])  # outputs saved with the result
+    assert load_outputs(trace)  # outputs saved with the result
 
 
 def test_speculative_steps_deliver_several_tokens_with_one_timestamp(test_techniques, tiny_loaded, setup):
@@ -263,7 +263,7 @@ def test_a_technique_document_is_the_same_whichever_command_ran_it(tiny_loaded, 
     command_batch = run_serve(spec, ServeSpec(rates=[50.0], requests=3, batch_size=2, schedulers=("continuous",))).docs[0]
     for doc in (recipe_batch, command_batch):
         assert {"offered_rate", "interarrival_cv"} <= set(doc["metrics"]) and doc["samples"]["output_tokens"]
-        assert (Path(doc["_path"]) / "trace.jsonl").is_file() and doc["workload"]["rate"] == 50.0
+        assert (doc.location / "trace.jsonl").is_file() and doc["workload"]["rate"] == 50.0
     # the command adds what its own options define (goodput under its SLOs), nothing the recipe row lacks
     assert set(recipe_batch["metrics"]) <= set(command_batch["metrics"])
 
@@ -278,7 +278,7 @@ def test_a_technique_document_is_the_same_whichever_command_ran_it(tiny_loaded, 
     command_row = run_sweep(spec, SweepSpec(batch_sizes=[1, 2])).docs[-1]
     for doc in (recipe_row, command_row):
         assert doc["workload"]["batch_size"] == 2 and doc["metrics"]["batch_size"] == 2 and doc["sweep"]
-        assert (Path(doc["_path"]) / "sweep.png").is_file()
+        assert (doc.location / "sweep.png").is_file()
     # the command adds its memory limit and prediction, nothing the recipe row lacks
     assert set(recipe_row["metrics"]) <= set(command_row["metrics"])
     assert set(command_row["metrics"]) - set(recipe_row["metrics"]) <= {

@@ -115,7 +115,10 @@ def test_preflight_of_one_new_folder_by_many_at_once_never_refuses(tmp_path):
 
 
 def test_run_folders_are_never_replaced(tmp_path):
-    doc = {"run_id": "same-id", "technique": "baseline", "label": "baseline"}
+    sys.path.insert(0, str(Path(__file__).parent))
+    from result_docs import make_result
+
+    doc = make_result("same-id")
     first = results.save_run(tmp_path, dict(doc), [{"output": "a"}])
     second = results.save_run(tmp_path, dict(doc), [{"output": "b"}])
     assert first.run_dir.name == "same-id" and second.run_dir != first.run_dir
@@ -284,7 +287,7 @@ def test_path_is_where_the_file_is_and_resume_warns_once(tmp_path):
     try:
         docs = results.find_results(runs)
         assert [d["run_id"] for d in docs] == ["good"]
-        assert docs[0]["_path"] == os.path.realpath(runs / "good")  # not the `elsewhere` the file claims
+        assert str(docs[0].location) == os.path.realpath(runs / "good") and "_path" not in docs[0]  # not the `elsewhere` the file claims
         results.find_results(runs)  # a sweep lists its runs folder many times: still one line per file
     finally:
         results.set_warning_handler(None)
@@ -327,5 +330,9 @@ def test_a_second_sweep_leaves_every_earlier_result_byte_identical(tiny_model_di
             assert doc["baseline_run_id"] in docs and docs[doc["baseline_run_id"]]["technique"] == "baseline"
     docs = results.find_results(out)
     assert all(d["metrics"].get("claim_check") for d in docs if d["technique"] == "batch")
+    # where a result lives is not part of its data: no `_path` key written, loaded or printed
+    assert not [n for n, data in seen.items() if n.endswith("result.json") and "_path" in json.loads(data)]
+    assert all("_path" not in d and d.location == out / d["run_id"] for d in docs)
+    assert all("_path" not in d for d in json.loads(stdout))
     baselines = [d["run_id"] for d in docs if d["technique"] == "baseline"]
     assert len(baselines) == len(set(baselines)) >= 2  # a baseline measured again is a new result
