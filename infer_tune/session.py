@@ -225,9 +225,11 @@ def build_document(
     metrics.update({
         "peak_rss_bytes": run.peak_rss_bytes,
         "rss_before_bytes": run.rss_before_bytes,
-        "peak_rss_delta_bytes": run.peak_rss_bytes - run.rss_before_bytes,
+        "peak_rss_delta_bytes": run.peak_rss_bytes - run.rss_before_bytes
+        if run.peak_rss_bytes is not None and run.rss_before_bytes is not None else None,
         "cuda_peak_bytes": run.cuda_peak_bytes,
-        "model_bytes": weight_bytes,
+        # no weights in this process and none declared (an endpoint whose served bytes are unknown): unknown
+        "model_bytes": weight_bytes if prepared.model is not None or prepared.extra_model_bytes else None,
         "first_call_ms": run.first_call_ms,
         "warmup_s": run.warmup_s,
         "iterations": run.iterations,
