@@ -233,7 +233,6 @@ def test_measuring_commands_share_one_option_group():
 def test_a_technique_document_is_the_same_whichever_command_ran_it(tiny_loaded, tiny_model_dir, prompts_file, tmp_path):
     """kv-cache and batch rows from a recipe (run_configs) carry the keys their own commands write: the engine
     writes every result and the technique's finalize hook adds its keys and files on both paths."""
-    from pathlib import Path
 
     from infer_tune.scenarios.batch import ServeSpec, run_serve
     from infer_tune.scenarios.common import RunSpec
