@@ -208,8 +208,9 @@ def test_batch_size_constraint_refused_before_anything_is_written(test_technique
 def test_device_comes_from_the_context(test_techniques, tiny_loaded):
     from infer_tune.tuners import apply
 
-    prepared = apply(tiny_loaded, PlainConfig(), RunContext(device="cpu"))
-    assert prepared.device == "cpu"
+    # a device other than the loaded model's ("cpu"): the prepared model's comes from the context, not the model
+    prepared = apply(tiny_loaded, PlainConfig(), RunContext(device="meta"))
+    assert tiny_loaded.device == "cpu" and prepared.device == "meta"
 
 
 def _option_names(command: str) -> set[str]:
@@ -225,7 +226,8 @@ def test_measuring_commands_share_one_option_group():
     shared = {"--model", "--suite", "--limit", "--max-new-tokens", "--batch-size", "--threads", "--seed", "--warmup",
               "--min-iterations", "--min-duration", "--out", "--dtype", "--device", "--chat-template",
               "--max-prompt-tokens", "--ppl", "--resume", "--json", "--debug"}
-    assert len(COMMON) >= len(shared)
+    # every shared flag is an entry of the one group (json's parameter is json_out), and every command lists it
+    assert {f[2:].replace("-", "_") for f in shared} - {"json"} | {"json_out"} <= set(COMMON)
     for command in ("bench", "quantize", "kv-cache"):
         assert shared <= _option_names(command), command
 

@@ -184,13 +184,9 @@ def test_slot_kernel_swap_is_taken_from_a_separated_screen(separated, expected, 
     assert facts["slot_kernel_screen"]["int8-dynamic"]["chosen"] == expected
 
 
-def test_native_slot_step_serves_as_each_request_alone(tiny_model_dir, mixed_suite, tmp_path):
+def test_native_slot_step_serves_as_each_request_alone(native_kernels, tiny_model_dir, mixed_suite, tmp_path):
     """The slot engine's native step (int4 a8 Llama: infer_tune/native/step.py): rows 1 and 2 of one step give
     each request the tokens of the one-row step serving it alone, 0 mismatches, no step compiled."""
-    from infer_tune import native
-
-    if not native.available()[0]:
-        pytest.skip(native.available()[1])
     loaded = models.load(str(tiny_model_dir))
     workload = Workload(suite=str(mixed_suite), limit=6, max_new_tokens=10, chat_template=False)
     inputs = prepare_inputs(loaded, workload)
