@@ -54,7 +54,7 @@ def main() -> None:
         name = f"{engine}{' (continuous batching)' if cb else ''}"
         with local_server(engine, args.model, continuous_batching=cb, threads=args.threads) as server:
             config = EndpointConfig(url=server.url, served_model=server.served_model, label=name)
-            doc = run_endpoint_bench(spec, config, model_given=True, baseline=Path(base["_path"]))
+            doc = run_endpoint_bench(spec, config, model_given=True, baseline=Path(base.location))
             lines.append(row(f"{name} closed loop", doc))
             sweep = run_endpoint_sweep(spec, EndpointConfig(url=server.url, served_model=server.served_model,
                                                             label=name, concurrency=args.concurrency),

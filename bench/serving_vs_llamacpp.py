@@ -159,13 +159,13 @@ class Side:
             self.prompt_tokens[o["prompt_id"]] = o.get("prompt_tokens")
 
     def measure(self, trace, rate: float, repeat: int, slo: dict) -> dict:
-        from infer_tune import results
         from infer_tune.scenarios.endpoint import trace_document
+        from infer_tune.session import Row, save_rows
 
         doc, outputs = trace_document(self.run, self.spec, trace, slo, {"rate_req_s": rate, "seed": self.args.seed},
                                       None)
         mismatches = sum(1 for o in outputs if o["output"] != self.alone.get(o["prompt_id"]))
-        results.save_run(self.spec.out_dir, doc, outputs)
+        doc = save_rows(self.spec.out_dir, [Row(doc, outputs)])[0]  # the engine's writer, under the runs lock
         m = doc["metrics"]
         return {"engine": self.server.name, "rate": rate, "repeat": repeat,
                 "throughput_tok_s": m["output_throughput_tok_s"], "ttft_p50": m["ttft_ms"]["p50"],

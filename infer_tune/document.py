@@ -1,12 +1,16 @@
 """The result document's typed home: what every `result.json` holds, built in one place (the sweep
-engine's `session.build_document`) and written as JSON. Readers get it back as a plain dict from
-`results.load_result`, which validates it. The keys and their meaning: docs/architecture.md,
-"Result documents".
+engine's `session.build_document`, or a row `session.save_rows` writes), kept as a `ResultDocument` until
+it is written, and read back as one by `results.load_result`, which validates it first. Where a saved
+result lives (`location`) is not part of its data: it is never written into `result.json`. The keys and
+their meaning: docs/architecture.md, "Result documents".
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 SCHEMA_VERSION = 1
@@ -34,13 +38,48 @@ class RoundsBlock:
     group: str | None = None
 
 
-@dataclass
-class ResultDocument:
-    """One measured run: where and what was measured, its metrics and raw samples.
+# top-level sections a sweep hook adds over every row of a technique (not measured: set, or set again)
+SECTIONS = ("sweep", "serve_summary", "claims", "not_applicable")
+
+
+class OverwriteError(ValueError):
+    """A technique's fact would replace a measured key of the result with a different value."""
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 (arrays and the like: not equal as a bool)
+        return a is b
+
+
+def merge_facts(metrics: dict[str, Any], facts: Mapping[str, Any], source: str) -> None:
+    """`facts` added to `metrics`; a key already there with a different value is refused (OverwriteError
+    naming `source` and the key): technique facts never replace measured figures silently."""
+    clash = [k for k, v in facts.items() if k in metrics and not _same(metrics[k], v)]
+    if clash:
+        raise OverwriteError(f"{source} would overwrite measured metrics: {', '.join(sorted(clash))} "
+                             f"({', '.join(f'{k}: {metrics[k]!r} -> {facts[k]!r}' for k in sorted(clash)[:3])})")
+    metrics.update(facts)
+
+
+@dataclass(eq=False)
+class ResultDocument(Mapping):
+    """One measured (or predicted) run: where and what was measured, its metrics and raw samples.
 
     `metrics` holds the shared timing / quality / memory figures (session.build_document), the deltas
     against the baseline (metrics/deltas.py), the technique's own keys (its `prepare` facts, run-time
-    counters and `finalize`), and `rounds` / `noise`. `objective` is what a candidate row is ranked on.
+    counters and `finalize`, added through `add_metrics`, which refuses to replace a measured figure), and
+    `rounds` / `noise`. `objective` is what a candidate row is ranked on. The sweep-level sections
+    (`sweep`, `serve_summary`, `claims`, `not_applicable`) are set with `set_section`. Top-level keys this
+    version does not name (written by another) are kept in `extra` and written back as they were.
+
+    It reads as a mapping of its JSON keys (`doc["metrics"]`, `doc.get("objective")`), so readers take a
+    loaded document and a hand-made dict alike; it has no item assignment: what changes after it is built
+    goes through its methods. `location` is the folder it was saved in or read from (None before it is
+    saved), never written.
     """
 
     run_id: str
@@ -49,20 +88,94 @@ class ResultDocument:
     env: dict[str, Any]
     model: dict[str, Any]
     technique: str
-    label: str
+    label: str | None
     config: dict[str, Any]
-    runner: str
+    runner: str | None
     workload: dict[str, Any]
-    protocol: dict[str, Any]
+    protocol: dict[str, Any] | None
     metrics: dict[str, Any]
     samples: dict[str, list]
-    fingerprint: str
+    fingerprint: str | None
     baseline_run_id: str | None = None
     objective: str | None = None
     schema_version: int = SCHEMA_VERSION
+    sweep: dict[str, Any] | None = None  # batch sweep: throughput by size and the knee (tuners/batch `complete`)
+    serve_summary: dict[str, Any] | None = None  # batch serve-sim: the table over rates (scenarios/batch.py)
+    claims: list[dict] | None = None  # kv-cache: the claims of one context length (scenarios/kv_cache.py)
+    not_applicable: list[dict] | None = None  # kv-cache: the variants that could not run at that length
+    extra: dict[str, Any] = field(default_factory=dict)
+    location: Path | None = field(default=None, repr=False)
 
+    # ----------------------------------------------------------------- the JSON keys, as a mapping
+    def _keys(self) -> list[str]:
+        names = [f.name for f in fields(self) if f.name not in ("extra", "location")]
+        optional = ("objective",) + SECTIONS
+        return [n for n in names if n not in optional or getattr(self, n) is not None] + list(self.extra)
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self.extra:
+            return self.extra[key]
+        if key in ("extra", "location") or key not in self.__dataclass_fields__:
+            raise KeyError(key)
+        value = getattr(self, key)
+        if value is None and key in ("objective",) + SECTIONS:
+            raise KeyError(key)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys())
+
+    def __len__(self) -> int:
+        return len(self._keys())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Mapping):
+            return self.to_dict() == dict(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    # ----------------------------------------------------------------- typed changes after the build
+    def add_metrics(self, facts: Mapping[str, Any] | None, *, source: str) -> None:
+        """Facts added under `metrics` (a technique's `finalize`, an admission, a sweep hook); a key already
+        measured with a different value is refused (`merge_facts`)."""
+        merge_facts(self.metrics, facts or {}, source)
+
+    def set_section(self, name: str, value: Any) -> None:
+        """A sweep-level section (`SECTIONS`), computed over every row of the sweep: set, or set again."""
+        if name not in SECTIONS:
+            raise KeyError(f"'{name}' is not a section of a result document ({', '.join(SECTIONS)})")
+        setattr(self, name, value)
+
+    # ----------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
-        doc = asdict(self)
-        if doc["objective"] is None:
-            doc.pop("objective")
+        """The document as written to `result.json` (never its `location`)."""
+        doc = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name not in ("extra", "location")}
+        for key in ("objective",) + SECTIONS:
+            if doc[key] is None:
+                doc.pop(key)
+        doc.update(_plain(self.extra))
         return doc
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], location: str | Path | None = None) -> ResultDocument:
+        """A document from its JSON keys (validated by the caller: results.validate); unknown top-level keys
+        go to `extra`."""
+        if isinstance(data, ResultDocument):
+            data = data.to_dict()
+        known = {f.name for f in fields(cls)} - {"extra", "location"}
+        data = {k: v for k, v in data.items() if k != "_path"}  # where it lives is not data (a forged key)
+        kwargs = {k: v for k, v in data.items() if k in known}
+        for key in ("runner", "protocol", "label", "fingerprint", "baseline_run_id"):
+            kwargs.setdefault(key, None)
+        return cls(**kwargs, extra={k: v for k, v in data.items() if k not in known},
+                   location=Path(location) if location is not None else None)
+
+
+def _plain(value: Any) -> Any:
+    """A deep copy of JSON-shaped data (dicts, lists), so the written dict shares nothing with the object."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

@@ -104,7 +104,7 @@ def measure_task(spec, config, job: str) -> dict:
     except Exception:  # noqa: BLE001  (outside Ray, e.g. a direct call)
         pass
     return {"node": node, "folders": [{"technique": d["technique"], "run_id": d["run_id"],
-                                       "fingerprint": d.get("fingerprint"), "files": _folder_files(d["_path"])}
+                                       "fingerprint": d.get("fingerprint"), "files": _folder_files(d.location)}
                                       for d in (baseline, *docs)]}
 
 
@@ -136,6 +136,7 @@ class RayExecutor:
         self.job = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]
         self.landed = 0
         self.skipped = 0
+        self.landed_ids: set[str] = set()  # run ids this executor wrote: the only ones its sweep hooks rewrite
         _messages_to_stderr()
         if not ray.is_initialized():
             try:
@@ -197,10 +198,10 @@ class RayExecutor:
                 return found
         doc.setdefault("env", {})["executor"] = dict(node, kind="ray", job=self.job)
         outputs = [json.loads(line) for line in files.pop("outputs.jsonl", b"").decode().splitlines() if line]
-        saved = results.save_run(out_dir, doc, outputs, extra_files=files)
-        doc["_path"] = str(saved.run_dir)
+        landed = results.save_run(out_dir, doc, outputs, extra_files=files).result
         self.landed += 1
-        return doc
+        self.landed_ids.add(landed.run_id)
+        return landed
 
     def run_configs(self, spec, configs: list, progress=None) -> tuple[dict, list[dict]]:
         """Every config (with its node's baseline) as a Ray task, landed in spec.out_dir: (a baseline, docs)."""
@@ -210,8 +211,8 @@ class RayExecutor:
         refs = self.submit(spec, list(configs))
         with runs_lock(spec.out_dir):
             pairs = self.collect(refs, Path(spec.out_dir), progress)
-        docs = [doc for _, task_docs in pairs for doc in task_docs]
-        summarize_sweep(docs)
+            docs = [doc for _, task_docs in pairs for doc in task_docs]
+            summarize_sweep(docs, own=self.landed_ids)  # never a folder that was there before it landed
         return pairs[0][0], docs
 
     def run_together(self, spec, configs: list, progress=None) -> tuple[dict, list[dict]]:

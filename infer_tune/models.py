@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,10 +78,25 @@ def built_model_dir(alias: str) -> Path:
     return paths.models_dir() / alias
 
 
-def _built_models() -> dict[str, BuiltModel]:
-    import importlib
+# What fills the registries below (the technique registry's loader, which the tuners package adds when it
+# is imported): models imports no technique and no registry of them, not even by name.
+_FILLERS: list[Callable[[], None]] = []
 
-    importlib.import_module("infer_tune.tuners").load_techniques()  # technique packages register their models
+
+def add_registry_filler(fill: Callable[[], None]) -> None:
+    """Call `fill()` before the built-model and directory-loader registries are read (once per lookup;
+    it must be cheap when nothing is left to register). The tuners package adds its `load_techniques`."""
+    if fill not in _FILLERS:
+        _FILLERS.append(fill)
+
+
+def _fill_registries() -> None:
+    for fill in list(_FILLERS):
+        fill()
+
+
+def _built_models() -> dict[str, BuiltModel]:
+    _fill_registries()  # technique packages register their models
     return BUILT_MODELS
 
 
@@ -119,9 +135,7 @@ def register_directory_loader(marker: str, loader: DirectoryLoader) -> None:
 
 def directory_loader(location: str) -> DirectoryLoader | None:
     """The registered loader for a saved directory, if one of the techniques claims it."""
-    import importlib
-
-    importlib.import_module("infer_tune.tuners").load_techniques()  # technique packages register loaders on import
+    _fill_registries()  # technique packages register loaders on import
     folder = Path(location)
     return next((fn for marker, fn in DIRECTORY_LOADERS.items() if (folder / marker).is_file()), None)
 

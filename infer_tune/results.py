@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from infer_tune import atomic
-from infer_tune.document import SCHEMA_VERSION
+from infer_tune.document import SCHEMA_VERSION, ResultDocument
 from infer_tune.errors import ResultError
 
 REQUIRED_KEYS = ("schema_version", "run_id", "created_at", "tool", "env", "model", "technique", "config",
@@ -47,25 +47,29 @@ def fingerprint(*parts: Any) -> str:
 @dataclass
 class SavedRun:
     run_dir: Path
-    result: dict
+    result: ResultDocument
 
 
-def save_run(out_dir: Path, result: dict, outputs: list[dict], extra_files: dict[str, bytes] | None = None) -> SavedRun:
+def save_run(out_dir: Path, result: ResultDocument | dict, outputs: list[dict],
+             extra_files: dict[str, bytes] | None = None) -> SavedRun:
     """Write `out_dir/<run_id>/` atomically: a staged folder moved into place when complete, never over
-    an existing run (on a collision the result gets a fresh run id, `result["run_id"]` is updated)."""
+    an existing run (on a collision the result gets a fresh run id). Returns the saved document, typed,
+    with its `location` (the document given is that object when it was a ResultDocument)."""
+    doc = result if isinstance(result, ResultDocument) else ResultDocument.from_dict(result)
     for _ in range(8):
-        final = Path(out_dir) / result["run_id"]
+        final = Path(out_dir) / doc.run_id
         try:
             with atomic.staged_dir(final, exists="error") as staging:
-                atomic.write_json(staging / "result.json", result)
+                atomic.write_json(staging / "result.json", doc.to_dict())
                 atomic.write_text(staging / "outputs.jsonl",
                                   "".join(json.dumps(o, ensure_ascii=False) + "\n" for o in outputs))
                 for name, data in (extra_files or {}).items():
                     atomic.write_bytes(staging / name, data)
         except FileExistsError:
-            result["run_id"] = new_run_id(str(result.get("technique", "run")), str(result.get("label") or ""))
+            doc.run_id = new_run_id(str(doc.technique or "run"), str(doc.label or ""))
             continue
-        return SavedRun(run_dir=final, result=result)
+        doc.location = final
+        return SavedRun(run_dir=final, result=doc)
     raise OSError(errno.EEXIST, f"could not find a free run id in {out_dir}")
 
 
@@ -77,17 +81,24 @@ _fds: dict[str, int] = {}
 _guard = threading.Lock()
 
 
-def update_result(doc: dict) -> None:
-    """Rewrite the `result.json` of a saved run (`doc["_path"]`) in place, atomically (a sweep adds a
-    claim judged on all of its results); the run's other files stay as they are."""
-    path = Path(doc["_path"]) / "result.json"
-    atomic.write_json(path, {k: v for k, v in doc.items() if k != "_path"})
+def _folder(doc: ResultDocument) -> Path:
+    if not isinstance(doc, ResultDocument) or doc.location is None:
+        raise ValueError(f"result {doc.get('run_id')!r} was not saved: it has no folder to write into")
+    return Path(doc.location)
 
 
-def add_files(doc: dict, files: dict[str, bytes]) -> None:
-    """Write `files` into a saved run's folder (`doc["_path"]`), each atomically."""
+def update_result(doc: ResultDocument) -> None:
+    """Rewrite the `result.json` of a run saved by the running sweep (`doc.location`) in place, atomically
+    (a sweep adds a claim judged on all of its results); the run's other files stay as they are. Only
+    session.summarize_sweep / store_claim call it, for results their own sweep saved."""
+    atomic.write_json(_folder(doc) / "result.json", doc.to_dict())
+
+
+def add_files(doc: ResultDocument, files: dict[str, bytes]) -> None:
+    """Write `files` into a saved run's folder (`doc.location`), each atomically."""
+    folder = _folder(doc)
     for name, data in files.items():
-        atomic.write_bytes(Path(doc["_path"]) / name, data)
+        atomic.write_bytes(folder / name, data)
 
 
 @contextmanager
@@ -285,6 +296,8 @@ def validate(doc: Any) -> str | None:
     """What is wrong with a result document (None when every reader can trust it): schema version,
     required keys, block types, timings (finite, non-negative, bounded, the right shape), claim checks
     (known verdicts, the fields the claims table reads) and the noise figure."""
+    if isinstance(doc, ResultDocument):
+        doc = doc.to_dict()
     if not isinstance(doc, dict):
         return "does not hold a result object"
     version = doc.get("schema_version")
@@ -357,9 +370,9 @@ def _open_result(file: Path) -> bytes:
     return data
 
 
-def load_result(path: str | Path) -> dict:
+def load_result(path: str | Path) -> ResultDocument:
     """Read one result (a run folder or its result.json) and validate it (`validate`); ResultError with
-    one line otherwise. `_path` is the real folder the file lies in, whatever the document says."""
+    one line otherwise. Its `location` is the real folder the file lies in, whatever the document says."""
     path = Path(path).expanduser()
     file = path / "result.json" if path.is_dir() else path
     if not file.is_file() and not file.is_symlink():
@@ -373,8 +386,7 @@ def load_result(path: str | Path) -> dict:
     problem = validate(doc)
     if problem:
         raise ResultError(f"result file {file} {problem}")
-    doc["_path"] = os.path.realpath(file.parent)
-    return doc
+    return ResultDocument.from_dict(doc, location=os.path.realpath(file.parent))
 
 
 def created_stamp() -> str:
@@ -409,7 +421,7 @@ def _result_files(root: Path, skipped: list[tuple[str, str]]) -> Iterator[Path]:
         stack.extend(reversed(folders))  # popped in name order
 
 
-def find_results(runs_dir: str | Path, skipped: list[tuple[str, str]] | None = None) -> list[dict]:
+def find_results(runs_dir: str | Path, skipped: list[tuple[str, str]] | None = None) -> list[ResultDocument]:
     """Every valid result under `runs_dir` (one level of run folders, or nested), oldest first.
 
     Invalid ones are left out: pass a list as `skipped` to get (path, reason) for each of them; without
@@ -437,8 +449,11 @@ def find_results(runs_dir: str | Path, skipped: list[tuple[str, str]] | None = N
     return sorted(docs, key=lambda d: d.get("created_at", ""))
 
 
-def load_outputs(run_dir: str | Path) -> list[dict]:
-    """The outputs rows of a run (empty when it has none); ResultError when the file is corrupt."""
+def load_outputs(run_dir: str | Path | ResultDocument) -> list[dict]:
+    """The outputs rows of a run (its folder, or a saved document: its `location`; empty when it has none);
+    ResultError when the file is corrupt."""
+    if isinstance(run_dir, ResultDocument):
+        run_dir = _folder(run_dir)
     file = Path(run_dir) / "outputs.jsonl"
     if not file.is_file() or file.is_symlink():
         return []

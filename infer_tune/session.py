@@ -24,7 +24,7 @@ from pathlib import Path
 
 from infer_tune import env as envinfo
 from infer_tune import models, results, rounds, suites
-from infer_tune.document import ResultDocument
+from infer_tune.document import ResultDocument, merge_facts
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import deltas, kv, noise, quality, roofline
 from infer_tune.metrics.memory import is_out_of_memory, long_lived_heap
@@ -83,15 +83,19 @@ class SweepPlan:
     - `baseline`: filled by the engine before `conclude` runs: the baseline the rows were measured against
       last (its rounds are those of the last group measured; `metrics.rounds.group` says which rows shared
       them), so a command's own keys can be taken against it (tune's goodput).
+    - `written`: filled by the engine: the run ids of the candidate rows this sweep saved (not those
+      `resume` read back), in config order: the only rows a later step of the command may rewrite
+      (`store_claim`).
     """
 
     reference: str = "baseline"
-    admit: Callable[[TechniqueConfig, Workload, Inputs, list[dict]], Admission] | None = None
+    admit: Callable[[TechniqueConfig, Workload, Inputs, list[ResultDocument]], Admission] | None = None
     skip_out_of_memory: bool = False
-    conclude: Callable[[list[dict], list[Skipped]], dict[str, bytes] | None] | None = None
+    conclude: Callable[[list[ResultDocument], list[Skipped]], dict[str, bytes] | None] | None = None
     stop_rounds: Callable[[dict[str, dict]], str | None] | None = None
     skipped: list[Skipped] = field(default_factory=list)
-    baseline: dict | None = None
+    baseline: ResultDocument | None = None
+    written: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.reference not in ("baseline", "first"):
@@ -164,7 +168,7 @@ def measure_prepared(
     execute: bool | str = False,
     per_position: bool = False,
     progress: Progress | None = None,
-) -> tuple[dict, list[dict]]:
+) -> tuple[ResultDocument, list[dict]]:
     """Run the workload on `prepared` through `runner` (alone, per the protocol) and build its result
     document and outputs rows (`build_document`)."""
     before = noise.HostSnapshot.take()
@@ -196,7 +200,7 @@ def build_document(
     per_position: bool = False,
     rounds_block: dict | None = None,
     ratios: dict[str, dict | None] | None = None,
-) -> tuple[dict, list[dict]]:
+) -> tuple[ResultDocument, list[dict]]:
     """The result document and outputs rows of one measured run.
 
     `per_position=True` adds `per_position_ms` (mean latency of each decode step, in order);
@@ -221,9 +225,11 @@ def build_document(
     metrics.update({
         "peak_rss_bytes": run.peak_rss_bytes,
         "rss_before_bytes": run.rss_before_bytes,
-        "peak_rss_delta_bytes": run.peak_rss_bytes - run.rss_before_bytes,
+        "peak_rss_delta_bytes": run.peak_rss_bytes - run.rss_before_bytes
+        if run.peak_rss_bytes is not None and run.rss_before_bytes is not None else None,
         "cuda_peak_bytes": run.cuda_peak_bytes,
-        "model_bytes": weight_bytes,
+        # no weights in this process and none declared (an endpoint whose served bytes are unknown): unknown
+        "model_bytes": weight_bytes if prepared.model is not None or prepared.extra_model_bytes else None,
         "first_call_ms": run.first_call_ms,
         "warmup_s": run.warmup_s,
         "iterations": run.iterations,
@@ -244,8 +250,9 @@ def build_document(
         metrics["pass_at_1"] = pass_at_1([inputs.prompts[o.prompt_index] for o in run.outputs], texts,
                                          isolation=isolation)
         metrics["pass_at_1_isolation"] = isolation
-    metrics.update(prepared.metrics)
-    metrics.update(run.counters)
+    # the technique's facts and counters beside the measured figures, never over them (OverwriteError)
+    merge_facts(metrics, prepared.metrics, f"{technique}'s prepared facts")
+    merge_facts(metrics, run.counters, f"{technique}'s counters")
     if run.ranks:
         metrics["ranks"] = run.ranks
     outputs = [{"prompt_id": inputs.prompts[o.prompt_index].id, "prompt": inputs.prompts[o.prompt_index].text,
@@ -281,10 +288,10 @@ def build_document(
         fingerprint=run_fingerprint(loaded, technique, config, workload, env, execute, protocol=protocol,
                                     measure_ppl=measure_ppl),
     )
-    return result.to_dict(), outputs
+    return result, outputs
 
 
-def find_result(out_dir: Path, fingerprint: str, technique: str | None = None) -> dict | None:
+def find_result(out_dir: Path, fingerprint: str, technique: str | None = None) -> ResultDocument | None:
     """The newest finished result with this fingerprint in `out_dir` (baseline reuse and --resume)."""
     if not Path(out_dir).exists():
         return None
@@ -304,21 +311,21 @@ def ensure_baseline(
     reuse: bool = True,
     measure_ppl: bool = True,
     execute: bool = False,
-) -> tuple[dict, list[dict], bool]:
+) -> tuple[ResultDocument, list[dict], bool]:
     """Reuse a baseline of the same fingerprint from `ctx.out_dir`, or measure and save one.
 
     Returns (doc, outputs, reused).
     """
     fp = run_fingerprint(loaded, "baseline", {}, workload, ctx.env, execute, protocol=protocol,
                          measure_ppl=measure_ppl)
-    if reuse and (found := find_result(ctx.out_dir, fp, "baseline")) is not None:
-        return found, results.load_outputs(found["_path"]), True
-    prepared = PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, label="baseline", device=ctx.device)
-    doc, outputs = measure_prepared(loaded, prepared, inputs, workload, protocol, technique="baseline", config={},
-                                    env=ctx.env, measure_ppl=measure_ppl, execute=execute, progress=ctx.progress)
-    saved = results.save_run(ctx.out_dir, doc, outputs)
-    doc["_path"] = str(saved.run_dir)
-    return doc, outputs, False
+    with results.runs_lock(ctx.out_dir):  # re-entrant: a sweep holds it already; `tune` calls this alone
+        if reuse and (found := find_result(ctx.out_dir, fp, "baseline")) is not None:
+            return found, results.load_outputs(found), True
+        prepared = PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, label="baseline", device=ctx.device)
+        doc, outputs = measure_prepared(loaded, prepared, inputs, workload, protocol, technique="baseline", config={},
+                                        env=ctx.env, measure_ppl=measure_ppl, execute=execute, progress=ctx.progress)
+        results.save_run(ctx.out_dir, doc, outputs)
+        return doc, outputs, False
 
 
 def resolve_configs(configs: list[TechniqueConfig], ctx: RunContext) -> list[TechniqueConfig]:
@@ -362,7 +369,7 @@ def run_configs(
     measure_ppl: bool = True,
     execute: bool = False,
     plan: SweepPlan | None = None,
-) -> tuple[dict | None, list[dict]]:
+) -> tuple[ResultDocument | None, list[ResultDocument]]:
     """Every config prepared, measured beside the baseline (interleaved rounds where its runner runs in
     passes and its workload is the sweep's, else alone against the baseline) and saved (module
     docstring; docs/architecture.md, "The sweep engine").
@@ -387,7 +394,7 @@ def run_configs(
 
 def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, protocol: Protocol,
            configs: list[TechniqueConfig], ctx: RunContext, *, resume: bool, reuse_baseline: bool,
-           measure_ppl: bool, execute: bool | str, plan: SweepPlan) -> tuple[dict | None, list[dict]]:
+           measure_ppl: bool, execute: bool | str, plan: SweepPlan) -> tuple[ResultDocument | None, list[ResultDocument]]:
     sweep = _Sweep(loaded, inputs, workload, protocol, ctx, measure_ppl=measure_ppl, execute=execute, plan=plan)
     docs: list[dict | None] = [None] * len(configs)
     done = [find_result(ctx.out_dir, sweep.fingerprint(config)) if resume else None for config in configs]
@@ -399,7 +406,7 @@ def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, proto
             if done[i] is not None:
                 docs[i] = done[i]
                 if first and sweep.baseline is None:  # a resumed reference: the later rows compare with it
-                    sweep.baseline, sweep.baseline_outputs = done[i], results.load_outputs(done[i]["_path"])
+                    sweep.baseline, sweep.baseline_outputs = done[i], results.load_outputs(done[i])
                 continue
             entry = technique_for(config)
             admission = plan.admit(config, *sweep.point(config), [d for d in docs if d is not None]) \
@@ -430,7 +437,8 @@ def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, proto
         sweep.baseline, _, _ = ensure_baseline(loaded, inputs, workload, protocol, ctx, reuse=True,
                                                measure_ppl=measure_ppl, execute=execute)
     plan.baseline = sweep.baseline
-    summarize_sweep(measured, plan)
+    plan.written = [d["run_id"] for d in measured if d["run_id"] in sweep.written]
+    summarize_sweep(measured, plan, own=sweep.written)
     return sweep.baseline, measured
 
 
@@ -452,10 +460,11 @@ class _Sweep:
         self.measure_ppl, self.execute, self.plan = measure_ppl, execute, plan
         self.batched: dict[int, Inputs] = {workload.batch_size: inputs}
         self.admitted: dict[int, dict] = {}  # config index -> the metrics its admission adds to its row
-        self.baseline: dict | None = None
+        self.baseline: ResultDocument | None = None
         self.baseline_outputs: list[dict] | None = None
         self.finished = 0
         self.total = 0
+        self.written: set[str] = set()  # run ids this sweep saved: the only results its hooks may rewrite
 
     def fingerprint(self, config: TechniqueConfig) -> str:
         entry = technique_for(config)
@@ -510,18 +519,15 @@ class _Sweep:
             group.clear()
             gc.collect()
 
-    def _save_baseline(self, base: rounds.Variant, outcome: rounds.RoundsOutcome, host) -> tuple[dict, list[dict]]:
+    def _save_baseline(self, base: rounds.Variant, outcome: rounds.RoundsOutcome, host) -> tuple[ResultDocument, list[dict]]:
         doc, outputs = build_document(self.loaded, base.prepared, rounds.merged_run(base), self.inputs, self.workload,
                                       self.protocol, technique="baseline", config={}, env=self.ctx.env,
                                       runner="generation", host=host, measure_ppl=self.measure_ppl,
                                       execute=self.execute, rounds_block=outcome.block("baseline"))
-        # one baseline row per measurement (fingerprint) in a runs directory: a later sweep's rounds refresh it
-        existing = find_result(self.ctx.out_dir, doc["fingerprint"], "baseline")
-        if existing is not None:
-            doc["run_id"], doc["_path"] = existing["run_id"], existing["_path"]
-            results.update_result(doc)
-        else:
-            doc["_path"] = str(results.save_run(self.ctx.out_dir, doc, outputs).run_dir)
+        # a new result with its own run id, never a rewrite of an earlier baseline of the same fingerprint:
+        # the rows saved against that one keep the numbers they were compared with (`baseline_run_id`)
+        results.save_run(self.ctx.out_dir, doc, outputs)
+        self.written.add(doc.run_id)
         return doc, outputs
 
     def measure_alone(self, i: int, config: TechniqueConfig, prepared: PreparedModel, docs: list[dict | None], *,
@@ -531,9 +537,11 @@ class _Sweep:
         one reused / measured now; with `reference: first`, the first row measured, or none for that row)."""
         try:
             if self.baseline is None and self.plan.reference == "baseline":
-                self.baseline, self.baseline_outputs, _ = ensure_baseline(
+                self.baseline, self.baseline_outputs, reused = ensure_baseline(
                     self.loaded, self.inputs, self.workload, self.protocol, self.ctx, reuse=reuse_baseline,
                     measure_ppl=self.measure_ppl, execute=self.execute)
+                if not reused:
+                    self.written.add(self.baseline["run_id"])
             entry = technique_for(config)
             workload, inputs = self.point(config)
             before = noise.HostSnapshot.take()
@@ -549,7 +557,7 @@ class _Sweep:
             docs[i] = self._finish(config, prepared, run, (before, noise.HostSnapshot.take()), earlier=docs,
                                    metrics=admission.metrics)
             if self.baseline is None:  # reference `first`: this row is what the later rows compare with
-                self.baseline, self.baseline_outputs = docs[i], results.load_outputs(docs[i]["_path"])
+                self.baseline, self.baseline_outputs = docs[i], results.load_outputs(docs[i])
         finally:
             if prepared.cleanup:
                 prepared.cleanup()
@@ -557,7 +565,7 @@ class _Sweep:
 
     def _finish(self, config: TechniqueConfig, prepared: PreparedModel, run: GenerationRun, host, *,
                 earlier: list[dict | None], rounds_block: dict | None = None,
-                ratios: dict | None = None, metrics: dict | None = None) -> dict:
+                ratios: dict | None = None, metrics: dict | None = None) -> ResultDocument:
         """Build, finalize (technique facts and files), annotate and save one candidate's result."""
         entry = technique_for(config)
         workload, inputs = self.point(config)
@@ -569,13 +577,13 @@ class _Sweep:
             per_position=any(technique_for(p).per_position for p in config.parts()), rounds_block=rounds_block,
             ratios=ratios)
         objectives = [technique_for(p).objective for p in config.parts()]
-        doc["objective"] = next((o for o in objectives if o != "decode"), "decode")  # what it is ranked on
-        doc["metrics"].update(metrics or {})
+        doc.objective = next((o for o in objectives if o != "decode"), "decode")  # what it is ranked on
+        doc.add_metrics(metrics, source="the sweep's admission")
         files = entry.finalize(config, doc, outputs, prepared, inputs, self.ctx) if entry.finalize else None
         if entry.annotate:
             entry.annotate(doc, [d for d in earlier if d is not None])
-        saved = results.save_run(self.ctx.out_dir, doc, outputs, extra_files=files or None)
-        doc["_path"] = str(saved.run_dir)
+        results.save_run(self.ctx.out_dir, doc, outputs, extra_files=files or None)
+        self.written.add(doc.run_id)
         self.finished += 1
         if self.ctx.progress:
             self.ctx.progress("configs", self.finished, self.total)
@@ -586,31 +594,33 @@ class _Sweep:
 class Row:
     """A result document built outside `run_configs`, its outputs rows and the files saved beside it."""
 
-    doc: dict
+    doc: ResultDocument | dict  # a dict is typed (ResultDocument.from_dict) when it is saved
     outputs: list[dict] = field(default_factory=list)
     files: dict[str, bytes] = field(default_factory=dict)
 
 
-def save_rows(out_dir: Path, rows: list[Row], *, resume: bool = False) -> list[dict]:
+def save_rows(out_dir: Path, rows: list[Row], *, resume: bool = False) -> list[ResultDocument]:
     """The engine's writer for rows that `run_configs` cannot measure: a live endpoint's (no weights here, no
     plain baseline: docs/endpoint.md) and expert-placement plans (predictions, nothing measured). Under the
     runs directory's lock, each row is saved atomically; with `resume`, a row whose fingerprint is already
-    saved is read back instead. Returns the saved documents (with `_path`), in order
+    saved is read back instead. Returns the saved documents (typed, with their `location`), in order
     (docs/architecture.md, "The sweep engine")."""
     out = []
     with results.runs_lock(out_dir):
         for row in rows:
             done = find_result(out_dir, row.doc["fingerprint"], row.doc.get("technique")) if resume else None
             if done is None:
-                row.doc["_path"] = str(results.save_run(out_dir, row.doc, row.outputs,
-                                                        extra_files=row.files or None).run_dir)
-            out.append(done or row.doc)
+                done = results.save_run(out_dir, row.doc, row.outputs, extra_files=row.files or None).result
+            out.append(done)
     return out
 
 
-def summarize_sweep(docs: list[dict], plan: SweepPlan | None = None) -> None:
+def summarize_sweep(docs: list[ResultDocument], plan: SweepPlan | None = None, *, own: set[str] | frozenset[str]) -> None:
     """Each technique's sweep-level claim (`summarize`), keys (`complete`) and figures (`plots`), then the
-    plan's own (`conclude`), stored in the results: a changed `result.json` is rewritten atomically."""
+    plan's own (`conclude`), over every result of the sweep; stored only in the results this sweep saved
+    (`own`: their run ids), whose changed `result.json` is rewritten atomically. A result read back from
+    an earlier run (`resume`, a reused baseline, a landed folder that was there) is never rewritten: its
+    `result.json` stays byte for byte what that run wrote."""
     load_techniques()
     plan = plan or SweepPlan()
     before = {id(doc): _snapshot(doc) for doc in docs}
@@ -633,24 +643,25 @@ def summarize_sweep(docs: list[dict], plan: SweepPlan | None = None) -> None:
         files = entry.plots(group) if entry.plots else {}
         for doc in group:
             files_of.setdefault(id(doc), {}).update(files)
-    own = (plan.conclude(docs, plan.skipped) if plan.conclude else None) or {}
+    extra = (plan.conclude(docs, plan.skipped) if plan.conclude else None) or {}
     for doc in docs:
-        if not doc.get("_path"):
+        if not isinstance(doc, ResultDocument) or doc.location is None or doc.run_id not in own:
             continue
         if _snapshot(doc) != before[id(doc)]:
             results.update_result(doc)
-        files = {**files_of.get(id(doc), {}), **own}
+        files = {**files_of.get(id(doc), {}), **extra}
         if files:
             results.add_files(doc, files)
 
 
 def _snapshot(doc: dict) -> str:
-    return json.dumps(doc, sort_keys=True, default=str)
+    return json.dumps(doc.to_dict() if isinstance(doc, ResultDocument) else doc, sort_keys=True, default=str)
 
 
-def store_claim(docs: list[dict], claim: dict | None) -> None:
+def store_claim(docs: list[ResultDocument], claim: dict | None, *, own: set[str] | frozenset[str]) -> None:
     """`claim` as `metrics.claim_check` of every doc in `docs`, rewritten where it changed (a claim over
-    several sweeps of one command: speculate's suites)."""
+    several sweeps of one command: speculate's suites); only the results of `own` (run ids the command's
+    sweeps saved, `SweepPlan.written`) are rewritten, never one an earlier run wrote."""
     if claim is None:
         return
     changed = [d for d in docs if d["metrics"].get("claim_check") != claim]
@@ -658,8 +669,8 @@ def store_claim(docs: list[dict], claim: dict | None) -> None:
         doc["metrics"]["claim_check"] = claim
     by_dir: dict[Path, list[dict]] = {}
     for doc in changed:
-        if doc.get("_path"):
-            by_dir.setdefault(Path(doc["_path"]).parent, []).append(doc)
+        if isinstance(doc, ResultDocument) and doc.location is not None and doc.run_id in own:
+            by_dir.setdefault(Path(doc.location).parent, []).append(doc)
     for out_dir, mine in by_dir.items():
         with results.runs_lock(out_dir):  # the same lock a sweep holds: no rewrite while another run saves
             for doc in mine:

@@ -4,6 +4,7 @@ SmolLM2 model for the few integration tests (provisioned by `make test` through 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,20 @@ def few_rounds(request, monkeypatch):
         return original(variants, inputs, workload, protocol, **kwargs)
 
     monkeypatch.setattr(rounds, "run_rounds", capped)
+
+
+@pytest.fixture(scope="session")
+def native_kernels() -> str:
+    """The project's C++ kernels, built (or loaded from the cache) when the first test needs them, not while
+    tests are collected. Skipped only where the host cannot build them (no C++ compiler) or they are turned
+    off (INFER_TUNE_NO_NATIVE=1); any other failure to build fails the tests that need them, with the reason."""
+    from infer_tune import native
+
+    if os.environ.get(native.DISABLE_ENV) == "1":
+        pytest.skip(f"native kernels turned off ({native.DISABLE_ENV}=1)")
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler on this host to build the native kernels")
+    ok, detail = native.available()
+    if not ok:
+        pytest.fail(f"the native kernels did not build: {detail}")
+    return detail

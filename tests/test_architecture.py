@@ -152,7 +152,7 @@ def test_each_runner_kind_measures_a_technique_end_to_end(test_techniques, tiny_
     assert [r["sum_seen"] for r in multi["ranks"]] == [3.0, 3.0]  # 1 + 2, reduced across two real processes
     assert multi["bytes_exchanged"] == 2 * 256 * 4
     assert all(r["peak_rss_bytes"] > 0 and r["elapsed_s"] > 0 for r in multi["ranks"])
-    assert load_outputs(trace["_path"])  # outputs saved with the result
+    assert load_outputs(trace)  # outputs saved with the result
 
 
 def test_speculative_steps_deliver_several_tokens_with_one_timestamp(test_techniques, tiny_loaded, setup):
@@ -208,8 +208,9 @@ def test_batch_size_constraint_refused_before_anything_is_written(test_technique
 def test_device_comes_from_the_context(test_techniques, tiny_loaded):
     from infer_tune.tuners import apply
 
-    prepared = apply(tiny_loaded, PlainConfig(), RunContext(device="cpu"))
-    assert prepared.device == "cpu"
+    # a device other than the loaded model's ("cpu"): the prepared model's comes from the context, not the model
+    prepared = apply(tiny_loaded, PlainConfig(), RunContext(device="meta"))
+    assert tiny_loaded.device == "cpu" and prepared.device == "meta"
 
 
 def _option_names(command: str) -> set[str]:
@@ -225,7 +226,8 @@ def test_measuring_commands_share_one_option_group():
     shared = {"--model", "--suite", "--limit", "--max-new-tokens", "--batch-size", "--threads", "--seed", "--warmup",
               "--min-iterations", "--min-duration", "--out", "--dtype", "--device", "--chat-template",
               "--max-prompt-tokens", "--ppl", "--resume", "--json", "--debug"}
-    assert len(COMMON) >= len(shared)
+    # every shared flag is an entry of the one group (json's parameter is json_out), and every command lists it
+    assert {f[2:].replace("-", "_") for f in shared} - {"json"} | {"json_out"} <= set(COMMON)
     for command in ("bench", "quantize", "kv-cache"):
         assert shared <= _option_names(command), command
 
@@ -233,7 +235,6 @@ def test_measuring_commands_share_one_option_group():
 def test_a_technique_document_is_the_same_whichever_command_ran_it(tiny_loaded, tiny_model_dir, prompts_file, tmp_path):
     """kv-cache and batch rows from a recipe (run_configs) carry the keys their own commands write: the engine
     writes every result and the technique's finalize hook adds its keys and files on both paths."""
-    from pathlib import Path
 
     from infer_tune.scenarios.batch import ServeSpec, run_serve
     from infer_tune.scenarios.common import RunSpec
@@ -263,7 +264,7 @@ def test_a_technique_document_is_the_same_whichever_command_ran_it(tiny_loaded, 
     command_batch = run_serve(spec, ServeSpec(rates=[50.0], requests=3, batch_size=2, schedulers=("continuous",))).docs[0]
     for doc in (recipe_batch, command_batch):
         assert {"offered_rate", "interarrival_cv"} <= set(doc["metrics"]) and doc["samples"]["output_tokens"]
-        assert (Path(doc["_path"]) / "trace.jsonl").is_file() and doc["workload"]["rate"] == 50.0
+        assert (doc.location / "trace.jsonl").is_file() and doc["workload"]["rate"] == 50.0
     # the command adds what its own options define (goodput under its SLOs), nothing the recipe row lacks
     assert set(recipe_batch["metrics"]) <= set(command_batch["metrics"])
 
@@ -278,7 +279,7 @@ def test_a_technique_document_is_the_same_whichever_command_ran_it(tiny_loaded, 
     command_row = run_sweep(spec, SweepSpec(batch_sizes=[1, 2])).docs[-1]
     for doc in (recipe_row, command_row):
         assert doc["workload"]["batch_size"] == 2 and doc["metrics"]["batch_size"] == 2 and doc["sweep"]
-        assert (Path(doc["_path"]) / "sweep.png").is_file()
+        assert (doc.location / "sweep.png").is_file()
     # the command adds its memory limit and prediction, nothing the recipe row lacks
     assert set(recipe_row["metrics"]) <= set(command_row["metrics"])
     assert set(command_row["metrics"]) - set(recipe_row["metrics"]) <= {
@@ -290,7 +291,8 @@ WRITERS = {"save_run", "update_result", "add_files"}
 
 def test_only_the_sweep_engine_writes_results():
     """session.py is the only module that writes a result (executors.py lands remote results measured by
-    run_configs on cluster nodes through the same atomic writer); docs/architecture.md, "The sweep engine"."""
+    run_configs on cluster nodes through the same atomic writer), and no bench/ script writes one beside
+    it (they go through `session.save_rows`, under the runs lock); docs/architecture.md, "The sweep engine"."""
     import ast
     from pathlib import Path
 
@@ -299,8 +301,10 @@ def test_only_the_sweep_engine_writes_results():
     root = Path(infer_tune.__file__).parent
     allowed = {"session.py": WRITERS, "executors.py": {"save_run"}, "results.py": WRITERS}
     found = []
-    for file in sorted(root.rglob("*.py")):
-        name = file.relative_to(root).as_posix()
+    scripts = sorted((root.parent / "bench").glob("*.py"))
+    assert scripts, "the bench scripts were not found beside the package"
+    for file in sorted(root.rglob("*.py")) + scripts:
+        name = file.relative_to(root).as_posix() if file.is_relative_to(root) else f"bench/{file.name}"
         for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Call):
                 called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)

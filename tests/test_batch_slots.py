@@ -201,15 +201,11 @@ def test_slot_kernel_swap_is_taken_from_a_separated_screen(separated, expected, 
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
-def test_native_slot_step_serves_as_each_request_alone(arch, tiny_model_dir, qwen3_dir, gemma3_dir, mixed_suite,
-                                                       tmp_path):
+def test_native_slot_step_serves_as_each_request_alone(arch, native_kernels, tiny_model_dir, qwen3_dir, gemma3_dir,
+                                                       mixed_suite, tmp_path):
     """The slot engine's native step (int4 a8 Llama, Qwen3, Gemma 3: infer_tune/native/step.py): rows 1 and 2 of one
     step give each request the tokens of the one-row step serving it alone, 0 mismatches, no step compiled (Gemma 3's
     prompts longer than its window admitted whole)."""
-    from infer_tune import native
-
-    if not native.available()[0]:
-        pytest.skip(native.available()[1])
     loaded = models.load(str({"llama": tiny_model_dir, "qwen3": qwen3_dir, "gemma3": gemma3_dir}[arch]))
     workload = Workload(suite=str(mixed_suite), limit=6, max_new_tokens=10, chat_template=False)
     inputs = prepare_inputs(loaded, workload)

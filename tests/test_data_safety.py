@@ -78,11 +78,13 @@ def test_two_sweeps_into_one_runs_dir_both_complete(tiny_model_dir, prompts_file
     reported = [json.loads(stdout) for stdout, _ in outputs]
     docs = finished(out)
     ids = [d["run_id"] for d in docs]
-    assert len(ids) == len(set(ids)) == 1 + 2 * 2  # one baseline (the second sweep waited and reused it)
-    assert [d["technique"] for d in docs].count("baseline") == 1
+    # each sweep measured its rows in rounds with its own baseline: two baselines, never one rewritten
+    assert len(ids) == len(set(ids)) == 2 + 2 * 2
+    assert [d["technique"] for d in docs].count("baseline") == 2
     for sweep_docs in reported:
         assert sweep_docs[0]["technique"] == "baseline" and sweep_docs[0]["run_id"] in ids
         assert all(d["run_id"] in ids for d in sweep_docs)
+        assert {d["baseline_run_id"] for d in sweep_docs[1:]} == {sweep_docs[0]["run_id"]}
     assert {d["run_id"] for d in reported[0][1:]}.isdisjoint(d["run_id"] for d in reported[1][1:])
 
 
@@ -113,7 +115,10 @@ def test_preflight_of_one_new_folder_by_many_at_once_never_refuses(tmp_path):
 
 
 def test_run_folders_are_never_replaced(tmp_path):
-    doc = {"run_id": "same-id", "technique": "baseline", "label": "baseline"}
+    sys.path.insert(0, str(Path(__file__).parent))
+    from result_docs import make_result
+
+    doc = make_result("same-id")
     first = results.save_run(tmp_path, dict(doc), [{"output": "a"}])
     second = results.save_run(tmp_path, dict(doc), [{"output": "b"}])
     assert first.run_dir.name == "same-id" and second.run_dir != first.run_dir
@@ -282,9 +287,52 @@ def test_path_is_where_the_file_is_and_resume_warns_once(tmp_path):
     try:
         docs = results.find_results(runs)
         assert [d["run_id"] for d in docs] == ["good"]
-        assert docs[0]["_path"] == os.path.realpath(runs / "good")  # not the `elsewhere` the file claims
+        assert str(docs[0].location) == os.path.realpath(runs / "good") and "_path" not in docs[0]  # not the `elsewhere` the file claims
         results.find_results(runs)  # a sweep lists its runs folder many times: still one line per file
     finally:
         results.set_warning_handler(None)
     assert len(seen) == 5 and len(set(seen)) == 5, seen
     assert results.validate({**docs[0], "schema_version": True}) is not None
+
+
+SUMMARIZED = RECIPE + """\
+  - {technique: quantize, method: bf16, backend: torch}
+  - {technique: batch, scheduler: static, batch_size: 2, rate: 50.0, requests: 2}
+  - {technique: batch, scheduler: continuous, batch_size: 2, rate: 50.0, requests: 2}
+"""
+
+
+def _result_bytes(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in out.glob("*/*") if p.is_file()}
+
+
+def test_a_second_sweep_leaves_every_earlier_result_byte_identical(tiny_model_dir, prompts_file, tmp_path):
+    """Saved results are immutable: a later sweep into the same runs folder, resumed or not, with a technique
+    whose `summarize` stores a claim over the whole sweep (batch) and a new config beside rows read back, writes
+    new results (its baseline too, with its own run id) and leaves every file of the earlier ones as it was;
+    each row names the baseline it was measured against (docs/architecture.md, "The sweep engine")."""
+    out = tmp_path / "runs"
+    first = tmp_path / "first.yaml"
+    first.write_text(SUMMARIZED)
+    more = tmp_path / "more.yaml"  # the same rows and one more: the resumed rows meet a new baseline and row
+    more.write_text(SUMMARIZED + "  - {technique: quantize, method: int8-dynamic, backend: torch}\n")
+    seen: dict[str, bytes] = {}
+    for recipe_file, extra in ((first, ()), (more, ("--resume",)), (first, ())):
+        proc = bench(tiny_model_dir, prompts_file, recipe_file, out, *extra)
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr
+        now = _result_bytes(out)
+        changed = [name for name, data in seen.items() if now.get(name) != data]
+        assert not changed, f"an earlier result was rewritten: {changed}"
+        seen = now
+        docs = {d["run_id"]: d for d in results.find_results(out)}
+        for doc in json.loads(stdout)[1:]:  # each row names a baseline that is saved, with its own run id
+            assert doc["baseline_run_id"] in docs and docs[doc["baseline_run_id"]]["technique"] == "baseline"
+    docs = results.find_results(out)
+    assert all(d["metrics"].get("claim_check") for d in docs if d["technique"] == "batch")
+    # where a result lives is not part of its data: no `_path` key written, loaded or printed
+    assert not [n for n, data in seen.items() if n.endswith("result.json") and "_path" in json.loads(data)]
+    assert all("_path" not in d and d.location == out / d["run_id"] for d in docs)
+    assert all("_path" not in d for d in json.loads(stdout))
+    baselines = [d["run_id"] for d in docs if d["technique"] == "baseline"]
+    assert len(baselines) == len(set(baselines)) >= 2  # a baseline measured again is a new result

@@ -251,27 +251,27 @@ def test_drift_against_a_baseline_gates_a_deployment(tiny_model_dir, echo_suite,
     with LoopbackServer(Behaviour(model="m")) as good:
         base = bench(good.url, tmp_path / "base", *common)
         assert base.exit_code == 0, base.output
-        same = bench(good.url, tmp_path / "same", *common, "--baseline", json.loads(base.stdout)["_path"])
+        same = bench(good.url, tmp_path / "same", *common, "--baseline", json.loads(base.stdout)["location"])
     with LoopbackServer(Behaviour(model="m", garble=True)) as bad:
-        worse = bench(bad.url, tmp_path / "worse", *common, "--baseline", json.loads(base.stdout)["_path"])
+        worse = bench(bad.url, tmp_path / "worse", *common, "--baseline", json.loads(base.stdout)["location"])
     assert same.exit_code == 0 and worse.exit_code == 0, same.output + worse.output
     s, w = json.loads(same.stdout)["metrics"], json.loads(worse.stdout)["metrics"]
     assert s["bleu_drift"] == 0.0 and s["exact_match_vs_baseline"] == 1.0
     assert w["bleu_drift"] < -1.0 and w["exact_match_vs_baseline"] == 0.0 and w["output_mismatches"] == 3
-    base_path = json.loads(base.stdout)["_path"]
+    base_path = json.loads(base.stdout)["location"]
     gate = ["compare", base_path, "--fail-if", "bleu_drift < -1.0"]
-    passed = runner.invoke(app, [*gate, json.loads(same.stdout)["_path"]])
+    passed = runner.invoke(app, [*gate, json.loads(same.stdout)["location"]])
     assert passed.exit_code == 0, passed.output
-    assert runner.invoke(app, [*gate, json.loads(worse.stdout)["_path"]]).exit_code == 1
+    assert runner.invoke(app, [*gate, json.loads(worse.stdout)["location"]]).exit_code == 1
 
 
 def test_baseline_of_another_workload_is_refused(tiny_model_dir, echo_suite, tmp_path):
     with LoopbackServer() as server:
         base = bench(server.url, tmp_path, "--model", str(tiny_model_dir), "--suite", str(echo_suite))
         other = bench(server.url, tmp_path, "--model", str(tiny_model_dir), "--suite", str(echo_suite),
-                      "--max-new-tokens", "4", "--baseline", json.loads(base.stdout)["_path"])
+                      "--max-new-tokens", "4", "--baseline", json.loads(base.stdout)["location"])
         no_tokenizer = bench(server.url, tmp_path, "--suite", str(echo_suite), "--baseline",
-                             json.loads(base.stdout)["_path"])
+                             json.loads(base.stdout)["location"])
     assert other.exit_code == 2 and "max_new_tokens" in other.output
     assert no_tokenizer.exit_code == 2 and "name the served weights as model" in no_tokenizer.output
 

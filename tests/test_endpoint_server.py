@@ -42,8 +42,8 @@ def _start(engine: str, model: str, **kwargs):
     server = local_server(engine, model, startup_timeout_s=240, **kwargs)
     try:
         return server, server.__enter__()
-    except EndpointError as exc:
-        pytest.skip(f"{engine} server did not start: {exc}")
+    except EndpointError as exc:  # its modules are installed: a server that does not start is a failure
+        pytest.fail(f"{engine} server did not start: {exc}")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_bench_endpoint_on_transformers_serve_matches_in_process_greedy(transfor
     model = ["--model", str(smollm2_dir)]
     base = runner.invoke(app, ["bench", *model, *SMALL, "--no-ppl", "--out", str(tmp_path), "--json"])
     assert base.exit_code == 0, base.output
-    base_path = json.loads(base.stdout)["_path"]
+    base_path = json.loads(base.stdout)["location"]
     result = runner.invoke(app, ["bench", "--endpoint", transformers_server.url, *model, *SMALL,
                                  "--baseline", base_path, "--out", str(tmp_path), "--json"])
     assert result.exit_code == 0, result.output
@@ -72,9 +72,9 @@ def test_bench_endpoint_on_transformers_serve_matches_in_process_greedy(transfor
     assert m["ttft_ms"]["n"] == 3 and m["ttft_ms"]["p50"] > 0 and m["tpot_ms"]["p50"] > 0
     assert doc["env"]["endpoint"]["models"] == [str(smollm2_dir)] and doc["env"]["endpoint"]["reports_usage"]
     # a deployment against an in-process run is a deliberate mismatch (its runner never relaxes a check by itself)
-    refused = runner.invoke(app, ["compare", base_path, doc["_path"], "--fail-if", "bleu_drift < -1.0"])
+    refused = runner.invoke(app, ["compare", base_path, doc["location"], "--fail-if", "bleu_drift < -1.0"])
     assert refused.exit_code == 2 and "runner 'endpoint'" in refused.output
-    gate = runner.invoke(app, ["compare", base_path, doc["_path"], "--fail-if", "bleu_drift < -1.0",
+    gate = runner.invoke(app, ["compare", base_path, doc["location"], "--fail-if", "bleu_drift < -1.0",
                                "--allow-mismatch"])
     assert gate.exit_code == 0, gate.output
 

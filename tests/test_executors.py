@@ -30,7 +30,7 @@ def _folder(doc: dict) -> dict:
 
 def test_a_returned_folder_lands_once(tmp_path):
     landing = object.__new__(executors.RayExecutor)  # its landing only: no cluster
-    landing.job, landing.landed, landing.skipped = "job1", 0, 0
+    landing.job, landing.landed, landing.skipped, landing.landed_ids = "job1", 0, 0, set()
     node = {"hostname": "n1", "pid": 1}
     base = make_result("20260101-000000-baseline-a")
     config = dict(make_result("20260101-000001-quantize-b", technique="quantize", seed=1), fingerprint="fp-b")

@@ -318,7 +318,7 @@ def test_two_process_expert_parallelism_matches_single_process(tiny_moe_dir, pro
     plans = run_plan(profile.path, devices=2, strategies=["round-robin", "load-balanced"], replicas=2,
                      save=tmp_path / "plans.json", out_dir=tmp_path / "runs")
     assert [d["config"]["strategy"] for d in plans.docs] == ["round-robin", "load-balanced"]
-    assert (Path(plans.docs[0]["_path"]) / "plan_loads.png").is_file()
+    assert (plans.docs[0].location / "plan_loads.png").is_file()
 
     outcome = run_validate(spec, tmp_path / "plans.json", procs=2)
     for doc in outcome.docs:
@@ -350,7 +350,7 @@ def test_two_process_expert_parallelism_matches_single_process(tiny_moe_dir, pro
 
     assert len(find_results(tmp_path / "runs")) == 2 + 1 + 2  # plans, single-process baseline, validations
     gate = ["--fail-if", "balancedness < -5%"]
-    rr_plan, lb_plan = (d["_path"] for d in plans.docs)
+    rr_plan, lb_plan = (str(d.location) for d in plans.docs)
     assert runner.invoke(app, ["compare", rr_plan, lb_plan, *gate]).exit_code == 0
     worse = plans.docs[1]["metrics"]["balancedness"] > 1.06 * plans.docs[0]["metrics"]["balancedness"]
     assert runner.invoke(app, ["compare", lb_plan, rr_plan, *gate]).exit_code == (1 if worse else 0)

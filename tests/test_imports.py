@@ -30,10 +30,20 @@ def module_graph() -> dict[str, set[str]]:
                     anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                     base = ".".join(anchor + ([node.module] if node.module else []))
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            elif isinstance(node, ast.Call) and _imported_by_name(node):
+                targets = [node.args[0].value]  # importlib.import_module("infer_tune.x"): an import all the same
             else:
                 continue
             graph[name].update(t for t in targets if t in files and t != name)
     return graph
+
+
+def _imported_by_name(call: ast.Call) -> bool:
+    """`importlib.import_module("...")`, `import_module("...")` or `__import__("...")` with a literal name."""
+    func = call.func
+    called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    return (called in ("import_module", "__import__") and bool(call.args)
+            and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str))
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -87,3 +97,11 @@ def test_no_import_cycles_lazy_imports_included():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_graph_sees_imports_by_name():
+    """A module that imports another through importlib with a literal name depends on it like any import."""
+    source = "import importlib\n\ndef f():\n    return importlib.import_module('infer_tune.tuners')\n"
+    tree = ast.parse(source)
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and _imported_by_name(n)]
+    assert [c.args[0].value for c in calls] == ["infer_tune.tuners"]

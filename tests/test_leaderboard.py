@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -137,8 +136,8 @@ def test_sweep_level_claims_reach_the_claims_table(tmp_path):
                for i, (s, b) in enumerate((("round-robin", 1000.0), ("locality", 300.0)))]
     for doc in batch + spec + experts:
         doc["label"] = doc["run_id"]
-        doc["_path"] = str(save(doc, tmp_path))
-    summarize_sweep(batch + spec + experts)
+    batch, spec, experts = ([results.load_result(save(doc, tmp_path)) for doc in group] for group in (batch, spec, experts))
+    summarize_sweep(batch + spec + experts, own={d["run_id"] for d in batch + spec + experts})
     on_disk = results.find_results(tmp_path)
     rows = claims.collect(on_disk)
     by = {r.technique: r for r in rows}
@@ -151,7 +150,7 @@ def test_sweep_level_claims_reach_the_claims_table(tmp_path):
     figures = {"batch": {"latency_cdf.png", "throughput_latency.png"}, "speculate": {"acceptance.png"},
                "experts": {"plan_loads.png"}}
     for doc in on_disk:
-        assert {p.name for p in Path(doc["_path"]).glob("*.png")} == figures[doc["technique"]]
+        assert {p.name for p in doc.location.glob("*.png")} == figures[doc["technique"]]
 
 
 def test_cli_writes_files_and_prints(tmp_path):

@@ -275,22 +275,25 @@ def test_real_pipeline_on_a_tiny_llama(tiny_bpe_checkpoint):
 
 
 def test_tune_times_the_workloads_own_prompt_lengths(fake_tools, tiny_loaded):
-    """tune's reference: llama-bench at the prompts' token counts (as the runner sends them) and the
-    workload's new tokens, the run's threads; the fastest becomes a server-engine config's GGUF."""
-    from types import SimpleNamespace
+    """tune's reference, asked of the registry: llama-bench at the prompts' token counts (as tune's Host
+    hands them) and the workload's new tokens, the run's threads; the fastest becomes the row's GGUF."""
+    from infer_tune.tuners import llamacpp as technique
+    from infer_tune.tuners.base import RunContext, TuneAsk
 
-    from infer_tune.scenarios.tune import fastest_reference
-    from infer_tune.tuners.base import RunContext
-
-    rendered = ["a short question", "a somewhat longer question about caches and batching and kernels"]
-    counts = [len(tiny_loaded.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in rendered]
-    run = SimpleNamespace(loaded=tiny_loaded, inputs=SimpleNamespace(rendered=rendered, templated=True))
-    spec = SimpleNamespace(workload=SimpleNamespace(max_new_tokens=24))
-    chosen = fastest_reference(run, spec, RunContext(device="cpu", dtype="float32", threads=3))
+    counts = (5, 17, 17)
+    offers = technique.tune_offer(TuneAsk(reference=True, loaded=tiny_loaded, prompt_tokens=counts,
+                                          max_new_tokens=24))
+    assert [o.role for o in offers] == ["reference"] and offers[0].reason is None
+    config = offers[0].config
+    assert config.engine == "server" and config.best_at == [5, 17] and config.best_new_tokens == 24
+    ctx = RunContext(device="cpu", dtype="float32", threads=3)
+    path = technique._fastest(tiny_loaded, config, ctx)
     bench_call = next(c for c in fake_tools.read_text().splitlines() if c.startswith("bench"))
-    assert f"-p {','.join(str(n) for n in sorted(set(counts)))} -n 24 -t 3 " in bench_call
-    assert chosen.format == "q4_k_m" and chosen.n_gen == 24 and chosen.threads == 3
+    assert "-p 5,17 -n 24 -t 3 " in bench_call
+    chosen = ctx.cache["llamacpp_best"]
+    assert chosen["format"] == "q4_k_m" and str(path) == chosen["gguf"]
     assert bench_call.count(" -m ") == 3  # no shipped GGUF behind a random model: nothing timed beside
+    assert technique.tune_offer(TuneAsk(reference=False, loaded=tiny_loaded)) == []
 
 
 @pytest.mark.parametrize("extra, fragment", [(["--type", "q4_1"], "GGUF type"),

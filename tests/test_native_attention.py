@@ -9,10 +9,9 @@ import copy
 import pytest
 import torch
 
-from infer_tune import native
 from infer_tune.native.attention import NAME, attending, decode_attention
 
-pytestmark = pytest.mark.skipif(not native.available()[0], reason=native.available()[1])
+pytestmark = pytest.mark.usefixtures("native_kernels")  # built once, in the fixture: a failed build fails
 
 
 def sdpa(q, k, v, mask, scale):

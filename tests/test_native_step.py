@@ -10,11 +10,10 @@ import copy
 import pytest
 import torch
 
-from infer_tune import native
 from infer_tune.tuners.quantize import QuantizeConfig
 from infer_tune.tuners.quantize.pipeline import quantize_in_memory
 
-pytestmark = pytest.mark.skipif(not native.available()[0], reason=native.available()[1])
+pytestmark = pytest.mark.usefixtures("native_kernels")  # built once, in the fixture: a failed build fails
 
 
 def tiny_llama(tokenizer, **overrides):

@@ -35,11 +35,15 @@ def _apply_noise(loaded, config: NoiseConfig, ctx) -> PreparedModel:
     return PreparedModel(model, loaded.tokenizer, label=f"noise-{config.scale}")
 
 
-@pytest.fixture()
-def noise_technique():
+def _registration():
     register_technique(NoiseConfig)(_apply_noise)
     yield NoiseConfig
     unregister_technique(NoiseConfig)
+
+
+@pytest.fixture()
+def noise_technique():
+    yield from _registration()
 
 
 def test_run_configs_reuses_baseline_and_resumes(noise_technique, tiny_loaded, prompts_file, tmp_path):
@@ -195,9 +199,15 @@ def test_rounds_stop_at_the_target_and_report_a_miss_as_noisy():
 
 
 def test_test_techniques_leave_the_registry_clean():
+    """The fixture's registration takes the test technique out again (driven here step by step, so the test
+    sees both states whatever ran before it)."""
     from infer_tune.tuners import TECHNIQUES
 
-    assert NoiseConfig not in TECHNIQUES
+    steps = _registration()  # what the fixture runs
+    assert next(steps) is NoiseConfig and NoiseConfig in TECHNIQUES
+    with pytest.raises(StopIteration):
+        next(steps)
+    assert NoiseConfig not in TECHNIQUES and all(e.name != "test-noise" for e in TECHNIQUES.values())
 
 
 @pytest.mark.full_rounds

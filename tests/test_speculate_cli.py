@@ -100,7 +100,7 @@ def test_sweep_over_suites_json_plot_and_warning(target_dir, suites, tmp_path):
         for key in ("acceptance_rate", "mean_acceptance_length", "acceptance_by_position", "target_forward_passes",
                     "draft_time_share", "speedup_vs_baseline", "draft_target_param_ratio"):
             assert key in m, key
-        assert (Path(r["_path"]) / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
+        assert (Path(r["location"]) / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
     assert [r["suite"] for r in doc["recommendations"]] == [str(s) for s in suites]
     assert doc["claim"] is None  # no code suite by name: the claim is not judged
     human = _invoke(["--model", str(target_dir), "--prompt-lookup", "-k", "2", "--engine", "lean", "--suite",

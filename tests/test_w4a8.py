@@ -20,7 +20,7 @@ from infer_tune.tuners.quantize.modules import (
     pack_w4a8,
 )
 
-needs_kernel = pytest.mark.skipif(not native.available()[0], reason=native.available()[1])
+needs_kernel = pytest.mark.usefixtures("native_kernels")  # built in the fixture: a failed build fails
 
 
 def layer(n: int, k: int, group: int = 32, seed: int = 0) -> Int4A8Linear:

@@ -65,7 +65,7 @@ def bench(
         if opts.json_out:
             output.print_json(outcome.baseline)
         else:
-            render_result(outcome.baseline, outcome.baseline.get("_path"))
+            render_result(outcome.baseline, getattr(outcome.baseline, "location", None))
         return
     stages = stages_from_recipe(recipe, spec, workload_given=opts.given(opts.workload_values()),
                                 protocol_given=opts.given(opts.protocol_values()),

@@ -67,7 +67,7 @@ def render_endpoint(doc: dict) -> None:
     """The one-result table plus what only an endpoint run has: requests, token counting, the server."""
     from infer_tune.cli.measure import render_result
 
-    render_result(doc, doc.get("_path"))
+    render_result(doc, getattr(doc, "location", None))
     m, e = doc["metrics"], doc["env"].get("endpoint", {})
     kinds = ", ".join(f"{n} {k}" for k, n in (m.get("failures_by_kind") or {}).items())
     facts = [("requests", f"{m['requests_ok']} ok, {m['requests_failed']} failed" + (f" ({kinds})" if kinds else "")),

@@ -181,7 +181,7 @@ def plan(
                        replica_routing=replica_routing, out_dir=out, save=save)
     if json_out:
         output.print_json({"plans": [{"strategy": p.strategy, "metrics": m, "placement": p.placement,
-                                      "run_dir": d.get("_path")} for (p, m), d in zip(outcome.rows, outcome.docs)],
+                                      "run_dir": str(d.location) if d.location else None} for (p, m), d in zip(outcome.rows, outcome.docs)],
                            "claim_check": outcome.claim, "plan_file": str(save) if save else None})
         return
     render_plans(outcome)
@@ -191,7 +191,7 @@ def plan(
     if save:
         output.out.print(f"  plans saved to {save}")
     for doc in outcome.docs:
-        output.out.print(f"  result {doc['_path']}/result.json")
+        output.out.print(f"  result {doc.location}/result.json")
 
 
 @opt.measuring_command(model="moe-demo", max_new_tokens=16, warmup=0, min_iterations=1, min_duration=0.0,
@@ -246,7 +246,7 @@ def validate(
     if line:
         output.out.print(line)
     for doc in outcome.docs:
-        output.out.print(f"  result {doc['_path']}/result.json")
+        output.out.print(f"  result {doc.location}/result.json")
 
 
 def render_validation(docs: list[dict], procs: int) -> None:

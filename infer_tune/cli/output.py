@@ -55,8 +55,17 @@ class _State:
 state = _State()
 
 
+def _json_default(value):
+    """A result document prints as its JSON keys plus `location` (the folder it was saved in), which is
+    where the CLI says it is and never part of the saved result (infer_tune/document.py); the rest as text."""
+    if hasattr(value, "to_dict") and hasattr(value, "location"):
+        where = value.location
+        return {**value.to_dict(), **({"location": str(where)} if where is not None else {})}
+    return str(value)
+
+
 def print_json(document) -> None:
-    sys.stdout.write(json.dumps(document, indent=2, default=str) + "\n")
+    sys.stdout.write(json.dumps(document, indent=2, default=_json_default) + "\n")
     sys.stdout.flush()
 
 

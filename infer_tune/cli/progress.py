@@ -138,7 +138,7 @@ class LineProgress:
             from infer_tune import results
 
             docs = results.find_results(self.out_dir)
-            fresh = [d for d in docs if Path(str(d.get("_path", ""))).name in new]
+            fresh = [d for d in docs if Path(str(getattr(d, "location", None) or "")).name in new]
             fresh.sort(key=lambda d: d.get("technique") != "baseline")
             return [_printable(describe(d, docs)) for d in fresh] or ["config done"]
         except Exception:  # noqa: BLE001 - a progress line must never stop a measurement

@@ -162,9 +162,9 @@ def render_suite(suite) -> None:
                       f"{output.fmt(m.get('speedup_vs_baseline'))}x", rounds,
                       "identical" if mismatch == 0 else Text.from_markup(f"[bold red]MISMATCH ({mismatch})[/]"))
     output.out.print(table)
-    if suite.docs and suite.docs[0].get("_path"):
+    if suite.docs and suite.docs[0].location:
         output.out.print(f"  acceptance per position plotted in each result's acceptance.png; results: "
-                         f"{Path(suite.docs[0]['_path']).parent}/", soft_wrap=True)
+                         f"{Path(suite.docs[0].location).parent}/", soft_wrap=True)
 
 
 def render_recommendation(rec: dict) -> str:

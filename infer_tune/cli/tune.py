@@ -82,7 +82,7 @@ def render(outcome) -> None:
                          f"{output.fmt(vs['reference_ttft_ms'], '.0f')} ms ({output.fmt(vs['ttft_ratio'])}x)", soft_wrap=True)
     for line in outcome.notes:
         output.out.print(f"note: {line}", soft_wrap=True)
-    output.out.print(f"result: {winner.get('_path', '-')}/result.json", soft_wrap=True)
+    output.out.print(f"result: {getattr(winner, 'location', None) or '-'}/result.json", soft_wrap=True)
     output.out.print(f"reproduce: {outcome.command}", soft_wrap=True)
     if outcome.weights_dir:
         output.out.print(f"weights: {outcome.weights_dir} (load with --model {outcome.weights_dir})", soft_wrap=True)

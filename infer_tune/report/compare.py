@@ -78,6 +78,12 @@ class Expr:
     relative: bool
 
 
+def _location(doc) -> str | None:
+    """The folder a loaded result was read from (results.load_result); None for a document made in memory."""
+    where = getattr(doc, "location", None)
+    return str(where) if where is not None else None
+
+
 def parse_expr(text: str) -> Expr:
     """Parse `METRIC OP VALUE[%]`, e.g. `tpot_ms.p50 > +10%` or `bleu_drift < -1.0`."""
     match = _EXPR.match(text or "")
@@ -430,7 +436,7 @@ def compare(base: dict, candidates: Sequence[dict], exprs: Sequence[Expr] = (), 
     validate_exprs(exprs, base, candidates)
     reports = []
     for cand in candidates:
-        rep = CandidateReport(run_id=cand["run_id"], path=cand.get("_path"), technique=cand.get("technique", "?"),
+        rep = CandidateReport(run_id=cand["run_id"], path=_location(cand), technique=cand.get("technique", "?"),
                               pairing=pairing(base, cand), same_rounds=rtr.same_rounds(base, cand))
         metrics = list(MAIN_METRICS) + [e.metric for e in exprs if e.metric not in MAIN_METRICS]
         rep.deltas = [delta(base, cand, m, seed=seed, spread=spread) for m in dict.fromkeys(metrics)
@@ -439,7 +445,7 @@ def compare(base: dict, candidates: Sequence[dict], exprs: Sequence[Expr] = (), 
         if (failed := failed_requests_check(cand, max_failed_requests)) is not None:
             rep.checks.append(failed)
         reports.append(rep)
-    return Comparison(base_run_id=base["run_id"], base_path=base.get("_path"), exprs=[e.text for e in exprs],
+    return Comparison(base_run_id=base["run_id"], base_path=_location(base), exprs=[e.text for e in exprs],
                       candidates=reports, warnings=warnings, run_to_run=spread.to_dict())
 
 

@@ -213,12 +213,12 @@ def _read_png(path: Path) -> bytes | None:
 
 def technique_images(docs: list[dict]) -> list[tuple[str, bytes]]:
     """PNG files saved in the run folders (per-position curves, acceptance, latency CDFs, heatmaps...),
-    each once even when a sweep saved the same plot with every row. A run's folder is `_path`, which
-    the results loader sets from where the result.json really is (never a value read from the file)."""
+    each once even when a sweep saved the same plot with every row. A run's folder is its `location`,
+    which the results loader sets from where the result.json really is (never a value read from the file)."""
     found, seen = [], set()
     for doc in docs:
-        folder = doc.get("_path")
-        if not isinstance(folder, str) or not folder:
+        folder = getattr(doc, "location", None)
+        if not folder:
             continue
         for png in _run_pngs(Path(folder), str(doc.get("run_id"))):
             data = _read_png(png)

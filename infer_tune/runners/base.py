@@ -119,8 +119,8 @@ class GenerationRun:
     iterations: int
     first_call_ms: float | None
     warmup_s: float
-    peak_rss_bytes: int
-    rss_before_bytes: int
+    peak_rss_bytes: int | None  # None where this process cannot see the memory used (a live endpoint)
+    rss_before_bytes: int | None
     generated_tokens: int
     batch_size: int
     counters: dict[str, Any] = field(default_factory=dict)

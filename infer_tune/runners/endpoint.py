@@ -160,8 +160,6 @@ def run_endpoint(prepared: PreparedModel, inputs, workload, protocol: Protocol,
         "client_saturated": client["client_saturated"],
         "client_saturation_reason": client["client_saturation_reason"],
         "client_peak_rss_bytes": memory.peak_rss_bytes(),
-        # the server's memory is not visible from here: the client's RSS must not pass for it
-        "peak_rss_bytes": None, "rss_before_bytes": None, "peak_rss_delta_bytes": None,
     }
     slo = prepared.runner_options.get("slo")
     if slo is not None:
@@ -177,8 +175,10 @@ def run_endpoint(prepared: PreparedModel, inputs, workload, protocol: Protocol,
         iterations=iterations,
         first_call_ms=first_call_ms,
         warmup_s=warmup_s,
-        peak_rss_bytes=memory.peak_rss_bytes(),
-        rss_before_bytes=rss_before,
+        # the server's memory is not visible from here: the client's RSS (client_peak_rss_bytes) must not
+        # pass for it
+        peak_rss_bytes=None,
+        rss_before_bytes=None,
         generated_tokens=sum(len(t.token_ns) for t in result.timings),
         batch_size=config.concurrency,
         counters=counters,

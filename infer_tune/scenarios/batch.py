@@ -81,7 +81,7 @@ def run_sweep(spec: RunSpec, sweep: SweepSpec, progress: Progress | None = None)
                           measure_ppl=False, plan=plan)
     return SweepResult(docs=docs, skipped=[s.to_dict() for s in plan.skipped],
                        knee=docs[0]["metrics"]["knee_batch_size"] if docs else None,
-                       run_dirs=[Path(d["_path"]) for d in docs])
+                       run_dirs=[Path(d.location) for d in docs])
 
 
 class MemoryAdmission:
@@ -196,7 +196,7 @@ def run_serve(spec: RunSpec, serve: ServeSpec, progress: Progress | None = None)
     plan = SweepPlan(conclude=lambda docs, _: summary.update(serve_keys(docs, serve)))  # the engine saves them
     _, docs = run_configs(loaded, run.inputs, spec.workload, spec.protocol, configs, ctx, resume=spec.resume,
                           measure_ppl=False, plan=plan)
-    return ServeResult(docs=docs, summary=summary, run_dirs=[Path(d["_path"]) for d in docs])
+    return ServeResult(docs=docs, summary=summary, run_dirs=[Path(d.location) for d in docs])
 
 
 def serve_keys(measured: list[dict], serve: ServeSpec) -> dict:
@@ -225,5 +225,5 @@ def serve_keys(measured: list[dict], serve: ServeSpec) -> dict:
         doc["metrics"]["max_rate_meeting_slo"] = summary["max_rate_meeting_slo"].get(doc["config"]["scheduler"])
         if claim is not None:
             doc["metrics"]["claim_check"] = claim  # the claims table reads it from every result
-        doc["serve_summary"] = summary
+        doc.set_section("serve_summary", summary)
     return summary

@@ -158,8 +158,9 @@ def measure_endpoint(run: EndpointRun, spec: RunSpec, *, trace: list[TraceReques
     doc["model"].update(model_bytes=run.weight_bytes, served_model=config.served_model, tokenizer=run.model.tokenizer is not None)
     if baseline is not None:
         base_doc, base_outputs = subset_baseline(baseline[0], baseline[1], outputs)
-        doc["metrics"].update(deltas.versus_baseline(doc["metrics"], outputs, base_doc, base_outputs))
-        doc["baseline_run_id"] = baseline[0]["run_id"]
+        doc.add_metrics(deltas.versus_baseline(doc["metrics"], outputs, base_doc, base_outputs),
+                        source="the deltas against the baseline file")
+        doc.baseline_run_id = baseline[0]["run_id"]
     return doc, outputs
 
 
@@ -172,7 +173,7 @@ def load_baseline(path: Path | None, spec: RunSpec, model_given: bool) -> tuple[
                           "(their tokenizer)")
     doc = results.load_result(path)
     check_baseline(doc, spec.workload)
-    return doc, results.load_outputs(doc["_path"])
+    return doc, results.load_outputs(doc)
 
 
 def run_endpoint_bench(spec: RunSpec, config: EndpointConfig, *, model_given: bool, baseline: Path | None = None,
@@ -229,7 +230,7 @@ def run_endpoint_sweep(spec: RunSpec, config: EndpointConfig, rates: list[float]
                               sweep_rates=[None if math.isinf(r) else r for r in sorted(rates)])
     docs = save_rows(spec.out_dir, [Row(doc, outputs, {"rates.png": png}) for doc, outputs in measured])
     return SweepOutcome(docs=docs, knee_rate=knee_rate, saturated=saturated, knee_status=status,
-                        run_dirs=[Path(d["_path"]) for d in docs])
+                        run_dirs=[Path(d.location) for d in docs])
 
 
 def rates_png(docs: list[dict], rates: list[float], knee_rate: float | None, title: str) -> bytes:

@@ -140,7 +140,7 @@ def run_kv_sweep(
         _, docs = run_configs(loaded, inputs, workload, protocol, configs, run_ctx, resume=resume, measure_ppl=False,
                               plan=plan)
         result.docs.extend(docs)
-        result.run_dirs.extend(Path(d["_path"]) for d in docs)
+        result.run_dirs.extend(Path(d.location) for d in docs)
     result.claims.append(long_claim)
     return result
 
@@ -158,8 +158,8 @@ def _context_keys(docs: list[dict], ctx: int, model: str, n: int, shape: kv.Mode
     for doc in docs:
         doc["workload"].update(context_tokens=ctx, prompt_source="suite text (prompts + references) "
                                "concatenated and cut to exactly context_tokens tokens")
-        doc["claims"] = claims
-        doc["not_applicable"] = [r for r in result.not_applicable if r["context_tokens"] == ctx]
+        doc.set_section("claims", claims)
+        doc.set_section("not_applicable", [r for r in result.not_applicable if r["context_tokens"] == ctx])
     return {"latency.png": png}
 
 

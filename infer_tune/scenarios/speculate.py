@@ -20,7 +20,7 @@ from infer_tune import atomic
 from infer_tune.errors import ConfigError
 from infer_tune.runners.base import Progress
 from infer_tune.scenarios.common import RunSpec, open_run
-from infer_tune.session import run_configs, store_claim
+from infer_tune.session import SweepPlan, run_configs, store_claim
 from infer_tune.tuners.speculate import EARLY_EXIT, SpeculateConfig, parse_draft
 from infer_tune.tuners.speculate.claim import claim_check, lossless
 from infer_tune.tuners.speculate.prepare import PROMPT_IDS_KEY, WARNINGS_KEY
@@ -93,15 +93,19 @@ def run_speculate(spec: RunSpec, sweep: SpeculateSweep, progress: Progress | Non
     prompts = [load_prompts(w) for w in workloads]  # every suite loads before the model does
     run = open_run(dataclasses.replace(spec, workload=workloads[0], measure_ppl=False), progress, load_suite=False)
     outcomes = []
+    written: set[str] = set()
     for workload, suite_prompts in zip(workloads, prompts):
         inputs = prepare_inputs(run.loaded, workload, suite_prompts)
         run.ctx.cache[PROMPT_IDS_KEY] = [p.id for p in inputs.prompts]
+        plan = SweepPlan()
         baseline, docs = run_configs(run.loaded, inputs, workload, spec.protocol, configs, run.ctx,
-                                     resume=spec.resume, measure_ppl=False)
+                                     resume=spec.resume, measure_ppl=False, plan=plan)
+        written.update(plan.written)
         outcomes.append(SuiteOutcome(workload.suite, baseline, docs))
     docs = [d for o in outcomes for d in o.docs]
     claim = claim_check({o.suite: o.docs for o in outcomes})
-    store_claim(docs, claim)  # across suites: each result carries the run's claim (the claims table reads it)
+    # across suites: each result this run saved carries the run's claim (the claims table reads it)
+    store_claim(docs, claim, own=written)
     return SpeculateOutcome(suites=outcomes, recommendations=[recommend(o) for o in outcomes],
                             claim=claim, warnings=list(run.ctx.cache.get(WARNINGS_KEY, [])),
                             mismatched=[d for d in docs if d["metrics"].get("output_mismatches")])

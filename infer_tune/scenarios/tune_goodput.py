@@ -42,7 +42,7 @@ SERVED = ("one request at a time, first come first served, on the same trace: ea
 def trace_rows(doc: dict) -> list[dict] | None:
     """The trace a row replayed (prompt_index, arrival_s, output_tokens per request), from the
     `trace.jsonl` saved beside it; None when it replayed none."""
-    path = doc.get("_path")
+    path = getattr(doc, "location", None)
     file = Path(path) / "trace.jsonl" if path else None
     if file is None or not file.is_file():
         return None

@@ -175,8 +175,8 @@ def finalize_cache(config: KVCacheConfig, doc: dict, outputs: list[dict], prepar
     """The cache keys of every kv-cache row (and of a stack holding one), whichever command ran it: a
     probe of the cache on the workload's first request, the analytic size and FLOPs."""
     shape = kv.ModelShape.from_config(prepared.model.config)
-    doc["metrics"].update(cache_metrics(config, doc, prepared, inputs.batches[0], shape,
-                                        int(doc["workload"]["max_new_tokens"])))
+    doc.add_metrics(cache_metrics(config, doc, prepared, inputs.batches[0], shape,
+                                  int(doc["workload"]["max_new_tokens"])), source="kv-cache's finalize")
     if config.compile:
         doc["metrics"]["compiled"] = getattr(prepared.model, "_compiled_call", None) is not None
     return None

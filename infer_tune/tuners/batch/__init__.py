@@ -164,7 +164,7 @@ def finalize_sweep_row(config: BatchConfig, doc: dict, inputs) -> None:
     """A batch-size sweep row's own keys: its size and padding waste; the reference row (compared with
     nothing) has no mismatches by definition."""
     share, _ = padding(inputs, doc["workload"]["max_new_tokens"])
-    doc["metrics"].update(batch_size=config.batch_size, padding_share=share)
+    doc.add_metrics({"batch_size": config.batch_size, "padding_share": share}, source="batch's sweep row")
     doc["metrics"].setdefault("output_mismatches", 0 if doc.get("baseline_run_id") is None else None)
 
 
@@ -182,8 +182,8 @@ def complete_sweep(docs: list[dict], skipped: list) -> None:
         size = doc["metrics"]["batch_size"]
         doc["metrics"].update(knee_batch_size=knee, is_knee=size == knee, reference_batch_size=reference,
                               gain_per_doubling=gains.get(size))
-        doc["sweep"] = {"throughput_by_batch_size": {str(k): v for k, v in throughput.items()},
-                        "knee_batch_size": knee, "not_measured": [s.to_dict() for s in skipped]}
+        doc.set_section("sweep", {"throughput_by_batch_size": {str(k): v for k, v in throughput.items()},
+                                  "knee_batch_size": knee, "not_measured": [s.to_dict() for s in skipped]})
 
 
 def plots(docs: list[dict]) -> dict[str, bytes]:
@@ -215,7 +215,8 @@ def finalize_trace(config: BatchConfig, doc: dict, outputs: list[dict], prepared
         return None
     rows = [r.to_dict() for r in factory.rows]
     times = [r["arrival_s"] for r in rows]
-    doc["metrics"].update(offered_rate=offered_rate(times), interarrival_cv=interarrival_cv(times))
+    doc.add_metrics({"offered_rate": offered_rate(times), "interarrival_cv": interarrival_cv(times)},
+                    source="batch's finalize")
     doc["workload"].update(requests=len(rows), rate=config.rate, burstiness=config.burstiness,
                            output_length="each prompt's single-request greedy length, capped at max_new_tokens")
     return {"trace.jsonl": "".join(json.dumps(r) + "\n" for r in rows).encode()}
