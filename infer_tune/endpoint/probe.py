@@ -166,7 +166,7 @@ async def handshake(session, config: EndpointConfig, info: ServerInfo, prompt: s
             return trial
         last = record
         if record.failure in ("connect", "timeout", "idle_timeout", "redirect", "too_many_tokens", "usage_mismatch",
-                              "oversized"):
+                              "oversized", "not_event_stream", "invalid_usage"):
             raise EndpointError(f"cannot use endpoint {config.url}: {record.message}")
         if record.status in (400, 404, 422) and usage and config.stream_usage is None:
             usage = False  # a server that rejects stream_options: ask again without it
