@@ -389,6 +389,7 @@ def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, proto
            configs: list[TechniqueConfig], ctx: RunContext, *, resume: bool, reuse_baseline: bool,
            measure_ppl: bool, execute: bool | str, plan: SweepPlan) -> tuple[dict | None, list[dict]]:
     sweep = _Sweep(loaded, inputs, workload, protocol, ctx, measure_ppl=measure_ppl, execute=execute, plan=plan)
+    sweep.resume = resume
     docs: list[dict | None] = [None] * len(configs)
     done = [find_result(ctx.out_dir, sweep.fingerprint(config)) if resume else None for config in configs]
     sweep.progress_configs(sum(d is not None for d in done), len(configs))
@@ -427,7 +428,7 @@ def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, proto
                 prepared.cleanup()
     measured = [d for d in docs if d is not None]
     if sweep.baseline is None and not first:  # every config was found done (resume), or none: reuse or measure one
-        sweep.baseline, _, _ = ensure_baseline(loaded, inputs, workload, protocol, ctx, reuse=True,
+        sweep.baseline, _, _ = ensure_baseline(loaded, inputs, workload, protocol, ctx, reuse=reuse_baseline,
                                                measure_ppl=measure_ppl, execute=execute)
     plan.baseline = sweep.baseline
     summarize_sweep(measured, plan)
@@ -454,6 +455,8 @@ class _Sweep:
         self.admitted: dict[int, dict] = {}  # config index -> the metrics its admission adds to its row
         self.baseline: dict | None = None
         self.baseline_outputs: list[dict] | None = None
+        self.saved_baseline: dict | None = None  # the baseline row this sweep saved (refreshed by later groups)
+        self.resume = False
         self.finished = 0
         self.total = 0
 
@@ -515,13 +518,16 @@ class _Sweep:
                                       self.protocol, technique="baseline", config={}, env=self.ctx.env,
                                       runner="generation", host=host, measure_ppl=self.measure_ppl,
                                       execute=self.execute, rounds_block=outcome.block("baseline"))
-        # one baseline row per measurement (fingerprint) in a runs directory: a later sweep's rounds refresh it
-        existing = find_result(self.ctx.out_dir, doc["fingerprint"], "baseline")
-        if existing is not None:
+        # one baseline row per sweep: its later groups' rounds refresh the row this sweep saved (with --resume,
+        # the row of the sweep it resumes); without --resume a result saved before is never rewritten
+        existing = self.saved_baseline if self.saved_baseline is not None else \
+            find_result(self.ctx.out_dir, doc["fingerprint"], "baseline") if self.resume else None
+        if existing is not None and existing.get("fingerprint") == doc["fingerprint"]:
             doc["run_id"], doc["_path"] = existing["run_id"], existing["_path"]
             results.update_result(doc)
         else:
             doc["_path"] = str(results.save_run(self.ctx.out_dir, doc, outputs).run_dir)
+        self.saved_baseline = doc
         return doc, outputs
 
     def measure_alone(self, i: int, config: TechniqueConfig, prepared: PreparedModel, docs: list[dict | None], *,
