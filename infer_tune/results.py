@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infer_tune import atomic
+from infer_tune import atomic, jsonsafe
 from infer_tune.document import SCHEMA_VERSION
 from infer_tune.errors import ResultError
 
@@ -196,6 +196,37 @@ def _distribution_problem(key: str, block: Any) -> str | None:
     return None
 
 
+MAX_VALUE = 1e18  # a metric beyond this (bytes, tokens, FLOPs included) is not a measurement
+MAX_RATIO = 1e6  # a speedup or ratio against the baseline beyond this (or at or below 0) is not one
+RATIO_METRICS = ("speedup_vs_baseline", "ttft_speedup_vs_baseline", "throughput_ratio_vs_baseline")
+# metrics the reports read as numbers (leaderboard columns, recommendation budget, claims): a string there is refused
+NUMERIC_METRICS = RATIO_METRICS + (
+    "output_throughput_tok_s", "request_throughput_req_s", "peak_rss_bytes", "model_bytes", "bleu", "chrf", "ppl",
+    "bleu_drift", "bleu_vs_baseline", "exact_match_vs_baseline", "ppl_delta_pct", "pass_at_1", "roofline_fraction",
+    "roofline_tok_s", "output_mismatches", "first_divergence_token", "requests_failed", "requests_ok", "iterations")
+
+
+def _values_problem(metrics: dict) -> str | None:
+    """Every number among the metrics finite and within MAX_VALUE; the metrics reports read as numbers
+    numbers (or null); ratios against the baseline above 0 and at most MAX_RATIO, their intervals too."""
+    for key, value in metrics.items():
+        if value is None:
+            continue
+        if key in NUMERIC_METRICS and not _number(value):
+            return f"'metrics.{key}' is {_type(value)} {str(value)[:40]!r}, expected a number"
+        if _number(value) and not (math.isfinite(value) and abs(value) <= MAX_VALUE):
+            return f"'metrics.{key}' is {value!r}, expected a finite number within ±{MAX_VALUE:g}"
+        if key in RATIO_METRICS and not 0 < value <= MAX_RATIO:
+            return f"'metrics.{key}' is {value!r}, expected a ratio above 0 and at most {MAX_RATIO:g}"
+        if key.endswith("_ci95") and key[:-5] in NUMERIC_METRICS:
+            if not (isinstance(value, list) and len(value) == 2 and all(_number(v) and math.isfinite(v)
+                                                                        and abs(v) <= MAX_VALUE for v in value)):
+                return f"'metrics.{key}' must be two finite numbers"
+            if key[:-5] in RATIO_METRICS and not all(0 < v <= MAX_RATIO for v in value):
+                return f"'metrics.{key}' is {value!r}, expected ratios above 0 and at most {MAX_RATIO:g}"
+    return None
+
+
 def _samples_problem(samples: dict) -> str | None:
     """Raw samples: lists of finite, non-negative, bounded timings; ttft/e2e positive (tpot/itl may be 0:
     tokens that arrive in one network read share a timestamp); per-request lists of equal length; e2e never
@@ -317,6 +348,8 @@ def _schema_problem(doc: dict) -> str | None:
         value = metrics.get(key)
         if value is not None and (not _number(value) or value < 0 or math.isinf(value)):
             return f"'metrics.{key}' is {value!r}, expected a finite number >= 0"
+    if (problem := _values_problem(metrics)):
+        return problem
     if (problem := _samples_problem(doc["samples"])):
         return problem
     for where, source in (("metrics.claim_check", metrics.get("claim_check")), ("metrics.claims", metrics.get("claims")),
@@ -366,7 +399,7 @@ def load_result(path: str | Path) -> dict:
         raise ResultError(f"result not found: {path} (give a run folder or its result.json)")
     data = _open_result(file)
     try:
-        doc = json.loads(data.decode("utf-8"))
+        doc = jsonsafe.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ResultError(f"result file {file} is not valid JSON: {detail}") from None

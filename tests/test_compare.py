@@ -12,8 +12,8 @@ from result_docs import make_result, save
 from typer.testing import CliRunner
 
 from infer_tune.cli import app
-from infer_tune.report import run_to_run as rtr
 from infer_tune.errors import ResultError
+from infer_tune.report import run_to_run as rtr
 from infer_tune.report.compare import ExprError, MismatchError, compare, judge, parse_expr
 
 runner = CliRunner()

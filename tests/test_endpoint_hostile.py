@@ -78,6 +78,8 @@ class Hostile(_Handler):
             final = {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
                      "usage": {"prompt_tokens": tokens, "completion_tokens": 2}}
             writer.write(_chunk(_event(final)) + _chunk(_event(b"[DONE]")) + b"0\r\n\r\n")
+        elif self.kind == "deep_json":  # an event nested 200,000 levels deep (400 KB): RecursionError before
+            writer.write(SSE_HEAD + _chunk(b"data: " + b"[" * 200_000 + b"]" * 200_000 + b"\n\n") + b"0\r\n\r\n")
         elif self.kind == "error_escape":
             text = b"\x1b[2J\x1b]0;pwned\x07 boom " + b"z" * (8 << 20)  # 8 MiB error body
             writer.write(_http("500 Internal Server Error", text, "text/plain"))
@@ -109,6 +111,7 @@ def one_error_line(result) -> str:
     ("long_line", [], ("line is over 1048576 bytes", "the stream passed 1081344 bytes")),
     ("stall", ["--idle-timeout", "0.5"], ("sent nothing for 0.5 s",)),
     ("error_escape", [], ("HTTP 500: [2J]0;pwned boom zzz",)),
+    ("deep_json", [], ("event data is not JSON: '[[[[",)),
     ("json_200", [], ('HTTP 200 with Content-Type application/json, not an event stream: {"error"',)),
     ("no_events", [], ("without a single event-stream data event",)),
     ("prompt_negative", [], ("usage.prompt_tokens is -1000000",)),

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from infer_tune import jsonsafe
 from infer_tune.endpoint.config import EndpointConfig
 
 FAILURE_KINDS = ("connect", "timeout", "idle_timeout", "http", "redirect", "malformed_sse", "stream_error",
@@ -157,7 +158,7 @@ def _handle_event(record: StreamRecord, payload: str, now: int, api: str) -> boo
     if payload.strip() == "[DONE]":
         return True
     try:
-        event = json.loads(payload)
+        event = jsonsafe.loads(payload)
     except json.JSONDecodeError:
         record.fail("malformed_sse", f"event data is not JSON: {clean(payload, 80)!r}")
         return True

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from infer_tune import atomic
+from infer_tune import atomic, jsonsafe
 from infer_tune.errors import ModelError
 from infer_tune.nn_utils import set_module
 from infer_tune.tuners.quantize import wrap
@@ -78,7 +78,7 @@ def save_quantized(model: nn.Module, tokenizer, target: Path, manifest: dict) ->
 def read_manifest(path: str | Path) -> dict:
     file = Path(path) / MANIFEST
     try:
-        manifest = json.loads(file.read_text())
+        manifest = jsonsafe.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelError(f"cannot read {file}: {exc}") from None
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:

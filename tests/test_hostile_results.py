@@ -1,0 +1,105 @@
+"""Crafted result files and JSON from outside (docs/hardening.md, "Second attack pass"): each ends cleanly,
+a file skipped with its reason named (leaderboard) or one `error:` line and exit 2 (compare, loaders)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from result_docs import make_result, save
+from typer.testing import CliRunner
+
+from infer_tune import jsonsafe
+from infer_tune.cli import app
+from infer_tune.errors import ConfigError
+
+runner = CliRunner()
+DEEP = "[" * 200_000 + "]" * 200_000
+
+
+def one_error_line(result) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+def candidate(run_id: str, **metrics) -> dict:
+    doc = make_result(run_id, technique="quantize", config={"method": run_id}, seed=2,
+                      **{"bleu_drift": 0.0, "ppl_delta_pct": 0.0, **metrics})
+    doc["baseline_run_id"] = "base"
+    return doc
+
+
+def write_raw(doc_text: str, runs: Path, name: str) -> Path:
+    folder = runs / name
+    folder.mkdir(parents=True)
+    (folder / "result.json").write_text(doc_text)
+    return folder
+
+
+@pytest.mark.parametrize("value, reason", [
+    (1e308, "'metrics.speedup_vs_baseline' is 1e+308, expected a finite number within"),
+    ("fast", "'metrics.speedup_vs_baseline' is str 'fast', expected a number"),
+    (float("inf"), "'metrics.speedup_vs_baseline' is inf"),
+    (-3.0, "'metrics.speedup_vs_baseline' is -3.0, expected a ratio above 0"),
+    (0.0, "'metrics.speedup_vs_baseline' is 0.0, expected a ratio above 0"),
+])
+def test_a_result_with_an_impossible_value_is_skipped_by_name_and_refused_by_compare(tmp_path, value, reason):
+    runs = tmp_path / "runs"
+    base = save(make_result("base", seed=1), runs)
+    good = save(candidate("good", speedup_vs_baseline=1.1), runs)
+    bad = write_raw(json.dumps(candidate("bad", speedup_vs_baseline=value)), runs, "bad")
+    result = runner.invoke(app, ["leaderboard", str(runs), "--out", str(tmp_path / "out"), "--json"])
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "bad/result.json" in warnings[0] and reason in warnings[0], result.stderr
+    doc = json.loads(result.stdout)
+    assert {row["run_id"] for row in doc["rows"]} == {"base", "good"}
+    assert (doc["recommendation"].get("run_id") or "good") == "good"
+    refused = runner.invoke(app, ["compare", str(base), str(bad)])
+    assert refused.exit_code == 2 and reason in one_error_line(refused)
+    assert runner.invoke(app, ["compare", str(base), str(good)]).exit_code == 0
+
+
+def test_a_string_where_any_reported_number_belongs_is_skipped(tmp_path):
+    runs = tmp_path / "runs"
+    save(make_result("base", seed=1), runs)
+    write_raw(json.dumps(candidate("bad", bleu="high")), runs, "bad")
+    result = runner.invoke(app, ["leaderboard", str(runs), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "'metrics.bleu' is str 'high', expected a number" in result.stderr
+
+
+def test_a_deeply_nested_result_is_skipped_and_refused_in_one_line(tmp_path):
+    runs = tmp_path / "runs"
+    base = save(make_result("base", seed=1), runs)
+    doc = json.dumps(candidate("deep"))
+    deep = write_raw(doc[:-1] + ', "extra": ' + DEEP + "}", runs, "deep")
+    shallow = write_raw(doc[:-1] + ', "extra": ' + "[" * 100 + "]" * 100 + "}", runs, "shallow")
+    result = runner.invoke(app, ["leaderboard", str(runs), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "deep/result.json" in result.stderr and "shallow/result.json" in result.stderr
+    assert "nested deeper than 64 levels" in result.stderr
+    for bad in (deep, shallow):
+        refused = runner.invoke(app, ["compare", str(base), str(bad)])
+        assert refused.exit_code == 2 and "nested deeper than 64 levels" in one_error_line(refused)
+
+
+def test_a_deeply_nested_load_file_is_one_config_error(tmp_path):
+    from infer_tune.tuners.experts import loadfile
+
+    path = tmp_path / "load.json"
+    path.write_text('{"layers": ' + DEEP + "}")
+    with pytest.raises(ConfigError, match="nested deeper than 64 levels"):
+        loadfile.load(path)
+
+
+def test_bounded_json_loads():
+    assert jsonsafe.loads('{"a": [1, {"b": 2}]}') == {"a": [1, {"b": 2}]}
+    assert jsonsafe.depth([[[]]]) == 3 and jsonsafe.depth(5) == 0
+    assert jsonsafe.loads("[" * 64 + "]" * 64)
+    for text in ("[" * 65 + "]" * 65, DEEP, '{"a": ' * 100_000 + "1" + "}" * 100_000):
+        with pytest.raises(json.JSONDecodeError, match="nested deeper than 64 levels"):
+            jsonsafe.loads(text)
