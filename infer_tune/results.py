@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import secrets
 import stat
 import threading
@@ -39,6 +40,18 @@ def new_run_id(technique: str, label: str) -> str:
     return f"{stamp}-{technique}-{slug}-{secrets.token_hex(4)}" if slug else f"{stamp}-{technique}-{secrets.token_hex(4)}"
 
 
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")  # what new_run_id makes; never a path
+FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")  # a file saved in a run folder: a plain name
+
+
+def check_run_id(run_id: object, where: str = "run id") -> str:
+    """`run_id` when it is a plain run id (RUN_ID: letters, digits, `._+-`, no separator, no leading dot),
+    checked before any path is joined with it; ResultError otherwise."""
+    if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):
+        raise ResultError(f"{where} {str(run_id)[:80]!r} is not a run id (letters, digits and ._+- only)")
+    return run_id
+
+
 def fingerprint(*parts: Any) -> str:
     """Stable hash of what makes two runs the same measurement (used by --resume and baseline reuse)."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -53,8 +66,12 @@ class SavedRun:
 def save_run(out_dir: Path, result: dict, outputs: list[dict], extra_files: dict[str, bytes] | None = None) -> SavedRun:
     """Write `out_dir/<run_id>/` atomically: a staged folder moved into place when complete, never over
     an existing run (on a collision the result gets a fresh run id, `result["run_id"]` is updated)."""
+    for name in extra_files or {}:
+        if not FILE_NAME.fullmatch(str(name)):
+            raise ResultError(f"file name {str(name)[:80]!r} of run {str(result.get('run_id'))[:80]!r} is not a "
+                              "plain file name")
     for _ in range(8):
-        final = Path(out_dir) / result["run_id"]
+        final = Path(out_dir) / check_run_id(result["run_id"])
         try:
             with atomic.staged_dir(final, exists="error") as staging:
                 atomic.write_json(staging / "result.json", result)
