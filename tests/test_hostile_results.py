@@ -103,3 +103,32 @@ def test_bounded_json_loads():
     for text in ("[" * 65 + "]" * 65, DEEP, '{"a": ' * 100_000 + "1" + "}" * 100_000):
         with pytest.raises(json.JSONDecodeError, match="nested deeper than 64 levels"):
             jsonsafe.loads(text)
+
+
+EVIL = "\x1b[2J\x1b]0;pwned\x07evil\u202eabc\x08\x9b31m"
+
+
+def test_control_characters_of_a_result_never_reach_the_terminal_or_the_files(tmp_path):
+    """A label (and suite, model, config) with ESC sequences, BEL, backspace, a C1 CSI and a bidi override:
+    the terminal table, leaderboard.md / .csv / .html and the recommendation carry none of them."""
+    runs = tmp_path / "runs"
+    save(make_result("base", seed=1), runs)
+    doc = candidate("evil", speedup_vs_baseline=1.5)
+    doc["label"] = f"int8 {EVIL}"
+    doc["model"]["ref"] = f"smollm2-135m{EVIL}"
+    doc["config"] = {"method": f"m{EVIL}"}
+    save(doc, runs)
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["leaderboard", str(runs), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    texts = {"stdout": result.stdout, "stderr": result.stderr,
+             **{name: (out / name).read_text(encoding="utf-8")
+                for name in ("leaderboard.md", "leaderboard.csv", "leaderboard.html")}}
+    for where, text in texts.items():
+        bad = sorted({hex(ord(c)) for c in text if (ord(c) < 32 and c not in "\n\r\t") or 0x7F <= ord(c) < 0xA0
+                      or c in "\u202e\u200e\u200f"})
+        assert not bad, f"{where} carries control characters {bad}"
+    assert "int8 [2J]0;pwnedevilabc31m" in texts["leaderboard.md"]
+    assert "int8 [2J]0;pwnedevilabc31m" in texts["leaderboard.csv"]
+    assert "int8 [2J]0;pwnedevilabc31m" in texts["leaderboard.html"]
+
