@@ -132,3 +132,30 @@ def test_control_characters_of_a_result_never_reach_the_terminal_or_the_files(tm
     assert "int8 [2J]0;pwnedevilabc31m" in texts["leaderboard.csv"]
     assert "int8 [2J]0;pwnedevilabc31m" in texts["leaderboard.html"]
 
+
+def test_a_tampered_but_self_consistent_quantized_checkpoint_cannot_be_loaded(tiny_loaded, prompts_file, tmp_path):
+    """q_proj cut to half its outputs in both the tensors and nothing else to contradict it: `cannot load
+    model` (ModelError, exit 2) at load, not a kernel error (exit 3) at the first forward pass."""
+    from safetensors.torch import load_file, save_file
+    from test_quantize import quantized_copy
+
+    from infer_tune import models
+    from infer_tune.errors import ModelError
+    from infer_tune.tuners.quantize.serialize import save_quantized
+
+    model, config, summary = quantized_copy(tiny_loaded, "int8-dynamic", prompts_file)
+    target = tmp_path / "q"
+    save_quantized(model, tiny_loaded.tokenizer, target, {"method": "int8-dynamic", "backend": "torch",
+                   "summary": summary, "config": {k: v for k, v in config.to_dict().items() if k != "kind"}})
+    assert models.load(str(target)).model is not None  # the untouched checkpoint loads
+    state = load_file(str(target / "model.safetensors"))
+    prefix = "model.layers.0.self_attn.q_proj."
+    rows = state[prefix + "qweight"].shape[0]
+    for key in [k for k in state if k.startswith(prefix)]:
+        if state[key].dim() >= 1 and state[key].shape[0] == rows:
+            state[key] = state[key][: rows // 2].contiguous()
+    save_file(state, str(target / "model.safetensors"))
+    with pytest.raises(ModelError, match=rf"cannot load model .*q_proj is saved as \d+ -> {rows // 2} features but "
+                                         rf"config.json makes it \d+ -> {rows}"):
+        models.load(str(target))
+
