@@ -459,11 +459,14 @@ def _result_files(root: Path, skipped: list[tuple[str, str]]) -> Iterator[Path]:
         stack.extend(reversed(folders))  # popped in name order
 
 
-def find_results(runs_dir: str | Path, skipped: list[tuple[str, str]] | None = None) -> list[dict]:
+def find_results(runs_dir: str | Path, skipped: list[tuple[str, str]] | None = None, *,
+                 drop: tuple[str, ...] = ()) -> list[dict]:
     """Every valid result under `runs_dir` (one level of run folders, or nested), oldest first.
 
     Invalid ones are left out: pass a list as `skipped` to get (path, reason) for each of them; without
-    it each is reported once through the warning handler (`set_warning_handler`).
+    it each is reported once through the warning handler (`set_warning_handler`). `drop`: top-level keys
+    removed from each document as soon as it is validated (`leaderboard` keeps no `samples`: per-request
+    lists are most of a result's size, so a large runs folder is held at a few KiB per row).
     """
     root = Path(runs_dir).expanduser()
     if not root.exists():
@@ -474,9 +477,13 @@ def find_results(runs_dir: str | Path, skipped: list[tuple[str, str]] | None = N
     docs = []
     for file in _result_files(root, bad):
         try:
-            docs.append(load_result(file))
+            doc = load_result(file)
         except ResultError as exc:
             bad.append((str(file), str(exc)))
+            continue
+        for key in drop:
+            doc.pop(key, None)
+        docs.append(doc)
     if skipped is not None:
         skipped.extend(bad)
     elif _warn is not None:
