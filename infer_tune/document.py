@@ -147,6 +147,13 @@ class ResultDocument(Mapping):
             raise KeyError(f"'{name}' is not a section of a result document ({', '.join(SECTIONS)})")
         setattr(self, name, value)
 
+    def drop(self, key: str) -> None:
+        """Leave out a bulky part once read (`leaderboard` keeps no `samples`): emptied, never written back."""
+        if key == "samples":
+            self.samples = {}
+        else:
+            self.extra.pop(key, None)
+
     # ----------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
         """The document as written to `result.json` (never its `location`)."""

@@ -28,7 +28,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from infer_tune.errors import ConfigError, InferTuneError
+from infer_tune import jsonsafe
+from infer_tune.errors import ConfigError, InferTuneError, ResultError
 
 EXECUTORS = ("local", "ray")
 NODE_RESOURCE = "infer_tune_node"
@@ -186,8 +187,20 @@ class RayExecutor:
 
         out_dir = Path(out_dir)
         files = dict(folder["files"])
-        doc = json.loads(files.pop("result.json"))
-        existing = out_dir / folder["run_id"]
+        try:  # a worker's answer is checked before any path is joined with it (docs/hardening.md)
+            run_id = results.check_run_id(folder.get("run_id"), "a Ray worker returned run id")
+            doc = jsonsafe.loads(files.pop("result.json"))
+            if not isinstance(doc, dict) or doc.get("run_id") != run_id:
+                raise ResultError(f"a Ray worker returned run {run_id} whose result.json names another run id")
+            if problem := results.validate(doc):
+                raise ResultError(f"a Ray worker returned run {run_id} whose result {problem}")
+            bad = [name for name in files if not results.FILE_NAME.fullmatch(str(name))]
+            if bad:
+                raise ResultError(f"a Ray worker returned run {run_id} with a file named {str(bad[0])[:80]!r}, not a "
+                                  "plain file name")
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ResultError(f"a Ray worker returned a malformed result folder: {str(exc)[:200]}") from None
+        existing = out_dir / run_id
         if existing.is_dir():
             self.skipped += 1
             return results.load_result(existing)

@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import secrets
 import stat
 import threading
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infer_tune import atomic
+from infer_tune import atomic, jsonsafe
 from infer_tune.document import SCHEMA_VERSION, ResultDocument
 from infer_tune.errors import ResultError
 
@@ -37,6 +38,18 @@ def new_run_id(technique: str, label: str) -> str:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     slug = "".join(c if c.isalnum() or c in "-." else "-" for c in label.lower()).strip("-")[:40]
     return f"{stamp}-{technique}-{slug}-{secrets.token_hex(4)}" if slug else f"{stamp}-{technique}-{secrets.token_hex(4)}"
+
+
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")  # what new_run_id makes; never a path
+FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")  # a file saved in a run folder: a plain name
+
+
+def check_run_id(run_id: object, where: str = "run id") -> str:
+    """`run_id` when it is a plain run id (RUN_ID: letters, digits, `._+-`, no separator, no leading dot),
+    checked before any path is joined with it; ResultError otherwise."""
+    if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):
+        raise ResultError(f"{where} {str(run_id)[:80]!r} is not a run id (letters, digits and ._+- only)")
+    return run_id
 
 
 def fingerprint(*parts: Any) -> str:
@@ -56,8 +69,12 @@ def save_run(out_dir: Path, result: ResultDocument | dict, outputs: list[dict],
     an existing run (on a collision the result gets a fresh run id). Returns the saved document, typed,
     with its `location` (the document given is that object when it was a ResultDocument)."""
     doc = result if isinstance(result, ResultDocument) else ResultDocument.from_dict(result)
+    for name in extra_files or {}:
+        if not FILE_NAME.fullmatch(str(name)):
+            raise ResultError(f"file name {str(name)[:80]!r} of run {str(doc.run_id)[:80]!r} is not a "
+                              "plain file name")
     for _ in range(8):
-        final = Path(out_dir) / doc.run_id
+        final = Path(out_dir) / check_run_id(doc.run_id)
         try:
             with atomic.staged_dir(final, exists="error") as staging:
                 atomic.write_json(staging / "result.json", doc.to_dict())
@@ -207,6 +224,37 @@ def _distribution_problem(key: str, block: Any) -> str | None:
     return None
 
 
+MAX_VALUE = 1e18  # a metric beyond this (bytes, tokens, FLOPs included) is not a measurement
+MAX_RATIO = 1e6  # a speedup or ratio against the baseline beyond this (or at or below 0) is not one
+RATIO_METRICS = ("speedup_vs_baseline", "ttft_speedup_vs_baseline", "throughput_ratio_vs_baseline")
+# metrics the reports read as numbers (leaderboard columns, recommendation budget, claims): a string there is refused
+NUMERIC_METRICS = RATIO_METRICS + (
+    "output_throughput_tok_s", "request_throughput_req_s", "peak_rss_bytes", "model_bytes", "bleu", "chrf", "ppl",
+    "bleu_drift", "bleu_vs_baseline", "exact_match_vs_baseline", "ppl_delta_pct", "pass_at_1", "roofline_fraction",
+    "roofline_tok_s", "output_mismatches", "first_divergence_token", "requests_failed", "requests_ok", "iterations")
+
+
+def _values_problem(metrics: dict) -> str | None:
+    """Every number among the metrics finite and within MAX_VALUE; the metrics reports read as numbers
+    numbers (or null); ratios against the baseline above 0 and at most MAX_RATIO, their intervals too."""
+    for key, value in metrics.items():
+        if value is None:
+            continue
+        if key in NUMERIC_METRICS and not _number(value):
+            return f"'metrics.{key}' is {_type(value)} {str(value)[:40]!r}, expected a number"
+        if _number(value) and not (math.isfinite(value) and abs(value) <= MAX_VALUE):
+            return f"'metrics.{key}' is {value!r}, expected a finite number within ±{MAX_VALUE:g}"
+        if key in RATIO_METRICS and not 0 < value <= MAX_RATIO:
+            return f"'metrics.{key}' is {value!r}, expected a ratio above 0 and at most {MAX_RATIO:g}"
+        if key.endswith("_ci95") and key[:-5] in NUMERIC_METRICS:
+            if not (isinstance(value, list) and len(value) == 2 and all(_number(v) and math.isfinite(v)
+                                                                        and abs(v) <= MAX_VALUE for v in value)):
+                return f"'metrics.{key}' must be two finite numbers"
+            if key[:-5] in RATIO_METRICS and not all(0 < v <= MAX_RATIO for v in value):
+                return f"'metrics.{key}' is {value!r}, expected ratios above 0 and at most {MAX_RATIO:g}"
+    return None
+
+
 def _samples_problem(samples: dict) -> str | None:
     """Raw samples: lists of finite, non-negative, bounded timings; ttft/e2e positive (tpot/itl may be 0:
     tokens that arrive in one network read share a timestamp); per-request lists of equal length; e2e never
@@ -330,6 +378,8 @@ def _schema_problem(doc: dict) -> str | None:
         value = metrics.get(key)
         if value is not None and (not _number(value) or value < 0 or math.isinf(value)):
             return f"'metrics.{key}' is {value!r}, expected a finite number >= 0"
+    if (problem := _values_problem(metrics)):
+        return problem
     if (problem := _samples_problem(doc["samples"])):
         return problem
     for where, source in (("metrics.claim_check", metrics.get("claim_check")), ("metrics.claims", metrics.get("claims")),
@@ -379,7 +429,7 @@ def load_result(path: str | Path) -> ResultDocument:
         raise ResultError(f"result not found: {path} (give a run folder or its result.json)")
     data = _open_result(file)
     try:
-        doc = json.loads(data.decode("utf-8"))
+        doc = jsonsafe.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ResultError(f"result file {file} is not valid JSON: {detail}") from None
@@ -421,11 +471,14 @@ def _result_files(root: Path, skipped: list[tuple[str, str]]) -> Iterator[Path]:
         stack.extend(reversed(folders))  # popped in name order
 
 
-def find_results(runs_dir: str | Path, skipped: list[tuple[str, str]] | None = None) -> list[ResultDocument]:
+def find_results(runs_dir: str | Path, skipped: list[tuple[str, str]] | None = None, *,
+                 drop: tuple[str, ...] = ()) -> list[ResultDocument]:
     """Every valid result under `runs_dir` (one level of run folders, or nested), oldest first.
 
     Invalid ones are left out: pass a list as `skipped` to get (path, reason) for each of them; without
-    it each is reported once through the warning handler (`set_warning_handler`).
+    it each is reported once through the warning handler (`set_warning_handler`). `drop`: top-level keys
+    removed from each document as soon as it is validated (`leaderboard` keeps no `samples`: per-request
+    lists are most of a result's size, so a large runs folder is held at a few KiB per row).
     """
     root = Path(runs_dir).expanduser()
     if not root.exists():
@@ -436,9 +489,13 @@ def find_results(runs_dir: str | Path, skipped: list[tuple[str, str]] | None = N
     docs = []
     for file in _result_files(root, bad):
         try:
-            docs.append(load_result(file))
+            doc = load_result(file)
         except ResultError as exc:
             bad.append((str(file), str(exc)))
+            continue
+        for key in drop:
+            doc.drop(key)
+        docs.append(doc)
     if skipped is not None:
         skipped.extend(bad)
     elif _warn is not None:

@@ -434,7 +434,7 @@ def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, proto
                 prepared.cleanup()
     measured = [d for d in docs if d is not None]
     if sweep.baseline is None and not first:  # every config was found done (resume), or none: reuse or measure one
-        sweep.baseline, _, _ = ensure_baseline(loaded, inputs, workload, protocol, ctx, reuse=True,
+        sweep.baseline, _, _ = ensure_baseline(loaded, inputs, workload, protocol, ctx, reuse=reuse_baseline,
                                                measure_ppl=measure_ppl, execute=execute)
     plan.baseline = sweep.baseline
     plan.written = [d["run_id"] for d in measured if d["run_id"] in sweep.written]

@@ -12,6 +12,7 @@ from result_docs import make_result, save
 from typer.testing import CliRunner
 
 from infer_tune.cli import app
+from infer_tune.errors import ResultError
 from infer_tune.report import run_to_run as rtr
 from infer_tune.report.compare import ExprError, MismatchError, compare, judge, parse_expr
 
@@ -162,6 +163,52 @@ def _paired_doc(run_id: str, factor: float, seed: int) -> dict:
     return doc
 
 
+def _rounds_doc(run_id: str, levels: list[float], group: str = "g1") -> dict:
+    """A row of interleaved rounds: per round four prompts at 0.5x, 0.9x, 1.1x, 1.5x of the round's level,
+    so each round's median TPOT is its level; its rounds block is what those samples give."""
+    index = [i for _ in levels for i in range(4)]
+    tpot = [level * f for level in levels for f in (0.5, 0.9, 1.1, 1.5)]
+    doc = make_result(run_id, tpot_ms=float(np.mean(levels)), n=len(index))
+    doc["samples"].update(tpot_ms=tpot, prompt_index=index)
+    doc["metrics"]["tpot_ms"]["p50"] = float(np.median(tpot))
+    ttft = doc["samples"]["ttft_ms"]
+    doc["metrics"]["rounds"] = {"group": group, "rounds": len(levels), "per_round": {
+        "tpot_ms": list(levels), "ttft_ms": [float(np.median(ttft[4 * k:4 * k + 4])) for k in range(len(levels))]}}
+    return doc
+
+
+def test_a_copied_rounds_block_is_refused_not_trusted(tmp_path):
+    """A copy of the base made 2x slower that keeps the base's rounds block passed as "+0.0%, paired rounds";
+    the per-round figures are recomputed from each row's own samples, and a block they contradict is exit 2."""
+    levels = [40.0, 41.0, 39.5, 40.5, 40.2]
+    base = _rounds_doc("base", levels)
+    honest = _rounds_doc("honest", [level * 1.001 for level in levels])
+    check = compare(base, [honest], [parse_expr("tpot_ms.p50 > +5%")]).candidates[0].checks[0]
+    assert check.method == "paired rounds (5)" and check.outcome == "pass"
+    slower = json.loads(json.dumps(base))
+    slower["run_id"] = "slower"
+    for key in ("tpot_ms", "ttft_ms", "e2e_ms", "itl_ms"):
+        slower["samples"][key] = [2 * v for v in slower["samples"][key]]
+        slower["metrics"][key] = {k: v if k == "n" else [2 * x for x in v] if isinstance(v, list) else 2 * v
+                                  for k, v in slower["metrics"][key].items()}
+    slower["metrics"]["output_throughput_tok_s"] /= 2
+    with pytest.raises(ResultError, match="per_round.* the rounds block does not match the row's samples"):
+        compare(base, [slower], [parse_expr("tpot_ms.p50 > +5%")])
+    result = invoke(str(save(base, tmp_path)), str(save(slower, tmp_path)), "--fail-if", "tpot_ms.p50 > +5%")
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: slower: metrics.rounds.per_round."), result.stderr
+    assert "+0.0%" not in result.output
+    # a block that its samples cannot check (no samples per round) is not used: the row is judged on its samples
+    bare = json.loads(json.dumps(slower))
+    bare["samples"]["ttft_ms"] = bare["samples"]["ttft_ms"][:-1]
+    bare["samples"]["e2e_ms"] = bare["samples"]["e2e_ms"][:-1]
+    bare["samples"]["tpot_ms"] = bare["samples"]["tpot_ms"][:-1]
+    bare["samples"]["prompt_index"] = bare["samples"]["prompt_index"][:-1]
+    check = compare(base, [bare], [parse_expr("tpot_ms.p50 > +5%")]).candidates[0].checks[0]
+    assert "rounds" not in check.method and check.outcome == "regression" and check.observed > 80
+
+
 def test_paired_comparison_is_tight_where_unpaired_is_wide():
     from infer_tune.report.compare import compare, parse_expr
     from infer_tune.report.run_to_run import NONE
@@ -198,8 +245,8 @@ def test_run_to_run_spread_widens_separate_runs_only(tmp_path, monkeypatch):
     same = compare(base, [cand], [expr], spread=rtr.for_host(base, 1.5)).candidates[0]
     assert same.same_rounds and same.checks[0].interval == tight.interval and same.checks[0].run_to_run_pct is None
     # with per-round figures, rows of one rounds run are judged on the rounds' pairs (the engine's interval)
-    base["metrics"]["rounds"]["per_round"] = {"tpot_ms": [40.0, 41.0, 39.5, 40.5]}
-    cand["metrics"]["rounds"]["per_round"] = {"tpot_ms": [42.0, 43.1, 41.4, 42.6]}
+    base = _rounds_doc("a", [40.0, 41.0, 39.5, 40.5])
+    cand = _rounds_doc("b", [42.0, 43.1, 41.4, 42.6])
     rounds_check = compare(base, [cand], [expr]).candidates[0].checks[0]
     assert rounds_check.method == "paired rounds (4)" and rounds_check.outcome == "regression"
     assert 4.8 < rounds_check.observed < 5.2 and rounds_check.interval[0] > 2.5

@@ -336,3 +336,43 @@ def test_a_second_sweep_leaves_every_earlier_result_byte_identical(tiny_model_di
     assert all("_path" not in d for d in json.loads(stdout))
     baselines = [d["run_id"] for d in docs if d["technique"] == "baseline"]
     assert len(baselines) == len(set(baselines)) >= 2  # a baseline measured again is a new result
+
+
+def test_bench_without_resume_measures_anew_and_leaves_saved_results_as_they_were(tiny_model_dir, prompts_file,
+                                                                                    tmp_path):
+    """`bench --out D` twice: the second run measures (a new run id) and the first run's files stay byte for
+    byte; only --resume hands a saved result back. A recipe run twice leaves the first sweep's files too."""
+    from typer.testing import CliRunner
+
+    from infer_tune.cli import app
+
+    runner = CliRunner()
+    out = tmp_path / "runs"
+    args = ["bench", "--model", str(tiny_model_dir), "--suite", str(prompts_file), "--limit", "2",
+            "--max-new-tokens", "4", "--warmup", "0", "--min-iterations", "1", "--min-duration", "0",
+            "--threads", "1", "--no-ppl", "--out", str(out), "--json"]
+
+    def snapshot() -> dict[str, bytes]:
+        return {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()
+                and p.name in ("result.json", "outputs.jsonl")}
+
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    before = snapshot()
+    second = runner.invoke(app, args)
+    assert second.exit_code == 0, second.output
+    assert json.loads(second.stdout)["run_id"] != json.loads(first.stdout)["run_id"]
+    after = snapshot()
+    assert {k: after[k] for k in before} == before and len(after) == 2 * len(before)
+    resumed = runner.invoke(app, [*args, "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    assert json.loads(resumed.stdout)["run_id"] in {json.loads(r.stdout)["run_id"] for r in (first, second)}
+    assert snapshot() == after
+    sweep = recipe(tmp_path, METHODS[:1])
+    for _ in range(2):
+        before = snapshot()
+        again = runner.invoke(app, [*args, "--recipe", str(sweep)])
+        assert again.exit_code == 0, again.output
+        after = snapshot()
+        assert {k: after[k] for k in before} == before  # the earlier baselines were not refreshed in place
+        assert len(after) == len(before) + 2 * 2  # this sweep's own baseline and row

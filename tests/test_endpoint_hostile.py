@@ -68,6 +68,18 @@ class Hostile(_Handler):
             writer.write(SSE_HEAD + delta("first "))
             await writer.drain()
             await asyncio.sleep(20)
+        elif self.kind == "json_200":  # an error answered with 200 and a JSON body, no event stream
+            writer.write(_http("200 OK", b'{"error": {"message": "model overloaded"}}'))
+        elif self.kind == "no_events":  # the right Content-Type, but not one data event
+            writer.write(SSE_HEAD + _chunk(b": nothing to see\n\n") + b"0\r\n\r\n")
+        elif self.kind in ("prompt_negative", "prompt_huge"):
+            writer.write(SSE_HEAD + b"".join(delta(f"w{k} ") for k in range(2)))
+            tokens = -1000000 if self.kind == "prompt_negative" else 10 ** 30
+            final = {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+                     "usage": {"prompt_tokens": tokens, "completion_tokens": 2}}
+            writer.write(_chunk(_event(final)) + _chunk(_event(b"[DONE]")) + b"0\r\n\r\n")
+        elif self.kind == "deep_json":  # an event nested 200,000 levels deep (400 KB): RecursionError before
+            writer.write(SSE_HEAD + _chunk(b"data: " + b"[" * 200_000 + b"]" * 200_000 + b"\n\n") + b"0\r\n\r\n")
         elif self.kind == "error_escape":
             text = b"\x1b[2J\x1b]0;pwned\x07 boom " + b"z" * (8 << 20)  # 8 MiB error body
             writer.write(_http("500 Internal Server Error", text, "text/plain"))
@@ -99,6 +111,11 @@ def one_error_line(result) -> str:
     ("long_line", [], ("line is over 1048576 bytes", "the stream passed 1081344 bytes")),
     ("stall", ["--idle-timeout", "0.5"], ("sent nothing for 0.5 s",)),
     ("error_escape", [], ("HTTP 500: [2J]0;pwned boom zzz",)),
+    ("deep_json", [], ("event data is not JSON: '[[[[",)),
+    ("json_200", [], ('HTTP 200 with Content-Type application/json, not an event stream: {"error"',)),
+    ("no_events", [], ("without a single event-stream data event",)),
+    ("prompt_negative", [], ("usage.prompt_tokens is -1000000",)),
+    ("prompt_huge", [], ("usage.prompt_tokens is 1000000000000000000000000000000",)),
 ])
 def test_a_hostile_first_answer_is_exit_2_in_one_line(tmp_path, kind, extra, expected):
     start = time.monotonic()
@@ -117,6 +134,10 @@ def test_a_hostile_first_answer_is_exit_2_in_one_line(tmp_path, kind, extra, exp
     ("usage_huge", "too_many_tokens"),
     ("usage_low", "usage_mismatch"),
     ("long_line", "oversized"),
+    ("json_200", "not_event_stream"),
+    ("no_events", "not_event_stream"),
+    ("prompt_negative", "invalid_usage"),
+    ("prompt_huge", "invalid_usage"),
 ])
 def test_hostile_answers_later_count_as_failed_requests_and_warn(tmp_path, kind, failure):
     # completion requests: 1 handshake, 2 warmup, 3-8 timed: every 2nd is hostile -> 3 of the 6 timed
@@ -129,6 +150,25 @@ def test_hostile_answers_later_count_as_failed_requests_and_warn(tmp_path, kind,
     assert m["output_throughput_tok_s"] < 1e6
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "3 of 6 requests failed (50.0%" in warnings[0], result.stderr
+
+
+def test_every_timed_request_answered_200_without_a_stream_is_exit_2(tmp_path):
+    """A 200 with a JSON body after an honest handshake: not `requests 1 ok, 0 failed` with n=0 metrics."""
+    with serve(Hostile("json_200", start=2)) as server:
+        result = bench(server.url, tmp_path, "--served-model", "m")
+    assert result.exit_code == 2, result.output
+    line = one_error_line(result)
+    assert "failed" in line and "not_event_stream" in line, line
+    assert not list(tmp_path.rglob("result.json"))
+
+
+def test_usage_prompt_tokens_written_are_bounded(tmp_path):
+    """Only honest requests' usage reaches outputs.jsonl: no -1e6 or 1e30 prompt lengths."""
+    with serve(Hostile("prompt_huge", every=2)) as server:
+        result = bench(server.url, tmp_path, "--served-model", "m")
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for path in tmp_path.rglob("outputs.jsonl") for line in path.read_text().splitlines()]
+    assert rows and "1000000000000000000000000000000" not in json.dumps(rows)
 
 
 def test_failed_requests_are_shown_in_the_table(tmp_path):

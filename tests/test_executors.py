@@ -57,3 +57,31 @@ def test_leaderboard_groups_rows_by_host():
     frame = build(docs)
     assert list(frame["run_id"]) in (["run0", "run2", "run1", "run3"], ["run1", "run3", "run0", "run2"])
     assert frame["host"].nunique() == 2 and frame["host"].str.startswith("host-").all()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"run_id": "../escaped"}, "a Ray worker returned run id '../escaped' is not a run id"),
+    ({"run_id": "/tmp/abs"}, "is not a run id"),
+    ({"run_id": ".hidden"}, "is not a run id"),
+    ({"files": {"../../outside.png": b"x"}}, "with a file named '../../outside.png', not a plain file name"),
+    ({"doc_run_id": "../other"}, "whose result.json names another run id"),
+])
+def test_a_returned_folder_cannot_land_outside_out(tmp_path, change, message):
+    """A worker's run id with `../` (or a file name with one) is refused before any path is joined."""
+    from infer_tune.errors import ResultError
+
+    landing = object.__new__(executors.RayExecutor)
+    landing.job, landing.landed, landing.skipped = "job1", 0, 0
+    out = tmp_path / "a" / "out"
+    out.mkdir(parents=True)
+    doc = dict(make_result("20260101-000001-quantize-b", technique="quantize", seed=1), fingerprint="fp-b")
+    if "doc_run_id" in change:
+        doc["run_id"] = change["doc_run_id"]
+    folder = _folder(doc)
+    folder["run_id"] = change.get("run_id", "20260101-000001-quantize-b")
+    folder["files"].update(change.get("files", {}))
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(ResultError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        landing.land(folder, {"hostname": "n1", "pid": 1}, out)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert landing.landed == 0

@@ -180,6 +180,9 @@ ANSWERS = {  # what the scripted server writes for every request: a list of writ
     "cut": [HEAD + b"Content-Length: 5000\r\n\r\n" + SSE, "close"],
     "error": [b"HTTP/1.1 500 Oops\r\nContent-Length: %d\r\n\r\n\x1b[2J boom " % (8 << 20) + b"z" * (8 << 20)],
     "redirect": [b"HTTP/1.1 307 Temporary Redirect\r\nLocation: http://127.0.0.1:9/x\r\nContent-Length: 0\r\n\r\n"],
+    "json_200": [b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 27\r\n\r\n"
+                 b'{"error": "model \x1b[2Jbusy"}'],
+    "no_events": [HEAD + b"Content-Length: 12\r\n\r\n: keepalive\n"],
 }
 
 
@@ -242,6 +245,8 @@ class Scripted:
     ("long_line", "oversized", "bytes"), ("huge_head", "http", "head is over 65536 bytes"),
     ("stall", "idle_timeout", "sent nothing for 0.5 s"), ("cut", "disconnected", "closed the stream"),
     ("error", "http", "HTTP 500: [2J boom zzz"), ("redirect", "redirect", "redirect to http://127.0.0.1:9/x"),
+    ("json_200", "not_event_stream", 'Content-Type application/json, not an event stream: {"error": "model [2Jbusy"}'),
+    ("no_events", "not_event_stream", "without a single event-stream data event"),
 ])
 def test_raw_sender_parses_streams_and_fails_bad_answers_by_kind(kind, failure, text):
     server = Scripted(kind)

@@ -110,7 +110,7 @@ def test_bench_endpoint_streams_the_engines_own_greedy_outputs(server, engine, t
     assert m["requests_ok"] == 4 and m["requests_failed"] == 0 and m["token_count_source"] == "usage"
     from infer_tune import results
 
-    outputs = results.load_outputs(doc["_path"])
+    outputs = results.load_outputs(doc["location"])
     assert len(outputs) == 4
     mismatches = 0
     for o in outputs:

@@ -106,6 +106,15 @@ def test_candidates_are_measured_in_interleaved_rounds_with_intervals(noise_tech
         assert doc["metrics"]["iterations"] == block["rounds"]
         assert len(doc["samples"]["tpot_ms"]) == block["rounds"] * 2  # every round's requests kept
     assert base["metrics"]["iterations"] == docs[0]["metrics"]["rounds"]["rounds"]
+    # compare recomputes the per-round figures from each row's own samples: real rows agree with them
+    from infer_tune.report.compare import _throughput_agrees, compare, recomputed_rounds, rounds_problem
+
+    for doc in (base, *docs):
+        assert rounds_problem(doc) is None
+        assert {"ttft_ms", "e2e_ms_mean"} <= set(recomputed_rounds(doc)) and _throughput_agrees(doc)
+    methods = {d.metric: d.method for d in compare(base, docs[:1]).candidates[0].deltas}
+    assert methods["ttft_ms.p50"].startswith("paired rounds") and methods["output_throughput_tok_s"].startswith(
+        "paired rounds")
 
 
 def test_passes_collect_only_what_the_sweep_made_and_its_models_are_still_freed(noise_technique, tiny_loaded,

@@ -72,7 +72,7 @@ def leaderboard(
     from infer_tune.report import leaderboard as lb
 
     skipped: list[tuple[str, str]] = []
-    docs = results.find_results(runs_dir, skipped=skipped)
+    docs = results.find_results(runs_dir, skipped=skipped, drop=("samples",))  # the report reads no samples
     if not docs:
         why = f" ({len(skipped)} unreadable, e.g. {skipped[0][1]})" if skipped else ""
         raise ResultError(f"no readable result.json under {runs_dir}{why}; run `infer-tune bench --out {runs_dir}` first")

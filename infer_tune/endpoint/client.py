@@ -14,13 +14,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from infer_tune import jsonsafe
 from infer_tune.endpoint.config import EndpointConfig
 
 FAILURE_KINDS = ("connect", "timeout", "idle_timeout", "http", "redirect", "malformed_sse", "stream_error",
-                 "disconnected", "oversized", "too_many_tokens", "usage_mismatch")
+                 "disconnected", "oversized", "too_many_tokens", "usage_mismatch", "not_event_stream",
+                 "invalid_usage")
 MAX_LINE_BYTES = 1 << 20  # one SSE line (one event's data) at most: a token's event is a few hundred bytes
 MAX_ERROR_BODY_BYTES = 4096  # of an error answer, only this much is read (its first line is shown)
 MAX_CHARS_PER_TOKEN = 256  # streamed text longer than max_tokens x this cannot be max_tokens tokens
+MAX_PROMPT_TOKENS = 10_000_000  # a server's usage.prompt_tokens above this (no context is that long) is invalid
 STREAM_BYTES_PER_TOKEN = 16384  # the raw stream may hold 1 MiB + this per requested token
 _CONTROL = {c: None for c in [*range(0x00, 0x20), *range(0x7F, 0xA0), 0x200E, 0x200F, *range(0x202A, 0x202F),
                               *range(0x2066, 0x206A)]}
@@ -60,6 +63,7 @@ class StreamRecord:
     failure: str | None = None
     message: str = ""
     text_chars: int = 0
+    events: int = 0  # data events seen ([DONE] included): a 200 with none is not an event stream
 
     @property
     def ok(self) -> bool:
@@ -150,10 +154,11 @@ def _event_text(event: dict, api: str) -> str | None:
 
 def _handle_event(record: StreamRecord, payload: str, now: int, api: str) -> bool:
     """Apply one event's data; True when the stream is finished (`[DONE]`)."""
+    record.events += 1
     if payload.strip() == "[DONE]":
         return True
     try:
-        event = json.loads(payload)
+        event = jsonsafe.loads(payload)
     except json.JSONDecodeError:
         record.fail("malformed_sse", f"event data is not JSON: {clean(payload, 80)!r}")
         return True
@@ -187,10 +192,34 @@ def _handle_event(record: StreamRecord, payload: str, now: int, api: str) -> boo
     return False
 
 
+def not_event_stream(content_type: str | None) -> str | None:
+    """None when a 200 answer's Content-Type allows an event stream (`text/event-stream`, or none given:
+    its data events decide); else the type it named."""
+    if content_type is None or not content_type.strip():
+        return None
+    media = content_type.split(";", 1)[0].strip().lower()
+    return None if media == "text/event-stream" else clean(media, 60)
+
+
+def describe_not_stream(content_type: str, body: bytes) -> str:
+    """The message of a 200 answer that is not an event stream (say, a JSON error body)."""
+    detail = clean(body.decode("utf-8", errors="replace").strip(), 300)
+    return f"HTTP 200 with Content-Type {content_type}, not an event stream: {detail or 'no body'}"
+
+
 def check_length(record: StreamRecord, max_tokens: int | None, *, final: bool = False) -> bool:
     """Fail `record` when what it streamed cannot be at most `max_tokens` tokens or (`final`: the stream
-    ended, usage arrives last) its `usage.completion_tokens` disagrees with what was streamed; True when
-    the record has failed. Called as events arrive, so a server streaming without end is cut off at once."""
+    ended, usage arrives last) its `usage.completion_tokens` disagrees with what was streamed, its
+    `usage.prompt_tokens` is not a count from 0 to MAX_PROMPT_TOKENS (invalid_usage), or no data
+    event came at all (a 200 that is not an event stream); True when the record has failed. Called as
+    events arrive, so a server streaming without end is cut off at once."""
+    if final and record.ok and record.events == 0:
+        record.fail("not_event_stream", "HTTP 200 without a single event-stream data event (not an event stream)")
+    if final and record.ok and record.usage is not None and "prompt_tokens" in record.usage:
+        reported = record.usage["prompt_tokens"]
+        if not isinstance(reported, int) or isinstance(reported, bool) or not 0 <= reported <= MAX_PROMPT_TOKENS:
+            record.fail("invalid_usage", f"usage.prompt_tokens is {clean(repr(reported), 40)}, not a count from 0 to "
+                                         f"{MAX_PROMPT_TOKENS}")
     if max_tokens is None or not record.ok:
         return not record.ok
     events = len(record.delivery_ns)
@@ -267,6 +296,9 @@ async def stream_request(session, config: EndpointConfig, body: bytes, headers: 
                     raw, _ = await read_capped(response.content, MAX_ERROR_BODY_BYTES)
                     detail = clean(raw.decode("utf-8", errors="replace").strip(), 300)
                     return record.fail("http", f"HTTP {response.status}: {detail or clean(response.reason or '')}")
+                if (kind := not_event_stream(response.headers.get("Content-Type"))) is not None:
+                    raw, _ = await read_capped(response.content, MAX_ERROR_BODY_BYTES)
+                    return record.fail("not_event_stream", describe_not_stream(kind, raw))
                 done = False
                 while not done:
                     watch.reschedule(loop.time() + idle)

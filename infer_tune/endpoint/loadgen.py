@@ -44,7 +44,9 @@ from infer_tune.endpoint.client import (
     check_length,
     clean,
     describe_connect_error,
+    describe_not_stream,
     encode_body,
+    not_event_stream,
 )
 from infer_tune.endpoint.config import EndpointConfig
 from infer_tune.errors import ConfigError
@@ -181,6 +183,7 @@ class _Exchange:
         self.remaining = 0
         self.line = bytearray()
         self.error_body = bytearray()
+        self.not_stream: str | None = None  # a 200's Content-Type that is not text/event-stream
         self.received = 0
         self.keep_alive = True
         self.finished = False  # the record is final ([DONE], a failure, or the body ended)
@@ -231,6 +234,8 @@ class _Exchange:
                 raise _Malformed(f"not a header line: {clean(line, 80)!r}")
             headers[name.strip().lower()] = value.strip()
         self.status = self.record.status = status
+        if status == 200:
+            self.not_stream = not_event_stream(headers.get("content-type"))
         connection = headers.get("connection", "").lower()
         self.keep_alive = "close" not in connection and (version == "HTTP/1.1" or "keep-alive" in connection)
         if "chunked" in headers.get("transfer-encoding", "").lower():
@@ -296,7 +301,7 @@ class _Exchange:
     def _payload(self, data: bytes) -> None:
         if self.finished or not data:
             return
-        if self.status != 200:
+        if self.status != 200 or self.not_stream:
             self.error_body += data[:MAX_ERROR_BODY_BYTES - len(self.error_body)]
             if len(self.error_body) >= MAX_ERROR_BODY_BYTES:
                 self._http_error()
@@ -318,6 +323,9 @@ class _Exchange:
         self.finished = True
 
     def _http_error(self) -> None:
+        if self.status == 200 and self.not_stream:
+            self._fail("not_event_stream", describe_not_stream(self.not_stream, bytes(self.error_body)))
+            return
         detail = clean(bytes(self.error_body).decode("utf-8", errors="replace").strip(), 300)
         self._fail("http", f"HTTP {self.status}: {detail or 'no body'}")
 
@@ -331,7 +339,7 @@ class _Exchange:
         self.ended = True
         if self.finished:
             return
-        if self.status != 200:
+        if self.status != 200 or self.not_stream:
             self._http_error()
             return
         for payload in self.parser.close():

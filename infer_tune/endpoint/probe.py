@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from infer_tune import jsonsafe
 from infer_tune.endpoint.client import (
     clean,
     describe_connect_error,
@@ -100,7 +101,7 @@ async def get_json(session, url: str, headers: dict[str, str], timeout_s: float,
         if more:
             raise TooLarge(f"GET {clean(url)} answered more than {limit >> 10} KiB")
         try:
-            body = json.loads(raw) if response.status == 200 else None
+            body = jsonsafe.loads(raw) if response.status == 200 else None
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             body = None
         server = response.headers.get("Server")
@@ -166,7 +167,7 @@ async def handshake(session, config: EndpointConfig, info: ServerInfo, prompt: s
             return trial
         last = record
         if record.failure in ("connect", "timeout", "idle_timeout", "redirect", "too_many_tokens", "usage_mismatch",
-                              "oversized"):
+                              "oversized", "not_event_stream", "invalid_usage"):
             raise EndpointError(f"cannot use endpoint {config.url}: {record.message}")
         if record.status in (400, 404, 422) and usage and config.stream_usage is None:
             usage = False  # a server that rejects stream_options: ask again without it

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from infer_tune.endpoint.client import StreamRecord, encode_body, stream_request
+from infer_tune.endpoint.client import MAX_PROMPT_TOKENS, StreamRecord, encode_body, stream_request
 from infer_tune.endpoint.config import EndpointConfig
 from infer_tune.errors import ConfigError
 
@@ -121,8 +121,8 @@ def to_timing(record: StreamRecord, prompt_index: int, submit_ns: int, start_ns:
 def prompt_token_count(record: StreamRecord, prompt: str, tokenizer) -> int:
     """usage.prompt_tokens when reported, else the local tokenizer's count, else 0 (unknown)."""
     reported = (record.usage or {}).get("prompt_tokens")
-    if isinstance(reported, int):
-        return reported
+    if isinstance(reported, int) and not isinstance(reported, bool) and 0 <= reported <= MAX_PROMPT_TOKENS:
+        return reported  # a record with any other value failed as invalid_usage (client.check_length)
     if tokenizer is not None:
         return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
     return 0

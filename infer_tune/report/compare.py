@@ -21,7 +21,8 @@ regression: the check fails when it holds.
   prompt's samples) for the interval. Pairing removes the prompt-to-prompt spread that makes an
   unpaired interval of a few requests wide. Two rows of the same interleaved rounds (one process,
   `metrics.rounds.group`) are compared on their per-round figures instead, one ratio per round
-  (`rounds_ratio`). Between separate runs every timing interval is widened by the run-to-run spread
+  (`rounds_ratio`), recomputed from each row's own samples; a rounds block its samples contradict is
+  refused (exit 2: a row cannot borrow another row's rounds). Between separate runs every timing interval is widened by the run-to-run spread
   (report/run_to_run.py; docs/compare.md, "Run-to-run spread").
 - Every other metric compares point values.
 
@@ -168,18 +169,114 @@ ROUND_FIGURES = {"tpot_ms.p50": "tpot_ms", "ttft_ms.p50": "ttft_ms", "e2e_ms.mea
                  "output_throughput_tok_s": "output_throughput_tok_s"}
 
 
+ROUNDS_RTOL = 1e-6  # a per-round figure and the one recomputed from the row's samples agree to this (JSON floats)
+
+
+def _round_chunks(values: object, rounds: int) -> list[list[float]] | None:
+    """`values` (a row's per-request samples, every round's requests in round order: rounds.merged_run)
+    cut into `rounds` equal parts, None when they cannot be."""
+    if not isinstance(values, list) or rounds <= 0 or not values or len(values) % rounds:
+        return None
+    if not all(_is_number(v) for v in values):
+        return None
+    size = len(values) // rounds
+    return [[float(v) for v in values[k * size:(k + 1) * size]] for k in range(rounds)]
+
+
+def recomputed_rounds(doc: dict) -> dict[str, list[float | None]]:
+    """The per-round figures of a row measured in rounds, recomputed from its own samples (what
+    rounds.pass_value took from each pass): median TTFT / TPOT, mean e2e per round. A figure the samples
+    cannot give back (TPOT when some request had a single token, so its samples do not split by round)
+    is absent."""
+    per_round = rtr.rounds_block(doc).get("per_round")
+    samples = doc.get("samples") if isinstance(doc.get("samples"), dict) else {}
+    if not isinstance(per_round, dict):
+        return {}
+    lengths = {len(v) for v in per_round.values() if isinstance(v, list)}
+    if len(lengths) != 1:
+        return {}
+    rounds = lengths.pop()
+    out: dict[str, list[float | None]] = {}
+    requests = len(samples.get("ttft_ms") or [])
+    for figure, key, how in (("ttft_ms", "ttft_ms", "median"), ("e2e_ms_mean", "e2e_ms", "mean"),
+                             ("tpot_ms", "tpot_ms", "median")):
+        values = samples.get(key)
+        if key == "tpot_ms" and (not isinstance(values, list) or len(values) != requests):
+            continue
+        chunks = _round_chunks(values, rounds)
+        if chunks is None:
+            continue
+        if how == "mean":
+            out[figure] = [float(np.mean(c)) if c else None for c in chunks]
+        else:
+            kept = [[v for v in c if v > 0] for c in chunks]
+            out[figure] = [float(np.median(c)) if c else None for c in kept]
+    return out
+
+
+def rounds_problem(doc: dict) -> str | None:
+    """Why a row's `metrics.rounds.per_round` is not its own (a figure that its samples contradict: a copy
+    of another row's rounds block), None when every figure its samples can give back agrees."""
+    per_round = rtr.rounds_block(doc).get("per_round")
+    if not per_round:
+        return None
+    if not isinstance(per_round, dict):
+        return "'metrics.rounds.per_round' is not an object"
+    for figure, values in per_round.items():
+        if not isinstance(values, list) or not all(v is None or _is_number(v) for v in values):
+            return f"'metrics.rounds.per_round.{str(figure)[:40]}' is not a list of finite numbers"
+    for figure, mine in recomputed_rounds(doc).items():
+        stated = per_round.get(figure)
+        if not isinstance(stated, list):
+            continue
+        for k, (a, b) in enumerate(zip(stated, mine)):
+            if (a is None) != (b is None) or (a is not None and not math.isclose(a, b, rel_tol=ROUNDS_RTOL)):
+                return (f"metrics.rounds.per_round.{figure} gives round {k + 1} as {a:.6g} but the row's own "
+                        f"samples give {b:.6g}: the rounds block does not match the row's samples"
+                        if a is not None and b is not None else
+                        f"metrics.rounds.per_round.{figure} round {k + 1} does not match the row's own samples")
+    return None
+
+
+def check_rounds(doc: dict) -> None:
+    """Refuse (exit 2) a row whose rounds block its own samples contradict (`rounds_problem`)."""
+    problem = rounds_problem(doc)
+    if problem:
+        raise ResultError(f"{doc.get('run_id', '?')}: {problem}")
+
+
 def rounds_ratio(base: dict, cand: dict, metric: str) -> tuple[float, float, float, int] | None:
     """(estimate, low, high, rounds) of cand / base from their per-round figures, when both rows were
     measured in the same interleaved rounds: each round's pair ran back to back, so the rounds are the
-    independent samples and the host's drift between rounds cancels (the engine's own interval)."""
+    independent samples and the host's drift between rounds cancels (the engine's own interval).
+    Only figures recomputed from each side's own samples are used (`recomputed_rounds`; `compare` has
+    refused a rounds block that disagrees with them); throughput, which the samples do not give per
+    round, is paired by rounds only when each row's rounds give back its own overall throughput."""
     figure = ROUND_FIGURES.get(metric)
     if figure is None or not rtr.same_rounds(base, cand):
         return None
-    b, c = ((rtr.rounds_block(doc).get("per_round") or {}).get(figure) for doc in (base, cand))
+    if figure == "output_throughput_tok_s":
+        if not (_throughput_agrees(base) and _throughput_agrees(cand)):
+            return None
+        b, c = ((rtr.rounds_block(doc).get("per_round") or {}).get(figure) for doc in (base, cand))
+    else:
+        b, c = (recomputed_rounds(doc).get(figure) for doc in (base, cand))
     if not b or not c or len(b) != len(c):
         return None
     found = pair_interval(c, b)
     return None if found is None else (found["point"], *found["ci95"], found["rounds"])
+
+
+def _throughput_agrees(doc: dict) -> bool:
+    """Whether a row's per-round throughputs give back its overall throughput: each round's tokens
+    (`samples.output_tokens`, split by round) over the round's wall time (tokens / its throughput), summed."""
+    per_round = (rtr.rounds_block(doc).get("per_round") or {}).get("output_throughput_tok_s")
+    overall = metric_value(doc, "output_throughput_tok_s")
+    tokens = _round_chunks((doc.get("samples") or {}).get("output_tokens"), len(per_round or []))
+    if not per_round or overall is None or tokens is None or any(not _is_number(v) or v <= 0 for v in per_round):
+        return False
+    wall = sum(sum(t) / v for t, v in zip(tokens, per_round))
+    return wall > 0 and math.isclose(sum(map(sum, tokens)) / wall, overall, rel_tol=1e-3)
 
 
 def pairing(base: dict, cand: dict) -> str:
@@ -427,6 +524,7 @@ def compare(base: dict, candidates: Sequence[dict], exprs: Sequence[Expr] = (), 
     spread = spread if spread is not None else rtr.for_host(base)
     for doc in (base, *candidates):
         check_timings(doc)
+        check_rounds(doc)
     warnings = check_match(base, candidates, allow_mismatch=allow_mismatch)
     if (base_failed := gate.failed_requests(base)) == -1:
         raise ResultError(f"{base['run_id']}: metrics.{'/'.join(gate.FAILURE_KEYS)} must be counts (non-negative integers)")

@@ -44,8 +44,22 @@ def mib(v) -> str:
     return f"{v / 2**30:.2f} GiB" if v >= 2**30 else f"{v / 2**20:.1f} MiB"
 
 
+# control characters (C0 but tab/newline/CR, DEL, C1), bidi marks and overrides: a result's text never carries them out
+_CONTROL = {c: None for c in [*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20), *range(0x7F, 0xA0), 0x200E, 0x200F,
+                              *range(0x202A, 0x202F), *range(0x2066, 0x206A)]}
+_SPACES = {0x09: " ", 0x0A: " ", 0x0D: " "}
+
+
+def plain(value, *, lines: bool = False) -> str:
+    """`value` as text without control characters (ESC sequences, BEL, backspace, bidi overrides): a
+    label or any other string of a result file reaches the terminal, md, csv and html inert. Tabs and
+    line ends become spaces unless `lines`."""
+    out = str(value).translate(_CONTROL)
+    return out if lines else out.translate(_SPACES)
+
+
 def text(v) -> str:
-    return "-" if _missing(v) or v == "" else str(v)
+    return "-" if _missing(v) or v == "" else plain(v)
 
 
 def bleu_drift(row: dict) -> str:
@@ -152,7 +166,7 @@ def sort_value(row: dict, column: Column):
 
 def md_cell(value) -> str:
     """Text safe in one markdown table cell: one line, no cell break, no HTML (results are untrusted)."""
-    return " ".join(str(value).split()).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+    return " ".join(plain(value).split()).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def markdown(rows: list[dict], narrow: bool = False) -> str:
@@ -172,9 +186,9 @@ def config_summary(doc: dict) -> str:
     if doc.get("technique") == "baseline":
         return "-"
     if doc.get("label"):
-        return str(doc["label"])
+        return plain(doc["label"])
     parts = [f"{k}={v}" for k, v in (doc.get("config") or {}).items() if k != "kind" and v is not None]
-    return " ".join(parts) or "-"
+    return plain(" ".join(parts)) or "-"
 
 
 def recommendation_line(rec, rows: list[dict]) -> str:
@@ -182,5 +196,5 @@ def recommendation_line(rec, rows: list[dict]) -> str:
     row = next((r for r in rows if r.get("run_id") == rec.doc["run_id"]), None) or {}
     m = rec.doc.get("metrics") or {}
     lead = f"{row.get('lead') or '-'} vs {row.get('lead_vs') or 'the baseline'}"
-    return (f"{RECOMMENDED_MARK} {rec.doc.get('technique')} {row.get('config') or config_summary(rec.doc)}: {lead}, "
+    return plain(f"{RECOMMENDED_MARK} {rec.doc.get('technique')} {row.get('config') or config_summary(rec.doc)}: {lead}, "
             f"perplexity {signed_pct(leads.number(m.get('ppl_delta_pct')))}")

@@ -71,7 +71,7 @@ SCRIPT = """
 
 
 def _esc(value) -> str:
-    return html.escape(str(value), quote=True)
+    return html.escape(display.plain(value, lines=True), quote=True)
 
 
 # Class names come from this allow-list only, never from a result's text (results are untrusted input).

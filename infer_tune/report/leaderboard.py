@@ -46,7 +46,7 @@ CSV_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 
 
 def flatten(doc: dict) -> dict:
-    """One leaderboard row of a result document."""
+    """One leaderboard row of a result document (its text without control characters: display.plain)."""
     m = doc.get("metrics", {})
 
     def dist(key: str, stat: str) -> float | None:
@@ -74,6 +74,7 @@ def flatten(doc: dict) -> dict:
         row["speedup_vs_baseline"] = None
     elif (m.get("noise") or {}).get("noisy"):
         row["config"] = f"{row['config']} [noisy]"
+    row = {k: display.plain(v) if isinstance(v, str) else v for k, v in row.items()}
     if row["technique"] == "baseline":  # the baseline is its own reference point
         row["speedup_vs_baseline"] = 1.0 if row["speedup_vs_baseline"] is None else row["speedup_vs_baseline"]
         row["bleu_drift"] = 0.0 if row["bleu_drift"] is None else row["bleu_drift"]
@@ -87,8 +88,9 @@ def build(docs: Sequence[dict], *, technique: Sequence[str] = (), model: Sequenc
     rows = []
     for doc in docs:
         row, lead = flatten(doc), found[str(doc["run_id"])]
-        row.update(lead=lead.text() if lead.figures else "baseline", lead_value=lead.value, lead_vs=lead.vs,
-                   lead_decode=lead.decode)
+        row.update(lead=display.plain(lead.text()) if lead.figures else "baseline", lead_value=lead.value,
+                   lead_vs=display.plain(lead.vs) if isinstance(lead.vs, str) else lead.vs,
+                   lead_decode=display.plain(lead.decode) if isinstance(lead.decode, str) else lead.decode)
         rows.append(row)
     frame = pd.DataFrame(rows, columns=list(COLUMNS))
     for column in COLUMNS:  # numeric columns: a missing value is NaN (rendered "-"), never "None"
@@ -122,6 +124,8 @@ def csv_safe(frame: pd.DataFrame) -> pd.DataFrame:
     """Text cells that a spreadsheet would run as a formula (= + - @ tab CR first) get a leading `'`;
     numbers and the lone `-` stay as they are."""
     def cell(value):
+        if isinstance(value, str):
+            value = display.plain(value)
         if not isinstance(value, str) or not value.startswith(CSV_FORMULA_START) or value == "-":
             return value
         try:
@@ -202,7 +206,8 @@ def to_markdown(rows: list[dict], found_claims: list, rec, budget_text: str) -> 
     else:
         parts.append(f"{display.md_cell(display.recommendation_line(rec, rows))} (within {budget_text}); "
                      f"{display.md_cell(rec.decision())}.\n\n"
-                     f"Reproduce: `{rec.command}`" + (f"\n\nSaved model: `{rec.saved_model}`" if rec.saved_model else ""))
+                     f"Reproduce: `{display.plain(rec.command)}`"
+                     + (f"\n\nSaved model: `{display.plain(rec.saved_model)}`" if rec.saved_model else ""))
     return "\n".join(parts) + "\n"
 
 

@@ -72,6 +72,6 @@ def run_bench(spec: RunSpec, configs: list | None = None, *, progress: Progress 
     with tempfile.TemporaryDirectory(prefix="infer-tune-artifacts-") as scratch:  # e.g. quantized checkpoints
         run.ctx.scratch_dir = Path(scratch)
         baseline, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol, list(configs or []),
-                                     run.ctx, resume=spec.resume, reuse_baseline=spec.resume or bool(configs),
+                                     run.ctx, resume=spec.resume, reuse_baseline=spec.resume,
                                      measure_ppl=spec.measure_ppl, execute=spec.execute)
     return BenchOutcome(baseline=baseline, docs=docs)

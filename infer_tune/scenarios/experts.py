@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infer_tune import atomic, results
+from infer_tune import atomic, jsonsafe, results
 from infer_tune import env as envinfo
 from infer_tune.errors import ConfigError
 from infer_tune.runners.base import Progress
@@ -163,7 +163,7 @@ class ValidateOutcome:
 
 def plan_file_strategies(plan_file: Path) -> list[str]:
     try:
-        doc = json.loads(Path(plan_file).read_text(encoding="utf-8"))
+        doc = jsonsafe.loads(Path(plan_file).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"plan file {plan_file} cannot be read: {exc}") from None
     if not isinstance(doc, dict) or doc.get("kind") != PLAN_FILE_KIND or not isinstance(doc.get("plans"), dict):

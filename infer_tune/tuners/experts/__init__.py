@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from infer_tune import models
+from infer_tune import jsonsafe, models
 from infer_tune.errors import ConfigError
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.tuners.base import RunContext, TechniqueConfig, register_technique
@@ -99,7 +99,7 @@ def read_plan_file(path: str, strategy: str) -> tuple[Plan, dict]:
     """One strategy's plan (and its predicted metrics) from a file written by `experts plan --save`."""
     file = Path(path)
     try:
-        doc = json.loads(file.read_text(encoding="utf-8"))
+        doc = jsonsafe.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"plan file {path} cannot be read: {exc}") from None
     plans = doc.get("plans") if isinstance(doc, dict) else None

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from infer_tune import atomic
+from infer_tune import atomic, jsonsafe
 from infer_tune.errors import ConfigError
 
 KIND = "infer-tune-expert-load"
@@ -173,7 +173,7 @@ def load(path: str | Path) -> LoadFile:
     if not path.is_file():
         raise ConfigError(f"load file not found: {path} (write one with `infer-tune experts profile`)")
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = jsonsafe.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"load file {path} is malformed: not valid JSON ({exc})") from None
     return from_dict(doc, str(path))

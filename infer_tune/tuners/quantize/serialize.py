@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from infer_tune import atomic
+from infer_tune import atomic, jsonsafe
 from infer_tune.errors import ModelError
 from infer_tune.nn_utils import set_module
 from infer_tune.tuners.quantize import wrap
@@ -78,7 +78,7 @@ def save_quantized(model: nn.Module, tokenizer, target: Path, manifest: dict) ->
 def read_manifest(path: str | Path) -> dict:
     file = Path(path) / MANIFEST
     try:
-        manifest = json.loads(file.read_text())
+        manifest = jsonsafe.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelError(f"cannot read {file}: {exc}") from None
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
@@ -112,7 +112,9 @@ def load_quantized(path: str | Path, *, choose_kernels: bool = True) -> nn.Modul
         return model.eval()
     summary = manifest["summary"]
     for name, kind in summary["layers"].items():
-        set_module(model, name, LINEAR_KINDS[kind].from_portable(_take(state, name), group_size=config.group_size))
+        layer = LINEAR_KINDS[kind].from_portable(_take(state, name), group_size=config.group_size)
+        _check_shape(path, name, model, layer)
+        set_module(model, name, layer)
     _load_embeddings_and_head(model, state, summary, config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected:
@@ -130,6 +132,21 @@ def load_quantized(path: str | Path, *, choose_kernels: bool = True) -> nn.Modul
         model.infer_tune_kernels = choose_for_model(model, manifest["method"], group_size=config.group_size,
                                                     forced=config.forced_kernels(), activations=config.activations)
     return model.eval()
+
+
+def _check_shape(path: Path, name: str, model: nn.Module, layer: nn.Module) -> None:
+    """A saved layer must have the shape the model's config gives it: a checkpoint whose manifest and tensors
+    agree on a cut `q_proj` (192 outputs for 576) is refused here (ModelError: `cannot load model`, exit 2),
+    not in a kernel at the first forward pass."""
+    try:
+        original = model.get_submodule(name)
+    except AttributeError:
+        raise ModelError(f"{path}: {name} is not a layer of the model its config.json describes") from None
+    want = (getattr(original, "in_features", None), getattr(original, "out_features", None))
+    got = (getattr(layer, "in_features", None), getattr(layer, "out_features", None))
+    if None not in want and got != want:
+        raise ModelError(f"cannot load model {path}: {name} is saved as {got[0]} -> {got[1]} features but config.json makes it "
+                         f"{want[0]} -> {want[1]}; the checkpoint is damaged or was altered")
 
 
 def _load_embeddings_and_head(model: nn.Module, state: dict, summary: dict, config: QuantizeConfig) -> None:

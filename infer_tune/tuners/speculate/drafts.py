@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from infer_tune import models
+from infer_tune import jsonsafe, models
 from infer_tune.errors import ConfigError
 from infer_tune.tuners.base import RunContext
 
@@ -187,6 +187,6 @@ def distill_manifest(ref: str) -> dict | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return jsonsafe.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return None
