@@ -64,9 +64,16 @@ def llama_server_binary() -> Path | None:
     from infer_tune import paths
 
     given = os.environ.get("LLAMA_SERVER")
-    for candidate in ([Path(given).expanduser()] if given else []) + [paths.home() / "bin" / "llama-server"]:
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return candidate
+    if given and Path(given).expanduser().is_file() and os.access(Path(given).expanduser(), os.X_OK):
+        return Path(given).expanduser()  # named by the user: theirs to vouch for
+    home = paths.home()
+    candidate = home / "bin" / "llama-server"
+    if candidate.is_file() and os.access(candidate, os.X_OK):
+        problem = paths.untrusted(candidate, home)
+        if problem:  # another account could have put its own program there: never run it as this user
+            raise ConfigError(f"refusing to run {candidate}: {problem}; remove it and rebuild with "
+                              f"scripts/build-llama-server.sh (or set LLAMA_SERVER to a binary you trust)")
+        return candidate
     found = shutil.which("llama-server")
     return Path(found) if found else None
 

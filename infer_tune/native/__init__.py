@@ -25,6 +25,7 @@ import hashlib
 import os
 import platform
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -81,17 +82,87 @@ def _build() -> None:
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         raise KernelUnavailable("no C++ compiler (c++) on PATH to build the native kernels")
     folder = paths.home() / "kernels" / f"native-{build_key([s.read_bytes() for s in SOURCES + HEADERS])}"
-    folder.mkdir(parents=True, exist_ok=True)
     try:
-        from torch.utils import cpp_extension
-
-        # torch's builder locks the folder (two processes compile once) and rebuilds only on a changed source
-        cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], build_directory=str(folder),
-                           is_python_module=False, extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], verbose=False)
+        build_library(folder, NAME, SOURCES, extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                      extra_ldflags=["-fopenmp"])
+    except KernelUnavailable:
+        raise
     except Exception as exc:  # a compiler error, no ninja, a header mismatch: the kernels are not offered
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
         raise KernelUnavailable(f"the native kernels did not build here: {first}") from None
+
+
+def build_library(folder: Path, name: str, sources, *, extra_cflags=(), extra_ldflags=()) -> Path:
+    """Build (or reuse) the extension `name` in `folder` and load it into this process; returns the folder used.
+
+    Nothing another account could have written is loaded (docs/hardening.md): `folder` is made private
+    (0700) and every path from `$INFER_TUNE_HOME` down to it must be this user's and not group/other
+    writable, else the library is built into a fresh private temp folder instead (removed at exit). The
+    build writes the sha256 of the library next to it (`<name>.so.sha256`); a cached library whose digest
+    is missing or differs (truncated, swapped, half-written) is removed with its objects and built again
+    before anything is loaded."""
+    from torch.utils import cpp_extension
+
+    from infer_tune import paths
+
+    problem = None
+    try:
+        paths.private_dir(folder)
+        problem = paths.untrusted(folder)
+    except OSError as exc:
+        problem = f"{folder} cannot be made: {exc.strerror or exc}"
+    if problem:
+        folder = _private_temp_folder()
+        print(f"note: not using the cached native kernels ({problem}); building them into {folder}",
+              file=sys.stderr)
+    library = folder / f"{name}.so"
+    digest_file = folder / f"{name}.so.sha256"
+    if library.exists() and (not problem and (paths.untrusted(library) or paths.untrusted(digest_file))
+                             or not _digest_matches(library, digest_file)):
+        _clear_build(folder)  # a file of another account, or not the library this folder's build wrote
+    cpp_extension.load(name=name, sources=[str(s) for s in sources], build_directory=str(folder),
+                       is_python_module=False, extra_cflags=list(extra_cflags), extra_ldflags=list(extra_ldflags),
+                       verbose=False)
+    if not digest_file.exists():  # just built by this process in a folder only this user can write
+        from infer_tune.atomic import write_text
+
+        write_text(digest_file, _sha256(library) + "\n")
+    return folder
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _digest_matches(library: Path, digest_file: Path) -> bool:
+    try:
+        return digest_file.read_text().strip() == _sha256(library)
+    except OSError:
+        return False
+
+
+def _clear_build(folder: Path) -> None:
+    """Remove what a build left in `folder` (library, digest, objects, ninja files) so the next one starts clean."""
+    for item in folder.iterdir():
+        if item.name.startswith("build.flock"):
+            continue
+        if item.is_dir() and not item.is_symlink():
+            shutil.rmtree(item, ignore_errors=True)
+        else:
+            item.unlink(missing_ok=True)
+
+
+def _private_temp_folder() -> Path:
+    import atexit
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="infer-tune-kernels-"))  # 0700, this user's
+    atexit.register(shutil.rmtree, folder, True)  # the loaded library stays mapped; its file can go
+    return folder
 
 
 @functools.cache

@@ -1,0 +1,165 @@
+"""Hostile local conditions: another account's files in the cache, dead builders' locks, listeners, leftovers.
+
+Each test is one case of docs/hardening.md ("Nothing another account wrote is loaded or run" and the
+sections after it); each asserts the clean outcome. The native-library cases use a tiny extension
+(one C function, built in about a second) instead of the real kernels (minutes to compile), through the
+same `native.build_library` the kernels are built with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from infer_tune import native, paths
+
+ROOT = Path(__file__).resolve().parents[1]
+FOREIGN_UID = 65534  # nobody: "another account"
+needs_root = pytest.mark.skipif(os.getuid() != 0, reason="making a file another account's needs root")
+needs_compiler = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+
+
+def _fake_source(tmp_path: Path) -> Path:
+    src = tmp_path / "fake.cpp"
+    src.write_text('extern "C" int infer_tune_fake_probe() { return 7; }\n')
+    return src
+
+
+def _planted_library(tmp_path: Path, marker: Path) -> Path:
+    """A library that, once loaded, writes `marker` (what a swapped-in library of another account would do)."""
+    src = tmp_path / "evil.cpp"
+    src.write_text('#include <cstdio>\n__attribute__((constructor)) static void planted() {\n'
+                   f'  FILE* f = std::fopen("{marker}", "w"); if (f) std::fclose(f);\n}}\n')
+    out = tmp_path / "evil.so"
+    subprocess.run(["c++", "-shared", "-fPIC", "-o", str(out), str(src)], check=True)
+    return out
+
+
+def _name() -> str:
+    return f"infer_tune_fake_{uuid.uuid4().hex[:8]}"
+
+
+# ---- 1. another account's library or binary ------------------------------------------------------------------
+
+
+def test_home_folders_are_private_whatever_the_umask(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFER_TUNE_HOME", str(tmp_path / "a" / "home"))
+    old = os.umask(0)
+    try:
+        home = paths.home()
+        kernels = paths.private_dir(home / "kernels" / "native-x")
+        models = paths.models_dir()
+    finally:
+        os.umask(old)
+    for folder in (tmp_path / "a", home, home / "kernels", kernels, models):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+    assert paths.untrusted(kernels) is None
+
+
+@needs_root
+def test_untrusted_names_the_foreign_or_writable_path(tmp_path):
+    home = paths.private_dir(tmp_path / "home")
+    lib = paths.private_dir(home / "kernels") / "lib.so"
+    lib.write_bytes(b"x")
+    lib.chmod(0o755)
+    assert paths.untrusted(lib, home) is None
+    (home / "kernels").chmod(0o777)
+    assert "writable by group or others (mode 0777)" in paths.untrusted(lib, home)
+    (home / "kernels").chmod(0o700)
+    lib.chmod(0o775)
+    assert "lib.so is writable by group or others" in paths.untrusted(lib, home)
+    lib.chmod(0o755)
+    os.chown(lib, FOREIGN_UID, FOREIGN_UID)
+    assert f"belongs to uid {FOREIGN_UID}" in paths.untrusted(lib, home)
+    os.chown(lib, 0, 0)
+    os.chown(home, FOREIGN_UID, FOREIGN_UID)
+    assert f"{home} belongs to uid {FOREIGN_UID}" in paths.untrusted(lib, home)
+
+
+@needs_root
+@needs_compiler
+@pytest.mark.parametrize("attack", ["foreign-owner", "folder-world-writable"])
+def test_a_library_planted_by_another_account_is_never_loaded(tmp_path, monkeypatch, capfd, attack):
+    """uid 65534 swaps its own library (with a matching digest) into the kernel cache; without the checks,
+    ninja sees a library newer than the sources, keeps it, and torch dlopens it as root."""
+    monkeypatch.setenv("INFER_TUNE_HOME", str(tmp_path / "home"))
+    name = _name()
+    folder = paths.private_dir(paths.home() / "kernels" / "native-fake")
+    src = _fake_source(tmp_path)
+    native.build_library(folder, name, [src])  # an honest first build
+    marker = tmp_path / "planted-library-ran"
+    evil = _planted_library(tmp_path, marker)
+    library = folder / f"{name}.so"
+    shutil.copy(evil, library)
+    (folder / f"{name}.so.sha256").write_text(hashlib.sha256(evil.read_bytes()).hexdigest() + "\n")
+    if attack == "foreign-owner":
+        for item in (library, folder / f"{name}.so.sha256"):
+            os.chown(item, FOREIGN_UID, FOREIGN_UID)
+    else:
+        folder.chmod(0o777)
+    # a second process loads the cache (this one already holds the honest library under that name)
+    code = ("import sys; from pathlib import Path; from infer_tune import native; "
+            f"print(native.build_library(Path({str(folder)!r}), {name!r}, [Path({str(src)!r})]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert not marker.exists(), "the planted library was loaded"
+    used = Path(done.stdout.strip().splitlines()[-1])
+    if attack == "foreign-owner":  # the folder is ours: the foreign files are removed and the library rebuilt
+        assert used == folder
+        assert library.stat().st_uid == os.getuid()
+        assert (folder / f"{name}.so.sha256").read_text().strip() == hashlib.sha256(library.read_bytes()).hexdigest()
+    else:  # a folder others can write: built into a private temp folder instead, said on stderr
+        assert used != folder
+        assert "writable by group or others" in done.stderr and "building them into" in done.stderr
+
+
+@needs_compiler
+def test_a_truncated_cached_library_is_rebuilt_not_loaded(tmp_path, monkeypatch):
+    """A library cut short (a full disk, a killed copy) dies with SIGBUS when loaded; its digest catches it."""
+    monkeypatch.setenv("INFER_TUNE_HOME", str(tmp_path / "home"))
+    name = _name()
+    folder = paths.home() / "kernels" / "native-fake"
+    src = _fake_source(tmp_path)
+    native.build_library(folder, name, [src])
+    library = folder / f"{name}.so"
+    whole = library.read_bytes()
+    library.write_bytes(whole[: len(whole) // 3])
+    code = ("from pathlib import Path; from infer_tune import native; "
+            f"native.build_library(Path({str(folder)!r}), {name!r}, [Path({str(src)!r})])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert len(library.read_bytes()) == len(whole)
+    assert (folder / f"{name}.so.sha256").read_text().strip() == hashlib.sha256(library.read_bytes()).hexdigest()
+
+
+@needs_root
+@pytest.mark.parametrize("attack", ["foreign-owner", "world-writable", "bin-world-writable"])
+def test_llama_server_of_another_account_is_refused(tmp_path, monkeypatch, attack):
+    from infer_tune.endpoint import servers
+    from infer_tune.errors import ConfigError
+
+    monkeypatch.setenv("INFER_TUNE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("LLAMA_SERVER", raising=False)
+    binary = paths.private_dir(paths.home() / "bin") / "llama-server"
+    binary.write_text("#!/bin/sh\ntouch planted-server-ran\n")
+    binary.chmod(0o755)
+    assert servers.llama_server_binary() == binary
+    if attack == "foreign-owner":
+        os.chown(binary, FOREIGN_UID, FOREIGN_UID)
+    elif attack == "world-writable":
+        binary.chmod(0o777)
+    else:
+        binary.parent.chmod(0o777)
+    with pytest.raises(ConfigError, match="refusing to run .*llama-server") as caught:
+        servers.llama_server_binary()
+    assert "\n" not in str(caught.value)
