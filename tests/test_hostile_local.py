@@ -163,3 +163,51 @@ def test_llama_server_of_another_account_is_refused(tmp_path, monkeypatch, attac
     with pytest.raises(ConfigError, match="refusing to run .*llama-server") as caught:
         servers.llama_server_binary()
     assert "\n" not in str(caught.value)
+
+
+# ---- 3. a killed first build --------------------------------------------------------------------------------
+
+
+@needs_compiler
+def test_a_dead_builders_lock_does_not_hang_the_next_load(tmp_path, monkeypatch):
+    """A build killed mid-way (`timeout -s TERM 6 infer-tune bench ...`) leaves torch's `lock` file behind;
+    the next load takes it over and finishes in bounded time instead of waiting forever."""
+    monkeypatch.setenv("INFER_TUNE_HOME", str(tmp_path / "home"))
+    name = _name()
+    folder = paths.private_dir(paths.home() / "kernels" / "native-fake")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (folder / "lock").write_text(f"{dead.pid}\n")  # the dead builder's lock
+    (folder / "build.flock").write_text(f"{dead.pid}\n")
+    src = _fake_source(tmp_path)
+    code = ("from pathlib import Path; from infer_tune import native; "
+            f"native.build_library(Path({str(folder)!r}), {name!r}, [Path({str(src)!r})]); print('loaded')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr
+    assert not (folder / "lock").exists()
+
+
+@needs_compiler
+def test_a_live_builder_is_waited_for(tmp_path, monkeypatch):
+    """Two processes building the same folder: the second waits for the first (names it) and loads its build."""
+    import fcntl
+
+    monkeypatch.setenv("INFER_TUNE_HOME", str(tmp_path / "home"))
+    folder = paths.private_dir(paths.home() / "kernels" / "native-fake")
+    fd = os.open(folder / "build.flock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    src = _fake_source(tmp_path)
+    code = ("from pathlib import Path; from infer_tune import native; "
+            f"native.build_library(Path({str(folder)!r}), {_name()!r}, [Path({str(src)!r})]); print('loaded')")
+    waiting = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            waiting.wait(timeout=3)
+    finally:
+        os.close(fd)
+    out, err = waiting.communicate(timeout=120)
+    assert waiting.returncode == 0 and "loaded" in out, err
+    assert f"waiting for process {os.getpid()}" in err

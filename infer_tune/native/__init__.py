@@ -20,6 +20,7 @@ SDPA, and a config that forces `w4a8` fails with that line. `INFER_TUNE_NO_NATIV
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -117,17 +118,43 @@ def build_library(folder: Path, name: str, sources, *, extra_cflags=(), extra_ld
               file=sys.stderr)
     library = folder / f"{name}.so"
     digest_file = folder / f"{name}.so.sha256"
-    if library.exists() and (not problem and (paths.untrusted(library) or paths.untrusted(digest_file))
-                             or not _digest_matches(library, digest_file)):
-        _clear_build(folder)  # a file of another account, or not the library this folder's build wrote
-    cpp_extension.load(name=name, sources=[str(s) for s in sources], build_directory=str(folder),
-                       is_python_module=False, extra_cflags=list(extra_cflags), extra_ldflags=list(extra_ldflags),
-                       verbose=False)
-    if not digest_file.exists():  # just built by this process in a folder only this user can write
-        from infer_tune.atomic import write_text
+    with _builder_lock(folder):
+        # torch's own lock (`lock`, made with O_EXCL and removed by its builder) outlives a killed builder and
+        # then makes every later load wait forever; holding ours, no other builder of this folder is alive
+        (folder / "lock").unlink(missing_ok=True)
+        if library.exists() and (not problem and (paths.untrusted(library) or paths.untrusted(digest_file))
+                                 or not _digest_matches(library, digest_file)):
+            _clear_build(folder)  # a file of another account, or not the library this folder's build wrote
+        cpp_extension.load(name=name, sources=[str(s) for s in sources], build_directory=str(folder),
+                           is_python_module=False, extra_cflags=list(extra_cflags),
+                           extra_ldflags=list(extra_ldflags), verbose=False)
+        if not digest_file.exists():  # just built by this process in a folder only this user can write
+            from infer_tune.atomic import write_text
 
-        write_text(digest_file, _sha256(library) + "\n")
+            write_text(digest_file, _sha256(library) + "\n")
     return folder
+
+
+@contextlib.contextmanager
+def _builder_lock(folder: Path):
+    """One builder per folder: an flock on `build.flock` (the kernel drops it when its holder dies, however it
+    dies, so a killed build never blocks the next). The holder's pid is written in it for the waiting line."""
+    import fcntl
+
+    fd = os.open(folder / "build.flock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            print(f"waiting for process {holder}, which is building the native kernels in {folder}",
+                  file=sys.stderr)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 def _sha256(path: Path) -> str:
