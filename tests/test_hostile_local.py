@@ -211,3 +211,62 @@ def test_a_live_builder_is_waited_for(tmp_path, monkeypatch):
     out, err = waiting.communicate(timeout=120)
     assert waiting.returncode == 0 and "loaded" in out, err
     assert f"waiting for process {os.getpid()}" in err
+
+
+# ---- 2. listeners beyond loopback -------------------------------------------------------------------------
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1 as /proc/net/tcp{,6} write them
+
+
+def listening_addresses(pid: int) -> list[str]:
+    """The local addresses (`HEXIP:HEXPORT`) of `pid`'s listening TCP sockets, from /proc."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.append(fields[1])
+    return found
+
+
+def _report_listeners(rank, world, payload):
+    import torch.distributed as dist
+
+    dist.barrier()  # every rank's store and gloo connections are up
+    return {"listening": listening_addresses(os.getpid())}
+
+
+def test_the_multiprocess_rendezvous_listens_on_loopback_only():
+    """Spawned ranks (what `experts validate` runs on): torch's TCPStore and gloo listened on every interface."""
+    from infer_tune.runners import multiprocess
+
+    readings = multiprocess.launch(_report_listeners, None, procs=2, threads=1)
+    listening = [address for reading in readings for address in reading["listening"]]
+    assert listening, "the ranks should be listening (store and gloo)"
+    assert all(address.split(":")[0] in LOOPBACK for address in listening), listening
+
+
+@pytest.mark.parametrize(("address", "env", "loopback"), [
+    (None, None, True), ("127.0.0.1:6379", None, True), ("localhost:6379", None, True), ("auto", None, True),
+    (None, "127.0.0.1:6379", True), ("10.0.0.2:6379", None, False), (None, "10.0.0.2:6379", False),
+    ("ray://127.0.0.1:10001", None, False),  # the Ray client opens no listener of its own
+])
+def test_the_ray_driver_stays_on_loopback_unless_an_address_is_named(monkeypatch, address, env, loopback):
+    from infer_tune.executors import ray_init_args
+
+    if env:
+        monkeypatch.setenv("RAY_ADDRESS", env)
+    else:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    args = ray_init_args(address)
+    assert args["address"] == (address or "auto")
+    assert (args.get("_node_ip_address") == "127.0.0.1") is loopback
