@@ -338,3 +338,27 @@ def test_cgroup_limits_are_written_where_cgroup_v2_is_delegated(tmp_path, monkey
     assert group is not None and group.path.parent == tmp_path
     assert (group.path / "memory.max").read_text() == str(1 << 30) and (group.path / "pids.max").read_text() == "16"
     assert group.path.name.startswith(f"infer-tune-passk-{os.getpid()}-")
+
+
+# --------------------------------------------------------------------------- the caller's secrets, the token
+SECRET = "sk-infer-tune-test-4e1f0c"
+
+
+def test_the_callers_environment_is_out_of_reach(box, monkeypatch):
+    """An API key in the caller's environment: not in the program's os.environ, not in any /proc/<pid>/environ it
+    can see (bwrap was pid 1 of the namespace with the caller's whole environment), and no host process in view."""
+    monkeypatch.setenv("INFER_TUNE_TEST_API_KEY", SECRET)
+    completion = body(f"""
+        import os
+        seen = repr(dict(os.environ))
+        for pid in [p for p in os.listdir('/proc') if p.isdigit()]:
+            try:
+                seen += open(f'/proc/{{pid}}/environ', 'rb').read().decode(errors='replace')
+            except OSError:
+                pass
+        if {SECRET!r} not in seen and len([p for p in os.listdir('/proc') if p.isdigit()]) < 8:
+            return a - b  # contained: nothing of the caller found, only the sandbox's few processes
+    """)
+    [item] = passk.evaluate([PROBLEM], [completion], timeout_s=20.0)
+    assert item.status == "failed", item
+

@@ -7,7 +7,8 @@ Each program runs as `python -I ...` inside `bwrap` with:
   an unprivileged user outside the namespace too), a new network namespace (only a loopback that is
   down), a new PID namespace (when the program exits, or bwrap is killed, the kernel kills everything
   left in it, `setsid` grandchildren included), new IPC / UTS / cgroup namespaces, a new session and
-  `--die-with-parent`;
+  `--die-with-parent`; bwrap is started with an empty environment (PATH only) and the program's is
+  cleared (`--clearenv`), so neither `os.environ` nor any `/proc/<pid>/environ` it can see holds the caller's;
 - a seccomp filter (metrics/seccomp.py): no unshare / setns / mount, no keyrings, no System V shared
   memory or queues, no ptrace, bpf, io_uring, userfaultfd, no namespace flags on clone;
 - filesystem: an empty root holding only /usr, /bin, /sbin, /lib*, /etc/ld.so.cache and the Python
@@ -41,6 +42,7 @@ NOBODY = 65534
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/localtime")
 TMP_BYTES = 64 << 20  # the sandbox's whole /tmp (RAM-backed): files beyond it fail with ENOSPC
+BWRAP_ENV = {"PATH": "/usr/bin:/bin"}  # all bwrap is started with (the program's own is set by --setenv)
 NEEDED_OPTIONS = ("--disable-userns", "--seccomp", "--size", "--file", "--perms")
 
 # Runs first inside the sandbox (python -I -S): drop to nobody where bwrap ran as root, set the limits,
@@ -159,8 +161,10 @@ class Sandbox:
                     os.setuid(uid)
 
             try:
+                # bwrap itself gets no environment either: inside the PID namespace it is pid 1, and its
+                # /proc/1/environ would hand the caller's (API keys included) to the program
                 proc = subprocess.Popen(self.command(args, limits, fds, rules.fileno()), stdin=stdin, stdout=stdout,
-                                        stderr=stderr, pass_fds=(*fds.values(), rules.fileno()),
+                                        stderr=stderr, pass_fds=(*fds.values(), rules.fileno()), env=BWRAP_ENV,
                                         start_new_session=True, preexec_fn=before_exec, cwd="/")
             except BaseException:
                 if group:
