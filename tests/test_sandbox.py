@@ -362,3 +362,29 @@ def test_the_callers_environment_is_out_of_reach(box, monkeypatch):
     [item] = passk.evaluate([PROBLEM], [completion], timeout_s=20.0)
     assert item.status == "failed", item
 
+
+FRAME_ATTACKS = {
+    "the caller's frame": "    return a - b\nimport os, sys\nprint(sys._getframe(1).f_locals['token'].decode())\n"
+                          "sys.stdout.flush()\nos._exit(0)\n",
+    "every frame and fd": ("    return a - b\nimport os, re, sys\nfound = []\nframe = sys._getframe(0)\n"
+                           "while frame is not None:\n"
+                           "    found += [v.decode() if isinstance(v, bytes) else v for v in frame.f_locals.values()"
+                           " if isinstance(v, (bytes, str)) and re.fullmatch(rb'[0-9a-f]{32}' if isinstance(v, bytes)"
+                           " else r'[0-9a-f]{32}', v.strip())]\n    frame = frame.f_back\n"
+                           "for fd in range(64):\n    try:\n        found.append(os.pread(fd, 128, 0).decode().strip())\n"
+                           "    except (OSError, UnicodeDecodeError):\n        pass\n"
+                           "print('\\n'.join(found))\nsys.stdout.flush()\nos._exit(0)\n"),
+}
+
+
+@pytest.mark.parametrize("isolation", ["sandbox", "unsafe"])
+def test_the_token_is_out_of_reach_of_the_programs_frames(request, isolation):
+    """`sys._getframe(1).f_locals['token']` read the harness's token and printed it: scored passed."""
+    if isolation == "sandbox":
+        request.getfixturevalue("box")
+    items = passk.evaluate([PROBLEM] * len(FRAME_ATTACKS), list(FRAME_ATTACKS.values()), timeout_s=20.0,
+                           isolation=isolation)
+    outcome = {name: (item.status, item.detail) for name, item in zip(FRAME_ATTACKS, items, strict=True)}
+    assert all(status == "failed" for status, _ in outcome.values()), outcome
+    honest = passk.evaluate([PROBLEM], ["    return a + b\n"], timeout_s=20.0, isolation=isolation)
+    assert honest[0].status == "passed", honest
