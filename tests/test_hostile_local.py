@@ -270,3 +270,87 @@ def test_the_ray_driver_stays_on_loopback_unless_an_address_is_named(monkeypatch
     args = ray_init_args(address)
     assert args["address"] == (address or "auto")
     assert (args.get("_node_ip_address") == "127.0.0.1") is loopback
+
+
+# ---- 10. native ops called with bad arguments; the cache key -----------------------------------------------
+
+NATIVE_CASES = r'''
+import sys, torch
+from infer_tune import native
+native.w4a8()
+ops = torch.ops.infer_tune_native
+u8 = lambda n: torch.zeros(n, dtype=torch.uint8)
+f32 = lambda *s: torch.zeros(*s)
+
+def step_args(**change):
+    """A valid one-layer LlamaStep (hidden 64, 2 heads of 32, 1 kv head, group 32, w4a8 head of 16), then `change`."""
+    pb = lambda n, k, g=32: (n // 8) * (k // g) * (32 + 4 * g)
+    layer = [f32(64), u8(pb(64, 64)), u8(pb(32, 64)), u8(pb(32, 64)), u8(pb(64, 64)), f32(64), u8(pb(64, 64)),
+             u8(pb(64, 64)), u8(pb(64, 64))]
+    args = dict(weights=layer + [f32(64), u8(pb(16, 64)).view(2, 2, 160)], keys=[f32(1, 1, 8, 32)], values=[f32(1, 1, 8, 32)],
+                lengths=[], inv_freq=f32(16), ints=[1, 2, 1, 32, 64, 64, 32, 32], floats=[1e-5, 32 ** -0.5, 1.0])
+    args.update(change)
+    return args
+
+def make_step(**change):
+    a = step_args(**change)
+    s = torch.classes.infer_tune_native.LlamaStep(a["weights"], a["keys"], a["values"], a["lengths"], a["inv_freq"],
+                                                  a["ints"], a["floats"])
+    return s.step(f32(1, 64), 0)
+
+def ints(**kw):
+    names = ["layers", "heads", "kv_heads", "head_dim", "hidden", "inter", "group", "head_group"]
+    base = step_args()["ints"]
+    return [kw.get(n, v) for n, v in zip(names, base)]
+
+cases = {
+    "valid step": lambda: make_step(),
+    "w4a8_mm group 0": lambda: ops.w4a8_mm(f32(2, 0), torch.zeros(1, 0, 32, dtype=torch.uint8), 0),
+    "w4a8_mm group -32": lambda: ops.w4a8_mm(f32(2, 64), torch.zeros(1, 2, 32, dtype=torch.uint8), -32),
+    "decode_attention 0 kv heads": lambda: ops.decode_attention(f32(1, 4, 1, 8), f32(1, 0, 5, 8), f32(1, 0, 5, 8), None, 1.0),
+    "decode_attention empty cache": lambda: ops.decode_attention(f32(1, 4, 1, 8), f32(1, 2, 0, 8), f32(1, 2, 0, 8), None, 1.0),
+    "step 0 layers": lambda: make_step(weights=[f32(64), u8(640).view(2, 2, 160)], keys=[], values=[], ints=ints(layers=0)),
+    "step 0-row cache": lambda: make_step(keys=[f32(0, 1, 8, 32)], values=[f32(0, 1, 8, 32)]),
+    "step 0-length cache": lambda: make_step(keys=[f32(1, 1, 0, 32)], values=[f32(1, 1, 0, 32)]),
+    "step 0 kv heads": lambda: make_step(keys=[f32(1, 0, 8, 32)], values=[f32(1, 0, 8, 32)], ints=ints(kv_heads=0)),
+    "step group 0": lambda: make_step(ints=ints(group=0)),
+    "step overflowing sizes": lambda: make_step(ints=ints(hidden=1 << 62, inter=1 << 62)),
+    "step undersized q weight": lambda: make_step(weights=step_args()["weights"][:1] + [u8(16)] + step_args()["weights"][2:]),
+    "step undersized head": lambda: make_step(weights=step_args()["weights"][:-1] + [u8(320).view(2, 1, 160)]),
+    "step position past the cache": lambda: torch.classes.infer_tune_native.LlamaStep(*step_args().values()).step(f32(1, 64), 8),
+}
+for name, call in cases.items():
+    try:
+        call()
+        print(f"{name}: ran", flush=True)
+    except RuntimeError as exc:
+        print(f"{name}: raised {str(exc).splitlines()[0][:120]}", flush=True)
+'''
+
+
+@needs_compiler
+def test_native_ops_raise_on_bad_arguments_instead_of_crashing():
+    """Division by zero (group 0, no kv heads), SIGSEGV (0 layers, a 0-row cache, overflowing sizes) and reads past
+    undersized weights, each called directly: a Python error each, the process alive (run apart: a crash would
+    take pytest down)."""
+    ok, detail = native.available()
+    if not ok:
+        pytest.skip(detail)
+    done = subprocess.run([sys.executable, "-c", NATIVE_CASES], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = dict(line.split(": ", 1) for line in done.stdout.splitlines() if ": " in line)
+    assert done.returncode == 0, f"crashed ({done.returncode}) after {list(lines)}: {done.stderr[-500:]}"
+    assert lines.pop("valid step") == "ran"
+    assert len(lines) == 13 and all(outcome.startswith("raised") for outcome in lines.values()), lines
+
+
+def test_the_kernel_cache_key_covers_the_whole_isa():
+    """Two CPU generations that differ only in avx512vl / bmi2 / vbmi shared one cached library (SIGILL on the older)."""
+    base = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma avx512f avx512bw avx512_vnni\n"
+    seen = set()
+    for extra in ("", " avx512vl", " avx512dq", " bmi2", " avx512vbmi", " amx_tile"):
+        info = base.replace("avx512_vnni", "avx512_vnni" + extra)
+        seen.add(tuple(native.all_cpu_flags(info)))
+    assert len(seen) == 6
+    assert native.all_cpu_flags(base.replace("avx2 fma", "fma avx2")) == native.all_cpu_flags(base)
+

@@ -9,8 +9,8 @@ Two ops in one library (`torch.ops.infer_tune_native`):
 `load()` builds them with `torch.utils.cpp_extension` (`-O3 -march=native`: compiled for the CPU in front
 of it, so the AVX2 paths exist exactly where the CPU has AVX2; `-fopenmp`: `at::parallel_for` splits the
 work over torch's own OpenMP threads, the libgomp torch loaded, instead of running on one) into
-`$INFER_TUNE_HOME/kernels/native-<key>/`, where the key covers the sources, torch, Python and this CPU's
-ISA flags; later processes load the cached library (about 25 s to compile on 2 cores, milliseconds to
+`$INFER_TUNE_HOME/kernels/native-<key>/`, where the key covers the sources, torch, Python and every ISA
+flag this CPU reports; later processes load the cached library (about 25 s to compile on 2 cores, milliseconds to
 load). Each op has a fake implementation, so a compiled graph holds it as one extern call.
 
 No C++ compiler, or a failed build: `available()` says why, once per process (a failed build is not
@@ -42,12 +42,24 @@ class KernelUnavailable(RuntimeError):
 
 
 def build_key(sources: list[bytes]) -> str:
-    """What the compiled library depends on: the sources, torch, Python, the CPU's ISA."""
-    from infer_tune.env import cpu_flags
-
+    """What the compiled library depends on: the sources, torch, Python, the CPU's whole ISA (`-march=native`
+    uses every extension the CPU reports: two CPU generations that differ only in avx512vl, bmi2 or vbmi must
+    not share a library, or the older one dies with SIGILL)."""
     parts = [hashlib.sha256(b"".join(sources)).hexdigest()[:16], torch.__version__, platform.python_version(),
-             platform.machine(), ",".join(cpu_flags())]
+             platform.machine(), ",".join(all_cpu_flags())]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def all_cpu_flags(cpuinfo: str | None = None) -> list[str]:
+    """Every flag of the first CPU in /proc/cpuinfo (x86 `flags`, Arm `Features`), sorted; [] where unreadable."""
+    try:
+        text = cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return sorted(set(line.split(":", 1)[1].split()))
+    return []
 
 
 def available() -> tuple[bool, str]:
