@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from infer_tune import atomic
 from infer_tune.errors import ConfigError, InferTuneError
 
 EXECUTORS = ("local", "ray")
@@ -91,8 +92,8 @@ def measure_task(spec, config, job: str) -> dict:
     local = dataclasses.replace(spec, out_dir=node_dir)
     run = open_run(local, progress)
     measuring.append(True)
-    with tempfile.TemporaryDirectory(prefix="infer-tune-artifacts-") as scratch:
-        run.ctx.scratch_dir = Path(scratch)
+    with atomic.scratch() as scratch:
+        run.ctx.scratch_dir = scratch
         baseline, docs = run_configs(run.loaded, run.inputs, local.workload, local.protocol, configs, run.ctx,
                                      resume=False, reuse_baseline=True, measure_ppl=local.measure_ppl,
                                      execute=local.execute)

@@ -354,3 +354,58 @@ def test_the_kernel_cache_key_covers_the_whole_isa():
     assert len(seen) == 6
     assert native.all_cpu_flags(base.replace("avx2 fma", "fma avx2")) == native.all_cpu_flags(base)
 
+
+# ---- 13. resource caps and leftovers -------------------------------------------------------------------------
+
+
+def test_workers_are_capped_by_the_cores(tmp_path):
+    from typer.testing import CliRunner
+
+    from infer_tune.cli import app
+    from infer_tune.endpoint.config import EndpointConfig, _cores
+    from infer_tune.errors import ConfigError
+
+    EndpointConfig(url="http://127.0.0.1:9/v1", workers=_cores())
+    with pytest.raises(ConfigError, match=f"at most the {_cores()} cores"):
+        EndpointConfig(url="http://127.0.0.1:9/v1", workers=_cores() + 1)
+    bad = CliRunner().invoke(app, ["endpoint", "sim", "--endpoint", "http://127.0.0.1:9/v1", "--workers", "100000",
+                                   "--out", str(tmp_path / "bad")])
+    assert bad.exit_code == 2 and "workers must be at most" in bad.output, bad.output
+    assert "Traceback" not in bad.output and not (tmp_path / "bad").exists()
+
+
+def test_killed_runs_scratch_folders_are_removed_by_the_next_run(tmp_path, monkeypatch):
+    """A run killed with SIGKILL left ~260 MB of quantized checkpoints in `infer-tune-artifacts-*` each time."""
+    import time
+
+    from infer_tune import atomic
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)  # gettempdir() reads TMPDIR again
+    code = ("import os, signal; from infer_tune import atomic; d = atomic.artifacts_dir(); "
+            "(d / 'model.safetensors').write_bytes(b'x' * 4096); print(d, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    killed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)})
+    left = Path(killed.stdout.strip())
+    assert killed.returncode == -9 and left.is_dir() and left.parent == tmp_path
+    old_unnamed = tmp_path / "infer-tune-artifacts-abc123"
+    new_unnamed = tmp_path / "infer-tune-artifacts-def456"
+    live = tmp_path / f"infer-tune-artifacts-{os.getppid()}-x"  # a run still going (pytest's parent)
+    for folder in (old_unnamed, new_unnamed, live):
+        folder.mkdir()
+    os.utime(old_unnamed, (time.time() - 7200, time.time() - 7200))
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (tmp_path / "infer-tune-artifacts-1-link").symlink_to(target)
+    with atomic.scratch() as mine:
+        assert mine.name.startswith(f"infer-tune-artifacts-{os.getpid()}-")
+        assert not left.exists() and not old_unnamed.exists()
+        assert new_unnamed.exists() and live.exists() and target.exists()
+        assert (tmp_path / "infer-tune-artifacts-1-link").is_symlink()
+    assert not mine.exists()
+    if os.getuid() == 0:  # another user's folder is never touched
+        foreign = tmp_path / "infer-tune-artifacts-999999-f"
+        foreign.mkdir()
+        os.chown(foreign, FOREIGN_UID, FOREIGN_UID)
+        atomic.clean_stale_artifacts(str(tmp_path))
+        assert foreign.exists()
