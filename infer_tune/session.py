@@ -238,12 +238,14 @@ def build_document(
                                            [p.reference for p in inputs.prompts], device=prepared.device)
                       if measure_ppl and prepared.model is not None else None)
     if execute:
+        from infer_tune.metrics import passk
         from infer_tune.metrics.passk import pass_at_1
 
         isolation = "unsafe" if execute == "unsafe" else "sandbox"
         metrics["pass_at_1"] = pass_at_1([inputs.prompts[o.prompt_index] for o in run.outputs], texts,
                                          isolation=isolation)
         metrics["pass_at_1_isolation"] = isolation
+        metrics["pass_at_1_memory_limit"] = passk.memory_limit(isolation)
     metrics.update(prepared.metrics)
     metrics.update(run.counters)
     if run.ranks:

@@ -200,6 +200,13 @@ def run_program(program: str, *, timeout_s: float = 5.0, memory_bytes: int = MEM
         return "failed", _last_line(stderr, proc.returncode)
 
 
+def memory_limit(isolation: str = "sandbox") -> str:
+    """What the memory limit of a program holds for here: `cgroup v2` / `cgroup v1` (the program with all its
+    children) or `per process` (each process its own: a program's children multiply it)."""
+    box = sandbox.find() if isolation == "sandbox" else None
+    return box.memory_limit if isinstance(box, sandbox.Sandbox) else "per process"
+
+
 def clean_stale_staging(tmpdir: str | None = None) -> list[str]:
     """Remove `infer-tune-passk-*` folders of this user left in the temp directory by a process that no
     longer runs (pid in the name), or, without a pid (older infer-tune), untouched for an hour. Symlinks
