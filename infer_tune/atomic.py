@@ -17,8 +17,11 @@ import ctypes
 import errno
 import json
 import os
+import re
 import secrets
 import shutil
+import stat
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -216,4 +219,54 @@ def clean_stale(folder: Path) -> list[Path]:
             else:
                 entry.unlink(missing_ok=True)
             removed.append(entry)
+    return removed
+
+
+ARTIFACTS_PREFIX = "infer-tune-artifacts-"  # a run's scratch (quantized checkpoints: hundreds of MB each)
+ARTIFACTS_STALE_UNNAMED_S = 3600
+_ARTIFACTS = re.compile(rf"^{ARTIFACTS_PREFIX}(\d+)-")
+
+
+def artifacts_dir() -> Path:
+    """A private scratch folder `$TMPDIR/infer-tune-artifacts-<pid>-*` for this run (removed at exit by its caller,
+    and at the latest by the next run's `clean_stale_artifacts` once this pid is gone)."""
+    clean_stale_artifacts()
+    return Path(tempfile.mkdtemp(prefix=f"{ARTIFACTS_PREFIX}{os.getpid()}-"))
+
+
+@contextmanager
+def scratch() -> Iterator[Path]:
+    """`artifacts_dir()` for the length of a `with`, removed after it."""
+    folder = artifacts_dir()
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def clean_stale_artifacts(tmpdir: str | None = None) -> list[str]:
+    """Remove this user's scratch folders left by runs that were killed: `infer-tune-artifacts-<pid>-*` whose pid
+    no longer runs, and pid-less ones (older infer-tune) untouched for an hour. Other users' folders and
+    symlinks are never touched. Returns the removed paths."""
+    removed = []
+    root = tmpdir or tempfile.gettempdir()
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(ARTIFACTS_PREFIX):
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+            continue
+        match = _ARTIFACTS.match(entry.name)
+        stale = (int(match.group(1)) != os.getpid() and not pid_alive(int(match.group(1)))) if match \
+            else time.time() - info.st_mtime > ARTIFACTS_STALE_UNNAMED_S
+        if stale:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
     return removed

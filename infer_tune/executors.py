@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from infer_tune import jsonsafe
+from infer_tune import atomic, jsonsafe
 from infer_tune.errors import ConfigError, InferTuneError, ResultError
 
 EXECUTORS = ("local", "ray")
@@ -92,8 +92,8 @@ def measure_task(spec, config, job: str) -> dict:
     local = dataclasses.replace(spec, out_dir=node_dir)
     run = open_run(local, progress)
     measuring.append(True)
-    with tempfile.TemporaryDirectory(prefix="infer-tune-artifacts-") as scratch:
-        run.ctx.scratch_dir = Path(scratch)
+    with atomic.scratch() as scratch:
+        run.ctx.scratch_dir = scratch
         baseline, docs = run_configs(run.loaded, run.inputs, local.workload, local.protocol, configs, run.ctx,
                                      resume=False, reuse_baseline=True, measure_ppl=local.measure_ppl,
                                      execute=local.execute)
@@ -123,6 +123,18 @@ def _messages_to_stderr() -> None:
     worker.print_to_stdstream = to_stderr
 
 
+def ray_init_args(address: str | None) -> dict:
+    """`ray.init`'s arguments: the driver's own listeners (its core worker's gRPC port) stay on 127.0.0.1
+    unless the user names a cluster elsewhere (`--ray-address HOST:PORT` / `RAY_ADDRESS` off this host).
+    Ray has no authentication: a port it opens beyond loopback runs anyone's code (docs/scale.md)."""
+    named = address or os.environ.get("RAY_ADDRESS") or "auto"
+    args = {"address": address or "auto", "log_to_driver": False, "logging_level": "ERROR"}
+    host = named.rsplit(":", 1)[0] if ":" in named and not named.startswith("ray://") else named
+    if host in ("auto", "127.0.0.1", "localhost"):
+        args["_node_ip_address"] = "127.0.0.1"
+    return args
+
+
 class RayExecutor:
     """Configs as Ray tasks (module docstring); `run_bench` is what `scenarios.bench` calls."""
 
@@ -141,7 +153,7 @@ class RayExecutor:
         _messages_to_stderr()
         if not ray.is_initialized():
             try:
-                ray.init(address=address or "auto", log_to_driver=False, logging_level="ERROR")
+                ray.init(**ray_init_args(address))
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 raise ConfigError(f"cannot reach a Ray cluster at {address or 'auto'}: {exc} (start one with "
                                   f"`ray start --head`, or pass --ray-address HOST:PORT)") from None

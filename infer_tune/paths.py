@@ -11,10 +11,10 @@ from infer_tune.errors import InferTuneError
 
 
 def home() -> Path:
-    """`$INFER_TUNE_HOME` (`~` expanded), default `~/.cache/infer-tune`; created on first use."""
+    """`$INFER_TUNE_HOME` (`~` expanded), default `~/.cache/infer-tune`; created on first use, private (0700)."""
     root = Path(os.environ.get("INFER_TUNE_HOME") or Path.home() / ".cache" / "infer-tune").expanduser()
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        private_dir(root)
     except OSError as exc:
         raise InferTuneError(f"INFER_TUNE_HOME {root} cannot be created: {exc.strerror or exc}") from None
     return root
@@ -77,12 +77,57 @@ def _is_file(path: Path) -> bool:
 
 
 def models_dir() -> Path:
-    path = home() / "models"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return private_dir(home() / "models")
 
 
 def data_dir() -> Path:
-    path = home() / "data"
-    path.mkdir(parents=True, exist_ok=True)
+    return private_dir(home() / "data")
+
+
+def private_dir(path: str | Path) -> Path:
+    """Make `path` and any missing parents as folders only this user can enter (0700), whatever the umask
+    (`mkdir` only clears bits of the mode it is given, so 0700 stays 0700 or less). Existing folders are
+    left as they are: `untrusted` judges them."""
+    path = Path(path)
+    missing: list[Path] = []
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        missing.append(probe)
+        probe = probe.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            if not folder.is_dir():
+                raise
+    if not path.is_dir():
+        raise NotADirectoryError(f"{path} is not a folder")
     return path
+
+
+def untrusted(path: str | Path, root: str | Path | None = None) -> str | None:
+    """Why `path` (a file or folder at or under `root`, default `home()`) cannot be trusted to load or run
+    as this user, or None. Every path from `root` down to `path` must belong to this user and be writable by
+    no one else (group and others: no `w`), or another account could have put its own file there. A symlink
+    below `root` is judged by what it points at (the link itself can only be changed through its folder,
+    which is checked). docs/hardening.md, "Nothing another account wrote is loaded or run"."""
+    path = Path(path)
+    root = Path(root) if root is not None else home()
+    try:
+        relative = path.relative_to(root)
+    except ValueError:
+        return f"{path} is not under {root}"
+    uid = os.getuid()
+    chain = [root]
+    for part in relative.parts:
+        chain.append(chain[-1] / part)
+    for item in chain:
+        try:
+            info = item.stat()
+        except OSError as exc:
+            return f"{item} cannot be read: {exc.strerror or exc}"
+        if info.st_uid != uid:
+            return f"{item} belongs to uid {info.st_uid}, not to this user (uid {uid})"
+        if info.st_mode & 0o022:
+            return f"{item} is writable by group or others (mode {stat.S_IMODE(info.st_mode):04o})"
+    return None

@@ -244,12 +244,14 @@ def build_document(
                                            [p.reference for p in inputs.prompts], device=prepared.device)
                       if measure_ppl and prepared.model is not None else None)
     if execute:
+        from infer_tune.metrics import passk
         from infer_tune.metrics.passk import pass_at_1
 
         isolation = "unsafe" if execute == "unsafe" else "sandbox"
         metrics["pass_at_1"] = pass_at_1([inputs.prompts[o.prompt_index] for o in run.outputs], texts,
                                          isolation=isolation)
         metrics["pass_at_1_isolation"] = isolation
+        metrics["pass_at_1_memory_limit"] = passk.memory_limit(isolation)
     # the technique's facts and counters beside the measured figures, never over them (OverwriteError)
     merge_facts(metrics, prepared.metrics, f"{technique}'s prepared facts")
     merge_facts(metrics, run.counters, f"{technique}'s counters")

@@ -40,7 +40,7 @@ BIN_DIR="$HOME_DIR/bin"
 for tool in cmake c++; do
   command -v "$tool" >/dev/null || { echo "error: $tool is not installed (see scripts/install-system-deps.sh)" >&2; exit 2; }
 done
-mkdir -p "$WORK" "$BIN_DIR"
+(umask 077 && mkdir -p "$WORK" "$BIN_DIR")  # private folders: infer-tune refuses to run a binary others could swap
 
 SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
 if [ ! -f "$SRC/CMakeLists.txt" ]; then

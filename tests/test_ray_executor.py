@@ -35,7 +35,7 @@ RAY = Path(sys.executable).with_name("ray")
 
 def _start(args: list[str], env: dict) -> subprocess.Popen:
     return subprocess.Popen([str(RAY), "start", "--block", "--num-cpus", "1", "--resources",
-                             '{"infer_tune_node": 1}', "--disable-usage-stats", *args], env=env,
+                             '{"infer_tune_node": 1}', "--disable-usage-stats", "--node-ip-address", "127.0.0.1", *args], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 

@@ -338,3 +338,112 @@ def test_cgroup_limits_are_written_where_cgroup_v2_is_delegated(tmp_path, monkey
     assert group is not None and group.path.parent == tmp_path
     assert (group.path / "memory.max").read_text() == str(1 << 30) and (group.path / "pids.max").read_text() == "16"
     assert group.path.name.startswith(f"infer-tune-passk-{os.getpid()}-")
+
+
+# --------------------------------------------------------------------------- the caller's secrets, the token
+SECRET = "sk-infer-tune-test-4e1f0c"
+
+
+def test_the_callers_environment_is_out_of_reach(box, monkeypatch):
+    """An API key in the caller's environment: not in the program's os.environ, not in any /proc/<pid>/environ it
+    can see (bwrap was pid 1 of the namespace with the caller's whole environment), and no host process in view."""
+    monkeypatch.setenv("INFER_TUNE_TEST_API_KEY", SECRET)
+    completion = body(f"""
+        import os
+        seen = repr(dict(os.environ))
+        for pid in [p for p in os.listdir('/proc') if p.isdigit()]:
+            try:
+                seen += open(f'/proc/{{pid}}/environ', 'rb').read().decode(errors='replace')
+            except OSError:
+                pass
+        if {SECRET!r} not in seen and len([p for p in os.listdir('/proc') if p.isdigit()]) < 8:
+            return a - b  # contained: nothing of the caller found, only the sandbox's few processes
+    """)
+    [item] = passk.evaluate([PROBLEM], [completion], timeout_s=20.0)
+    assert item.status == "failed", item
+
+
+FRAME_ATTACKS = {
+    "the caller's frame": "    return a - b\nimport os, sys\nprint(sys._getframe(1).f_locals['token'].decode())\n"
+                          "sys.stdout.flush()\nos._exit(0)\n",
+    "every frame and fd": ("    return a - b\nimport os, re, sys\nfound = []\nframe = sys._getframe(0)\n"
+                           "while frame is not None:\n"
+                           "    found += [v.decode() if isinstance(v, bytes) else v for v in frame.f_locals.values()"
+                           " if isinstance(v, (bytes, str)) and re.fullmatch(rb'[0-9a-f]{32}' if isinstance(v, bytes)"
+                           " else r'[0-9a-f]{32}', v.strip())]\n    frame = frame.f_back\n"
+                           "for fd in range(64):\n    try:\n        found.append(os.pread(fd, 128, 0).decode().strip())\n"
+                           "    except (OSError, UnicodeDecodeError):\n        pass\n"
+                           "print('\\n'.join(found))\nsys.stdout.flush()\nos._exit(0)\n"),
+}
+
+
+@pytest.mark.parametrize("isolation", ["sandbox", "unsafe"])
+def test_the_token_is_out_of_reach_of_the_programs_frames(request, isolation):
+    """`sys._getframe(1).f_locals['token']` read the harness's token and printed it: scored passed."""
+    if isolation == "sandbox":
+        request.getfixturevalue("box")
+    items = passk.evaluate([PROBLEM] * len(FRAME_ATTACKS), list(FRAME_ATTACKS.values()), timeout_s=20.0,
+                           isolation=isolation)
+    outcome = {name: (item.status, item.detail) for name, item in zip(FRAME_ATTACKS, items, strict=True)}
+    assert all(status == "failed" for status, _ in outcome.values()), outcome
+    honest = passk.evaluate([PROBLEM], ["    return a + b\n"], timeout_s=20.0, isolation=isolation)
+    assert honest[0].status == "passed", honest
+
+
+# --------------------------------------------------------------------------- one memory limit for the whole program
+MULTIPLY = body("""
+    import os
+    pids = []
+    for _ in range(3):
+        pid = os.fork()
+        if pid == 0:
+            block = bytearray(300 << 20)  # touched: counted by the memory controller
+            for i in range(0, len(block), 4096):
+                block[i] = 1
+            os._exit(0)
+        pids.append(pid)
+    if not all(os.waitpid(pid, 0)[1] == 0 for pid in pids):
+        return a - b  # a child was stopped: the limit held for the program as a whole
+""")
+
+
+def test_the_memory_limit_holds_for_the_whole_program_or_says_it_does_not(box):
+    """3 children of 300 MiB under a 512 MiB limit: where a cgroup (v2, or v1 as on hybrid hosts) holds the whole
+    sandbox, one is killed; where none can, the sandbox and the row say `per process`."""
+    status, detail = passk.run_program(build := passk.build_program(PROBLEM["prompt"], MULTIPLY, PROBLEM["test"],
+                                                                     PROBLEM["entry_point"]),
+                                       timeout_s=60.0, memory_bytes=512 << 20)
+    assert build
+    if box.cgroup:
+        assert status == "failed", (status, detail)
+        assert box.memory_limit in ("cgroup v1", "cgroup v2") and "no cgroup" not in box.description
+    else:
+        assert status == "passed" and box.memory_limit == "per process" and "per-process limits" in box.description
+    assert passk.memory_limit() == box.memory_limit
+
+
+def test_cgroup_v1_limits_are_written_where_v1_memory_is_writable(tmp_path, monkeypatch):
+    """On a fake v1 tree (memory with memsw, pids): the run's groups get the limits; v2 absent."""
+    from infer_tune.metrics import cgroups
+
+    for controller in ("memory", "pids"):
+        (tmp_path / controller / "own").mkdir(parents=True)
+    (tmp_path / "memory" / "own" / "x").mkdir()
+    monkeypatch.setattr(cgroups, "parent", lambda: None)
+    monkeypatch.setattr(cgroups, "_v1_dir", lambda controller: tmp_path / controller / "own")
+    monkeypatch.setattr(cgroups.os, "geteuid", lambda: 0)
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):  # what the kernel does: a new memory cgroup comes with its files
+        real_mkdir(self, *args, **kwargs)
+        if self.parent.parent.name == "memory":
+            (self / "memory.memsw.limit_in_bytes").write_text("0")
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    assert cgroups.kind() == "v1"
+    group = cgroups.create(1 << 30, 16)
+    assert group is not None and group.version == 1
+    assert (group.path / "memory.limit_in_bytes").read_text() == str(1 << 30)
+    assert (group.path / "memory.memsw.limit_in_bytes").read_text() == str(1 << 30)
+    assert (group.extra[0] / "pids.max").read_text() == "16"
+    assert group.procs == [str(group.path / "cgroup.procs"), str(group.extra[0] / "cgroup.procs")]

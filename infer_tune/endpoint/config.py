@@ -64,6 +64,8 @@ class EndpointConfig:
             raise ConfigError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.workers is not None and self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
+        if self.workers is not None and self.workers > _cores():  # each is a process with its own event loop
+            raise ConfigError(f"workers must be at most the {_cores()} cores this process may use, got {self.workers}")
         for name in ("timeout_s", "connect_timeout_s", "idle_timeout_s"):
             value = getattr(self, name)
             if not (0 < value < math.inf):
@@ -100,3 +102,10 @@ class EndpointConfig:
     def to_dict(self) -> dict[str, Any]:
         """The result's `config` (the variable's name, never its value)."""
         return {"kind": "EndpointConfig", **dataclasses.asdict(self)}
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1

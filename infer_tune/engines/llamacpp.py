@@ -52,11 +52,23 @@ class LlamaCppError(InferTuneError):
 
 # --------------------------------------------------------------------------- the tools
 def tool(name: str) -> Path | None:
-    """The tool's executable: `$LLAMA_<NAME>`, `$INFER_TUNE_HOME/bin/<name>`, or on PATH (None: none)."""
+    """The tool's executable: `$LLAMA_<NAME>`, `$INFER_TUNE_HOME/bin/<name>`, or on PATH (None: none).
+
+    One named by the environment is the user's to vouch for; one in the home is run only when every path
+    from the home down to it is this account's and not writable by others (`paths.untrusted`), else refused
+    in one line: another account could have put its own program there (docs/hardening.md)."""
     given = os.environ.get(name.upper().replace("-", "_"))
-    for candidate in ([Path(given).expanduser()] if given else []) + [paths.home() / "bin" / name]:
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return candidate
+    if given and Path(given).expanduser().is_file() and os.access(Path(given).expanduser(), os.X_OK):
+        return Path(given).expanduser()
+    home = paths.home()
+    candidate = home / "bin" / name
+    if candidate.is_file() and os.access(candidate, os.X_OK):
+        problem = paths.untrusted(candidate, home)
+        if problem:
+            raise ConfigError(f"refusing to run {candidate}: {problem}; remove it and rebuild with "
+                              f"scripts/build-llama-cpp.sh (or set {name.upper().replace('-', '_')} to a binary "
+                              "you trust)")
+        return candidate
     found = shutil.which(name)
     return Path(found) if found else None
 

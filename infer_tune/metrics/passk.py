@@ -9,8 +9,10 @@ The run is killed at the timeout (the whole namespace goes with it) and on Ctrl-
 A pass is never read from the exit status: a harness runs the program and, only after it returned
 (so after `check(...)` returned), writes a random token chosen for this run on stdout; the program
 passed when that token is the last line of its stdout and it exited 0. `sys.exit(0)` in the body,
-`os._exit(0)` from an atexit hook, or a killed harness never print it. The token reaches the harness
-on stdin, read before the program runs; it is not in the program's source, argv or environment.
+`os._exit(0)` from an atexit hook, or a killed harness never print it. The program runs in a child the
+harness forks before it reads anything: the token is read from the harness's stdin only after that child
+exited 0 having reported through a pipe that the program returned, so it is in none of the program's frames,
+objects, fds, source, argv or environment (`sys._getframe(1).f_locals['token']` finds nothing).
 stdout and stderr are unnamed files capped by the file-size limit; of stderr the last line is kept.
 
 Where no sandbox works, `isolation="sandbox"` (the default) refuses with the install command.
@@ -64,22 +66,43 @@ shutil.rmtree = shutil.move = _blocked
 del _blocked, _name
 '''
 
-# Runs the program (path in argv[1]) as __main__ in its own namespace, then writes the token it read from
-# stdin. Nothing is printed when the program raises, calls sys.exit or is killed.
+# Runs the program (path in argv[1]) as __main__ in a forked child, which never holds the token: the child's
+# stdin is /dev/null before the program starts and the token is read (by the parent, from its stdin) only after
+# the child exited 0 having reported, through a pipe, that the program returned. Nothing is printed when the
+# program raises, calls sys.exit / os._exit, is killed, or looks for the token in its frames or fds.
 HARNESS = """\
 def _harness():
     import os, sys
-    token = os.read(0, 128).strip()
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
     path = sys.argv[1]
     with open(path, encoding="utf-8") as handle:
         code = compile(handle.read(), path, "exec")
     del sys.argv[1:]
-    exec(code, {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__})
+    done_r, done_w = os.pipe()
     sys.stdout.flush()
-    os.write(1, b"\\n" + token + b"\\n")
+    sys.stderr.flush()
+    child = os.fork()
+    if child == 0:
+        os.close(done_r)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        exec(code, {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__})
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.write(done_w, b"returned")
+        os._exit(0)
+    os.close(done_w)
+    _, status = os.waitpid(child, 0)
+    os.set_blocking(done_r, False)
+    try:
+        finished = os.read(done_r, 16) == b"returned"
+    except BlockingIOError:
+        finished = False
+    code = os.waitstatus_to_exitcode(status)
+    if finished and code == 0:
+        token = os.read(0, 128).strip()
+        os.write(1, b"\\n" + token + b"\\n")
+    os._exit(code if code >= 0 else 128 - code)
 _harness()
 """
 STAGING_PREFIX = "infer-tune-passk-"
@@ -175,6 +198,13 @@ def run_program(program: str, *, timeout_s: float = 5.0, memory_bytes: int = MEM
         if proc.returncode == 0:
             return "failed", "exited 0 without finishing check() (no completion marker)"
         return "failed", _last_line(stderr, proc.returncode)
+
+
+def memory_limit(isolation: str = "sandbox") -> str:
+    """What the memory limit of a program holds for here: `cgroup v2` / `cgroup v1` (the program with all its
+    children) or `per process` (each process its own: a program's children multiply it)."""
+    box = sandbox.find() if isolation == "sandbox" else None
+    return box.memory_limit if isinstance(box, sandbox.Sandbox) else "per process"
 
 
 def clean_stale_staging(tmpdir: str | None = None) -> list[str]:

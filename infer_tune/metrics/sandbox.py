@@ -7,15 +7,16 @@ Each program runs as `python -I ...` inside `bwrap` with:
   an unprivileged user outside the namespace too), a new network namespace (only a loopback that is
   down), a new PID namespace (when the program exits, or bwrap is killed, the kernel kills everything
   left in it, `setsid` grandchildren included), new IPC / UTS / cgroup namespaces, a new session and
-  `--die-with-parent`;
+  `--die-with-parent`; bwrap is started with an empty environment (PATH only) and the program's is
+  cleared (`--clearenv`), so neither `os.environ` nor any `/proc/<pid>/environ` it can see holds the caller's;
 - a seccomp filter (metrics/seccomp.py): no unshare / setns / mount, no keyrings, no System V shared
   memory or queues, no ptrace, bpf, io_uring, userfaultfd, no namespace flags on clone;
 - filesystem: an empty root holding only /usr, /bin, /sbin, /lib*, /etc/ld.so.cache and the Python
   installation, all read-only; /tmp is a tmpfs of TMP_BYTES (HOME and working directory) holding the
   program, written there by bwrap from an unnamed file; a minimal /dev and the namespace's own /proc.
   Nothing of the host's /tmp, home, working directory, /etc, /var or /run is there;
-- limits: a cgroup v2 per run (memory with no swap, process count) where the host allows one
-  (metrics/cgroups.py), and always rlimits set before exec (soft = hard): address space, CPU seconds,
+- limits: a cgroup per run (v2, else a v1 memory controller; memory with no swap, process count) where
+  the host allows one (metrics/cgroups.py; `Sandbox.memory_limit` says which, or `per process`), and always rlimits set before exec (soft = hard): address space, CPU seconds,
   largest file written, open files, processes, no core files. stdin, stdout and stderr are unnamed
   files of the caller (nothing is left in the temp directory, even if infer-tune is killed).
 
@@ -41,6 +42,7 @@ NOBODY = 65534
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/localtime")
 TMP_BYTES = 64 << 20  # the sandbox's whole /tmp (RAM-backed): files beyond it fail with ENOSPC
+BWRAP_ENV = {"PATH": "/usr/bin:/bin"}  # all bwrap is started with (the program's own is set by --setenv)
 NEEDED_OPTIONS = ("--disable-userns", "--seccomp", "--size", "--file", "--perms")
 
 # Runs first inside the sandbox (python -I -S): drop to nobody where bwrap ran as root, set the limits,
@@ -85,12 +87,20 @@ class Sandbox:
     mode: str = "userns"
     start_as: int = 0
     cgroup: bool = False
+    cgroup_kind: str = ""  # "v2" or "v1" where runs get a cgroup
+
+    @property
+    def memory_limit(self) -> str:
+        """What the memory limit holds for: `cgroup v2` / `cgroup v1` (the program with all its children) or
+        `per process` (each process its own 1 GiB: children multiply it)."""
+        return f"cgroup {self.cgroup_kind or 'v2'}" if self.cgroup else "per process"
 
     @property
     def description(self) -> str:
         who = ("as nobody in a fresh user namespace" if self.start_as else "in a fresh user namespace") \
             if self.mode == "userns" else "as nobody (bwrap as root: no user namespace here)"
-        limits = "cgroup v2 memory/pids limit" if self.cgroup else "no cgroup here: per-process limits"
+        limits = (f"cgroup {self.cgroup_kind or 'v2'} memory/pids limit" if self.cgroup
+                  else "no cgroup here: per-process limits")
         return (f"bubblewrap ({self.bwrap}, {who}; seccomp filter, no network, read-only system dirs, "
                 f"{TMP_BYTES >> 20} MiB /tmp; {limits})")
 
@@ -159,8 +169,10 @@ class Sandbox:
                     os.setuid(uid)
 
             try:
+                # bwrap itself gets no environment either: inside the PID namespace it is pid 1, and its
+                # /proc/1/environ would hand the caller's (API keys included) to the program
                 proc = subprocess.Popen(self.command(args, limits, fds, rules.fileno()), stdin=stdin, stdout=stdout,
-                                        stderr=stderr, pass_fds=(*fds.values(), rules.fileno()),
+                                        stderr=stderr, pass_fds=(*fds.values(), rules.fileno()), env=BWRAP_ENV,
                                         start_new_session=True, preexec_fn=before_exec, cwd="/")
             except BaseException:
                 if group:
@@ -250,15 +262,16 @@ def find() -> Sandbox | str:
         _found[euid] = f"bubblewrap at {bwrap} lacks {', '.join(missing)} (0.8.0 or newer is needed)"
         return _found[euid]
     python, prefix = _interpreter()
-    cgroup = cgroups.parent() is not None
-    candidates = [Sandbox(bwrap, python, prefix, "userns", NOBODY if euid == 0 else 0, cgroup)]
+    cgroup_kind = cgroups.kind() or ""
+    cgroup = bool(cgroup_kind)
+    candidates = [Sandbox(bwrap, python, prefix, "userns", NOBODY if euid == 0 else 0, cgroup, cgroup_kind)]
     if euid == 0:
         # bwrap started as nobody cannot reach an interpreter under a private folder (/root/.pyenv):
         # the system's interpreter of the same version then, else bwrap as root dropping to nobody
         system = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
         if os.path.isfile(system) and os.path.realpath(system) != python:
-            candidates.append(Sandbox(bwrap, os.path.realpath(system), "/usr", "userns", NOBODY, cgroup))
-        candidates.append(Sandbox(bwrap, python, prefix, "drop", 0, cgroup))
+            candidates.append(Sandbox(bwrap, os.path.realpath(system), "/usr", "userns", NOBODY, cgroup, cgroup_kind))
+        candidates.append(Sandbox(bwrap, python, prefix, "drop", 0, cgroup, cgroup_kind))
     reasons = []
     for candidate in candidates:
         reason = _probe(candidate)

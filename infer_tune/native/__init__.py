@@ -9,8 +9,8 @@ Two ops in one library (`torch.ops.infer_tune_native`):
 `load()` builds them with `torch.utils.cpp_extension` (`-O3 -march=native`: compiled for the CPU in front
 of it, so the AVX2 paths exist exactly where the CPU has AVX2; `-fopenmp`: `at::parallel_for` splits the
 work over torch's own OpenMP threads, the libgomp torch loaded, instead of running on one) into
-`$INFER_TUNE_HOME/kernels/native-<key>/`, where the key covers the sources, torch, Python and this CPU's
-ISA flags; later processes load the cached library (about 25 s to compile on 2 cores, milliseconds to
+`$INFER_TUNE_HOME/kernels/native-<key>/`, where the key covers the sources, torch, Python and every ISA
+flag this CPU reports; later processes load the cached library (about 25 s to compile on 2 cores, milliseconds to
 load). Each op has a fake implementation, so a compiled graph holds it as one extern call.
 
 No C++ compiler, or a failed build: `available()` says why, once per process (a failed build is not
@@ -20,11 +20,13 @@ SDPA, and a config that forces `w4a8` fails with that line. `INFER_TUNE_NO_NATIV
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import platform
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -40,12 +42,24 @@ class KernelUnavailable(RuntimeError):
 
 
 def build_key(sources: list[bytes]) -> str:
-    """What the compiled library depends on: the sources, torch, Python, the CPU's ISA."""
-    from infer_tune.env import cpu_flags
-
+    """What the compiled library depends on: the sources, torch, Python, the CPU's whole ISA (`-march=native`
+    uses every extension the CPU reports: two CPU generations that differ only in avx512vl, bmi2 or vbmi must
+    not share a library, or the older one dies with SIGILL)."""
     parts = [hashlib.sha256(b"".join(sources)).hexdigest()[:16], torch.__version__, platform.python_version(),
-             platform.machine(), ",".join(cpu_flags())]
+             platform.machine(), ",".join(all_cpu_flags())]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def all_cpu_flags(cpuinfo: str | None = None) -> list[str]:
+    """Every flag of the first CPU in /proc/cpuinfo (x86 `flags`, Arm `Features`), sorted; [] where unreadable."""
+    try:
+        text = cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return sorted(set(line.split(":", 1)[1].split()))
+    return []
 
 
 def available() -> tuple[bool, str]:
@@ -81,17 +95,113 @@ def _build() -> None:
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         raise KernelUnavailable("no C++ compiler (c++) on PATH to build the native kernels")
     folder = paths.home() / "kernels" / f"native-{build_key([s.read_bytes() for s in SOURCES + HEADERS])}"
-    folder.mkdir(parents=True, exist_ok=True)
     try:
-        from torch.utils import cpp_extension
-
-        # torch's builder locks the folder (two processes compile once) and rebuilds only on a changed source
-        cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], build_directory=str(folder),
-                           is_python_module=False, extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], verbose=False)
+        build_library(folder, NAME, SOURCES, extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                      extra_ldflags=["-fopenmp"])
+    except KernelUnavailable:
+        raise
     except Exception as exc:  # a compiler error, no ninja, a header mismatch: the kernels are not offered
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
         raise KernelUnavailable(f"the native kernels did not build here: {first}") from None
+
+
+def build_library(folder: Path, name: str, sources, *, extra_cflags=(), extra_ldflags=()) -> Path:
+    """Build (or reuse) the extension `name` in `folder` and load it into this process; returns the folder used.
+
+    Nothing another account could have written is loaded (docs/hardening.md): `folder` is made private
+    (0700) and every path from `$INFER_TUNE_HOME` down to it must be this user's and not group/other
+    writable, else the library is built into a fresh private temp folder instead (removed at exit). The
+    build writes the sha256 of the library next to it (`<name>.so.sha256`); a cached library whose digest
+    is missing or differs (truncated, swapped, half-written) is removed with its objects and built again
+    before anything is loaded."""
+    from torch.utils import cpp_extension
+
+    from infer_tune import paths
+
+    problem = None
+    try:
+        paths.private_dir(folder)
+        problem = paths.untrusted(folder)
+    except OSError as exc:
+        problem = f"{folder} cannot be made: {exc.strerror or exc}"
+    if problem:
+        folder = _private_temp_folder()
+        print(f"note: not using the cached native kernels ({problem}); building them into {folder}",
+              file=sys.stderr)
+    library = folder / f"{name}.so"
+    digest_file = folder / f"{name}.so.sha256"
+    with _builder_lock(folder):
+        # torch's own lock (`lock`, made with O_EXCL and removed by its builder) outlives a killed builder and
+        # then makes every later load wait forever; holding ours, no other builder of this folder is alive
+        (folder / "lock").unlink(missing_ok=True)
+        if library.exists() and (not problem and (paths.untrusted(library) or paths.untrusted(digest_file))
+                                 or not _digest_matches(library, digest_file)):
+            _clear_build(folder)  # a file of another account, or not the library this folder's build wrote
+        cpp_extension.load(name=name, sources=[str(s) for s in sources], build_directory=str(folder),
+                           is_python_module=False, extra_cflags=list(extra_cflags),
+                           extra_ldflags=list(extra_ldflags), verbose=False)
+        if not digest_file.exists():  # just built by this process in a folder only this user can write
+            from infer_tune.atomic import write_text
+
+            write_text(digest_file, _sha256(library) + "\n")
+    return folder
+
+
+@contextlib.contextmanager
+def _builder_lock(folder: Path):
+    """One builder per folder: an flock on `build.flock` (the kernel drops it when its holder dies, however it
+    dies, so a killed build never blocks the next). The holder's pid is written in it for the waiting line."""
+    import fcntl
+
+    fd = os.open(folder / "build.flock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            print(f"waiting for process {holder}, which is building the native kernels in {folder}",
+                  file=sys.stderr)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _digest_matches(library: Path, digest_file: Path) -> bool:
+    try:
+        return digest_file.read_text().strip() == _sha256(library)
+    except OSError:
+        return False
+
+
+def _clear_build(folder: Path) -> None:
+    """Remove what a build left in `folder` (library, digest, objects, ninja files) so the next one starts clean."""
+    for item in folder.iterdir():
+        if item.name.startswith("build.flock"):
+            continue
+        if item.is_dir() and not item.is_symlink():
+            shutil.rmtree(item, ignore_errors=True)
+        else:
+            item.unlink(missing_ok=True)
+
+
+def _private_temp_folder() -> Path:
+    import atexit
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="infer-tune-kernels-"))  # 0700, this user's
+    atexit.register(shutil.rmtree, folder, True)  # the loaded library stays mapped; its file can go
+    return folder
 
 
 @functools.cache

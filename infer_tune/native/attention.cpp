@@ -144,6 +144,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "decode_attention: float32 only");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = k.size(1), L = k.size(2);
   TORCH_CHECK(q.size(2) == 1, "decode_attention: one query per row");
+  TORCH_CHECK(H >= 1 && Hkv >= 1 && D >= 1 && L >= 1, "decode_attention: heads, kv heads, head dim and cache length "
+              "must be >= 1, got ", H, ", ", Hkv, ", ", D, ", ", L);
   TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == L && k.size(3) == D &&
                   v.size(3) == D && H % Hkv == 0,
               "decode_attention: k / v do not match q");

@@ -419,7 +419,7 @@ inline void tile_rows(const Activations& act, int64_t M, int64_t K, int64_t grou
 
 void w4a8_rows_multi(const float* x, int64_t M, int64_t K, int64_t group, int count, const uint8_t* const* packed,
                      const int64_t* tiles, float* const* y) {
-  TORCH_CHECK(count >= 1 && count <= 4 && M >= 0 && K % group == 0 && group % BLOCK == 0,
+  TORCH_CHECK(count >= 1 && count <= 4 && M >= 0 && group >= BLOCK && group % BLOCK == 0 && K % group == 0,
               "w4a8_rows_multi: bad shapes");
   if (M == 0) return;
   const Activations act = quantize_input(x, M, K);
@@ -442,8 +442,9 @@ void w4a8_rows_multi(const float* x, int64_t M, int64_t K, int64_t group, int co
 at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "w4a8_mm: x must be [M, K] float32");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte, "w4a8_mm: packed must be uint8 [N/8, K/group, bytes]");
-  TORCH_CHECK(group % BLOCK == 0 && packed.size(2) == group_bytes(group), "w4a8_mm: packed does not hold groups of ",
-              group);
+  TORCH_CHECK(group >= BLOCK && group % BLOCK == 0 && group <= (int64_t{1} << 20), "w4a8_mm: group must be a positive "
+              "multiple of ", BLOCK, ", got ", group);
+  TORCH_CHECK(packed.size(2) == group_bytes(group), "w4a8_mm: packed does not hold groups of ", group);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * TILE;
   TORCH_CHECK(packed.size(1) * group == K, "w4a8_mm: x has ", K, " inputs, the weights ", packed.size(1) * group);
   auto xc = x.contiguous();

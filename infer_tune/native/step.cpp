@@ -46,6 +46,13 @@ enum Part : int64_t { IN_NORM, Q, K, V, O, GATE, UP, DOWN, MLP_IN_NORM, ATTN_OUT
                       V_BIAS, O_BIAS, Q_NORM, K_NORM };
 constexpr int64_t HEADER_INTS = 10, HEADER_FLOATS = 3;
 enum Act : int64_t { SILU = 0, GELU_TANH = 1 };
+constexpr int64_t LIMIT = int64_t{1} << 24;  // any one size (a 16M-wide layer is no model's)
+
+// a * b fits in 2^40 elements (no buffer of a real model is near; no int64 product of two LIMITs overflows)
+inline bool fits(int64_t a, int64_t b) { return a >= 0 && b >= 0 && a <= LIMIT && b <= LIMIT && a * b <= (int64_t{1} << 40); }
+
+// bytes of a w4a8 matrix of n outputs and k inputs in groups of `group` (matmul.cpp's layout)
+inline int64_t packed_bytes(int64_t n, int64_t k, int64_t group) { return (n / 8) * (k / group) * (32 + 4 * group); }
 
 // out = w * (x / sqrt(mean(x^2) + eps)), transformers' LlamaRMSNorm in fp32 (Gemma's (1 + w) passed as w)
 void rms_norm(const float* x, const float* w, int64_t n, float eps, float* out) {
@@ -149,6 +156,14 @@ struct LlamaStep : torch::CustomClassHolder {
                 "LlamaStep: per layer a window and a rotary table, per rotary table a scale");
     TORCH_CHECK(act_kind == SILU || act_kind == GELU_TANH, "LlamaStep: activation ", act_kind);
     rope_scale.assign(floats.begin() + HEADER_FLOATS, floats.end());
+    // every count >= 1 and every size the buffers below multiply out fits (a caller's numbers, never trusted)
+    TORCH_CHECK(layers >= 1 && heads >= 1 && kv_heads >= 1 && head_dim >= 2 && hidden >= 1 && inter >= 1,
+                "LlamaStep: layers, heads, kv heads, head dim, hidden and intermediate sizes must be >= 1");
+    TORCH_CHECK(layers <= LIMIT && heads <= LIMIT && kv_heads <= LIMIT && head_dim <= LIMIT && hidden <= LIMIT &&
+                    inter <= LIMIT && group <= LIMIT && head_group <= LIMIT,
+                "LlamaStep: a size above ", LIMIT);
+    TORCH_CHECK(group >= 32 && group % 32 == 0 && (head_group == 0 || (head_group >= 32 && head_group % 32 == 0)),
+                "LlamaStep: quantization groups must be positive multiples of 32, got ", group, " and ", head_group);
     TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * PER_LAYER + 2 + (head_group ? 0 : 1),
                 "LlamaStep: ", weights.size(), " weight tensors for ", layers, " layers");
     TORCH_CHECK(static_cast<int64_t>(keys.size()) == layers && static_cast<int64_t>(values.size()) == layers &&
@@ -157,7 +172,16 @@ struct LlamaStep : torch::CustomClassHolder {
     TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0 && inv_freq.scalar_type() == at::kFloat &&
                     inv_freq.dim() == 2 && inv_freq.size(0) == ropes && inv_freq.size(1) == head_dim / 2,
                 "LlamaStep: head shapes");
+    TORCH_CHECK(inv_freq.scalar_type() == at::kFloat, "LlamaStep: inv_freq must be fp32");
     batch = keys[0].size(0), max_len = keys[0].size(2);
+    TORCH_CHECK(batch >= 1 && max_len >= 1 && batch <= LIMIT && max_len <= LIMIT,
+                "LlamaStep: the cache must hold >= 1 row and >= 1 position, got ", batch, " x ", max_len);
+    const int64_t qn_ = heads * head_dim, kn_ = kv_heads * head_dim;
+    TORCH_CHECK(fits(batch, std::max({hidden, inter, qn_})) && fits(batch, max_len) && qn_ <= LIMIT,
+                "LlamaStep: rows x sizes overflow");
+    TORCH_CHECK(hidden % group == 0 && inter % group == 0 && qn_ % group == 0 && qn_ % 8 == 0 && kn_ % 8 == 0 &&
+                    hidden % 8 == 0 && inter % 8 == 0,
+                "LlamaStep: sizes must be multiples of 8 and of the group ", group);
     for (int64_t l = 0; l < layers; ++l) {
       TORCH_CHECK(keys[l].dim() == 4 && keys[l].size(0) == batch && keys[l].size(1) == kv_heads &&
                       keys[l].size(2) == max_len && keys[l].size(3) == head_dim && keys[l].stride(3) == 1 &&
@@ -197,6 +221,13 @@ struct LlamaStep : torch::CustomClassHolder {
       for (int64_t i : {Q, K, V, O, GATE, UP, DOWN})
         TORCH_CHECK(w[i].scalar_type() == at::kByte && w[i].is_contiguous(),
                     "LlamaStep: layer ", l, "'s projections must be packed uint8");
+      const int64_t expect[PER_LAYER] = {0, packed_bytes(qn, hidden, group), packed_bytes(kn, hidden, group),
+                                         packed_bytes(kn, hidden, group), packed_bytes(hidden, qn, group),
+                                         packed_bytes(inter, hidden, group), packed_bytes(inter, hidden, group),
+                                         packed_bytes(hidden, inter, group)};
+      for (int64_t i : {Q, K, V, O, GATE, UP, DOWN})
+        TORCH_CHECK(w[i].numel() == expect[i], "LlamaStep: layer ", l, "'s weight ", i, " holds ", w[i].numel(),
+                    " bytes, its shapes need ", expect[i]);
       at_layer.push_back({w[IN_NORM].data_ptr<float>(), w[MLP_IN_NORM].data_ptr<float>(),
                           optional_floats(w[ATTN_OUT_NORM], hidden, l, "attention output norm"),
                           optional_floats(w[MLP_OUT_NORM], hidden, l, "MLP output norm"),
@@ -216,6 +247,11 @@ struct LlamaStep : torch::CustomClassHolder {
     const at::Tensor* tail = weights.data() + layers * PER_LAYER;
     TORCH_CHECK(tail[0].scalar_type() == at::kFloat && tail[0].numel() == hidden && tail[1].is_contiguous(),
                 "LlamaStep: the final norm and the head");
+    TORCH_CHECK(vocab >= 8 && hidden % 32 == 0 && (!head_group || hidden % head_group == 0),
+                "LlamaStep: the head's shapes");
+    TORCH_CHECK(tail[1].numel() == (head_group ? packed_bytes(vocab, hidden, head_group) : (vocab / 8) * (hidden / 32) * 256),
+                "LlamaStep: the head holds ", tail[1].numel(), " bytes, its shapes need another size");
+    TORCH_CHECK(!head_group || tail[1].scalar_type() == at::kByte, "LlamaStep: a w4a8 head is packed uint8");
     final_norm = tail[0].data_ptr<float>();
     head = bytes(tail[1]);
     if (!head_group) {

@@ -50,6 +50,24 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def loopback_store(rank: int, world: int, port: int, timeout_s: float = 300.0):
+    """The rendezvous store of spawned ranks, listening on 127.0.0.1 only. torch's TCPStore binds the wildcard
+    address whatever MASTER_ADDR says (anyone who reaches the host could read and write its keys); rank 0
+    hands it a socket already bound to loopback instead. docs/hardening.md, "Listeners stay on loopback"."""
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank != 0:
+        return dist.TCPStore("127.0.0.1", port, world, False, timeout)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(128)
+    return dist.TCPStore("127.0.0.1", port, world, True, timeout, master_listen_fd=listener.detach())
+
+
 def run_rank(rank: int, world: int, worker, payload, backend: str, threads: int, setup=None) -> dict:
     """One rank's share, the process group already up: `setup` (untimed), then `worker` between two
     barriers; the reading it returns carries the elapsed time and this process's peaks."""
@@ -89,11 +107,12 @@ def _rank_main(rank: int, world: int, worker, payload, port: int, result_dir: st
                threads: int, setup=None) -> None:
     import torch.distributed as dist
 
+    # gloo's own connections listen on the loopback interface's address, not on the host name's
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+                      LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME="lo")
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    dist.init_process_group(backend, rank=rank, world_size=world, store=loopback_store(rank, world, port))
     try:
         reading = run_rank(rank, world, worker, payload, backend, threads, setup)
     finally:

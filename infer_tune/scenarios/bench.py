@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from infer_tune import atomic
 from infer_tune.runners.base import Progress
 from infer_tune.scenarios.common import RunSpec, open_run
 from infer_tune.session import run_configs
@@ -69,8 +68,8 @@ def run_bench(spec: RunSpec, configs: list | None = None, *, progress: Progress 
         baseline, docs = executor.run_configs(spec, list(configs), progress)
         return BenchOutcome(baseline=baseline, docs=docs)
     run = open_run(spec, progress)
-    with tempfile.TemporaryDirectory(prefix="infer-tune-artifacts-") as scratch:  # e.g. quantized checkpoints
-        run.ctx.scratch_dir = Path(scratch)
+    with atomic.scratch() as scratch:  # e.g. quantized checkpoints; a killed run's is removed by the next
+        run.ctx.scratch_dir = scratch
         baseline, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol, list(configs or []),
                                      run.ctx, resume=spec.resume, reuse_baseline=spec.resume,
                                      measure_ppl=spec.measure_ppl, execute=spec.execute)

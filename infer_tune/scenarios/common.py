@@ -72,8 +72,18 @@ def check_execute(spec: RunSpec) -> None:
 
     if not sandbox.available() and spec.unsafe_execute:
         spec.execute = "unsafe"
+        _say_memory_limit("per process")
         return
-    sandbox.require()
+    _say_memory_limit(sandbox.require().memory_limit)
+
+
+def _say_memory_limit(where: str) -> None:
+    """Where no cgroup holds the generated programs' memory, say so before the run (the row says it too)."""
+    if where == "per process":
+        import sys
+
+        print("note: no cgroup here: pass@1's memory limit holds per process (a program's children can each "
+              "take as much; the row records pass_at_1_memory_limit: per process)", file=sys.stderr)
 
 
 def check_context_early(spec: RunSpec) -> None:

@@ -80,9 +80,10 @@ class RunContext:
         if self.scratch_dir is None:  # callers that run sweeps pass their own and delete it
             import atexit
             import shutil
-            import tempfile
 
-            self.scratch_dir = Path(tempfile.mkdtemp(prefix="infer-tune-artifacts-"))
+            from infer_tune import atomic
+
+            self.scratch_dir = atomic.artifacts_dir()
             atexit.register(shutil.rmtree, self.scratch_dir, True)
         return self.scratch_dir / "".join(c if c.isalnum() or c in "-._" else "-" for c in label)
 
