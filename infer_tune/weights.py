@@ -210,11 +210,17 @@ class Filler:
     model: nn.Module
     values: Values
     _names: dict[int, str] = field(default_factory=dict)
+    _shared: set[int] = field(default_factory=set)
+    # tied tensors only (the one made for the first owner, for the others): any other filled tensor is
+    # referenced by its module alone, so a quantizer that replaces the module frees it
     _done: dict[int, tuple[nn.Parameter, nn.Parameter]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name, param in self.model.named_parameters(remove_duplicate=True):
-            self._names[id(param)] = name  # a tied tensor is named by its first owner, as state dicts do
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            if id(param) in self._names:
+                self._shared.add(id(param))
+            else:
+                self._names[id(param)] = name  # a tied tensor is named by its first owner, as state dicts do
 
     @torch.no_grad()
     def __call__(self, under: nn.Module | None = None) -> int:
@@ -227,7 +233,9 @@ class Filler:
                 entry = self._done.get(id(param))
                 if entry is None:
                     tensor = self.values(self._names[id(param)], param.shape, param.dtype)
-                    entry = self._done[id(param)] = (param, nn.Parameter(tensor, requires_grad=param.requires_grad))
+                    entry = (param, nn.Parameter(tensor, requires_grad=param.requires_grad))
+                    if id(param) in self._shared:
+                        self._done[id(param)] = entry
                     made += tensor.numel() * tensor.element_size()
                 module._parameters[key] = entry[1]
         return made
@@ -284,6 +292,30 @@ def count_params(config: Any) -> int:
             seen.add(id(param))
             total += param.numel()
     return total
+
+
+_LIBC: Any = None
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed by dropped tensors back to the OS (glibc's malloc_trim; a no-op elsewhere).
+
+    After a few megabyte-sized frees glibc raises its mmap threshold, so later tensors come from the
+    heap and freed ones stay resident: a layer-by-layer build measured +144 MB of RSS for a 21 MB
+    quantized model (143 MB in float32), and +54 MB with this call after each layer.
+    """
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
 
 
 # --------------------------------------------------------------------------- tokenizers
