@@ -108,6 +108,11 @@ class LoadedModel:
     tokenizer: Any
     ref: str
     path: str
+    weights: Any = None  # weights.RandomWeights when built with `--weights random`, else None (the checkpoint's)
+
+    @property
+    def random_weights(self) -> bool:
+        return self.weights is not None
 
     @property
     def params(self) -> int:
@@ -191,10 +196,19 @@ def load(
     device: str = "cpu",
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
+    weights: str = "pretrained",
 ) -> LoadedModel:
-    """Resolve `ref` and load model + tokenizer (safetensors only unless `allow_pickle`)."""
+    """Resolve `ref` and load model + tokenizer (safetensors only unless `allow_pickle`); `weights`
+    "random" / "random:SEED" builds the architecture of `ref` with seeded random weights instead."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from infer_tune import weights as weights_mod
+
+    choice = weights_mod.parse(weights)
+    if choice.random:
+        return load_random(ref, seed=choice.seed, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    if weights_mod.preset_path(ref) is not None and ref not in BUILTINS:
+        raise ModelError(f"'{ref}' is an architecture preset (a config, no weights); add --weights random")
     location = resolve(ref)
     torch_dtype = resolve_dtype(dtype, device)
     if Path(location).is_dir():
@@ -222,6 +236,65 @@ def load(
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return LoadedModel(model=model, tokenizer=tokenizer, ref=ref, path=location)
+
+
+TOKENIZER_SOURCE = "smollm2-135m"  # the built-in model whose tokenizer random-weight models use when it fits
+
+
+def random_tokenizer(vocab: int) -> tuple[Any, str]:
+    """The tokenizer of a random-weight model whose vocabulary has `vocab` ids: the built-in SmolLM2
+    tokenizer (49,152 ids) when every one of its ids is below `vocab`, else a byte-level one (259 ids).
+    Returns (tokenizer, its name for the result)."""
+    from transformers import AutoTokenizer
+
+    from infer_tune import weights as weights_mod
+
+    try:
+        location = resolve(TOKENIZER_SOURCE)
+        tokenizer = AutoTokenizer.from_pretrained(location)
+        if len(tokenizer) <= vocab:
+            return tokenizer, f"{TOKENIZER_SOURCE} ({len(tokenizer)} ids)"
+    except ModelError:
+        pass  # not cached and no way to fetch it: the byte-level tokenizer fits too
+    tokenizer = weights_mod.byte_tokenizer()
+    if len(tokenizer) > vocab:
+        raise ModelError(f"a vocabulary of {vocab} ids is too small for prompts (the byte-level tokenizer needs "
+                         f"{len(tokenizer)})")
+    return tokenizer, f"byte-level ({len(tokenizer)} ids)"
+
+
+def load_random(ref: str, *, seed: int = 0, dtype: str = "auto", device: str = "cpu",
+                trust_remote_code: bool = False) -> LoadedModel:
+    """The architecture of `ref` (a preset, a config.json, a checkpoint folder, a built-in or hub id)
+    with seeded random weights: no download of weights (weights.py)."""
+    from infer_tune import weights as weights_mod
+
+    config, source = weights_mod.architecture_config(
+        ref, trust_remote_code=trust_remote_code, resolve=lambda r: resolve(r))
+    torch_dtype = resolve_dtype(dtype, device)
+    tokenizer, tokenizer_name = random_tokenizer(weights_mod.vocab_size(config))
+    spec = weights_mod.RandomWeights(config=config, seed=seed, dtype=torch_dtype, source=source,
+                                     tokenizer=tokenizer_name)
+    skeleton = spec.skeleton()
+    need, available = weights_mod.meta_bytes(skeleton), _available_bytes()
+    if need > available:
+        raise ModelError(f"model '{ref}' needs about {need / 2**30:.1f} GiB as {str(torch_dtype).removeprefix('torch.')} "
+                         f"but only {available / 2**30:.1f} GiB of memory is available; use a smaller model or dtype")
+    try:
+        weights_mod.Filler(skeleton, spec.values())()
+    except MemoryError:
+        raise ModelError(f"not enough memory to build model '{ref}'") from None
+    skeleton.to(device).eval()
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return LoadedModel(model=skeleton, tokenizer=tokenizer, ref=ref, path=source, weights=spec)
+
+
+def _available_bytes() -> int:
+    import psutil
+
+    return psutil.virtual_memory().available
 
 
 def one_line(exc: BaseException, limit: int = 300) -> str:
@@ -265,6 +338,8 @@ def content_id(loaded: LoadedModel) -> str:
     its checkpoint folder, or the hub id and commit for a model loaded by id."""
     from infer_tune import contenthash
 
+    if loaded.weights is not None:
+        return loaded.weights.content_id()
     folder = Path(loaded.path)
     if folder.is_dir():
         return "sha256:" + contenthash.tree_digest(folder)

@@ -239,11 +239,12 @@ def build_document(
         metrics["extra_model_bytes"] = prepared.extra_model_bytes
     texts = [o.text for o in run.outputs]
     references = [inputs.prompts[o.prompt_index].reference for o in run.outputs]
+    random_weights = loaded.weights is not None  # no quality to measure: outputs of random weights mean nothing
     metrics.update(quality.reference_scores(texts, references))
     metrics["ppl"] = (reference_perplexity(prepared.model, prepared.tokenizer, inputs.rendered,
                                            [p.reference for p in inputs.prompts], device=prepared.device)
-                      if measure_ppl and prepared.model is not None else None)
-    if execute:
+                      if measure_ppl and prepared.model is not None and not random_weights else None)
+    if execute and not random_weights:
         from infer_tune.metrics import passk
         from infer_tune.metrics.passk import pass_at_1
 
@@ -267,6 +268,8 @@ def build_document(
             if interval is not None:  # the rounds' geometric mean: the figure its interval is about
                 metrics[name] = interval["point"]
                 metrics[f"{name}_ci95"] = interval["ci95"]
+    if random_weights:
+        quality_not_applicable(metrics)
     result = ResultDocument(
         run_id=results.new_run_id(technique, prepared.label),
         created_at=results.created_stamp(),
@@ -277,7 +280,8 @@ def build_document(
         model={"ref": loaded.ref, "path": loaded.path,
                "params": models.count_params(loaded.model) if loaded.model is not None else None,
                "model_bytes": weight_bytes, "dtype": loaded.dtype,
-               "content_id": models.content_id(loaded) if loaded.model is not None else None},
+               "content_id": models.content_id(loaded) if loaded.model is not None else None,
+               **({"weights": "pretrained"} if loaded.weights is None else loaded.weights.describe())},
         technique=technique,
         label=prepared.label,
         config=config,
@@ -291,6 +295,24 @@ def build_document(
                                     measure_ppl=measure_ppl),
     )
     return result, outputs
+
+
+# quality figures that mean nothing on random weights (docs/metrics.md, "Random weights")
+QUALITY_KEYS = ("bleu", "chrf", "ppl", "pass_at_1", "pass_at_1_isolation", "bleu_drift", "bleu_drift_ci95",
+                "ppl_delta_pct", "pass_at_1_delta", "bleu_vs_baseline", "exact_match_vs_baseline")
+
+
+def quality_not_applicable(metrics: dict) -> None:
+    """A random-weight row: every quality figure null, `quality` says why, and no broken verdict (it rests on
+    quality alone). Token-level agreement with the baseline (`output_mismatches`) stays: it is not quality."""
+    from infer_tune.weights import QUALITY_NA
+
+    for key in QUALITY_KEYS:
+        if key in metrics:
+            metrics[key] = None
+    metrics["quality"] = QUALITY_NA
+    if "broken" in metrics:
+        metrics.update(broken=False, broken_why=None, verdict_evidence=QUALITY_NA)
 
 
 def find_result(out_dir: Path, fingerprint: str, technique: str | None = None) -> ResultDocument | None:

@@ -30,9 +30,15 @@ def render_result(doc: dict, run_dir: Path | str | None = None) -> None:
         ("roofline", f"{output.fmt(m.get('roofline_tok_s'), '.1f')} tok/s ceiling, achieved "
                      f"{output.fmt(m.get('roofline_fraction'), '.1%')}"),
         ("peak RSS / model", f"{output.fmt_bytes(m['peak_rss_bytes'])} / {output.fmt_bytes(m['model_bytes'])}"),
-        ("BLEU / chrF", f"{output.fmt(m.get('bleu'))} / {output.fmt(m.get('chrf'))}"),
-        ("perplexity", output.fmt(m.get("ppl"))),
     ]
+    if m.get("quality"):  # random weights: quality is n/a, never a number
+        facts.append(("quality", str(m["quality"])))
+    else:
+        facts += [("BLEU / chrF", f"{output.fmt(m.get('bleu'))} / {output.fmt(m.get('chrf'))}"),
+                  ("perplexity", output.fmt(m.get("ppl")))]
+    if doc["model"].get("weights") == "random":
+        facts.append(("weights", f"random (seed {doc['model'].get('weights_seed')}, {doc['model'].get('architecture')}; "
+                                 f"tokenizer {doc['model'].get('tokenizer')})"))
     if m.get("pass_at_1") is not None:
         facts.append(("pass@1", output.fmt(m["pass_at_1"], ".1%")))
     if m.get("broken"):
@@ -40,7 +46,7 @@ def render_result(doc: dict, run_dir: Path | str | None = None) -> None:
     elif m.get("speedup_vs_baseline") is not None:
         facts.append(("speedup vs baseline", f"{output.fmt(m['speedup_vs_baseline'])}x decode, "
                                              f"{output.fmt(m.get('ttft_speedup_vs_baseline'))}x TTFT"))
-    if m.get("speedup_vs_baseline") is not None:
+    if m.get("speedup_vs_baseline") is not None and not m.get("quality"):
         facts.append(("drift", f"BLEU {output.fmt(m.get('bleu_drift'), '+.2f')}, exact match "
                                f"{output.fmt(m.get('exact_match_vs_baseline'), '.0%')}, ppl "
                                f"{output.fmt(m.get('ppl_delta_pct'), '+.2f')}%"))
@@ -62,7 +68,7 @@ def run_spec(opts: opt.MeasureOptions, **overrides):
     from infer_tune.scenarios.common import RunSpec
     from infer_tune.workload import Protocol, Workload
 
-    values = dict(model=opts.model, workload=Workload(**opts.workload_values()),
+    values = dict(model=opts.model, weights=opts.weights, workload=Workload(**opts.workload_values()),
                   protocol=Protocol(**opts.protocol_values()), threads=opts.threads, device=opts.device,
                   dtype=opts.dtype, out_dir=opts.out, trust_remote_code=opts.trust_remote_code,
                   measure_ppl=opts.ppl, resume=opts.resume)

@@ -29,6 +29,10 @@ def _set_debug(value: bool) -> bool:
 
 
 Model = Annotated[str, typer.Option("--model", "-m", help="Built-in alias (smollm2-135m), Hugging Face id, checkpoint dir or .gguf file.")]
+Weights = Annotated[str, typer.Option("--weights", help=(
+    "pretrained (the checkpoint's), or random / random:SEED: the model built from its architecture's config with "
+    "seeded random weights, no download (a preset such as llama-3.2-1b, a config.json or a Hugging Face id; "
+    "quality columns are n/a)."))]
 Suite = Annotated[str, typer.Option("--suite", "-s", help="`chat` (ShareGPT), `code` (HumanEval), a .jsonl/.csv/.parquet file or a dataset name.")]
 Limit = Annotated[int, typer.Option("--limit", "-n", help="Number of prompts, picked deterministically by --seed.")]
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", help="Tokens generated per request (pinned for timing).")]
@@ -79,6 +83,7 @@ class MeasureOptions:
     """The common options of every measuring command, after parsing."""
 
     model: str = "smollm2-135m"
+    weights: str = "pretrained"
     suite: str = "chat"
     limit: int = 8
     max_new_tokens: int = 64
@@ -115,7 +120,13 @@ class MeasureOptions:
                 raise ConfigError(f"{flag} must be >= {low}, got {value}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
+        from infer_tune import weights
         from infer_tune.suites import LANGS
+
+        try:
+            weights.parse(self.weights)
+        except ConfigError:
+            raise ConfigError(f"--weights must be pretrained, random or random:SEED, got '{self.weights}'") from None
 
         if self.lang not in LANGS:
             raise ConfigError(f"--lang must be one of {', '.join(LANGS)}, got '{self.lang}'")
@@ -148,7 +159,7 @@ class MeasureOptions:
 
 # option name -> its Annotated type, in the order --help lists them
 COMMON: dict[str, Any] = {
-    "model": Model, "suite": Suite, "limit": Limit, "max_new_tokens": MaxNewTokens, "batch_size": BatchSize,
+    "model": Model, "weights": Weights, "suite": Suite, "limit": Limit, "max_new_tokens": MaxNewTokens, "batch_size": BatchSize,
     "threads": Threads, "seed": Seed, "warmup": Warmup, "min_iterations": MinIterations,
     "min_duration": MinDuration, "target_ci": TargetCI, "max_rounds": MaxRounds,
     "max_round_seconds": MaxRoundSeconds, "out": Out, "lang": Lang, "prompt_field": PromptField,

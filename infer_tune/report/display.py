@@ -126,6 +126,11 @@ def lead_cell(row: dict) -> str:
     return text(row.get("lead"))
 
 
+def quality_or(render: Callable[[dict], str]) -> Callable[[dict], str]:
+    """A quality cell: "n/a (random weights)" on a row that has no quality (its `quality` says why)."""
+    return lambda row: text(row.get("quality")) if not _missing(row.get("quality")) else render(row)
+
+
 COLUMNS: tuple[Column, ...] = (
     Column("technique", "technique", _get("technique", text), numeric=False, narrow=True),
     Column("config", "config", config_cell, numeric=False, narrow=True),
@@ -136,9 +141,9 @@ COLUMNS: tuple[Column, ...] = (
     Column("ttft_p99_ms", "TTFT p99", _get("ttft_p99_ms", ms)),
     Column("tpot_p50_ms", "TPOT p50", _get("tpot_p50_ms", ms), narrow=True),
     Column("output_throughput_tok_s", "tok/s", _get("output_throughput_tok_s", tok_s)),
-    Column("ppl_delta_pct", "ppl change", _get("ppl_delta_pct", signed_pct), narrow=True),
-    Column("exact_match_vs_baseline", "same output as baseline", _get("exact_match_vs_baseline", pct)),
-    Column("bleu_drift", "BLEU drift [95% CI]", bleu_drift),
+    Column("ppl_delta_pct", "ppl change", quality_or(_get("ppl_delta_pct", signed_pct)), narrow=True),
+    Column("exact_match_vs_baseline", "same output as baseline", quality_or(_get("exact_match_vs_baseline", pct))),
+    Column("bleu_drift", "BLEU drift [95% CI]", quality_or(bleu_drift)),
     Column("model_bytes", "model", _get("model_bytes", mib)),
     Column("peak_rss_bytes", "peak RSS", _get("peak_rss_bytes", mib)),
     Column("roofline_fraction", "of roofline", _get("roofline_fraction", pct)),
@@ -196,5 +201,7 @@ def recommendation_line(rec, rows: list[dict]) -> str:
     row = next((r for r in rows if r.get("run_id") == rec.doc["run_id"]), None) or {}
     m = rec.doc.get("metrics") or {}
     lead = f"{row.get('lead') or '-'} vs {row.get('lead_vs') or 'the baseline'}"
-    return plain(f"{RECOMMENDED_MARK} {rec.doc.get('technique')} {row.get('config') or config_summary(rec.doc)}: {lead}, "
-            f"perplexity {signed_pct(leads.number(m.get('ppl_delta_pct')))}")
+    quality = (f"quality {m['quality']}" if m.get("quality") else
+               f"perplexity {signed_pct(leads.number(m.get('ppl_delta_pct')))}")
+    return plain(f"{RECOMMENDED_MARK} {rec.doc.get('technique')} {row.get('config') or config_summary(rec.doc)}: "
+                 f"{lead}, {quality}")

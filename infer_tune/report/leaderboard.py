@@ -26,8 +26,8 @@ COLUMNS = ("run_id", "technique", "config", "model", "suite", "ttft_p50_ms", "tt
            "bleu_drift", "bleu_vs_baseline", "exact_match_vs_baseline", "ppl_delta_pct", "pass_at_1",
            "roofline_fraction", "output_mismatches", "ttft_speedup_vs_baseline", "bleu_drift_ci95", "broken", "broken_why",
            "verdict_evidence", "speedup_vs_baseline_ci95", "ttft_speedup_vs_baseline_ci95", "lead", "lead_value",
-           "lead_vs", "lead_decode", "host")
-OBJECT_COLUMNS = {"run_id", "technique", "config", "model", "suite", "bleu_drift_ci95", "broken", "broken_why",
+           "lead_vs", "lead_decode", "host", "quality")
+OBJECT_COLUMNS = {"quality", "run_id", "technique", "config", "model", "suite", "bleu_drift_ci95", "broken", "broken_why",
                   "verdict_evidence", "speedup_vs_baseline_ci95", "ttft_speedup_vs_baseline_ci95", "lead", "lead_vs",
                   "lead_decode", "host"}
 

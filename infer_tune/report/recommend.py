@@ -7,7 +7,9 @@ by the engine from the technique's registry entry: `decode` for single-stream te
 The winner is the row whose 95% interval of the objective has the highest lower bound; rows whose
 interval overlaps the winner's are its contenders, and the recommendation says it is not separated
 from them (measure more rounds to decide). A decode / TTFT winner must beat the baseline with its
-whole interval. A noise flag never removes a row: a row's interval is its noise.
+whole interval. A noise flag never removes a row: a row's interval is its noise. Rows of random
+weights (`model.weights: random`) have no quality figures: they are ranked on speed only, and the
+recommendation says so.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class Recommendation:
     interval: list[float] | None = None  # the winner's 95% interval of the objective (None: measured once)
     contenders: list[str] = field(default_factory=list)  # run ids whose interval overlaps the winner's
     separated: bool = True  # the winner's interval is clear of every other eligible row's
+    speed_only: bool = False  # the rows ran random weights: no quality signal, ranked on speed alone
+
+    SPEED_ONLY = "ranked on speed only: the rows ran random weights (quality is n/a)"
 
     def decision(self) -> str:
         """What the recommendation rests on, in one line: the objective, its interval, the contenders."""
@@ -62,12 +67,14 @@ class Recommendation:
         tail = ("separated from every other row" if self.separated else
                 f"not separated from {len(self.contenders)} other row(s) whose interval overlaps: "
                 "measure more rounds to decide")
-        return f"ranked on {what}: {shown}; {tail}"
+        line = f"ranked on {what}: {shown}; {tail}"
+        return f"{self.SPEED_ONLY}; {line}" if self.speed_only else line
 
     def to_dict(self) -> dict:
         return {"run_id": self.doc["run_id"] if self.doc else None, "command": self.command,
                 "saved_model": self.saved_model, "excluded": self.reasons, "objective": self.objective,
-                "interval": self.interval, "contenders": self.contenders, "separated": self.separated}
+                "interval": self.interval, "contenders": self.contenders, "separated": self.separated,
+                "speed_only": self.speed_only}
 
 
 def _num(v) -> float | None:
@@ -191,8 +198,11 @@ def recommend(docs: list[dict], budget: Budget) -> Recommendation:
             reasons.append(f"{doc.get('technique')} {doc.get('label', '')}: {why}".strip())
         else:
             eligible.append(doc)
+    speed_only = any(random_weights(d) for d in candidates)
+    if speed_only:  # no quality figure exists to hold against a budget (docs/metrics.md, "Random weights")
+        reasons.insert(0, Recommendation.SPEED_ONLY)
     if not eligible:
-        return Recommendation(doc=None, reasons=reasons, objective=objective)
+        return Recommendation(doc=None, reasons=reasons, objective=objective, speed_only=speed_only)
     best = max(eligible, key=lambda d: interval_of(d, objective))
     low, point, high = interval_of(best, objective)
     contenders = [d["run_id"] for d in eligible if d is not best and interval_of(d, objective)[2] >= low]
@@ -201,9 +211,16 @@ def recommend(docs: list[dict], budget: Budget) -> Recommendation:
         shown = f"{point:.2f}x [{low:.2f}, {high:.2f}]" if interval else f"{point:.2f}x"
         reasons.append(f"no configuration within the budget beat the baseline with its whole interval on this "
                        f"device (best: {best.get('label')} {shown})")
-        return Recommendation(doc=None, reasons=reasons, objective=objective, contenders=contenders)
+        return Recommendation(doc=None, reasons=reasons, objective=objective, contenders=contenders,
+                              speed_only=speed_only)
     saved = best["metrics"].get("save_dir")  # a technique that saved what it built (quantized weights)
     if saved and not Path(saved).is_dir():  # a temporary save, deleted when its run ended
         saved = None
     return Recommendation(doc=best, reasons=reasons, command=reproduce_command(best), saved_model=saved,
-                          objective=objective, interval=interval, contenders=contenders, separated=not contenders)
+                          objective=objective, interval=interval, contenders=contenders, separated=not contenders,
+                          speed_only=speed_only)
+
+
+def random_weights(doc: dict) -> bool:
+    """The row ran a model built with random weights (`model.weights`)."""
+    return (doc.get("model") or {}).get("weights") == "random"

@@ -31,6 +31,8 @@ def lines(docs: list[dict], out_dir: Path | str, budget: Budget | None = None, *
     else:
         out.append(f"no configuration to recommend within {lb.budget_summary(budget)}: "
                    f"{'; '.join(rec.reasons[-2:]) or 'no candidate results'}")
+        if rec.speed_only and rec.SPEED_ONLY not in rec.reasons[-2:]:
+            out.append(f"  {rec.SPEED_ONLY}")
     if not write:
         written = {fmt: Path(out_dir) / f"leaderboard.{fmt}" for fmt in lb.FORMATS
                    if (Path(out_dir) / f"leaderboard.{fmt}").is_file()}

@@ -19,6 +19,7 @@ class RunSpec:
     """Where and how to measure: the model, the workload, the protocol and the run's settings."""
 
     model: str = models.DEFAULT_MODEL
+    weights: str = "pretrained"  # or random / random:SEED (weights.py)
     workload: Workload = field(default_factory=Workload)
     protocol: Protocol = field(default_factory=Protocol)
     threads: int | None = None
@@ -92,6 +93,10 @@ def check_context_early(spec: RunSpec) -> None:
     import json
     from types import SimpleNamespace
 
+    from infer_tune import weights
+
+    if weights.parse(spec.weights).random:
+        return  # the architecture's config is read when the model is built; prepare_inputs checks the prompts
     try:
         folder = Path(models.resolve(spec.model, pull=False))
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
@@ -122,7 +127,8 @@ def open_run(spec: RunSpec, progress: Progress | None = None, *, load_suite: boo
             raise ConfigError(f"pass@1 needs a suite with tests (e.g. code); '{spec.workload.suite}' has none")
         prompts = itertools.chain([first], prompts)
     check_context_early(spec)
-    loaded = models.load(spec.model, dtype=spec.dtype, device=device, trust_remote_code=spec.trust_remote_code)
+    loaded = models.load(spec.model, dtype=spec.dtype, device=device, trust_remote_code=spec.trust_remote_code,
+                         weights=spec.weights)
     inputs = prepare_inputs(loaded, spec.workload, prompts) if load_suite else None
     ctx = RunContext(device=device, dtype=spec.dtype, threads=n_threads, out_dir=Path(spec.out_dir).expanduser(),
                      env=envinfo.collect_env(n_threads), progress=progress,

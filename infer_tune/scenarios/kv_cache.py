@@ -173,13 +173,15 @@ def measured_wall(docs: list[dict], new_tokens: int) -> dict | None:
 
 def run_kv_cache(spec: RunSpec, sweep: KVSweepSpec, progress=None) -> KVSweepResult:
     """The `kv-cache` command: check the context fits before loading weights, then sweep."""
-    shape = kv.load_model_config(_resolve_model(spec.model))
+    shape = kv.load_model_config(_resolve_model(spec.model, spec.weights))
     check_context_fits(shape, sweep.context_lengths, sweep.max_new_tokens, spec.model)
     run = open_run(spec, progress, load_suite=False)
     return run_kv_sweep(run.loaded, sweep, spec.protocol, run.ctx, resume=spec.resume)
 
 
-def _resolve_model(ref: str) -> str:
+def _resolve_model(ref: str, weights: str = "pretrained") -> str:
     from infer_tune import models
+    from infer_tune import weights as weights_mod
 
-    return models.resolve(ref)
+    preset = weights_mod.preset_path(ref) if weights_mod.parse(weights).random else None
+    return str(preset) if preset is not None else models.resolve(ref)

@@ -255,6 +255,45 @@ def quantize_model(model: nn.Module, config: QuantizeConfig, calib: list[torch.T
     return summary
 
 
+LAYERWISE_METHODS = ("int8-dynamic", "int4-weight", "int4-rtn")  # need no activations: no whole-model forward
+
+
+@torch.no_grad()
+def quantize_layerwise(model: nn.Module, fill, config: QuantizeConfig,
+                       progress: calibrate.Progress | None = None) -> dict:
+    """What `quantize_model` makes of a whole float model, built from a skeleton one Linear at a time.
+
+    `model` holds its matrices on the meta device (weights.skeleton); `fill(module)` materialises the
+    meta parameters of `module` (weights.Filler: random or from safetensors shards). Each targeted
+    Linear is filled, quantized and its float copy dropped before the next one is made, so peak memory
+    is the quantized model plus one float Linear plus the float embedding and head (quantized last),
+    never a full float copy. Same tensors in, same quantized model out as the eager path (tested).
+    """
+    from infer_tune.weights import release_freed_memory
+
+    if config.method not in LAYERWISE_METHODS:
+        raise ConfigError(f"method {config.method} cannot be built layer by layer (it needs the whole model)")
+    targets = check_quantizable(model, config)
+    names, layers = list(targets), {}
+    for i, name in enumerate(names):
+        layer = targets.pop(name)  # the module's last reference but the model's and this name's
+        fill(layer)
+        module, _ = quantize_linear(layer, config)
+        set_module(model, name, module)
+        del layer  # the float Linear is no longer referenced: freed here
+        release_freed_memory()
+        layers[name] = type(module).kind
+        if progress:
+            progress("quantizing", i + 1, len(names))
+    fill(model)  # what is left: embeddings, head, norms
+    summary = {"layers": layers, "group_size": config.group_size if config.method.startswith("int4") else None,
+               "kept_float": skipped_linears(model)}
+    summary.update(quantize_embeddings_and_head(model, config))
+    release_freed_memory()
+    summary["compute_dtype"] = apply_compute_dtype(model, config)
+    return summary
+
+
 def apply_compute_dtype(model: nn.Module, config: QuantizeConfig) -> str:
     """Float parameters (norms, a float head, biases) and thus the activations in `config.compute_dtype`;
     the quantized layers keep their low-bit tensors and return what they are given."""

@@ -65,11 +65,15 @@ def prepare_quantized(loaded: models.LoadedModel, config: QuantizeConfig, ctx: R
     device = ctx.device
     backend = resolve_backend(config, device)
     started = time.perf_counter()
-    model = copy.deepcopy(loaded.model)
-    summary = quantize_in_memory(model, config, backend, calibration_for(loaded, config, ctx), ctx.progress)
+    if layerwise(loaded, config, backend):
+        model, summary = build_layerwise(loaded, config, ctx)
+    else:
+        model = copy.deepcopy(loaded.model)
+        summary = quantize_in_memory(model, config, backend, calibration_for(loaded, config, ctx), ctx.progress)
     quantize_s = time.perf_counter() - started
     facts = {"backend_resolved": backend, "quantize_s": quantize_s,
-             "model_bytes_16bit": bytes_16bit(loaded.model), "reloaded": backend != "torchao"}
+             "model_bytes_16bit": bytes_16bit(loaded.model), "reloaded": backend != "torchao",
+             "built": "layer by layer" if layerwise(loaded, config, backend) else "from a copy of the loaded model"}
     if backend != "torchao":
         target = ctx.artifact_dir(config)
         manifest = {"method": config.method, "backend": backend, "config": _config_fields(config),
@@ -84,6 +88,23 @@ def prepare_quantized(loaded: models.LoadedModel, config: QuantizeConfig, ctx: R
     facts["quantized_layers"] = len(summary.get("layers", {}))
     facts["bytes_ratio_vs_16bit"] = models.model_bytes(model) / facts["model_bytes_16bit"]
     return PreparedModel(model=model, tokenizer=loaded.tokenizer, metrics=facts, label=config.label(), device=device)
+
+
+def layerwise(loaded: models.LoadedModel, config: QuantizeConfig, backend: str) -> bool:
+    """Build the quantized model layer by layer (no float copy) when its weights can be made again tensor by
+    tensor (random weights: weights.py) and the method needs no activations."""
+    return (loaded.weights is not None and backend == "torch"
+            and config.method in torch_backend.LAYERWISE_METHODS)
+
+
+def build_layerwise(loaded: models.LoadedModel, config: QuantizeConfig, ctx: RunContext) -> tuple[torch.nn.Module, dict]:
+    """The quantized model made from a skeleton, one Linear filled, quantized and dropped at a time."""
+    from infer_tune import weights
+
+    model = loaded.weights.skeleton()
+    summary = torch_backend.quantize_layerwise(model, weights.Filler(model, loaded.weights.values()), config,
+                                               ctx.progress)
+    return model.eval(), summary
 
 
 def choose_kernels(model: torch.nn.Module, config: QuantizeConfig, ctx: RunContext) -> dict:
