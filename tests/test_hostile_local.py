@@ -84,6 +84,14 @@ def test_untrusted_names_the_foreign_or_writable_path(tmp_path):
     assert f"{home} belongs to uid {FOREIGN_UID}" in paths.untrusted(lib, home)
 
 
+def _swap_in(library: Path, data: bytes) -> None:
+    """Put `data` where `library` is as a new file (a new inode), as another process's copy would: this
+    process maps the honest library it loaded, and writing over that mapping in place crashes it at exit."""
+    staged = library.with_name(library.name + ".swap")
+    staged.write_bytes(data)
+    os.replace(staged, library)
+
+
 @needs_root
 @needs_compiler
 @pytest.mark.parametrize("attack", ["foreign-owner", "folder-world-writable"])
@@ -98,7 +106,7 @@ def test_a_library_planted_by_another_account_is_never_loaded(tmp_path, monkeypa
     marker = tmp_path / "planted-library-ran"
     evil = _planted_library(tmp_path, marker)
     library = folder / f"{name}.so"
-    shutil.copy(evil, library)
+    _swap_in(library, evil.read_bytes())
     (folder / f"{name}.so.sha256").write_text(hashlib.sha256(evil.read_bytes()).hexdigest() + "\n")
     if attack == "foreign-owner":
         for item in (library, folder / f"{name}.so.sha256"):
@@ -132,7 +140,7 @@ def test_a_truncated_cached_library_is_rebuilt_not_loaded(tmp_path, monkeypatch)
     native.build_library(folder, name, [src])
     library = folder / f"{name}.so"
     whole = library.read_bytes()
-    library.write_bytes(whole[: len(whole) // 3])
+    _swap_in(library, whole[: len(whole) // 3])
     code = ("from pathlib import Path; from infer_tune import native; "
             f"native.build_library(Path({str(folder)!r}), {name!r}, [Path({str(src)!r})])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
