@@ -281,7 +281,7 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
         add_quality(base_doc, perplexity_of(base_started, text, spec.threads), None)
         base_doc["objective"] = tspec.objective
         rows = [Row(base_doc, base_outputs)]
-        for (launch, started, run), variant in zip(live, variants[1:]):
+        for (_, started, run), variant in zip(live, variants[1:]):
             doc, outputs = build_document(
                 run.model, variant.prepared, rounds.merged_run(variant), run.inputs, spec.workload, protocol,
                 technique=TECHNIQUE, config=launch_config(started), env=run.env, runner="endpoint", host=host,
