@@ -22,15 +22,24 @@ from infer_tune.engines import llamacpp
 from infer_tune.errors import ConfigError
 
 FINAL = re.compile(r"Final estimate:\s*PPL\s*=\s*([0-9.]+)\s*\+/-\s*([0-9.]+)")
-PPL_CONTEXT = 128  # tokens per chunk: the suite's text is short; llama-perplexity needs 2 chunks at least
+PPL_CONTEXT = 128  # tokens per chunk (llama-perplexity needs 2 chunks at least)
+PPL_CHUNKS = 16  # at most 16 x 128 = 2048 tokens scored per GGUF: seconds on 2 cores for a 135M model
+TEXT_CHARS = 24_000  # the suite's text is cut at this many characters (about 6k tokens), in suite order
 
 
-def suite_text(prompts, references=()) -> Path:
-    """The prompts' text and the references (what the suite says), one per paragraph, in a cached file."""
-    parts = [str(p) for p in prompts if p] + [str(r) for r in references if r]
+def suite_text(prompts, references=(), max_chars: int = TEXT_CHARS) -> Path:
+    """The prompts' text, each followed by its reference when it has one (what the suite says), one per
+    paragraph in suite order up to `max_chars`, in a cached file."""
+    references = list(references) or [None] * len(prompts)
+    parts, size = [], 0
+    for prompt, reference in zip(prompts, references):
+        for piece in (prompt, reference):
+            if piece and size < max_chars:
+                parts.append(str(piece))
+                size += len(str(piece)) + 2
     if not parts:
         raise ConfigError("the suite has no text to calibrate or score on")
-    text = "\n\n".join(parts) + "\n"
+    text = ("\n\n".join(parts) + "\n")[:max_chars]
     digest = hashlib.sha256(text.encode()).hexdigest()
     path = paths.home() / "data" / "suite-text" / f"{digest[:16]}.txt"
     if not path.is_file():
@@ -100,14 +109,14 @@ def perplexity(gguf: Path, text: Path, *, threads: int | None = None, context: i
     """{ppl, ppl_stderr, context, text_sha256, command} of `gguf` on `text`, cached."""
     from infer_tune import contenthash
 
-    key = f"{contenthash.file_digest(gguf)[:16]}-{text_digest(text)[:12]}-c{context}"
+    key = f"{contenthash.file_digest(gguf)[:16]}-{text_digest(text)[:12]}-c{context}x{PPL_CHUNKS}"
     cache = paths.home() / "data" / "llama-perplexity" / f"{key}.json"
     try:
         return json.loads(cache.read_text())
     except (OSError, ValueError):
         pass
     cmd = [str(llamacpp.require("llama-perplexity")), "-m", str(gguf), "-f", str(text), "-c", str(context),
-           "-b", str(context)] + (["-t", str(threads)] if threads else [])
+           "-b", str(context), "--chunks", str(PPL_CHUNKS)] + (["-t", str(threads)] if threads else [])
     import subprocess
 
     try:
@@ -120,7 +129,7 @@ def perplexity(gguf: Path, text: Path, *, threads: int | None = None, context: i
         tail = " | ".join(out.strip().splitlines()[-3:])
         raise llamacpp.LlamaCppError(f"llama-perplexity failed (exit {proc.returncode}): {tail}")
     ppl, err = parse_perplexity(out)
-    found = {"ppl": ppl, "ppl_stderr": err, "context": context, "text_sha256": text_digest(text),
+    found = {"ppl": ppl, "ppl_stderr": err, "context": context, "chunks": PPL_CHUNKS, "text_sha256": text_digest(text),
              "command": [Path(cmd[0]).name] + cmd[1:]}
     cache.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_json(cache, found)

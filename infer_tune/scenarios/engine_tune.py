@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +40,7 @@ from infer_tune.runners.prepared import PreparedModel
 from infer_tune.scenarios.common import RunSpec
 from infer_tune.scenarios.endpoint import EndpointRun, measure_endpoint, open_endpoint
 from infer_tune.session import Row, build_document, save_rows
-from infer_tune.workload import load_prompts
+from infer_tune.workload import iter_prompts
 
 TECHNIQUE = "engine"
 OBJECTIVE_RATIO = {"decode": "speedup_vs_baseline", "ttft": "ttft_speedup_vs_baseline",
@@ -48,8 +49,9 @@ RECIPE_KEY = "engine_launch"  # the recommended.yaml key `bench --recipe` recogn
 
 
 def calibration_text(spec: RunSpec) -> Path:
-    """The suite's own text (every prompt and reference of the suite) as a file for llama.cpp's tools."""
-    prompts = load_prompts(spec.workload)
+    """The suite's own text (its prompts and references in suite order, calibrate.TEXT_CHARS at most) as a
+    file for llama.cpp's tools."""
+    prompts = list(itertools.islice(iter_prompts(spec.workload), 2000))
     return calibrate.suite_text([p.text for p in prompts], [p.reference for p in prompts])
 
 
@@ -63,8 +65,10 @@ def open_launch(stack: contextlib.ExitStack, spec: RunSpec, launch: lm.Launch, t
     """Start `launch` (stopped when `stack` closes) and connect the endpoint runner to it."""
     started = stack.enter_context(lm.started(launch, threads=spec.threads, calibration=text,
                                              startup_timeout_s=startup_timeout_s))
+    # ignore_eos: every launch generates the same number of tokens, so their times compare (as the reference
+    # row of tune does); the outputs still compare token by token up to that length
     config = EndpointConfig(url=started.url, served_model=started.served_model, concurrency=launch.parallel(),
-                            label=launch.label)
+                            label=launch.label, ignore_eos=True)
     model_given = not launch.model.lower().endswith(".gguf")
     run = open_endpoint(dataclasses.replace(spec, model=launch.model), config, model_given=model_given)
     run.weight_bytes = started.weight_bytes()
