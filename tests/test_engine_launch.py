@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from infer_tune.engines import calibrate
 from infer_tune.engines import launch as lm
@@ -178,6 +179,46 @@ def test_fake_engine_refusing_its_argv_fails_clearly(monkeypatch, tmp_path):
             pass
 
 
+def test_tune_engine_decides_from_intervals_and_writes_the_launch(monkeypatch, tmp_path, tiny_model_dir, prompts_file):
+    """tune --engine on a fake llama-server: the default launch (f16) paced at 30 ms a token, q4_0 at 10 ms and
+    q8_0 at 15 ms but over the perplexity budget, a refused launch: q4_0 wins on its interval, recommended.yaml
+    holds its argv and bench --recipe's reader gets the same launch back."""
+    from infer_tune.scenarios.common import RunSpec
+    from infer_tune.workload import Protocol, Workload
+
+    server = tmp_path / "llama-server"
+    server.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE} \"$@\"\n")
+    server.chmod(0o755)
+    monkeypatch.setenv("LLAMA_SERVER", str(server))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("FAKE_ENGINE_GAP_S", json.dumps({"q4_0.gguf": 0.01, "q8_0.gguf": 0.015, "*": 0.03}))
+    ggufs = {}
+    for name in ("f16", "q8_0", "q4_0"):
+        ggufs[name] = tmp_path / f"{name}.gguf"
+        ggufs[name].write_bytes(b"GGUF" + name.encode())
+    monkeypatch.setattr(lm, "resolve_files", lambda launch, **_: {"model": ggufs[launch.get("gguf", "f16")]})
+    ppl = {"f16": 10.0, "q8_0": 11.0, "q4_0": 10.3}
+    monkeypatch.setattr(et, "perplexity_of", lambda started, text, threads: {
+        "ppl": ppl[started.launch.get("gguf", "f16")], "ppl_stderr": 0.1, "context": 128})
+    spec = RunSpec(model=str(tiny_model_dir), workload=Workload(suite=str(prompts_file), limit=2, max_new_tokens=8),
+                   protocol=Protocol(warmup=1, min_iterations=3, min_duration_s=0.0), out_dir=tmp_path / "runs")
+    tspec = et.EngineTuneSpec(max_ppl_delta=5, budget_s=120)
+    outcome = et.run_engine_tune(spec, tspec, settings_list=[
+        {"gguf": "q8_0"}, {"gguf": "q4_0"}, {"gguf": "q4_0", "cache_type_v": "q4_0", "flash_attn": "off"}])
+    rows = {r["label"]: r for r in outcome.tried()}
+    q4, q8 = rows["llama.cpp gguf=q4_0"], rows["llama.cpp gguf=q8_0"]
+    assert q4["status"] == "winner" and q4["ratio_ci95"][0] > 1.5  # 30 ms against 10 ms a token
+    assert q8["eligible"] is False and "exceeds the 5% budget" in q8["reason"]
+    assert abs(q4["ppl_delta_pct"] - 3.0) < 1e-9
+    refused = rows["llama.cpp gguf=q4_0 cache_type_v=q4_0 flash_attn=off"]
+    assert refused["status"] == "refused" and "flash attention" in refused["reason"]
+    assert outcome.winner["metrics"]["rounds"]["rounds"] >= 3
+    body = yaml.safe_load(outcome.recommended.read_text())[et.RECIPE_KEY]
+    assert body["settings"] == {"gguf": "q4_0"} and str(ggufs["q4_0"]) in body["argv"]
+    again = et.launch_from_recipe(outcome.recommended)
+    assert again.settings == {"gguf": "q4_0"} and again.engine == "llama.cpp"
+
+
 def test_cli_bench_engine_bad_setting_exits_2():
     proc = subprocess.run([sys.executable, "-m", "infer_tune", "bench", "--engine", "llama.cpp", "--set", "gguf=q9"],
                           capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
@@ -189,10 +230,21 @@ def test_cli_bench_engine_bad_setting_exits_2():
     ("llama-server", "llama-quantize", "llama-perplexity")) != [],
     reason="llama.cpp's llama-server / llama-quantize / llama-perplexity are not built here "
            "(scripts/build-llama-cpp.sh)")
-def test_real_llama_server_q4_0_against_default(smollm2_available, tmp_path):
-    """bench --engine llama.cpp gguf=q4_0 on SmolLM2: two launches, drift and perplexity change in the row."""
+def test_real_llama_server_q4_0_against_default(smollm2_available, tmp_path, _test_home):
+    """bench --engine llama.cpp gguf=q4_0 on SmolLM2: two launches, drift and perplexity change in the row
+    (~30 s with the GGUFs made; making them takes minutes, so without them it is skipped)."""
+    from conftest import REAL_HOME
+
+    from infer_tune import models
+    from infer_tune.engines import llamacpp
+
     if not smollm2_available:
         pytest.skip("SmolLM2 is not provisioned here")
+    if not (_test_home / "gguf").exists() and (REAL_HOME / "gguf").is_dir():
+        (_test_home / "gguf").symlink_to(REAL_HOME / "gguf")  # read: the f16 and q4_0 GGUFs already made
+    folder = llamacpp.gguf_dir(models.resolve("smollm2-135m"))
+    if not all((folder / f"{t}.gguf").is_file() for t in ("f16", "q4_0")):
+        pytest.skip("SmolLM2's f16 / q4_0 GGUFs are not made here (infer-tune models gguf smollm2-135m)")
     from infer_tune.scenarios.common import RunSpec
     from infer_tune.workload import Protocol, Workload
 

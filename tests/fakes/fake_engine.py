@@ -2,7 +2,8 @@
 launch_server), it checks its argv against $FAKE_ENGINE_EXPECT (a JSON list of arguments that must appear,
 in order where they are a flag and its value), writes the argv it got to $FAKE_ENGINE_ARGV, exits 3 when a
 check fails, else answers OpenAI-style on the --port it was given with a known pace ($FAKE_ENGINE_GAP_S per
-token, 8 tokens)."""
+token, 8 tokens; a JSON object {"substring": seconds, ...} paces by the first substring found in the argv).
+llama-server's argv names the model with --alias, vLLM's and SGLang's with --served-model-name."""
 
 import asyncio
 import json
@@ -27,8 +28,12 @@ def main(argv: list[str]) -> int:
                 print(f"fake engine: {arg} is not followed by {expected[i + 1]!r}", file=sys.stderr)
                 return 3
     port = int(argv[argv.index("--port") + 1])
-    name = argv[argv.index("--served-model-name") + 1]
-    handler = _Handler(Behaviour(model=name, chunks=8, gap_s=float(os.environ.get("FAKE_ENGINE_GAP_S", "0.005"))))
+    name = argv[argv.index("--served-model-name" if "--served-model-name" in argv else "--alias") + 1]
+    gap = json.loads(os.environ.get("FAKE_ENGINE_GAP_S", "0.005"))
+    if isinstance(gap, dict):
+        joined = " ".join(argv)
+        gap = next((v for k, v in gap.items() if k in joined), gap.get("*", 0.005))
+    handler = _Handler(Behaviour(model=name, chunks=8, gap_s=float(gap)))
 
     async def serve() -> None:
         server = await asyncio.start_server(handler.connection, "127.0.0.1", port)
