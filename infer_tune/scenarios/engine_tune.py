@@ -113,7 +113,7 @@ def run_engine_bench(spec: RunSpec, launch: lm.Launch, *, against_default: bool 
     base_doc = base_outputs = None
     if against_default and launch.engine == "llama.cpp" and launch.settings != default.settings:
         if progress:
-            progress(f"launch {default.label}")
+            progress(f"launch {default.label}", 0, 2)
         with contextlib.ExitStack() as stack:
             started, run = open_launch(stack, spec, default, text)
             base_doc, base_outputs = measure_endpoint(run, spec, extra_config=launch_config(started), progress=progress)
@@ -121,7 +121,7 @@ def run_engine_bench(spec: RunSpec, launch: lm.Launch, *, against_default: bool 
             add_quality(base_doc, perplexity_of(started, text, spec.threads), None)
         rows.append(Row(base_doc, base_outputs))
     if progress:
-        progress(f"launch {launch.label}")
+        progress(f"launch {launch.label}", 1, 2)
     with contextlib.ExitStack() as stack:
         started, run = open_launch(stack, spec, launch, text)
         doc, outputs = measure_endpoint(run, spec, extra_config=launch_config(started), progress=progress)
@@ -252,12 +252,12 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
     notes: list[str] = []
     with contextlib.ExitStack() as stack:
         if progress:
-            progress(f"launch {default.label}")
+            progress(f"launch {default.label}", 0, len(launches) + 1)
         base_started, base_run = open_launch(stack, spec, default, text)
         live: list[tuple[lm.Launch, lm.Started, EndpointRun]] = []
         for i, launch in enumerate(launches):
             if progress:
-                progress(f"launch {launch.label}", i, len(launches))
+                progress(f"launch {launch.label}", i + 1, len(launches) + 1)
             files = lm.resolve_files(launch, threads=spec.threads, calibration=text)
             why = lm.preflight(launch, files, lm.model_config(launch))
             if why:
