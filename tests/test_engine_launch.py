@@ -160,7 +160,7 @@ def test_fake_engine_launch_is_measured(engine, settings, expect, monkeypatch, t
     spec = RunSpec(model=str(tiny_model_dir), workload=Workload(suite=str(prompts_file), limit=2, max_new_tokens=8),
                    protocol=Protocol(warmup=1, min_iterations=1, min_duration_s=0.0), out_dir=tmp_path / "runs")
     launch = lm.Launch(engine, str(tiny_model_dir), settings)
-    docs = et.run_engine_bench(spec, launch)
+    docs = et.run_engine_bench(spec, launch, progress=lambda what, done, total: None)
     assert len(docs) == 1  # no default-launch row off llama.cpp (its quality is against the f16 GGUF)
     doc = docs[0]
     got = json.loads(argv_file.read_text())
@@ -204,7 +204,8 @@ def test_tune_engine_decides_from_intervals_and_writes_the_launch(monkeypatch, t
                    protocol=Protocol(warmup=1, min_iterations=3, min_duration_s=0.0), out_dir=tmp_path / "runs")
     tspec = et.EngineTuneSpec(max_ppl_delta=5, budget_s=120)
     outcome = et.run_engine_tune(spec, tspec, settings_list=[
-        {"gguf": "q8_0"}, {"gguf": "q4_0"}, {"gguf": "q4_0", "cache_type_v": "q4_0", "flash_attn": "off"}])
+        {"gguf": "q8_0"}, {"gguf": "q4_0"}, {"gguf": "q4_0", "cache_type_v": "q4_0", "flash_attn": "off"}],
+        progress=lambda what, done, total: None)  # the progress bar's signature
     rows = {r["label"]: r for r in outcome.tried()}
     q4, q8 = rows["llama.cpp gguf=q4_0"], rows["llama.cpp gguf=q8_0"]
     assert q4["status"] == "winner" and q4["ratio_ci95"][0] > 1.5  # 30 ms against 10 ms a token
