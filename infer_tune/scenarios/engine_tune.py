@@ -302,7 +302,15 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
     saved = save_rows(spec.out_dir, [r for r in rows])
     base_doc, docs = saved[0], saved[1:]
     winner_doc = next((d for d in docs if d.get("engine_status") == "winner"), base_doc)
-    if winner is None:
+    if winner is not None:
+        key = OBJECTIVE_RATIO[tspec.objective]
+        low = winner["metrics"][key + "_ci95"][0]
+        close = [d["label"] for d in docs if d.get("eligible") and d is not winner_doc
+                 and (d["metrics"].get(key + "_ci95") or [0, 0])[1] >= low]
+        if close:
+            notes.append(f"the winner's {key} interval overlaps {', '.join(close)}'s: not separated from "
+                         f"{'it' if len(close) == 1 else 'them'} on this run (the largest point wins)")
+    else:
         notes.append("no launch's interval cleared the default launch within the quality budget: the default stands")
     recommended = write_recommended(spec, winner_started, winner_doc)
     return EngineTuneOutcome(baseline=base_doc, rows=docs, refused=refused, winner=winner_doc,
@@ -313,7 +321,8 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
 def write_recommended(spec: RunSpec, started: lm.Started, doc: dict) -> Path:
     """`OUT/recommended.yaml`: the launch (engine, model, settings), its argv and GGUF(s), and the workload."""
     record = started.record()
-    body = {RECIPE_KEY: {"engine": record["engine"], "model": record["model"], "settings": record["settings"],
+    settings = {**record["settings"], **({"threads": str(spec.threads)} if spec.threads else {})}
+    body = {RECIPE_KEY: {"engine": record["engine"], "model": record["model"], "settings": settings,
                          "argv": record["argv"], "gguf": record.get("gguf"), "llama_cpp": record.get("llama_cpp")},
             "workload": spec.workload.to_dict(), "result": doc.get("_path"),
             "measured": {k: doc["metrics"].get(k) for k in ("speedup_vs_baseline", "speedup_vs_baseline_ci95",
