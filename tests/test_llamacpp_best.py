@@ -272,3 +272,62 @@ def test_real_pipeline_on_a_tiny_llama(tiny_bpe_checkpoint):
     best = llamacpp.best(tiny_bpe_checkpoint, [8], 4, 1, repeats=1, formats=("q4_0", "q8_0"))
     assert best.format in ("q4_0", "q8_0") and all(t.decode_tok_s > 0 for t in best.timings)
     assert best.llama_cpp["commit"] and best.llama_cpp.get("build_commit")
+
+
+def test_tune_times_the_workloads_own_prompt_lengths(fake_tools, tiny_loaded):
+    """tune's reference: llama-bench at the prompts' token counts (as the runner sends them) and the
+    workload's new tokens, the run's threads; the fastest becomes a server-engine config's GGUF."""
+    from types import SimpleNamespace
+
+    from infer_tune.scenarios.tune import fastest_reference
+    from infer_tune.tuners.base import RunContext
+
+    rendered = ["a short question", "a somewhat longer question about caches and batching and kernels"]
+    counts = [len(tiny_loaded.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in rendered]
+    run = SimpleNamespace(loaded=tiny_loaded, inputs=SimpleNamespace(rendered=rendered, templated=True))
+    spec = SimpleNamespace(workload=SimpleNamespace(max_new_tokens=24))
+    chosen = fastest_reference(run, spec, RunContext(device="cpu", dtype="float32", threads=3))
+    bench_call = next(c for c in fake_tools.read_text().splitlines() if c.startswith("bench"))
+    assert f"-p {','.join(str(n) for n in sorted(set(counts)))} -n 24 -t 3 " in bench_call
+    assert chosen.format == "q4_k_m" and chosen.n_gen == 24 and chosen.threads == 3
+    assert bench_call.count(" -m ") == 3  # no shipped GGUF behind a random model: nothing timed beside
+
+
+@pytest.mark.parametrize("extra, fragment", [(["--type", "q4_1"], "GGUF type"),
+                                             (["--bench", "--prompt-lengths", "40,x"], "--prompt-lengths"),
+                                             (["--bench", "--n-gen", "0"], "--bench"),
+                                             (["--objective", "latency"], "--objective")])
+def test_models_gguf_bad_input_exits_2(tiny_model_dir, extra, fragment):
+    from typer.testing import CliRunner
+
+    from infer_tune.cli import app
+
+    result = CliRunner().invoke(app, ["models", "gguf", str(tiny_model_dir), *extra])
+    assert result.exit_code == 2 and fragment in result.output and "Traceback" not in result.output
+
+
+def test_real_server_row_records_the_build(tiny_bpe_checkpoint, prompts_file, tmp_path):
+    """A `technique: llama-cpp` row on the built llama-server (engine server): measured through the endpoint
+    runner, labelled by its format, with the commit and system_info of the build in its metrics."""
+    _real_tools_or_skip()
+    if llamacpp.tool("llama-server") is None:
+        pytest.skip("llama.cpp's llama-server not built here (scripts/build-llama-cpp.sh)")
+    from typer.testing import CliRunner
+
+    from infer_tune.cli import app
+
+    path = llamacpp.gguf(tiny_bpe_checkpoint, "q8_0", threads=2)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(json.dumps({
+        "model": str(tiny_bpe_checkpoint), "workload": {"suite": str(prompts_file), "limit": 2, "max_new_tokens": 4},
+        "protocol": {"warmup": 1, "min_iterations": 1, "min_duration_s": 0},
+        "configs": [{"technique": "llama-cpp", "gguf": str(path), "engine": "server"}]}))
+    result = CliRunner().invoke(app, ["bench", "--recipe", str(recipe), "--threads", "1", "--no-ppl",
+                                      "--out", str(tmp_path / "runs"), "--json"])
+    assert result.exit_code == 0, result.output
+    docs = json.loads(result.stdout)
+    row = next(d for d in (docs if isinstance(docs, list) else [docs]) if d["technique"] == "llama-cpp")
+    m = row["metrics"]
+    assert row["label"] == "llama.cpp q8_0" and row["runner"] == "endpoint" and m["gguf_format"] == "q8_0"
+    assert m["llama_cpp"]["commit"] == llamacpp.build_info()["commit"]
+    assert m["command"][0] == "llama-server" and m["requests_ok"] == 2

@@ -66,8 +66,8 @@ class TuneSpec:
     max_ppl_delta: largest perplexity change allowed, in percent; max_bleu_drift: largest BLEU loss
     allowed (points); require_lossless: only configs whose outputs equal the baseline's token for token;
     objective: decode (TPOT p50), ttft (TTFT p50), throughput (output tok/s) or goodput (requests/s
-    meeting the SLOs); budget_s: wall-clock budget for the whole search; reference: measure llama.cpp on
-    the same GGUF when it is installed; compile: allow candidates that compile the decode step (minutes
+    meeting the SLOs); budget_s: wall-clock budget for the whole search; reference: measure llama.cpp at
+    its best (its fastest format here, made from the same checkpoint) when it is built; compile: allow candidates that compile the decode step (minutes
     of compilation each). goodput only: rate (requests/s of the seeded Poisson trace), slo_ttft_ms and
     slo_tpot_ms (what a good request meets), seed (of the trace's arrivals and prompt order).
     """

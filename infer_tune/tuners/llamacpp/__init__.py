@@ -62,7 +62,12 @@ class LlamaCppConfig(TechniqueConfig):
             raise ConfigError(f"llama-cpp: engine must be one of {', '.join(ENGINES)}; got {self.engine!r}")
 
     def label(self) -> str:
-        return "llama.cpp (same GGUF)" if self.gguf is None else f"llama.cpp ({Path(self.gguf).name})"
+        if self.gguf is None:
+            return "llama.cpp (the shipped GGUF)"
+        from infer_tune.engines import llamacpp as engine
+
+        made = engine.gguf_facts(self.gguf).get("format")
+        return f"llama.cpp {made}" if made else f"llama.cpp ({Path(self.gguf).name})"
 
 
 def available() -> bool:
