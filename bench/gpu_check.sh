@@ -6,6 +6,9 @@
 #      on a tiny random Llama on CUDA, greedy tokens equal to the eager path's
 #   3. CUDA-event timing next to host timing around the same step
 #   4. nccl: an all_reduce across two ranks when the machine has two devices (skipped otherwise)
+#   5. engine launches: `bench --engine vllm` and `bench --engine sglang` on a small checkpoint (fp8 KV cache,
+#      a slot limit) where the engine is installed (skipped otherwise): the launch path of
+#      infer_tune/engines/launch.py against the real server (tests/test_engine_launch.py runs it against a fake)
 # The checks live in bench/gpu_check.py. Prints one line per check (PASS / FAIL / SKIP) and a summary; exits 1 if a check failed. On a machine
 # without CUDA it says so and exits 0.
 #
@@ -21,4 +24,22 @@ if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() el
   exit 0
 fi
 
-exec timeout 900 "$PYTHON" bench/gpu_check.py
+timeout 900 "$PYTHON" bench/gpu_check.py
+rc=$?
+
+# 5. engine launches (ENGINE_MODEL: a small checkpoint or hub id the engines can load offline)
+ENGINE_MODEL="${ENGINE_MODEL:-HuggingFaceTB/SmolLM2-135M-Instruct}"
+engine_check() {  # name, python module, settings...
+  local name=$1 module=$2; shift 2
+  if ! "$PYTHON" -c "import $module" 2>/dev/null; then echo "SKIP engine $name: $module is not installed"; return; fi
+  local sets=(); for s in "$@"; do sets+=(--set "$s"); done
+  if timeout 900 "$PYTHON" -m infer_tune bench --engine "$name" --model "$ENGINE_MODEL" --limit 2 \
+       --max-new-tokens 16 --out runs/gpu-check-engines "${sets[@]}" > "/tmp/gpu-check-$name.log" 2>&1; then
+    echo "PASS engine $name ($*)"
+  else
+    echo "FAIL engine $name ($*): $(tail -n 2 "/tmp/gpu-check-$name.log" | tr '\n' ' ')"; rc=1
+  fi
+}
+engine_check vllm vllm kv_cache_dtype=fp8 max_num_seqs=8 max_num_batched_tokens=2048
+engine_check sglang sglang kv_cache_dtype=fp8_e4m3 max_num_seqs=8
+exit $rc

@@ -14,6 +14,8 @@ from infer_tune.cli import output
 from infer_tune.cli.measure import render_result, run_spec
 from infer_tune.errors import ConfigError, InferTuneError
 
+Engine = Annotated[str | None, typer.Option("--engine", help="Launch this serving engine on loopback (llama.cpp, vllm, sglang) with the --set settings and measure it like --endpoint (docs/endpoint.md, 'Launching an engine').")]
+Sets = Annotated[list[str] | None, typer.Option("--set", help="An engine setting KEY=VALUE (repeatable), e.g. gguf=q4_0, cache_type_k=q8_0, parallel=4.")]
 Recipe = Annotated[str | None, typer.Option("--recipe", "-r", help="Built-in recipe name or YAML file: baseline + every config in it. Options given on the command line override the recipe's.")]
 
 
@@ -36,6 +38,8 @@ def bench(
     workers: ep.Workers = None,
     executor: xo.Executor = "local",
     ray_address: xo.RayAddress = None,
+    engine: Engine = None,
+    sets: Sets = None,
 ) -> None:
     """Measure the baseline (or every config of a --recipe against it): TTFT, ITL, TPOT, e2e, throughput,
     memory, roofline, BLEU/chrF and perplexity.
@@ -48,6 +52,8 @@ def bench(
     served weights (their tokenizer renders prompts and counts tokens):
     infer-tune bench --endpoint http://127.0.0.1:8000/v1 --model smollm2-135m --limit 4 --max-new-tokens 32
     """
+    if engine is not None or sets or (recipe is not None and _engine_recipe(recipe) is not None):
+        return bench_engine(opts, engine, sets or [], recipe)
     if executor != "local" and recipe is None:
         raise ConfigError("--executor applies to the configs of a --recipe (a baseline alone runs here)")
     if endpoint is not None:
@@ -77,6 +83,45 @@ def bench(
         output.print_json(docs)
         return
     render_recipe(docs, spec.out_dir)
+
+
+def _engine_recipe(recipe: str):
+    from infer_tune.scenarios.engine_tune import launch_from_recipe
+
+    return launch_from_recipe(recipe) if recipe.endswith((".yaml", ".yml")) else None
+
+
+def bench_engine(opts: opt.MeasureOptions, engine: str | None, sets: list[str], recipe: str | None) -> None:
+    """`bench --engine E --set K=V ...` (or `--recipe` a recommended.yaml of `tune --engine`): one launch
+    measured by the endpoint runner, after the engine's default launch it is compared with."""
+    from infer_tune.cli.measure import run_spec
+    from infer_tune.engines.launch import Launch, parse_settings
+    from infer_tune.scenarios.engine_tune import run_engine_bench
+
+    if recipe is not None:
+        launch = _engine_recipe(recipe)
+        if launch is None:
+            raise ConfigError(f"--engine with --recipe takes a recommended.yaml of tune --engine, got {recipe}")
+        if sets:
+            launch = Launch(launch.engine, launch.model, {**launch.settings, **parse_settings(launch.engine, sets)})
+    else:
+        if engine is None:
+            raise ConfigError("--set applies to --engine")
+        launch = Launch(engine, opts.model, parse_settings(engine, sets))
+    spec = run_spec(opts)
+    with output.progress_bar(not opts.json_out, out_dir=spec.out_dir) as progress:
+        docs = run_engine_bench(spec, launch, progress=progress)
+    if opts.json_out:
+        output.print_json(docs)
+        return
+    for doc in docs:
+        render_result(doc, doc.get("_path"))
+        m = doc["metrics"]
+        output.out.print(f"launch: {' '.join(doc['config']['launch']['argv'])}", soft_wrap=True, markup=False)
+        if m.get("ppl") is not None:
+            output.out.print(f"perplexity (llama-perplexity, suite text): {m['ppl']:.3f}"
+                             + (f", {m['ppl_delta_pct']:+.2f}% vs the default launch" if m.get("ppl_delta_pct") is not None else ""),
+                             markup=False)
 
 
 def render_recipe(docs: list[dict], out_dir: Path) -> None:

@@ -25,6 +25,7 @@ Methods = Annotated[str | None, typer.Option("--methods", help="Quantize methods
                                                                "(default: int4-rtn-a8,int4-rtn,int4-weight,int8-dynamic,int8-static,bf16; "
                                                                "-a8: with int8 activations).")]
 Reference = Annotated[bool, typer.Option("--reference/--no-reference", help="Measure llama.cpp at its best as a reference row: the fastest of Q4_0 / Q4_K_M / Q8_0 made from the same checkpoint (needs scripts/build-llama-cpp.sh; else llama-cpp-python on the shipped GGUF).")]
+Engine = Annotated[str | None, typer.Option("--engine", help="Search a serving engine's own settings instead (llama.cpp): launches on loopback, quality against its default launch (docs/tune.md, 'Tuning a deployed engine').")]
 Compile = Annotated[bool, typer.Option("--compile/--no-compile", help="Allow candidates that compile the decode step (minutes each on few cores).")]
 
 
@@ -114,6 +115,7 @@ def tune(
     rate: Rate = None,
     slo_ttft_ms: opt.SloTtft = None,
     slo_tpot_ms: opt.SloTpot = None,
+    engine: Engine = None,
 ) -> None:
     """Search the configurations the techniques offer (and their stacks) for the fastest one within the
     drift budget, on this machine; print the winner, its numbers and how to reproduce it.
@@ -147,6 +149,11 @@ def tune(
         raise ConfigError(f"--max-ppl-delta must be >= 0 (percent), got {max_ppl_delta}")
     if max_bleu_drift < 0:
         raise ConfigError(f"--max-bleu-drift must be >= 0 (BLEU points lost), got {max_bleu_drift}")
+    if engine is not None:
+        from infer_tune.cli.engine_tune import tune_engine
+
+        return tune_engine(opts, engine, max_ppl_delta=max_ppl_delta, max_bleu_drift=max_bleu_drift,
+                           objective=objective, budget_s=budget_minutes * 60)
     chosen = tuple(m.strip() for m in methods.split(",") if m.strip()) if methods else None
     if objective not in OBJECTIVES:
         raise ConfigError(f"--objective must be {', '.join(OBJECTIVES[:-1])} or {OBJECTIVES[-1]}, got '{objective}'")

@@ -1,0 +1,56 @@
+"""`infer-tune tune --engine llama.cpp`: the table of launches, the winner and its launch command."""
+
+from __future__ import annotations
+
+import shlex
+
+from rich.table import Table
+
+from infer_tune.cli import options as opt
+from infer_tune.cli import output
+
+
+def tune_engine(opts: opt.MeasureOptions, engine: str, *, max_ppl_delta: float, max_bleu_drift: float,
+                objective: str, budget_s: float) -> None:
+    from infer_tune.cli.measure import run_spec
+    from infer_tune.scenarios.engine_tune import EngineTuneSpec, run_engine_tune
+
+    tspec = EngineTuneSpec(engine=engine, max_ppl_delta=max_ppl_delta, max_bleu_drift=max_bleu_drift,
+                           objective=objective, budget_s=budget_s, seed=opts.seed)
+    spec = run_spec(opts)
+    with output.progress_bar(not opts.json_out, out_dir=spec.out_dir) as progress:
+        outcome = run_engine_tune(spec, tspec, progress=progress)
+    if opts.json_out:
+        output.print_json(outcome.to_dict())
+        return
+    render(outcome, tspec)
+
+
+def render(outcome, tspec) -> None:
+    table = Table(title=f"tune --engine {tspec.engine} · {outcome.baseline['model']['ref']} "
+                        f"({outcome.elapsed_s / 60:.1f} min, objective {tspec.objective})")
+    for name in ("launch", "status", "ratio [95%]", "decode tok/s", "TTFT p50 ms", "ppl", "ppl Δ%", "BLEU drift",
+                 "BLEU vs default", "why not"):
+        table.add_column(name, justify="left" if name in ("launch", "status", "why not") else "right")
+    base = outcome.baseline["metrics"]
+    table.add_row(outcome.baseline["label"], "default", "1.00", output.fmt(1000 / base["tpot_ms"]["p50"], ".1f"),
+                  output.fmt(base["ttft_ms"]["p50"], ".0f"), output.fmt(base.get("ppl"), ".3f"), "-", "-", "-", "")
+    for row in outcome.tried():
+        if row["status"] == "refused":
+            table.add_row(row["label"], "refused", "-", "-", "-", "-", "-", "-", "-", row["reason"])
+            continue
+        ci = row["ratio_ci95"]
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+        table.add_row(row["label"], row["status"] + (" ✓" if row["eligible"] else ""), ratio,
+                      output.fmt(row["decode_tok_s"], ".1f"), output.fmt(row["ttft_p50_ms"], ".0f"),
+                      output.fmt(row["ppl"], ".3f"), output.fmt(row["ppl_delta_pct"], "+.2f"),
+                      output.fmt(row["bleu_drift"], "+.2f"), output.fmt(row["bleu_vs_baseline"], ".1f"),
+                      row["reason"] or "")
+    output.out.print(table)
+    for line in outcome.notes:
+        output.out.print(f"note: {line}", soft_wrap=True)
+    w = outcome.winner
+    output.out.print(f"winner: {w['label']}", soft_wrap=True, markup=False)
+    output.out.print(f"launch: {shlex.join(outcome.command)}", soft_wrap=True, markup=False)
+    output.out.print(f"recommended: {outcome.recommended} (measure it again: infer-tune bench --recipe "
+                     f"{outcome.recommended})", soft_wrap=True, markup=False)

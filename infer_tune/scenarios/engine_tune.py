@@ -1,0 +1,345 @@
+"""A serving engine's own settings, measured and searched: `bench --engine` and `tune --engine`
+(docs/tune.md, "Tuning a deployed engine"; docs/endpoint.md, "Launching an engine").
+
+Every row is a launch (infer_tune.engines.launch) started on loopback and driven by the endpoint runner and
+its load generator, exactly as `bench --endpoint` drives a server; rows are written by the engine's writer
+(`session.save_rows`) with `technique: "engine"` and `config.launch` (engine, settings, argv, the GGUF's
+digest and its imatrix, the llama.cpp commit). Quality of a llama.cpp row is measured against the
+engine's default launch (the f16 GGUF, default flags): BLEU drift, exact match and faithfulness of its
+outputs against the default's, and perplexity by `llama-perplexity` on the suite's own text
+(engines.calibrate), so `ppl_delta_pct` means what it means for an in-process row.
+
+`tune --engine`: the candidates (`candidates`, sized to the budget) are all started at once (idle servers
+wait), refused in preflight with the reason where they cannot run here, then measured with the default
+launch in the sweep engine's interleaved rounds (infer_tune.rounds: >= 3 rounds, shuffled order, one ratio
+per round, 95% intervals from infer_tune.metrics.stats). The winner is the row within the quality budget
+whose ratio interval on the objective lies above 1 with the largest point; none: the default launch. It is
+written to `recommended.yaml` (the launch, its argv, its GGUF and imatrix), which `bench --recipe` launches
+again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from infer_tune import atomic
+from infer_tune.endpoint.config import EndpointConfig
+from infer_tune.engines import calibrate
+from infer_tune.engines import launch as lm
+from infer_tune.errors import ConfigError
+from infer_tune.metrics import deltas, noise
+from infer_tune.runners.base import Progress
+from infer_tune.runners.prepared import PreparedModel
+from infer_tune.scenarios.common import RunSpec
+from infer_tune.scenarios.endpoint import EndpointRun, measure_endpoint, open_endpoint
+from infer_tune.session import Row, build_document, save_rows
+from infer_tune.workload import iter_prompts
+
+TECHNIQUE = "engine"
+OBJECTIVE_RATIO = {"decode": "speedup_vs_baseline", "ttft": "ttft_speedup_vs_baseline",
+                   "throughput": "throughput_ratio_vs_baseline"}
+RECIPE_KEY = "engine_launch"  # the recommended.yaml key `bench --recipe` recognizes
+
+
+def calibration_text(spec: RunSpec) -> Path:
+    """The suite's own text (its prompts and references in suite order, calibrate.TEXT_CHARS at most) as a
+    file for llama.cpp's tools."""
+    prompts = list(itertools.islice(iter_prompts(spec.workload), 2000))
+    return calibrate.suite_text([p.text for p in prompts], [p.reference for p in prompts])
+
+
+def launch_config(started: lm.Started) -> dict:
+    return {"engine": started.launch.engine, "settings": started.launch.to_dict()["settings"],
+            "launch": started.record()}
+
+
+def open_launch(stack: contextlib.ExitStack, spec: RunSpec, launch: lm.Launch, text: Path | None,
+                startup_timeout_s: float = 300.0) -> tuple[lm.Started, EndpointRun]:
+    """Start `launch` (stopped when `stack` closes) and connect the endpoint runner to it."""
+    started = stack.enter_context(lm.started(launch, threads=spec.threads, calibration=text,
+                                             startup_timeout_s=startup_timeout_s))
+    # ignore_eos: every launch generates the same number of tokens, so their times compare (as the reference
+    # row of tune does); the outputs still compare token by token up to that length
+    config = EndpointConfig(url=started.url, served_model=started.served_model, concurrency=launch.parallel(),
+                            label=launch.label, ignore_eos=True)
+    model_given = not launch.model.lower().endswith(".gguf")
+    run = open_endpoint(dataclasses.replace(spec, model=launch.model), config, model_given=model_given)
+    run.weight_bytes = started.weight_bytes()
+    run.env["endpoint"]["launched"] = started.record()
+    return started, run
+
+
+def perplexity_of(started: lm.Started, text: Path | None, threads: int | None) -> dict | None:
+    """llama-perplexity of the launch's GGUF on the suite's text (None: not llama.cpp, or no tool)."""
+    from infer_tune.engines import llamacpp
+
+    if started.launch.engine != "llama.cpp" or text is None or llamacpp.tool("llama-perplexity") is None:
+        return None
+    return calibrate.perplexity(started.files["model"], text, threads=threads)
+
+
+def add_quality(doc: dict, ppl: dict | None, base_doc: dict | None) -> None:
+    """The launch's perplexity (and its change against the default launch's) in the row."""
+    m = doc["metrics"]
+    if ppl is not None:
+        m.update(ppl=ppl["ppl"], ppl_stderr=ppl["ppl_stderr"], ppl_source="llama-perplexity",
+                 ppl_context=ppl["context"])
+    base = (base_doc or {}).get("metrics", {})
+    if base_doc is not None and m.get("ppl") and base.get("ppl"):
+        m["ppl_delta_pct"] = 100.0 * (m["ppl"] - base["ppl"]) / base["ppl"]
+
+
+def default_launch(launch: lm.Launch) -> lm.Launch:
+    """The engine's default launch of the same model: llama.cpp's f16 GGUF with default flags."""
+    keep = {k: v for k, v in launch.settings.items() if k == "threads"}
+    return lm.Launch(launch.engine, launch.model, keep)
+
+
+# --------------------------------------------------------------------------- bench --engine
+def run_engine_bench(spec: RunSpec, launch: lm.Launch, *, against_default: bool = True,
+                     progress: Progress | None = None) -> list[dict]:
+    """One launch measured like `bench --endpoint`; for llama.cpp first the default launch (the row its
+    drift, perplexity change and speedup are against) unless it is the default. Returns the saved docs."""
+    text = calibration_text(spec) if launch.engine == "llama.cpp" else None
+    default = default_launch(launch)
+    rows: list[Row] = []
+    base_doc = base_outputs = None
+    if against_default and launch.engine == "llama.cpp" and launch.settings != default.settings:
+        if progress:
+            progress(f"launch {default.label}", 0, 2)
+        with contextlib.ExitStack() as stack:
+            started, run = open_launch(stack, spec, default, text)
+            base_doc, base_outputs = measure_endpoint(run, spec, extra_config=launch_config(started), progress=progress)
+            base_doc["technique"] = TECHNIQUE
+            add_quality(base_doc, perplexity_of(started, text, spec.threads), None)
+        rows.append(Row(base_doc, base_outputs))
+    if progress:
+        progress(f"launch {launch.label}", 1, 2)
+    with contextlib.ExitStack() as stack:
+        started, run = open_launch(stack, spec, launch, text)
+        doc, outputs = measure_endpoint(run, spec, extra_config=launch_config(started), progress=progress)
+        doc["technique"] = TECHNIQUE
+        add_quality(doc, perplexity_of(started, text, spec.threads), None)
+    if base_doc is not None:
+        doc["metrics"].update(deltas.versus_baseline(doc["metrics"], outputs, base_doc, base_outputs))
+        add_quality(doc, None, base_doc)
+        doc["baseline_run_id"] = base_doc["run_id"]
+    rows.append(Row(doc, outputs))
+    return save_rows(spec.out_dir, rows)
+
+
+# --------------------------------------------------------------------------- tune --engine
+@dataclass
+class EngineTuneSpec:
+    engine: str = "llama.cpp"
+    max_ppl_delta: float = 5.0
+    max_bleu_drift: float = 1.0
+    objective: str = "decode"
+    budget_s: float = 600.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        lm.check_engine(self.engine)
+        if self.engine != "llama.cpp":
+            raise ConfigError(f"tune --engine {self.engine} needs its GPU: only llama.cpp is searched on this host "
+                              "(bench --engine measures one vLLM / SGLang launch)")
+        if self.objective not in OBJECTIVE_RATIO:
+            raise ConfigError(f"tune --engine: --objective must be one of {', '.join(OBJECTIVE_RATIO)}, "
+                              f"got {self.objective!r}")
+
+
+def candidates(spec: EngineTuneSpec, model: str, threads: int | None = None) -> list[dict]:
+    """The launches worth trying for the objective, cheapest evidence first, sized to the budget (about one
+    candidate per budget minute, at least the four formats)."""
+    fa = {"flash_attn": "on"}
+    found: list[dict] = [{"gguf": "q8_0"}, {"gguf": "q4_0"}, {"gguf": "q4_k_m"}, {"gguf": "imatrix-q4_k_m"},
+                         {"gguf": "q4_0", **fa}, {"gguf": "q4_0", "cache_type_k": "q8_0", "cache_type_v": "q8_0", **fa}]
+    if spec.objective == "throughput":
+        found[1:1] = [{"gguf": "q4_0", "parallel": 4}, {"gguf": "q4_k_m", "parallel": 4}]
+    elif spec.objective == "decode":
+        found.append({"gguf": "q4_0", "spec_type": "ngram-simple"})
+    return found[:max(4, int(spec.budget_s // 60))]
+
+
+@dataclass
+class EngineTuneOutcome:
+    baseline: dict
+    rows: list[dict]  # saved documents of the candidates measured
+    refused: list[dict]  # {label, settings, reason}
+    winner: dict
+    recommended: Path | None
+    command: list[str]
+    elapsed_s: float
+    notes: list[str] = field(default_factory=list)
+
+    def tried(self) -> list[dict]:
+        return [table_row(d) for d in self.rows] + [
+            {"label": r["label"], "status": "refused", "reason": r["reason"]} for r in self.refused]
+
+    def to_dict(self) -> dict:
+        return {"winner": self.winner, "baseline": self.baseline, "tried": self.tried(),
+                "recommended": str(self.recommended) if self.recommended else None, "command": self.command,
+                "elapsed_s": self.elapsed_s, "notes": self.notes}
+
+
+def table_row(doc: dict) -> dict:
+    m = doc["metrics"]
+    objective = doc.get("objective", "decode")
+    ratio = m.get(OBJECTIVE_RATIO[objective])
+    return {"label": doc["label"], "status": doc.get("engine_status", "measured"), "eligible": doc.get("eligible"),
+            "ratio": ratio, "ratio_ci95": m.get(OBJECTIVE_RATIO[objective] + "_ci95"),
+            "decode_tok_s": 1000 / m["tpot_ms"]["p50"] if m["tpot_ms"].get("p50") else None,
+            "ttft_p50_ms": m["ttft_ms"].get("p50"), "throughput_tok_s": m.get("output_throughput_tok_s"),
+            "ppl": m.get("ppl"), "ppl_delta_pct": m.get("ppl_delta_pct"), "bleu_drift": m.get("bleu_drift"),
+            "bleu_vs_baseline": m.get("bleu_vs_baseline"), "exact_match": m.get("exact_match_vs_baseline"),
+            "reason": doc.get("engine_reason")}
+
+
+def quality_reasons(m: dict, spec: EngineTuneSpec) -> list[str]:
+    out = []
+    ppl = m.get("ppl_delta_pct")
+    if ppl is not None and ppl > spec.max_ppl_delta:
+        out.append(f"perplexity {ppl:+.2f}% exceeds the {spec.max_ppl_delta:g}% budget")
+    drift = m.get("bleu_drift")
+    if drift is not None and drift < -spec.max_bleu_drift:
+        out.append(f"BLEU drift {drift:+.2f} exceeds the {spec.max_bleu_drift:g}-point budget")
+    return out
+
+
+def decide(docs: list[dict], spec: EngineTuneSpec) -> dict | None:
+    """The winner: within the quality budget, its objective's ratio interval above 1, the largest point."""
+    key = OBJECTIVE_RATIO[spec.objective]
+    best = None
+    for doc in docs:
+        m = doc["metrics"]
+        why = quality_reasons(m, spec)
+        ci = m.get(key + "_ci95")
+        if not why and not ci:
+            why.append("no interval (fewer than two rounds)")
+        elif not why and ci[0] <= 1.0:
+            why.append(f"{key} interval [{ci[0]:.2f}, {ci[1]:.2f}] does not clear 1")
+        doc["eligible"] = not why
+        doc["engine_reason"] = "; ".join(why) or None
+        if not why and (best is None or m[key] > best["metrics"][key]):
+            best = doc
+    return best
+
+
+def _prepared(run: EndpointRun) -> PreparedModel:
+    return PreparedModel(model=None, tokenizer=run.model.tokenizer, label=run.config.display_label(),
+                         device="endpoint", metrics={"model_bytes": run.weight_bytes},
+                         extra_model_bytes=run.weight_bytes or 0, runner_options={"endpoint": run.config})
+
+
+def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list[dict] | None = None,
+                    progress: Progress | None = None) -> EngineTuneOutcome:
+    """The search (module docstring): start, preflight, interleaved rounds, decide, write recommended.yaml."""
+    from infer_tune import rounds
+
+    start = time.monotonic()
+    text = calibration_text(spec)
+    default = lm.Launch(tspec.engine, spec.model, {})
+    launches = [lm.Launch(tspec.engine, spec.model, s) for s in
+                (settings_list if settings_list is not None else candidates(tspec, spec.model, spec.threads))]
+    refused: list[dict] = []
+    notes: list[str] = []
+    with contextlib.ExitStack() as stack:
+        if progress:
+            progress(f"launch {default.label}", 0, len(launches) + 1)
+        base_started, base_run = open_launch(stack, spec, default, text)
+        live: list[tuple[lm.Launch, lm.Started, EndpointRun]] = []
+        for i, launch in enumerate(launches):
+            if progress:
+                progress(f"launch {launch.label}", i + 1, len(launches) + 1)
+            files = lm.resolve_files(launch, threads=spec.threads, calibration=text)
+            why = lm.preflight(launch, files, lm.model_config(launch))
+            if why:
+                refused.append({"label": launch.label, "settings": launch.to_dict()["settings"], "reason": why})
+                continue
+            try:
+                started, run = open_launch(stack, spec, launch, text)
+            except Exception as exc:  # noqa: BLE001 (a launch the engine refuses is a refused row, not the end)
+                refused.append({"label": launch.label, "settings": launch.to_dict()["settings"],
+                                "reason": f"did not start: {str(exc).splitlines()[0][:200]}"})
+                continue
+            live.append((launch, started, run))
+        spent = time.monotonic() - start
+        protocol = dataclasses.replace(spec.protocol, max_duration_s=max(30.0, 0.8 * (tspec.budget_s - spent)))
+        variants = [rounds.Variant("default", _prepared(base_run), "endpoint")] + [
+            rounds.Variant(f"{i}:{launch.label}", _prepared(run), "endpoint") for i, (launch, _, run) in enumerate(live)]
+        before = noise.HostSnapshot.take()
+        outcome = rounds.run_rounds(variants, base_run.inputs, spec.workload, protocol, seed=tspec.seed,
+                                    progress=progress)
+        host = (before, noise.HostSnapshot.take())
+        base_doc, base_outputs = build_document(
+            base_run.model, variants[0].prepared, rounds.merged_run(variants[0]), base_run.inputs, spec.workload,
+            protocol, technique=TECHNIQUE, config=launch_config(base_started), env=base_run.env, runner="endpoint",
+            host=host, measure_ppl=False, rounds_block=outcome.block("default"))
+        add_quality(base_doc, perplexity_of(base_started, text, spec.threads), None)
+        base_doc["objective"] = tspec.objective
+        rows = [Row(base_doc, base_outputs)]
+        for (_, started, run), variant in zip(live, variants[1:]):
+            doc, outputs = build_document(
+                run.model, variant.prepared, rounds.merged_run(variant), run.inputs, spec.workload, protocol,
+                technique=TECHNIQUE, config=launch_config(started), env=run.env, runner="endpoint", host=host,
+                baseline=base_doc, baseline_outputs=base_outputs, measure_ppl=False,
+                rounds_block=outcome.block(variant.name), ratios=outcome.intervals.get(variant.name))
+            add_quality(doc, perplexity_of(started, text, spec.threads), base_doc)
+            doc["objective"] = tspec.objective
+            rows.append(Row(doc, outputs))
+        winner = decide([r.doc for r in rows[1:]], tspec)
+        base_doc["eligible"], base_doc["engine_status"] = True, "default"
+        for r in rows[1:]:
+            r.doc["engine_status"] = "winner" if r.doc is winner else "measured"
+        winner_started = next((s for (_, s, _), r in zip(live, rows[1:]) if r.doc is winner), base_started)
+    saved = save_rows(spec.out_dir, [r for r in rows])
+    base_doc, docs = saved[0], saved[1:]
+    winner_doc = next((d for d in docs if d.get("engine_status") == "winner"), base_doc)
+    if winner is not None:
+        key = OBJECTIVE_RATIO[tspec.objective]
+        low = winner["metrics"][key + "_ci95"][0]
+        close = [d["label"] for d in docs if d.get("eligible") and d is not winner_doc
+                 and (d["metrics"].get(key + "_ci95") or [0, 0])[1] >= low]
+        if close:
+            notes.append(f"the winner's {key} interval overlaps {', '.join(close)}'s: not separated from "
+                         f"{'it' if len(close) == 1 else 'them'} on this run (the largest point wins)")
+    else:
+        notes.append("no launch's interval cleared the default launch within the quality budget: the default stands")
+    recommended = write_recommended(spec, winner_started, winner_doc)
+    return EngineTuneOutcome(baseline=base_doc, rows=docs, refused=refused, winner=winner_doc,
+                             recommended=recommended, command=winner_started.record()["argv"],
+                             elapsed_s=time.monotonic() - start, notes=notes)
+
+
+def write_recommended(spec: RunSpec, started: lm.Started, doc: dict) -> Path:
+    """`OUT/recommended.yaml`: the launch (engine, model, settings), its argv and GGUF(s), and the workload."""
+    record = started.record()
+    settings = {**record["settings"], **({"threads": str(spec.threads)} if spec.threads else {})}
+    body = {RECIPE_KEY: {"engine": record["engine"], "model": record["model"], "settings": settings,
+                         "argv": record["argv"], "gguf": record.get("gguf"), "llama_cpp": record.get("llama_cpp")},
+            "workload": spec.workload.to_dict(), "result": doc.get("_path"),
+            "measured": {k: doc["metrics"].get(k) for k in ("speedup_vs_baseline", "speedup_vs_baseline_ci95",
+                                                             "ppl_delta_pct", "bleu_drift", "bleu_vs_baseline")}}
+    path = Path(spec.out_dir) / "recommended.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_text(path, yaml.safe_dump(body, sort_keys=False))
+    return path
+
+
+def launch_from_recipe(path: str | Path) -> lm.Launch | None:
+    """The launch a recommended.yaml of `tune --engine` names (None: not such a file)."""
+    try:
+        body = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    entry = body.get(RECIPE_KEY) if isinstance(body, dict) else None
+    if not isinstance(entry, dict):
+        return None
+    return lm.Launch(entry.get("engine", "llama.cpp"), str(entry["model"]), dict(entry.get("settings") or {}))

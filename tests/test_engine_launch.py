@@ -1,0 +1,259 @@
+"""Engine launches (infer_tune/engines/launch.py, scenarios/engine_tune.py): settings -> argv for llama.cpp, vLLM
+and SGLang, preflight refusals, perplexity parsing, the decision rule, and launches of a fake engine binary
+(tests/fakes/fake_engine.py) that checks its argv and answers OpenAI-style; one real llama-server run when
+scripts/build-llama-cpp.sh built it here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from infer_tune.engines import calibrate
+from infer_tune.engines import launch as lm
+from infer_tune.errors import ConfigError
+from infer_tune.scenarios import engine_tune as et
+
+FAKE = Path(__file__).parent / "fakes" / "fake_engine.py"
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def fake_llama_server(tmp_path, monkeypatch):
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\nexit 0\n")
+    binary.chmod(0o755)
+    monkeypatch.setenv("LLAMA_SERVER", str(binary))
+    return binary
+
+
+def test_settings_parse_and_refuse_bad_input():
+    got = lm.parse_settings("llama.cpp", ["gguf=Q4_0", "cache-type-k=q8_0", "parallel=4", "cont_batching=off"])
+    assert got == {"gguf": "q4_0", "cache_type_k": "q8_0", "parallel": 4, "cont_batching": False}
+    for bad, why in ((["gguf=q3_x"], "must be one of"), (["parallel=two"], "integer"), (["nope=1"], "no setting"),
+                     (["gguf"], "KEY=VALUE"), (["cont_batching=maybe"], "on or off")):
+        with pytest.raises(ConfigError, match=why):
+            lm.parse_settings("llama.cpp", bad)
+    with pytest.raises(ConfigError, match="--engine must be one of"):
+        lm.parse_settings("tgi", [])
+
+
+def test_llama_cpp_argv_maps_every_setting(fake_llama_server, tmp_path):
+    launch = lm.Launch("llama.cpp", "smollm2-135m", {
+        "gguf": "q4_0", "cache_type_k": "q8_0", "cache_type_v": "q4_0", "flash_attn": "on", "ctx_size": 512,
+        "draft_max": 8, "draft_min": 2, "spec_type": "ngram-simple", "parallel": 2, "batch_size": 256,
+        "ubatch_size": 128, "cont_batching": False, "override_tensor": "exps=CPU", "n_cpu_moe": 3})
+    files = {"model": tmp_path / "m.gguf", "draft": tmp_path / "d.gguf"}
+    cmd = lm.argv(launch, 4321, files=files, threads=2)
+    pairs = {cmd[i]: cmd[i + 1] for i in range(1, len(cmd) - 1)}
+    assert cmd[0] == str(fake_llama_server)
+    assert pairs["--model"] == str(files["model"]) and pairs["--model-draft"] == str(files["draft"])
+    assert pairs["--host"] == "127.0.0.1" and pairs["--port"] == "4321"
+    assert pairs["--ctx-size"] == "1024" and pairs["--parallel"] == "2"  # the context per slot, times the slots
+    for flag, value in (("--cache-type-k", "q8_0"), ("--cache-type-v", "q4_0"), ("--flash-attn", "on"),
+                        ("--spec-draft-n-max", "8"), ("--spec-draft-n-min", "2"), ("--spec-type", "ngram-simple"),
+                        ("--batch-size", "256"), ("--ubatch-size", "128"), ("--override-tensor", "exps=CPU"),
+                        ("--n-cpu-moe", "3"), ("--threads", "2")):
+        assert pairs[flag] == value, flag
+    assert "--no-cont-batching" in cmd and "--cont-batching" not in cmd
+    assert "--cont-batching" in lm.argv(lm.Launch("llama.cpp", "m", {}), 1, files=files)
+
+
+def test_vllm_and_sglang_argv(monkeypatch):
+    monkeypatch.setenv("INFER_TUNE_VLLM", "vllm-bin serve")
+    monkeypatch.setenv("INFER_TUNE_SGLANG", "sglang-bin")
+    settings = {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3", "draft": "org/draft", "num_speculative_tokens": 4,
+                "max_num_seqs": 64, "max_num_batched_tokens": 8192, "expert_parallel": True,
+                "tensor_parallel_size": 2}
+    v = lm.argv(lm.Launch("vllm", "org/model", settings), 9000)
+    assert v[:3] == ["vllm-bin", "serve", "org/model"]
+    spec = json.loads(v[v.index("--speculative-config") + 1])
+    assert spec == {"method": "draft_model", "model": "org/draft", "num_speculative_tokens": 4}
+    for flag, value in (("--quantization", "fp8"), ("--kv-cache-dtype", "fp8_e4m3"), ("--max-num-seqs", "64"),
+                        ("--max-num-batched-tokens", "8192"), ("--tensor-parallel-size", "2"), ("--port", "9000")):
+        assert v[v.index(flag) + 1] == value
+    assert "--enable-expert-parallel" in v
+    s = lm.argv(lm.Launch("sglang", "org/model", {k: x for k, x in settings.items() if k != "kv_cache_dtype"}), 9001)
+    assert s[:3] == ["sglang-bin", "--model-path", "org/model"]
+    for flag, value in (("--quantization", "fp8"), ("--speculative-draft-model-path", "org/draft"),
+                        ("--speculative-algorithm", "standalone"), ("--speculative-num-draft-tokens", "4"),
+                        ("--max-running-requests", "64"), ("--chunked-prefill-size", "8192"), ("--ep-size", "2"),
+                        ("--tp-size", "2")):
+        assert s[s.index(flag) + 1] == value
+    with pytest.raises(ConfigError, match="must be one of"):
+        lm.Launch("sglang", "m", {"kv_cache_dtype": "fp8"})  # vLLM's name, not SGLang's
+
+
+def test_preflight_refuses_with_the_reason(tmp_path):
+    config = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
+    weights = tmp_path / "w.gguf"
+    weights.write_bytes(b"\0" * 1000)
+    ok = lm.Launch("llama.cpp", "m", {"cache_type_k": "q8_0", "cache_type_v": "q8_0", "flash_attn": "on"})
+    assert lm.preflight(ok, {"model": weights}, config, available=1 << 30) is None
+    no_fa = lm.Launch("llama.cpp", "m", {"cache_type_v": "q4_0", "flash_attn": "off"})
+    assert "needs flash attention" in lm.preflight(no_fa, {"model": weights}, config, available=1 << 30)
+    # 30 layers x 3 KV heads x 64 x (2 + 2) bytes = 23040 bytes per token; 2048 x 8 slots = 377 MB
+    assert lm.kv_cache_bytes(config, 1, "f16", "f16") == 23040
+    big = lm.Launch("llama.cpp", "m", {"parallel": 8})
+    why = lm.preflight(big, {"model": weights}, config, available=200 << 20)
+    assert why and "MiB available" in why
+    assert lm.preflight(big, {"model": weights}, config, available=1 << 30) is None
+    drafted = lm.Launch("llama.cpp", "m", {"draft": "q4_0", "parallel": 2})
+    assert "draft" in lm.preflight(drafted, {"model": weights}, config, available=1 << 30)
+
+
+def test_parse_perplexity():
+    out = "...\n[1]17.2,[2]18.9,\nFinal estimate: PPL = 18.4321 +/- 1.20345\nllama_perf..."
+    assert calibrate.parse_perplexity(out) == (18.4321, 1.20345)
+    with pytest.raises(Exception, match="no final estimate"):
+        calibrate.parse_perplexity("error: not enough tokens")
+
+
+def _doc(ratio, ci, ppl=None, drift=None):
+    return {"label": "x", "metrics": {"speedup_vs_baseline": ratio, "speedup_vs_baseline_ci95": ci,
+                                      "ppl_delta_pct": ppl, "bleu_drift": drift}}
+
+
+def test_decide_uses_intervals_and_the_quality_budget():
+    spec = et.EngineTuneSpec(max_ppl_delta=5, max_bleu_drift=1, budget_s=600)
+    fast_but_lossy = _doc(2.0, [1.8, 2.2], ppl=12.0)
+    overlaps_one = _doc(1.5, [0.9, 2.1], ppl=1.0)
+    clears = _doc(1.3, [1.2, 1.4], ppl=2.0, drift=-0.5)
+    assert et.decide([fast_but_lossy, overlaps_one, clears], spec) is clears
+    assert "exceeds the 5% budget" in fast_but_lossy["engine_reason"]
+    assert "does not clear 1" in overlaps_one["engine_reason"]
+    assert et.decide([fast_but_lossy, overlaps_one], spec) is None
+    assert len(et.candidates(spec, "m")) >= 4 and {"gguf": "imatrix-q4_k_m"} in et.candidates(spec, "m")
+    small = et.EngineTuneSpec(budget_s=60)
+    assert len(et.candidates(small, "m")) == 4
+
+
+def _fake_env(monkeypatch, tmp_path, engine, expect):
+    argv_file = tmp_path / "argv.json"
+    prefix = f"{sys.executable} {FAKE}" + (" serve" if engine == "vllm" else "")
+    monkeypatch.setenv(f"INFER_TUNE_{engine.upper()}", prefix)
+    monkeypatch.setenv("FAKE_ENGINE_EXPECT", json.dumps(expect))
+    monkeypatch.setenv("FAKE_ENGINE_ARGV", str(argv_file))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    return argv_file
+
+
+@pytest.mark.parametrize("engine,settings,expect", [
+    ("vllm", {"quantization": "fp8", "max_num_seqs": 8, "expert_parallel": True},
+     ["serve", "--quantization", "fp8", "--max-num-seqs", "8", "--enable-expert-parallel"]),
+    ("sglang", {"kv_cache_dtype": "fp8_e5m2", "max_num_seqs": 4},
+     ["--model-path", "--kv-cache-dtype", "fp8_e5m2", "--max-running-requests", "4"]),
+])
+def test_fake_engine_launch_is_measured(engine, settings, expect, monkeypatch, tmp_path, tiny_model_dir, prompts_file):
+    """The launch starts the binary with the mapped argv (the fake exits 3 on a missing flag), health-checks it,
+    the endpoint runner measures its known pace (8 tokens, 20 ms apart) and the row records the launch."""
+    from infer_tune.scenarios.common import RunSpec
+    from infer_tune.workload import Protocol, Workload
+
+    argv_file = _fake_env(monkeypatch, tmp_path, engine, expect)
+    monkeypatch.setenv("FAKE_ENGINE_GAP_S", "0.02")
+    spec = RunSpec(model=str(tiny_model_dir), workload=Workload(suite=str(prompts_file), limit=2, max_new_tokens=8),
+                   protocol=Protocol(warmup=1, min_iterations=1, min_duration_s=0.0), out_dir=tmp_path / "runs")
+    launch = lm.Launch(engine, str(tiny_model_dir), settings)
+    docs = et.run_engine_bench(spec, launch, progress=lambda what, done, total: None)
+    assert len(docs) == 1  # no default-launch row off llama.cpp (its quality is against the f16 GGUF)
+    doc = docs[0]
+    got = json.loads(argv_file.read_text())
+    assert doc["technique"] == "engine" and doc["config"]["engine"] == engine
+    assert got == doc["config"]["launch"]["argv"][2:]  # [python, fake_engine.py, what the engine got...]
+    assert 15 <= doc["metrics"]["tpot_ms"]["p50"] <= 60  # the fake's pace, seen through HTTP
+    assert Path(doc["_path"], "result.json").is_file()
+
+
+def test_fake_engine_refusing_its_argv_fails_clearly(monkeypatch, tmp_path):
+    _fake_env(monkeypatch, tmp_path, "vllm", ["--kv-cache-dtype"])  # never given: the fake exits 3
+    from infer_tune.endpoint.probe import EndpointError
+
+    with pytest.raises(EndpointError, match="exited with code 3"):
+        with lm.started(lm.Launch("vllm", "org/model", {"max_num_seqs": 2}), startup_timeout_s=30):
+            pass
+
+
+def test_tune_engine_decides_from_intervals_and_writes_the_launch(monkeypatch, tmp_path, tiny_model_dir, prompts_file):
+    """tune --engine on a fake llama-server: the default launch (f16) paced at 30 ms a token, q4_0 at 10 ms and
+    q8_0 at 15 ms but over the perplexity budget, a refused launch: q4_0 wins on its interval, recommended.yaml
+    holds its argv and bench --recipe's reader gets the same launch back."""
+    from infer_tune.scenarios.common import RunSpec
+    from infer_tune.workload import Protocol, Workload
+
+    server = tmp_path / "llama-server"
+    server.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE} \"$@\"\n")
+    server.chmod(0o755)
+    monkeypatch.setenv("LLAMA_SERVER", str(server))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("FAKE_ENGINE_GAP_S", json.dumps({"q4_0.gguf": 0.01, "q8_0.gguf": 0.015, "*": 0.03}))
+    ggufs = {}
+    for name in ("f16", "q8_0", "q4_0"):
+        ggufs[name] = tmp_path / f"{name}.gguf"
+        ggufs[name].write_bytes(b"GGUF" + name.encode())
+    monkeypatch.setattr(lm, "resolve_files", lambda launch, **_: {"model": ggufs[launch.get("gguf", "f16")]})
+    ppl = {"f16": 10.0, "q8_0": 11.0, "q4_0": 10.3}
+    monkeypatch.setattr(et, "perplexity_of", lambda started, text, threads: {
+        "ppl": ppl[started.launch.get("gguf", "f16")], "ppl_stderr": 0.1, "context": 128})
+    spec = RunSpec(model=str(tiny_model_dir), workload=Workload(suite=str(prompts_file), limit=2, max_new_tokens=8),
+                   protocol=Protocol(warmup=1, min_iterations=3, min_duration_s=0.0), out_dir=tmp_path / "runs")
+    tspec = et.EngineTuneSpec(max_ppl_delta=5, budget_s=120)
+    outcome = et.run_engine_tune(spec, tspec, settings_list=[
+        {"gguf": "q8_0"}, {"gguf": "q4_0"}, {"gguf": "q4_0", "cache_type_v": "q4_0", "flash_attn": "off"}],
+        progress=lambda what, done, total: None)  # the progress bar's signature
+    rows = {r["label"]: r for r in outcome.tried()}
+    q4, q8 = rows["llama.cpp gguf=q4_0"], rows["llama.cpp gguf=q8_0"]
+    assert q4["status"] == "winner" and q4["ratio_ci95"][0] > 1.5  # 30 ms against 10 ms a token
+    assert q8["eligible"] is False and "exceeds the 5% budget" in q8["reason"]
+    assert abs(q4["ppl_delta_pct"] - 3.0) < 1e-9
+    refused = rows["llama.cpp gguf=q4_0 cache_type_v=q4_0 flash_attn=off"]
+    assert refused["status"] == "refused" and "flash attention" in refused["reason"]
+    assert outcome.winner["metrics"]["rounds"]["rounds"] >= 3
+    body = yaml.safe_load(outcome.recommended.read_text())[et.RECIPE_KEY]
+    assert body["settings"] == {"gguf": "q4_0"} and str(ggufs["q4_0"]) in body["argv"]
+    again = et.launch_from_recipe(outcome.recommended)
+    assert again.settings == {"gguf": "q4_0"} and again.engine == "llama.cpp"
+
+
+def test_cli_bench_engine_bad_setting_exits_2():
+    proc = subprocess.run([sys.executable, "-m", "infer_tune", "bench", "--engine", "llama.cpp", "--set", "gguf=q9"],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 2, proc.stderr
+    assert "must be one of" in (proc.stdout + proc.stderr) and "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(lm.ENGINES and __import__("infer_tune.engines.llamacpp", fromlist=["x"]).missing_tools(
+    ("llama-server", "llama-quantize", "llama-perplexity")) != [],
+    reason="llama.cpp's llama-server / llama-quantize / llama-perplexity are not built here "
+           "(scripts/build-llama-cpp.sh)")
+def test_real_llama_server_q4_0_against_default(smollm2_available, tmp_path, _test_home):
+    """bench --engine llama.cpp gguf=q4_0 on SmolLM2: two launches, drift and perplexity change in the row
+    (~30 s with the GGUFs made; making them takes minutes, so without them it is skipped)."""
+    from conftest import REAL_HOME
+
+    from infer_tune import models
+    from infer_tune.engines import llamacpp
+
+    if not smollm2_available:
+        pytest.skip("SmolLM2 is not provisioned here")
+    if not (_test_home / "gguf").exists() and (REAL_HOME / "gguf").is_dir():
+        (_test_home / "gguf").symlink_to(REAL_HOME / "gguf")  # read: the f16 and q4_0 GGUFs already made
+    folder = llamacpp.gguf_dir(models.resolve("smollm2-135m"))
+    if not all((folder / f"{t}.gguf").is_file() for t in ("f16", "q4_0")):
+        pytest.skip("SmolLM2's f16 / q4_0 GGUFs are not made here (infer-tune models gguf smollm2-135m)")
+    from infer_tune.scenarios.common import RunSpec
+    from infer_tune.workload import Protocol, Workload
+
+    spec = RunSpec(model="smollm2-135m", workload=Workload(suite="chat", limit=1, max_new_tokens=8), threads=2,
+                   protocol=Protocol(warmup=1, min_iterations=1, min_duration_s=0.0), out_dir=tmp_path / "runs")
+    base, q4 = et.run_engine_bench(spec, lm.Launch("llama.cpp", "smollm2-135m", {"gguf": "q4_0"}))
+    assert base["config"]["launch"]["gguf"]["model"]["path"].endswith("f16.gguf")
+    assert q4["config"]["launch"]["gguf"]["model"]["path"].endswith("q4_0.gguf")
+    assert q4["config"]["launch"]["llama_cpp"]["commit"]
+    assert q4["metrics"]["ppl"] > 0 and q4["metrics"]["ppl_delta_pct"] is not None
+    assert q4["metrics"]["bleu_vs_baseline"] is not None and q4["baseline_run_id"] == base["run_id"]
