@@ -291,12 +291,14 @@ def concat(runs: list[GenerationRun], prepared: PreparedModel) -> GenerationRun:
     first = runs[0]
     counters = merged_counters(runs, prepared)
     cuda = [r.cuda_peak_bytes for r in runs if r.cuda_peak_bytes is not None]
-    worst = max(runs, key=lambda r: r.peak_rss_bytes - r.rss_before_bytes)
+    sized = [r for r in runs if r.peak_rss_bytes is not None and r.rss_before_bytes is not None]
+    peak = max(r.peak_rss_bytes for r in sized) if sized else None  # None: a server's memory, not measured here
+    worst = max(sized, key=lambda r: r.peak_rss_bytes - r.rss_before_bytes) if sized else None
     return GenerationRun(
         requests=[q for r in runs for q in r.requests], outputs=[o for r in runs for o in r.outputs],
         measured_wall_s=sum(r.measured_wall_s for r in runs), iterations=1, first_call_ms=first.first_call_ms,
-        warmup_s=0.0, peak_rss_bytes=max(r.peak_rss_bytes for r in runs),
-        rss_before_bytes=max(r.peak_rss_bytes for r in runs) - (worst.peak_rss_bytes - worst.rss_before_bytes),
+        warmup_s=0.0, peak_rss_bytes=peak,
+        rss_before_bytes=peak - (worst.peak_rss_bytes - worst.rss_before_bytes) if sized else None,
         generated_tokens=sum(r.generated_tokens for r in runs), batch_size=first.batch_size, counters=counters,
         cuda_peak_bytes=max(cuda) if cuda else None)
 
@@ -309,12 +311,13 @@ def merged_run(v: Variant) -> GenerationRun:
     counters = merged_counters(passes, v.prepared, whole=v.whole)
     cuda = [p.cuda_peak_bytes for p in passes if p.cuda_peak_bytes is not None]
     warm = v.warm
-    peak = max(p.peak_rss_bytes for p in passes)
-    own_delta = max(p.peak_rss_bytes - p.rss_before_bytes for p in passes)  # the largest any one pass added
+    sized = [p for p in passes if p.peak_rss_bytes is not None and p.rss_before_bytes is not None]
+    peak = max(p.peak_rss_bytes for p in sized) if sized else None  # None: a server's memory, not measured here
+    own_delta = max(p.peak_rss_bytes - p.rss_before_bytes for p in sized) if sized else 0  # the most one pass added
     return GenerationRun(
         requests=[r for p in passes for r in p.requests], outputs=passes[0].outputs,
         measured_wall_s=sum(p.measured_wall_s for p in passes), iterations=len(passes),
         first_call_ms=warm.first_call_ms if warm else None, warmup_s=warm.warmup_s if warm else 0.0,
-        peak_rss_bytes=peak, rss_before_bytes=peak - own_delta,
+        peak_rss_bytes=peak, rss_before_bytes=peak - own_delta if peak is not None else None,
         generated_tokens=sum(p.generated_tokens for p in passes), batch_size=passes[0].batch_size,
         counters=counters, cuda_peak_bytes=max(cuda) if cuda else None)

@@ -167,7 +167,7 @@ def test_fake_engine_launch_is_measured(engine, settings, expect, monkeypatch, t
     assert doc["technique"] == "engine" and doc["config"]["engine"] == engine
     assert got == doc["config"]["launch"]["argv"][2:]  # [python, fake_engine.py, what the engine got...]
     assert 15 <= doc["metrics"]["tpot_ms"]["p50"] <= 60  # the fake's pace, seen through HTTP
-    assert Path(doc["_path"], "result.json").is_file()
+    assert Path(doc.location, "result.json").is_file()
 
 
 def test_fake_engine_refusing_its_argv_fails_clearly(monkeypatch, tmp_path):

@@ -50,6 +50,7 @@ class RemoteModel:
     model: None = None
     dtype: str | None = None
     device: str = "endpoint"
+    weights: None = None  # the server's own weights (never `--weights random`)
 
 
 @dataclass

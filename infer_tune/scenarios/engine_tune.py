@@ -117,7 +117,7 @@ def run_engine_bench(spec: RunSpec, launch: lm.Launch, *, against_default: bool 
         with contextlib.ExitStack() as stack:
             started, run = open_launch(stack, spec, default, text)
             base_doc, base_outputs = measure_endpoint(run, spec, extra_config=launch_config(started), progress=progress)
-            base_doc["technique"] = TECHNIQUE
+            base_doc.technique = TECHNIQUE
             add_quality(base_doc, perplexity_of(started, text, spec.threads), None)
         rows.append(Row(base_doc, base_outputs))
     if progress:
@@ -125,12 +125,12 @@ def run_engine_bench(spec: RunSpec, launch: lm.Launch, *, against_default: bool 
     with contextlib.ExitStack() as stack:
         started, run = open_launch(stack, spec, launch, text)
         doc, outputs = measure_endpoint(run, spec, extra_config=launch_config(started), progress=progress)
-        doc["technique"] = TECHNIQUE
+        doc.technique = TECHNIQUE
         add_quality(doc, perplexity_of(started, text, spec.threads), None)
     if base_doc is not None:
         doc["metrics"].update(deltas.versus_baseline(doc["metrics"], outputs, base_doc, base_outputs))
         add_quality(doc, None, base_doc)
-        doc["baseline_run_id"] = base_doc["run_id"]
+        doc.baseline_run_id = base_doc.run_id
     rows.append(Row(doc, outputs))
     return save_rows(spec.out_dir, rows)
 
@@ -213,7 +213,12 @@ def quality_reasons(m: dict, spec: EngineTuneSpec) -> list[str]:
     return out
 
 
-def decide(docs: list[dict], spec: EngineTuneSpec) -> dict | None:
+def _mark(doc, **keys) -> None:
+    """Top-level keys of an engine row (a ResultDocument keeps them in `extra`, written as they are)."""
+    (doc.extra if hasattr(doc, "extra") else doc).update(keys)
+
+
+def decide(docs: list, spec: EngineTuneSpec):
     """The winner: within the quality budget, its objective's ratio interval above 1, the largest point."""
     key = OBJECTIVE_RATIO[spec.objective]
     best = None
@@ -225,8 +230,7 @@ def decide(docs: list[dict], spec: EngineTuneSpec) -> dict | None:
             why.append("no interval (fewer than two rounds)")
         elif not why and ci[0] <= 1.0:
             why.append(f"{key} interval [{ci[0]:.2f}, {ci[1]:.2f}] does not clear 1")
-        doc["eligible"] = not why
-        doc["engine_reason"] = "; ".join(why) or None
+        _mark(doc, eligible=not why, engine_reason="; ".join(why) or None)
         if not why and (best is None or m[key] > best["metrics"][key]):
             best = doc
     return best
@@ -283,7 +287,7 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
             protocol, technique=TECHNIQUE, config=launch_config(base_started), env=base_run.env, runner="endpoint",
             host=host, measure_ppl=False, rounds_block=outcome.block("default"))
         add_quality(base_doc, perplexity_of(base_started, text, spec.threads), None)
-        base_doc["objective"] = tspec.objective
+        base_doc.objective = tspec.objective
         rows = [Row(base_doc, base_outputs)]
         for (_, started, run), variant in zip(live, variants[1:]):
             doc, outputs = build_document(
@@ -292,12 +296,12 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
                 baseline=base_doc, baseline_outputs=base_outputs, measure_ppl=False,
                 rounds_block=outcome.block(variant.name), ratios=outcome.intervals.get(variant.name))
             add_quality(doc, perplexity_of(started, text, spec.threads), base_doc)
-            doc["objective"] = tspec.objective
+            doc.objective = tspec.objective
             rows.append(Row(doc, outputs))
         winner = decide([r.doc for r in rows[1:]], tspec)
-        base_doc["eligible"], base_doc["engine_status"] = True, "default"
+        _mark(base_doc, eligible=True, engine_status="default")
         for r in rows[1:]:
-            r.doc["engine_status"] = "winner" if r.doc is winner else "measured"
+            _mark(r.doc, engine_status="winner" if r.doc is winner else "measured")
         winner_started = next((s for (_, s, _), r in zip(live, rows[1:]) if r.doc is winner), base_started)
     saved = save_rows(spec.out_dir, [r for r in rows])
     base_doc, docs = saved[0], saved[1:]
@@ -324,7 +328,7 @@ def write_recommended(spec: RunSpec, started: lm.Started, doc: dict) -> Path:
     settings = {**record["settings"], **({"threads": str(spec.threads)} if spec.threads else {})}
     body = {RECIPE_KEY: {"engine": record["engine"], "model": record["model"], "settings": settings,
                          "argv": record["argv"], "gguf": record.get("gguf"), "llama_cpp": record.get("llama_cpp")},
-            "workload": spec.workload.to_dict(), "result": doc.get("_path"),
+            "workload": spec.workload.to_dict(), "result": str(doc.location) if doc.location else None,
             "measured": {k: doc["metrics"].get(k) for k in ("speedup_vs_baseline", "speedup_vs_baseline_ci95",
                                                              "ppl_delta_pct", "bleu_drift", "bleu_vs_baseline")}}
     path = Path(spec.out_dir) / "recommended.yaml"
