@@ -10,6 +10,8 @@ interleaved rounds (order alternating), on SmolLM2-135M's shapes with random dat
 - `w8a8_mm` as SmolLM2's int8 head (576 -> 49152, 28 MB) at 1 and 4 rows, after the same check;
 - `decode_attention` over 30 layers' caches (9 query heads, 3 kv heads of 64) at 64, 512 and 1024
   positions, and 240 seen of a 512-position cache (a run's one cache), 1 and 4 rows;
+- with `--parts prefill`, `w4a8_mm` over one layer's four matrices at a prompt's rows (`--prefill-rows`,
+  default 16, 40 and 500), after checking both give the same values bit for bit;
 - with `--step`, only the native decode step (LlamaStep) of both revisions on the model's int4 a8 weights.
 
 Prints each side's median and the 95% interval of the per-round time ratio (now / then).
@@ -154,7 +156,9 @@ def main() -> None:
                    help="only the native decode step (LlamaStep, both revisions must have it) on the model's int4 a8 "
                         "weights: 128 steps after a short prompt per round")
     p.add_argument("--parts", default="w4a8,w8a8,attention",
-                   help="which kernels to time (comma-separated: w4a8, w8a8, attention)")
+                   help="which kernels to time (comma-separated: w4a8, w8a8, attention, prefill)")
+    p.add_argument("--prefill-rows", default="16,40,500",
+                   help="with --parts prefill: the row counts of w4a8_mm over one layer's matrices (a prompt's rows)")
     p.set_defaults(rounds=30)
     args = p.parse_args()
     from infer_tune import native
@@ -190,6 +194,16 @@ def main() -> None:
         show(f"w4a8_mm, 120 layers, {rows} row(s)", interleaved(
             lambda xs=xs: [now.w4a8_mm(xs[k], w, g) for k, w, _ in packed],
             lambda xs=xs: [then.w4a8_mm(xs[k], w, g) for k, _, w in packed], args.rounds))
+
+    for rows in (int(r) for r in args.prefill_rows.split(",")) if "prefill" in parts else ():
+        # one layer's four matrices (q|k|v, o, gate|up, down) at a prompt's rows: compute-bound, so one layer
+        xs = {k: torch.randn(rows, k, generator=gen) for k in (576, 1536)}
+        for k, new_w, old_w in first:
+            assert torch.equal(now.w4a8_mm(xs[k], new_w, g), then.w4a8_mm(xs[k], old_w, g)), \
+                "the two revisions' w4a8 give different values"
+        show(f"w4a8_mm, one layer's 4 matrices, {rows} rows (prefill)", interleaved(
+            lambda xs=xs: [now.w4a8_mm(xs[k], w, g) for k, w, _ in first],
+            lambda xs=xs: [then.w4a8_mm(xs[k], w, g) for k, _, w in first], args.rounds))
 
     head = pack_w8a8(torch.randint(-127, 128, (49152, 576), dtype=torch.int8, generator=gen))
     head_scale = torch.rand(49152, generator=gen) * 0.01
