@@ -12,6 +12,8 @@ interleaved rounds (order alternating), on SmolLM2-135M's shapes with random dat
   positions, and 240 seen of a 512-position cache (a run's one cache), 1 and 4 rows;
 - with `--parts prefill`, `w4a8_mm` over one layer's four matrices at a prompt's rows (`--prefill-rows`,
   default 16, 40 and 500), after checking both give the same values bit for bit;
+- with `--ttft-tokens N`, only the lean path's TTFT (eager prefill, int4-rtn a8) at a prompt of about N
+  tokens, the int4 layers on each revision's `w4a8_mm` in turn;
 - with `--step`, only the native decode step (LlamaStep) of both revisions on the model's int4 a8 weights.
 
 Prints each side's median and the 95% interval of the per-round time ratio (now / then).
@@ -143,6 +145,48 @@ def step_rounds(args):
     return now_ms / steps, then_ms / steps, ratio
 
 
+def ttft_rounds(args):
+    """The lean path's eager prefill of a prompt of about `--ttft-tokens` tokens (int4-rtn a8, generating one
+    token: TTFT) with each revision's w4a8_mm in the int4 layers; everything else is the working tree's."""
+    import warnings
+
+    from bench.lean_prefill import prompts
+    from infer_tune import models
+    from infer_tune.runners.generation import eos_ids
+    from infer_tune.tuners.lean.loop import LeanDecoder
+    from infer_tune.tuners.quantize import QuantizeConfig, kernel_choice
+    from infer_tune.tuners.quantize.modules import Int4A8Linear
+    from infer_tune.tuners.quantize.pipeline import quantize_in_memory
+
+    warnings.filterwarnings("ignore")
+    loaded = models.load(args.model)
+    model = loaded.model
+    quantize_in_memory(model, QuantizeConfig(method="int4-rtn", activations="int8"), "torch")
+    kernel_choice.make_traceable(model, kernel_choice.choose_for_model(model, "int4-rtn", prefill_rows=64,
+                                                                       activations="int8"))
+    eos = eos_ids(model, loaded.tokenizer)
+    ids = prompts(loaded.tokenizer, 20, args.ttft_tokens)["long"]
+    decoder = LeanDecoder(model, compile=False, compile_prefill=False)
+    original = Int4A8Linear._run_w4a8
+
+    def with_op(op):
+        def run(self, rows):
+            y = op(rows.float().contiguous(), self._w4a8, self.group_size)
+            return y if y.shape[1] == self.out_features else y[:, :self.out_features]
+
+        def ttft():
+            Int4A8Linear._run_w4a8 = run
+            try:
+                return decoder.generate(ids, 1, eos)[2]
+            finally:
+                Int4A8Linear._run_w4a8 = original
+        return ttft
+    now, then = with_op(torch.ops.infer_tune_native.w4a8_mm), with_op(torch.ops.ab_native.w4a8_mm)
+    assert now() == then(), "the two revisions' w4a8 give different first tokens"
+    print(f"TTFT of {ids.shape[1]} tokens (lean eager prefill, {args.model} int4-rtn a8, one token generated)")
+    return interleaved(now, then, args.rounds)
+
+
 def show(what: str, result) -> None:
     now, then, ratio = result
     print(f"{what}: now {now:.3f} ms, then {then:.3f} ms; now/then {ratio['point']:.3f} "
@@ -159,6 +203,9 @@ def main() -> None:
                    help="which kernels to time (comma-separated: w4a8, w8a8, attention, prefill)")
     p.add_argument("--prefill-rows", default="16,40,500",
                    help="with --parts prefill: the row counts of w4a8_mm over one layer's matrices (a prompt's rows)")
+    p.add_argument("--ttft-tokens", type=int, default=0,
+                   help="only the lean path's TTFT at a prompt of about this many tokens (eager prefill, int4-rtn a8), "
+                        "the int4 layers on each revision's w4a8_mm")
     p.set_defaults(rounds=30)
     args = p.parse_args()
     from infer_tune import native
@@ -168,6 +215,9 @@ def main() -> None:
     setup_threads(args.threads)
     native.w4a8()
     build_then(args.against, Path(tempfile.mkdtemp(prefix="infer-tune-ab-")))
+    if args.ttft_tokens:
+        show("TTFT", ttft_rounds(args))
+        return
     if args.step:
         show(f"native decode step (LlamaStep), {args.model} int4-rtn a8, per step", step_rounds(args))
         return
