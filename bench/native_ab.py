@@ -10,6 +10,10 @@ interleaved rounds (order alternating), on SmolLM2-135M's shapes with random dat
 - `w8a8_mm` as SmolLM2's int8 head (576 -> 49152, 28 MB) at 1 and 4 rows, after the same check;
 - `decode_attention` over 30 layers' caches (9 query heads, 3 kv heads of 64) at 64, 512 and 1024
   positions, and 240 seen of a 512-position cache (a run's one cache), 1 and 4 rows;
+- with `--parts prefill`, `w4a8_mm` over one layer's four matrices at a prompt's rows (`--prefill-rows`,
+  default 16, 40 and 500), after checking both give the same values bit for bit;
+- with `--ttft-tokens N`, only the lean path's TTFT (eager prefill, int4-rtn a8) at a prompt of about N
+  tokens, the int4 layers on each revision's `w4a8_mm` in turn;
 - with `--step`, only the native decode step (LlamaStep) of both revisions on the model's int4 a8 weights.
 
 Prints each side's median and the 95% interval of the per-round time ratio (now / then).
@@ -141,6 +145,48 @@ def step_rounds(args):
     return now_ms / steps, then_ms / steps, ratio
 
 
+def ttft_rounds(args):
+    """The lean path's eager prefill of a prompt of about `--ttft-tokens` tokens (int4-rtn a8, generating one
+    token: TTFT) with each revision's w4a8_mm in the int4 layers; everything else is the working tree's."""
+    import warnings
+
+    from bench.lean_prefill import prompts
+    from infer_tune import models
+    from infer_tune.runners.generation import eos_ids
+    from infer_tune.tuners.lean.loop import LeanDecoder
+    from infer_tune.tuners.quantize import QuantizeConfig, kernel_choice
+    from infer_tune.tuners.quantize.modules import Int4A8Linear
+    from infer_tune.tuners.quantize.pipeline import quantize_in_memory
+
+    warnings.filterwarnings("ignore")
+    loaded = models.load(args.model)
+    model = loaded.model
+    quantize_in_memory(model, QuantizeConfig(method="int4-rtn", activations="int8"), "torch")
+    kernel_choice.make_traceable(model, kernel_choice.choose_for_model(model, "int4-rtn", prefill_rows=64,
+                                                                       activations="int8"))
+    eos = eos_ids(model, loaded.tokenizer)
+    ids = prompts(loaded.tokenizer, 20, args.ttft_tokens)["long"]
+    decoder = LeanDecoder(model, compile=False, compile_prefill=False)
+    original = Int4A8Linear._run_w4a8
+
+    def with_op(op):
+        def run(self, rows):
+            y = op(rows.float().contiguous(), self._w4a8, self.group_size)
+            return y if y.shape[1] == self.out_features else y[:, :self.out_features]
+
+        def ttft():
+            Int4A8Linear._run_w4a8 = run
+            try:
+                return decoder.generate(ids, 1, eos)[2]
+            finally:
+                Int4A8Linear._run_w4a8 = original
+        return ttft
+    now, then = with_op(torch.ops.infer_tune_native.w4a8_mm), with_op(torch.ops.ab_native.w4a8_mm)
+    assert now() == then(), "the two revisions' w4a8 give different first tokens"
+    print(f"TTFT of {ids.shape[1]} tokens (lean eager prefill, {args.model} int4-rtn a8, one token generated)")
+    return interleaved(now, then, args.rounds)
+
+
 def show(what: str, result) -> None:
     now, then, ratio = result
     print(f"{what}: now {now:.3f} ms, then {then:.3f} ms; now/then {ratio['point']:.3f} "
@@ -154,7 +200,12 @@ def main() -> None:
                    help="only the native decode step (LlamaStep, both revisions must have it) on the model's int4 a8 "
                         "weights: 128 steps after a short prompt per round")
     p.add_argument("--parts", default="w4a8,w8a8,attention",
-                   help="which kernels to time (comma-separated: w4a8, w8a8, attention)")
+                   help="which kernels to time (comma-separated: w4a8, w8a8, attention, prefill)")
+    p.add_argument("--prefill-rows", default="16,40,500",
+                   help="with --parts prefill: the row counts of w4a8_mm over one layer's matrices (a prompt's rows)")
+    p.add_argument("--ttft-tokens", type=int, default=0,
+                   help="only the lean path's TTFT at a prompt of about this many tokens (eager prefill, int4-rtn a8), "
+                        "the int4 layers on each revision's w4a8_mm")
     p.set_defaults(rounds=30)
     args = p.parse_args()
     from infer_tune import native
@@ -164,6 +215,9 @@ def main() -> None:
     setup_threads(args.threads)
     native.w4a8()
     build_then(args.against, Path(tempfile.mkdtemp(prefix="infer-tune-ab-")))
+    if args.ttft_tokens:
+        show("TTFT", ttft_rounds(args))
+        return
     if args.step:
         show(f"native decode step (LlamaStep), {args.model} int4-rtn a8, per step", step_rounds(args))
         return
@@ -190,6 +244,16 @@ def main() -> None:
         show(f"w4a8_mm, 120 layers, {rows} row(s)", interleaved(
             lambda xs=xs: [now.w4a8_mm(xs[k], w, g) for k, w, _ in packed],
             lambda xs=xs: [then.w4a8_mm(xs[k], w, g) for k, _, w in packed], args.rounds))
+
+    for rows in (int(r) for r in args.prefill_rows.split(",")) if "prefill" in parts else ():
+        # one layer's four matrices (q|k|v, o, gate|up, down) at a prompt's rows: compute-bound, so one layer
+        xs = {k: torch.randn(rows, k, generator=gen) for k in (576, 1536)}
+        for k, new_w, old_w in first:
+            assert torch.equal(now.w4a8_mm(xs[k], new_w, g), then.w4a8_mm(xs[k], old_w, g)), \
+                "the two revisions' w4a8 give different values"
+        show(f"w4a8_mm, one layer's 4 matrices, {rows} rows (prefill)", interleaved(
+            lambda xs=xs: [now.w4a8_mm(xs[k], w, g) for k, w, _ in first],
+            lambda xs=xs: [then.w4a8_mm(xs[k], w, g) for k, _, w in first], args.rounds))
 
     head = pack_w8a8(torch.randint(-127, 128, (49152, 576), dtype=torch.int8, generator=gen))
     head_scale = torch.rand(49152, generator=gen) * 0.01

@@ -67,6 +67,35 @@ def test_kernel_computes_its_numerics(n, k, group, rows):
 
 
 @needs_kernel
+def test_prefill_loop_runs_where_the_cpu_has_avx512_vnni():
+    from infer_tune.env import cpu_flags
+
+    has = {"avx512f", "avx512bw", "avx512_vnni"} <= set(cpu_flags())
+    # from 16 rows the 512-bit prefill loop (tile2_zmm) runs, on hosts with AVX-512 VNNI only
+    assert torch.ops.infer_tune_native.w4a8_prefill_rows() == (16 if has else 0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k,group", [(40, 96, 32), (64, 576, 32), (24, 256, 128)])  # 40: an odd count of tiles
+@pytest.mark.parametrize("rows", [1, 7, 33, 500])
+def test_prefill_rows_compute_their_numerics_and_do_not_depend_on_the_batch(n, k, group, rows):
+    module = layer(n, k, group, seed=rows)
+    module.set_kernels("w4a8", "w4a8")
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x[0, :32] = 0  # a zero block
+    got = module(x)
+    expected = reference(module, x)
+    assert got.shape == (rows, n)
+    assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5), (got.double() - expected).abs().max()
+    # a row alone (the one-row loop) gives what it gives among 7, 33 or 500 (the prefill loop from 16 rows,
+    # in chunks of 64), bit for bit; so does a batch of 17 cut from the end (another chunk alignment)
+    for i in (range(rows) if rows <= 33 else (0, 63, 64, 255, 499)):
+        assert torch.equal(module(x[i:i + 1]), got[i:i + 1]), i
+    if rows > 17:
+        assert torch.equal(module(x[-17:]), got[-17:])
+
+
+@needs_kernel
 @pytest.mark.parametrize("n,k", [(64, 64), (20, 96), (8, 576)])
 @pytest.mark.parametrize("rows", [1, 5, 12])
 def test_int8_head_kernel_computes_its_numerics(n, k, rows):
