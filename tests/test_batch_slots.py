@@ -225,3 +225,40 @@ def test_native_slot_step_serves_as_each_request_alone(arch, tiny_model_dir, qwe
     assert m["lean_step"] == "native" and "lean_native_fallback" not in m, m
     assert m["output_mismatches"] == 0 and m["ttft_ms"]["n"] == 10, m
     assert m["mean_batch_size"] > 1 and m["slot_step_buckets"] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("native_step", [True, False])
+def test_stack_rows_through_bench_recipe_report_no_mismatches(native_step, tiny_model_dir, mixed_suite, tmp_path):
+    """The demo's batching stage (recipes/quick.yaml: int4 a8 + the slot engine, a static and a continuous row
+    sharing one engine) through `bench --recipe`, in interleaved rounds after a baseline: every request of every
+    row decodes as it would alone (0 mismatches against the engine's references and against generate())."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from infer_tune import native
+    from infer_tune.cli import app
+    from infer_tune.report import display
+
+    if native_step and not native.available()[0]:
+        pytest.skip(native.available()[1])
+    step = "true" if native_step else "false"
+    rows = "".join(
+        f"  - {{technique: stack, configs: [{{technique: quantize, method: int4-rtn, activations: int8}},\n"
+        f"      {{technique: batch, scheduler: {s}, batch_size: 3, rate: 200.0, requests: 6, engine: lean,"
+        f" native_step: {step}}}]}}\n" for s in ("static", "continuous"))
+    recipe = tmp_path / "batching.yaml"
+    recipe.write_text("protocol: {warmup: 1, min_iterations: 1, min_duration_s: 0, max_rounds: 3}\nconfigs:\n" + rows)
+    result = CliRunner().invoke(app, ["bench", "--recipe", str(recipe), "--model", str(tiny_model_dir), "--suite",
+                                      str(mixed_suite), "--limit", "6", "--max-new-tokens", "8", "--no-chat-template",
+                                      "--out", str(tmp_path / "runs"), "--threads", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    docs = [d for d in json.loads(result.stdout) if d["technique"] == "stack"]
+    assert len(docs) == 2
+    for doc in docs:
+        m = doc["metrics"]
+        assert m["output_mismatches"] == 0 and m["output_mismatches_vs_generate"] == 0, m
+        # the comparison with the fp32 baseline's outputs is kept apart, and is what the verdict reads
+        assert isinstance(m["output_mismatches_vs_baseline"], int), m
+        assert display.verdict({**m, "technique": "stack"}) == (
+            "lossless" if m["output_mismatches_vs_baseline"] == 0 else "lossy")
