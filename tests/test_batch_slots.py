@@ -221,3 +221,85 @@ def test_native_slot_step_serves_as_each_request_alone(arch, native_kernels, tin
     assert m["lean_step"] == "native" and "lean_native_fallback" not in m, m
     assert m["output_mismatches"] == 0 and m["ttft_ms"]["n"] == 10, m
     assert m["mean_batch_size"] > 1 and m["slot_step_buckets"] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("native_step", [True, False])
+def test_stack_rows_through_bench_recipe_report_no_mismatches(native_step, tiny_model_dir, mixed_suite, tmp_path):
+    """The demo's batching stage (recipes/quick.yaml: int4 a8 + the slot engine, a static and a continuous row
+    sharing one engine) through `bench --recipe`, in interleaved rounds after a baseline: every request of every
+    row decodes as it would alone (0 mismatches against the engine's references and against generate())."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from infer_tune import native
+    from infer_tune.cli import app
+    from infer_tune.report import display
+
+    if native_step and not native.available()[0]:
+        pytest.skip(native.available()[1])
+    step = "true" if native_step else "false"
+    rows = "".join(
+        f"  - {{technique: stack, configs: [{{technique: quantize, method: int4-rtn, activations: int8}},\n"
+        f"      {{technique: batch, scheduler: {s}, batch_size: 3, rate: 200.0, requests: 6, engine: lean,"
+        f" native_step: {step}}}]}}\n" for s in ("static", "continuous"))
+    recipe = tmp_path / "batching.yaml"
+    recipe.write_text("protocol: {warmup: 1, min_iterations: 1, min_duration_s: 0, max_rounds: 3}\nconfigs:\n" + rows)
+    result = CliRunner().invoke(app, ["bench", "--recipe", str(recipe), "--model", str(tiny_model_dir), "--suite",
+                                      str(mixed_suite), "--limit", "6", "--max-new-tokens", "8", "--no-chat-template",
+                                      "--out", str(tmp_path / "runs"), "--threads", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    docs = [d for d in json.loads(result.stdout) if d["technique"] == "stack"]
+    assert len(docs) == 2
+    for doc in docs:
+        m = doc["metrics"]
+        assert m["output_mismatches"] == 0 and m["output_mismatches_vs_generate"] == 0, m
+        # the comparison with the fp32 baseline's outputs is kept apart, and is what the verdict reads
+        assert isinstance(m["output_mismatches_vs_baseline"], int), m
+        assert display.verdict({**m, "technique": "stack"}) == (
+            "lossless" if m["output_mismatches_vs_baseline"] == 0 else "lossy")
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory):
+    """A tiny Mistral (every layer slides, window 24: shorter than most of the mixed suite's prompts)."""
+    from tests.conftest import build_tiny_tokenizer
+    from tests.test_native_step import tiny_family
+
+    tok = build_tiny_tokenizer()
+    path = tmp_path_factory.mktemp("tiny-mistral")
+    model = tiny_family(tok, "mistral", sliding_window=24, max_position_embeddings=1024)
+    model.config.pad_token_id, model.config.eos_token_id = tok.pad_token_id, tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_slot_step_applies_sliding_windows(arch, mistral_dir, gemma3_dir, mixed_suite, tmp_path, monkeypatch):
+    """The slot engine's own (non-native) step on models with sliding-window layers, prompts and decoding past the
+    window: each request gets generate()'s tokens on the same weights (transformers' own per-layer masks), 0
+    mismatches. A step mask without the window (every key visible on every layer) differs."""
+    monkeypatch.setattr(slots_module.SlotBatcher.__init__, "__kwdefaults__",
+                        {"timeout_ms": None, "compile": False, "compile_prefill": False, "every_bucket": True,
+                         "shared": None, "native_step": False})
+    loaded = models.load(str({"mistral": mistral_dir, "gemma3": gemma3_dir}[arch]))
+    workload = Workload(suite=str(mixed_suite), limit=6, max_new_tokens=12, chat_template=False)
+    inputs = prepare_inputs(loaded, workload)
+    window = loaded.model.config.sliding_window
+    assert sum(int(e["input_ids"].shape[1]) > window for e in
+               encode_batches(loaded.tokenizer, inputs.rendered, 1, add_special_tokens=True)) >= 4
+    config = StackConfig(configs=[
+        QuantizeConfig(method="int4-rtn", backend="torch", decode_kernel="int4pack", prefill_kernel="int4pack"),
+        BatchConfig(scheduler="continuous", batch_size=3, rate=200.0, requests=8, allow_repeat=True, engine="lean")])
+    ctx = RunContext(env=envinfo.collect_env(1), out_dir=tmp_path)
+    prepared = apply(loaded, config, ctx)
+    doc, _ = measure_prepared(loaded, prepared, inputs, workload, ONCE, technique="stack", config=config.to_dict(),
+                              env=ctx.env, runner="trace", measure_ppl=False)
+    m = doc["metrics"]
+    assert m["lean_step"] == "eager" and m["mean_batch_size"] > 1, m
+    assert m["output_mismatches_vs_generate"] == 0 and m["output_mismatches"] == 0, m
+    masks = slots_module.step_masks(loaded.model.config)(torch.arange(40), torch.tensor([30, 10]))
+    sliding = masks if arch == "mistral" else masks["sliding_attention"]
+    assert sliding[0, 0, 0].tolist() == [30 - window < j <= 30 for j in range(40)]
+    assert sliding[1, 0, 0].tolist() == [j <= 10 for j in range(40)]

@@ -79,7 +79,11 @@ def verdict(row: dict) -> str:
         return "baseline"
     if is_broken(row):
         return "broken"
-    mismatches = row.get("output_mismatches")
+    # against the baseline's outputs: a row whose own `output_mismatches` counts against another reference
+    # (a batch scheduler's, against single-request greedy on its own weights) keeps that count apart
+    mismatches = row.get("output_mismatches_vs_baseline")
+    if _missing(mismatches):
+        mismatches = row.get("output_mismatches")
     if not _missing(mismatches):
         return "lossless" if mismatches == 0 else "lossy"
     return ""

@@ -24,7 +24,7 @@ from infer_tune.report.recommend import Budget, recommend, write_recommended
 COLUMNS = ("run_id", "technique", "config", "model", "suite", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
            "tpot_p99_ms", "output_throughput_tok_s", "speedup_vs_baseline", "peak_rss_bytes", "model_bytes", "bleu",
            "bleu_drift", "bleu_vs_baseline", "exact_match_vs_baseline", "ppl_delta_pct", "pass_at_1",
-           "roofline_fraction", "output_mismatches", "ttft_speedup_vs_baseline", "bleu_drift_ci95", "broken", "broken_why",
+           "roofline_fraction", "output_mismatches", "output_mismatches_vs_baseline", "ttft_speedup_vs_baseline", "bleu_drift_ci95", "broken", "broken_why",
            "verdict_evidence", "speedup_vs_baseline_ci95", "ttft_speedup_vs_baseline_ci95", "lead", "lead_value",
            "lead_vs", "lead_decode", "host", "quality")
 OBJECT_COLUMNS = {"quality", "run_id", "technique", "config", "model", "suite", "bleu_drift_ci95", "broken", "broken_why",

@@ -86,7 +86,8 @@ def excluded_because(doc: dict, budget: Budget, objective: str = "decode") -> st
     row = {**m, "technique": doc.get("technique")}
     if is_broken(row):
         return f"broken: {m.get('broken_why') or 'perplexity more than doubled, or outputs unrelated to the baseline with quality dropping'}"
-    ppl, drift, mismatches = _num(m.get("ppl_delta_pct")), _num(m.get("bleu_drift")), m.get("output_mismatches")
+    ppl, drift, mismatches = _num(m.get("ppl_delta_pct")), _num(m.get("bleu_drift")), m.get("output_mismatches_vs_baseline",
+                                                                                   m.get("output_mismatches"))
     if budget.require_lossless and mismatches != 0:
         return f"not lossless ({mismatches} outputs differ from the baseline's)"
     if budget.max_ppl_delta is not None and ppl is not None and ppl > budget.max_ppl_delta:

@@ -233,9 +233,10 @@ class SlotEngine:
         cache = Cache(layers=[layer_class(k[:rows], v[:rows], positions, length) for k, v in zip(self.keys, self.values)])
         span = torch.arange(length)
         model = self.model
+        masks = step_masks(model.config)
 
         def forward(input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
-            mask = span.view(1, 1, 1, -1) <= cache_position.view(-1, 1, 1, 1)  # [rows, 1, 1, L]
+            mask = masks(span, cache_position)
             return model(input_ids=input_ids, attention_mask=mask, position_ids=cache_position.view(-1, 1),
                          past_key_values=cache, use_cache=True, logits_to_keep=1).logits
         if self.compile:
@@ -266,6 +267,30 @@ class SlotEngine:
         logits = self._step_for(rows, length or self.length_for(rows))(ids, positions)
         positions += 1
         return logits[:, -1]
+
+
+def step_masks(config):
+    """The decode step's attention mask(s) from the cache span [L] and each row's position [rows]: key j visible to
+    row b iff j <= position[b], and on a sliding-window layer also j > position[b] - window (transformers'
+    sliding overlay). transformers uses a ready 4-D mask as given on every layer, so a model with sliding layers
+    gets one mask per layer type (Gemma 3, Qwen2/Qwen3 with `layer_types`: a dict "full_attention" /
+    "sliding_attention", which their forward takes as the per-layer masks), and a Mistral (every layer sliding,
+    no `layer_types`) the windowed mask; a model without a window the causal one alone."""
+    window = getattr(config, "sliding_window", None)
+    types = set(getattr(config, "layer_types", None) or ())
+
+    def causal(span: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return span.view(1, 1, 1, -1) <= positions.view(-1, 1, 1, 1)  # [rows, 1, 1, L]
+
+    def sliding(span: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return causal(span, positions) & (span.view(1, 1, 1, -1) > positions.view(-1, 1, 1, 1) - window)
+
+    if window is None or (types and "sliding_attention" not in types):
+        return causal
+    if not types:  # Mistral: every layer slides
+        return sliding
+    return lambda span, positions: {kind: (sliding if kind == "sliding_attention" else causal)(span, positions)
+                                    for kind in types}
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
