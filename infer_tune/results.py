@@ -227,6 +227,12 @@ def _distribution_problem(key: str, block: Any) -> str | None:
 MAX_VALUE = 1e18  # a metric beyond this (bytes, tokens, FLOPs included) is not a measurement
 MAX_RATIO = 1e6  # a speedup or ratio against the baseline beyond this (or at or below 0) is not one
 RATIO_METRICS = ("speedup_vs_baseline", "ttft_speedup_vs_baseline", "throughput_ratio_vs_baseline")
+# ratios that may be exactly 0: a candidate that produced no token at all has 0 of the baseline's throughput
+ZERO_RATIOS = ("throughput_ratio_vs_baseline",)
+
+
+def _ratio_ok(key: str, value: float) -> bool:
+    return (0 <= value if key in ZERO_RATIOS else 0 < value) and value <= MAX_RATIO
 # metrics the reports read as numbers (leaderboard columns, recommendation budget, claims): a string there is refused
 NUMERIC_METRICS = RATIO_METRICS + (
     "output_throughput_tok_s", "request_throughput_req_s", "peak_rss_bytes", "model_bytes", "bleu", "chrf", "ppl",
@@ -244,13 +250,13 @@ def _values_problem(metrics: dict) -> str | None:
             return f"'metrics.{key}' is {_type(value)} {str(value)[:40]!r}, expected a number"
         if _number(value) and not (math.isfinite(value) and abs(value) <= MAX_VALUE):
             return f"'metrics.{key}' is {value!r}, expected a finite number within ±{MAX_VALUE:g}"
-        if key in RATIO_METRICS and not 0 < value <= MAX_RATIO:
+        if key in RATIO_METRICS and not _ratio_ok(key, value):
             return f"'metrics.{key}' is {value!r}, expected a ratio above 0 and at most {MAX_RATIO:g}"
         if key.endswith("_ci95") and key[:-5] in NUMERIC_METRICS:
             if not (isinstance(value, list) and len(value) == 2 and all(_number(v) and math.isfinite(v)
                                                                         and abs(v) <= MAX_VALUE for v in value)):
                 return f"'metrics.{key}' must be two finite numbers"
-            if key[:-5] in RATIO_METRICS and not all(0 < v <= MAX_RATIO for v in value):
+            if key[:-5] in RATIO_METRICS and not all(_ratio_ok(key[:-5], v) for v in value):
                 return f"'metrics.{key}' is {value!r}, expected ratios above 0 and at most {MAX_RATIO:g}"
     return None
 

@@ -341,9 +341,11 @@ def launch_from_recipe(path: str | Path) -> lm.Launch | None:
     """The launch a recommended.yaml of `tune --engine` names (None: not such a file)."""
     try:
         body = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
-        return None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None  # not a launch: the recipe loader says what is wrong with it
     entry = body.get(RECIPE_KEY) if isinstance(body, dict) else None
     if not isinstance(entry, dict):
         return None
+    if not isinstance(entry.get("model"), str):
+        raise ConfigError(f"{path}: {RECIPE_KEY}.model must name the model the launch serves")
     return lm.Launch(entry.get("engine", "llama.cpp"), str(entry["model"]), dict(entry.get("settings") or {}))
