@@ -224,7 +224,6 @@ def clean_stale(folder: Path) -> list[Path]:
 
 ARTIFACTS_PREFIX = "infer-tune-artifacts-"  # a run's scratch (quantized checkpoints: hundreds of MB each)
 ARTIFACTS_STALE_UNNAMED_S = 3600
-_ARTIFACTS = re.compile(rf"^{ARTIFACTS_PREFIX}(\d+)-")
 
 
 def artifacts_dir() -> Path:
@@ -248,6 +247,14 @@ def clean_stale_artifacts(tmpdir: str | None = None) -> list[str]:
     """Remove this user's scratch folders left by runs that were killed: `infer-tune-artifacts-<pid>-*` whose pid
     no longer runs, and pid-less ones (older infer-tune) untouched for an hour. Other users' folders and
     symlinks are never touched. Returns the removed paths."""
+    return clean_stale_dirs(ARTIFACTS_PREFIX, ARTIFACTS_STALE_UNNAMED_S, tmpdir)
+
+
+def clean_stale_dirs(prefix: str, unnamed_after_s: float, tmpdir: str | None = None) -> list[str]:
+    """Remove this user's `<prefix><pid>-*` folders in the temp directory whose process no longer runs (never
+    this process's), and pid-less `<prefix>*` ones untouched for `unnamed_after_s`. Symlinks and other users'
+    folders are never touched. Returns the removed paths."""
+    named = re.compile(rf"^{re.escape(prefix)}(\d+)-")
     removed = []
     root = tmpdir or tempfile.gettempdir()
     try:
@@ -255,7 +262,7 @@ def clean_stale_artifacts(tmpdir: str | None = None) -> list[str]:
     except OSError:
         return removed
     for entry in entries:
-        if not entry.name.startswith(ARTIFACTS_PREFIX):
+        if not entry.name.startswith(prefix):
             continue
         try:
             info = entry.stat(follow_symlinks=False)
@@ -263,9 +270,9 @@ def clean_stale_artifacts(tmpdir: str | None = None) -> list[str]:
             continue
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
             continue
-        match = _ARTIFACTS.match(entry.name)
+        match = named.match(entry.name)
         stale = (int(match.group(1)) != os.getpid() and not pid_alive(int(match.group(1)))) if match \
-            else time.time() - info.st_mtime > ARTIFACTS_STALE_UNNAMED_S
+            else time.time() - info.st_mtime > unnamed_after_s
         if stale:
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.path)

@@ -29,19 +29,16 @@ import contextlib
 import os
 import re
 import secrets
-import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infer_tune.atomic import pid_alive
+from infer_tune.atomic import clean_stale_dirs
 from infer_tune.metrics import sandbox
 
 MEMORY_LIMIT_BYTES = 1 << 30
@@ -107,7 +104,6 @@ _harness()
 """
 STAGING_PREFIX = "infer-tune-passk-"
 STALE_UNNAMED_S = 3600  # a staging folder without a pid in its name (an older infer-tune) is stale after this
-_STAGING = re.compile(rf"^{STAGING_PREFIX}(\d+)-")
 
 _FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
 
@@ -211,27 +207,7 @@ def clean_stale_staging(tmpdir: str | None = None) -> list[str]:
     """Remove `infer-tune-passk-*` folders of this user left in the temp directory by a process that no
     longer runs (pid in the name), or, without a pid (older infer-tune), untouched for an hour. Symlinks
     and other users' folders are never touched. Returns the removed paths."""
-    removed = []
-    root = tmpdir or tempfile.gettempdir()
-    try:
-        entries = list(os.scandir(root))
-    except OSError:
-        return removed
-    for entry in entries:
-        if not entry.name.startswith(STAGING_PREFIX):
-            continue
-        try:
-            info = entry.stat(follow_symlinks=False)
-        except OSError:
-            continue
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
-            continue
-        match = _STAGING.match(entry.name)
-        stale = (not pid_alive(int(match.group(1)))) if match else time.time() - info.st_mtime > STALE_UNNAMED_S
-        if stale:
-            shutil.rmtree(entry.path, ignore_errors=True)
-            removed.append(entry.path)
-    return removed
+    return clean_stale_dirs(STAGING_PREFIX, STALE_UNNAMED_S, tmpdir)
 
 
 
