@@ -172,17 +172,26 @@ def local_server(engine: str, model_ref: str, *, continuous_batching: bool = Fal
     port = free_port()
     cmd, served = engine_command(engine, model_ref, port, continuous_batching=continuous_batching, threads=threads,
                                  parallel=parallel, extra_args=extra_args, context_tokens=context_tokens)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
+    env = {"TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    with spawned(cmd, engine, port, env=env, log_dir=log_dir, startup_timeout_s=startup_timeout_s) as (url, process,
+                                                                                                       log_path):
+        yield LocalServer(engine, url, served, log_path, process, cmd)
+
+
+@contextlib.contextmanager
+def spawned(cmd: Sequence[str], name: str, port: int, *, env: dict[str, str] | None = None,
+            log_dir: Path | None = None, startup_timeout_s: float = 300.0) -> Iterator[tuple[str, subprocess.Popen, Path]]:
+    """Run a server command in its own session (offline, its output in a log), wait until it answers on
+    127.0.0.1:`port`, and always stop its process group on the way out. Yields (url, process, log path)."""
+    full_env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", **(env or {}))
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="infer-tune-server-"))
-    log_path = log_dir / f"{engine.replace('.', '')}-{port}.log"
+    log_path = log_dir / f"{name.replace('.', '')}-{port}.log"
     with open(log_path, "w") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                   start_new_session=True)
+        process = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env=full_env, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}/v1"
         wait_ready(url, process, log_path, startup_timeout_s)
-        yield LocalServer(engine, url, served, log_path, process, cmd)
+        yield url, process, log_path
     finally:
         stop(process)

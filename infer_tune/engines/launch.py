@@ -38,7 +38,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -437,15 +436,6 @@ def started(launch: Launch, *, threads: int | None = None, calibration: Path | N
             raise ConfigError(f"{launch.label}: refused in preflight: {why}")
     port = servers.free_port()
     cmd = argv(launch, port, files=files, threads=threads)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="infer-tune-launch-"))
-    log_path = log_dir / f"{launch.engine.replace('.', '')}-{port}.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                   start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}/v1"
-        servers.wait_ready(url, process, log_path, startup_timeout_s)
+    with servers.spawned(cmd, launch.engine, port, log_dir=log_dir, startup_timeout_s=startup_timeout_s) as (
+            url, process, log_path):
         yield Started(launch, url, launch.model, cmd, files, log_path, process)
-    finally:
-        servers.stop(process)
