@@ -37,6 +37,7 @@ from infer_tune.errors import ConfigError
 from infer_tune.metrics import deltas, noise
 from infer_tune.runners.base import Progress
 from infer_tune.runners.prepared import PreparedModel
+from infer_tune.scenarios import tune_plan
 from infer_tune.scenarios.common import RunSpec
 from infer_tune.scenarios.endpoint import EndpointRun, measure_endpoint, open_endpoint
 from infer_tune.session import Row, build_document, save_rows
@@ -103,6 +104,18 @@ def default_launch(launch: lm.Launch) -> lm.Launch:
 
 
 # --------------------------------------------------------------------------- bench --engine
+def _measure_launch(spec: RunSpec, launch: lm.Launch, text, progress: Progress | None, step: int):
+    """Start one launch, measure it like `bench --endpoint`, its perplexity in the row; stopped on return."""
+    if progress:
+        progress(f"launch {launch.label}", step, 2)
+    with contextlib.ExitStack() as stack:
+        started, run = open_launch(stack, spec, launch, text)
+        doc, outputs = measure_endpoint(run, spec, extra_config=launch_config(started), progress=progress)
+        doc.technique = TECHNIQUE
+        add_quality(doc, perplexity_of(started, text, spec.threads), None)
+    return doc, outputs
+
+
 def run_engine_bench(spec: RunSpec, launch: lm.Launch, *, against_default: bool = True,
                      progress: Progress | None = None) -> list[dict]:
     """One launch measured like `bench --endpoint`; for llama.cpp first the default launch (the row its
@@ -112,21 +125,9 @@ def run_engine_bench(spec: RunSpec, launch: lm.Launch, *, against_default: bool 
     rows: list[Row] = []
     base_doc = base_outputs = None
     if against_default and launch.engine == "llama.cpp" and launch.settings != default.settings:
-        if progress:
-            progress(f"launch {default.label}", 0, 2)
-        with contextlib.ExitStack() as stack:
-            started, run = open_launch(stack, spec, default, text)
-            base_doc, base_outputs = measure_endpoint(run, spec, extra_config=launch_config(started), progress=progress)
-            base_doc.technique = TECHNIQUE
-            add_quality(base_doc, perplexity_of(started, text, spec.threads), None)
+        base_doc, base_outputs = _measure_launch(spec, default, text, progress, 0)
         rows.append(Row(base_doc, base_outputs))
-    if progress:
-        progress(f"launch {launch.label}", 1, 2)
-    with contextlib.ExitStack() as stack:
-        started, run = open_launch(stack, spec, launch, text)
-        doc, outputs = measure_endpoint(run, spec, extra_config=launch_config(started), progress=progress)
-        doc.technique = TECHNIQUE
-        add_quality(doc, perplexity_of(started, text, spec.threads), None)
+    doc, outputs = _measure_launch(spec, launch, text, progress, 1)
     if base_doc is not None:
         doc["metrics"].update(deltas.versus_baseline(doc["metrics"], outputs, base_doc, base_outputs))
         add_quality(doc, None, base_doc)
@@ -203,14 +204,8 @@ def table_row(doc: dict) -> dict:
 
 
 def quality_reasons(m: dict, spec: EngineTuneSpec) -> list[str]:
-    out = []
-    ppl = m.get("ppl_delta_pct")
-    if ppl is not None and ppl > spec.max_ppl_delta:
-        out.append(f"perplexity {ppl:+.2f}% exceeds the {spec.max_ppl_delta:g}% budget")
-    drift = m.get("bleu_drift")
-    if drift is not None and drift < -spec.max_bleu_drift:
-        out.append(f"BLEU drift {drift:+.2f} exceeds the {spec.max_bleu_drift:g}-point budget")
-    return out
+    """The quality budgets as `tune` applies them (tune_plan.quality_reasons)."""
+    return tune_plan.quality_reasons(m, spec.max_ppl_delta, spec.max_bleu_drift)
 
 
 def _mark(doc, **keys) -> None:

@@ -286,6 +286,19 @@ class Judgement:
     within_budget: bool = False  # no reason but the objective's comparison with the baseline
 
 
+def quality_reasons(m: dict, max_ppl_delta: float, max_bleu_drift: float) -> list[str]:
+    """Why a row's quality is outside the budgets (perplexity change in %, BLEU drift in points); [] when
+    within them or not measured. `tune` and `tune --engine` judge quality with it."""
+    reasons = []
+    ppl = m.get("ppl_delta_pct")
+    if ppl is not None and ppl > max_ppl_delta:
+        reasons.append(f"perplexity {ppl:+.2f}% exceeds the {max_ppl_delta:g}% budget")
+    drift = m.get("bleu_drift")
+    if drift is not None and drift < -max_bleu_drift:
+        reasons.append(f"BLEU drift {drift:+.2f} exceeds the -{max_bleu_drift:g} budget")
+    return reasons
+
+
 def judge(doc: dict, spec: TuneSpec, *, lossless_claimed: bool) -> Judgement:
     """Whether a measured result may be chosen, and every reason it may not. On the objective it must beat
     the baseline with the whole 95% interval of its ratio (`OBJECTIVE_KEYS`); for goodput, at least one
@@ -294,12 +307,7 @@ def judge(doc: dict, spec: TuneSpec, *, lossless_claimed: bool) -> Judgement:
     reasons = []
     if m.get("broken"):
         reasons.append(f"broken: {m.get('broken_why')}")
-    ppl = m.get("ppl_delta_pct")
-    if ppl is not None and ppl > spec.max_ppl_delta:
-        reasons.append(f"perplexity {ppl:+.2f}% exceeds the {spec.max_ppl_delta:g}% budget")
-    drift = m.get("bleu_drift")
-    if drift is not None and drift < -spec.max_bleu_drift:
-        reasons.append(f"BLEU drift {drift:+.2f} exceeds the -{spec.max_bleu_drift:g} budget")
+    reasons += quality_reasons(m, spec.max_ppl_delta, spec.max_bleu_drift)
     exact = m.get("exact_match_vs_baseline")
     if spec.require_lossless and not (exact == 1.0):
         reasons.append(f"not lossless: {exact:.0%} of outputs match the baseline" if exact is not None
