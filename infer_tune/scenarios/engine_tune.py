@@ -13,7 +13,7 @@ outputs against the default's, and perplexity by `llama-perplexity` on the suite
 wait), refused in preflight with the reason where they cannot run here, then measured with the default
 launch in the sweep engine's interleaved rounds (infer_tune.rounds: >= 3 rounds, shuffled order, one ratio
 per round, 95% intervals from infer_tune.metrics.stats). The winner is the row within the quality budget
-whose ratio interval on the objective lies above 1 with the largest point; none: the default launch. It is
+whose ratio interval on the objective lies above 1 with the highest lower bound; none: the default launch. It is
 written to `recommended.yaml` (the launch, its argv, its GGUF and imatrix), which `bench --recipe` launches
 again.
 """
@@ -214,7 +214,8 @@ def _mark(doc, **keys) -> None:
 
 
 def decide(docs: list, spec: EngineTuneSpec):
-    """The winner: within the quality budget, its objective's ratio interval above 1, the largest point."""
+    """The winner: within the quality budget, its objective's ratio interval above 1, the highest lower bound
+    of that interval (never a point estimate; a winner whose interval overlaps another's is noted)."""
     key = OBJECTIVE_RATIO[spec.objective]
     best = None
     for doc in docs:
@@ -226,8 +227,8 @@ def decide(docs: list, spec: EngineTuneSpec):
         elif not why and ci[0] <= 1.0:
             why.append(f"{key} interval [{ci[0]:.2f}, {ci[1]:.2f}] does not clear 1")
         _mark(doc, eligible=not why, engine_reason="; ".join(why) or None)
-        if not why and (best is None or m[key] > best["metrics"][key]):
-            best = doc
+        if not why and (best is None or ci[0] > best["metrics"][key + "_ci95"][0]):
+            best = doc  # the highest lower bound, as tune decides; an overlap is said after the search
     return best
 
 
@@ -308,7 +309,7 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
                  and (d["metrics"].get(key + "_ci95") or [0, 0])[1] >= low]
         if close:
             notes.append(f"the winner's {key} interval overlaps {', '.join(close)}'s: not separated from "
-                         f"{'it' if len(close) == 1 else 'them'} on this run (the largest point wins)")
+                         f"{'it' if len(close) == 1 else 'them'} on this run (the highest lower bound wins; measure more rounds to separate them)")
     else:
         notes.append("no launch's interval cleared the default launch within the quality budget: the default stands")
     recommended = write_recommended(spec, winner_started, winner_doc)
