@@ -4,6 +4,8 @@ architectures; the compiled prefill and batched step are compiled before the tra
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -39,19 +41,24 @@ def qwen3_dir(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def gemma3_dir(tmp_path_factory):
-    """A tiny Gemma 3 whose sliding window (32) is shorter than most of the mixed suite's prompts."""
+def _saved_family(tmp_path_factory, arch: str, window: int) -> Path:
+    """A tiny `arch` model with sliding window `window` (shorter than most of the mixed suite's prompts), saved."""
     from tests.conftest import build_tiny_tokenizer
     from tests.test_native_step import tiny_family
 
     tok = build_tiny_tokenizer()
-    path = tmp_path_factory.mktemp("tiny-gemma3")
-    model = tiny_family(tok, "gemma3", sliding_window=32, max_position_embeddings=1024)
+    path = tmp_path_factory.mktemp(f"tiny-{arch}")
+    model = tiny_family(tok, arch, sliding_window=window, max_position_embeddings=1024)
     model.config.pad_token_id, model.config.eos_token_id = tok.pad_token_id, tok.eos_token_id
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+    """A tiny Gemma 3 whose sliding window (32) is shorter than most of the mixed suite's prompts."""
+    return _saved_family(tmp_path_factory, "gemma3", 32)
 
 
 def test_step_buckets():
@@ -263,16 +270,7 @@ def test_stack_rows_through_bench_recipe_report_no_mismatches(native_step, tiny_
 @pytest.fixture(scope="module")
 def mistral_dir(tmp_path_factory):
     """A tiny Mistral (every layer slides, window 24: shorter than most of the mixed suite's prompts)."""
-    from tests.conftest import build_tiny_tokenizer
-    from tests.test_native_step import tiny_family
-
-    tok = build_tiny_tokenizer()
-    path = tmp_path_factory.mktemp("tiny-mistral")
-    model = tiny_family(tok, "mistral", sliding_window=24, max_position_embeddings=1024)
-    model.config.pad_token_id, model.config.eos_token_id = tok.pad_token_id, tok.eos_token_id
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return _saved_family(tmp_path_factory, "mistral", 24)
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma3"])
