@@ -36,6 +36,8 @@ class RoundsBlock:
     # one id per rounds run: rows with the same group were measured in the same process, interleaved, so
     # `compare` adds no run-to-run spread between them (docs/compare.md, "Run-to-run spread")
     group: str | None = None
+    # the ratios the target was on (rounds.judged): achieved_half_width_pct is the widest of their intervals
+    judged_on: list[str] | None = None
 
 
 # top-level sections a sweep hook adds over every row of a technique (not measured: set, or set again)

@@ -1,13 +1,17 @@
 """Interleaved rounds: the baseline and its candidates measured in alternating one-pass rounds.
 
-Each variant is warmed once (its warmup calls plus one discarded pass; none with warmup 0), then every round is one timed
+Each variant is warmed once (none with warmup 0; `warm`): its warmup calls on the first request batch,
+then every other request batch once with a few new tokens, so every prompt's prefill shape has run
+before the first round (a variant that compiles per cache length, or replays a trace, runs its warmup
+calls and one whole discarded pass instead), then every round is one timed
 pass over the workload of each variant, interleaved request by request: for each request batch of
 the workload, every variant runs it back to back in a freshly shuffled order, so drift of the host
 (a neighbour starting, frequency changes) hits every variant alike and the pairs being compared are
 seconds apart, not a whole pass. A ratio is taken per round — for TTFT and TPOT the geometric mean
 over prompts of each prompt's paired ratio, for throughput the pass totals — and the rounds are its
-samples: rounds continue until every candidate's ratio intervals are within the protocol's target
-half-width, or the round or time budget ends. A variant whose runner replays an arrival trace
+samples: rounds continue until every candidate's intervals of the ratios the target is on are within
+the protocol's target half-width (all three, or with `target_on: objective` the one the row is ranked
+on: `judged`), or the round or time budget ends. A variant whose runner replays an arrival trace
 (`register_runner(..., passes="whole")`) runs its whole trace once per round, at a shuffled point
 among the request batches, and is judged on throughput alone (its TTFT and TPOT include queueing by
 design). Every variant's per-round pass figures are kept (`per_round`), so any two variants of the
@@ -39,6 +43,11 @@ MIN_ROUNDS = 3  # an interval from two rounds has one degree of freedom: t = 12.
 RATIOS = {"speedup_vs_baseline": "tpot_ms", "ttft_speedup_vs_baseline": "ttft_ms",
           "throughput_ratio_vs_baseline": "output_throughput_tok_s"}
 WHOLE_RATIOS = ("throughput_ratio_vs_baseline",)  # what a whole-trace variant is judged on
+# a row's objective (ResultDocument.objective: what it is ranked on) -> its ratio
+OBJECTIVE_RATIO = {"decode": "speedup_vs_baseline", "ttft": "ttft_speedup_vs_baseline",
+                   "throughput": "throughput_ratio_vs_baseline"}
+WARM_TOKENS = 4  # new tokens per request of the warm pass over the request batches after the first
+SHORT_WARM = ("generation", "speculative")  # runners whose warm pass may be short (`warm`)
 # the per-pass figures kept per round for every variant (RoundsBlock.per_round)
 PER_ROUND = ("output_throughput_tok_s", "tpot_ms", "ttft_ms", "e2e_ms_mean")
 
@@ -51,6 +60,7 @@ class Variant:
     prepared: PreparedModel
     runner: str
     whole: bool = False  # the runner replays the whole workload per call (an arrival trace)
+    objective: str = "decode"  # what its row is ranked on (OBJECTIVE_RATIO): the target's ratio under `objective`
     warm: GenerationRun | None = None
     passes: list[GenerationRun] = field(default_factory=list)
 
@@ -76,11 +86,13 @@ class RoundsOutcome:
     other_cpu_by_round: list[float] = field(default_factory=list)  # share of the host other processes used
     major_faults_by_round: list[int] = field(default_factory=list)  # pages this process read back from disk
     group: str = field(default_factory=lambda: uuid.uuid4().hex[:16])  # the id its rows share (RoundsBlock.group)
+    judged: dict[str, tuple[str, ...]] = field(default_factory=dict)  # candidate name -> the target's ratios
 
     def block(self, name: str) -> dict:
         """The `metrics.rounds` block of one candidate (or of the baseline)."""
         mine = self.intervals.get(name, {})
-        widths = [iv["half_width_pct"] if iv else float("inf") for iv in mine.values()]
+        on = self.judged.get(name, tuple(mine))
+        widths = [iv["half_width_pct"] if iv else float("inf") for key, iv in mine.items() if key in on]
         worst = max(widths, default=float("inf"))
         # met for this row when its own intervals reached the target (the group's rounds may have gone on
         # for another row's sake); None for the baseline, which has no ratio of its own
@@ -92,7 +104,8 @@ class RoundsOutcome:
             target_met=met, stopped_by=self.stopped_by,
             baseline_drift_pct=self.baseline_drift_pct, per_round=self.per_round.get(name),
             other_cpu_by_round=self.other_cpu_by_round or None,
-            major_faults_by_round=self.major_faults_by_round or None, group=self.group))
+            major_faults_by_round=self.major_faults_by_round or None, group=self.group,
+            judged_on=list(on) if name in self.intervals else None))
 
 
 def one_pass(protocol: Protocol) -> Protocol:
@@ -101,6 +114,34 @@ def one_pass(protocol: Protocol) -> Protocol:
 
 def warm_pass(protocol: Protocol) -> Protocol:
     return dataclasses.replace(protocol, min_iterations=1, min_duration_s=0.0)
+
+
+def warm(v: Variant, inputs: Inputs, workload: Workload, protocol: Protocol) -> GenerationRun:
+    """Warm one variant before the rounds: `protocol.warmup` calls of the first request batch at the
+    workload's length (the last one is the pass returned; its first call is `first_call_ms`, their time
+    `warmup_s`), then one pass over the other request batches at WARM_TOKENS new tokens: every prompt's
+    prefill shape runs before the first round at a fraction of a pass's time (decode is most of a pass).
+    A variant that compiles per cache length (`compile_config`: every shape must run at full length),
+    replays a whole trace, or whose runner is not in SHORT_WARM runs its warmup calls and one whole
+    discarded pass (`warm_pass`)."""
+    runner = get_runner(v.runner)
+    batches = request_batches(inputs)
+    short = (not v.whole and v.runner in SHORT_WARM and "compile_config" not in v.prepared.generate_kwargs
+             and len(batches) > 1 and workload.max_new_tokens > WARM_TOKENS)
+    if not short:
+        return runner(v.prepared, inputs, workload, warm_pass(protocol), None)
+    start = time.perf_counter()
+    first = runner(v.prepared, batches[0][0], workload,
+                   dataclasses.replace(warm_pass(protocol), warmup=protocol.warmup - 1), None)
+    timed = [r for r in first.requests if r.token_ns]
+    first_call_ms = first.first_call_ms if first.first_call_ms is not None else (
+        timed[0].e2e_ms if timed else None)
+    warmup_s = time.perf_counter() - start
+    offset = batches[1][1]
+    rest = dataclasses.replace(inputs, prompts=inputs.prompts[offset:], rendered=inputs.rendered[offset:],
+                               batches=inputs.batches[1:])
+    runner(v.prepared, rest, dataclasses.replace(workload, max_new_tokens=WARM_TOKENS), one_pass(protocol), None)
+    return dataclasses.replace(first, first_call_ms=first_call_ms, warmup_s=warmup_s)
 
 
 def pass_value(run: GenerationRun, metric: str) -> float | None:
@@ -144,6 +185,16 @@ def round_ratios(base: Variant, cand: Variant, metric: str) -> list[float]:
     return [r for r in ratios if r is not None]
 
 
+def judged(v: Variant, protocol: Protocol) -> tuple[str, ...]:
+    """The ratios whose intervals the target is on for candidate `v`: a whole-trace variant's throughput;
+    else every ratio, or with `protocol.target_on == "objective"` the ratio of its row's objective."""
+    if v.whole:
+        return WHOLE_RATIOS
+    if protocol.target_on == "objective":
+        return (OBJECTIVE_RATIO.get(v.objective, "speedup_vs_baseline"),)
+    return tuple(RATIOS)
+
+
 def intervals(base: Variant, cand: Variant) -> dict[str, dict | None]:
     names = WHOLE_RATIOS if cand.whole else tuple(RATIOS)
     return {name: log_ratio_interval(round_ratios(base, cand, RATIOS[name])) for name in names}
@@ -153,7 +204,7 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
                progress: Progress | None = None,
                stop: Callable[[dict[str, dict]], str | None] | None = None) -> RoundsOutcome:
     """Warm every variant, then rounds of one pass each in shuffled order until the intervals are
-    within `protocol.target_half_width_pct` (every candidate, every ratio), or a budget ends.
+    within `protocol.target_half_width_pct` (every candidate, every ratio it is `judged` on), or a budget ends.
 
     `protocol.min_iterations` (at least MIN_ROUNDS) and `min_duration_s` (timed seconds per variant)
     are floors; `max_rounds` and `max_duration_s` (from the first round) are the budget. `stop(intervals)`
@@ -165,7 +216,7 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
         if protocol.warmup > 0:  # warmup 0 asks for none: the first round is timed as it comes
             if progress:
                 progress(f"warming {v.name}", i, len(variants))
-            v.warm = get_runner(v.runner)(v.prepared, inputs, workload, warm_pass(protocol), None)
+            v.warm = warm(v, inputs, workload, protocol)
         if v.prepared.counters is not None:
             v.prepared.counters.reset()
             v.prepared.counters.held = True  # counts accumulate over the rounds
@@ -177,6 +228,7 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
     start = time.perf_counter()
     order: list[list[str]] = []
     found: dict[str, dict[str, dict]] = {}
+    on = {c.name: judged(c, protocol) for c in candidates}
     met, stopped_by = False, "max_rounds"
 
     def timed(v: Variant, v_inputs: Inputs, offset: int) -> GenerationRun:
@@ -206,13 +258,16 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
                 sequences.append([v.name for v in sequence])
                 for v in sequence:
                     parts[v.name].append(timed(v, batch_inputs, offset))
+                if progress:  # the line moves within a round too (a round of a slow variant takes a while)
+                    progress(f"round {len(order) + 1}: request batches", k + 1, len(batches))
             order.append(sequences[0])
             other_cpu.append(noise.other_share(snapshot, noise.HostSnapshot.take()))
             faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faulted)
             for v in variants:
                 v.passes.append(concat(parts[v.name], v.prepared))
             found = {c.name: intervals(base, c) for c in candidates}
-            widths = [iv["half_width_pct"] if iv else float("inf") for ivs in found.values() for iv in ivs.values()]
+            widths = [iv["half_width_pct"] if iv else float("inf")
+                      for name, ivs in found.items() for key, iv in ivs.items() if key in on[name]]
             worst = max(widths, default=0.0)
             if progress:
                 shown = f"±{worst:.1f}%" if worst != float("inf") else "interval pending"
@@ -243,7 +298,7 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
                          target_half_width_pct=protocol.target_half_width_pct, target_met=met or not candidates,
                          stopped_by=stopped_by, order=order, intervals=found, baseline_drift_pct=drift,
                          variants=len(variants), per_round=per_round, other_cpu_by_round=other_cpu,
-                         major_faults_by_round=faults)
+                         major_faults_by_round=faults, judged=on)
 
 
 def request_batches(inputs: Inputs) -> list[tuple[Inputs, int]]:

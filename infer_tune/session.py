@@ -483,6 +483,12 @@ def fits_another(loaded: models.LoadedModel, group: list) -> bool:
     return psutil.virtual_memory().available > need
 
 
+def ranked_on(config: TechniqueConfig) -> str:
+    """What a row is ranked on: the first objective of its parts other than decode, else decode."""
+    objectives = [technique_for(p).objective for p in config.parts()]
+    return next((o for o in objectives if o != "decode"), "decode")
+
+
 class _Sweep:
     """The state one sweep shares between its groups: the workload, the baseline measured last."""
 
@@ -530,7 +536,8 @@ class _Sweep:
             return
         base = rounds.Variant("baseline", self.baseline_prepared(), "generation")
         runners = [p.runner or technique_for(configs[i]).runner for i, p in group]
-        variants = [base] + [rounds.Variant(f"{i}:{p.label}", p, runner, whole=runner in WHOLE_RUNNERS)
+        variants = [base] + [rounds.Variant(f"{i}:{p.label}", p, runner, whole=runner in WHOLE_RUNNERS,
+                                            objective=ranked_on(configs[i]))
                              for (i, p), runner in zip(group, runners)]
         before = noise.HostSnapshot.take()
         try:
@@ -607,8 +614,7 @@ class _Sweep:
             measure_ppl=self.measure_ppl and entry.measure_ppl, execute=self.execute,
             per_position=any(technique_for(p).per_position for p in config.parts()), rounds_block=rounds_block,
             ratios=ratios)
-        objectives = [technique_for(p).objective for p in config.parts()]
-        doc.objective = next((o for o in objectives if o != "decode"), "decode")  # what it is ranked on
+        doc.objective = ranked_on(config)
         doc.add_metrics(metrics, source="the sweep's admission")
         files = entry.finalize(config, doc, outputs, prepared, inputs, self.ctx) if entry.finalize else None
         if entry.annotate:

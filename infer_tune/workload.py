@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     import torch
 
 
+TARGET_ON = ("all", "objective")  # Protocol.target_on
+
+
 @dataclass
 class Protocol:
     """Warmup and repetition rules for a timed measurement (docs/architecture.md, "Measurement protocol")."""
@@ -25,11 +28,14 @@ class Protocol:
     min_iterations: int = 2
     min_duration_s: float = 5.0
     pin_length: bool = True
-    # interleaved rounds (docs/architecture.md, "Measurement protocol"): stop when every ratio's 95%
-    # interval half-width is within the target, or after max_rounds, or when max_duration_s has passed
+    # interleaved rounds (docs/architecture.md, "The sweep engine"): stop when the 95% interval
+    # half-width of every ratio the target is on is within the target, or after max_rounds, or when
+    # max_duration_s has passed. `target_on`: "all" (decode, TTFT and throughput ratios) or "objective"
+    # (the one ratio each row is ranked on; its other ratios keep the interval those rounds gave)
     target_half_width_pct: float = 2.0
     max_rounds: int = 20
     max_duration_s: float = 300.0
+    target_on: str = "all"
 
     def __post_init__(self) -> None:
         if self.warmup < 0:
@@ -44,6 +50,8 @@ class Protocol:
             raise ConfigError(f"max_rounds must be >= 2 (an interval needs two rounds), got {self.max_rounds}")
         if not 0 <= self.max_duration_s < float("inf"):
             raise ConfigError(f"max_duration_s must be a finite number >= 0 seconds, got {self.max_duration_s}")
+        if self.target_on not in TARGET_ON:
+            raise ConfigError(f"target_on must be one of {', '.join(TARGET_ON)}, got {self.target_on!r}")
 
 
 @dataclass

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from infer_tune import env as envinfo
+from infer_tune.errors import ConfigError
 from infer_tune.results import find_results
 from infer_tune.runners import PreparedModel, Protocol
 from infer_tune.session import prepare_inputs, run_configs
@@ -205,6 +206,89 @@ def test_rounds_stop_at_the_target_and_report_a_miss_as_noisy():
     finally:
         RUNNERS.pop("test-steady")
         RUNNERS.pop("test-scattered")
+
+
+@pytest.mark.full_rounds
+def test_rounds_target_on_the_objective_ratio_alone():
+    """`target_on: objective`: a row whose decode ratio is steady and whose TTFT is scattered stops at the
+    floor, target met, with the TTFT interval still reported (as wide as it came out); under `all` the
+    same timings run to the round budget and the row is noisy, its reason naming the ratios."""
+    from infer_tune import rounds
+    from infer_tune.metrics import noise
+    from infer_tune.runners.base import RUNNERS, GenerationRun, RequestTiming
+    from infer_tune.workload import Inputs
+
+    def fake_runner(ttfts):
+        it = iter(ttfts)
+
+        def run(prepared, inputs, workload, protocol, progress):
+            first = next(it)
+            req = RequestTiming(0, 0, 4, 0, [int(1e6 * (first + 10.0 * k)) for k in range(5)])
+            return GenerationRun([req], [], 0.1, 1, None, 0.0, 0, 0, 5, 1)
+        return run
+
+    one = Inputs(prompts=[None], rendered=["x"], batches=[{"input_ids": torch.zeros(1, 4)}], templated=False)
+    try:
+        outs = {}
+        for target_on in ("all", "objective"):
+            RUNNERS["test-base"] = fake_runner([10.0] * 40)
+            RUNNERS["test-late"] = fake_runner([10.0, 5.0, 20.0, 7.0, 14.0] * 8)
+            protocol = Protocol(warmup=0, min_iterations=1, min_duration_s=0, max_rounds=6, target_on=target_on)
+            variants = [rounds.Variant("a", PreparedModel(None, None), "test-base"),
+                        rounds.Variant("b", PreparedModel(None, None), "test-late")]
+            outs[target_on] = rounds.run_rounds(variants, one, None, protocol)
+        every, ranked = outs["all"], outs["objective"]
+        assert every.stopped_by == "max_rounds" and every.rounds == 6 and every.block("b")["target_met"] is False
+        assert every.block("b")["judged_on"] == list(rounds.RATIOS)
+        why = noise.figure([], noise.HostSnapshot.take(), noise.HostSnapshot.take(), rounds=every.block("b"))["why"]
+        assert "ttft_speedup_vs_baseline" in why[0]
+        assert ranked.stopped_by == "target" and ranked.rounds == rounds.MIN_ROUNDS
+        block = ranked.block("b")
+        assert block["target_met"] is True and block["judged_on"] == ["speedup_vs_baseline"]
+        assert block["achieved_half_width_pct"] <= protocol.target_half_width_pct
+        assert ranked.intervals["b"]["ttft_speedup_vs_baseline"]["half_width_pct"] > 10  # reported, not judged
+        # a whole-trace variant is judged on throughput whatever the protocol says
+        whole = rounds.Variant("w", PreparedModel(None, None), "test-late", whole=True)
+        assert rounds.judged(whole, protocol) == rounds.WHOLE_RATIOS
+        assert rounds.judged(rounds.Variant("t", PreparedModel(None, None), "x", objective="throughput"),
+                             protocol) == ("throughput_ratio_vs_baseline",)
+    finally:
+        RUNNERS.pop("test-base", None)
+        RUNNERS.pop("test-late", None)
+    with pytest.raises(ConfigError, match="target_on"):
+        Protocol(target_on="ttft")
+
+
+def test_rounds_warm_every_prompt_shape_without_a_whole_discarded_pass(monkeypatch):
+    """A plain generation variant is warmed by its warmup calls on the first request batch at full length,
+    then the other batches once at WARM_TOKENS (every prefill shape seen, decode mostly skipped); one
+    that compiles per cache length keeps the whole discarded pass at full length."""
+    from infer_tune import rounds
+    from infer_tune.runners.base import RUNNERS, GenerationRun, RequestTiming
+    from infer_tune.workload import Inputs
+
+    calls = []
+
+    def runner(prepared, inputs, workload, protocol, progress):
+        calls.append((prepared.label, [int(b["input_ids"][0, 0]) for b in inputs.batches], workload.max_new_tokens,
+                      protocol.warmup))
+        req = RequestTiming(0, 0, 4, 0, [int(1e6 * (10 + 5.0 * k)) for k in range(5)])
+        return GenerationRun([req], [], 0.1, 1, None, 0.0, 0, 0, 5, 1)
+
+    monkeypatch.setitem(RUNNERS, "generation", runner)
+    batches = [{"input_ids": torch.full((1, 3), j)} for j in range(3)]
+    inputs = Inputs(prompts=[None] * 3, rendered=["a", "b", "c"], batches=batches, templated=False)
+    workload = Workload(max_new_tokens=32)
+    protocol = Protocol(warmup=1, min_iterations=1, min_duration_s=0)
+    plain = rounds.Variant("plain", PreparedModel(None, None, label="plain"), "generation")
+    compiled = rounds.Variant("compiled", PreparedModel(None, None, label="compiled",
+                                                        generate_kwargs={"compile_config": object()}), "generation")
+    run = rounds.warm(plain, inputs, workload, protocol)
+    assert calls == [("plain", [0], 32, 0), ("plain", [1, 2], rounds.WARM_TOKENS, 0)]
+    assert run.first_call_ms == pytest.approx(30.0)  # the first call's e2e: 10 ms + 4 x 5 ms
+    calls.clear()
+    rounds.warm(compiled, inputs, workload, protocol)
+    assert calls == [("compiled", [0, 1, 2], 32, 1)]
 
 
 def test_test_techniques_leave_the_registry_clean():

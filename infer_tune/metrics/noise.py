@@ -1,7 +1,8 @@
 """How far a result's timings can be trusted: whether its intervals reached their target, and how busy
 the host was while it ran.
 
-- `noisy`: for a run measured in interleaved rounds, its ratio intervals did not reach the target
+- `noisy`: for a run measured in interleaved rounds, the intervals of the ratios the target was on
+  (`metrics.rounds.judged_on`: all three, or the one the row is ranked on) did not reach the target
   half-width within the round budget (`why` says by how much, and names contention when another
   process used more than OTHER_CPU_LIMIT of the host); for a run measured alone (a trace, a server,
   several processes), another process used more than OTHER_CPU_LIMIT of the host. A two-sample CV
@@ -94,6 +95,8 @@ def figure(requests, before: HostSnapshot, after: HostSnapshot, *, rounds: dict 
     if rounds is not None and rounds.get("target_met") is False:
         achieved = rounds.get("achieved_half_width_pct")
         shown = f"±{achieved:.1f}%" if isinstance(achieved, (int, float)) and achieved != float("inf") else "none"
+        on = rounds.get("judged_on")
+        shown += f" ({', '.join(on)})" if on else ""
         why.append(f"95% interval {shown} did not reach ±{rounds['target_half_width_pct']:g}% in "
                    f"{rounds['rounds']} rounds ({rounds['stopped_by']})")
         if contended:

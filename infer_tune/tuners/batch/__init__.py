@@ -127,7 +127,8 @@ class TraceFactory:
         refs = reference_tokens(prepared, encoded, picks, workload.max_new_tokens, self.cache, self.progress)
         if hasattr(self.scheduler, "own_references"):  # an engine whose single-request greedy is its own
             self.scheduler.generate_references = refs
-            refs = self.scheduler.own_references(prepared, encoded, picks, workload.max_new_tokens, self.cache)
+            refs = self.scheduler.own_references(prepared, encoded, picks, workload.max_new_tokens, self.cache,
+                                                 self.progress)
         self.scheduler.references = refs
         self.rows = [TraceRow(p, t, int(encoded[p]["input_ids"].shape[1]), max(len(refs[p]), 1)) for p, t in plan]
         return [TraceRequest(r.prompt_index, r.arrival_s, r.output_tokens) for r in self.rows]

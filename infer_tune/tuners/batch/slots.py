@@ -356,13 +356,16 @@ class SlotBatcher:
         engine.facts["slot_engine_build_s"] = engine.facts.get("slot_engine_build_s", 0.0) + time.perf_counter() - started
 
     def own_references(self, prepared, encoded: list[dict], indices: list[int], max_new_tokens: int,
-                       cache: dict | None = None) -> dict[int, list[int]]:
+                       cache: dict | None = None, progress=None) -> dict[int, list[int]]:
         """Prompt index -> the tokens this engine decodes for it alone (slot 0 of the smallest step bucket:
         the one-row step, or every slot's step when `step_buckets` is `full`, the other rows idle), up to
-        and including end-of-sequence, at most `max_new_tokens`: what batching must not change."""
+        and including end-of-sequence, at most `max_new_tokens`: what batching must not change.
+        `progress(stage, done, total)` hears the engine build start and each prompt done."""
         from infer_tune.tuners.batch.common import weights_key
 
         unique = sorted(set(indices))
+        if progress:
+            progress("slot engine: building (compiles on first use)", 0, len(unique))
         self._build(prepared, [encoded[i] for i in unique],
                     max(int(encoded[i]["input_ids"].shape[1]) for i in unique) + max_new_tokens)
         eos = set(eos_ids(prepared.model, prepared.tokenizer))
@@ -382,6 +385,8 @@ class SlotBatcher:
                         tokens.append(int(greedy(self.engine.step(rows, step_in))[0]))
                     cache[key] = tokens
                 out[i] = list(cache[key])
+                if progress:
+                    progress("slot engine: single-request references", len(out), len(unique))
         self.engine.positions.zero_()
         return out
 
