@@ -38,6 +38,8 @@ class RoundsBlock:
     group: str | None = None
     # the ratios the target was on (rounds.judged): achieved_half_width_pct is the widest of their intervals
     judged_on: list[str] | None = None
+    # request batches run again per round because other processes used the host meanwhile (rounds.RERUNS)
+    reruns_by_round: list[int] | None = None
 
 
 # top-level sections a sweep hook adds over every row of a technique (not measured: set, or set again)

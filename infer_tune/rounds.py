@@ -7,7 +7,9 @@ calls and one whole discarded pass instead), then every round is one timed
 pass over the workload of each variant, interleaved request by request: for each request batch of
 the workload, every variant runs it back to back in a freshly shuffled order, so drift of the host
 (a neighbour starting, frequency changes) hits every variant alike and the pairs being compared are
-seconds apart, not a whole pass. A ratio is taken per round — for TTFT and TPOT the geometric mean
+seconds apart, not a whole pass. A request batch during which other processes used more than
+`noise.OTHER_CPU_LIMIT` of the host (the host's counters say so, not the timings) is run again once,
+every variant of it, and the first try dropped (`reruns_by_round`). A ratio is taken per round — for TTFT and TPOT the geometric mean
 over prompts of each prompt's paired ratio, for throughput the pass totals — and the rounds are its
 samples: rounds continue until every candidate's intervals of the ratios the target is on are within
 the protocol's target half-width (all three, or with `target_on: objective` the one the row is ranked
@@ -21,6 +23,7 @@ docs/architecture.md, "The sweep engine".
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import random
@@ -46,6 +49,7 @@ WHOLE_RATIOS = ("throughput_ratio_vs_baseline",)  # what a whole-trace variant i
 # a row's objective (ResultDocument.objective: what it is ranked on) -> its ratio
 OBJECTIVE_RATIO = {"decode": "speedup_vs_baseline", "ttft": "ttft_speedup_vs_baseline",
                    "throughput": "throughput_ratio_vs_baseline"}
+RERUNS = 1  # times a request batch is run again when other processes used the host meanwhile (`run_rounds`)
 WARM_TOKENS = 4  # new tokens per request of the warm pass over the request batches after the first
 SHORT_WARM = ("generation", "speculative")  # runners whose warm pass may be short (`warm`)
 # the per-pass figures kept per round for every variant (RoundsBlock.per_round)
@@ -84,6 +88,7 @@ class RoundsOutcome:
     variants: int = 1
     per_round: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)  # name -> figure -> rounds
     other_cpu_by_round: list[float] = field(default_factory=list)  # share of the host other processes used
+    reruns_by_round: list[int] = field(default_factory=list)  # request batches run again (contended), per round
     major_faults_by_round: list[int] = field(default_factory=list)  # pages this process read back from disk
     group: str = field(default_factory=lambda: uuid.uuid4().hex[:16])  # the id its rows share (RoundsBlock.group)
     judged: dict[str, tuple[str, ...]] = field(default_factory=dict)  # candidate name -> the target's ratios
@@ -105,6 +110,7 @@ class RoundsOutcome:
             baseline_drift_pct=self.baseline_drift_pct, per_round=self.per_round.get(name),
             other_cpu_by_round=self.other_cpu_by_round or None,
             major_faults_by_round=self.major_faults_by_round or None, group=self.group,
+            reruns_by_round=self.reruns_by_round or None,
             judged_on=list(on) if name in self.intervals else None))
 
 
@@ -238,11 +244,13 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
 
     other_cpu: list[float] = []
     faults: list[int] = []
+    reruns: list[int] = []
     try:
         while True:
             snapshot, faulted = noise.HostSnapshot.take(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
             parts: dict[str, list[GenerationRun]] = {v.name: [] for v in variants}
             sequences = []
+            reruns.append(0)
             # a whole-trace variant runs once, before request batch `at` (len(batches): after the last)
             at = {v.name: rng.randrange(len(batches) + 1) for v in whole}
             for k in range(len(batches) + 1):
@@ -256,8 +264,22 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
                 sequence = list(split)
                 rng.shuffle(sequence)
                 sequences.append([v.name for v in sequence])
-                for v in sequence:
-                    parts[v.name].append(timed(v, batch_inputs, offset))
+                for attempt in range(RERUNS + 1):
+                    # contended (another process used over OTHER_CPU_LIMIT of the host while the batch ran,
+                    # steal included): every variant's run of it is dropped and the batch run again, once;
+                    # decided by the host's counters, never by the timings
+                    counts = {v.name: copy.deepcopy(v.prepared.counters.values) for v in sequence
+                              if v.prepared.counters is not None}
+                    host = noise.HostSnapshot.take()
+                    runs = [(v, timed(v, batch_inputs, offset)) for v in sequence]
+                    if attempt == RERUNS or noise.other_share(host, noise.HostSnapshot.take()) <= noise.OTHER_CPU_LIMIT:
+                        break
+                    reruns[-1] += 1
+                    for v in sequence:
+                        if v.name in counts:  # a dropped run's technique counts are dropped with it
+                            v.prepared.counters.values = counts[v.name]
+                for v, run in runs:
+                    parts[v.name].append(run)
                 if progress:  # the line moves within a round too (a round of a slow variant takes a while)
                     progress(f"round {len(order) + 1}: request batches", k + 1, len(batches))
             order.append(sequences[0])
@@ -298,7 +320,7 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
                          target_half_width_pct=protocol.target_half_width_pct, target_met=met or not candidates,
                          stopped_by=stopped_by, order=order, intervals=found, baseline_drift_pct=drift,
                          variants=len(variants), per_round=per_round, other_cpu_by_round=other_cpu,
-                         major_faults_by_round=faults, judged=on)
+                         major_faults_by_round=faults, judged=on, reruns_by_round=reruns)
 
 
 def request_batches(inputs: Inputs) -> list[tuple[Inputs, int]]:

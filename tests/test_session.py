@@ -291,6 +291,42 @@ def test_rounds_warm_every_prompt_shape_without_a_whole_discarded_pass(monkeypat
     assert calls == [("compiled", [0, 1, 2], 32, 1)]
 
 
+@pytest.mark.full_rounds
+def test_rounds_run_a_contended_request_batch_again(monkeypatch):
+    """A request batch during which other processes used over OTHER_CPU_LIMIT of the host is run again by
+    every variant, once; the first try's timings and technique counts are dropped, the rerun counted."""
+    from infer_tune import rounds
+    from infer_tune.metrics import noise
+    from infer_tune.runners.base import RUNNERS, GenerationRun, RequestTiming
+    from infer_tune.runners.prepared import RunCounters
+    from infer_tune.workload import Inputs
+
+    calls = []
+
+    def runner(prepared, inputs, workload, protocol, progress):
+        calls.append(prepared.label)
+        slow = len(calls) <= 2  # the first try of batch 0 (both variants) ran while the host was contended
+        tpot = (50.0 if slow else 10.0) if prepared.label == "base" else 5.0
+        if prepared.counters is not None:
+            prepared.counters.add("drafted", 4)
+        req = RequestTiming(0, 0, 4, 0, [int(1e6 * (10 + tpot * k)) for k in range(5)])
+        return GenerationRun([req], [], 0.1, 1, None, 0.0, 0, 0, 5, 1)
+
+    shares = iter([0.5] + [0.0] * 100)  # one reading per request batch tried: the first says contended
+    monkeypatch.setattr(noise, "other_share", lambda before, after: next(shares))
+    monkeypatch.setitem(RUNNERS, "test-contended", runner)
+    counted = PreparedModel(None, None, label="cand", counters=RunCounters())
+    variants = [rounds.Variant("base", PreparedModel(None, None, label="base"), "test-contended"),
+                rounds.Variant("cand", counted, "test-contended")]
+    one = Inputs(prompts=[None], rendered=["x"], batches=[{"input_ids": torch.zeros(1, 4)}], templated=False)
+    out = rounds.run_rounds(variants, one, None, Protocol(warmup=0, min_iterations=3, min_duration_s=0, max_rounds=3))
+    assert len(calls) == 2 * (3 + rounds.RERUNS) and out.reruns_by_round == [1, 0, 0]
+    assert out.block("cand")["reruns_by_round"] == [1, 0, 0]
+    assert out.per_round["base"]["tpot_ms"] == [10.0] * 3  # the contended try (50 ms) is not a sample
+    assert out.intervals["cand"]["speedup_vs_baseline"]["point"] == pytest.approx(2.0)
+    assert counted.counters.values["drafted"] == 4 * 3  # the dropped try's counts went with it
+
+
 def test_test_techniques_leave_the_registry_clean():
     """The fixture's registration takes the test technique out again (driven here step by step, so the test
     sees both states whatever ran before it)."""
