@@ -3,22 +3,22 @@
 Each variant is warmed once (none with warmup 0; `warm`): its warmup calls on the first request batch,
 then every other request batch once with a few new tokens, so every prompt's prefill shape has run
 before the first round (a variant that compiles per cache length, or replays a trace, runs its warmup
-calls and one whole discarded pass instead), then every round is one timed
-pass over the workload of each variant, interleaved request by request: for each request batch of
-the workload, every variant runs it back to back in a freshly shuffled order, so drift of the host
-(a neighbour starting, frequency changes) hits every variant alike and the pairs being compared are
-seconds apart, not a whole pass. A request batch during which other processes used more than
-`noise.OTHER_CPU_LIMIT` of the host (the host's counters say so, not the timings) is run again once,
-every variant of it, and the first try dropped (`reruns_by_round`). A ratio is taken per round — for TTFT and TPOT the geometric mean
-over prompts of each prompt's paired ratio, for throughput the pass totals — and the rounds are its
-samples: rounds continue until every candidate's intervals of the ratios the target is on are within
-the protocol's target half-width (all three, or with `target_on: objective` the one the row is ranked
-on: `judged`), or the round or time budget ends. A variant whose runner replays an arrival trace
-(`register_runner(..., passes="whole")`) runs its whole trace once per round, at a shuffled point
-among the request batches, and is judged on throughput alone (its TTFT and TPOT include queueing by
-design). Every variant's per-round pass figures are kept (`per_round`), so any two variants of the
-same rounds can be compared with an interval later (continuous vs static batching). See
-docs/architecture.md, "The sweep engine".
+calls and one whole discarded pass instead). Then every round is one timed pass over the workload of
+each variant, interleaved request by request: for each request batch of the workload, every variant
+runs it back to back in a freshly shuffled order, so drift of the host (a neighbour starting,
+frequency changes) hits every variant alike and the pairs being compared are seconds apart, not a
+whole pass. A request batch during which other processes used more than `noise.OTHER_CPU_LIMIT` of
+the host (the host's counters say so, not the timings) is run again once by every variant and the
+first try dropped (`reruns_by_round`). A ratio is taken per round — for TTFT and TPOT the geometric
+mean over prompts of each prompt's paired ratio, for throughput the pass totals — and the rounds are
+its samples: rounds continue until every candidate's intervals of the ratios the target is on are
+within the protocol's target half-width (all three, or with `target_on: objective` the one the row is
+ranked on: `judged`), or the round or time budget ends. A variant whose runner replays an arrival
+trace (`register_runner(..., passes="whole")`) runs its whole trace once per round, at a shuffled
+point among the request batches, and is judged on throughput alone (its TTFT and TPOT include
+queueing by design). Every variant's per-round pass figures are kept (`per_round`), so any two
+variants of the same rounds can be compared with an interval later (continuous vs static batching).
+See docs/architecture.md, "The sweep engine".
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Variant:
     prepared: PreparedModel
     runner: str
     whole: bool = False  # the runner replays the whole workload per call (an arrival trace)
-    objective: str = "decode"  # what its row is ranked on (OBJECTIVE_RATIO): the target's ratio under `objective`
+    objective: str = "decode"  # what its row is ranked on (OBJECTIVE_RATIO; the target's ratio under "objective")
     warm: GenerationRun | None = None
     passes: list[GenerationRun] = field(default_factory=list)
 
@@ -88,7 +88,7 @@ class RoundsOutcome:
     variants: int = 1
     per_round: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)  # name -> figure -> rounds
     other_cpu_by_round: list[float] = field(default_factory=list)  # share of the host other processes used
-    reruns_by_round: list[int] = field(default_factory=list)  # request batches run again (contended), per round
+    reruns_by_round: list[int] = field(default_factory=list)  # contended request batches run again, per round
     major_faults_by_round: list[int] = field(default_factory=list)  # pages this process read back from disk
     group: str = field(default_factory=lambda: uuid.uuid4().hex[:16])  # the id its rows share (RoundsBlock.group)
     judged: dict[str, tuple[str, ...]] = field(default_factory=dict)  # candidate name -> the target's ratios
@@ -146,7 +146,8 @@ def warm(v: Variant, inputs: Inputs, workload: Workload, protocol: Protocol) -> 
     offset = batches[1][1]
     rest = dataclasses.replace(inputs, prompts=inputs.prompts[offset:], rendered=inputs.rendered[offset:],
                                batches=inputs.batches[1:])
-    runner(v.prepared, rest, dataclasses.replace(workload, max_new_tokens=WARM_TOKENS), one_pass(protocol), None)
+    short_workload = dataclasses.replace(workload, max_new_tokens=WARM_TOKENS)
+    runner(v.prepared, rest, short_workload, one_pass(protocol), None)
     return dataclasses.replace(first, first_call_ms=first_call_ms, warmup_s=warmup_s)
 
 
@@ -210,7 +211,8 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
                progress: Progress | None = None,
                stop: Callable[[dict[str, dict]], str | None] | None = None) -> RoundsOutcome:
     """Warm every variant, then rounds of one pass each in shuffled order until the intervals are
-    within `protocol.target_half_width_pct` (every candidate, every ratio it is `judged` on), or a budget ends.
+    within `protocol.target_half_width_pct` (every candidate, every ratio it is `judged` on), or a budget
+    ends.
 
     `protocol.min_iterations` (at least MIN_ROUNDS) and `min_duration_s` (timed seconds per variant)
     are floors; `max_rounds` and `max_duration_s` (from the first round) are the budget. `stop(intervals)`
@@ -272,7 +274,8 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
                               if v.prepared.counters is not None}
                     host = noise.HostSnapshot.take()
                     runs = [(v, timed(v, batch_inputs, offset)) for v in sequence]
-                    if attempt == RERUNS or noise.other_share(host, noise.HostSnapshot.take()) <= noise.OTHER_CPU_LIMIT:
+                    calm = noise.other_share(host, noise.HostSnapshot.take()) <= noise.OTHER_CPU_LIMIT
+                    if calm or attempt == RERUNS:
                         break
                     reruns[-1] += 1
                     for v in sequence:
