@@ -57,8 +57,9 @@ def _same(a: Any, b: Any) -> bool:
 
 def merge_facts(metrics: dict[str, Any], facts: Mapping[str, Any], source: str) -> None:
     """`facts` added to `metrics`; a key already there with a different value is refused (OverwriteError
-    naming `source` and the key): technique facts never replace measured figures silently."""
-    clash = [k for k, v in facts.items() if k in metrics and not _same(metrics[k], v)]
+    naming `source` and the key): technique facts never replace measured figures silently. A key that is
+    there as null was not measured (a perplexity the engine did not take, say): a fact may fill it."""
+    clash = [k for k, v in facts.items() if metrics.get(k) is not None and not _same(metrics[k], v)]
     if clash:
         raise OverwriteError(f"{source} would overwrite measured metrics: {', '.join(sorted(clash))} "
                              f"({', '.join(f'{k}: {metrics[k]!r} -> {facts[k]!r}' for k in sorted(clash)[:3])})")
@@ -140,6 +141,11 @@ class ResultDocument(Mapping):
         """Facts added under `metrics` (a technique's `finalize`, an admission, a sweep hook); a key already
         measured with a different value is refused (`merge_facts`)."""
         merge_facts(self.metrics, facts or {}, source)
+
+    def set_sweep_metrics(self, facts: Mapping[str, Any]) -> None:
+        """Keys under `metrics` computed over every row of a sweep (its claim check, the highest rate that
+        met the SLOs): set, or set again when the sweep sees more rows; never a figure of this row's own."""
+        self.metrics.update(facts)
 
     def set_section(self, name: str, value: Any) -> None:
         """A sweep-level section (`SECTIONS`), computed over every row of the sweep: set, or set again."""

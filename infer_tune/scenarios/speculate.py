@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infer_tune import atomic
+from infer_tune.document import ResultDocument
 from infer_tune.errors import ConfigError
 from infer_tune.runners.base import Progress
 from infer_tune.scenarios.common import RunSpec, open_run
@@ -66,8 +67,8 @@ class SpeculateSweep:
 @dataclass
 class SuiteOutcome:
     suite: str
-    baseline: dict
-    docs: list[dict]
+    baseline: ResultDocument
+    docs: list[ResultDocument]
 
 
 @dataclass
