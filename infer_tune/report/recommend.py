@@ -162,7 +162,7 @@ def write_recommended(rec: Recommendation, out_dir: Path | str) -> Path | None:
 
 def interval_of(doc: ResultDocument, objective: str) -> tuple[float, float, float] | None:
     """(low, point, high) of a row's objective; a row measured once has low == point == high."""
-    key = OBJECTIVES[objective]
+    key, doc = OBJECTIVES[objective], as_document(doc)
     point = doc.metric(key)
     if point is None:
         return None

@@ -314,6 +314,7 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
         if baseline is None:  # nothing was measured (every candidate pruned or skipped): the baseline alone
             baseline, _, _ = ensure_baseline(run.loaded, run.inputs, spec.workload, spec.protocol, ctx,
                                              reuse=spec.resume, measure_ppl=spec.measure_ppl)
+            baseline = as_document(baseline)
         reference, found = _reference(offered.references, run, spec, tune, ctx)
         notes[:0] = found
         winner = _decide(candidates, baseline, run, spec, tune, ctx, budget, notes, note)
@@ -383,7 +384,7 @@ def _decide(candidates: list[Candidate], baseline: ResultDocument, run, spec: Ru
                 notes.append(f"contenders not measured again: {exc}")
             else:
                 for cand, doc in zip(contenders, docs):
-                    cand.doc, cand.measured_at_s = doc, budget.elapsed
+                    cand.doc, cand.measured_at_s = as_document(doc), budget.elapsed
                     _apply(cand, judge(doc, tune, lossless_claimed=cand.lossless))
                 winner, contenders = decide(candidates, baseline, tune.objective)
             budget.costs.append(time.monotonic() - started)
@@ -409,8 +410,9 @@ def _leader(candidates: list[Candidate], objective: str) -> Leader | None:
 
 def winner_label(candidates: list[Candidate], winner: ResultDocument) -> str | None:
     """The label of the candidate whose measured row is `winner` (None: the baseline)."""
+    winner = as_document(winner)
     return next((c.label for c in candidates if c.doc is not None and winner.technique != "baseline"
-                 and c.doc.run_id == winner.run_id), None)
+                 and as_document(c.doc).run_id == winner.run_id), None)
 
 
 def _measure(group: list[Candidate], run, spec: RunSpec, tune: TuneSpec, ctx, budget: Budget,
@@ -442,9 +444,9 @@ def _measure(group: list[Candidate], run, spec: RunSpec, tune: TuneSpec, ctx, bu
         group[0].status, group[0].reason = "failed", str(failed)
         return None
     for cand, doc in zip(group, docs):
-        cand.doc, cand.status, cand.measured_at_s = doc, "measured", budget.elapsed
+        cand.doc, cand.status, cand.measured_at_s = as_document(doc), "measured", budget.elapsed
         _apply(cand, judge(cand.doc, tune, lossless_claimed=cand.lossless))
-    return baseline
+    return as_document(baseline)
 
 
 def _apply(cand: Candidate, verdict) -> None:
@@ -470,7 +472,7 @@ def _reference(references: list[Offer], run, spec: RunSpec, tune: TuneSpec,
         except InferTuneError as exc:
             notes.append(f"reference {name} not measured: {exc}")
             continue
-        return docs[0], notes
+        return as_document(docs[0]), notes
     return None, notes
 
 

@@ -141,7 +141,7 @@ class Candidate:
         return self.config.label()
 
     def summary(self) -> dict:
-        doc = self.doc
+        doc = as_document(self.doc) if self.doc is not None else None
         m = doc.metrics if doc is not None else {}
         return {"label": self.label, "technique": self.config.technique, "config": self.config.to_dict(),
                 "status": self.status, "eligible": self.eligible, "reason": self.reason,
