@@ -4,8 +4,8 @@ the report and compare receive ResultDocuments whose data never says where they 
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 from collections.abc import Mapping
 
 import pytest

@@ -29,7 +29,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from infer_tune.document import ResultDocument
+from infer_tune.document import ResultDocument, as_document
 from infer_tune.metrics.saturation import SLO, goodput, one_at_a_time, request_timing
 from infer_tune.metrics.stats import log_ratio_interval
 from infer_tune.report.run_to_run import same_rounds
@@ -107,6 +107,7 @@ def goodput_keys(docs: list[ResultDocument], baseline: ResultDocument | None, sl
     docstring)."""
     if baseline is None:
         return
+    baseline = as_document(baseline)
     base_split = by_round(baseline.samples, baseline.rounds.get("rounds") or 1)
     for doc in docs:
         rows = trace_rows(doc)
