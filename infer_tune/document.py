@@ -61,8 +61,9 @@ def _same(a: Any, b: Any) -> bool:
 
 def merge_facts(metrics: dict[str, Any], facts: Mapping[str, Any], source: str) -> None:
     """`facts` added to `metrics`; a key already there with a different value is refused (OverwriteError
-    naming `source` and the key): technique facts never replace measured figures silently."""
-    clash = [k for k, v in facts.items() if k in metrics and not _same(metrics[k], v)]
+    naming `source` and the key): technique facts never replace measured figures silently. A key that is
+    there as null was not measured (a perplexity the engine did not take, say): a fact may fill it."""
+    clash = [k for k, v in facts.items() if metrics.get(k) is not None and not _same(metrics[k], v)]
     if clash:
         raise OverwriteError(f"{source} would overwrite measured metrics: {', '.join(sorted(clash))} "
                              f"({', '.join(f'{k}: {metrics[k]!r} -> {facts[k]!r}' for k in sorted(clash)[:3])})")
@@ -145,6 +146,11 @@ class ResultDocument(Mapping):
         measured with a different value is refused (`merge_facts`)."""
         merge_facts(self.metrics, facts or {}, source)
 
+    def set_sweep_metrics(self, facts: Mapping[str, Any]) -> None:
+        """Keys under `metrics` computed over every row of a sweep (its claim check, the highest rate that
+        met the SLOs): set, or set again when the sweep sees more rows; never a figure of this row's own."""
+        self.metrics.update(facts)
+
     def set_section(self, name: str, value: Any) -> None:
         """A sweep-level section (`SECTIONS`), computed over every row of the sweep: set, or set again."""
         if name not in SECTIONS:
@@ -157,6 +163,77 @@ class ResultDocument(Mapping):
             self.samples = {}
         else:
             self.extra.pop(key, None)
+
+    # ----------------------------------------------------------------- typed reads of `metrics`
+    # What the report, compare, recommend and tune read on every row, in one place: a figure that is
+    # absent, null, not a number or not finite reads as None (a result is untrusted input).
+    def metric(self, key: str) -> float | None:
+        """`metrics[key]` as a finite float, else None."""
+        return finite(self.metrics.get(key))
+
+    def interval(self, key: str) -> tuple[float, float] | None:
+        """`metrics[key + "_ci95"]` as (low, high) when it is two finite numbers in order, else None."""
+        raw = self.metrics.get(f"{key}_ci95")
+        if not isinstance(raw, (list, tuple)) or len(raw) != 2:
+            return None
+        low, high = finite(raw[0]), finite(raw[1])
+        return (low, high) if low is not None and high is not None and low <= high else None
+
+    def stat(self, key: str, stat: str = "p50") -> float | None:
+        """A statistic of a timing distribution (`stat("tpot_ms")`: its median), else None."""
+        block = self.metrics.get(key)
+        return finite(block.get(stat)) if isinstance(block, dict) else None
+
+    @property
+    def speedup(self) -> float | None:
+        """Decode speedup against the baseline (`speedup_vs_baseline`: baseline TPOT p50 / this row's)."""
+        return self.metric("speedup_vs_baseline")
+
+    @property
+    def speedup_ci95(self) -> tuple[float, float] | None:
+        return self.interval("speedup_vs_baseline")
+
+    @property
+    def ttft_speedup(self) -> float | None:
+        return self.metric("ttft_speedup_vs_baseline")
+
+    @property
+    def ttft_p50_ms(self) -> float | None:
+        return self.stat("ttft_ms")
+
+    @property
+    def tpot_p50_ms(self) -> float | None:
+        return self.stat("tpot_ms")
+
+    @property
+    def throughput_tok_s(self) -> float | None:
+        """Output tokens per second of the whole run (`output_throughput_tok_s`)."""
+        return self.metric("output_throughput_tok_s")
+
+    @property
+    def ppl_delta_pct(self) -> float | None:
+        return self.metric("ppl_delta_pct")
+
+    @property
+    def bleu_drift(self) -> float | None:
+        return self.metric("bleu_drift")
+
+    @property
+    def noise(self) -> dict[str, Any]:
+        """`metrics.noise` ({} when the row has none)."""
+        block = self.metrics.get("noise")
+        return block if isinstance(block, dict) else {}
+
+    @property
+    def noisy(self) -> bool:
+        """The noise figure flags the row (False when it has none)."""
+        return bool(self.noise.get("noisy"))
+
+    @property
+    def rounds(self) -> dict[str, Any]:
+        """`metrics.rounds` (RoundsBlock's keys; {} for a row not measured in rounds)."""
+        block = self.metrics.get("rounds")
+        return block if isinstance(block, dict) else {}
 
     # ----------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
@@ -181,6 +258,34 @@ class ResultDocument(Mapping):
             kwargs.setdefault(key, None)
         return cls(**kwargs, extra={k: v for k, v in data.items() if k not in known},
                    location=Path(location) if location is not None else None)
+
+
+def finite(value: Any) -> float | None:
+    """A finite float, else None (a bool is not a number here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+# what a mapping made by hand (a test's row, a library caller's) gets for a required key it lacks
+_EMPTY = {"run_id": "", "created_at": "", "tool": dict, "env": dict, "model": dict, "technique": None,
+          "config": dict, "workload": dict, "metrics": dict, "samples": dict}
+
+
+def as_document(doc: Mapping[str, Any]) -> ResultDocument:
+    """`doc` itself when it is a ResultDocument (every result loaded or measured is one); a mapping made
+    by hand becomes one, its blocks shared (not copied) and the required keys it lacks empty. The readers'
+    entry points (report, compare, recommend, tune) call it, so they read typed documents only."""
+    if isinstance(doc, ResultDocument):
+        return doc
+    if not isinstance(doc, Mapping):
+        raise TypeError(f"a result document is a mapping, not {type(doc).__name__}")
+    data = dict(doc)
+    for key, empty in _EMPTY.items():
+        if data.get(key) is None:
+            data[key] = empty() if callable(empty) else empty
+    return ResultDocument.from_dict(data)
 
 
 def _plain(value: Any) -> Any:

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from infer_tune import atomic, jsonsafe
+from infer_tune.document import ResultDocument
 from infer_tune.errors import ConfigError, InferTuneError, ResultError
 
 EXECUTORS = ("local", "ray")
@@ -104,8 +105,8 @@ def measure_task(spec, config, job: str) -> dict:
         node["node_id"] = ray.get_runtime_context().get_node_id()
     except Exception:  # noqa: BLE001  (outside Ray, e.g. a direct call)
         pass
-    return {"node": node, "folders": [{"technique": d["technique"], "run_id": d["run_id"],
-                                       "fingerprint": d.get("fingerprint"), "files": _folder_files(d.location)}
+    return {"node": node, "folders": [{"technique": d.technique, "run_id": d.run_id,
+                                       "fingerprint": d.fingerprint, "files": _folder_files(d.location)}
                                       for d in (baseline, *docs)]}
 
 
@@ -174,7 +175,7 @@ class RayExecutor:
         task = self.ray.remote(measure_task).options(**self.options())
         return [task.remote(spec, config, self.job) for config in configs]
 
-    def collect(self, refs: list, out_dir: Path, progress=None) -> list[tuple[dict, list[dict]]]:
+    def collect(self, refs: list, out_dir: Path, progress=None) -> list[tuple[ResultDocument, list[ResultDocument]]]:
         """Wait for every task; land its folders in `out_dir`; (baseline, config docs) per task, in order."""
         pending = {ref: i for i, ref in enumerate(refs)}
         answers: list = [None] * len(refs)
@@ -192,8 +193,9 @@ class RayExecutor:
                     progress("configs (ray)", len(refs) - len(pending), len(refs))
         return answers
 
-    def land(self, folder: dict, node: dict, out_dir: Path) -> dict:
-        """Write one returned result folder into `out_dir` (once); its document as saved there."""
+    def land(self, folder: dict, node: dict, out_dir: Path) -> ResultDocument:
+        """Write one returned result folder into `out_dir` (once); its document as saved there. The worker's
+        answer is JSON from another machine: validated (`results.validate`) and made a ResultDocument here."""
         from infer_tune import results
         from infer_tune.session import find_result
 
@@ -201,11 +203,12 @@ class RayExecutor:
         files = dict(folder["files"])
         try:  # a worker's answer is checked before any path is joined with it (docs/hardening.md)
             run_id = results.check_run_id(folder.get("run_id"), "a Ray worker returned run id")
-            doc = jsonsafe.loads(files.pop("result.json"))
-            if not isinstance(doc, dict) or doc.get("run_id") != run_id:
+            data = jsonsafe.loads(files.pop("result.json"))
+            if not isinstance(data, dict) or data.get("run_id") != run_id:
                 raise ResultError(f"a Ray worker returned run {run_id} whose result.json names another run id")
-            if problem := results.validate(doc):
+            if problem := results.validate(data):
                 raise ResultError(f"a Ray worker returned run {run_id} whose result {problem}")
+            doc = ResultDocument.from_dict(data)
             bad = [name for name in files if not results.FILE_NAME.fullmatch(str(name))]
             if bad:
                 raise ResultError(f"a Ray worker returned run {run_id} with a file named {str(bad[0])[:80]!r}, not a "
@@ -221,14 +224,14 @@ class RayExecutor:
             if found is not None:
                 self.skipped += 1
                 return found
-        doc.setdefault("env", {})["executor"] = dict(node, kind="ray", job=self.job)
+        doc.env["executor"] = dict(node, kind="ray", job=self.job)
         outputs = [json.loads(line) for line in files.pop("outputs.jsonl", b"").decode().splitlines() if line]
         landed = results.save_run(out_dir, doc, outputs, extra_files=files).result
         self.landed += 1
         self.landed_ids.add(landed.run_id)
         return landed
 
-    def run_configs(self, spec, configs: list, progress=None) -> tuple[dict, list[dict]]:
+    def run_configs(self, spec, configs: list, progress=None) -> tuple[ResultDocument, list[ResultDocument]]:
         """Every config (with its node's baseline) as a Ray task, landed in spec.out_dir: (a baseline, docs)."""
         from infer_tune.results import runs_lock
         from infer_tune.session import summarize_sweep
@@ -240,7 +243,7 @@ class RayExecutor:
             summarize_sweep(docs, own=self.landed_ids)  # never a folder that was there before it landed
         return pairs[0][0], docs
 
-    def run_together(self, spec, configs: list, progress=None) -> tuple[dict, list[dict]]:
+    def run_together(self, spec, configs: list, progress=None) -> tuple[ResultDocument, list[ResultDocument]]:
         """Configs compared with each other (tune's contenders): one task, so they share one node and rounds."""
         from infer_tune.results import runs_lock
 

@@ -115,8 +115,11 @@ def test_parse_perplexity():
 
 
 def _doc(ratio, ci, ppl=None, drift=None):
-    return {"label": "x", "metrics": {"speedup_vs_baseline": ratio, "speedup_vs_baseline_ci95": ci,
-                                      "ppl_delta_pct": ppl, "bleu_drift": drift}}
+    """A row of `tune --engine`, typed as the engine gives it (`decide` marks it, which a plain dict cannot take)."""
+    from infer_tune.document import as_document
+
+    return as_document({"label": "x", "metrics": {"speedup_vs_baseline": ratio, "speedup_vs_baseline_ci95": ci,
+                                                  "ppl_delta_pct": ppl, "bleu_drift": drift}})
 
 
 def test_decide_uses_intervals_and_the_quality_budget():

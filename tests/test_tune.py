@@ -561,17 +561,18 @@ def _trace_row(tmp_path, rows, rounds, ttft, e2e, tokens, group="g"):
     """A candidate that replayed `rows` once per round (its trace.jsonl beside it), each request timed."""
     (tmp_path / "trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     order = [r["prompt_index"] for r in rows]
-    return _Located({"metrics": {"rounds": {"rounds": rounds, "group": group}},
+    return _located({"metrics": {"rounds": {"rounds": rounds, "group": group}},
                      "samples": {"prompt_index": order * rounds, "ttft_ms": ttft, "e2e_ms": e2e,
                                  "output_tokens": tokens}}, tmp_path)
 
 
-class _Located(dict):
-    """A hand-made row with the folder it would have been saved in (`location`, as a saved result has)."""
+def _located(data: dict, location):
+    """A hand-made row typed, with the folder it would have been saved in (`location`, as a saved result has)."""
+    from infer_tune.document import as_document
 
-    def __init__(self, data: dict, location) -> None:
-        super().__init__(data)
-        self.location = location
+    doc = as_document(data)
+    doc.location = location
+    return doc
 
 
 def test_goodput_keys_pair_each_round_with_the_baseline_serving_the_trace_alone(tmp_path):
@@ -627,7 +628,7 @@ def test_goodput_keys_pair_each_round_with_the_baseline_serving_the_trace_alone(
     assert other["metrics"]["goodput_ratio_vs_baseline_ci95"] is None
     assert other["metrics"]["goodput_vs_baseline"]["paired"] is False and other["metrics"]["goodput_ratio_vs_baseline"]
 
-    closed = _Located({"metrics": {"rounds": {"rounds": 3, "group": "g"}}, "samples": {}}, tmp_path / "none")
+    closed = _located({"metrics": {"rounds": {"rounds": 3, "group": "g"}}, "samples": {}}, tmp_path / "none")
     goodput_keys([closed], baseline, slo, 2.0)  # replayed no trace: nothing added
     assert "goodput_req_s" not in closed["metrics"]
 

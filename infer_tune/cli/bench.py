@@ -12,6 +12,7 @@ from infer_tune.cli import executor_opts as xo
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
 from infer_tune.cli.measure import render_result, run_spec
+from infer_tune.document import ResultDocument
 from infer_tune.errors import ConfigError, InferTuneError
 
 Engine = Annotated[str | None, typer.Option("--engine", help="Launch this serving engine on loopback (llama.cpp, vllm, sglang) with the --set settings and measure it like --endpoint (docs/endpoint.md, 'Launching an engine').")]
@@ -71,7 +72,7 @@ def bench(
         if opts.json_out:
             output.print_json(outcome.baseline)
         else:
-            render_result(outcome.baseline, getattr(outcome.baseline, "location", None))
+            render_result(outcome.baseline, outcome.baseline.location)
         return
     stages = stages_from_recipe(recipe, spec, workload_given=opts.given(opts.workload_values()),
                                 protocol_given=opts.given(opts.protocol_values()),
@@ -115,16 +116,16 @@ def bench_engine(opts: opt.MeasureOptions, engine: str | None, sets: list[str], 
         output.print_json(docs)
         return
     for doc in docs:
-        render_result(doc, doc.get("_path"))
-        m = doc["metrics"]
-        output.out.print(f"launch: {' '.join(doc['config']['launch']['argv'])}", soft_wrap=True, markup=False)
+        render_result(doc, doc.location)  # where it was saved: never a key of the document
+        m = doc.metrics
+        output.out.print(f"launch: {' '.join(doc.config['launch']['argv'])}", soft_wrap=True, markup=False)
         if m.get("ppl") is not None:
             output.out.print(f"perplexity (llama-perplexity, suite text): {m['ppl']:.3f}"
                              + (f", {m['ppl_delta_pct']:+.2f}% vs the default launch" if m.get("ppl_delta_pct") is not None else ""),
                              markup=False)
 
 
-def render_recipe(docs: list[dict], out_dir: Path) -> None:
+def render_recipe(docs: list[ResultDocument], out_dir: Path) -> None:
     """The one-screen summary a recipe ends with: its rows (narrow table, each technique's key figures),
     its claims, the recommendation and how to reproduce it, and the report's files."""
     from infer_tune.report import summary

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
+from infer_tune.document import ResultDocument
 from infer_tune.errors import ConfigError
 
 PANEL = "Endpoint (an OpenAI-compatible server: vLLM, SGLang, TGI, llama.cpp, transformers serve)"
@@ -52,23 +53,23 @@ def endpoint_config(url: str, served_model: str | None, api_key_env: str | None,
                           idle_timeout_s=idle_timeout, workers=workers)
 
 
-def warn_failures(doc: dict) -> None:
+def warn_failures(doc: ResultDocument) -> None:
     """One warning line when requests failed: latency figures then describe only the requests that succeeded."""
-    m = doc["metrics"]
+    m = doc.metrics
     failed, sent = m.get("requests_failed") or 0, m.get("requests_sent") or 0
     if failed:
         kinds = ", ".join(f"{n} {k}" for k, n in (m.get("failures_by_kind") or {}).items())
-        output.warn(f"{doc.get('label') or doc['run_id']}: {failed} of {sent} requests failed "
+        output.warn(f"{doc.label or doc.run_id}: {failed} of {sent} requests failed "
                     f"({failed / max(sent, 1):.1%}: {kinds}); the latency figures cover only the "
                     f"{m.get('requests_ok')} that succeeded")
 
 
-def render_endpoint(doc: dict) -> None:
+def render_endpoint(doc: ResultDocument) -> None:
     """The one-result table plus what only an endpoint run has: requests, token counting, the server."""
     from infer_tune.cli.measure import render_result
 
-    render_result(doc, getattr(doc, "location", None))
-    m, e = doc["metrics"], doc["env"].get("endpoint", {})
+    render_result(doc, doc.location)
+    m, e = doc.metrics, doc.env.get("endpoint", {})
     kinds = ", ".join(f"{n} {k}" for k, n in (m.get("failures_by_kind") or {}).items())
     facts = [("requests", f"{m['requests_ok']} ok, {m['requests_failed']} failed" + (f" ({kinds})" if kinds else "")),
              ("tokens counted from", f"{m.get('token_count_source')} (usage/deltas mismatches: "

@@ -27,14 +27,14 @@ def tune_engine(opts: opt.MeasureOptions, engine: str, *, max_ppl_delta: float, 
 
 
 def render(outcome, tspec) -> None:
-    table = Table(title=f"tune --engine {tspec.engine} · {outcome.baseline['model']['ref']} "
+    table = Table(title=f"tune --engine {tspec.engine} · {outcome.baseline.model['ref']} "
                         f"({outcome.elapsed_s / 60:.1f} min, objective {tspec.objective})")
     for name in ("launch", "status", "ratio [95%]", "decode tok/s", "TTFT p50 ms", "ppl", "ppl Δ%", "BLEU drift",
                  "BLEU vs default", "why not"):
         table.add_column(name, justify="left" if name in ("launch", "status", "why not") else "right")
-    base = outcome.baseline["metrics"]
-    table.add_row(outcome.baseline["label"], "default", "1.00", output.fmt(1000 / base["tpot_ms"]["p50"], ".1f"),
-                  output.fmt(base["ttft_ms"]["p50"], ".0f"), output.fmt(base.get("ppl"), ".3f"), "-", "-", "-", "")
+    base = outcome.baseline
+    table.add_row(base.label, "default", "1.00", output.fmt(1000 / base.tpot_p50_ms if base.tpot_p50_ms else None, ".1f"),
+                  output.fmt(base.ttft_p50_ms, ".0f"), output.fmt(base.metric("ppl"), ".3f"), "-", "-", "-", "")
     for row in outcome.tried():
         if row["status"] == "refused":
             table.add_row(row["label"], "refused", "-", "-", "-", "-", "-", "-", "-", row["reason"])

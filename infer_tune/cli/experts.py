@@ -11,6 +11,7 @@ from rich.table import Table
 
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
+from infer_tune.document import ResultDocument
 from infer_tune.errors import ConfigError
 
 app = typer.Typer(help="MoE expert placement: profile routing, plan experts -> devices, validate with real "
@@ -249,7 +250,7 @@ def validate(
         output.out.print(f"  result {doc.location}/result.json")
 
 
-def render_validation(docs: list[dict], procs: int) -> None:
+def render_validation(docs: list[ResultDocument], procs: int) -> None:
     table = Table(title=f"expert-parallel validation · {docs[0]['model']['ref']} · {procs} processes · "
                         f"{docs[0]['metrics'].get('tokens_measured')} tokens")
     for col in ("strategy", "balancedness pred / meas", "cross-device tok/tok pred / meas",

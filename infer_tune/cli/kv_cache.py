@@ -9,6 +9,7 @@ from rich.table import Table
 
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
+from infer_tune.document import ResultDocument
 from infer_tune.errors import ConfigError
 from infer_tune.tuners.kv_cache import IMPLS
 
@@ -121,7 +122,7 @@ def _config_only(kv, ref: str, context: int, json_out: bool) -> None:
         output.out.print(f"claim: {line}")
 
 
-def render_sweep(docs: list[dict], not_applicable: list[dict]) -> None:
+def render_sweep(docs: list[ResultDocument], not_applicable: list[dict]) -> None:
     """One table per context length: a row per variant."""
     by_ctx: dict[int, list[dict]] = {}
     for doc in docs:

@@ -9,13 +9,14 @@ from rich.table import Table
 
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
+from infer_tune.document import ResultDocument
 
 
-def render_result(doc: dict, run_dir: Path | str | None = None) -> None:
+def render_result(doc: ResultDocument, run_dir: Path | str | None = None) -> None:
     """A one-result summary table (shared by every measuring command)."""
-    m = doc["metrics"]
-    table = Table(title=f"{doc['technique']} · {doc['model']['ref']} · {doc['workload']['suite']} "
-                        f"({doc['workload']['prompts']} prompts x {doc['workload']['max_new_tokens']} tokens)")
+    m, w = doc.metrics, doc.workload
+    table = Table(title=f"{doc.technique} · {doc.model['ref']} · {w['suite']} "
+                        f"({w['prompts']} prompts x {w['max_new_tokens']} tokens)")
     table.add_column("metric")
     table.add_column("p50", justify="right")
     table.add_column("p90", justify="right")

@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from infer_tune.document import ResultDocument
+
 HEARTBEAT_S = 30.0
 FLUSH_S = 0.5  # a finished config's line waits this long for the recipe's count that follows it
 
@@ -138,8 +140,8 @@ class LineProgress:
             from infer_tune import results
 
             docs = results.find_results(self.out_dir)
-            fresh = [d for d in docs if Path(str(getattr(d, "location", None) or "")).name in new]
-            fresh.sort(key=lambda d: d.get("technique") != "baseline")
+            fresh = [d for d in docs if d.location is not None and d.location.name in new]
+            fresh.sort(key=lambda d: d.technique != "baseline")
             return [_printable(describe(d, docs)) for d in fresh] or ["config done"]
         except Exception:  # noqa: BLE001 - a progress line must never stop a measurement
             return ["config done"]
@@ -163,15 +165,13 @@ class LineProgress:
                 self._flush(self.clock())
 
 
-def describe(doc: dict, docs: list[dict]) -> str:
+def describe(doc: ResultDocument, docs: list[ResultDocument]) -> str:
     """`technique label: key figures` for a finished result (a baseline: its TPOT and throughput)."""
     from infer_tune.report import leads
 
-    m = doc.get("metrics") or {}
-    if doc.get("technique") == "baseline":
-        tpot = leads.number((m.get("tpot_ms") or {}).get("p50")) if isinstance(m.get("tpot_ms"), dict) else None
-        tok_s = leads.number(m.get("output_throughput_tok_s"))
+    if doc.technique == "baseline":
+        tpot, tok_s = doc.tpot_p50_ms, doc.throughput_tok_s
         return (f"baseline: TPOT p50 {'-' if tpot is None else f'{tpot:.1f} ms'}, "
                 f"{'-' if tok_s is None else f'{tok_s:.1f}'} tok/s")
     lead = leads.lead_for(doc, docs, leads.declared_columns())
-    return f"{doc.get('technique')} {doc.get('label') or ''}: {lead.text()} (vs {lead.vs})"
+    return f"{doc.technique} {doc.label or ''}: {lead.text()} (vs {lead.vs})"

@@ -89,7 +89,7 @@ def quantize(
         output.print_json(outcome.docs[0] if len(outcome.docs) == 1 else outcome.docs)
         return
     for doc in outcome.docs:
-        render_result(doc, getattr(doc, "location", None))
+        render_result(doc, doc.location)
         m = doc["metrics"]
         output.out.print(f"  {'quantized':<22} {doc['config']['method']} via {m.get('backend_resolved')}, "
                          f"{m.get('quantized_layers')} layers, {output.fmt(m.get('bytes_ratio_vs_16bit'), '.0%')} "

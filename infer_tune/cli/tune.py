@@ -40,15 +40,14 @@ def render(outcome) -> None:
     for name in names:
         table.add_column(name, justify="left" if name in ("config", "status", "why not") else "right")
     blank = ["-", "-"] if goodput else []
-    base = outcome.baseline["metrics"]
-    table.add_row("baseline", "measured", output.fmt(1000 / base["tpot_ms"]["p50"] if base["tpot_ms"]["p50"] else None, ".1f"),
-                  output.fmt(base["ttft_ms"]["p50"], ".0f"), "1.00", *blank, "-", "-", "")
+    base = outcome.baseline
+    table.add_row("baseline", "measured", output.fmt(1000 / base.tpot_p50_ms if base.tpot_p50_ms else None, ".1f"),
+                  output.fmt(base.ttft_p50_ms, ".0f"), "1.00", *blank, "-", "-", "")
     if outcome.reference is not None:
-        ref = outcome.reference["metrics"]
-        table.add_row(outcome.reference["label"], "reference",
-                      output.fmt(1000 / ref["tpot_ms"]["p50"] if ref["tpot_ms"]["p50"] else None, ".1f"),
-                      output.fmt(ref["ttft_ms"]["p50"], ".0f"), output.fmt(ref.get("speedup_vs_baseline")), *blank,
-                      "-", output.fmt(ref.get("bleu_drift"), "+.2f"), "")
+        ref = outcome.reference
+        table.add_row(ref.label, "reference", output.fmt(1000 / ref.tpot_p50_ms if ref.tpot_p50_ms else None, ".1f"),
+                      output.fmt(ref.ttft_p50_ms, ".0f"), output.fmt(ref.speedup), *blank,
+                      "-", output.fmt(ref.bleu_drift, "+.2f"), "")
     for row in outcome.tried():
         status = row["status"] + (" ✓" if row["eligible"] else "")
         cells = [goodput_cell(row["goodput_req_s"], row["baseline_goodput_req_s"]),
@@ -58,20 +57,20 @@ def render(outcome) -> None:
                       output.fmt(row["bleu_drift"], "+.2f"), row["reason"] or "")
     output.out.print(table)
     winner = outcome.winner
-    m = winner["metrics"]
-    if goodput and winner["technique"] != "baseline":  # the definition and the trace are in the notes
+    m = winner.metrics
+    if goodput and winner.technique != "baseline":  # the definition and the trace are in the notes
         base_goodput = (m.get("goodput_vs_baseline") or {}).get("baseline_goodput_req_s")
         ratio = ratio_cell(m.get("goodput_ratio_vs_baseline"), m.get("goodput_ratio_vs_baseline_ci95"))
         output.out.print(f"winner's goodput: {output.fmt(m.get('goodput_req_s'))} req/s against the baseline's "
                          f"{output.fmt(base_goodput)} on the same trace, ratio {ratio}, SLO attainment "
                          f"{output.fmt(m.get('slo_attainment'), '.0%')}", soft_wrap=True)
     found = outcome.winner_found_s
-    output.out.print(f"winner: {winner['label']} ({winner['technique']}"
+    output.out.print(f"winner: {winner.label} ({winner.technique}"
                      + (f", measured {found / 60:.1f} min into the search" if found is not None else "") + "): "
-                     f"{output.fmt(1000 / m['tpot_ms']['p50'], '.1f')} tok/s decode, TTFT p50 "
-                     f"{output.fmt(m['ttft_ms']['p50'], '.0f')} ms, speedup "
-                     f"{output.fmt(m.get('speedup_vs_baseline') or 1.0)}x, ppl "
-                     f"{output.fmt(m.get('ppl_delta_pct'), '+.2f')}%, BLEU drift {output.fmt(m.get('bleu_drift'), '+.2f')}",
+                     f"{output.fmt(1000 / winner.tpot_p50_ms if winner.tpot_p50_ms else None, '.1f')} tok/s decode, "
+                     f"TTFT p50 {output.fmt(winner.ttft_p50_ms, '.0f')} ms, speedup "
+                     f"{output.fmt(winner.speedup or 1.0)}x, ppl "
+                     f"{output.fmt(winner.ppl_delta_pct, '+.2f')}%, BLEU drift {output.fmt(winner.bleu_drift, '+.2f')}",
                      soft_wrap=True)
     vs = outcome.versus_reference
     if vs is not None:
@@ -83,7 +82,7 @@ def render(outcome) -> None:
                          f"{output.fmt(vs['reference_ttft_ms'], '.0f')} ms ({output.fmt(vs['ttft_ratio'])}x)", soft_wrap=True)
     for line in outcome.notes:
         output.out.print(f"note: {line}", soft_wrap=True)
-    output.out.print(f"result: {getattr(winner, 'location', None) or '-'}/result.json", soft_wrap=True)
+    output.out.print(f"result: {winner.location or '-'}/result.json", soft_wrap=True)
     output.out.print(f"reproduce: {outcome.command}", soft_wrap=True)
     if outcome.weights_dir:
         output.out.print(f"weights: {outcome.weights_dir} (load with --model {outcome.weights_dir})", soft_wrap=True)

@@ -18,6 +18,7 @@ counts (docs/architecture.md, "Verdicts"):
 
 from __future__ import annotations
 
+from infer_tune.document import ResultDocument
 from infer_tune.metrics import quality
 
 
@@ -32,7 +33,8 @@ def speedup(base: dict, cand: dict) -> float | None:
     return ratio_of_p50(base, cand, "tpot_ms")
 
 
-def versus_baseline(metrics: dict, outputs: list[dict], baseline: dict, baseline_outputs: list[dict]) -> dict:
+def versus_baseline(metrics: dict, outputs: list[dict], baseline: ResultDocument,
+                    baseline_outputs: list[dict]) -> dict:
     """Speedup, BLEU drift, faithfulness and perplexity change against a baseline of the same workload."""
     base = baseline["metrics"]
     out: dict = {"speedup_vs_baseline": speedup(base, metrics),

@@ -20,8 +20,12 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psutil
+
+if TYPE_CHECKING:
+    from infer_tune.document import ResultDocument
 
 NOISE_CV_LIMIT = 0.05  # the CV `compare` assumes for a noisy input that recorded none
 OTHER_CPU_LIMIT = 0.10
@@ -113,15 +117,10 @@ def figure(requests, before: HostSnapshot, after: HostSnapshot, *, rounds: dict 
     return out
 
 
-def is_noisy(doc: dict) -> bool:
-    """Whether a result document's noise figure flags it (False when it has none)."""
-    return bool(((doc.get("metrics") or {}).get("noise") or {}).get("noisy"))
-
-
-def widest_cv(*docs: dict) -> float:
-    """The largest timing CV among the documents' noise figures (0 when none recorded)."""
+def widest_cv(*docs: ResultDocument) -> float:
+    """The largest timing CV among the documents' noise figures (0 when none recorded); whether a document
+    is flagged noisy: `ResultDocument.noisy`."""
     values = []
     for doc in docs:
-        noise = (doc.get("metrics") or {}).get("noise") or {}
-        values += [noise.get(k) for k in ("tpot_p50_cv", "ttft_p50_cv") if isinstance(noise.get(k), (int, float))]
+        values += [doc.noise.get(k) for k in ("tpot_p50_cv", "ttft_p50_cv") if isinstance(doc.noise.get(k), (int, float))]
     return max(values, default=0.0)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from infer_tune.document import ResultDocument, as_document
+
 HELD, NOT_HELD, INCONCLUSIVE, NOT_APPLICABLE = "held", "did not hold here", "inconclusive", "not applicable"
 
 
@@ -36,7 +38,7 @@ def _verdict(held) -> str:
     return NOT_APPLICABLE if held is None else HELD if held else NOT_HELD
 
 
-def _generic(c: dict, doc: dict) -> ClaimRow | None:
+def _generic(c: dict, doc: ResultDocument) -> ClaimRow | None:
     """A claim check in the common shape: claim/statement, measured, verdict or held (True/False/None), why..."""
     statement = c.get("statement") or c.get("claim")
     if not statement:
@@ -47,10 +49,9 @@ def _generic(c: dict, doc: dict) -> ClaimRow | None:
                     interval=c.get("interval"), why=str(c.get("why", "")))
 
 
-def _candidates(doc: dict) -> list[dict]:
-    metrics = doc.get("metrics") or {}
+def _candidates(doc: ResultDocument) -> list[dict]:
     found = []
-    for source in (metrics.get("claim_check"), metrics.get("claims"), doc.get("claims")):
+    for source in (doc.metrics.get("claim_check"), doc.metrics.get("claims"), doc.claims):
         if isinstance(source, dict):
             found.append(source)
         elif isinstance(source, list):
@@ -58,16 +59,16 @@ def _candidates(doc: dict) -> list[dict]:
     return found
 
 
-def collect(docs: list[dict]) -> list[ClaimRow]:
+def collect(docs: list[ResultDocument]) -> list[ClaimRow]:
     """Every claim check of `docs`, deduplicated (a sweep repeats its claims on each of its rows)."""
     rows: list[ClaimRow] = []
     seen: set[tuple[str, str]] = set()
-    for doc in docs:
+    for doc in map(as_document, docs):
         for c in _candidates(doc):
             row = _generic(c, doc)
             if row is None or (row.claim, row.measured) in seen:
                 continue
             seen.add((row.claim, row.measured))
-            row.technique, row.run_id = str(doc.get("technique", "")), str(doc.get("run_id", ""))
+            row.technique, row.run_id = str(doc.technique or ""), str(doc.run_id)
             rows.append(row)
     return rows

@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from infer_tune.document import ResultDocument, as_document
 from infer_tune.errors import InferTuneError, ResultError
 from infer_tune.metrics.stats import bootstrap_interval, pair_interval, paired_ratio_interval, ratio_interval
 from infer_tune.report import gate
@@ -79,10 +80,9 @@ class Expr:
     relative: bool
 
 
-def _location(doc) -> str | None:
+def _location(doc: ResultDocument) -> str | None:
     """The folder a loaded result was read from (results.load_result); None for a document made in memory."""
-    where = getattr(doc, "location", None)
-    return str(where) if where is not None else None
+    return str(doc.location) if doc.location is not None else None
 
 
 def parse_expr(text: str) -> Expr:
@@ -101,7 +101,7 @@ def normalize_metric(name: str) -> str:
     return f"{name}.p50" if name in DISTRIBUTION_METRICS else name
 
 
-def known_metrics(doc: dict) -> list[str]:
+def known_metrics(doc: ResultDocument) -> list[str]:
     """Every metric name a result document offers to `compare` (numeric leaves of `metrics`)."""
     names = []
     for key, value in doc.get("metrics", {}).items():
@@ -112,7 +112,7 @@ def known_metrics(doc: dict) -> list[str]:
     return names
 
 
-def metric_value(doc: dict, metric: str) -> float | None:
+def metric_value(doc: ResultDocument, metric: str) -> float | None:
     """Point value of `metric` (`key` or `key.stat`) in a result document, None when absent or null."""
     key, _, stat = metric.partition(".")
     value = doc.get("metrics", {}).get(key)
@@ -121,7 +121,7 @@ def metric_value(doc: dict, metric: str) -> float | None:
     return float(value) if _is_number(value) else None
 
 
-def pairwise_delta(base: dict, cand: dict, metric: str) -> float | None:
+def pairwise_delta(base: ResultDocument, cand: ResultDocument, metric: str) -> float | None:
     """bleu_drift / ppl_delta_pct / speedup_vs_baseline of `cand` computed against `base` directly."""
     if metric == "bleu_drift":
         b, c = metric_value(base, "bleu"), metric_value(cand, "bleu")
@@ -135,7 +135,7 @@ def pairwise_delta(base: dict, cand: dict, metric: str) -> float | None:
     return None
 
 
-def samples_of(doc: dict, metric: str) -> list[float] | None:
+def samples_of(doc: ResultDocument, metric: str) -> list[float] | None:
     """Raw samples behind a timing statistic, when the document kept them."""
     key, _, stat = metric.partition(".")
     if key not in DISTRIBUTION_METRICS or stat not in SAMPLE_STATS:
@@ -148,7 +148,7 @@ PAIRED_METRICS = ("ttft_ms", "tpot_ms", "e2e_ms")
 WORKLOAD_KEYS = ("suite", "limit", "seed", "max_new_tokens", "batch_size", "chat_template", "lang", "prompts")
 
 
-def paired_ratio(base: dict, cand: dict, metric: str, *, seed: int = 0) -> tuple[float, float, float] | None:
+def paired_ratio(base: ResultDocument, cand: ResultDocument, metric: str, *, seed: int = 0) -> tuple[float, float, float] | None:
     """Paired bootstrap ratio of medians (see module docstring), or None when the runs are not paired."""
     key, _, stat = metric.partition(".")
     if key not in PAIRED_METRICS or stat != "p50":
@@ -183,7 +183,7 @@ def _round_chunks(values: object, rounds: int) -> list[list[float]] | None:
     return [[float(v) for v in values[k * size:(k + 1) * size]] for k in range(rounds)]
 
 
-def recomputed_rounds(doc: dict) -> dict[str, list[float | None]]:
+def recomputed_rounds(doc: ResultDocument) -> dict[str, list[float | None]]:
     """The per-round figures of a row measured in rounds, recomputed from its own samples (what
     rounds.pass_value took from each pass): median TTFT / TPOT, mean e2e per round. A figure the samples
     cannot give back (TPOT when some request had a single token, so its samples do not split by round)
@@ -214,7 +214,7 @@ def recomputed_rounds(doc: dict) -> dict[str, list[float | None]]:
     return out
 
 
-def rounds_problem(doc: dict) -> str | None:
+def rounds_problem(doc: ResultDocument) -> str | None:
     """Why a row's `metrics.rounds.per_round` is not its own (a figure that its samples contradict: a copy
     of another row's rounds block), None when every figure its samples can give back agrees."""
     per_round = rtr.rounds_block(doc).get("per_round")
@@ -238,14 +238,14 @@ def rounds_problem(doc: dict) -> str | None:
     return None
 
 
-def check_rounds(doc: dict) -> None:
+def check_rounds(doc: ResultDocument) -> None:
     """Refuse (exit 2) a row whose rounds block its own samples contradict (`rounds_problem`)."""
     problem = rounds_problem(doc)
     if problem:
         raise ResultError(f"{doc.get('run_id', '?')}: {problem}")
 
 
-def rounds_ratio(base: dict, cand: dict, metric: str) -> tuple[float, float, float, int] | None:
+def rounds_ratio(base: ResultDocument, cand: ResultDocument, metric: str) -> tuple[float, float, float, int] | None:
     """(estimate, low, high, rounds) of cand / base from their per-round figures, when both rows were
     measured in the same interleaved rounds: each round's pair ran back to back, so the rounds are the
     independent samples and the host's drift between rounds cancels (the engine's own interval).
@@ -267,7 +267,7 @@ def rounds_ratio(base: dict, cand: dict, metric: str) -> tuple[float, float, flo
     return None if found is None else (found["point"], *found["ci95"], found["rounds"])
 
 
-def _throughput_agrees(doc: dict) -> bool:
+def _throughput_agrees(doc: ResultDocument) -> bool:
     """Whether a row's per-round throughputs give back its overall throughput: each round's tokens
     (`samples.output_tokens`, split by round) over the round's wall time (tokens / its throughput), summed."""
     per_round = (rtr.rounds_block(doc).get("per_round") or {}).get("output_throughput_tok_s")
@@ -279,7 +279,7 @@ def _throughput_agrees(doc: dict) -> bool:
     return wall > 0 and math.isclose(sum(map(sum, tokens)) / wall, overall, rel_tol=1e-3)
 
 
-def pairing(base: dict, cand: dict) -> str:
+def pairing(base: ResultDocument, cand: ResultDocument) -> str:
     """Whether timing medians are compared per prompt (paired) and, if not, why not."""
     bw, cw = base.get("workload", {}), cand.get("workload", {})
     differ = [k for k in WORKLOAD_KEYS if bw.get(k) != cw.get(k)]
@@ -294,7 +294,7 @@ def pairing(base: dict, cand: dict) -> str:
     return f"paired per prompt ({shared} prompts)"
 
 
-def validate_exprs(exprs: Sequence[Expr], base: dict, candidates: Sequence[dict]) -> None:
+def validate_exprs(exprs: Sequence[Expr], base: ResultDocument, candidates: Sequence[ResultDocument]) -> None:
     """Every expression must name a metric that the documents hold (exit 2 with the known list otherwise)."""
     known = set(known_metrics(base))
     for cand in candidates:
@@ -389,7 +389,7 @@ class Comparison:
         return doc
 
 
-def delta(base: dict, cand: dict, metric: str, *, seed: int = 0, spread: rtr.Spread | None = None) -> Delta:
+def delta(base: ResultDocument, cand: ResultDocument, metric: str, *, seed: int = 0, spread: rtr.Spread | None = None) -> Delta:
     """Relative change of `metric`, with a bootstrap interval when both sides kept raw samples, widened by
     the run-to-run spread (`spread`) when base and candidate are separate runs (report/run_to_run.py)."""
     found = _delta(base, cand, metric, seed=seed)
@@ -400,7 +400,7 @@ def delta(base: dict, cand: dict, metric: str, *, seed: int = 0, spread: rtr.Spr
     return found
 
 
-def _pair_sd(spread: rtr.Spread | None, base: dict, cand: dict, metric: str, *, relative: bool = True) -> float | None:
+def _pair_sd(spread: rtr.Spread | None, base: ResultDocument, cand: ResultDocument, metric: str, *, relative: bool = True) -> float | None:
     """The run-to-run standard deviation (%) that applies to `metric` between `base` and `cand` (of their
     difference; of the candidate's level for an absolute threshold), None when none does."""
     if spread is None or rtr.same_rounds(base, cand):
@@ -408,7 +408,7 @@ def _pair_sd(spread: rtr.Spread | None, base: dict, cand: dict, metric: str, *, 
     return (spread.pair_sd(metric, rtr.gap_s(base, cand)) if relative else spread.value_sd(metric)) or None
 
 
-def _delta(base: dict, cand: dict, metric: str, *, seed: int = 0) -> Delta:
+def _delta(base: ResultDocument, cand: ResultDocument, metric: str, *, seed: int = 0) -> Delta:
     b, c = metric_value(base, metric), metric_value(cand, metric)
     change = 100.0 * (c / b - 1.0) if b and c is not None else None
     by_round = rounds_ratio(base, cand, metric)
@@ -428,10 +428,11 @@ def _delta(base: dict, cand: dict, metric: str, *, seed: int = 0) -> Delta:
     return Delta(metric, b, c, change)
 
 
-def judge(expr: Expr, base: dict, cand: dict, *, seed: int = 0, spread: rtr.Spread | None = None) -> Check:
+def judge(expr: Expr, base: ResultDocument, cand: ResultDocument, *, seed: int = 0, spread: rtr.Spread | None = None) -> Check:
     """Apply the gate rule (module docstring) of one expression to one candidate; `spread` widens a timing
     interval between separate runs (report/run_to_run.py)."""
-    where = f"{expr.metric} of {cand['run_id']}"
+    base, cand = as_document(base), as_document(cand)
+    where = f"{expr.metric} of {cand.run_id}"
     stat = expr.metric.partition(".")[2]
     bs, cs = samples_of(base, expr.metric), samples_of(cand, expr.metric)
     by_round = rounds_ratio(base, cand, expr.metric) if expr.relative else None
@@ -489,7 +490,7 @@ def judge(expr: Expr, base: dict, cand: dict, *, seed: int = 0, spread: rtr.Spre
                  outcome=result, mde=mde, mde_hint=hint, run_to_run_pct=sd)
 
 
-def failed_requests_check(cand: dict, max_failed: int) -> Check | None:
+def failed_requests_check(cand: ResultDocument, max_failed: int) -> Check | None:
     """The gate's own check on a candidate that records failed requests (endpoint runs): more than
     `max_failed` is a regression, whatever its latencies say (they describe only the requests that
     succeeded)."""
@@ -498,7 +499,7 @@ def failed_requests_check(cand: dict, max_failed: int) -> Check | None:
         return None
     if failed < 0:
         raise ResultError(f"{cand['run_id']}: metrics.{'/'.join(gate.FAILURE_KEYS)} must be counts (non-negative integers)")
-    kinds = (cand.get("metrics") or {}).get("failures_by_kind")
+    kinds = cand.metrics.get("failures_by_kind")
     by_kind = ", ".join(f"{k} {v}" for k, v in kinds.items()) if isinstance(kinds, dict) and kinds else ""
     bad = failed > max_failed
     reason = (f"{failed} failed request(s){' (' + by_kind + ')' if by_kind else ''}, more than "
@@ -509,18 +510,19 @@ def failed_requests_check(cand: dict, max_failed: int) -> Check | None:
                  outcome=gate.REGRESSION if bad else gate.PASS, reason=reason)
 
 
-def check_timings(doc: dict) -> None:
+def check_timings(doc: ResultDocument) -> None:
     """Refuse (exit 2) a result whose timings are impossible: negative durations, a zero TTFT or e2e."""
     problem = gate.timing_problem(doc)
     if problem:
         raise ResultError(f"{doc.get('run_id', '?')}: impossible timings: {problem}")
 
 
-def compare(base: dict, candidates: Sequence[dict], exprs: Sequence[Expr] = (), *, allow_mismatch: bool = False,
+def compare(base: ResultDocument, candidates: Sequence[ResultDocument], exprs: Sequence[Expr] = (), *, allow_mismatch: bool = False,
             seed: int = 0, max_failed_requests: int = 0, spread: rtr.Spread | None = None) -> Comparison:
     """Deltas of the main metrics and every gate expression, for each candidate against `base`, plus
     the gate's own failed-requests check on candidates that record failures (module docstring).
     `spread`: the run-to-run spread added between separate runs (default: this host's, rtr.for_host)."""
+    base, candidates = as_document(base), [as_document(c) for c in candidates]
     spread = spread if spread is not None else rtr.for_host(base)
     for doc in (base, *candidates):
         check_timings(doc)
@@ -534,7 +536,7 @@ def compare(base: dict, candidates: Sequence[dict], exprs: Sequence[Expr] = (), 
     validate_exprs(exprs, base, candidates)
     reports = []
     for cand in candidates:
-        rep = CandidateReport(run_id=cand["run_id"], path=_location(cand), technique=cand.get("technique", "?"),
+        rep = CandidateReport(run_id=cand.run_id, path=_location(cand), technique=cand.technique or "?",
                               pairing=pairing(base, cand), same_rounds=rtr.same_rounds(base, cand))
         metrics = list(MAIN_METRICS) + [e.metric for e in exprs if e.metric not in MAIN_METRICS]
         rep.deltas = [delta(base, cand, m, seed=seed, spread=spread) for m in dict.fromkeys(metrics)
@@ -543,7 +545,7 @@ def compare(base: dict, candidates: Sequence[dict], exprs: Sequence[Expr] = (), 
         if (failed := failed_requests_check(cand, max_failed_requests)) is not None:
             rep.checks.append(failed)
         reports.append(rep)
-    return Comparison(base_run_id=base["run_id"], base_path=_location(base), exprs=[e.text for e in exprs],
+    return Comparison(base_run_id=base.run_id, base_path=_location(base), exprs=[e.text for e in exprs],
                       candidates=reports, warnings=warnings, run_to_run=spread.to_dict())
 
 

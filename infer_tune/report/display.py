@@ -8,8 +8,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from infer_tune.document import ResultDocument
 from infer_tune.metrics import deltas as drift_verdict
-from infer_tune.report import leads
 
 
 def _missing(v) -> bool:
@@ -190,7 +190,7 @@ def markdown(rows: list[dict], narrow: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
-def config_summary(doc: dict) -> str:
+def config_summary(doc: ResultDocument) -> str:
     """The technique's own short label (e.g. `int8-static-torch-a0.5`), else `k=v` pairs of its config."""
     if doc.get("technique") == "baseline":
         return "-"
@@ -202,10 +202,9 @@ def config_summary(doc: dict) -> str:
 
 def recommendation_line(rec, rows: list[dict]) -> str:
     """`technique label: key figures vs what, perplexity change`, for the recommended row."""
-    row = next((r for r in rows if r.get("run_id") == rec.doc["run_id"]), None) or {}
-    m = rec.doc.get("metrics") or {}
+    row = next((r for r in rows if r.get("run_id") == rec.doc.run_id), None) or {}
     lead = f"{row.get('lead') or '-'} vs {row.get('lead_vs') or 'the baseline'}"
-    quality = (f"quality {m['quality']}" if m.get("quality") else
-               f"perplexity {signed_pct(leads.number(m.get('ppl_delta_pct')))}")
-    return plain(f"{RECOMMENDED_MARK} {rec.doc.get('technique')} {row.get('config') or config_summary(rec.doc)}: "
+    quality = (f"quality {rec.doc.metrics['quality']}" if rec.doc.metrics.get("quality") else
+               f"perplexity {signed_pct(rec.doc.ppl_delta_pct)}")
+    return plain(f"{RECOMMENDED_MARK} {rec.doc.technique} {row.get('config') or config_summary(rec.doc)}: "
                  f"{lead}, {quality}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import operator
 
+from infer_tune.document import ResultDocument
 from infer_tune.metrics import noise
 
 PASS, REGRESSION, INCONCLUSIVE = "pass", "regression", "inconclusive"
@@ -48,16 +49,16 @@ def worst(outcomes) -> str:
 
 
 def noise_caution(metric: str, op: str, threshold: float, relative: bool, observed: float,
-                  interval: list[float] | None, base: dict, cand: dict) -> tuple[str | None, str | None]:
+                  interval: list[float] | None, base: ResultDocument, cand: ResultDocument) -> tuple[str | None, str | None]:
     """(outcome override, note) when a noisy input withholds a pass of a timing-derived metric.
 
     The widening is NOISE_WIDENING x the largest per-iteration CV of the two inputs (at least the noise
     limit, 5%) on each side. Only a pass is re-judged, and only towards inconclusive: whichever side
     says it is noisy, noise is never a reason for a change to pass.
     """
-    if metric.partition(".")[0] not in TIMING_DERIVED or not (noise.is_noisy(base) or noise.is_noisy(cand)):
+    if metric.partition(".")[0] not in TIMING_DERIVED or not (base.noisy or cand.noisy):
         return None, None
-    noisy = ", ".join(d.get("run_id", "?") for d in (base, cand) if noise.is_noisy(d))
+    noisy = ", ".join(d.run_id or "?" for d in (base, cand) if d.noisy)
     if outcome(op, threshold, observed, interval) != PASS:
         return None, f"noisy input ({noisy}): not used to relax the verdict"
     width = NOISE_WIDENING * max(noise.widest_cv(base, cand), noise.NOISE_CV_LIMIT)
@@ -71,12 +72,12 @@ def noise_caution(metric: str, op: str, threshold: float, relative: bool, observ
                           f"threshold ([{widened[0]:+.4g}{unit}, {widened[1]:+.4g}{unit}]); rerun on a quiet host")
 
 
-def _count(doc: dict, block: str, key: str) -> int | None:
+def _count(doc: ResultDocument, block: str, key: str) -> int | None:
     value = (doc.get(block) or {}).get(key)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def detectable(interval: list[float] | None, relative: bool, observed: float, threshold: float, cand: dict,
+def detectable(interval: list[float] | None, relative: bool, observed: float, threshold: float, cand: ResultDocument,
                decided: bool) -> tuple[float | None, str | None]:
     """(half-width of the interval, a hint naming what would shrink it); (None, None) for a point value.
 
@@ -112,9 +113,9 @@ def detectable(interval: list[float] | None, relative: bool, observed: float, th
     return half, hint
 
 
-def failed_requests(doc: dict) -> int | None:
+def failed_requests(doc: ResultDocument) -> int | None:
     """Failed requests a result records (timed and warmup), None when it records no such counter."""
-    metrics = doc.get("metrics") or {}
+    metrics = doc.metrics
     values = [metrics.get(k) for k in FAILURE_KEYS if k in metrics]
     numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
     if not values:
@@ -129,10 +130,10 @@ def failed_requests(doc: dict) -> int | None:
 MAY_BE_ZERO = ("tpot_ms", "itl_ms")
 
 
-def timing_problem(doc: dict) -> str | None:
+def timing_problem(doc: ResultDocument) -> str | None:
     """What makes a result's timings impossible (a negative duration, or a zero TTFT / e2e), None when they
     are not."""
-    samples, metrics = doc.get("samples") or {}, doc.get("metrics") or {}
+    samples, metrics = doc.samples, doc.metrics
     for key in TIMING_KEYS:
         values = samples.get(key) or []
         floor_ok = (lambda v: v >= 0) if key in MAY_BE_ZERO else (lambda v: v > 0)

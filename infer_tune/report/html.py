@@ -11,6 +11,7 @@ import os
 import stat
 from pathlib import Path
 
+from infer_tune.document import ResultDocument
 from infer_tune.report import display
 from infer_tune.report.claims import ClaimRow
 from infer_tune.report.recommend import Recommendation
@@ -211,13 +212,13 @@ def _read_png(path: Path) -> bytes | None:
     return data if data.startswith(PNG_MAGIC) and len(data) <= MAX_PNG_BYTES else None
 
 
-def technique_images(docs: list[dict]) -> list[tuple[str, bytes]]:
+def technique_images(docs: list[ResultDocument]) -> list[tuple[str, bytes]]:
     """PNG files saved in the run folders (per-position curves, acceptance, latency CDFs, heatmaps...),
     each once even when a sweep saved the same plot with every row. A run's folder is its `location`,
     which the results loader sets from where the result.json really is (never a value read from the file)."""
     found, seen = [], set()
     for doc in docs:
-        folder = getattr(doc, "location", None)
+        folder = doc.location
         if not folder:
             continue
         for png in _run_pngs(Path(folder), str(doc.get("run_id"))):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from infer_tune import atomic
+from infer_tune.document import ResultDocument, as_document
 from infer_tune.errors import InferTuneError
 from infer_tune.report import claims, display, leads
 from infer_tune.report import html as html_report
@@ -32,7 +33,7 @@ OBJECT_COLUMNS = {"quality", "run_id", "technique", "config", "model", "suite", 
                   "lead_decode", "host"}
 
 
-def host_of(doc: dict) -> str | None:
+def host_of(doc: ResultDocument) -> str | None:
     """The host a row was measured on: a short hash of the machine key (each ratio is against that host's
     own baseline; `--executor ray` results come from several, docs/scale.md)."""
     import hashlib
@@ -45,34 +46,31 @@ FORMATS = ("md", "csv", "html")
 CSV_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 
 
-def flatten(doc: dict) -> dict:
+def flatten(doc: ResultDocument) -> dict:
     """One leaderboard row of a result document (its text without control characters: display.plain)."""
-    m = doc.get("metrics", {})
-
-    def dist(key: str, stat: str) -> float | None:
-        return (m.get(key) or {}).get(stat)
-
+    doc = as_document(doc)
+    m = doc.metrics
     row = {
-        "run_id": doc["run_id"],
-        "technique": doc.get("technique"),
+        "run_id": doc.run_id,
+        "technique": doc.technique,
         "config": display.config_summary(doc),
-        "model": doc.get("model", {}).get("ref"),
-        "suite": doc.get("workload", {}).get("suite"),
-        "ttft_p50_ms": dist("ttft_ms", "p50"),
-        "ttft_p99_ms": dist("ttft_ms", "p99"),
-        "tpot_p50_ms": dist("tpot_ms", "p50"),
-        "tpot_p99_ms": dist("tpot_ms", "p99"),
+        "model": doc.model.get("ref"),
+        "suite": doc.workload.get("suite"),
+        "ttft_p50_ms": doc.ttft_p50_ms,
+        "ttft_p99_ms": doc.stat("ttft_ms", "p99"),
+        "tpot_p50_ms": doc.tpot_p50_ms,
+        "tpot_p99_ms": doc.stat("tpot_ms", "p99"),
         "host": host_of(doc),
     }
     for key in ("speedup_vs_baseline", "ttft_speedup_vs_baseline"):
-        ci = leads.interval(m, key)
+        ci = doc.interval(key)
         row[f"{key}_ci95"] = list(ci) if ci else None
     for key in COLUMNS:
         if not key.startswith("lead"):
             row.setdefault(key, m.get(key))
     if display.is_broken(row):  # a broken model is never shown as a speedup (metrics.deltas.verdict; the verdict column says why)
         row["speedup_vs_baseline"] = None
-    elif (m.get("noise") or {}).get("noisy"):
+    elif doc.noisy:
         row["config"] = f"{row['config']} [noisy]"
     row = {k: display.plain(v) if isinstance(v, str) else v for k, v in row.items()}
     if row["technique"] == "baseline":  # the baseline is its own reference point
@@ -81,13 +79,14 @@ def flatten(doc: dict) -> dict:
     return row
 
 
-def build(docs: Sequence[dict], *, technique: Sequence[str] = (), model: Sequence[str] = (),
+def build(docs: Sequence[ResultDocument], *, technique: Sequence[str] = (), model: Sequence[str] = (),
           suite: Sequence[str] = (), sort: str | None = None, descending: bool = False) -> pd.DataFrame:
     """A DataFrame of flattened results (with each technique's lead figures), filtered and sorted."""
+    docs = [as_document(d) for d in docs]
     found = leads.leads(docs)
     rows = []
     for doc in docs:
-        row, lead = flatten(doc), found[str(doc["run_id"])]
+        row, lead = flatten(doc), found[str(doc.run_id)]
         row.update(lead=display.plain(lead.text()) if lead.figures else "baseline", lead_value=lead.value,
                    lead_vs=display.plain(lead.vs) if isinstance(lead.vs, str) else lead.vs,
                    lead_decode=display.plain(lead.decode) if isinstance(lead.decode, str) else lead.decode)
@@ -108,13 +107,13 @@ def build(docs: Sequence[dict], *, technique: Sequence[str] = (), model: Sequenc
     return frame.reset_index(drop=True)
 
 
-def per_position(docs: Sequence[dict], run_ids: Sequence[str]) -> dict[str, list[float]]:
+def per_position(docs: Sequence[ResultDocument], run_ids: Sequence[str]) -> dict[str, list[float]]:
     """`per_position_ms` of the shown rows that have one (kv-cache runs)."""
     wanted = set(run_ids)
     found = {}
-    for doc in docs:
-        values = doc.get("metrics", {}).get("per_position_ms")
-        if doc["run_id"] in wanted and isinstance(values, list) and values \
+    for doc in map(as_document, docs):
+        values = doc.metrics.get("per_position_ms")
+        if doc.run_id in wanted and isinstance(values, list) and values \
                 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             found[doc["run_id"]] = [float(v) for v in values]
     return found
@@ -148,7 +147,7 @@ def rows_of(frame: pd.DataFrame, recommended: str | None = None) -> list[dict]:
     return rows
 
 
-def write(frame: pd.DataFrame, docs: Sequence[dict], out_dir: Path, formats: Sequence[str] = FORMATS,
+def write(frame: pd.DataFrame, docs: Sequence[ResultDocument], out_dir: Path, formats: Sequence[str] = FORMATS,
           budget: Budget | None = None) -> dict[str, Path]:
     """Write leaderboard.{md,csv,html} atomically into `out_dir`, and `recommended.yaml` beside them when
     there is a recommendation; returns format (or "recommended") -> path."""
@@ -156,13 +155,14 @@ def write(frame: pd.DataFrame, docs: Sequence[dict], out_dir: Path, formats: Seq
     if unknown:
         raise InferTuneError(f"unknown leaderboard format {', '.join(unknown)}; use {', '.join(FORMATS)}")
     budget = budget or Budget()
-    shown = [d for d in docs if d["run_id"] in set(frame["run_id"])]
+    docs = [as_document(d) for d in docs]
+    shown = [d for d in docs if d.run_id in set(frame["run_id"])]
     found_claims = claims.collect(shown)
     rec = recommend(shown, budget)
     out_dir = Path(out_dir)
     written = {}
     recipe = write_recommended(rec, out_dir)
-    rows = rows_of(frame, rec.doc["run_id"] if rec.doc else None)
+    rows = rows_of(frame, rec.doc.run_id if rec.doc else None)
     budget_text = budget_summary(budget)
     for fmt in formats:
         path = out_dir / f"leaderboard.{fmt}"
@@ -172,7 +172,7 @@ def write(frame: pd.DataFrame, docs: Sequence[dict], out_dir: Path, formats: Seq
             text = csv_safe(frame).to_csv(index=False)
         else:
             figures = shared_plots.report_plots(rows, per_position(docs, list(frame["run_id"])))
-            env = next((d.get("env") for d in shown if isinstance(d.get("env"), dict)), {}) or {}
+            env = next((d.env for d in shown if isinstance(d.env, dict)), {})
             text = html_report.page(rows, env, found_claims, rec, budget_text, figures, html_report.technique_images(shown))
         atomic.write_text(path, text)
         written[fmt] = path

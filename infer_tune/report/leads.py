@@ -9,23 +9,20 @@ the result has one (`metrics.<key>_ci95` = [low, high]).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from infer_tune.document import ResultDocument, as_document, finite
 
 BASELINE_VS = "baseline (same session)"
 
 
-def number(value) -> float | None:
-    """A finite float, else None (a result document is untrusted input)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else None
+number = finite  # a finite float, else None (a result document is untrusted input)
 
 
-def interval(metrics: dict, key: str) -> tuple[float, float] | None:
-    """`metrics[key + "_ci95"]` as (low, high) when it is two finite numbers in order, else None."""
+def interval(metrics: Mapping, key: str) -> tuple[float, float] | None:
+    """`metrics[key + "_ci95"]` as (low, high) when it is two finite numbers in order, else None (a
+    technique's sub-block; a document's own: `ResultDocument.interval`)."""
     raw = (metrics or {}).get(f"{key}_ci95")
     if not isinstance(raw, (list, tuple)) or len(raw) != 2:
         return None
@@ -88,20 +85,19 @@ class Lead:
         return " · ".join(f"{f.name} {f.text()}" for f in self.figures) or "-"
 
 
-def decode_speedup(doc: dict, docs: Sequence[dict] = (), vs: str = BASELINE_VS) -> Lead:
+def decode_speedup(doc: ResultDocument, docs: Sequence[ResultDocument] = (), vs: str = BASELINE_VS) -> Lead:
     """The default lead: decode (and TTFT) speedup vs the baseline, with their intervals."""
-    m = doc.get("metrics") or {}
-    figures = [Figure("decode", number(m.get("speedup_vs_baseline")), "x", interval(m, "speedup_vs_baseline"))]
-    ttft = number(m.get("ttft_speedup_vs_baseline"))
-    if ttft is not None:
-        figures.append(Figure("TTFT", ttft, "x", interval(m, "ttft_speedup_vs_baseline")))
+    doc = as_document(doc)
+    figures = [Figure("decode", doc.speedup, "x", doc.speedup_ci95)]
+    if doc.ttft_speedup is not None:
+        figures.append(Figure("TTFT", doc.ttft_speedup, "x", doc.interval("ttft_speedup_vs_baseline")))
     return Lead(tuple(figures), vs, decode=True)
 
 
 BASELINE = Lead((), "-")
 
 
-def lead_for(doc: dict, docs: Sequence[dict], declared: dict) -> Lead:
+def lead_for(doc: ResultDocument, docs: Sequence[ResultDocument], declared: dict) -> Lead:
     """The row's lead: the technique's own `report_columns`, else the decode speedup; a technique's
     function that cannot read a malformed result falls back to the decode speedup."""
     technique = doc.get("technique")
@@ -126,13 +122,14 @@ def declared_columns() -> dict:
     return {entry.name: entry.report_columns for entry in TECHNIQUES.values() if entry.report_columns}
 
 
-def leads(docs: Sequence[dict]) -> dict[str, Lead]:
+def leads(docs: Sequence[ResultDocument]) -> dict[str, Lead]:
     """run_id -> Lead for every document."""
+    docs = [as_document(d) for d in docs]
     declared = declared_columns()
     return {str(d.get("run_id")): lead_for(d, docs, declared) for d in docs}
 
 
-def same_stage(a: dict, b: dict) -> bool:
+def same_stage(a: ResultDocument, b: ResultDocument) -> bool:
     """Two results of one sweep stage: same baseline (else same model and suite)."""
     if a.get("baseline_run_id") and b.get("baseline_run_id"):
         return a["baseline_run_id"] == b["baseline_run_id"]

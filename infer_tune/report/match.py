@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from infer_tune.document import ResultDocument
 from infer_tune.errors import InferTuneError
 
 
@@ -12,7 +13,7 @@ class MismatchError(InferTuneError):
     """Results of different suites or models compared without --allow-mismatch."""
 
 
-def hardware(doc: dict) -> tuple | None:
+def hardware(doc: ResultDocument) -> tuple | None:
     """The machine a result ran on (CPU, flags, cores, RAM, accelerator), None when it recorded none."""
     env = doc.get("env") or {}
     values = tuple(env.get(k) if not isinstance(env.get(k), list) else tuple(env[k])
@@ -20,7 +21,7 @@ def hardware(doc: dict) -> tuple | None:
     return values if any(v is not None for v in values) else None
 
 
-def _identity(doc: dict, block: str, id_key: str, plain_key: str) -> object:
+def _identity(doc: ResultDocument, block: str, id_key: str, plain_key: str) -> object:
     """A content id when the result recorded one, else the plain name (older results)."""
     part = doc.get(block) or {}
     return part.get(id_key) or part.get(plain_key)
@@ -46,7 +47,7 @@ MATCH = {
 SERVER_SIDE = ("model", "dtype", "threads", "machine")
 
 
-def mismatches(base: dict, cand: dict) -> list[str]:
+def mismatches(base: ResultDocument, cand: ResultDocument) -> list[str]:
     """Each way `cand` was measured differently from `base` (MATCH), as a short phrase."""
     found = []
     remote = base.get("runner") == "endpoint" and cand.get("runner") == "endpoint"
@@ -62,7 +63,7 @@ def mismatches(base: dict, cand: dict) -> list[str]:
     return found
 
 
-def check_match(base: dict, candidates: Sequence[dict], *, allow_mismatch: bool = False) -> list[str]:
+def check_match(base: ResultDocument, candidates: Sequence[ResultDocument], *, allow_mismatch: bool = False) -> list[str]:
     """Refuse (MismatchError) a candidate measured differently from the base (suite, model, max new
     tokens, batch size, limit, dtype, threads, machine); with `allow_mismatch`, return one loud
     warning per such candidate instead."""

@@ -14,10 +14,10 @@ recommendation says so.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from infer_tune.document import ResultDocument, as_document
 from infer_tune.errors import InferTuneError
 from infer_tune.report.display import is_broken
 
@@ -37,7 +37,7 @@ class Budget:
 
 @dataclass
 class Recommendation:
-    doc: dict | None
+    doc: ResultDocument | None
     reasons: list[str] = field(default_factory=list)  # why others were excluded (one per excluded run)
     command: str = ""
     saved_model: str | None = None
@@ -53,8 +53,7 @@ class Recommendation:
         """What the recommendation rests on, in one line: the objective, its interval, the contenders."""
         if self.doc is None:
             return ""
-        m = self.doc.get("metrics") or {}
-        value = _num(m.get(OBJECTIVES[self.objective]))
+        value = self.doc.metric(OBJECTIVES[self.objective])
         what = {"decode": "decode speedup", "ttft": "TTFT speedup", "throughput": "output throughput",
                 "goodput": "goodput"}[self.objective]
         shown = f"{value:.2f}x" if value is not None else "-"
@@ -71,30 +70,27 @@ class Recommendation:
         return f"{self.SPEED_ONLY}; {line}" if self.speed_only else line
 
     def to_dict(self) -> dict:
-        return {"run_id": self.doc["run_id"] if self.doc else None, "command": self.command,
+        return {"run_id": self.doc.run_id if self.doc else None, "command": self.command,
                 "saved_model": self.saved_model, "excluded": self.reasons, "objective": self.objective,
                 "interval": self.interval, "contenders": self.contenders, "separated": self.separated,
                 "speed_only": self.speed_only}
 
 
-def _num(v) -> float | None:
-    return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
-
-
-def excluded_because(doc: dict, budget: Budget, objective: str = "decode") -> str | None:
-    m = doc.get("metrics") or {}
-    row = {**m, "technique": doc.get("technique")}
+def excluded_because(doc: ResultDocument, budget: Budget, objective: str = "decode") -> str | None:
+    doc = as_document(doc)
+    m = doc.metrics
+    row = {**m, "technique": doc.technique}
     if is_broken(row):
         return f"broken: {m.get('broken_why') or 'perplexity more than doubled, or outputs unrelated to the baseline with quality dropping'}"
-    ppl, drift, mismatches = _num(m.get("ppl_delta_pct")), _num(m.get("bleu_drift")), m.get("output_mismatches_vs_baseline",
-                                                                                   m.get("output_mismatches"))
+    ppl, drift = doc.ppl_delta_pct, doc.bleu_drift
+    mismatches = m.get("output_mismatches_vs_baseline", m.get("output_mismatches"))
     if budget.require_lossless and mismatches != 0:
         return f"not lossless ({mismatches} outputs differ from the baseline's)"
     if budget.max_ppl_delta is not None and ppl is not None and ppl > budget.max_ppl_delta:
         return f"perplexity {ppl:+.2f}% over the {budget.max_ppl_delta:g}% budget"
     if budget.max_bleu_drift is not None and drift is not None and drift < -budget.max_bleu_drift:
         return f"BLEU drift {drift:+.2f} over the {budget.max_bleu_drift:g}-point budget"
-    if _num(m.get(OBJECTIVES[objective])) is None:
+    if doc.metric(OBJECTIVES[objective]) is None:
         return "no measured speedup against a baseline"
     return None
 
@@ -103,14 +99,14 @@ RECOMMENDED_FILE = "recommended.yaml"
 RECOMMENDED_HEADER = "# infer-tune: the recommended configuration of this report; reproduce with"
 
 
-def reproduce_command(doc: dict, recipe_path: Path | str = RECOMMENDED_FILE) -> str:
+def reproduce_command(doc: ResultDocument, recipe_path: Path | str = RECOMMENDED_FILE) -> str:
     """`infer-tune bench --recipe PATH`: the recipe `write_recommended` saved for `doc` (path shell-quoted)."""
     import shlex
 
     return f"infer-tune bench --recipe {shlex.quote(str(recipe_path))}"
 
 
-def applicable_config(doc: dict) -> dict:
+def applicable_config(doc: ResultDocument) -> dict:
     """The row's config as a recipe entry: its technique and only the fields that apply to its method
     (the config class says which: `applicable_fields`); the stored values when the class cannot be built."""
     import dataclasses
@@ -130,7 +126,7 @@ def applicable_config(doc: dict) -> dict:
     return {"technique": technique, **stored}
 
 
-def recommended_recipe(doc: dict) -> dict:
+def recommended_recipe(doc: ResultDocument) -> dict:
     """A one-config recipe measuring `doc`'s config again on its model, workload and protocol."""
     import dataclasses
 
@@ -164,28 +160,26 @@ def write_recommended(rec: Recommendation, out_dir: Path | str) -> Path | None:
     return path
 
 
-def interval_of(doc: dict, objective: str) -> tuple[float, float, float] | None:
+def interval_of(doc: ResultDocument, objective: str) -> tuple[float, float, float] | None:
     """(low, point, high) of a row's objective; a row measured once has low == point == high."""
-    key = OBJECTIVES[objective]
-    m = doc.get("metrics") or {}
-    point = _num(m.get(key))
+    key, doc = OBJECTIVES[objective], as_document(doc)
+    point = doc.metric(key)
     if point is None:
         return None
-    ci = m.get(f"{key}_ci95")
-    if isinstance(ci, list) and len(ci) == 2 and all(_num(v) is not None for v in ci):
-        return float(ci[0]), point, float(ci[1])
-    return point, point, point
+    ci = doc.interval(key)
+    return (ci[0], point, ci[1]) if ci else (point, point, point)
 
 
-def row_objective(doc: dict) -> str:
+def row_objective(doc: ResultDocument) -> str:
     value = doc.get("objective")
     return value if value in OBJECTIVES else "decode"
 
 
-def recommend(docs: list[dict], budget: Budget) -> Recommendation:
+def recommend(docs: list[ResultDocument], budget: Budget) -> Recommendation:
     """The candidate whose objective interval has the highest lower bound among those within the budget
     (baselines excluded), with its contenders (module docstring)."""
-    candidates = [d for d in docs if d.get("technique") not in ("baseline", None) and d.get("baseline_run_id")]
+    docs = [as_document(d) for d in docs]
+    candidates = [d for d in docs if d.technique not in ("baseline", None) and d.baseline_run_id]
     objective = budget.objective
     if objective == "auto":
         kinds = {row_objective(d) for d in candidates}
@@ -196,7 +190,7 @@ def recommend(docs: list[dict], budget: Budget) -> Recommendation:
             continue  # ranked with the rows of its own objective, not against single-stream decode
         why = excluded_because(doc, budget, objective)
         if why:
-            reasons.append(f"{doc.get('technique')} {doc.get('label', '')}: {why}".strip())
+            reasons.append(f"{doc.technique} {doc.label or ''}: {why}".strip())
         else:
             eligible.append(doc)
     speed_only = any(random_weights(d) for d in candidates)
@@ -206,15 +200,15 @@ def recommend(docs: list[dict], budget: Budget) -> Recommendation:
         return Recommendation(doc=None, reasons=reasons, objective=objective, speed_only=speed_only)
     best = max(eligible, key=lambda d: interval_of(d, objective))
     low, point, high = interval_of(best, objective)
-    contenders = [d["run_id"] for d in eligible if d is not best and interval_of(d, objective)[2] >= low]
+    contenders = [d.run_id for d in eligible if d is not best and interval_of(d, objective)[2] >= low]
     interval = [low, high] if low != high else None
     if objective != "throughput" and low <= 1.0:
         shown = f"{point:.2f}x [{low:.2f}, {high:.2f}]" if interval else f"{point:.2f}x"
         reasons.append(f"no configuration within the budget beat the baseline with its whole interval on this "
-                       f"device (best: {best.get('label')} {shown})")
+                       f"device (best: {best.label} {shown})")
         return Recommendation(doc=None, reasons=reasons, objective=objective, contenders=contenders,
                               speed_only=speed_only)
-    saved = best["metrics"].get("save_dir")  # a technique that saved what it built (quantized weights)
+    saved = best.metrics.get("save_dir")  # a technique that saved what it built (quantized weights)
     if saved and not Path(saved).is_dir():  # a temporary save, deleted when its run ended
         saved = None
     return Recommendation(doc=best, reasons=reasons, command=reproduce_command(best), saved_model=saved,
@@ -222,6 +216,6 @@ def recommend(docs: list[dict], budget: Budget) -> Recommendation:
                           speed_only=speed_only)
 
 
-def random_weights(doc: dict) -> bool:
+def random_weights(doc: ResultDocument) -> bool:
     """The row ran a model built with random weights (`model.weights`)."""
     return (doc.get("model") or {}).get("weights") == "random"

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from infer_tune import atomic, paths
+from infer_tune.document import ResultDocument, as_document
 from infer_tune.errors import InferTuneError
 from infer_tune.metrics.stats import bootstrap_interval
 from infer_tune.report.match import hardware, mismatches
@@ -96,24 +97,24 @@ class Spread:
         return asdict(self)
 
 
-def host_key(doc: dict) -> str:
+def host_key(doc: ResultDocument) -> str:
     """The machine (CPU, flags, cores, RAM, accelerator) and thread count a calibration belongs to."""
     identity = json.dumps([hardware(doc), (doc.get("env") or {}).get("threads")], sort_keys=True, default=str)
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
-def rounds_block(doc: dict) -> dict:
-    """A result's `metrics.rounds` ({} for a row not measured in rounds)."""
-    return (doc.get("metrics") or {}).get("rounds") or {}
+def rounds_block(doc: ResultDocument) -> dict:
+    """A result's `metrics.rounds` ({} for a row not measured in rounds): `ResultDocument.rounds`."""
+    return as_document(doc).rounds
 
 
-def same_rounds(base: dict, cand: dict) -> bool:
+def same_rounds(base: ResultDocument, cand: ResultDocument) -> bool:
     """Whether both rows were measured in the same interleaved rounds (one process, alternating passes)."""
     group = rounds_block(base).get("group")
     return bool(group) and group == rounds_block(cand).get("group")
 
 
-def for_host(base: dict, option_pct: float | None = None) -> Spread:
+def for_host(base: ResultDocument, option_pct: float | None = None) -> Spread:
     """The spread `compare` uses for `base`'s host (module docstring: option, calibration, default)."""
     if option_pct == 0:
         return NONE
@@ -140,7 +141,7 @@ def _stamp(text: object) -> dt.datetime:
         return dt.datetime.fromisoformat(str(text))
 
 
-def gap_s(base: dict, cand: dict) -> float | None:
+def gap_s(base: ResultDocument, cand: ResultDocument) -> float | None:
     """Seconds between the two results' `created_at`, None when either lacks a readable one."""
     try:
         return abs((_stamp(cand.get("created_at")) - _stamp(base.get("created_at"))).total_seconds())
@@ -208,7 +209,7 @@ class Calibration:
         return asdict(self)
 
 
-def _level(doc: dict, key: str) -> tuple[float, float] | None:
+def _level(doc: ResultDocument, key: str) -> tuple[float, float] | None:
     """(log of the run's level, its standard error from its own samples) of a metric key."""
     metric = (doc.get("metrics") or {}).get(key)
     value = metric.get("p50") if isinstance(metric, dict) else metric
@@ -223,13 +224,14 @@ def _level(doc: dict, key: str) -> tuple[float, float] | None:
     return math.log(value), se
 
 
-def calibrate(docs: Sequence[dict]) -> Calibration:
+def calibrate(docs: Sequence[ResultDocument]) -> Calibration:
     """The run-to-run spread of `docs` (three or more results of one measurement, separate processes).
 
     The runs are taken in the order they were measured. One run's level spread comes from successive
     differences (runs next to each other in time), so a slow drift of the host across the calibration
     (minutes of other tenants, clocks) is reported beside it (`drift_pct`) instead of inflating it; the
     runs' own sampling error is taken out, since `compare` already has each run's interval."""
+    docs = [as_document(d) for d in docs]
     if len(docs) < MIN_RUNS:
         raise InferTuneError(f"--calibrate needs at least {MIN_RUNS} results of the same measurement from separate "
                              f"runs; got {len(docs)}")

@@ -6,21 +6,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from infer_tune.document import ResultDocument, as_document
 from infer_tune.report import claims, display
 from infer_tune.report import leaderboard as lb
 from infer_tune.report.recommend import Budget, recommend, reproduce_command
 
 
-def lines(docs: list[dict], out_dir: Path | str, budget: Budget | None = None, *, write: bool = True) -> list[str]:
+def lines(docs: list[ResultDocument], out_dir: Path | str, budget: Budget | None = None, *, write: bool = True) -> list[str]:
     """Write the report into `out_dir` (unless `write` is False) and return the summary's lines."""
     budget = budget or Budget()
+    docs = [as_document(d) for d in docs]
     frame = lb.build(docs)
     written = lb.write(frame, docs, Path(out_dir), budget=budget) if write else {}
     rec = recommend(docs, budget)
     recipe = written.get("recommended") or Path(out_dir) / "recommended.yaml"
     if rec.doc is not None:
         rec.command = reproduce_command(rec.doc, recipe)
-    rows = lb.rows_of(frame, rec.doc["run_id"] if rec.doc else None)
+    rows = lb.rows_of(frame, rec.doc.run_id if rec.doc else None)
     out = display.markdown(rows, narrow=True).rstrip("\n").splitlines()
     for claim in claims.collect(docs):
         out.append(f"claim: {claim.claim} -> {lb.claim_verdict(claim)}")

@@ -16,6 +16,7 @@ import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from infer_tune.document import ResultDocument
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import kv, memory
 from infer_tune.metrics.saturation import SLO, goodput
@@ -53,7 +54,7 @@ class SweepSpec:
 
 @dataclass
 class SweepResult:
-    docs: list[dict]
+    docs: list[ResultDocument]
     skipped: list[dict]
     knee: int | None
     run_dirs: list[Path]
@@ -95,12 +96,12 @@ class MemoryAdmission:
         self.new_tokens, self.limit = max_new_tokens, memory_limit_bytes
         self.work: dict[int, int] = {}  # batch size -> its padded positions (size x (widest prompt + new tokens))
 
-    def __call__(self, config: BatchConfig, workload, inputs: Inputs, earlier: list[dict]) -> Admission:
+    def __call__(self, config: BatchConfig, workload, inputs: Inputs, earlier: list[ResultDocument]) -> Admission:
         size, t = config.batch_size, self.new_tokens
         _, width = padding(inputs, t)
         self.work[size] = size * (width + t)
-        measured = {d["metrics"]["batch_size"]: (d["metrics"]["peak_rss_delta_bytes"], self.work[d["metrics"]["batch_size"]])
-                    for d in earlier if d["metrics"].get("batch_size") in self.work}
+        measured = {d.metrics["batch_size"]: (d.metrics["peak_rss_delta_bytes"], self.work[d.metrics["batch_size"]])
+                    for d in earlier if d.metrics.get("batch_size") in self.work}
         predicted = memory.current_rss_bytes() + analysis.predicted_delta(
             size, self.work[size], measured, analysis.analytic_batch_bytes(self.shape, size, width, t, self.value_bytes))
         facts = {"batch_size": size, "predicted_peak_bytes": predicted}
@@ -110,12 +111,12 @@ class MemoryAdmission:
         return Admission(metrics={"predicted_peak_bytes": predicted, "memory_limit_bytes": self.limit}, facts=facts)
 
 
-def _memory_limit_keys(docs: list[dict], limit: int | None) -> None:
-    """Whether each measured size's peak went over the command's memory limit."""
+def _memory_limit_keys(docs: list[ResultDocument], limit: int | None) -> None:
+    """Whether each measured size's peak went over the command's memory limit (a setting of the sweep)."""
     for doc in docs:
-        m = doc["metrics"]
-        m.setdefault("memory_limit_bytes", limit)
-        m["exceeded_memory_limit"] = limit is not None and m["peak_rss_bytes"] > limit
+        peak = doc.metric("peak_rss_bytes")
+        doc.set_sweep_metrics({"memory_limit_bytes": doc.metrics.get("memory_limit_bytes", limit),
+                               "exceeded_memory_limit": limit is not None and peak is not None and peak > limit})
 
 
 # --------------------------------------------------------------------------- serving simulation
@@ -159,7 +160,7 @@ class ServeSpec:
 
 @dataclass
 class ServeResult:
-    docs: list[dict]
+    docs: list[ResultDocument]
     summary: dict
     run_dirs: list[Path]
 
@@ -199,16 +200,16 @@ def run_serve(spec: RunSpec, serve: ServeSpec, progress: Progress | None = None)
     return ServeResult(docs=docs, summary=summary, run_dirs=[Path(d.location) for d in docs])
 
 
-def serve_keys(measured: list[dict], serve: ServeSpec) -> dict:
-    """Goodput under the SLOs, the highest rate meeting them and the claim check, added to every result
-    (the sweep engine rewrites them); returns the summary."""
+def serve_keys(measured: list[ResultDocument], serve: ServeSpec) -> dict:
+    """Goodput under the command's SLOs, the highest rate meeting them and the claim check, set on every
+    result (`set_sweep_metrics`: computed over the sweep; the engine writes them); returns the summary."""
     table: dict[str, list[dict]] = {}
     for doc in measured:
-        m = doc["metrics"]
-        replays = (m.get("rounds") or {}).get("rounds") or 1  # the samples hold every round's replay of the trace
-        m.update(goodput(timings_from_samples(doc["samples"]), serve.slo, m["trace_duration_s"] * replays))
-        table.setdefault(doc["config"]["scheduler"], []).append(
-            {"rate": doc["config"]["rate"], "slo_attainment": m["slo_attainment"], "goodput_req_s": m["goodput_req_s"],
+        m = doc.metrics
+        replays = doc.rounds.get("rounds") or 1  # the samples hold every round's replay of the trace
+        doc.set_sweep_metrics(goodput(timings_from_samples(doc.samples), serve.slo, m["trace_duration_s"] * replays))
+        table.setdefault(doc.config["scheduler"], []).append(
+            {"rate": doc.config["rate"], "slo_attainment": m["slo_attainment"], "goodput_req_s": m["goodput_req_s"],
              "busy_share": m.get("busy_share"),
              "throughput": m["output_throughput_tok_s"], "e2e_mean_ms": m["e2e_ms"]["mean"],
              "e2e_p90_ms": m["e2e_ms"]["p90"], "metrics": m})
@@ -222,8 +223,8 @@ def serve_keys(measured: list[dict], serve: ServeSpec) -> dict:
     summary["claim_check"] = claim
     summary["claim_by_rate"] = by_rate
     for doc in measured:
-        doc["metrics"]["max_rate_meeting_slo"] = summary["max_rate_meeting_slo"].get(doc["config"]["scheduler"])
-        if claim is not None:
-            doc["metrics"]["claim_check"] = claim  # the claims table reads it from every result
+        doc.set_sweep_metrics({"max_rate_meeting_slo": summary["max_rate_meeting_slo"].get(doc.config["scheduler"]),
+                               # the claims table reads it from every result
+                               **({"claim_check": claim} if claim is not None else {})})
         doc.set_section("serve_summary", summary)
     return summary

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from infer_tune import atomic
+from infer_tune.document import ResultDocument
 from infer_tune.runners.base import Progress
 from infer_tune.scenarios.common import RunSpec, open_run
 from infer_tune.session import run_configs
@@ -14,8 +15,8 @@ from infer_tune.session import run_configs
 
 @dataclass
 class BenchOutcome:
-    baseline: dict
-    docs: list[dict]
+    baseline: ResultDocument
+    docs: list[ResultDocument]
 
 
 @dataclass

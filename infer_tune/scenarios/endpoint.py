@@ -12,7 +12,6 @@ server's memory are null; `client_peak_rss_bytes` is this client's. docs/endpoin
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import math
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from infer_tune import results
+from infer_tune.document import ResultDocument
 from infer_tune.endpoint.arrivals import poisson_trace
 from infer_tune.endpoint.config import EndpointConfig
 from infer_tune.endpoint.probe import ServerInfo, connect
@@ -67,7 +67,7 @@ class EndpointRun:
 
 @dataclass
 class SweepOutcome:
-    docs: list[dict]
+    docs: list[ResultDocument]
     knee_rate: float | None
     saturated: list[bool]
     knee_status: str  # within / beyond / below the swept rates (metrics.saturation.knee)
@@ -116,35 +116,35 @@ def open_endpoint(spec: RunSpec, config: EndpointConfig, *, model_given: bool) -
     return EndpointRun(model=model, inputs=inputs, config=config, info=info, env=env)
 
 
-def subset_baseline(baseline: dict, baseline_outputs: list[dict], outputs: list[dict]) -> tuple[dict, list[dict]]:
+def subset_baseline(baseline: ResultDocument, baseline_outputs: list[dict],
+                    outputs: list[dict]) -> tuple[ResultDocument, list[dict]]:
     """The baseline restricted to the prompts this run answered (failed requests leave gaps), with its
     BLEU / chrF recomputed on that subset so the drift compares the same prompts."""
     wanted = [o["prompt_id"] for o in outputs]
     by_id = {o["prompt_id"]: o for o in baseline_outputs}
     missing = [p for p in wanted if p not in by_id]
     if missing:
-        raise ConfigError(f"baseline {baseline['run_id']} has no output for prompt(s) {missing[:3]}; "
+        raise ConfigError(f"baseline {baseline.run_id} has no output for prompt(s) {missing[:3]}; "
                           "measure it on the same workload")
     subset = [by_id[p] for p in wanted]
     if len(subset) == len(baseline_outputs):
         return baseline, subset
-    doc = copy.deepcopy(baseline)
-    doc["metrics"].update(quality.reference_scores([o["output"] for o in subset], [o.get("reference") for o in subset]))
-    return doc, subset
+    scores = quality.reference_scores([o["output"] for o in subset], [o.get("reference") for o in subset])
+    return dataclasses.replace(baseline, metrics={**baseline.metrics, **scores}), subset  # in memory, never saved
 
 
-def check_baseline(baseline: dict, workload) -> None:
-    theirs, ours = baseline.get("workload", {}), workload.to_dict()
+def check_baseline(baseline: ResultDocument, workload) -> None:
+    theirs, ours = baseline.workload, workload.to_dict()
     for key in COMPARED_WORKLOAD_KEYS:
         if theirs.get(key) != ours.get(key):
-            raise ConfigError(f"baseline {baseline['run_id']} measured another workload: {key} "
+            raise ConfigError(f"baseline {baseline.run_id} measured another workload: {key} "
                               f"{theirs.get(key)!r} vs {ours.get(key)!r} here")
 
 
 def measure_endpoint(run: EndpointRun, spec: RunSpec, *, trace: list[TraceRequest] | None = None,
-                     protocol: Protocol | None = None, baseline: tuple[dict, list[dict]] | None = None,
+                     protocol: Protocol | None = None, baseline: tuple[ResultDocument, list[dict]] | None = None,
                      slo: dict[str, float] | None = None, extra_config: dict | None = None,
-                     label_suffix: str = "", progress: Progress | None = None) -> tuple[dict, list[dict]]:
+                     label_suffix: str = "", progress: Progress | None = None) -> tuple[ResultDocument, list[dict]]:
     """One result document of the endpoint (closed loop, or one replay of `trace`), optionally against a
     baseline; with `slo`, goodput and SLO attainment (metrics.saturation)."""
     config = run.config
@@ -156,16 +156,16 @@ def measure_endpoint(run: EndpointRun, spec: RunSpec, *, trace: list[TraceReques
     doc, outputs = measure_prepared(run.model, prepared, run.inputs, spec.workload, protocol or spec.protocol,
                                     technique="endpoint", config=config_dict, env=run.env, runner="endpoint",
                                     measure_ppl=False, execute=spec.execute, progress=progress)
-    doc["model"].update(model_bytes=run.weight_bytes, served_model=config.served_model, tokenizer=run.model.tokenizer is not None)
+    doc.model.update(model_bytes=run.weight_bytes, served_model=config.served_model, tokenizer=run.model.tokenizer is not None)
     if baseline is not None:
         base_doc, base_outputs = subset_baseline(baseline[0], baseline[1], outputs)
-        doc.add_metrics(deltas.versus_baseline(doc["metrics"], outputs, base_doc, base_outputs),
+        doc.add_metrics(deltas.versus_baseline(doc.metrics, outputs, base_doc, base_outputs),
                         source="the deltas against the baseline file")
-        doc.baseline_run_id = baseline[0]["run_id"]
+        doc.baseline_run_id = baseline[0].run_id
     return doc, outputs
 
 
-def load_baseline(path: Path | None, spec: RunSpec, model_given: bool) -> tuple[dict, list[dict]] | None:
+def load_baseline(path: Path | None, spec: RunSpec, model_given: bool) -> tuple[ResultDocument, list[dict]] | None:
     """The baseline document and outputs, checked against the workload (before the endpoint is contacted)."""
     if path is None:
         return None
@@ -178,8 +178,8 @@ def load_baseline(path: Path | None, spec: RunSpec, model_given: bool) -> tuple[
 
 
 def run_endpoint_bench(spec: RunSpec, config: EndpointConfig, *, model_given: bool, baseline: Path | None = None,
-                       launched: dict | None = None, progress: Progress | None = None) -> dict:
-    """`bench --endpoint`: closed-loop passes per the protocol; the saved document (with `_path`).
+                       launched: dict | None = None, progress: Progress | None = None) -> ResultDocument:
+    """`bench --endpoint`: closed-loop passes per the protocol; the saved document (its `location` set).
     `launched`: how infer-tune started the server itself (a reference engine), recorded in `env.endpoint`."""
     reference = load_baseline(baseline, spec, model_given)
     run = open_endpoint(spec, config, model_given=model_given)
@@ -193,7 +193,7 @@ def run_endpoint_bench(spec: RunSpec, config: EndpointConfig, *, model_given: bo
 
 def run_endpoint_trace(spec: RunSpec, config: EndpointConfig, trace: list[TraceRequest], *, model_given: bool,
                        slo: dict[str, float] | None = None, trace_info: dict | None = None,
-                       progress: Progress | None = None) -> dict:
+                       progress: Progress | None = None) -> ResultDocument:
     """One open-loop replay of `trace` (e.g. `batch serve-sim --endpoint`), saved; goodput under `slo`."""
     run = open_endpoint(spec, config, model_given=model_given)
     doc, outputs = trace_document(run, spec, trace, slo or {}, trace_info or {}, progress)
@@ -201,7 +201,7 @@ def run_endpoint_trace(spec: RunSpec, config: EndpointConfig, trace: list[TraceR
 
 
 def trace_document(run: EndpointRun, spec: RunSpec, trace: list[TraceRequest], slo: dict[str, float],
-                   trace_info: dict, progress: Progress | None) -> tuple[dict, list[dict]]:
+                   trace_info: dict, progress: Progress | None) -> tuple[ResultDocument, list[dict]]:
     protocol = Protocol(warmup=spec.protocol.warmup, min_iterations=1, min_duration_s=0.0)
     rate = trace_info.get("rate_req_s", "")
     suffix = "" if "rate_req_s" not in trace_info else f" @{'inf' if rate is None else format(rate, 'g')}rps"
@@ -222,31 +222,31 @@ def run_endpoint_sweep(spec: RunSpec, config: EndpointConfig, rates: list[float]
         info = {"rate_req_s": None if math.isinf(rate) else rate, "burstiness": burstiness, "seed": spec.workload.seed}
         measured.append(trace_document(run, spec, trace, slo or {}, info, progress))
     knee_rate, saturated, status = saturation.knee(
-        sorted(rates), [d["metrics"]["ttft_ms"]["p50"] for d, _ in measured],
-        [d["metrics"]["request_throughput_req_s"] for d, _ in measured], knee_factor)
+        sorted(rates), [d.ttft_p50_ms for d, _ in measured],
+        [d.metric("request_throughput_req_s") for d, _ in measured], knee_factor)
     png = rates_png([d for d, _ in measured], sorted(rates), knee_rate, f"{config.display_label()}: rate sweep")
     for rate, flag, (doc, _) in zip(sorted(rates), saturated, measured):
-        doc["metrics"].update(offered_rate_req_s=None if math.isinf(rate) else rate, saturated=flag,
-                              knee_rate_req_s=knee_rate, knee_status=status, knee_factor=knee_factor,
-                              sweep_rates=[None if math.isinf(r) else r for r in sorted(rates)])
+        doc.add_metrics({"offered_rate_req_s": None if math.isinf(rate) else rate, "saturated": flag,
+                         "knee_rate_req_s": knee_rate, "knee_status": status, "knee_factor": knee_factor,
+                         "sweep_rates": [None if math.isinf(r) else r for r in sorted(rates)]}, source="the rate sweep")
     docs = save_rows(spec.out_dir, [Row(doc, outputs, {"rates.png": png}) for doc, outputs in measured])
     return SweepOutcome(docs=docs, knee_rate=knee_rate, saturated=saturated, knee_status=status,
                         run_dirs=[Path(d.location) for d in docs])
 
 
-def rates_png(docs: list[dict], rates: list[float], knee_rate: float | None, title: str) -> bytes:
+def rates_png(docs: list[ResultDocument], rates: list[float], knee_rate: float | None, title: str) -> bytes:
     """Output tokens/s and TTFT p50 / p99 against the offered rate, the knee marked."""
     from infer_tune.report.plots import png_bytes, pyplot
 
     plt = pyplot()
     xs = [r if not math.isinf(r) else max([x for x in rates if not math.isinf(x)] or [1.0]) * 2 for r in rates]
     fig, left = plt.subplots(figsize=(7, 4))
-    left.plot(xs, [d["metrics"]["output_throughput_tok_s"] for d in docs], "o-", label="output tok/s")
+    left.plot(xs, [d.throughput_tok_s for d in docs], "o-", label="output tok/s")
     left.set_xlabel("offered rate (requests/s)")
     left.set_ylabel("output tokens/s")
     right = left.twinx()
     for stat, style in (("p50", "s--"), ("p99", "^:")):
-        right.plot(xs, [d["metrics"]["ttft_ms"][stat] for d in docs], style, color="tab:red", label=f"TTFT {stat}")
+        right.plot(xs, [d.stat("ttft_ms", stat) for d in docs], style, color="tab:red", label=f"TTFT {stat}")
     right.set_ylabel("TTFT (ms)")
     if knee_rate is not None:
         left.axvline(knee_rate, color="gray", linestyle="-.", label=f"knee {knee_rate:g} req/s")
@@ -267,7 +267,7 @@ def served_weight_bytes(server) -> int | None:
 
 def run_reference(spec: RunSpec, engine: str, config: EndpointConfig, *, continuous_batching: bool = False,
                   extra_args: list[str] | None = None, startup_timeout_s: float = 300.0, parallel: int = 1,
-                  progress: Progress | None = None) -> dict:
+                  progress: Progress | None = None) -> ResultDocument:
     """Start a reference engine on loopback with `spec.model`'s weights, bench it like any endpoint, stop it.
     `parallel`: llama.cpp's server slots (the client keeps at least that many requests in flight)."""
     from infer_tune.endpoint.servers import local_server

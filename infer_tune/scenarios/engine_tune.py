@@ -30,6 +30,7 @@ from pathlib import Path
 import yaml
 
 from infer_tune import atomic
+from infer_tune.document import ResultDocument
 from infer_tune.endpoint.config import EndpointConfig
 from infer_tune.engines import calibrate
 from infer_tune.engines import launch as lm
@@ -86,15 +87,15 @@ def perplexity_of(started: lm.Started, text: Path | None, threads: int | None) -
     return calibrate.perplexity(started.files["model"], text, threads=threads)
 
 
-def add_quality(doc: dict, ppl: dict | None, base_doc: dict | None) -> None:
-    """The launch's perplexity (and its change against the default launch's) in the row."""
-    m = doc["metrics"]
+def add_quality(doc: ResultDocument, ppl: dict | None, base_doc: ResultDocument | None) -> None:
+    """The launch's perplexity (and its change against the default launch's) in the row (`add_metrics`:
+    the engine measured no perplexity of its own, so nothing measured is replaced)."""
     if ppl is not None:
-        m.update(ppl=ppl["ppl"], ppl_stderr=ppl["ppl_stderr"], ppl_source="llama-perplexity",
-                 ppl_context=ppl["context"])
-    base = (base_doc or {}).get("metrics", {})
-    if base_doc is not None and m.get("ppl") and base.get("ppl"):
-        m["ppl_delta_pct"] = 100.0 * (m["ppl"] - base["ppl"]) / base["ppl"]
+        doc.add_metrics({"ppl": ppl["ppl"], "ppl_stderr": ppl["ppl_stderr"], "ppl_source": "llama-perplexity",
+                         "ppl_context": ppl["context"]}, source="llama-perplexity")
+    ours, theirs = doc.metric("ppl"), base_doc.metric("ppl") if base_doc is not None else None
+    if ours and theirs:
+        doc.add_metrics({"ppl_delta_pct": 100.0 * (ours - theirs) / theirs}, source="the default launch's perplexity")
 
 
 def default_launch(launch: lm.Launch) -> lm.Launch:
@@ -117,7 +118,7 @@ def _measure_launch(spec: RunSpec, launch: lm.Launch, text, progress: Progress |
 
 
 def run_engine_bench(spec: RunSpec, launch: lm.Launch, *, against_default: bool = True,
-                     progress: Progress | None = None) -> list[dict]:
+                     progress: Progress | None = None) -> list[ResultDocument]:
     """One launch measured like `bench --endpoint`; for llama.cpp first the default launch (the row its
     drift, perplexity change and speedup are against) unless it is the default. Returns the saved docs."""
     text = calibration_text(spec) if launch.engine == "llama.cpp" else None
@@ -129,7 +130,8 @@ def run_engine_bench(spec: RunSpec, launch: lm.Launch, *, against_default: bool 
         rows.append(Row(base_doc, base_outputs))
     doc, outputs = _measure_launch(spec, launch, text, progress, 1)
     if base_doc is not None:
-        doc["metrics"].update(deltas.versus_baseline(doc["metrics"], outputs, base_doc, base_outputs))
+        doc.add_metrics(deltas.versus_baseline(doc.metrics, outputs, base_doc, base_outputs),
+                        source="the comparison with the default launch")
         add_quality(doc, None, base_doc)
         doc.baseline_run_id = base_doc.run_id
     rows.append(Row(doc, outputs))
@@ -171,10 +173,10 @@ def candidates(spec: EngineTuneSpec, model: str, threads: int | None = None) -> 
 
 @dataclass
 class EngineTuneOutcome:
-    baseline: dict
-    rows: list[dict]  # saved documents of the candidates measured
+    baseline: ResultDocument
+    rows: list[ResultDocument]  # saved documents of the candidates measured
     refused: list[dict]  # {label, settings, reason}
-    winner: dict
+    winner: ResultDocument
     recommended: Path | None
     command: list[str]
     elapsed_s: float
@@ -190,14 +192,14 @@ class EngineTuneOutcome:
                 "elapsed_s": self.elapsed_s, "notes": self.notes}
 
 
-def table_row(doc: dict) -> dict:
-    m = doc["metrics"]
-    objective = doc.get("objective", "decode")
+def table_row(doc: ResultDocument) -> dict:
+    m = doc.metrics
+    objective = doc.objective or "decode"
     ratio = m.get(OBJECTIVE_RATIO[objective])
-    return {"label": doc["label"], "status": doc.get("engine_status", "measured"), "eligible": doc.get("eligible"),
+    return {"label": doc.label, "status": doc.get("engine_status", "measured"), "eligible": doc.get("eligible"),
             "ratio": ratio, "ratio_ci95": m.get(OBJECTIVE_RATIO[objective] + "_ci95"),
-            "decode_tok_s": 1000 / m["tpot_ms"]["p50"] if m["tpot_ms"].get("p50") else None,
-            "ttft_p50_ms": m["ttft_ms"].get("p50"), "throughput_tok_s": m.get("output_throughput_tok_s"),
+            "decode_tok_s": 1000 / doc.tpot_p50_ms if doc.tpot_p50_ms else None,
+            "ttft_p50_ms": doc.ttft_p50_ms, "throughput_tok_s": doc.throughput_tok_s,
             "ppl": m.get("ppl"), "ppl_delta_pct": m.get("ppl_delta_pct"), "bleu_drift": m.get("bleu_drift"),
             "bleu_vs_baseline": m.get("bleu_vs_baseline"), "exact_match": m.get("exact_match_vs_baseline"),
             "reason": doc.get("engine_reason")}
@@ -208,26 +210,25 @@ def quality_reasons(m: dict, spec: EngineTuneSpec) -> list[str]:
     return tune_plan.quality_reasons(m, spec.max_ppl_delta, spec.max_bleu_drift)
 
 
-def _mark(doc, **keys) -> None:
-    """Top-level keys of an engine row (a ResultDocument keeps them in `extra`, written as they are)."""
-    (doc.extra if hasattr(doc, "extra") else doc).update(keys)
+def _mark(doc: ResultDocument, **keys) -> None:
+    """Top-level keys of an engine row, set before it is saved (kept in `extra`, written as they are)."""
+    doc.extra.update(keys)
 
 
-def decide(docs: list, spec: EngineTuneSpec):
+def decide(docs: list[ResultDocument], spec: EngineTuneSpec) -> ResultDocument | None:
     """The winner: within the quality budget, its objective's ratio interval above 1, the highest lower bound
     of that interval (never a point estimate; a winner whose interval overlaps another's is noted)."""
     key = OBJECTIVE_RATIO[spec.objective]
     best = None
     for doc in docs:
-        m = doc["metrics"]
-        why = quality_reasons(m, spec)
-        ci = m.get(key + "_ci95")
+        why = quality_reasons(doc.metrics, spec)
+        ci = doc.interval(key)
         if not why and not ci:
             why.append("no interval (fewer than two rounds)")
         elif not why and ci[0] <= 1.0:
             why.append(f"{key} interval [{ci[0]:.2f}, {ci[1]:.2f}] does not clear 1")
         _mark(doc, eligible=not why, engine_reason="; ".join(why) or None)
-        if not why and (best is None or ci[0] > best["metrics"][key + "_ci95"][0]):
+        if not why and (best is None or ci[0] > best.interval(key)[0]):
             best = doc  # the highest lower bound, as tune decides; an overlap is said after the search
     return best
 
@@ -304,9 +305,9 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
     winner_doc = next((d for d in docs if d.get("engine_status") == "winner"), base_doc)
     if winner is not None:
         key = OBJECTIVE_RATIO[tspec.objective]
-        low = winner["metrics"][key + "_ci95"][0]
-        close = [d["label"] for d in docs if d.get("eligible") and d is not winner_doc
-                 and (d["metrics"].get(key + "_ci95") or [0, 0])[1] >= low]
+        low = winner.interval(key)[0]
+        close = [d.label for d in docs if d.get("eligible") and d is not winner_doc
+                 and (d.interval(key) or (0, 0))[1] >= low]
         if close:
             notes.append(f"the winner's {key} interval overlaps {', '.join(close)}'s: not separated from "
                          f"{'it' if len(close) == 1 else 'them'} on this run (the highest lower bound wins; measure more rounds to separate them)")
@@ -318,14 +319,14 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
                              elapsed_s=time.monotonic() - start, notes=notes)
 
 
-def write_recommended(spec: RunSpec, started: lm.Started, doc: dict) -> Path:
+def write_recommended(spec: RunSpec, started: lm.Started, doc: ResultDocument) -> Path:
     """`OUT/recommended.yaml`: the launch (engine, model, settings), its argv and GGUF(s), and the workload."""
     record = started.record()
     settings = {**record["settings"], **({"threads": str(spec.threads)} if spec.threads else {})}
     body = {RECIPE_KEY: {"engine": record["engine"], "model": record["model"], "settings": settings,
                          "argv": record["argv"], "gguf": record.get("gguf"), "llama_cpp": record.get("llama_cpp")},
             "workload": spec.workload.to_dict(), "result": str(doc.location) if doc.location else None,
-            "measured": {k: doc["metrics"].get(k) for k in ("speedup_vs_baseline", "speedup_vs_baseline_ci95",
+            "measured": {k: doc.metrics.get(k) for k in ("speedup_vs_baseline", "speedup_vs_baseline_ci95",
                                                              "ppl_delta_pct", "bleu_drift", "bleu_vs_baseline")}}
     path = Path(spec.out_dir) / "recommended.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)

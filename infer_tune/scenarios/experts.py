@@ -19,6 +19,7 @@ from pathlib import Path
 
 from infer_tune import atomic, jsonsafe, results
 from infer_tune import env as envinfo
+from infer_tune.document import ResultDocument
 from infer_tune.errors import ConfigError
 from infer_tune.runners.base import Progress
 from infer_tune.scenarios.common import RunSpec, open_run
@@ -83,35 +84,37 @@ def run_profile(spec: RunSpec, *, save: Path | None = None, route_tokens: int = 
 class PlanOutcome:
     load: loadfile.LoadFile
     rows: list[tuple[Plan, dict]]
-    docs: list[dict]
+    docs: list[ResultDocument]
     claim: dict | None
     saved: Path | None
     images: dict[str, bytes] = field(default_factory=dict)
 
 
-def plan_doc(load: loadfile.LoadFile, config: ExpertsConfig, metrics: dict, env: dict, load_path: str) -> dict:
-    """A result document for one predicted plan (same schema as measured results)."""
+def plan_doc(load: loadfile.LoadFile, config: ExpertsConfig, metrics: dict, env: dict, load_path: str,
+             claim: dict | None = None) -> ResultDocument:
+    """A result document for one predicted plan (same schema as measured results); `claim`: the plans'
+    communication claim, the same on every plan's row."""
     m = load.model
     model_bytes = m.dense_bytes + m.expert_bytes * m.num_experts * load.num_layers
-    return {
-        "schema_version": results.SCHEMA_VERSION,
-        "run_id": results.new_run_id("experts", "plan-" + config.label()),
-        "created_at": results.created_stamp(),
-        "tool": envinfo.tool_info(),
-        "env": env,
-        "model": {"ref": m.ref, "path": m.path, "params": None, "model_bytes": model_bytes, "dtype": m.dtype},
-        "technique": "experts",
-        "label": "plan " + config.label(),
-        "config": config.to_dict(),
-        "runner": None,
-        "workload": dict(load.workload),
-        "protocol": None,
-        "metrics": {**metrics, "strategy": config.strategy, "devices": config.devices, "measured": False,
-                    "load_file": load_path, "model_bytes": model_bytes},
-        "samples": {},
-        "baseline_run_id": None,
-        "fingerprint": results.fingerprint("experts-plan", load_path, config.to_dict(), load.tokens),
-    }
+    return ResultDocument(
+        run_id=results.new_run_id("experts", "plan-" + config.label()),
+        created_at=results.created_stamp(),
+        tool=envinfo.tool_info(),
+        env=env,
+        model={"ref": m.ref, "path": m.path, "params": None, "model_bytes": model_bytes, "dtype": m.dtype},
+        technique="experts",
+        label="plan " + config.label(),
+        config=config.to_dict(),
+        runner=None,
+        workload=dict(load.workload),
+        protocol=None,
+        metrics={**metrics, "strategy": config.strategy, "devices": config.devices, "measured": False,
+                 "load_file": load_path, "model_bytes": model_bytes,
+                 **({"claim_check": claim} if claim is not None else {})},
+        samples={},
+        baseline_run_id=None,
+        fingerprint=results.fingerprint("experts-plan", load_path, config.to_dict(), load.tokens),
+    )
 
 
 def run_plan(load_path: Path, *, devices: int, strategies: list[str] | None = None,
@@ -145,9 +148,7 @@ def run_plan(load_path: Path, *, devices: int, strategies: list[str] | None = No
         env = envinfo.collect_env()
         planned = []
         for config, (plan, metrics) in zip(configs, rows):
-            doc = plan_doc(load, config, metrics, env, str(load_path))
-            if claim is not None:
-                doc["metrics"]["claim_check"] = claim
+            doc = plan_doc(load, config, metrics, env, str(load_path), claim)
             planned.append(Row(doc, [], dict(images, **{"plan.json": json.dumps(plan.to_dict(), indent=1).encode()})))
         docs = save_rows(out_dir, planned)
     return PlanOutcome(load=load, rows=rows, docs=docs, claim=claim, saved=save, images=images)
@@ -156,8 +157,8 @@ def run_plan(load_path: Path, *, devices: int, strategies: list[str] | None = No
 # --------------------------------------------------------------------------- validate
 @dataclass
 class ValidateOutcome:
-    baseline: dict
-    docs: list[dict]
+    baseline: ResultDocument
+    docs: list[ResultDocument]
     claim: dict | None
 
 
@@ -185,7 +186,7 @@ def run_validate(spec: RunSpec, plan_file: Path, *, procs: int, strategies: list
     run = open_run(spec, progress)
     baseline, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol, configs, run.ctx,
                                  resume=spec.resume, measure_ppl=False)
-    claim = communication_claim([(d["config"]["strategy"], d["metrics"]) for d in docs], measured=True)
+    claim = communication_claim([(d.config["strategy"], d.metrics) for d in docs], measured=True)
     return ValidateOutcome(baseline=baseline, docs=docs, claim=claim)
 
 

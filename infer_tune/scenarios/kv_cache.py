@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from infer_tune.document import ResultDocument
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import kv
 from infer_tune.report.plots import per_position_png
@@ -92,7 +93,7 @@ class KVSweepSpec:
 
 @dataclass
 class KVSweepResult:
-    docs: list[dict]
+    docs: list[ResultDocument]
     not_applicable: list[dict]
     claims: list[dict]
     run_dirs: list[Path]
@@ -145,27 +146,27 @@ def run_kv_sweep(
     return result
 
 
-def _context_keys(docs: list[dict], ctx: int, model: str, n: int, shape: kv.ModelShape, long_claim: dict,
+def _context_keys(docs: list[ResultDocument], ctx: int, model: str, n: int, shape: kv.ModelShape, long_claim: dict,
                   result: KVSweepResult) -> dict[str, bytes]:
     """What needs every variant of one context length: the compute claim, the rows not applicable, the
     prompt's source, and the per-position latency plot (returned for each result's folder)."""
     claims = [kv.compute_claim(shape, ctx, measured_wall(docs, n)), long_claim]
     result.claims.append(claims[0])
-    curves = {d["label"].removesuffix(f"-ctx{ctx}"): d["metrics"]["per_position_ms"] for d in docs}
+    curves = {d.label.removesuffix(f"-ctx{ctx}"): d.metrics["per_position_ms"] for d in docs}
     png = per_position_png(curves, first_position=ctx + 2, dpi=110,
                            title=f"{model}: per-token latency, {ctx}-token prompt",
                            xlabel="position of the generated token (prompt + generated)")
     for doc in docs:
-        doc["workload"].update(context_tokens=ctx, prompt_source="suite text (prompts + references) "
+        doc.workload.update(context_tokens=ctx, prompt_source="suite text (prompts + references) "
                                "concatenated and cut to exactly context_tokens tokens")
         doc.set_section("claims", claims)
         doc.set_section("not_applicable", [r for r in result.not_applicable if r["context_tokens"] == ctx])
     return {"latency.png": png}
 
 
-def measured_wall(docs: list[dict], new_tokens: int) -> dict | None:
+def measured_wall(docs: list[ResultDocument], new_tokens: int) -> dict | None:
     """e2e p50 of `none` and `dynamic` at one context length, when both ran."""
-    e2e = {d["config"]["impl"]: d["metrics"]["e2e_ms"]["p50"] for d in docs}
+    e2e = {d.config["impl"]: d.stat("e2e_ms") for d in docs}
     if "none" not in e2e or "dynamic" not in e2e:
         return None
     return {"new_tokens": new_tokens, "e2e_ms_none": e2e["none"], "e2e_ms_dynamic": e2e["dynamic"]}

@@ -12,6 +12,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from infer_tune.document import ResultDocument
 from infer_tune.errors import ConfigError
 from infer_tune.runners.base import Progress
 from infer_tune.scenarios.common import RunSpec, open_run
@@ -21,8 +22,8 @@ from infer_tune.tuners.quantize import QuantizeConfig
 
 @dataclass
 class QuantizeOutcome:
-    baseline: dict
-    docs: list[dict]
+    baseline: ResultDocument
+    docs: list[ResultDocument]
     claim: dict | None
     saved: bool
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infer_tune import atomic
+from infer_tune.document import ResultDocument, as_document
 from infer_tune.errors import ConfigError
 from infer_tune.runners.base import Progress
 from infer_tune.scenarios.common import RunSpec, open_run
@@ -66,8 +67,8 @@ class SpeculateSweep:
 @dataclass
 class SuiteOutcome:
     suite: str
-    baseline: dict
-    docs: list[dict]
+    baseline: ResultDocument
+    docs: list[ResultDocument]
 
 
 @dataclass
@@ -108,27 +109,25 @@ def run_speculate(spec: RunSpec, sweep: SpeculateSweep, progress: Progress | Non
     store_claim(docs, claim, own=written)
     return SpeculateOutcome(suites=outcomes, recommendations=[recommend(o) for o in outcomes],
                             claim=claim, warnings=list(run.ctx.cache.get(WARNINGS_KEY, [])),
-                            mismatched=[d for d in docs if d["metrics"].get("output_mismatches")])
+                            mismatched=[d for d in docs if d.metrics.get("output_mismatches")])
 
 
 def recommend(outcome: SuiteOutcome) -> dict:
     """The fastest lossless (draft, K) of a suite when it beats the target alone by WIN_THRESHOLD, else none."""
-    ranked = sorted((d for d in outcome.docs if lossless(d) and d["metrics"].get("speedup_vs_baseline")),
-                    key=lambda d: d["metrics"]["speedup_vs_baseline"], reverse=True)
+    docs = [as_document(d) for d in outcome.docs]
+    ranked = sorted((d for d in docs if lossless(d) and d.speedup), key=lambda d: d.speedup, reverse=True)
     best = ranked[0] if ranked else None
-    if best is None or best["metrics"]["speedup_vs_baseline"] < WIN_THRESHOLD:
+    if best is None or best.speedup < WIN_THRESHOLD:
         return {"suite": outcome.suite, "best": None, "verdict": "no speedup on this device",
-                "best_speedup": best["metrics"]["speedup_vs_baseline"] if best else None,
-                "best_label": best["label"] if best else None, "threshold": WIN_THRESHOLD}
-    m = best["metrics"]
-    return {"suite": outcome.suite, "best": {"draft": best["config"]["draft"],
-                                             "num_draft_tokens": best["config"]["num_draft_tokens"],
-                                             "engine": best["config"]["engine"]},
-            "best_label": best["label"], "best_speedup": m["speedup_vs_baseline"],
+                "best_speedup": best.speedup if best else None,
+                "best_label": best.label if best else None, "threshold": WIN_THRESHOLD}
+    m, config = best.metrics, best.config
+    return {"suite": outcome.suite, "best": {"draft": config["draft"], "num_draft_tokens": config["num_draft_tokens"],
+                                             "engine": config["engine"]},
+            "best_label": best.label, "best_speedup": best.speedup,
             "throughput_ratio": m.get("throughput_ratio_vs_baseline"), "acceptance_rate": m.get("acceptance_rate"),
             "mean_acceptance_length": m.get("mean_acceptance_length"), "threshold": WIN_THRESHOLD,
-            "verdict": f"use {best['config']['draft']} with K={best['config']['num_draft_tokens']} "
-                       f"({best['config']['engine']} engine)"}
+            "verdict": f"use {config['draft']} with K={config['num_draft_tokens']} ({config['engine']} engine)"}
 
 
 # --------------------------------------------------------------------------- distill

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from infer_tune.document import ResultDocument, as_document
 from infer_tune.errors import InferTuneError
 from infer_tune.report.recommend import OBJECTIVES as OBJECTIVE_KEYS
 from infer_tune.runners.base import Progress
@@ -66,10 +67,10 @@ STACKED_METHODS = 2  # the first bases that may win get their stacks (every entr
 
 @dataclass
 class TuneOutcome:
-    baseline: dict
-    winner: dict
+    baseline: ResultDocument
+    winner: ResultDocument
     candidates: list[Candidate]
-    reference: dict | None
+    reference: ResultDocument | None
     screen: dict
     tune_dir: Path
     recipe_path: Path
@@ -108,7 +109,7 @@ class TuneOutcome:
 
     def to_dict(self) -> dict:
         """The --json document: `winner` (a result document) and `tried`, plus where things are."""
-        return {"winner": self.winner, "tried": self.tried(), "baseline_run_id": self.baseline["run_id"],
+        return {"winner": self.winner, "tried": self.tried(), "baseline_run_id": self.baseline.run_id,
                 "reference": self.reference, "versus_reference": self.versus_reference,
                 "kernel_screen": self.screen, "recipe": str(self.recipe_path), "command": self.command,
                 "weights_dir": str(self.weights_dir) if self.weights_dir else None, "elapsed_s": self.elapsed_s,
@@ -261,7 +262,7 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
         screen = offered.screen
         note(stage, 1, 1)
         notes: list[str] = []
-        baseline: dict | None = None  # measured in the rounds of the first group (no pass of its own before)
+        baseline: ResultDocument | None = None  # measured in the rounds of the first group (no pass of its own before)
         terms = serving_terms(tune, len(run.inputs.prompts))
         if terms is not None:
             notes.append(f"goodput: {terms['goodput']}, SLOs {slo_text(tune)}; a seeded Poisson trace of "
@@ -313,13 +314,14 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
         if baseline is None:  # nothing was measured (every candidate pruned or skipped): the baseline alone
             baseline, _, _ = ensure_baseline(run.loaded, run.inputs, spec.workload, spec.protocol, ctx,
                                              reuse=spec.resume, measure_ppl=spec.measure_ppl)
+            baseline = as_document(baseline)
         reference, found = _reference(offered.references, run, spec, tune, ctx)
         notes[:0] = found
         winner = _decide(candidates, baseline, run, spec, tune, ctx, budget, notes, note)
         final = winner_label(candidates, winner)
         if not leaders or leaders[-1]["leader"] != final:
             leaders.append({"s": budget.elapsed, "leader": final})
-        if tune.objective == "goodput" and not any(c.doc and c.doc["metrics"].get("goodput_req_s") is not None
+        if tune.objective == "goodput" and not any(c.doc and c.doc.metric("goodput_req_s") is not None
                                                    for c in candidates):
             notes.append("no batched stack served the trace: they stack on the bases within the budgets (none "
                          "was measured within them, or the time budget ran out first)")
@@ -358,8 +360,8 @@ def check_serving(spec: RunSpec, tune: TuneSpec, *, remote: bool | None = None) 
         raise ConfigError("tune --objective goodput runs on the local executor only (--executor local)")
 
 
-def _decide(candidates: list[Candidate], baseline: dict, run, spec: RunSpec, tune: TuneSpec, ctx, budget: Budget,
-            notes: list[str], note) -> dict:
+def _decide(candidates: list[Candidate], baseline: ResultDocument, run, spec: RunSpec, tune: TuneSpec, ctx,
+            budget: Budget, notes: list[str], note) -> ResultDocument:
     """The winner from intervals. When eligible candidates' intervals overlap the leader's, the
     contenders are measured again together, in shared interleaved rounds with the baseline, while the
     budget allows; still overlapping, the highest lower bound wins and the notes say it is not separated."""
@@ -382,7 +384,7 @@ def _decide(candidates: list[Candidate], baseline: dict, run, spec: RunSpec, tun
                 notes.append(f"contenders not measured again: {exc}")
             else:
                 for cand, doc in zip(contenders, docs):
-                    cand.doc, cand.measured_at_s = doc, budget.elapsed
+                    cand.doc, cand.measured_at_s = as_document(doc), budget.elapsed
                     _apply(cand, judge(doc, tune, lossless_claimed=cand.lossless))
                 winner, contenders = decide(candidates, baseline, tune.objective)
             budget.costs.append(time.monotonic() - started)
@@ -406,14 +408,15 @@ def _leader(candidates: list[Candidate], objective: str) -> Leader | None:
     return Leader(label, low, high)
 
 
-def winner_label(candidates: list[Candidate], winner: dict) -> str | None:
+def winner_label(candidates: list[Candidate], winner: ResultDocument) -> str | None:
     """The label of the candidate whose measured row is `winner` (None: the baseline)."""
-    return next((c.label for c in candidates if c.doc is not None and winner.get("technique") != "baseline"
-                 and c.doc.get("run_id") == winner.get("run_id")), None)
+    winner = as_document(winner)
+    return next((c.label for c in candidates if c.doc is not None and winner.technique != "baseline"
+                 and as_document(c.doc).run_id == winner.run_id), None)
 
 
 def _measure(group: list[Candidate], run, spec: RunSpec, tune: TuneSpec, ctx, budget: Budget,
-             leader: Leader | None = None) -> dict | None:
+             leader: Leader | None = None) -> ResultDocument | None:
     """Measure candidates against the baseline, together in shared rounds (saved results), and judge each;
     failures are listed (a group that fails is measured again one candidate at a time, so one that cannot
     run here does not take the others with it). The rounds end once every interval settles its
@@ -441,9 +444,9 @@ def _measure(group: list[Candidate], run, spec: RunSpec, tune: TuneSpec, ctx, bu
         group[0].status, group[0].reason = "failed", str(failed)
         return None
     for cand, doc in zip(group, docs):
-        cand.doc, cand.status, cand.measured_at_s = doc, "measured", budget.elapsed
+        cand.doc, cand.status, cand.measured_at_s = as_document(doc), "measured", budget.elapsed
         _apply(cand, judge(cand.doc, tune, lossless_claimed=cand.lossless))
-    return baseline
+    return as_document(baseline)
 
 
 def _apply(cand: Candidate, verdict) -> None:
@@ -451,7 +454,8 @@ def _apply(cand: Candidate, verdict) -> None:
     cand.reason = "; ".join(verdict.reasons) or None
 
 
-def _reference(references: list[Offer], run, spec: RunSpec, tune: TuneSpec, ctx) -> tuple[dict | None, list[str]]:
+def _reference(references: list[Offer], run, spec: RunSpec, tune: TuneSpec,
+               ctx) -> tuple[ResultDocument | None, list[str]]:
     """The first reference row the registry offers (another engine on the same weights file), measured like every row
     (None, with why, when none can run here)."""
     if not tune.reference:
@@ -468,31 +472,31 @@ def _reference(references: list[Offer], run, spec: RunSpec, tune: TuneSpec, ctx)
         except InferTuneError as exc:
             notes.append(f"reference {name} not measured: {exc}")
             continue
-        return docs[0], notes
+        return as_document(docs[0]), notes
     return None, notes
 
 
-def versus_reference(winner: dict, reference: dict | None) -> dict | None:
+def versus_reference(winner: ResultDocument, reference: ResultDocument | None) -> dict | None:
     """Decode tok/s and TTFT of the winner against the reference row's in the same run."""
     if reference is None:
         return None
+    winner, reference = as_document(winner), as_document(reference)
     ours, theirs = decode_tok_s(winner), decode_tok_s(reference)
-    ttft_ours = (winner["metrics"].get("ttft_ms") or {}).get("p50")
-    ttft_theirs = (reference["metrics"].get("ttft_ms") or {}).get("p50")
+    ttft_ours, ttft_theirs = winner.ttft_p50_ms, reference.ttft_p50_ms
     decode_ratio = ours / theirs if ours and theirs else None
     ttft_ratio = ttft_ours / ttft_theirs if ttft_ours and ttft_theirs else None
     return {"decode_tok_s": ours, "reference_decode_tok_s": theirs, "decode_ratio": decode_ratio,
             "ttft_ms": ttft_ours, "reference_ttft_ms": ttft_theirs, "ttft_ratio": ttft_ratio,
             "beat_decode": decode_ratio is not None and decode_ratio >= 1.0,
             "ttft_within_2x": ttft_ratio is not None and ttft_ratio <= 2.0,
-            "reference_bleu_drift": reference["metrics"].get("bleu_drift"),
-            "reference_format": reference["metrics"].get("gguf_format"),
-            "reference_llama_cpp": reference["metrics"].get("llama_cpp")}
+            "reference_bleu_drift": reference.metrics.get("bleu_drift"),
+            "reference_format": reference.metrics.get("gguf_format"),
+            "reference_llama_cpp": reference.metrics.get("llama_cpp")}
 
 
-def _copy_weights(winner: dict, tune_dir: Path) -> Path | None:
+def _copy_weights(winner: ResultDocument, tune_dir: Path) -> Path | None:
     """The winner's saved checkpoint (`metrics.save_dir`), copied out of the scratch area (None when it has none)."""
-    saved = (winner.get("metrics") or {}).get("save_dir")
+    saved = winner.metrics.get("save_dir")
     if not saved or not Path(saved).is_dir():
         return None
     target = tune_dir / "weights"
@@ -508,7 +512,7 @@ def recipe_entry(config: dict) -> dict:
     return {"technique": config.get("technique"), **entry}
 
 
-def write_recipe(tune_dir: Path, winner: dict, spec: RunSpec) -> Path:
+def write_recipe(tune_dir: Path, winner: ResultDocument, spec: RunSpec) -> Path:
     """A recipe that reproduces the winner with `infer-tune bench --recipe` (the baseline when it won)."""
     import dataclasses
 
@@ -516,9 +520,8 @@ def write_recipe(tune_dir: Path, winner: dict, spec: RunSpec) -> Path:
 
     from infer_tune import atomic
 
-    configs = [] if winner.get("technique") == "baseline" else \
-        [recipe_entry({"technique": winner["technique"], **winner["config"]})]
-    doc = {"description": f"tune winner: {winner.get('label')} ({winner['technique']})",
+    configs = [] if winner.technique == "baseline" else [recipe_entry({"technique": winner.technique, **winner.config})]
+    doc = {"description": f"tune winner: {winner.label} ({winner.technique})",
            "model": spec.model, "workload": spec.workload.to_dict(),
            "protocol": dataclasses.asdict(spec.protocol), "configs": configs}
     tune_dir.mkdir(parents=True, exist_ok=True)

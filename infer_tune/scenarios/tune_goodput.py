@@ -29,9 +29,10 @@ import math
 from collections import Counter
 from pathlib import Path
 
+from infer_tune.document import ResultDocument, as_document
 from infer_tune.metrics.saturation import SLO, goodput, one_at_a_time, request_timing
 from infer_tune.metrics.stats import log_ratio_interval
-from infer_tune.report.run_to_run import rounds_block, same_rounds
+from infer_tune.report.run_to_run import same_rounds
 
 HALF = 0.5  # requests added to each side's good count per round (see the module docstring)
 SERVED = ("one request at a time, first come first served, on the same trace: each request starts once it has "
@@ -39,11 +40,10 @@ SERVED = ("one request at a time, first come first served, on the same trace: ea
           "measured in the same round")
 
 
-def trace_rows(doc: dict) -> list[dict] | None:
+def trace_rows(doc: ResultDocument) -> list[dict] | None:
     """The trace a row replayed (prompt_index, arrival_s, output_tokens per request), from the
-    `trace.jsonl` saved beside it; None when it replayed none."""
-    path = getattr(doc, "location", None)
-    file = Path(path) / "trace.jsonl" if path else None
+    `trace.jsonl` saved beside it (its `location`); None when it replayed none."""
+    file = Path(doc.location) / "trace.jsonl" if doc.location else None
     if file is None or not file.is_file():
         return None
     rows = [json.loads(line) for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -101,18 +101,19 @@ def corrected(figures: dict, duration: float) -> float | None:
         else None
 
 
-def goodput_keys(docs: list[dict], baseline: dict | None, slo: SLO, rate: float) -> None:
+def goodput_keys(docs: list[ResultDocument], baseline: ResultDocument | None, slo: SLO, rate: float) -> None:
     """Every trace-replaying row's goodput under `slo`, its baseline's on the same trace and their ratio
-    with its 95% interval, added to its metrics in place (module docstring)."""
+    with its 95% interval, added to its metrics (`add_metrics`: never over a measured figure; module
+    docstring)."""
     if baseline is None:
         return
-    base_split = by_round(baseline.get("samples") or {}, rounds_block(baseline).get("rounds") or 1)
+    baseline = as_document(baseline)
+    base_split = by_round(baseline.samples, baseline.rounds.get("rounds") or 1)
     for doc in docs:
         rows = trace_rows(doc)
         if not rows or base_split is None:
             continue
-        m = doc["metrics"]
-        split = by_round(doc.get("samples") or {}, rounds_block(doc).get("rounds") or 1)
+        split = by_round(doc.samples, doc.rounds.get("rounds") or 1)
         if split is None:
             continue
         paired = same_rounds(baseline, doc) and len(split) == len(base_split)
@@ -126,8 +127,8 @@ def goodput_keys(docs: list[dict], baseline: dict | None, slo: SLO, rate: float)
         base_pooled = _pooled(theirs, len(rows), slo)
         c_rate, b_rate = corrected(pooled, sum(d for _, d in ours)), corrected(base_pooled, sum(d for _, d in theirs))
         point = interval["point"] if interval else (c_rate / b_rate if c_rate and b_rate else None)
-        m.update(pooled)
-        m.update({
+        doc.add_metrics({
+            **pooled,
             "goodput_ratio_vs_baseline": point,
             "goodput_ratio_vs_baseline_ci95": interval["ci95"] if interval else None,
             "goodput_vs_baseline": {
@@ -139,7 +140,7 @@ def goodput_keys(docs: list[dict], baseline: dict | None, slo: SLO, rate: float)
                 "baseline_slo_attainment": base_pooled["slo_attainment"],
                 "baseline_good_requests": base_pooled["good_requests"],
                 "baseline_served": SERVED},
-        })
+        }, source="tune's goodput objective")
 
 
 def _pooled(replays: list[tuple[dict, float]], requests: int, slo: SLO) -> dict:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from infer_tune.document import ResultDocument, as_document
 from infer_tune.metrics.saturation import SLO
 from infer_tune.report.recommend import OBJECTIVES as OBJECTIVE_KEYS  # the key each objective is judged on
 from infer_tune.tuners.base import Offer, TechniqueConfig, TuneAsk, tuning_entries
@@ -130,7 +131,7 @@ class Candidate:
     rounds_with: str | None = None  # queued candidates with the same tag are measured in one group of rounds
     status: str = "pending"  # measured | pruned | skipped | failed
     reason: str | None = None
-    doc: dict | None = None
+    doc: ResultDocument | None = None
     eligible: bool = False
     within_budget: bool = False  # judged on everything but the objective: quality, lossless, kernels
     measured_at_s: float | None = None  # seconds into the search when its (last) measurement finished
@@ -140,39 +141,40 @@ class Candidate:
         return self.config.label()
 
     def summary(self) -> dict:
-        m = (self.doc or {}).get("metrics", {})
+        doc = as_document(self.doc) if self.doc is not None else None
+        m = doc.metrics if doc is not None else {}
         return {"label": self.label, "technique": self.config.technique, "config": self.config.to_dict(),
                 "status": self.status, "eligible": self.eligible, "reason": self.reason,
                 "measured_at_s": self.measured_at_s,
                 "kernel_screen_speedup": self.estimate, "kernel_screen_speedup_ci95": self.estimate_ci95,
-                "run_id": (self.doc or {}).get("run_id"),
-                "decode_tok_s": decode_tok_s(self.doc) if self.doc else None,
-                "ttft_p50_ms": (m.get("ttft_ms") or {}).get("p50"),
+                "run_id": doc.run_id if doc is not None else None,
+                "decode_tok_s": decode_tok_s(doc) if doc is not None else None,
+                "ttft_p50_ms": doc.ttft_p50_ms if doc is not None else None,
                 "speedup_vs_baseline": m.get("speedup_vs_baseline"), "ppl_delta_pct": m.get("ppl_delta_pct"),
                 "bleu_drift": m.get("bleu_drift"), "exact_match_vs_baseline": m.get("exact_match_vs_baseline"),
-                "broken": m.get("broken"), "noisy": (m.get("noise") or {}).get("noisy"),
+                "broken": m.get("broken"), "noisy": doc.noisy if doc is not None else None,
                 "goodput_req_s": m.get("goodput_req_s"), "slo_attainment": m.get("slo_attainment"),
                 "goodput_ratio_vs_baseline": m.get("goodput_ratio_vs_baseline"),
                 "goodput_ratio_vs_baseline_ci95": m.get("goodput_ratio_vs_baseline_ci95"),
                 "baseline_goodput_req_s": (m.get("goodput_vs_baseline") or {}).get("baseline_goodput_req_s")}
 
 
-def decode_tok_s(doc: dict) -> float | None:
-    tpot = ((doc.get("metrics") or {}).get("tpot_ms") or {}).get("p50")
+def decode_tok_s(doc: ResultDocument) -> float | None:
+    tpot = as_document(doc).tpot_p50_ms
     return 1000.0 / tpot if tpot else None
 
 
-def score(doc: dict, objective: str) -> float | None:
+def score(doc: ResultDocument, objective: str) -> float | None:
     """Higher is better: decode tok/s, -TTFT p50, output tok/s, or good requests/s."""
-    m = doc.get("metrics") or {}
+    doc = as_document(doc)
     if objective == "decode":
         return decode_tok_s(doc)
     if objective == "ttft":
-        ttft = (m.get("ttft_ms") or {}).get("p50")
+        ttft = doc.ttft_p50_ms
         return -ttft if ttft else None
     if objective == "goodput":
-        return m.get("goodput_req_s")
-    return m.get("output_throughput_tok_s")
+        return doc.metric("goodput_req_s")
+    return doc.throughput_tok_s
 
 
 # --------------------------------------------------------------------------- plan
@@ -299,11 +301,12 @@ def quality_reasons(m: dict, max_ppl_delta: float, max_bleu_drift: float) -> lis
     return reasons
 
 
-def judge(doc: dict, spec: TuneSpec, *, lossless_claimed: bool) -> Judgement:
+def judge(doc: ResultDocument, spec: TuneSpec, *, lossless_claimed: bool) -> Judgement:
     """Whether a measured result may be chosen, and every reason it may not. On the objective it must beat
     the baseline with the whole 95% interval of its ratio (`OBJECTIVE_KEYS`); for goodput, at least one
     of its requests must also have met the SLOs (two rows that meet none compare durations, not goodput)."""
-    m = doc.get("metrics") or {}
+    doc = as_document(doc)
+    m = doc.metrics
     reasons = []
     if m.get("broken"):
         reasons.append(f"broken: {m.get('broken_why')}")
@@ -320,8 +323,8 @@ def judge(doc: dict, spec: TuneSpec, *, lossless_claimed: bool) -> Judgement:
         reasons.append(f"its {regime} kernels are slower than fp32 on this host")
     within_budget = not reasons
     key = OBJECTIVE_KEYS[spec.objective]
-    ratio, ci = m.get(key), m.get(f"{key}_ci95")
-    low = ci[0] if isinstance(ci, list) and len(ci) == 2 else ratio
+    ratio, ci = doc.metric(key), doc.interval(key)
+    low = ci[0] if ci else ratio
     better = "more goodput than" if spec.objective == "goodput" else "faster than"
     if ratio is None:
         reasons.append("no goodput: it did not serve the arrival trace beside the baseline"
@@ -329,7 +332,7 @@ def judge(doc: dict, spec: TuneSpec, *, lossless_claimed: bool) -> Judgement:
     elif spec.objective == "goodput" and not m.get("good_requests"):
         reasons.append(f"no request met the SLOs ({slo_text(spec)})")
     elif low <= 1.0:
-        shown = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if low is not ratio else ""
+        shown = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
         reasons.append(f"not {better} the baseline with its whole 95% interval ({key} {ratio:.2f}{shown})")
     return Judgement(eligible=not reasons, reasons=reasons, within_budget=within_budget)
 
@@ -338,13 +341,14 @@ def slo_text(spec: TuneSpec) -> str:
     return f"TTFT <= {spec.slo_ttft_ms:g} ms, TPOT <= {spec.slo_tpot_ms:g} ms"
 
 
-def pick_winner(candidates: list[Candidate], baseline: dict, objective: str) -> dict:
+def pick_winner(candidates: list[Candidate], baseline: ResultDocument, objective: str) -> ResultDocument:
     """The eligible measured result whose objective interval has the highest lower bound (its ratio
     against the baseline measured in the same rounds); the baseline when none is eligible."""
     return decide(candidates, baseline, objective)[0]
 
 
-def decide(candidates: list[Candidate], baseline: dict, objective: str) -> tuple[dict, list[Candidate]]:
+def decide(candidates: list[Candidate], baseline: ResultDocument,
+           objective: str) -> tuple[ResultDocument, list[Candidate]]:
     """(winner, contenders): the winner as in `pick_winner`, and the eligible candidates whose interval
     reaches the winner's lower bound (the winner first; one entry when it is separated from the rest)."""
     from infer_tune.report.recommend import interval_of
