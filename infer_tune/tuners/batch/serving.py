@@ -89,7 +89,7 @@ class LiveSlots:
     def alone(self, prompt: list[int], max_tokens: int, ignore_eos: bool = False) -> list[int]:
         """The tokens this engine decodes for `prompt` alone (slot 0, the smallest step bucket); call only
         while the engine thread is not running (tests, and the single-request references of a bench)."""
-        if self._thread is not None and self._thread.is_alive():
+        if self._running:
             raise RuntimeError("alone() runs the engine in this thread: stop serving first")
         engine = self.engine
         rows = rows_for(0, self.slots, self.every_bucket)
