@@ -10,9 +10,16 @@ Each engine's outputs under load are compared with its own outputs for each prom
 and `usage.prompt_tokens` of every prompt is checked equal across the two servers (the same prompt, the
 same tokens: a chat template that renders differently would make the comparison unfair).
 
-    flock /tmp/infer-tune-cpu.lock python bench/serving_vs_llamacpp.py --threads 2 --rates 1,2,4 \\
+    flock /tmp/infer-tune-cpu.lock python bench/serving_vs_llamacpp.py --threads 2 --rates 0.5,1,2,4,8 \\
         --repeats 3 --native-step --activations int8
-    python bench/serving_vs_llamacpp.py --table            # the table of the last run (the state file)
+    python bench/serving_vs_llamacpp.py --table [--markdown]   # the table of the last run (the state file)
+
+The table lists every (rate, repeat, engine) row in the order they ran, then per rate infer-tune / llama.cpp
+of output throughput, goodput (requests within both SLOs per second), TTFT p50 and TPOT p50: the geometric
+mean of the per-repeat ratios (each repeat ran both servers back to back) with its 95% t-interval on the logs,
+and each engine's mismatches; then whether each rate met the targets (throughput and goodput >= 1x, TTFT p50
+<= 1.2x, 0 mismatches). The state file also records the command, the commit, the llama.cpp build and
+every format's llama-bench figures.
 
 `--gguf` says what llama-server runs: `best` (the default) is the fastest of Q4_0 / Q4_K_M / Q8_0 made from
 the same checkpoint by the pinned llama.cpp build (scripts/build-llama-cpp.sh), timed by llama-bench at the
@@ -29,7 +36,6 @@ import contextlib
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -96,9 +102,10 @@ def infer_tune_server(args):
         stop(process)
 
 
-def reference_gguf(args) -> Path:
+def reference_gguf(args, state: dict) -> Path:
     """The GGUF llama-server serves (`--gguf`): `best` is chosen by llama-bench at the suite prompts' own
-    lengths (capped at --max-prompt-tokens) and --max-new-tokens; printed with every format's figures."""
+    lengths (capped at --max-prompt-tokens) and --max-new-tokens; printed with every format's figures and
+    recorded in the state (`reference`: the format, every format's llama-bench figures, the build)."""
     from infer_tune.engines import llamacpp as engine
     from infer_tune.scenarios.endpoint import load_tokenizer
     from infer_tune.workload import Workload, load_prompts
@@ -112,7 +119,10 @@ def reference_gguf(args) -> Path:
                       args.max_prompt_tokens) for p in prompts]
         lengths = engine.prompt_lengths(counts)
     gguf, chosen = engine.reference_gguf(args.model, args.gguf, lengths, args.max_new_tokens, args.threads or 1)
-    print(f"llama.cpp reference: {engine.describe(gguf, chosen)}", flush=True)
+    state["reference"] = {"gguf": str(gguf), "described": engine.describe(gguf, chosen),
+                          "llama_cpp": engine._version_facts(engine.build_info()),
+                          "chosen": chosen.to_dict() if chosen is not None else None}
+    print(f"llama.cpp reference: {state['reference']['described']}", flush=True)
     return gguf
 
 
@@ -179,7 +189,7 @@ def compare(args, state: dict) -> None:
 
     spec = spec_of(args)
     slo = {"ttft_ms": args.slo_ttft, "tpot_ms": args.slo_tpot}
-    gguf = reference_gguf(args)
+    gguf = reference_gguf(args, state)
     with infer_tune_server(args) as ours_server, llama_server(args, gguf) as theirs_server:
         ours, theirs = Side(ours_server, args, spec), Side(theirs_server, args, spec)
         n_prompts = len(ours.run.inputs.prompts)
@@ -207,37 +217,109 @@ def compare(args, state: dict) -> None:
                     save(args, state)
 
 
-def geomean(values: list[float]) -> float | None:
-    values = [v for v in values if v and v > 0]
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+METRICS = (("throughput_tok_s", "output tok/s", True), ("goodput_req_s", "goodput req/s", True),
+           ("ttft_p50", "TTFT p50 ms", False), ("tpot_p50", "TPOT p50 ms", False))
 
 
-def table(state: dict) -> None:
-    rows = state["rows"]
-    engines = sorted({r["engine"] for r in rows}, key=lambda e: not e.startswith("infer-tune"))
-    print(f"{'engine':<44}{'rate':>5}{'n':>3}{'tok/s':>9}{'TTFT p50':>10}{'TPOT p50':>10}{'goodput':>9}{'mism':>6}")
-    for rate in sorted({r["rate"] for r in rows}):
-        for engine in engines:
-            mine = [r for r in rows if r["rate"] == rate and r["engine"] == engine]
-            if not mine:
+def paired_ratios(rows: list[dict], rate: float, ours: str, theirs: str) -> dict:
+    """infer-tune / llama.cpp per metric at `rate`, paired by repeat (the two ran back to back): the geometric
+    mean over the repeats and its 95% t-interval on the logs (infer_tune.metrics.stats.log_ratio_interval).
+    A repeat where llama.cpp's figure is 0 (no request within the SLOs) and infer-tune's is not counts as
+    `inf` (said, not averaged); 0 / 0 leaves the repeat out."""
+    from infer_tune.metrics.stats import log_ratio_interval
+
+    pairs: dict = {}
+    for r in rows:
+        if r["rate"] == rate:
+            pairs.setdefault(r["repeat"], {})[r["engine"]] = r
+    both = [p for _, p in sorted(pairs.items()) if ours in p and theirs in p]
+    out = {}
+    for key, _, _ in METRICS:
+        ratios = []
+        for p in both:
+            a, b = p[ours].get(key), p[theirs].get(key)
+            if a is None or b is None or (not a and not b):
                 continue
-            med = {k: statistics.median(r[k] for r in mine) for k in ("throughput_tok_s", "ttft_p50", "tpot_p50")}
-            good = [r["goodput_req_s"] for r in mine if r["goodput_req_s"] is not None]
-            print(f"{engine[:43]:<44}{rate:>5g}{len(mine):>3}{med['throughput_tok_s']:>9.1f}{med['ttft_p50']:>10.1f}"
-                  f"{med['tpot_p50']:>10.2f}{(statistics.median(good) if good else float('nan')):>9.2f}"
-                  f"{sum(r['mismatches'] for r in mine):>6}")
-        if len(engines) == 2:  # paired by repeat: infer-tune / llama.cpp, geometric mean over the repeats
-            pairs = {}
-            for r in rows:
-                if r["rate"] == rate:
-                    pairs.setdefault(r["repeat"], {})[r["engine"]] = r
-            both = [p for p in pairs.values() if len(p) == 2]
-            ratio = {k: geomean([p[engines[0]][k] / p[engines[1]][k] for p in both if p[engines[1]][k]])
-                     for k in ("throughput_tok_s", "ttft_p50", "tpot_p50")}
-            print(f"  infer-tune / llama.cpp at {rate:g} req/s over {len(both)} paired repeats: throughput "
-                  f"{ratio['throughput_tok_s'] or float('nan'):.3f}x, TTFT p50 {ratio['ttft_p50'] or float('nan'):.3f}x, "
-                  f"TPOT p50 {ratio['tpot_p50'] or float('nan'):.3f}x")
+            ratios.append(math.inf if not b else a / b)
+        finite = [x for x in ratios if math.isfinite(x) and x > 0]
+        interval = log_ratio_interval(finite)
+        point = interval["point"] if interval else (finite[0] if len(finite) == 1 else None)
+        out[key] = {"per_repeat": ratios, "point": point, "ci95": interval["ci95"] if interval else None,
+                    "infinite": sum(1 for x in ratios if math.isinf(x))}
+    out["repeats"] = len(both)
+    return out
+
+
+def fmt_ratio(r: dict) -> str:
+    if r["point"] is None:
+        return "inf" if r["infinite"] else "-"
+    text = f"{r['point']:.3f}x" + (f" [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]" if r["ci95"] else "")
+    return text + (f" (+{r['infinite']} repeat(s) inf)" if r["infinite"] else "")
+
+
+def engines_of(rows: list[dict]) -> list[str]:
+    return sorted({r["engine"] for r in rows}, key=lambda e: not e.startswith("infer-tune"))
+
+
+def table(state: dict, markdown: bool = False) -> None:
+    """Every row (rate, repeat, engine), the per-rate ratios with their intervals, and the targets."""
+    rows = state["rows"]
+    engines = engines_of(rows)
+    rates = sorted({r["rate"] for r in rows})
+    fmt_good = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    if markdown:
+        print("| rate req/s | repeat | engine ((1st): ran first) | output tok/s | goodput req/s | TTFT p50 ms | "
+              "TPOT p50 ms | mismatches |")
+        print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    else:
+        print(f"{'rate':>5}{'rep':>4} {'engine':<44}{'tok/s':>9}{'goodput':>9}{'TTFT p50':>10}{'TPOT p50':>10}"
+              f"{'mism':>6}")
+    for rate in rates:
+        for repeat in sorted({r["repeat"] for r in rows if r["rate"] == rate}):
+            mine = [r for r in rows if r["rate"] == rate and r["repeat"] == repeat]
+            for i, r in enumerate(mine):  # in the order they ran
+                first = " (1st)" if i == 0 and len(mine) > 1 else ""
+                if markdown:
+                    print(f"| {rate:g} | {repeat} | {r['engine']}{first} | {r['throughput_tok_s']:.1f} | "
+                          f"{fmt_good(r['goodput_req_s'])} | {r['ttft_p50']:.1f} | {r['tpot_p50']:.2f} | "
+                          f"{r['mismatches']} |")
+                else:
+                    print(f"{rate:>5g}{repeat:>4} {(r['engine'] + first)[:43]:<44}{r['throughput_tok_s']:>9.1f}"
+                          f"{fmt_good(r['goodput_req_s']):>9}{r['ttft_p50']:>10.1f}{r['tpot_p50']:>10.2f}"
+                          f"{r['mismatches']:>6}")
+    if len(engines) != 2:
+        return
+    ours, theirs = engines
+    print()
+    if markdown:
+        print("| rate req/s | repeats | " + " | ".join(f"{label} ratio [95%]" for _, label, _ in METRICS)
+              + " | mismatches infer-tune / llama.cpp |")
+        print("|---:|---:|" + "---|" * len(METRICS) + "---:|")
+    verdicts = []
+    for rate in rates:
+        ratios = paired_ratios(rows, rate, ours, theirs)
+        mism = [sum(r["mismatches"] for r in rows if r["rate"] == rate and r["engine"] == e) for e in engines]
+        cells = [fmt_ratio(ratios[k]) for k, _, _ in METRICS]
+        if markdown:
+            print(f"| {rate:g} | {ratios['repeats']} | " + " | ".join(cells) + f" | {mism[0]} / {mism[1]} |")
+        else:
+            print(f"infer-tune / llama.cpp at {rate:g} req/s, {ratios['repeats']} paired repeats: "
+                  + ", ".join(f"{label.split(' ms')[0]} {c}" for (_, label, _), c in zip(METRICS, cells))
+                  + f"; mismatches {mism[0]} / {mism[1]}")
+        point = {k: (math.inf if ratios[k]["point"] is None and ratios[k]["infinite"] else ratios[k]["point"])
+                 for k, _, _ in METRICS}
+        missed = [f"{label} {point[k]:.3f}x" for k, label, up in METRICS[:2] if point[k] is not None and point[k] < 1.0]
+        if point["ttft_p50"] is not None and point["ttft_p50"] > 1.2:
+            missed.append(f"TTFT p50 {point['ttft_p50']:.3f}x > 1.2x")
+        if mism[0]:
+            missed.append(f"{mism[0]} mismatches")
+        verdicts.append(f"{rate:g} req/s: " + ("met" if not missed else "missed (" + ", ".join(missed) + ")"))
+    print()
+    print("targets (throughput and goodput >= 1x, TTFT p50 <= 1.2x, 0 mismatches; geometric means): "
+          + "; ".join(verdicts))
     print(f"SLOs: {state.get('slo')}; usage.prompt_tokens equal: {state.get('prompt_tokens_equal')}")
+    if state.get("reference"):
+        print(f"reference: {state['reference'].get('described')}")
 
 
 def save(args, state: dict) -> None:
@@ -245,6 +327,15 @@ def save(args, state: dict) -> None:
     staged = path.with_suffix(".partial")
     staged.write_text(json.dumps(state, indent=1))
     staged.replace(path)
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=10, check=False)
+    except OSError:
+        return None
+    return out.stdout.strip() or None
 
 
 def main() -> None:
@@ -256,7 +347,8 @@ def main() -> None:
     p.add_argument("--method", default="int4-rtn")
     p.add_argument("--activations", default="int8", choices=("bf16", "int8"))
     p.add_argument("--native-step", action="store_true", help="infer-tune serve --native-step")
-    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 2.0, 4.0])
+    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 1.0, 2.0, 4.0, 8.0],
+                   help="request rates (req/s), up to and past saturation")
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--prompts", type=int, default=16, help="prompts of the suite the traces draw from")
     p.add_argument("--suite", default="chat")
@@ -273,15 +365,18 @@ def main() -> None:
     p.add_argument("--out", default="/tmp/infer-tune-serving-bench")
     p.add_argument("--state", default="/tmp/infer-tune-serving-bench.json")
     p.add_argument("--table", action="store_true", help="print the table of the state file and stop")
+    p.add_argument("--markdown", action="store_true", help="with --table: as markdown (docs/results.md)")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     if args.table:
-        table(json.loads(Path(args.state).read_text()))
+        table(json.loads(Path(args.state).read_text()), markdown=args.markdown)
         return
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1 (3 or more for a result)")
     state = {"rows": [], "slo": {"ttft_ms": args.slo_ttft, "tpot_ms": args.slo_tpot},
-             "args": {k: v for k, v in vars(args).items() if k not in ("table",)}}
+             "args": {k: v for k, v in vars(args).items() if k not in ("table", "markdown")},
+             "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+             "infer_tune_commit": git_commit()}
     compare(args, state)
     save(args, state)
     table(state)

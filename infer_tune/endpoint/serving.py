@@ -21,7 +21,6 @@ deltas equal the decoded output exactly.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import queue
 import signal
@@ -259,9 +258,10 @@ class OpenAIServer:
         return app
 
 
-async def serve_until_signal(server: OpenAIServer, host: str, port: int, ready) -> None:
-    """Listen on host:port (0: a free port), call `ready(url)`, serve until SIGINT or SIGTERM, then stop
-    accepting, end open requests (their streams get an error event) and stop the engine."""
+async def serve_until_stopped(server: OpenAIServer, host: str, port: int, ready, control: dict) -> None:
+    """Listen on host:port (0: a free port), call `ready(url)`, serve until `control["stop"]()` is called
+    (from any thread: it sets this loop's stop event), then stop accepting and close the listener; streams
+    of requests the engine ended early have their error event written first (a shutdown grace of 5 s)."""
     from aiohttp import web
 
     runner = web.AppRunner(server.app(), access_log=None, handle_signals=False)
@@ -272,14 +272,56 @@ async def serve_until_signal(server: OpenAIServer, host: str, port: int, ready) 
     shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    control["stop"] = lambda: loop.call_soon_threadsafe(stop.set)
+    if control.get("stopping"):  # asked to stop before it was listening
+        stop.set()
     ready(f"http://{shown}:{bound[1]}/v1")
     try:
         await stop.wait()
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(Exception):
-                loop.remove_signal_handler(sig)
-        await asyncio.get_running_loop().run_in_executor(None, server.engine.stop)
         await runner.cleanup()
+
+
+def serve_until_signal(server: OpenAIServer, host: str, port: int, ready) -> None:
+    """Serve until SIGINT or SIGTERM: the engine (`server.engine`, a LiveSlots) runs in this thread, which
+    must be the main one (infer_tune/tuners/batch/serving.py says why), the HTTP server on a thread of its own.
+    A signal stops the engine (requests still decoding end: their streams get an error event), then the
+    listener closes. A server that cannot listen (a port in use) stops the engine and its error is raised."""
+    import threading
+
+    engine = server.engine
+    control: dict = {}
+    failed: list[BaseException] = []
+
+    def http() -> None:
+        try:
+            asyncio.run(serve_until_stopped(server, host, port, ready, control))
+        except BaseException as exc:  # noqa: BLE001 (raised again in the main thread)
+            failed.append(exc)
+        finally:
+            engine.stop()
+
+    signalled: list[int] = []
+
+    def on_signal(signum, frame) -> None:
+        signalled.append(signum)
+        engine.stop()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=http, name="infer-tune http", daemon=True)
+    thread.start()
+    try:
+        engine.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        control["stopping"] = True
+        if "stop" in control:
+            control["stop"]()
+        thread.join(15.0)
+    if failed:
+        raise failed[0]
+    if engine.failure is not None and not signalled:
+        from infer_tune.errors import InferTuneError
+
+        raise InferTuneError(f"the engine failed: {engine.failure}") from engine.failure

@@ -158,14 +158,12 @@ def build(plan: ServePlan, *, threads: int | None = None, max_context: int | Non
 
 
 def serve(served: Served, host: str, port: int, ready) -> None:
-    """Start the engine and serve until SIGINT / SIGTERM (infer_tune/endpoint/serving.py)."""
-    import asyncio
-
+    """Serve until SIGINT / SIGTERM: the engine in this (the main) thread, HTTP on another
+    (infer_tune/endpoint/serving.py)."""
     from infer_tune.endpoint.serving import OpenAIServer, serve_until_signal
 
-    served.engine.start()
     server = OpenAIServer(served.engine, served.tokenizer, served.served_model, max_waiting=served.engine.max_waiting)
     try:
-        asyncio.run(serve_until_signal(server, host, port, ready))
+        serve_until_signal(server, host, port, ready)
     finally:
         served.engine.stop()

@@ -1,7 +1,8 @@
 """The slot engine (slots.py) fed by live requests: what `infer-tune serve` runs (docs/endpoint.md, "Serving").
 
-`LiveSlots` owns one `SlotEngine` and a thread that runs the continuous policy of `SlotBatcher` on requests
-as they come: before every decode step the waiting requests are admitted into the free slots (a batch-1
+`LiveSlots` owns one `SlotEngine` and runs the continuous policy of `SlotBatcher` on requests as they come,
+in the thread that calls `run()` (`infer-tune serve`: the process's main thread, the HTTP server on another)
+or on a thread of its own (`start()`): before every decode step the waiting requests are admitted into the free slots (a batch-1
 prefill each, whose greedy token is the request's first), then one batched step decodes a token for every
 busy slot (rows 0 .. the highest busy one). A request ends at end-of-sequence (unless `ignore_eos`), at its
 `max_tokens`, or when its slot's cache is full (`finish_reason` `length`). Tokens go to the request's
@@ -11,6 +12,12 @@ prompt alone (`alone`), whichever requests share its steps (the row kernels of `
 
 Every step bucket (and, compiled, every length bucket) is built and run once in `warm()`, before the
 first request, so no compile happens inside a request.
+
+Why the main thread: the native step and the prefill run torch's OpenMP parallel regions, and called from a
+thread other than the one that set torch's threads they ran 2-3x slower on a 2-core host (the native step of
+SmolLM2 int4 a8, medians of 40 steps in one process: 1 row 5.35 ms in the main thread against 14.67 ms in
+another, 4 rows 8.96 against 20.74 ms; a 50-token prefill 70 against 123 ms), which is what a served
+request paid when the engine ran on its own thread.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ class LiveSlots:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None
+        self._running = False
         self.served = 0
         self.steps = 0
 
@@ -81,7 +89,7 @@ class LiveSlots:
     def alone(self, prompt: list[int], max_tokens: int, ignore_eos: bool = False) -> list[int]:
         """The tokens this engine decodes for `prompt` alone (slot 0, the smallest step bucket); call only
         while the engine thread is not running (tests, and the single-request references of a bench)."""
-        if self._thread is not None and self._thread.is_alive():
+        if self._running:
             raise RuntimeError("alone() runs the engine in this thread: stop serving first")
         engine = self.engine
         rows = rows_for(0, self.slots, self.every_bucket)
@@ -102,13 +110,21 @@ class LiveSlots:
 
     # ------------------------------------------------------------------ serving
     def start(self) -> LiveSlots:
+        """Serve on a thread of its own (tests; `run()` serves in the calling thread, faster: module docstring)."""
+        self._running = True
         self._thread = threading.Thread(target=self._run, name="infer-tune slots", daemon=True)
         self._thread.start()
         return self
 
+    def run(self) -> None:
+        """Serve in the calling thread until `stop()` (from a signal handler or another thread)."""
+        self._running = True
+        self._thread = threading.current_thread()
+        self._run()
+
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.failure is None
+        return self._running and self._thread is not None and self._thread.is_alive() and self.failure is None
 
     def submit(self, request: LiveRequest) -> None:
         """Queue a request (any thread). Raises EngineStopped when the engine no longer serves, and
@@ -123,7 +139,7 @@ class LiveSlots:
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop after the current step; requests still waiting or decoding end with finish_reason `abort`."""
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
 
     def _run(self) -> None:
@@ -135,6 +151,7 @@ class LiveSlots:
         except BaseException as exc:  # noqa: BLE001 (the thread's failure is reported to every request)
             self.failure = exc
         finally:
+            self._running = False
             reason = "error" if self.failure is not None else "abort"
             for request in [*waiting, *(r for r in busy if r is not None), *self._drain()]:
                 request.emit(None, reason)
