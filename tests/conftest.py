@@ -12,7 +12,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`, docs/testing.md). Each worker is
+# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`, docs/commands.md). Each worker is
 # one process of the two cores: torch gets one intra-op thread there, and its own temp folder (subprocesses inherit
 # it), so a test that checks what it left in the temp folder never sees the other worker's files. The compiled
 # graphs stay shared: inductor's cache is pinned to the folder it would use without the worker's TMPDIR.
@@ -33,6 +33,19 @@ if XDIST_WORKER:
     torch.set_num_threads(1)
 
 
+# The files that take longest (seconds on 2 cores, pytest --durations), handed out first under xdist so that no long
+# file starts last and keeps one worker busy while the other has finished; the rest follow in collection order.
+LONGEST_FILES = ("test_batch_slots.py", "test_data_safety.py", "test_endpoint_server.py", "test_engine_launch.py",
+                 "test_tune.py", "test_experts.py", "test_architecture.py", "test_speculate.py",
+                 "test_native_attention.py", "test_native_step.py", "test_hostile_local.py", "test_torchrun.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    if XDIST_WORKER:  # both workers sort alike: their collections must be the same list
+        rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """Whole files to a worker (their module fixtures are built once), and every file of one `xdist_group` to the
@@ -41,6 +54,8 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    config.option.loadscopereorder = False  # the order of pytest_collection_modifyitems, not by number of tests
+
     class FileOrGroup(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             if nodeid.rfind("@") > nodeid.rfind("]"):  # `--dist loadgroup` suffixes marked tests with @group
@@ -48,6 +63,7 @@ def pytest_xdist_make_scheduler(config, log):
             return nodeid.split("::", 1)[0]
 
     return FileOrGroup(config, log)
+
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
