@@ -13,8 +13,9 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
+# one resolve for the project, its dev extra and the pinned torch (a separate `pip install torch` first resolved
+# and checked torch twice)
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[dev]" "$(TORCH_SPEC)"
 	touch $@
 
