@@ -13,8 +13,9 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
+# one resolve for the project, its dev extra and the pinned torch (a separate `pip install torch` first resolved
+# and checked torch twice)
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[dev]" "$(TORCH_SPEC)"
 	touch $@
 
@@ -40,8 +41,9 @@ demo: model
 	$(BIN)/infer-tune bench --recipe $(DEMO_RECIPE) --out $(DEMO_OUT) --resume
 	@echo "report: $(DEMO_OUT)/leaderboard.html (.md, .csv); results: $(DEMO_OUT)/<run-id>/result.json"
 
+# two pytest-xdist workers, one per core: whole files to a worker, the sandbox tests on one (tests/conftest.py)
 test: model system-deps
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra -n 2 --dist loadgroup
 
 lint: install
 	$(BIN)/ruff check infer_tune tests bench

@@ -12,6 +12,60 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`, docs/commands.md). Each worker is
+# one process of the two cores: torch gets one intra-op thread there, and its own temp folder (subprocesses inherit
+# it), so a test that checks what it left in the temp folder never sees the other worker's files. The compiled
+# graphs stay shared: inductor's cache is pinned to the folder it would use without the worker's TMPDIR.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER:
+    import atexit
+    import getpass
+    import tempfile
+
+    _shared_tmp = tempfile.gettempdir()
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_shared_tmp, f"torchinductor_{getpass.getuser()}"))
+    _worker_tmp = tempfile.mkdtemp(prefix=f"pytest-worker-{XDIST_WORKER}-", dir=_shared_tmp)
+    os.environ["TMPDIR"] = _worker_tmp
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    atexit.register(shutil.rmtree, _worker_tmp, ignore_errors=True)
+    import torch
+
+    torch.set_num_threads(1)
+
+
+# The files that take longest (on two workers on 2 cores, pytest --durations=0), handed out first under xdist so that no long
+# file starts last and keeps one worker busy while the other has finished; the rest follow in collection order.
+LONGEST_FILES = ("test_batch_slots.py", "test_data_safety.py", "test_native_attention.py", "test_endpoint_server.py",
+                 "test_tune.py", "test_speculate.py", "test_architecture.py", "test_batch.py", "test_random_weights.py",
+                 "test_native_step.py", "test_experts.py", "test_loadgen.py", "test_engine_launch.py",
+                 "test_endpoint.py", "test_hostile_local.py", "test_torchrun.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    if XDIST_WORKER:  # both workers sort alike: their collections must be the same list
+        rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Whole files to a worker (their module fixtures are built once), and every file of one `xdist_group` to the
+    same worker, one after another (the sandbox tests, which look for any sandboxed program left running)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # the order of pytest_collection_modifyitems, not by number of tests
+
+    class FileOrGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.rfind("@") > nodeid.rfind("]"):  # `--dist loadgroup` suffixes marked tests with @group
+                return nodeid.split("@")[-1]
+            return nodeid.split("::", 1)[0]
+
+    return FileOrGroup(config, log)
+
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "def add(a, b):\n    return a + b\n",
@@ -99,6 +153,10 @@ def _test_home(tmp_path_factory) -> Path:
             for item in (REAL_HOME / sub).iterdir():
                 if not item.name.startswith("."):
                     (home / sub / item.name).symlink_to(item)
+    if XDIST_WORKER:  # the native kernels compile once for the whole run: both workers build into one folder
+        shared = tmp_path_factory.getbasetemp().parent / "kernels"  # native.build_library's flock: one builder
+        shared.mkdir(mode=0o700, exist_ok=True)
+        (home / "kernels").symlink_to(shared)
     return home
 
 

@@ -244,9 +244,11 @@ def test_real_llama_server_q4_0_against_default(smollm2_available, tmp_path, _te
 
     if not smollm2_available:
         pytest.skip("SmolLM2 is not provisioned here")
-    if not (_test_home / "gguf").exists() and (REAL_HOME / "gguf").is_dir():
-        (_test_home / "gguf").symlink_to(REAL_HOME / "gguf")  # read: the f16 and q4_0 GGUFs already made
     folder = llamacpp.gguf_dir(models.resolve("smollm2-135m"))
+    made = REAL_HOME / folder.relative_to(_test_home)
+    if not folder.parent.exists() and made.is_dir():  # read: the f16 and q4_0 GGUFs already made (another test
+        folder.parent.parent.mkdir(exist_ok=True)      # of this session may have made the temp home's gguf/)
+        folder.parent.symlink_to(made.parent)
     if not all((folder / f"{t}.gguf").is_file() for t in ("f16", "q4_0")):
         pytest.skip("SmolLM2's f16 / q4_0 GGUFs are not made here (infer-tune models gguf smollm2-135m)")
     from infer_tune.scenarios.common import RunSpec

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from infer_tune.metrics import passk, sandbox
 from infer_tune.suites import Prompt
+
+# one xdist worker runs every test that starts sandboxed programs (test_sandbox.py checks none is left running)
+pytestmark = pytest.mark.xdist_group("sandbox")
 
 # where bubblewrap is missing these scoring tests run unsandboxed (test_sandbox.py fails on CI then)
 ISOLATION = "sandbox" if sandbox.available() else "unsafe"

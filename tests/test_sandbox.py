@@ -14,6 +14,9 @@ import pytest
 
 from infer_tune.metrics import passk, sandbox
 
+# one xdist worker runs every test that starts sandboxed programs (test_sandbox.py checks none is left running)
+pytestmark = pytest.mark.xdist_group("sandbox")
+
 PROBLEM = {
     "task_id": "Toy/0",
     "prompt": 'def add(a, b):\n    """Return a + b."""\n',

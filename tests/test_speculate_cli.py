@@ -26,7 +26,7 @@ FAST = ["--warmup", "0", "--min-iterations", "1", "--min-duration", "0", "--thre
 
 @pytest.fixture(autouse=True)
 def _wide_and_one_thread(monkeypatch, one_thread):
-    monkeypatch.setenv("COLUMNS", "200")  # the report table, unwrapped
+    monkeypatch.setenv("COLUMNS", "400")  # the report table, unwrapped (its title holds the temp paths)
 
 
 @pytest.fixture(scope="module")
