@@ -109,6 +109,10 @@ class LoadedModel:
     ref: str
     path: str
     weights: Any = None  # weights.RandomWeights when built with `--weights random`, else None (the checkpoint's)
+    # False: random weights left on the meta device (load_random's `lazy`: the model as loaded does not fit);
+    # only what builds layer by layer from `weights` runs, and `not_loaded` says why
+    materialized: bool = True
+    not_loaded: str = ""
 
     @property
     def random_weights(self) -> bool:
@@ -120,11 +124,14 @@ class LoadedModel:
 
     @property
     def dtype(self) -> str:
+        if not self.materialized:
+            return str(self.weights.dtype).removeprefix("torch.")
         return str(next(self.model.parameters()).dtype).removeprefix("torch.")
 
     @property
     def device(self) -> str:
-        return str(next(self.model.parameters()).device)
+        # a skeleton's matrices are on the meta device; its vectors are where the model runs
+        return str(next((p for p in self.model.parameters() if not p.is_meta), next(self.model.parameters())).device)
 
 
 # Saved directories that are not plain transformers checkpoints: marker file -> loader(dir) -> model.
@@ -197,16 +204,19 @@ def load(
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
     weights: str = "pretrained",
+    lazy: bool = False,
 ) -> LoadedModel:
     """Resolve `ref` and load model + tokenizer (safetensors only unless `allow_pickle`); `weights`
-    "random" / "random:SEED" builds the architecture of `ref` with seeded random weights instead."""
+    "random" / "random:SEED" builds the architecture of `ref` with seeded random weights instead (with
+    `lazy`, left unfilled when it would not fit: `load_random`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from infer_tune import weights as weights_mod
 
     choice = weights_mod.parse(weights)
     if choice.random:
-        return load_random(ref, seed=choice.seed, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        return load_random(ref, seed=choice.seed, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                           lazy=lazy)
     if weights_mod.preset_path(ref) is not None and ref not in BUILTINS:
         raise ModelError(f"'{ref}' is an architecture preset (a config, no weights); add --weights random")
     location = resolve(ref)
@@ -264,9 +274,14 @@ def random_tokenizer(vocab: int) -> tuple[Any, str]:
 
 
 def load_random(ref: str, *, seed: int = 0, dtype: str = "auto", device: str = "cpu",
-                trust_remote_code: bool = False) -> LoadedModel:
+                trust_remote_code: bool = False, lazy: bool = False) -> LoadedModel:
     """The architecture of `ref` (a preset, a config.json, a checkpoint folder, a built-in or hub id)
-    with seeded random weights: no download of weights (weights.py)."""
+    with seeded random weights: no download of weights (weights.py).
+
+    `lazy`: when the model in `dtype` would not fit (weights.footprint over weights.FIT_FRACTION of the
+    memory available), it is returned unfilled (`materialized` False, `not_loaded` the one line saying so):
+    its matrices stay on the meta device and only builds that fill it layer by layer run (a quantized
+    method's, tuners/quantize/pipeline.py), compared with a reference that fits (scenarios/common.py)."""
     from infer_tune import weights as weights_mod
 
     config, source = weights_mod.architecture_config(
@@ -277,6 +292,18 @@ def load_random(ref: str, *, seed: int = 0, dtype: str = "auto", device: str = "
                                      tokenizer=tokenizer_name)
     skeleton = spec.skeleton()
     need, available = weights_mod.meta_bytes(skeleton), _available_bytes()
+    if lazy:
+        running = weights_mod.footprint(config, torch.empty((), dtype=torch_dtype).element_size(),
+                                        params=count_params(skeleton))
+        if not weights_mod.fits(running, available):
+            why = (f"the {str(torch_dtype).removeprefix('torch.')} model of '{ref}' needs about "
+                   f"{running / 2**30:.1f} GiB to run and {available / 2**30:.1f} GiB of memory is available "
+                   f"(it must fit in {weights_mod.FIT_FRACTION:.0%} of it): it is not built whole")
+            if tokenizer.pad_token_id is None:
+                tokenizer.pad_token = tokenizer.eos_token
+            tokenizer.padding_side = "left"
+            return LoadedModel(model=skeleton, tokenizer=tokenizer, ref=ref, path=source, weights=spec,
+                               materialized=False, not_loaded=why)
     if need > available:
         raise ModelError(f"model '{ref}' needs about {need / 2**30:.1f} GiB as {str(torch_dtype).removeprefix('torch.')} "
                          f"but only {available / 2**30:.1f} GiB of memory is available; use a smaller model or dtype")

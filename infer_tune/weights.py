@@ -295,6 +295,29 @@ def count_params(config: Any) -> int:
     return total
 
 
+# A build fits when its estimate is at most this share of the memory available when it starts: the rest is
+# left to the prefill's activations, a checkpoint's save and reload, and the host's other processes.
+FIT_FRACTION = 0.6
+RUNTIME_MARGIN = 1 << 30  # activations, the tokenizer, torch's own allocations: bytes beyond weights and cache
+
+
+def footprint(config: Any, bytes_per_param: float, *, params: int | None = None, context_tokens: int = 4096) -> int:
+    """Bytes a model of `config` takes running with `bytes_per_param` weights (4: fp32, 2: bf16, ~1: int8):
+    its parameters, an fp32 KV cache of `context_tokens` positions and RUNTIME_MARGIN."""
+    params = count_params(config) if params is None else params
+    text = getattr(config, "text_config", None) or config
+    layers, heads = getattr(text, "num_hidden_layers", 0) or 0, getattr(text, "num_attention_heads", 0) or 1
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or (getattr(text, "hidden_size", 0) or 0) // heads
+    cache = 2 * layers * kv_heads * head_dim * 4 * context_tokens  # K and V in fp32
+    return int(params * bytes_per_param + cache + RUNTIME_MARGIN)
+
+
+def fits(need: int, available: int) -> bool:
+    """Whether a build estimated at `need` bytes fits in `available` (FIT_FRACTION of it)."""
+    return need <= FIT_FRACTION * available
+
+
 _LIBC: Any = None
 
 

@@ -213,3 +213,61 @@ def test_layerwise_build_peaks_below_one_float_copy():
     layerwise, eager = measure("layerwise"), measure("eager")
     assert eager["growth"] >= eager["float_bytes"] * 0.9  # the eager path holds the whole float model
     assert layerwise["growth"] < 0.6 * layerwise["float_bytes"], layerwise  # 277 MB float; int4 + one Linear + the float table
+
+
+def test_bf16_built_layer_by_layer_equals_the_converted_float_model(tmp_path):
+    import copy
+
+    from infer_tune.tuners.quantize import apply
+    from infer_tune.tuners.quantize.config import QuantizeConfig
+
+    config, _ = weights.architecture_config(str(tiny_config(tmp_path, "qwen3")))  # tied head
+    spec = weights.RandomWeights(config, 4, torch.float32, "t", "b")
+    eager = copy.deepcopy(spec.build())
+    apply.quantize_model(eager, QuantizeConfig(method="bf16"))
+    lazy = spec.skeleton()
+    assert apply.quantize_layerwise(lazy, weights.Filler(lazy, spec.values()), QuantizeConfig(method="bf16")) == \
+        {"dtype": "bfloat16"}
+    assert lazy.lm_head.weight is lazy.model.embed_tokens.weight
+    for (name, a), b in zip(eager.state_dict().items(), lazy.state_dict().values()):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert all(p.dtype == torch.bfloat16 for p in lazy.parameters())
+
+
+def test_a_model_too_large_to_build_whole_skips_the_baseline_for_a_reference_that_fits(tmp_path, prompts_file,
+                                                                                    monkeypatch):
+    from infer_tune import models
+
+    path = tiny_config(tmp_path, "llama")
+    config, _ = weights.architecture_config(str(path))
+    monkeypatch.setattr(weights, "RUNTIME_MARGIN", 0)
+    monkeypatch.setattr(weights, "FIT_FRACTION", 1.0)
+    fp32, bf16 = weights.footprint(config, 4), weights.footprint(config, 2)
+    monkeypatch.setattr(models, "_available_bytes", lambda: (fp32 + bf16) // 2)  # bf16 fits, fp32 does not
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("configs:\n  - {technique: stack, configs: [{technique: quantize, method: int4-rtn}, "
+                      "{technique: lean, compile: false}]}\n")
+    def args(out: str) -> list[str]:
+        return ["bench", "--model", str(path), "--weights", "random", "--recipe", str(recipe), "--suite",
+                str(prompts_file), "--limit", "2", "--max-new-tokens", "4", "--out", str(tmp_path / out), *FAST]
+
+    result = runner.invoke(app, args("runs"))
+    assert result.exit_code == 0, result.output
+    assert "the baseline is skipped" in result.output
+    docs = {d["technique"]: d for d in (json.loads(p.read_text()) for p in (tmp_path / "runs").glob("*/result.json"))}
+    assert set(docs) == {"quantize", "stack"}  # no plain (float32) baseline row
+    reference, row = docs["quantize"], docs["stack"]
+    assert reference["config"]["method"] == "bf16" and reference["metrics"]["built"] == "layer by layer"
+    assert row["baseline_run_id"] == reference["run_id"]
+    assert "bf16" in row["metrics"]["compared_with"] and "float32" in row["metrics"]["baseline_skipped"]
+    assert row["metrics"]["speedup_vs_baseline"] > 0
+    # too small for bf16 as well: the int8 reference
+    monkeypatch.setattr(models, "_available_bytes", lambda: (bf16 + weights.footprint(config, 1)) // 2)
+    result = runner.invoke(app, args("runs8"))
+    assert result.exit_code == 0, result.output
+    docs = [json.loads(p.read_text()) for p in (tmp_path / "runs8").glob("*/result.json")]
+    assert sorted(d["config"].get("method", "stack") for d in docs) == ["int8-dynamic", "stack"]
+    # what cannot be built layer by layer is refused in one line
+    recipe.write_text("configs:\n  - {technique: kv-cache, impl: static}\n")
+    result = runner.invoke(app, args("runs-kv"))
+    assert result.exit_code == 2 and "layer by layer" in result.output

@@ -9,7 +9,7 @@ from typing import Any
 from infer_tune import atomic
 from infer_tune.document import ResultDocument
 from infer_tune.runners.base import Progress
-from infer_tune.scenarios.common import RunSpec, open_run
+from infer_tune.scenarios.common import RunSpec, open_run, reference_that_fits
 from infer_tune.session import run_configs
 
 
@@ -68,10 +68,12 @@ def run_bench(spec: RunSpec, configs: list | None = None, *, progress: Progress 
     if configs and (executor := executors.current()) is not None:  # e.g. Ray: each config on a node
         baseline, docs = executor.run_configs(spec, list(configs), progress)
         return BenchOutcome(baseline=baseline, docs=docs)
-    run = open_run(spec, progress)
+    run = open_run(spec, progress, lazy_weights=bool(configs))
+    # random weights too large to build whole: no baseline, every row against a reference that fits
+    configs, plan = reference_that_fits(run.loaded, list(configs or []), run.ctx.device)
     with atomic.scratch() as scratch:  # e.g. quantized checkpoints; a killed run's is removed by the next
         run.ctx.scratch_dir = scratch
-        baseline, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol, list(configs or []),
+        baseline, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol, configs,
                                      run.ctx, resume=spec.resume, reuse_baseline=spec.resume,
-                                     measure_ppl=spec.measure_ppl, execute=spec.execute)
+                                     measure_ppl=spec.measure_ppl, execute=spec.execute, plan=plan)
     return BenchOutcome(baseline=baseline, docs=docs)

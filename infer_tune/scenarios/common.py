@@ -109,9 +109,11 @@ def check_context_early(spec: RunSpec) -> None:
         check_context(namespace, 1, spec.workload.max_new_tokens, spec.model, prompt="a prompt (at least 1 token)")
 
 
-def open_run(spec: RunSpec, progress: Progress | None = None, *, load_suite: bool = True) -> OpenRun:
+def open_run(spec: RunSpec, progress: Progress | None = None, *, load_suite: bool = True,
+             lazy_weights: bool = False) -> OpenRun:
     """Threads and device set, the suite loaded (bad suites fail before the model loads), the model
-    loaded, the inputs tokenized, the environment recorded."""
+    loaded, the inputs tokenized, the environment recorded. `lazy_weights`: random weights that would not
+    fit are left unfilled (`models.load_random`; the caller compares with `reference_that_fits`)."""
     from infer_tune import env as envinfo
     from infer_tune import paths
 
@@ -128,9 +130,62 @@ def open_run(spec: RunSpec, progress: Progress | None = None, *, load_suite: boo
         prompts = itertools.chain([first], prompts)
     check_context_early(spec)
     loaded = models.load(spec.model, dtype=spec.dtype, device=device, trust_remote_code=spec.trust_remote_code,
-                         weights=spec.weights)
+                         weights=spec.weights, lazy=lazy_weights)
     inputs = prepare_inputs(loaded, spec.workload, prompts) if load_suite else None
     ctx = RunContext(device=device, dtype=spec.dtype, threads=n_threads, out_dir=Path(spec.out_dir).expanduser(),
                      env=envinfo.collect_env(n_threads), progress=progress,
                      trust_remote_code=spec.trust_remote_code)
     return OpenRun(loaded=loaded, inputs=inputs, ctx=ctx)
+
+
+def reference_that_fits(loaded: models.LoadedModel, configs: list, device: str = "cpu"):
+    """(configs, plan) for a model loaded unfilled (`models.load_random(lazy=True)`: the model as loaded does not
+    fit): no plain baseline is measured; the first row is a reference that fits (bf16, else int8-dynamic, by
+    `weights.footprint`), measured first, and every row is compared with it (`SweepPlan(reference="first")`),
+    each saying so in `compared_with` and `baseline_skipped`. Every config must build layer by layer from the
+    skeleton (a quantized method that needs no activations, alone or first in a stack); any other is refused
+    in one line. A model that was built whole: (configs, None), the plain baseline as usual."""
+    if loaded.materialized:
+        return configs, None
+    import sys
+
+    from infer_tune import weights
+    from infer_tune.session import SweepPlan
+    from infer_tune.tuners.quantize import QuantizeConfig
+    from infer_tune.tuners.quantize.apply import LAYERWISE_METHODS
+    from infer_tune.tuners.quantize.config import resolve_backend
+
+    def first_part(config):
+        parts = getattr(config, "configs", None)
+        return (parts[0] if parts else None) if config.technique == "stack" else config
+
+    for config in configs:
+        part = first_part(config)
+        if not (isinstance(part, QuantizeConfig) and part.method in LAYERWISE_METHODS
+                and resolve_backend(part, device) == "torch"):
+            raise ConfigError(f"{loaded.not_loaded}, so only methods built layer by layer run "
+                              f"({', '.join(LAYERWISE_METHODS)}, torch backend, alone or first in a stack); "
+                              f"'{config.label()}' is not one")
+    available = models._available_bytes()
+    params = models.count_params(loaded.model)
+    needs = {method: weights.footprint(loaded.weights.config, per_param, params=params)
+             for method, per_param in (("bf16", 2.0), ("int8-dynamic", 1.0))}
+    method = next((m for m, need in needs.items() if weights.fits(need, available)), None)
+    if method is None:
+        raise ConfigError(f"{loaded.not_loaded}, and neither a bf16 nor an int8 reference fits "
+                          f"({needs['int8-dynamic'] / 2**30:.1f} GiB for int8); use a smaller model")
+    need = needs[method]
+    reference = QuantizeConfig(method=method)
+    rest = [c for c in configs if c != reference]
+    compared = f"quantize {reference.label()} (measured first in this sweep; the baseline was skipped)"
+    print(f"note: {loaded.not_loaded}; the baseline is skipped and every row is compared with {reference.label()} "
+          f"(about {need / 2**30:.1f} GiB)", file=sys.stderr)
+
+    def admit(config, workload, inputs, earlier):
+        from infer_tune.session import Admission
+
+        facts = {"baseline_skipped": loaded.not_loaded,
+                 "compared_with": "itself: the reference" if config == reference else compared}
+        return Admission(metrics=facts)
+
+    return [reference, *rest], SweepPlan(reference="first", admit=admit)

@@ -15,7 +15,7 @@ from pathlib import Path
 from infer_tune.document import ResultDocument
 from infer_tune.errors import ConfigError
 from infer_tune.runners.base import Progress
-from infer_tune.scenarios.common import RunSpec, open_run
+from infer_tune.scenarios.common import RunSpec, open_run, reference_that_fits
 from infer_tune.session import resolve_configs, run_configs
 from infer_tune.tuners.quantize import QuantizeConfig
 
@@ -52,14 +52,16 @@ def run_quantize(spec: RunSpec, configs: list[QuantizeConfig], *, save: Path | N
                  progress: Progress | None = None) -> QuantizeOutcome:
     """Every config through quantize -> save -> reload -> measure; one result each, plus the claim check."""
     targets = save_targets(save, configs, overwrite)  # before the model loads: a refusal costs nothing
-    run = open_run(spec, progress)
+    run = open_run(spec, progress, lazy_weights=True)
     configs = sweep_order(resolve_configs(configs, run.ctx))
+    # random weights too large to build whole: no baseline, every method against a reference that fits
+    configs, plan = reference_that_fits(run.loaded, configs, run.ctx.device)
     run.ctx.save_dirs = {c.label(): targets[c.method] for c in configs if c.method in targets}
     scratch = Path(tempfile.mkdtemp(prefix="infer-tune-quantized-"))
     run.ctx.scratch_dir = scratch
     try:
         baseline, docs = run_configs(run.loaded, run.inputs, spec.workload, spec.protocol, configs, run.ctx,
-                                     resume=spec.resume, measure_ppl=spec.measure_ppl)
+                                     resume=spec.resume, measure_ppl=spec.measure_ppl, plan=plan)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     claim = next((d["metrics"]["claim_check"] for d in docs if d["metrics"].get("claim_check")), None)

@@ -255,7 +255,8 @@ def quantize_model(model: nn.Module, config: QuantizeConfig, calib: list[torch.T
     return summary
 
 
-LAYERWISE_METHODS = ("int8-dynamic", "int4-weight", "int4-rtn")  # need no activations: no whole-model forward
+# need no activations (no whole-model forward): built from a skeleton, each layer filled and converted in turn
+LAYERWISE_METHODS = ("bf16", "int8-dynamic", "int4-weight", "int4-rtn")
 
 
 @torch.no_grad()
@@ -273,6 +274,8 @@ def quantize_layerwise(model: nn.Module, fill, config: QuantizeConfig,
 
     if config.method not in LAYERWISE_METHODS:
         raise ConfigError(f"method {config.method} cannot be built layer by layer (it needs the whole model)")
+    if config.method == "bf16":
+        return bf16_layerwise(model, fill, progress)
     targets = check_quantizable(model, config)
     names, layers = list(targets), {}
     for i, name in enumerate(names):
@@ -292,6 +295,25 @@ def quantize_layerwise(model: nn.Module, fill, config: QuantizeConfig,
     release_freed_memory()
     summary["compute_dtype"] = apply_compute_dtype(model, config)
     return summary
+
+
+@torch.no_grad()
+def bf16_layerwise(model: nn.Module, fill, progress: calibrate.Progress | None = None) -> dict:
+    """What `quantize_model` makes of a float model with method bf16 (`model.to(torch.bfloat16)`), from a
+    skeleton: each module holding meta parameters filled in float32 and converted before the next one is
+    made (a tied tensor stays one Parameter: `to` converts it in place), then the rest (buffers) converted."""
+    from infer_tune.weights import release_freed_memory
+
+    leaves = [m for m in model.modules() if any(p.is_meta for p in m.parameters(recurse=False))]
+    for i, module in enumerate(leaves):
+        fill(module)
+        module.to(torch.bfloat16)
+        release_freed_memory()
+        if progress:
+            progress("converting", i + 1, len(leaves))
+    fill(model)
+    model.to(torch.bfloat16)
+    return {"dtype": "bfloat16"}
 
 
 def apply_compute_dtype(model: nn.Module, config: QuantizeConfig) -> str:

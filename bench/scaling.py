@@ -1,0 +1,331 @@
+"""The scaling table: infer-tune's int4 a8 lean path with the native decode step against llama.cpp's fastest
+format made from the same weights, per model size, side by side in one run.
+
+Sizes (`--models`): SmolLM2-135M (the built-in, real weights), and architecture presets with seeded random weights
+(`--weights random`: speed does not depend on the values of the weights): llama-3.2-1b, qwen3-1.7b,
+llama-3.2-3b, qwen3-4b, llama-3.1-8b. `--prepare` makes, once, what the timed run reads (outside the timed run,
+a build is not what it measures):
+
+- each preset's random checkpoint, saved as bf16 safetensors with the SmolLM2 tokenizer the prompts use
+  (`$INFER_TUNE_HOME/models/random-<preset>-seed<seed>`);
+- llama.cpp's GGUFs of that checkpoint: `convert_hf_to_gguf.py` to f16, `llama-quantize` to Q4_0, Q4_K_M and
+  Q8_0 (infer_tune/engines/llamacpp.py), the f16 file removed afterwards (disk).
+
+Models listed in `--ours-only` get no checkpoint and no llama.cpp row (llama-3.1-8b by default: its f16
+conversion and three formats take about 50 GB of disk beside the other sizes'); their weights are drawn
+directly (weights.RandomWeights).
+
+The timed run measures each model in its own process (its peak RSS is its own): the int4-rtn a8 model (group
+32) built layer by layer from the checkpoint's tensors (tuners/quantize/apply.quantize_layerwise: no float copy
+of the model), kernels chosen as `quantize` chooses them, the lean loop with the native step
+(infer_tune/native/step.py; its fallback reason if it falls back); llama-bench times the three GGUFs at these
+prompt lengths and decode length and picks the fastest (decode + the prefills: `e2e`), and llama-server serves
+it. Then `--rounds` rounds, each: TTFT of the ~40-token and the ~500-token prompt (ours: submit to the first
+token; llama-server: its own `timings.prompt_ms`, no HTTP in it), and a `--decode-tokens` single-stream decode
+after the short prompt (ours: tokens / time between the first and last token; llama-server:
+`predicted_per_second`, end-of-sequence ignored). Medians over the rounds; ratios ours / theirs (decode) and
+ours / theirs (TTFT: below 1 is faster). `roofline_fraction` as the result documents define it
+(metrics/roofline.py): decode tok/s over the ceiling of the weights' bytes plus the KV cache read at the mean
+context at the host's measured bandwidth. Peak RSS: ours the process's `ru_maxrss` (the build included),
+llama-server's `VmHWM`.
+
+    flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/scaling.py --prepare --models llama-3.2-1b
+    flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/scaling.py --threads 2 --rounds 3 --out scaling.json
+
+Not a test: read the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+MODELS = ("smollm2-135m", "llama-3.2-1b", "qwen3-1.7b", "llama-3.2-3b", "qwen3-4b", "llama-3.1-8b")
+OURS_ONLY = ("llama-3.1-8b",)
+FORMATS = ("q4_0", "q4_k_m", "q8_0")
+
+
+def checkpoint_dir(preset: str, seed: int) -> Path:
+    from infer_tune import paths
+
+    return paths.models_dir() / f"random-{preset}-seed{seed}"
+
+
+def make_checkpoint(preset: str, seed: int) -> Path:
+    """The preset with seeded random weights saved as a bf16 safetensors checkpoint (built directly in bf16,
+    one tensor at a time: weights.Filler) with the SmolLM2 tokenizer; made once."""
+    import torch
+
+    from infer_tune import atomic, models, weights
+
+    target = checkpoint_dir(preset, seed)
+    if (target / "config.json").is_file():
+        return target
+    config, source = weights.architecture_config(preset)
+    tokenizer, name = models.random_tokenizer(weights.vocab_size(config))
+    spec = weights.RandomWeights(config=config, seed=seed, dtype=torch.bfloat16, source=source, tokenizer=name)
+    model = spec.build()
+    with atomic.staged_dir(target, exists="keep") as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        atomic.write_json(staging / "infer_tune_source.json",
+                          {"random_weights": spec.describe(), "dtype": "bfloat16"})
+    return target
+
+
+def prepare(names: list[str], seed: int, ours_only: set[str], threads: int) -> None:
+    from infer_tune import models
+    from infer_tune.engines import llamacpp
+
+    for name in names:
+        if name in ours_only:
+            print(f"{name}: ours only (no checkpoint, no GGUF)")
+            continue
+        started = time.monotonic()
+        folder = Path(models.resolve(name)) if name in models.BUILTINS else make_checkpoint(name, seed)
+        made = [llamacpp.gguf(folder, fmt, threads=threads) for fmt in FORMATS]
+        f16 = made[0].parent / "f16.gguf"
+        if f16.is_file():
+            f16.unlink()  # only the quantized formats are timed; the conversion is the disk's largest file
+        print(f"{name}: {folder}, {', '.join(f'{p.name} {p.stat().st_size / 2**30:.2f} GiB' for p in made)} "
+              f"({time.monotonic() - started:.0f} s)", flush=True)
+
+
+# --------------------------------------------------------------------------- one model, in its own process
+def build_ours(name: str, seed: int, ours_only: set[str]):
+    """(tokenizer, int4 a8 model, facts): built layer by layer from the checkpoint's tensors (or the seed's)."""
+    import torch
+
+    from infer_tune import models, weights
+    from infer_tune.tuners.quantize import QuantizeConfig, apply, kernel_choice
+
+    qconfig = QuantizeConfig(method="int4-rtn", activations="int8", group_size=32)
+    if name in models.BUILTINS:
+        folder = Path(models.resolve(name))
+        config, _ = weights.architecture_config(str(folder))
+        values = weights.safetensors_values(folder)
+        from transformers import AutoTokenizer
+
+        tokenizer, source = AutoTokenizer.from_pretrained(folder), f"{name} (real weights)"
+    else:
+        config, _ = weights.architecture_config(name)
+        tokenizer, _ = models.random_tokenizer(weights.vocab_size(config))
+        if name in ours_only:
+            values, source = weights.random_values(seed, float(config.initializer_range)), f"random:{seed} (drawn)"
+        else:
+            folder = checkpoint_dir(name, seed)
+            values, source = weights.safetensors_values(folder), f"random:{seed} ({folder.name}, bf16)"
+    started = time.monotonic()
+    model = weights.skeleton(config, torch.float32, seed)
+    if name in models.BUILTINS or name not in ours_only:  # the checkpoint's vectors (norms), not the constructor's
+        with torch.no_grad():
+            for key, param in model.named_parameters():
+                if not param.is_meta:
+                    try:
+                        param.copy_(values(key, param.shape, param.dtype))
+                    except models.ModelError:
+                        pass  # not in the checkpoint: the constructor's value is the saved one
+    apply.quantize_layerwise(model, weights.Filler(model, values), qconfig)
+    model.eval()
+    build_s = time.monotonic() - started
+    record = kernel_choice.choose_for_model(model, "int4-rtn", prefill_rows=64, activations="int8")
+    return tokenizer, model, {"weights": source, "build_s": round(build_s, 1), "params": weights.count_params(config),
+                              "kernels": {k: (v or {}).get("chosen") for k, v in record.items()
+                                          if isinstance(v, dict)}}
+
+
+def hwm_bytes(pid: int) -> int | None:
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    line = next((x for x in text.splitlines() if x.startswith("VmHWM:")), None)
+    return int(line.split()[1]) * 1024 if line else None
+
+
+def measure_one(args) -> dict:
+    import torch
+
+    from bench.lean_prefill import prompts, roofline_line, server_completion
+    from infer_tune import models
+    from infer_tune.endpoint.servers import local_server
+    from infer_tune.engines import llamacpp
+    from infer_tune.env import bandwidth_reading
+    from infer_tune.metrics import kv, roofline
+    from infer_tune.runners.generation import eos_ids
+    from infer_tune.scenarios.common import setup_threads
+    from infer_tune.tuners.lean.loop import LeanDecoder
+
+    warnings.filterwarnings("ignore")
+    setup_threads(args.threads)
+    name, ours_only = args.one, set(args.ours_only)
+    tokenizer, model, facts = build_ours(name, args.seed, ours_only)
+    cases = prompts(tokenizer, args.short, args.long)
+    eos = eos_ids(model, tokenizer)
+    decoder = LeanDecoder(model, compile=False, native_step=True)
+    decoder.reserve(max(ids.shape[1] for ids in cases.values()) + args.decode_tokens)
+    for ids in cases.values():
+        decoder.generate(ids, 4, eos)  # first calls (the native step's cache, the kernels' buffers)
+    facts.update({k: decoder.facts.get(k) for k in ("lean_step", "lean_native_fallback", "lean_prefill")})
+    row = {"model": name, **facts, "prompt_tokens": {c: int(ids.shape[1]) for c, ids in cases.items()},
+           "threads": torch.get_num_threads(), "rounds": args.rounds, "decode_tokens": args.decode_tokens}
+    ours: dict[str, list[float]] = {"ttft_short": [], "ttft_long": [], "decode": []}
+    theirs: dict[str, list[float]] = {"ttft_short": [], "ttft_long": [], "decode": []}
+    server, chosen = None, None
+    with contextlib_exit() as stack:
+        if name not in ours_only:
+            folder = Path(models.resolve(name)) if name in models.BUILTINS else checkpoint_dir(name, args.seed)
+            lengths = [int(ids.shape[1]) for ids in cases.values()]
+            chosen = llamacpp.best(folder, lengths, args.decode_tokens, args.threads, repeats=args.bench_repeats)
+            row["llama_cpp"] = {"fastest": chosen.format, "objective": chosen.objective,
+                                "formats": {t.format: t.to_dict(args.decode_tokens) for t in chosen.timings},
+                                "commit": chosen.llama_cpp.get("commit"), "build": chosen.llama_cpp.get("build_number")}
+            server = stack.enter_context(local_server("llama.cpp", str(chosen.gguf), threads=args.threads))
+            for ids in cases.values():
+                server_completion(server.url, tokenizer.decode(ids[0]), 4)  # warms the server
+        short_text = tokenizer.decode(cases["short"][0])
+        for r in range(args.rounds):
+            order = (0, 1) if r % 2 == 0 else (1, 0)  # who goes first alternates
+            for who in order:
+                if who == 0:
+                    for case, ids in cases.items():
+                        submit, token_ns, _, _ = decoder.generate(ids, 1, eos)
+                        ours[f"ttft_{case}"].append((token_ns[0] - submit) / 1e6)
+                    _, token_ns, _, _ = decoder.generate(cases["short"], args.decode_tokens, eos)
+                    ours["decode"].append((len(token_ns) - 1) * 1e9 / (token_ns[-1] - token_ns[0]))
+                elif server is not None:
+                    for case, ids in cases.items():
+                        answer, _ = server_completion(server.url, tokenizer.decode(ids[0]), 1)
+                        theirs[f"ttft_{case}"].append(answer["timings"]["prompt_ms"])
+                    answer, _ = server_completion(server.url, short_text, args.decode_tokens)
+                    theirs["decode"].append(answer["timings"]["predicted_per_second"])
+        if server is not None:
+            row["llama_cpp"]["peak_rss_bytes"] = hwm_bytes(server.process.pid)
+    row["ours"] = {k: statistics.median(v) for k, v in ours.items()}
+    row["ours_samples"] = ours
+    if server is not None:
+        row["llama_cpp"]["served"] = {k: statistics.median(v) for k, v in theirs.items()}
+        row["llama_cpp"]["samples"] = theirs
+    mean_context = cases["short"].shape[1] + args.decode_tokens / 2
+    row["roofline"] = roofline_line(model, mean_context, row["ours"]["decode"])
+    reading = bandwidth_reading()
+    kv_read = kv.kv_bytes(kv.ModelShape.from_config(model.config), 1, 32) * mean_context
+    row["model_bytes"] = models.model_bytes(model)
+    row.update(roofline.roofline(reading["gb_s"], row["model_bytes"], kv_read, 1, 1000.0 / row["ours"]["decode"]))
+    row["bandwidth"] = reading
+    row["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return row
+
+
+def contextlib_exit():
+    import contextlib
+
+    return contextlib.ExitStack()
+
+
+# --------------------------------------------------------------------------- the table
+def gib(value) -> str:
+    return "-" if value is None else f"{value / 2**30:.2f} GiB"
+
+
+def pair(ours: dict, theirs: dict, key: str, fmt: str) -> str:
+    """`ours / theirs (ours / theirs x)`, or `ours / -` without a llama.cpp row."""
+    if not theirs:
+        return f"{ours[key]:{fmt}} / -"
+    return f"{ours[key]:{fmt}} / {theirs[key]:{fmt}} ({ours[key] / theirs[key]:.2f}x)"
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| model | params | weights | decode tok/s ours / llama.cpp (x) | TTFT ~40 tok ms ours / llama.cpp (x) | "
+            "TTFT ~500 tok ms ours / llama.cpp (x) | roofline_fraction | peak RSS ours / llama.cpp | llama.cpp fastest |")
+    out = [head, "|" + "---|" * 9]
+    for row in rows:
+        if "error" in row:
+            out.append(f"| {row['model']} | - | - | failed: {row['error']} | | | | | |")
+            continue
+        o, ref = row["ours"], (row.get("llama_cpp") or {})
+        served = ref.get("served") or {}
+        tokens = row["prompt_tokens"]
+        out.append(
+            f"| {row['model']} | {row['params'] / 1e9:.2f}B | {row['weights']} | "
+            f"{pair(o, served, 'decode', '.1f')} | "
+            f"{pair(o, served, 'ttft_short', '.1f')} ({tokens['short']} tok) | "
+            f"{pair(o, served, 'ttft_long', '.0f')} ({tokens['long']} tok) | "
+            f"{row['roofline_fraction']:.2f} | {gib(row['peak_rss_bytes'])} / {gib(ref.get('peak_rss_bytes'))} | "
+            f"{(ref.get('fastest') or 'not run').upper()} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--ours-only", default=",".join(OURS_ONLY),
+                   help="models measured without a llama.cpp row (no checkpoint or GGUF made)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--short", type=int, default=40)
+    p.add_argument("--long", type=int, default=500)
+    p.add_argument("--bench-repeats", type=int, default=2, help="llama-bench -r when it picks the fastest format")
+    p.add_argument("--prepare", action="store_true", help="make the checkpoints and GGUFs, time nothing")
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child: one model, its row as JSON
+    args = p.parse_args()
+    args.ours_only = [m for m in args.ours_only.split(",") if m]
+    names = [m for m in args.models.split(",") if m]
+    if args.one:
+        print("ROW " + json.dumps(measure_one(args)), flush=True)
+        return
+    if args.prepare:
+        prepare(names, args.seed, set(args.ours_only), args.threads)
+        return
+    rows = []
+    for name in names:
+        started = time.monotonic()
+        cmd = [sys.executable, __file__, "--one", name, "--ours-only", ",".join(args.ours_only) or ",",
+               "--seed", str(args.seed), "--threads", str(args.threads), "--rounds", str(args.rounds),
+               "--decode-tokens", str(args.decode_tokens), "--short", str(args.short), "--long", str(args.long),
+               "--bench-repeats", str(args.bench_repeats)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=dict(os.environ))
+        found = [x for x in proc.stdout.splitlines() if x.startswith("ROW ")]
+        if proc.returncode != 0 or not found:
+            tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+            rows.append({"model": name, "error": f"exit {proc.returncode}: {tail[-300:]}"})
+        else:
+            rows.append(json.loads(found[-1][4:]))
+        rows[-1]["wall_s"] = round(time.monotonic() - started, 1)
+        print(f"{name}: {rows[-1].get('error') or 'done'} ({rows[-1]['wall_s']} s)", file=sys.stderr, flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=1))
+        if len(rows) == 1 and "error" in rows[0]:
+            break  # the first model failed: the others would fail the same way
+    from infer_tune.env import bandwidth_reading
+
+    reading = bandwidth_reading()
+    print(f"{args.threads} threads, {args.rounds} rounds (alternating who goes first), decode {args.decode_tokens} "
+          f"tokens after the short prompt, bandwidth {reading['gb_s']:.1f} GB/s ({reading['source']}); ours: int4-rtn "
+          "a8 g32, lean + native step; llama.cpp: llama-server on the format llama-bench found fastest")
+    print(table(rows))
+    for row in rows:
+        if "roofline" in row:
+            print(f"{row['model']}: {row['roofline']}; step {row.get('lean_step')}"
+                  + (f" (fallback: {row['lean_native_fallback']})" if row.get("lean_native_fallback") else "")
+                  + ("; llama-bench: " + "; ".join(
+                      f"{f} {t['decode_tok_s'] or 0:.1f} tok/s, "
+                      + ", ".join(f"pp{n} {ms:.0f} ms" for n, ms in t["prefill_ms"].items())
+                      for f, t in row["llama_cpp"]["formats"].items()) if row.get("llama_cpp") else ""))
+
+
+if __name__ == "__main__":
+    main()
