@@ -1,5 +1,5 @@
 """The result document's typed home: what every `result.json` holds, built in one place (the sweep
-engine's `session.build_document`, or a row `session.save_rows` writes), kept as a `ResultDocument` until
+engine's `sweep.build_document`, or a row `sweep.save_rows` writes), kept as a `ResultDocument` until
 it is written, and read back as one by `results.load_result`, which validates it first. Where a saved
 result lives (`location`) is not part of its data: it is never written into `result.json`. The keys and
 their meaning: docs/architecture.md, "Result documents".
@@ -69,7 +69,7 @@ def merge_facts(metrics: dict[str, Any], facts: Mapping[str, Any], source: str) 
 class ResultDocument(Mapping):
     """One measured (or predicted) run: where and what was measured, its metrics and raw samples.
 
-    `metrics` holds the shared timing / quality / memory figures (session.build_document), the deltas
+    `metrics` holds the shared timing / quality / memory figures (sweep.build_document), the deltas
     against the baseline (metrics/deltas.py), the technique's own keys (its `prepare` facts, run-time
     counters and `finalize`, added through `add_metrics`, which refuses to replace a measured figure), and
     `rounds` / `noise`. `objective` is what a candidate row is ranked on. The sweep-level sections

@@ -2,7 +2,7 @@
 
 `--executor ray` (`bench --recipe`, `tune`; the optional extra `infer-tune[ray]`): each config runs as one
 Ray task that measures it *together with the baseline it is compared against* on the node it landed
-on, through the engine's own entry point (`infer_tune.session.run_configs`) with a node-local runs
+on, through the engine's own entry point (`infer_tune.sweep.run_configs`) with a node-local runs
 folder, so every ratio is against that node's own baseline (the fingerprint holds the machine key:
 a baseline is reused only on the same host). A task asks for a whole measuring slot of a node: one
 GPU on CUDA, else one unit of the custom resource `infer_tune_node` that each CPU node is started
@@ -71,7 +71,7 @@ def measure_task(spec, config, job: str) -> dict:
     """On a node: the config (or a list of configs, measured together) and their baseline, into a node-local
     runs folder; the files of every result folder."""
     from infer_tune.scenarios.common import open_run
-    from infer_tune.session import run_configs
+    from infer_tune.sweep import run_configs
 
     base = os.environ.get("INFER_TUNE_RAY_DIR") or Path(tempfile.gettempdir()) / "infer-tune-ray"
     node_dir = Path(base) / job
@@ -195,7 +195,7 @@ class RayExecutor:
     def land(self, folder: dict, node: dict, out_dir: Path) -> dict:
         """Write one returned result folder into `out_dir` (once); its document as saved there."""
         from infer_tune import results
-        from infer_tune.session import find_result
+        from infer_tune.sweep import find_result
 
         out_dir = Path(out_dir)
         files = dict(folder["files"])
@@ -231,7 +231,7 @@ class RayExecutor:
     def run_configs(self, spec, configs: list, progress=None) -> tuple[dict, list[dict]]:
         """Every config (with its node's baseline) as a Ray task, landed in spec.out_dir: (a baseline, docs)."""
         from infer_tune.results import runs_lock
-        from infer_tune.session import summarize_sweep
+        from infer_tune.sweep import summarize_sweep
 
         refs = self.submit(spec, list(configs))
         with runs_lock(spec.out_dir):

@@ -172,7 +172,7 @@ def test_fingerprint_follows_content_not_path(tiny_model_dir, tmp_path):
 
     from infer_tune import env as envinfo
     from infer_tune import models
-    from infer_tune.session import run_fingerprint
+    from infer_tune.sweep import run_fingerprint
     from infer_tune.workload import Protocol, Workload
 
     suite_a = tmp_path / "a.jsonl"

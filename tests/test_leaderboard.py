@@ -121,7 +121,7 @@ def test_sweep_level_claims_reach_the_claims_table(tmp_path):
     the claim in each result on disk, and the claims table shows each once, with its finding."""
     from infer_tune import results
     from infer_tune.report import claims
-    from infer_tune.session import summarize_sweep
+    from infer_tune.sweep import summarize_sweep
 
     batch = [make_result(f"b-{s}", technique="batch", config={"scheduler": s, "rate": 2.0}, seed=i,
                          e2e_ms={"mean": 1000.0 if s == "static" else 500.0, "p90": 1500.0}, busy_share=0.95,

@@ -9,7 +9,7 @@ import torch
 from infer_tune import env as envinfo
 from infer_tune.results import find_results
 from infer_tune.runners import PreparedModel, Protocol
-from infer_tune.session import prepare_inputs, run_configs
+from infer_tune.sweep import prepare_inputs, run_configs
 from infer_tune.tuners import RunContext, TechniqueConfig, register_technique, unregister_technique
 from infer_tune.workload import Workload
 

@@ -9,7 +9,7 @@ from typing import Any
 from infer_tune import atomic
 from infer_tune.runners.base import Progress
 from infer_tune.scenarios.common import RunSpec, open_run
-from infer_tune.session import run_configs
+from infer_tune.sweep import run_configs
 
 
 @dataclass

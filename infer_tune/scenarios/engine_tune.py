@@ -3,7 +3,7 @@
 
 Every row is a launch (infer_tune.engines.launch) started on loopback and driven by the endpoint runner and
 its load generator, exactly as `bench --endpoint` drives a server; rows are written by the engine's writer
-(`session.save_rows`) with `technique: "engine"` and `config.launch` (engine, settings, argv, the GGUF's
+(`sweep.save_rows`) with `technique: "engine"` and `config.launch` (engine, settings, argv, the GGUF's
 digest and its imatrix, the llama.cpp commit). Quality of a llama.cpp row is measured against the
 engine's default launch (the f16 GGUF, default flags): BLEU drift, exact match and faithfulness of its
 outputs against the default's, and perplexity by `llama-perplexity` on the suite's own text
@@ -40,7 +40,7 @@ from infer_tune.runners.prepared import PreparedModel
 from infer_tune.scenarios import tune_plan
 from infer_tune.scenarios.common import RunSpec
 from infer_tune.scenarios.endpoint import EndpointRun, measure_endpoint, open_endpoint
-from infer_tune.session import Row, build_document, save_rows
+from infer_tune.sweep import Row, build_document, save_rows
 from infer_tune.workload import iter_prompts
 
 TECHNIQUE = "engine"

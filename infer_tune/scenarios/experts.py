@@ -22,7 +22,7 @@ from infer_tune import env as envinfo
 from infer_tune.errors import ConfigError
 from infer_tune.runners.base import Progress
 from infer_tune.scenarios.common import RunSpec, open_run
-from infer_tune.session import Row, run_configs, save_rows
+from infer_tune.sweep import Row, run_configs, save_rows
 from infer_tune.tuners.experts import ExpertsConfig, loadfile, plan_from_load, plan_metrics, plots, routing
 from infer_tune.tuners.experts.claim import communication_claim
 from infer_tune.tuners.experts.planners import STRATEGIES, Plan

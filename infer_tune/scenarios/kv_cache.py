@@ -1,6 +1,6 @@
 """`kv-cache`: every cache variant at every context length, with what is specific to caches.
 
-Each context length is one sweep of the engine (`session.run_configs`) on real suite text cut to
+Each context length is one sweep of the engine (`sweep.run_configs`) on real suite text cut to
 exactly N tokens: every variant measured against the plain model (whose default cache is `dynamic`)
 in interleaved rounds, with the technique's own keys (KV bytes measured and analytic, FLOPs, the
 logits' share of peak memory: `tuners.kv_cache.finalize_cache`). The sweep then adds what needs all
@@ -18,8 +18,8 @@ from infer_tune.errors import ConfigError
 from infer_tune.metrics import kv
 from infer_tune.report.plots import per_position_png
 from infer_tune.scenarios.common import RunSpec, open_run
-from infer_tune.session import SweepPlan, run_configs
 from infer_tune.suites import Prompt, SuiteSpec, load_suite
+from infer_tune.sweep import SweepPlan, run_configs
 from infer_tune.tuners.base import RunContext
 from infer_tune.tuners.kv_cache import (
     IMPLS,

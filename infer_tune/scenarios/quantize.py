@@ -15,7 +15,7 @@ from pathlib import Path
 from infer_tune.errors import ConfigError
 from infer_tune.runners.base import Progress
 from infer_tune.scenarios.common import RunSpec, open_run
-from infer_tune.session import resolve_configs, run_configs
+from infer_tune.sweep import resolve_configs, run_configs
 from infer_tune.tuners.quantize import QuantizeConfig
 
 
