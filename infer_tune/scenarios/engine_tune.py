@@ -40,7 +40,7 @@ from infer_tune.runners.prepared import PreparedModel
 from infer_tune.scenarios import tune_plan
 from infer_tune.scenarios.common import RunSpec
 from infer_tune.scenarios.endpoint import EndpointRun, measure_endpoint, open_endpoint
-from infer_tune.sweep import Row, build_document, save_rows
+from infer_tune.sweep import Measured, Row, RowSpec, build_document, save_rows
 from infer_tune.workload import iter_prompts
 
 TECHNIQUE = "engine"
@@ -279,18 +279,18 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
                                     progress=progress)
         host = (before, noise.HostSnapshot.take())
         base_doc, base_outputs = build_document(
-            base_run.model, variants[0].prepared, rounds.merged_run(variants[0]), base_run.inputs, spec.workload,
-            protocol, technique=TECHNIQUE, config=launch_config(base_started), env=base_run.env, runner="endpoint",
-            host=host, measure_ppl=False, rounds_block=outcome.block("default"))
+            Measured(base_run.model, variants[0].prepared, rounds.merged_run(variants[0]), base_run.inputs,
+                     spec.workload, protocol, host, rounds_block=outcome.block("default")),
+            RowSpec(TECHNIQUE, launch_config(base_started), "endpoint", base_run.env, measure_ppl=False))
         add_quality(base_doc, perplexity_of(base_started, text, spec.threads), None)
         base_doc.objective = tspec.objective
         rows = [Row(base_doc, base_outputs)]
         for (_, started, run), variant in zip(live, variants[1:]):
             doc, outputs = build_document(
-                run.model, variant.prepared, rounds.merged_run(variant), run.inputs, spec.workload, protocol,
-                technique=TECHNIQUE, config=launch_config(started), env=run.env, runner="endpoint", host=host,
-                baseline=base_doc, baseline_outputs=base_outputs, measure_ppl=False,
-                rounds_block=outcome.block(variant.name), ratios=outcome.intervals.get(variant.name))
+                Measured(run.model, variant.prepared, rounds.merged_run(variant), run.inputs, spec.workload, protocol,
+                         host, outcome.block(variant.name), outcome.intervals.get(variant.name)),
+                RowSpec(TECHNIQUE, launch_config(started), "endpoint", run.env, measure_ppl=False,
+                        baseline=base_doc, baseline_outputs=base_outputs))
             add_quality(doc, perplexity_of(started, text, spec.threads), base_doc)
             doc.objective = tspec.objective
             rows.append(Row(doc, outputs))

@@ -4,7 +4,7 @@ deltas against the baseline (`build_document`), and what makes two runs the same
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 from infer_tune import env as envinfo
 from infer_tune import models, results, suites
@@ -66,40 +66,53 @@ def kv_bytes_read(prepared: PreparedModel, mean_context: float, batch_size: int)
     return float(kv.kv_bytes(shape, 1, bits)) * mean_context * batch_size
 
 
-def build_document(
-    loaded: models.LoadedModel,
-    prepared: PreparedModel,
-    run: GenerationRun,
-    inputs: Inputs,
-    workload: Workload,
-    protocol: Protocol,
-    *,
-    technique: str,
-    config: dict,
-    env: dict,
-    runner: str,
-    host: tuple[noise.HostSnapshot, noise.HostSnapshot],
-    baseline: dict | None = None,
-    baseline_outputs: list[dict] | None = None,
-    measure_ppl: bool = True,
-    execute: bool | str = False,
-    per_position: bool = False,
-    rounds_block: dict | None = None,
-    ratios: dict[str, dict | None] | None = None,
-) -> tuple[ResultDocument, list[dict]]:
+@dataclass
+class Measured:
+    """What one measurement ran and what it gave: the first input of `build_document`."""
+
+    loaded: models.LoadedModel  # the source model (its ref, parameters, content id)
+    prepared: PreparedModel  # what ran (its weights' bytes, facts, label)
+    run: GenerationRun  # the runner's raw timings, outputs, memory readings and counters
+    inputs: Inputs
+    workload: Workload
+    protocol: Protocol
+    host: tuple[noise.HostSnapshot, noise.HostSnapshot]  # the host before and after (metrics.noise)
+    rounds_block: dict | None = None  # `metrics.rounds` of a run measured in interleaved rounds
+    ratios: dict[str, dict | None] | None = None  # its per-round ratio intervals: name -> log_ratio_interval
+
+
+@dataclass
+class RowSpec:
+    """What the row is and what it is compared with: the second input of `build_document`."""
+
+    technique: str
+    config: dict
+    runner: str
+    env: dict
+    measure_ppl: bool = True
+    execute: bool | str = False  # True: the code suite's tests run on the outputs in the sandbox; "unsafe": not
+    baseline: ResultDocument | None = None
+    baseline_outputs: list[dict] | None = None
+    per_position: bool = False  # adds `per_position_ms` (mean latency of each decode step, in order)
+
+
+def build_document(measured: Measured, row: RowSpec) -> tuple[ResultDocument, list[dict]]:
     """The result document and outputs rows of one measured run.
 
-    `per_position=True` adds `per_position_ms` (mean latency of each decode step, in order);
-    `execute=True` also runs the code suite's tests on the outputs (pass@1) in the OS sandbox
+    `row.execute=True` also runs the code suite's tests on the outputs (pass@1) in the OS sandbox
     (metrics/sandbox.py); `execute="unsafe"` runs them without it (only where the user allowed that).
     A run measured in rounds passes its `metrics.rounds` block and its per-round ratio intervals
-    (`ratios`: name -> log_ratio_interval), which replace the pooled point ratios.
+    (`measured.ratios`), which replace the pooled point ratios.
     """
+    loaded, prepared, run, inputs = measured.loaded, measured.prepared, measured.run, measured.inputs
+    workload, protocol, rounds_block, ratios = measured.workload, measured.protocol, measured.rounds_block, measured.ratios
+    technique, config, env, runner = row.technique, row.config, row.env, row.runner
+    baseline, baseline_outputs, measure_ppl, execute = row.baseline, row.baseline_outputs, row.measure_ppl, row.execute
     metrics, samples = timing_metrics(run)
     if rounds_block is not None:
         metrics["rounds"] = rounds_block
-    metrics["noise"] = noise.figure(run.requests, *host, rounds=rounds_block)
-    if per_position:
+    metrics["noise"] = noise.figure(run.requests, *measured.host, rounds=rounds_block)
+    if row.per_position:
         metrics["per_position_ms"] = run.per_position_ms()
     weight_bytes = (models.model_bytes(prepared.model) if prepared.model is not None else 0) \
         + prepared.extra_model_bytes

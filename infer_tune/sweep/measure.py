@@ -12,7 +12,7 @@ from infer_tune.metrics import noise
 from infer_tune.metrics.memory import is_out_of_memory
 from infer_tune.runners import GenerationRun, PreparedModel, get_runner
 from infer_tune.runners.base import WHOLE_RUNNERS, Progress
-from infer_tune.sweep.document import build_document, run_fingerprint
+from infer_tune.sweep.document import Measured, RowSpec, build_document, run_fingerprint
 from infer_tune.sweep.plan import Admission, Skipped, SweepPlan
 from infer_tune.sweep.writing import save_result
 from infer_tune.tuners.base import RunContext, TechniqueConfig, technique_for
@@ -42,10 +42,9 @@ def measure_prepared(
     before = noise.HostSnapshot.take()
     run = get_runner(runner)(prepared, inputs, workload, protocol, progress)
     after = noise.HostSnapshot.take()
-    return build_document(loaded, prepared, run, inputs, workload, protocol, technique=technique, config=config,
-                          env=env, runner=runner, baseline=baseline, baseline_outputs=baseline_outputs,
-                          measure_ppl=measure_ppl, execute=execute, per_position=per_position,
-                          host=(before, after))
+    return build_document(Measured(loaded, prepared, run, inputs, workload, protocol, (before, after)),
+                          RowSpec(technique, config, runner, env, measure_ppl=measure_ppl, execute=execute,
+                                  baseline=baseline, baseline_outputs=baseline_outputs, per_position=per_position))
 
 
 def fits_another(loaded: models.LoadedModel, group: list) -> bool:
@@ -144,10 +143,10 @@ class Measuring:
             gc.collect()
 
     def _save_baseline(self, base: rounds.Variant, outcome: rounds.RoundsOutcome, host) -> tuple[ResultDocument, list[dict]]:
-        doc, outputs = build_document(self.loaded, base.prepared, rounds.merged_run(base), self.inputs, self.workload,
-                                      self.protocol, technique="baseline", config={}, env=self.ctx.env,
-                                      runner="generation", host=host, measure_ppl=self.measure_ppl,
-                                      execute=self.execute, rounds_block=outcome.block("baseline"))
+        doc, outputs = build_document(
+            Measured(self.loaded, base.prepared, rounds.merged_run(base), self.inputs, self.workload, self.protocol,
+                     host, rounds_block=outcome.block("baseline")),
+            RowSpec("baseline", {}, "generation", self.ctx.env, measure_ppl=self.measure_ppl, execute=self.execute))
         # a new result with its own run id, never a rewrite of an earlier baseline of the same fingerprint:
         # the rows saved against that one keep the numbers they were compared with (`baseline_run_id`)
         save_result(self.ctx.out_dir, doc, outputs)
@@ -189,12 +188,11 @@ class Measuring:
         entry = technique_for(config)
         workload, inputs = self.point(config)
         doc, outputs = build_document(
-            self.loaded, prepared, run, inputs, workload, self.protocol, technique=entry.name,
-            config=config.to_dict(), env=self.ctx.env, runner=prepared.runner or entry.runner, host=host,
-            baseline=self.baseline, baseline_outputs=self.baseline_outputs,
-            measure_ppl=self.measure_ppl and entry.measure_ppl, execute=self.execute,
-            per_position=any(technique_for(p).per_position for p in config.parts()), rounds_block=rounds_block,
-            ratios=ratios)
+            Measured(self.loaded, prepared, run, inputs, workload, self.protocol, host, rounds_block, ratios),
+            RowSpec(entry.name, config.to_dict(), prepared.runner or entry.runner, self.ctx.env,
+                    measure_ppl=self.measure_ppl and entry.measure_ppl, execute=self.execute,
+                    baseline=self.baseline, baseline_outputs=self.baseline_outputs,
+                    per_position=any(technique_for(p).per_position for p in config.parts())))
         objectives = [technique_for(p).objective for p in config.parts()]
         doc.objective = next((o for o in objectives if o != "decode"), "decode")  # what it is ranked on
         doc.add_metrics(metrics, source="the sweep's admission")
