@@ -231,13 +231,13 @@ class RayExecutor:
     def run_configs(self, spec, configs: list, progress=None) -> tuple[dict, list[dict]]:
         """Every config (with its node's baseline) as a Ray task, landed in spec.out_dir: (a baseline, docs)."""
         from infer_tune.results import runs_lock
-        from infer_tune.sweep import summarize_sweep
+        from infer_tune.sweep import conclude_sweep
 
         refs = self.submit(spec, list(configs))
         with runs_lock(spec.out_dir):
             pairs = self.collect(refs, Path(spec.out_dir), progress)
             docs = [doc for _, task_docs in pairs for doc in task_docs]
-            summarize_sweep(docs, own=self.landed_ids)  # never a folder that was there before it landed
+            conclude_sweep(docs, own=self.landed_ids)  # never a folder that was there before it landed
         return pairs[0][0], docs
 
     def run_together(self, spec, configs: list, progress=None) -> tuple[dict, list[dict]]:

@@ -41,6 +41,7 @@ class LookupConfig(TechniqueConfig):
     """Prompt lookup through transformers' assisted generation: several tokens per step."""
 
     technique: ClassVar[str] = "test-lookup"
+    max_batch_size: ClassVar[int] = 1
     tokens: int = 4
 
 
@@ -94,7 +95,7 @@ def _prepare_allreduce(loaded, config, ctx):
 
 ENTRIES = [
     (PlainConfig, _prepare_plain, {"runner": "generation"}),
-    (LookupConfig, _prepare_lookup, {"runner": "speculative", "max_batch_size": 1}),
+    (LookupConfig, _prepare_lookup, {"runner": "speculative"}),
     (TraceConfig, _prepare_trace, {"runner": "trace"}),
     (AllReduceConfig, _prepare_allreduce, {"runner": "multiprocess", "measure_ppl": False}),
 ]
@@ -234,7 +235,7 @@ def test_measuring_commands_share_one_option_group():
 
 def test_a_technique_document_is_the_same_whichever_command_ran_it(tiny_loaded, tiny_model_dir, prompts_file, tmp_path):
     """kv-cache and batch rows from a recipe (run_configs) carry the keys their own commands write: the engine
-    writes every result and the technique's finalize hook adds its keys and files on both paths."""
+    writes every result and the technique's finish hook adds its keys and files on both paths."""
 
     from infer_tune.scenarios.batch import ServeSpec, run_serve
     from infer_tune.scenarios.common import RunSpec
@@ -268,7 +269,7 @@ def test_a_technique_document_is_the_same_whichever_command_ran_it(tiny_loaded, 
     # the command adds what its own options define (goodput under its SLOs), nothing the recipe row lacks
     assert set(recipe_batch["metrics"]) <= set(command_batch["metrics"])
 
-    # a batch-size sweep row: at its own batch size (the entry's workload hook), with the sweep's keys and figure
+    # a batch-size sweep row: at its own batch size (its config's workload_for), with the sweep's keys and figure
     from infer_tune.scenarios.batch import SweepSpec, run_sweep
 
     sized = Workload(suite=str(prompts_file), limit=2, max_new_tokens=3)

@@ -429,7 +429,8 @@ def test_stacked_batch_rows_get_the_batch_claim_plots_and_lead():
     entry = entry_named("stack")
     plain = analysis.summarize([{"config": {"scheduler": "static", "rate": 2.0}, "metrics": static_m},
                                 {"config": {"scheduler": "continuous", "rate": 2.0}, "metrics": continuous_m}])
-    assert entry.summarize(docs) == plain and plain["verdict"] == "held"
+    assert entry.conclude(docs, []).claim == plain and plain["verdict"] == "held"
     lead = entry.report_columns(docs[1], docs)
     assert lead.vs.startswith("static batching at the same rate") and lead.figures[0].name == "throughput"
-    assert entry.summarize([{"run_id": "q", "technique": "stack", "config": {"configs": [quantize]}, "metrics": {}}]) is None
+    assert entry.conclude([{"run_id": "q", "technique": "stack", "config": {"configs": [quantize]}, "metrics": {}}],
+                          []).claim is None

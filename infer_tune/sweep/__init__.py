@@ -18,9 +18,10 @@ from infer_tune.sweep.document import Measured, RowSpec, build_document, run_fin
 from infer_tune.sweep.engine import preflight, resolve_configs, run_configs
 from infer_tune.sweep.measure import config_workload, measure_prepared
 from infer_tune.sweep.plan import Admission, Skipped, SweepPlan
-from infer_tune.sweep.writing import Row, find_result, save_rows, store_claim, summarize_sweep
+from infer_tune.sweep.writing import Row, conclude_sweep, find_result, save_rows, store_claim
 from infer_tune.workload import Inputs, prepare_inputs
 
-__all__ = ["Admission", "Inputs", "Measured", "Row", "RowSpec", "Skipped", "SweepPlan", "build_document", "config_workload",
+__all__ = ["Admission", "Inputs", "Measured", "Row", "RowSpec", "Skipped", "SweepPlan", "build_document", "conclude_sweep",
+           "config_workload",
            "ensure_baseline", "find_result", "measure_prepared", "preflight", "prepare_inputs", "resolve_configs",
-           "run_configs", "run_fingerprint", "save_rows", "store_claim", "summarize_sweep", "timing_metrics"]
+           "run_configs", "run_fingerprint", "save_rows", "store_claim", "timing_metrics"]

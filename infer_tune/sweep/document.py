@@ -93,7 +93,6 @@ class RowSpec:
     execute: bool | str = False  # True: the code suite's tests run on the outputs in the sandbox; "unsafe": not
     baseline: ResultDocument | None = None
     baseline_outputs: list[dict] | None = None
-    per_position: bool = False  # adds `per_position_ms` (mean latency of each decode step, in order)
 
 
 def build_document(measured: Measured, row: RowSpec) -> tuple[ResultDocument, list[dict]]:
@@ -112,8 +111,6 @@ def build_document(measured: Measured, row: RowSpec) -> tuple[ResultDocument, li
     if rounds_block is not None:
         metrics["rounds"] = rounds_block
     metrics["noise"] = noise.figure(run.requests, *measured.host, rounds=rounds_block)
-    if row.per_position:
-        metrics["per_position_ms"] = run.per_position_ms()
     weight_bytes = (models.model_bytes(prepared.model) if prepared.model is not None else 0) \
         + prepared.extra_model_bytes
     mean_context = (sum(o.prompt_tokens for o in run.outputs) / max(len(run.outputs), 1)

@@ -12,7 +12,7 @@ from infer_tune.runners.base import PASS_RUNNERS
 from infer_tune.sweep.baseline import ensure_baseline
 from infer_tune.sweep.measure import Measuring, config_workload, fits_another
 from infer_tune.sweep.plan import Admission, Skipped, SweepPlan
-from infer_tune.sweep.writing import find_result, summarize_sweep
+from infer_tune.sweep.writing import conclude_sweep, find_result
 from infer_tune.tuners.base import RunContext, TechniqueConfig, technique_for
 from infer_tune.workload import Inputs, Protocol, Workload
 
@@ -30,7 +30,7 @@ def preflight(loaded: models.LoadedModel, workload: Workload, configs: list[Tech
     """Every check that can fail before a measurement: constraints, then each technique's own checks."""
     for config in configs:
         entry = technique_for(config)
-        entry.check_workload(config_workload(config, workload), config)
+        config.check_workload(config_workload(config, workload))
         if entry.preflight:
             entry.preflight(loaded, config, ctx)
 
@@ -54,7 +54,7 @@ def run_configs(
     docstring; docs/architecture.md, "The sweep engine").
 
     Results are saved atomically as each group finishes, so an interrupted sweep keeps its rows and
-    `resume=True` skips them. A technique's `annotate` hook sees the results finished before it. `plan`
+    `resume=True` skips them. A technique's `finish` hook sees the results finished before it. `plan`
     says what a command asks beyond that (`SweepPlan`: the reference, admission, out-of-memory skips,
     its own sweep-level keys); the configs it skipped are in `plan.skipped`.
     Returns (baseline document, candidate documents in config order); with `plan.reference == "first"`
@@ -125,5 +125,5 @@ def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, proto
                                                measure_ppl=measure_ppl, execute=execute)
     plan.baseline = sweep.baseline
     plan.written = [d["run_id"] for d in measured if d["run_id"] in sweep.written]
-    summarize_sweep(measured, plan, own=sweep.written)
+    conclude_sweep(measured, plan, own=sweep.written)
     return sweep.baseline, measured

@@ -15,7 +15,7 @@ from infer_tune.runners.base import WHOLE_RUNNERS, Progress
 from infer_tune.sweep.document import Measured, RowSpec, build_document, run_fingerprint
 from infer_tune.sweep.plan import Admission, Skipped, SweepPlan
 from infer_tune.sweep.writing import save_result
-from infer_tune.tuners.base import RunContext, TechniqueConfig, technique_for
+from infer_tune.tuners.base import MeasuredRow, RunContext, TechniqueConfig, technique_for
 from infer_tune.workload import Inputs, Protocol, Workload, rebatched
 
 
@@ -34,7 +34,6 @@ def measure_prepared(
     baseline_outputs: list[dict] | None = None,
     measure_ppl: bool = True,
     execute: bool | str = False,
-    per_position: bool = False,
     progress: Progress | None = None,
 ) -> tuple[ResultDocument, list[dict]]:
     """Run the workload on `prepared` through `runner` (alone, per the protocol) and build its result
@@ -44,7 +43,7 @@ def measure_prepared(
     after = noise.HostSnapshot.take()
     return build_document(Measured(loaded, prepared, run, inputs, workload, protocol, (before, after)),
                           RowSpec(technique, config, runner, env, measure_ppl=measure_ppl, execute=execute,
-                                  baseline=baseline, baseline_outputs=baseline_outputs, per_position=per_position))
+                                  baseline=baseline, baseline_outputs=baseline_outputs))
 
 
 def fits_another(loaded: models.LoadedModel, group: list) -> bool:
@@ -58,12 +57,10 @@ def fits_another(loaded: models.LoadedModel, group: list) -> bool:
 
 
 def config_workload(config: TechniqueConfig, workload: Workload) -> Workload:
-    """The workload `config` runs: the sweep's, unless a part's registry entry overrides it per config
-    (`workload` hook: a batch-size sweep row runs at its own batch size)."""
+    """The workload `config` runs: the sweep's, unless a part runs its own (`TechniqueConfig.workload_for`:
+    a batch-size sweep row runs at its own batch size)."""
     for part in config.parts():
-        entry = technique_for(part)
-        if entry.workload is not None:
-            workload = entry.workload(part, workload)
+        workload = part.workload_for(workload)
     return workload
 
 
@@ -117,7 +114,7 @@ class Measuring:
 
     def measure_group(self, group: list[tuple[int, PreparedModel]], configs: list[TechniqueConfig],
                       docs: list[ResultDocument | None]) -> None:
-        """The baseline and `group` in interleaved rounds; then every result built, finalized and saved."""
+        """The baseline and `group` in interleaved rounds; then every result built, finished and saved."""
         if not group:
             return
         base = rounds.Variant("baseline", self.baseline_prepared(), "generation")
@@ -184,21 +181,19 @@ class Measuring:
     def _finish(self, config: TechniqueConfig, prepared: PreparedModel, run: GenerationRun, host, *,
                 earlier: list[ResultDocument | None], rounds_block: dict | None = None,
                 ratios: dict | None = None, metrics: dict | None = None) -> ResultDocument:
-        """Build, finalize (technique facts and files), annotate and save one candidate's result."""
+        """Build one candidate's result, let its technique finish it (facts and files), and save it."""
         entry = technique_for(config)
         workload, inputs = self.point(config)
         doc, outputs = build_document(
             Measured(self.loaded, prepared, run, inputs, workload, self.protocol, host, rounds_block, ratios),
             RowSpec(entry.name, config.to_dict(), prepared.runner or entry.runner, self.ctx.env,
                     measure_ppl=self.measure_ppl and entry.measure_ppl, execute=self.execute,
-                    baseline=self.baseline, baseline_outputs=self.baseline_outputs,
-                    per_position=any(technique_for(p).per_position for p in config.parts())))
+                    baseline=self.baseline, baseline_outputs=self.baseline_outputs))
         objectives = [technique_for(p).objective for p in config.parts()]
         doc.objective = next((o for o in objectives if o != "decode"), "decode")  # what it is ranked on
         doc.add_metrics(metrics, source="the sweep's admission")
-        files = entry.finalize(config, doc, outputs, prepared, inputs, self.ctx) if entry.finalize else None
-        if entry.annotate:
-            entry.annotate(doc, [d for d in earlier if d is not None])
+        files = entry.finish(MeasuredRow(config, doc, outputs, prepared, run, inputs, self.ctx,
+                                         [d for d in earlier if d is not None])) if entry.finish else None
         save_result(self.ctx.out_dir, doc, outputs, files)
         self.written.add(doc.run_id)
         self.finished += 1

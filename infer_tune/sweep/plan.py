@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from infer_tune.document import ResultDocument
 from infer_tune.errors import ConfigError
-from infer_tune.tuners.base import TechniqueConfig
+from infer_tune.tuners.base import Conclusion, TechniqueConfig
 from infer_tune.workload import Inputs, Workload
 
 
@@ -48,9 +48,10 @@ class SweepPlan:
       prepared (a memory prediction that skips a config, facts for its row).
     - `skip_out_of_memory`: a config whose measurement runs out of memory becomes a `Skipped` row
       (`out_of_memory`) and the sweep goes on.
-    - `conclude(docs, skipped) -> {file name: bytes} | None`: after the techniques' sweep hooks, adds
-      to the results what the command's own options define (goodput under its SLOs, a plot over one
-      context length); the engine rewrites the results it changed and writes the files into each.
+    - `conclude(docs, skipped) -> Conclusion | None`: after the techniques' own `conclude`, what the command's
+      options define over every row of the sweep (goodput under its SLOs, a plot over one context length):
+      a `Conclusion` (tuners/base.py) the engine stores like a technique's; it may also set keys of the
+      rows in place. The engine rewrites the results of this sweep it changed and writes the files into each.
     - `stop_rounds(intervals) -> reason | None`: may end a group's interleaved rounds early
       (rounds.run_rounds' `stop`; tune: a candidate whose interval settles its place, `scenarios/tune.decided`).
     - `skipped`: filled by the engine, in config order.
@@ -65,7 +66,7 @@ class SweepPlan:
     reference: str = "baseline"
     admit: Callable[[TechniqueConfig, Workload, Inputs, list[ResultDocument]], Admission] | None = None
     skip_out_of_memory: bool = False
-    conclude: Callable[[list[ResultDocument], list[Skipped]], dict[str, bytes] | None] | None = None
+    conclude: Callable[[list[ResultDocument], list[Skipped]], Conclusion | None] | None = None
     stop_rounds: Callable[[dict[str, dict]], str | None] | None = None
     skipped: list[Skipped] = field(default_factory=list)
     baseline: ResultDocument | None = None

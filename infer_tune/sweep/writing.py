@@ -1,6 +1,6 @@
 """Everything the sweep engine writes into a runs directory, and only there: a result saved atomically
 (`save_result`), rows measured elsewhere saved under the runs lock (`save_rows`), the sweep-level
-hooks' keys and files stored in the results the sweep saved (`summarize_sweep`, `store_claim`), never in
+hooks' conclusions stored in the results the sweep saved (`conclude_sweep`, `store_claim`), never in
 one an earlier run wrote; and the lookup of a finished result by fingerprint (`find_result`)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 from infer_tune import results
 from infer_tune.document import ResultDocument
 from infer_tune.sweep.plan import SweepPlan
-from infer_tune.tuners.base import TECHNIQUES, load_techniques, technique_for
+from infer_tune.tuners.base import TECHNIQUES, Conclusion, load_techniques, technique_for
 
 
 def find_result(out_dir: Path, fingerprint: str, technique: str | None = None) -> ResultDocument | None:
@@ -57,43 +57,49 @@ def save_rows(out_dir: Path, rows: list[Row], *, resume: bool = False) -> list[R
     return out
 
 
-def summarize_sweep(docs: list[ResultDocument], plan: SweepPlan | None = None, *, own: set[str] | frozenset[str]) -> None:
-    """Each technique's sweep-level claim (`summarize`), keys (`complete`) and figures (`plots`), then the
-    plan's own (`conclude`), over every result of the sweep; stored only in the results this sweep saved
-    (`own`: their run ids), whose changed `result.json` is rewritten atomically. A result read back from
-    an earlier run (`resume`, a reused baseline, a landed folder that was there) is never rewritten: its
-    `result.json` stays byte for byte what that run wrote."""
+def conclude_sweep(docs: list[ResultDocument], plan: SweepPlan | None = None, *,
+                   own: set[str] | frozenset[str]) -> None:
+    """Each technique's `conclude` over its results of the sweep and the configs it skipped, then the plan's
+    own `conclude` over every result (which may also set keys in place), each `Conclusion` stored in the
+    rows it is about; stored on disk only in the results this sweep saved (`own`: their run ids), whose
+    changed `result.json` is rewritten atomically and whose folders get the files. A result read back
+    from an earlier run (`resume`, a reused baseline, a landed folder that was there) is never rewritten:
+    its `result.json` stays byte for byte what that run wrote."""
     load_techniques()
     plan = plan or SweepPlan()
     before = {id(doc): _snapshot(doc) for doc in docs}
-    by_technique: dict[str, list[dict]] = {}
+    by_technique: dict[str, list[ResultDocument]] = {}
     for doc in docs:
         by_technique.setdefault(doc["technique"], []).append(doc)
     files_of: dict[int, dict[str, bytes]] = {}
     for entry in TECHNIQUES.values():
-        group = by_technique.get(entry.name)
+        group = by_technique.get(entry.name) or []
         skipped = [s for s in plan.skipped if technique_for(s.config).name == entry.name]
-        if not group and not skipped:
-            continue
-        if entry.complete:
-            entry.complete(group or [], skipped)
-        if not group:
-            continue
-        claim = entry.summarize(group) if entry.summarize else None
-        for doc in group if claim is not None else ():
-            doc["metrics"]["claim_check"] = claim
-        files = entry.plots(group) if entry.plots else {}
-        for doc in group:
-            files_of.setdefault(id(doc), {}).update(files)
-    extra = (plan.conclude(docs, plan.skipped) if plan.conclude else None) or {}
+        if entry.conclude is not None and (group or skipped):
+            _store(entry.conclude(group, skipped), group, files_of)
+    if plan.conclude:
+        _store(plan.conclude(docs, plan.skipped), docs, files_of)
     for doc in docs:
         if not isinstance(doc, ResultDocument) or doc.location is None or doc.run_id not in own:
             continue
         if _snapshot(doc) != before[id(doc)]:
             results.update_result(doc)
-        files = {**files_of.get(id(doc), {}), **extra}
-        if files:
-            results.add_files(doc, files)
+        if files_of.get(id(doc)):
+            results.add_files(doc, files_of[id(doc)])
+
+
+def _store(conclusion: Conclusion | None, docs: list[ResultDocument], files_of: dict[int, dict[str, bytes]]) -> None:
+    """A `Conclusion` in the rows it is about (in memory; conclude_sweep writes what changed)."""
+    if conclusion is None:
+        return
+    for doc in docs:
+        if conclusion.claim is not None:
+            doc["metrics"]["claim_check"] = conclusion.claim
+        doc["metrics"].update(conclusion.metrics.get(doc["run_id"]) or {})  # keys over the sweep: set, or set again
+        for name, value in (conclusion.sections.get(doc["run_id"]) or {}).items():
+            doc.set_section(name, value)
+        if conclusion.files:
+            files_of.setdefault(id(doc), {}).update(conclusion.files)
 
 
 def _snapshot(doc: dict) -> str:
