@@ -6,7 +6,7 @@
   predicted metrics, `measured: false`) with the heatmap, the device-load plot and the plan as
   extra files; optionally every plan in one file for `validate`; the communication claim check.
 - `run_validate`: each strategy of a plan file measured with one process per device through the
-  session's sweep loop (a single-process baseline of the same workload first, so output drift and
+  sweep engine's loop (a single-process baseline of the same workload first, so output drift and
   speed are deltas against single-process execution); measured beside predicted keys.
 - `run_build_demo`: builds and registers `moe-demo`.
 """
