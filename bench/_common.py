@@ -6,7 +6,7 @@ import argparse
 
 from infer_tune import models
 from infer_tune.scenarios.common import setup_threads
-from infer_tune.session import prepare_inputs
+from infer_tune.sweep import prepare_inputs
 from infer_tune.workload import Workload
 
 

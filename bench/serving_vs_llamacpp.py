@@ -170,7 +170,7 @@ class Side:
 
     def measure(self, trace, rate: float, repeat: int, slo: dict) -> dict:
         from infer_tune.scenarios.endpoint import trace_document
-        from infer_tune.session import Row, save_rows
+        from infer_tune.sweep import Row, save_rows
 
         doc, outputs = trace_document(self.run, self.spec, trace, slo, {"rate_req_s": rate, "seed": self.args.seed},
                                       None)

@@ -1,5 +1,5 @@
 """The result document's typed home: what every `result.json` holds, built in one place (the sweep
-engine's `session.build_document`, or a row `session.save_rows` writes), kept as a `ResultDocument` until
+engine's `sweep.build_document`, or a row `sweep.save_rows` writes), kept as a `ResultDocument` until
 it is written, and read back as one by `results.load_result`, which validates it first. Where a saved
 result lives (`location`) is not part of its data: it is never written into `result.json`. The keys and
 their meaning: docs/architecture.md, "Result documents".
@@ -74,9 +74,9 @@ def merge_facts(metrics: dict[str, Any], facts: Mapping[str, Any], source: str) 
 class ResultDocument(Mapping):
     """One measured (or predicted) run: where and what was measured, its metrics and raw samples.
 
-    `metrics` holds the shared timing / quality / memory figures (session.build_document), the deltas
+    `metrics` holds the shared timing / quality / memory figures (sweep.build_document), the deltas
     against the baseline (metrics/deltas.py), the technique's own keys (its `prepare` facts, run-time
-    counters and `finalize`, added through `add_metrics`, which refuses to replace a measured figure), and
+    counters and `finish`, added through `add_metrics`, which refuses to replace a measured figure), and
     `rounds` / `noise`. `objective` is what a candidate row is ranked on. The sweep-level sections
     (`sweep`, `serve_summary`, `claims`, `not_applicable`) are set with `set_section`. Top-level keys this
     version does not name (written by another) are kept in `extra` and written back as they were.
@@ -104,7 +104,7 @@ class ResultDocument(Mapping):
     baseline_run_id: str | None = None
     objective: str | None = None
     schema_version: int = SCHEMA_VERSION
-    sweep: dict[str, Any] | None = None  # batch sweep: throughput by size and the knee (tuners/batch `complete`)
+    sweep: dict[str, Any] | None = None  # batch sweep: throughput by size and the knee (tuners/batch `conclude`)
     serve_summary: dict[str, Any] | None = None  # batch serve-sim: the table over rates (scenarios/batch.py)
     claims: list[dict] | None = None  # kv-cache: the claims of one context length (scenarios/kv_cache.py)
     not_applicable: list[dict] | None = None  # kv-cache: the variants that could not run at that length
@@ -142,7 +142,7 @@ class ResultDocument(Mapping):
 
     # ----------------------------------------------------------------- typed changes after the build
     def add_metrics(self, facts: Mapping[str, Any] | None, *, source: str) -> None:
-        """Facts added under `metrics` (a technique's `finalize`, an admission, a sweep hook); a key already
+        """Facts added under `metrics` (a technique's `finish`, an admission, a sweep hook); a key already
         measured with a different value is refused (`merge_facts`)."""
         merge_facts(self.metrics, facts or {}, source)
 

@@ -2,7 +2,7 @@
 
 `--executor ray` (`bench --recipe`, `tune`; the optional extra `infer-tune[ray]`): each config runs as one
 Ray task that measures it *together with the baseline it is compared against* on the node it landed
-on, through the engine's own entry point (`infer_tune.session.run_configs`) with a node-local runs
+on, through the engine's own entry point (`infer_tune.sweep.run_configs`) with a node-local runs
 folder, so every ratio is against that node's own baseline (the fingerprint holds the machine key:
 a baseline is reused only on the same host). A task asks for a whole measuring slot of a node: one
 GPU on CUDA, else one unit of the custom resource `infer_tune_node` that each CPU node is started
@@ -72,7 +72,7 @@ def measure_task(spec, config, job: str) -> dict:
     """On a node: the config (or a list of configs, measured together) and their baseline, into a node-local
     runs folder; the files of every result folder."""
     from infer_tune.scenarios.common import open_run
-    from infer_tune.session import run_configs
+    from infer_tune.sweep import run_configs
 
     base = os.environ.get("INFER_TUNE_RAY_DIR") or Path(tempfile.gettempdir()) / "infer-tune-ray"
     node_dir = Path(base) / job
@@ -197,7 +197,7 @@ class RayExecutor:
         """Write one returned result folder into `out_dir` (once); its document as saved there. The worker's
         answer is JSON from another machine: validated (`results.validate`) and made a ResultDocument here."""
         from infer_tune import results
-        from infer_tune.session import find_result
+        from infer_tune.sweep import find_result
 
         out_dir = Path(out_dir)
         files = dict(folder["files"])
@@ -234,13 +234,13 @@ class RayExecutor:
     def run_configs(self, spec, configs: list, progress=None) -> tuple[ResultDocument, list[ResultDocument]]:
         """Every config (with its node's baseline) as a Ray task, landed in spec.out_dir: (a baseline, docs)."""
         from infer_tune.results import runs_lock
-        from infer_tune.session import summarize_sweep
+        from infer_tune.sweep import conclude_sweep
 
         refs = self.submit(spec, list(configs))
         with runs_lock(spec.out_dir):
             pairs = self.collect(refs, Path(spec.out_dir), progress)
             docs = [doc for _, task_docs in pairs for doc in task_docs]
-            summarize_sweep(docs, own=self.landed_ids)  # never a folder that was there before it landed
+            conclude_sweep(docs, own=self.landed_ids)  # never a folder that was there before it landed
         return pairs[0][0], docs
 
     def run_together(self, spec, configs: list, progress=None) -> tuple[ResultDocument, list[ResultDocument]]:

@@ -107,7 +107,7 @@ def _folder(doc: ResultDocument) -> Path:
 def update_result(doc: ResultDocument) -> None:
     """Rewrite the `result.json` of a run saved by the running sweep (`doc.location`) in place, atomically
     (a sweep adds a claim judged on all of its results); the run's other files stay as they are. Only
-    session.summarize_sweep / store_claim call it, for results their own sweep saved."""
+    sweep.writing (conclude_sweep / store_claim) call it, for results their own sweep saved."""
     atomic.write_json(_folder(doc) / "result.json", doc.to_dict())
 
 

@@ -1,5 +1,5 @@
 """The technique contract: one test technique per runner kind, registered here only and measured end to
-end through the same session code (`run_configs`); the multi-token clock; constraints; shared options."""
+end through the same sweep engine (`run_configs`); the multi-token clock; constraints; shared options."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from infer_tune.results import find_results, load_outputs
 from infer_tune.runners import PreparedModel, Protocol, RunCounters, TokenClock
 from infer_tune.runners.base import RequestTiming
 from infer_tune.runners.trace import TraceRequest
-from infer_tune.session import prepare_inputs, run_configs
+from infer_tune.sweep import prepare_inputs, run_configs
 from infer_tune.tuners import RunContext, TechniqueConfig, register_technique, unregister_technique
 from infer_tune.workload import Workload
 
@@ -41,6 +41,7 @@ class LookupConfig(TechniqueConfig):
     """Prompt lookup through transformers' assisted generation: several tokens per step."""
 
     technique: ClassVar[str] = "test-lookup"
+    max_batch_size: ClassVar[int] = 1
     tokens: int = 4
 
 
@@ -94,7 +95,7 @@ def _prepare_allreduce(loaded, config, ctx):
 
 ENTRIES = [
     (PlainConfig, _prepare_plain, {"runner": "generation"}),
-    (LookupConfig, _prepare_lookup, {"runner": "speculative", "max_batch_size": 1}),
+    (LookupConfig, _prepare_lookup, {"runner": "speculative"}),
     (TraceConfig, _prepare_trace, {"runner": "trace"}),
     (AllReduceConfig, _prepare_allreduce, {"runner": "multiprocess", "measure_ppl": False}),
 ]
@@ -157,7 +158,7 @@ def test_each_runner_kind_measures_a_technique_end_to_end(test_techniques, tiny_
 
 def test_speculative_steps_deliver_several_tokens_with_one_timestamp(test_techniques, tiny_loaded, setup):
     """Prompt lookup on a repetitive random model accepts drafts: some steps carry several tokens."""
-    from infer_tune.session import measure_prepared
+    from infer_tune.sweep import measure_prepared
 
     workload, inputs, ctx = setup
     prepared = _prepare_lookup(tiny_loaded, LookupConfig(tokens=6), ctx)
@@ -234,7 +235,7 @@ def test_measuring_commands_share_one_option_group():
 
 def test_a_technique_document_is_the_same_whichever_command_ran_it(tiny_loaded, tiny_model_dir, prompts_file, tmp_path):
     """kv-cache and batch rows from a recipe (run_configs) carry the keys their own commands write: the engine
-    writes every result and the technique's finalize hook adds its keys and files on both paths."""
+    writes every result and the technique's finish hook adds its keys and files on both paths."""
 
     from infer_tune.scenarios.batch import ServeSpec, run_serve
     from infer_tune.scenarios.common import RunSpec
@@ -268,7 +269,7 @@ def test_a_technique_document_is_the_same_whichever_command_ran_it(tiny_loaded, 
     # the command adds what its own options define (goodput under its SLOs), nothing the recipe row lacks
     assert set(recipe_batch["metrics"]) <= set(command_batch["metrics"])
 
-    # a batch-size sweep row: at its own batch size (the entry's workload hook), with the sweep's keys and figure
+    # a batch-size sweep row: at its own batch size (its config's workload_for), with the sweep's keys and figure
     from infer_tune.scenarios.batch import SweepSpec, run_sweep
 
     sized = Workload(suite=str(prompts_file), limit=2, max_new_tokens=3)
@@ -290,16 +291,16 @@ WRITERS = {"save_run", "update_result", "add_files"}
 
 
 def test_only_the_sweep_engine_writes_results():
-    """session.py is the only module that writes a result (executors.py lands remote results measured by
-    run_configs on cluster nodes through the same atomic writer), and no bench/ script writes one beside
-    it (they go through `session.save_rows`, under the runs lock); docs/architecture.md, "The sweep engine"."""
+    """sweep/writing.py is the only module that writes a result (executors.py lands remote results measured
+    by run_configs on cluster nodes through the same atomic writer), and no bench/ script writes one beside
+    it (they go through `sweep.save_rows`, under the runs lock); docs/architecture.md, "The sweep engine"."""
     import ast
     from pathlib import Path
 
     import infer_tune
 
     root = Path(infer_tune.__file__).parent
-    allowed = {"session.py": WRITERS, "executors.py": {"save_run"}, "results.py": WRITERS}
+    allowed = {"sweep/writing.py": WRITERS, "executors.py": {"save_run"}, "results.py": WRITERS}
     found = []
     scripts = sorted((root.parent / "bench").glob("*.py"))
     assert scripts, "the bench scripts were not found beside the package"
@@ -311,6 +312,23 @@ def test_only_the_sweep_engine_writes_results():
                 if called in WRITERS and called not in allowed.get(name, set()):
                     found.append(f"{name}:{node.lineno} {called}")
     assert not found, found
+
+
+SWEEP_MODULE_LINES = 350  # the engine split by job (measure, document, baseline, writing): each stays small
+
+
+def test_the_sweep_engine_is_split_by_job_into_small_modules():
+    """The sweep engine is a package of one module per job, none over SWEEP_MODULE_LINES lines, and no single
+    `session.py` holds it all again; docs/architecture.md, "Layers"."""
+    from pathlib import Path
+
+    import infer_tune
+
+    root = Path(infer_tune.__file__).parent
+    jobs = {p.stem: len(p.read_text(encoding="utf-8").splitlines()) for p in (root / "sweep").glob("*.py")}
+    assert {"engine", "measure", "document", "baseline", "writing", "plan"} <= set(jobs), sorted(jobs)
+    assert not (root / "session.py").exists()
+    assert all(n <= SWEEP_MODULE_LINES for n in jobs.values()), {k: n for k, n in jobs.items() if n > SWEEP_MODULE_LINES}
 
 
 def test_a_technique_from_its_own_package_reaches_every_surface(tiny_model_dir, prompts_file, tmp_path):

@@ -19,7 +19,7 @@ from infer_tune.metrics.saturation import SLO, goodput
 from infer_tune.runners import PreparedModel, Protocol
 from infer_tune.runners.base import RequestTiming
 from infer_tune.runners.trace import TraceRequest
-from infer_tune.session import measure_prepared, prepare_inputs, run_configs
+from infer_tune.sweep import measure_prepared, prepare_inputs, run_configs
 from infer_tune.tuners import RunContext, apply
 from infer_tune.tuners.batch import BatchConfig, analysis, arrivals
 from infer_tune.tuners.batch.common import left_pad
@@ -260,10 +260,10 @@ def test_claim_verdict_from_the_intervals_of_paired_rounds():
 
 def test_sweep_reports_out_of_memory_and_memory_limit_and_goes_on(tiny_model_dir, mixed_suite, tmp_path, monkeypatch):
     import infer_tune.scenarios.batch as scenario
-    import infer_tune.session as session
+    import infer_tune.sweep.measure as measure
     from infer_tune.scenarios.common import RunSpec
 
-    real = session.get_runner
+    real = measure.get_runner
 
     def allocator_refuses_batch_2(name):
         def run(prepared, inputs, workload, *args):
@@ -273,7 +273,7 @@ def test_sweep_reports_out_of_memory_and_memory_limit_and_goes_on(tiny_model_dir
             return real(name)(prepared, inputs, workload, *args)
         return run
 
-    monkeypatch.setattr(session, "get_runner", allocator_refuses_batch_2)  # the engine measures every size
+    monkeypatch.setattr(measure, "get_runner", allocator_refuses_batch_2)  # the engine measures every size
     monkeypatch.setattr(scenario.analysis, "analytic_batch_bytes", lambda shape, b, p, n, v: b * 2**40)  # 1 TiB a row
     spec = RunSpec(model=str(tiny_model_dir), threads=1, out_dir=tmp_path, protocol=ONCE,
                    workload=Workload(suite=str(mixed_suite), limit=8, max_new_tokens=6, chat_template=False))
@@ -429,7 +429,8 @@ def test_stacked_batch_rows_get_the_batch_claim_plots_and_lead():
     entry = entry_named("stack")
     plain = analysis.summarize([{"config": {"scheduler": "static", "rate": 2.0}, "metrics": static_m},
                                 {"config": {"scheduler": "continuous", "rate": 2.0}, "metrics": continuous_m}])
-    assert entry.summarize(docs) == plain and plain["verdict"] == "held"
+    assert entry.conclude(docs, []).claim == plain and plain["verdict"] == "held"
     lead = entry.report_columns(docs[1], docs)
     assert lead.vs.startswith("static batching at the same rate") and lead.figures[0].name == "throughput"
-    assert entry.summarize([{"run_id": "q", "technique": "stack", "config": {"configs": [quantize]}, "metrics": {}}]) is None
+    assert entry.conclude([{"run_id": "q", "technique": "stack", "config": {"configs": [quantize]}, "metrics": {}}],
+                          []).claim is None

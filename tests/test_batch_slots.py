@@ -12,7 +12,7 @@ import torch
 from infer_tune import env as envinfo
 from infer_tune import models
 from infer_tune.errors import ConfigError
-from infer_tune.session import measure_prepared, prepare_inputs
+from infer_tune.sweep import measure_prepared, prepare_inputs
 from infer_tune.tuners import RunContext, apply
 from infer_tune.tuners.batch import BatchConfig
 from infer_tune.tuners.batch import slots as slots_module

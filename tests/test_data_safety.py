@@ -59,13 +59,18 @@ def test_sweep_killed_at_a_random_point_resumes_to_every_config_once(tiny_model_
     stdout, stderr = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, stderr
     docs = finished(out)
-    labels = sorted(d["label"] for d in docs)
-    assert labels.count("baseline") == 1
-    assert sorted(d["config"].get("method") for d in docs if d["technique"] == "quantize") == sorted(METHODS)
-    assert len({d["fingerprint"] for d in docs}) == len(docs) == 1 + len(METHODS)
+    baselines = {d["run_id"] for d in docs if d["technique"] == "baseline"}
+    candidates = [d for d in docs if d["technique"] == "quantize"]
+    # killed after the baseline of the rounds was saved but before its rows were: the resumed sweep measures
+    # those rows again in rounds of their own, with a new baseline (a saved one is never rewritten)
+    assert 1 <= len(baselines) <= 2 and len(docs) == len(baselines) + len(METHODS)
+    assert sorted(d["config"].get("method") for d in candidates) == sorted(METHODS)
+    assert len({d["fingerprint"] for d in candidates}) == len(METHODS)
+    assert all(d["baseline_run_id"] in baselines for d in candidates)
     assert not [p for p in out.iterdir() if atomic.STAGING_TAG in p.name], "staging leftovers were not cleaned"
     reported = json.loads(stdout)
-    assert {d["run_id"] for d in reported} == {d["run_id"] for d in docs}
+    assert {d["run_id"] for d in reported} <= {d["run_id"] for d in docs}
+    assert {d["run_id"] for d in candidates} <= {d["run_id"] for d in reported}
 
 
 def test_two_sweeps_into_one_runs_dir_both_complete(tiny_model_dir, prompts_file, tmp_path):
@@ -172,7 +177,7 @@ def test_fingerprint_follows_content_not_path(tiny_model_dir, tmp_path):
 
     from infer_tune import env as envinfo
     from infer_tune import models
-    from infer_tune.session import run_fingerprint
+    from infer_tune.sweep import run_fingerprint
     from infer_tune.workload import Protocol, Workload
 
     suite_a = tmp_path / "a.jsonl"
@@ -308,7 +313,7 @@ def _result_bytes(out: Path) -> dict[str, bytes]:
 
 def test_a_second_sweep_leaves_every_earlier_result_byte_identical(tiny_model_dir, prompts_file, tmp_path):
     """Saved results are immutable: a later sweep into the same runs folder, resumed or not, with a technique
-    whose `summarize` stores a claim over the whole sweep (batch) and a new config beside rows read back, writes
+    whose `conclude` stores a claim over the whole sweep (batch) and a new config beside rows read back, writes
     new results (its baseline too, with its own run id) and leaves every file of the earlier ones as it was;
     each row names the baseline it was measured against (docs/architecture.md, "The sweep engine")."""
     out = tmp_path / "runs"

@@ -117,11 +117,11 @@ def test_claims_table_from_synthetic_results():
 
 
 def test_sweep_level_claims_reach_the_claims_table(tmp_path):
-    """Batch, speculate and experts judge their claims on a whole sweep (`summarize`); the sweep stores
+    """Batch, speculate and experts judge their claims on a whole sweep (`conclude`); the sweep stores
     the claim in each result on disk, and the claims table shows each once, with its finding."""
     from infer_tune import results
     from infer_tune.report import claims
-    from infer_tune.session import summarize_sweep
+    from infer_tune.sweep import conclude_sweep
 
     batch = [make_result(f"b-{s}", technique="batch", config={"scheduler": s, "rate": 2.0}, seed=i,
                          e2e_ms={"mean": 1000.0 if s == "static" else 500.0, "p90": 1500.0}, busy_share=0.95,
@@ -137,7 +137,7 @@ def test_sweep_level_claims_reach_the_claims_table(tmp_path):
     for doc in batch + spec + experts:
         doc["label"] = doc["run_id"]
     batch, spec, experts = ([results.load_result(save(doc, tmp_path)) for doc in group] for group in (batch, spec, experts))
-    summarize_sweep(batch + spec + experts, own={d["run_id"] for d in batch + spec + experts})
+    conclude_sweep(batch + spec + experts, own={d["run_id"] for d in batch + spec + experts})
     on_disk = results.find_results(tmp_path)
     rows = claims.collect(on_disk)
     by = {r.technique: r for r in rows}

@@ -10,7 +10,7 @@ from infer_tune import env as envinfo
 from infer_tune.errors import ConfigError
 from infer_tune.results import find_results
 from infer_tune.runners import PreparedModel, Protocol
-from infer_tune.session import prepare_inputs, run_configs
+from infer_tune.sweep import prepare_inputs, run_configs
 from infer_tune.tuners import RunContext, TechniqueConfig, register_technique, unregister_technique
 from infer_tune.workload import Workload
 
@@ -425,3 +425,44 @@ def test_a_whole_trace_variant_runs_once_per_round_and_is_judged_on_throughput()
     fast_vs_slow = pair_interval(out.per_round["fast"]["output_throughput_tok_s"],
                                  out.per_round["slow"]["output_throughput_tok_s"])
     assert fast_vs_slow["point"] == pytest.approx(2.0) and fast_vs_slow["half_width_pct"] == pytest.approx(0.0, abs=1e-6)
+
+
+@dataclass
+class ConcludingConfig(TechniqueConfig):
+    technique: ClassVar[str] = "test-concluding"
+
+
+def test_a_sweep_conclusion_is_stored_in_this_sweeps_rows_only(tmp_path):
+    """A technique's `conclude` returns a claim, files, keys and sections (tuners/base.py `Conclusion`); the
+    engine stores each in the rows it names, writes them into the results this sweep saved, and leaves a
+    result of an earlier run (read back by `resume`) byte for byte as it was, though it was concluded over."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from result_docs import make_result, save
+
+    from infer_tune import results
+    from infer_tune.sweep import conclude_sweep
+    from infer_tune.tuners.base import Conclusion
+
+    def conclude(docs, skipped):
+        ids = [d["run_id"] for d in docs]
+        return Conclusion(claim={"statement": "s", "finding": f"{len(docs)} rows", "held": True},
+                          files={"figure.png": b"\x89PNG\r\n\x1a\n"},
+                          metrics={i: {"rank": n} for n, i in enumerate(ids)},
+                          sections={i: {"sweep": {"rows": ids}} for i in ids})
+
+    register_technique(ConcludingConfig, conclude=conclude)(lambda loaded, config, ctx: None)
+    try:
+        folders = [save(make_result(name, technique="test-concluding", seed=i), tmp_path)
+                   for i, name in enumerate(("earlier", "mine"))]
+        before = (folders[0] / "result.json").read_bytes()
+        docs = [results.load_result(folder) for folder in folders]
+        conclude_sweep(docs, own={"mine"})
+    finally:
+        unregister_technique(ConcludingConfig)
+    assert (folders[0] / "result.json").read_bytes() == before and not (folders[0] / "figure.png").exists()
+    mine = results.load_result(folders[1])
+    assert mine["metrics"]["claim_check"]["finding"] == "2 rows" and mine["metrics"]["rank"] == 1
+    assert mine["sweep"] == {"rows": ["earlier", "mine"]} and (folders[1] / "figure.png").is_file()

@@ -1,7 +1,7 @@
 from infer_tune import env as envinfo
 from infer_tune.runners import Protocol
 from infer_tune.runners.prepared import PreparedModel
-from infer_tune.session import measure_prepared, prepare_inputs
+from infer_tune.sweep import measure_prepared, prepare_inputs
 from infer_tune.workload import Workload
 
 

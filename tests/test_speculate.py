@@ -15,7 +15,7 @@ from infer_tune import models
 from infer_tune.errors import ConfigError
 from infer_tune.runners import PreparedModel, Protocol, TokenClock, measure_generation
 from infer_tune.runners.generation import generate_once
-from infer_tune.session import prepare_inputs, run_configs
+from infer_tune.sweep import prepare_inputs, run_configs
 from infer_tune.tuners import RunContext
 from infer_tune.tuners.speculate import SpeculateConfig, drafts, lean
 from infer_tune.tuners.speculate.counters import SpeculativeCounters

@@ -2,7 +2,7 @@
 
 A runner executes a workload against a `PreparedModel` and returns raw measurements (a
 `GenerationRun`): the host timestamp of every generated token of every request, the outputs, memory
-readings and the technique's run-time counters. Statistics are computed later, in `session`.
+readings and the technique's run-time counters. Statistics are computed later, in `sweep.document`.
 The runner kinds and how a technique picks one: docs/architecture.md.
 """
 
@@ -106,7 +106,7 @@ class Output:
 
 @dataclass
 class GenerationRun:
-    """Raw measurements of a workload run; statistics are computed by `session` and `metrics`.
+    """Raw measurements of a workload run; statistics are computed by `sweep.document` and `metrics`.
 
     `counters`: the technique's run-time counters (timed passes only) plus what the runner itself
     counts; `ranks`: per-process readings of a multi-process run; `cuda_peak_bytes`: max allocated on

@@ -1,3 +1,3 @@
 """Scenarios: the library layer below the CLI. Each builds a run (model, workload, protocol, context),
-runs a sweep through `session.run_configs` (or its own loop) and returns data; the CLI parses, calls
+runs a sweep through `sweep.run_configs` (or its own loop) and returns data; the CLI parses, calls
 one scenario function and renders what it returns. See docs/architecture.md."""

@@ -6,7 +6,7 @@ of memory or would exceed `memory_limit_bytes` is reported and the sweep goes on
 simulation replays one seeded arrival trace per rate open-loop through the static and the continuous
 batcher (`trace` runner) and adds goodput under the SLOs, the highest rate meeting them, plots and
 the continuous-batching claim check. Every row of both is measured, completed and saved by the sweep
-engine (`session.run_configs`): the technique's keys and files come from its registry entry, what the
+engine (`sweep.run_configs`): the technique's keys and files come from its registry entry, what the
 command's options define (the memory limit, the SLOs) from its `SweepPlan`; nothing here writes a result.
 """
 
@@ -23,7 +23,7 @@ from infer_tune.metrics.saturation import SLO, goodput
 from infer_tune.runners.base import Progress, RequestTiming
 from infer_tune.runners.generation import generate_once
 from infer_tune.scenarios.common import RunSpec, open_run
-from infer_tune.session import Admission, SweepPlan, run_configs
+from infer_tune.sweep import Admission, SweepPlan, run_configs
 from infer_tune.tuners.base import apply
 from infer_tune.tuners.batch import (
     DEFAULT_MAX_BATCH_TOKENS,

@@ -10,7 +10,7 @@ from infer_tune import atomic
 from infer_tune.document import ResultDocument
 from infer_tune.runners.base import Progress
 from infer_tune.scenarios.common import RunSpec, open_run, reference_that_fits
-from infer_tune.session import run_configs
+from infer_tune.sweep import run_configs
 
 
 @dataclass

@@ -150,7 +150,7 @@ def reference_that_fits(loaded: models.LoadedModel, configs: list, device: str =
     import sys
 
     from infer_tune import weights
-    from infer_tune.session import SweepPlan
+    from infer_tune.sweep import SweepPlan
     from infer_tune.tuners.quantize import QuantizeConfig
     from infer_tune.tuners.quantize.apply import LAYERWISE_METHODS
     from infer_tune.tuners.quantize.config import resolve_backend
@@ -182,7 +182,7 @@ def reference_that_fits(loaded: models.LoadedModel, configs: list, device: str =
           f"(about {need / 2**30:.1f} GiB)", file=sys.stderr)
 
     def admit(config, workload, inputs, earlier):
-        from infer_tune.session import Admission
+        from infer_tune.sweep import Admission
 
         facts = {"baseline_skipped": loaded.not_loaded,
                  "compared_with": "itself: the reference" if config == reference else compared}

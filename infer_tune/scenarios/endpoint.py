@@ -1,8 +1,8 @@
 """Benchmarks of a live OpenAI-compatible server: closed loop (`bench --endpoint`), one arrival trace,
 a request-rate sweep with its saturation knee (`endpoint sim`), and a reference engine on loopback.
 
-The result documents come from `session.measure_prepared` with the `endpoint` runner and are saved by
-the engine's writer (`session.save_rows`: no weights here and no plain baseline, so not `run_configs`),
+The result documents come from `sweep.measure_prepared` with the `endpoint` runner and are saved by
+the engine's writer (`sweep.save_rows`: no weights here and no plain baseline, so not `run_configs`),
 so they have
 the keys of in-process runs: `technique: "endpoint"`, `runner: "endpoint"`, `config` the endpoint
 (the name of the key's environment variable, never the key), `env.endpoint` what the server says
@@ -31,7 +31,7 @@ from infer_tune.runners.endpoint import request_prompts
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.runners.trace import TraceRequest
 from infer_tune.scenarios.common import RunSpec
-from infer_tune.session import Row, measure_prepared, save_rows
+from infer_tune.sweep import Row, measure_prepared, save_rows
 from infer_tune.workload import Inputs, Protocol, load_prompts, prepare_inputs
 
 COMPARED_WORKLOAD_KEYS = ("suite", "limit", "seed", "max_new_tokens", "chat_template", "lang", "max_prompt_tokens",

@@ -3,7 +3,7 @@
 
 Every row is a launch (infer_tune.engines.launch) started on loopback and driven by the endpoint runner and
 its load generator, exactly as `bench --endpoint` drives a server; rows are written by the engine's writer
-(`session.save_rows`) with `technique: "engine"` and `config.launch` (engine, settings, argv, the GGUF's
+(`sweep.save_rows`) with `technique: "engine"` and `config.launch` (engine, settings, argv, the GGUF's
 digest and its imatrix, the llama.cpp commit). Quality of a llama.cpp row is measured against the
 engine's default launch (the f16 GGUF, default flags): BLEU drift, exact match and faithfulness of its
 outputs against the default's, and perplexity by `llama-perplexity` on the suite's own text
@@ -41,7 +41,7 @@ from infer_tune.runners.prepared import PreparedModel
 from infer_tune.scenarios import tune_plan
 from infer_tune.scenarios.common import RunSpec
 from infer_tune.scenarios.endpoint import EndpointRun, measure_endpoint, open_endpoint
-from infer_tune.session import Row, build_document, save_rows
+from infer_tune.sweep import Measured, Row, RowSpec, build_document, save_rows
 from infer_tune.workload import iter_prompts
 
 TECHNIQUE = "engine"
@@ -280,18 +280,18 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
                                     progress=progress)
         host = (before, noise.HostSnapshot.take())
         base_doc, base_outputs = build_document(
-            base_run.model, variants[0].prepared, rounds.merged_run(variants[0]), base_run.inputs, spec.workload,
-            protocol, technique=TECHNIQUE, config=launch_config(base_started), env=base_run.env, runner="endpoint",
-            host=host, measure_ppl=False, rounds_block=outcome.block("default"))
+            Measured(base_run.model, variants[0].prepared, rounds.merged_run(variants[0]), base_run.inputs,
+                     spec.workload, protocol, host, rounds_block=outcome.block("default")),
+            RowSpec(TECHNIQUE, launch_config(base_started), "endpoint", base_run.env, measure_ppl=False))
         add_quality(base_doc, perplexity_of(base_started, text, spec.threads), None)
         base_doc.objective = tspec.objective
         rows = [Row(base_doc, base_outputs)]
         for (_, started, run), variant in zip(live, variants[1:]):
             doc, outputs = build_document(
-                run.model, variant.prepared, rounds.merged_run(variant), run.inputs, spec.workload, protocol,
-                technique=TECHNIQUE, config=launch_config(started), env=run.env, runner="endpoint", host=host,
-                baseline=base_doc, baseline_outputs=base_outputs, measure_ppl=False,
-                rounds_block=outcome.block(variant.name), ratios=outcome.intervals.get(variant.name))
+                Measured(run.model, variant.prepared, rounds.merged_run(variant), run.inputs, spec.workload, protocol,
+                         host, outcome.block(variant.name), outcome.intervals.get(variant.name)),
+                RowSpec(TECHNIQUE, launch_config(started), "endpoint", run.env, measure_ppl=False,
+                        baseline=base_doc, baseline_outputs=base_outputs))
             add_quality(doc, perplexity_of(started, text, spec.threads), base_doc)
             doc.objective = tspec.objective
             rows.append(Row(doc, outputs))

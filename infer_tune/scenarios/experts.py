@@ -6,7 +6,7 @@
   predicted metrics, `measured: false`) with the heatmap, the device-load plot and the plan as
   extra files; optionally every plan in one file for `validate`; the communication claim check.
 - `run_validate`: each strategy of a plan file measured with one process per device through the
-  session's sweep loop (a single-process baseline of the same workload first, so output drift and
+  sweep engine's loop (a single-process baseline of the same workload first, so output drift and
   speed are deltas against single-process execution); measured beside predicted keys.
 - `run_build_demo`: builds and registers `moe-demo`.
 """
@@ -23,7 +23,7 @@ from infer_tune.document import ResultDocument
 from infer_tune.errors import ConfigError
 from infer_tune.runners.base import Progress
 from infer_tune.scenarios.common import RunSpec, open_run
-from infer_tune.session import Row, run_configs, save_rows
+from infer_tune.sweep import Row, run_configs, save_rows
 from infer_tune.tuners.experts import ExpertsConfig, loadfile, plan_from_load, plan_metrics, plots, routing
 from infer_tune.tuners.experts.claim import communication_claim
 from infer_tune.tuners.experts.planners import STRATEGIES, Plan

@@ -1,9 +1,9 @@
 """`kv-cache`: every cache variant at every context length, with what is specific to caches.
 
-Each context length is one sweep of the engine (`session.run_configs`) on real suite text cut to
+Each context length is one sweep of the engine (`sweep.run_configs`) on real suite text cut to
 exactly N tokens: every variant measured against the plain model (whose default cache is `dynamic`)
 in interleaved rounds, with the technique's own keys (KV bytes measured and analytic, FLOPs, the
-logits' share of peak memory: `tuners.kv_cache.finalize_cache`). The sweep then adds what needs all
+logits' share of peak memory: `tuners.kv_cache.finish_cache`). The sweep then adds what needs all
 variants of one length: the per-position latency plot and the compute claim.
 """
 
@@ -19,9 +19,9 @@ from infer_tune.errors import ConfigError
 from infer_tune.metrics import kv
 from infer_tune.report.plots import per_position_png
 from infer_tune.scenarios.common import RunSpec, open_run
-from infer_tune.session import SweepPlan, run_configs
 from infer_tune.suites import Prompt, SuiteSpec, load_suite
-from infer_tune.tuners.base import RunContext
+from infer_tune.sweep import SweepPlan, run_configs
+from infer_tune.tuners.base import Conclusion, RunContext
 from infer_tune.tuners.kv_cache import (
     IMPLS,
     REFERENCE_IMPL,
@@ -134,7 +134,7 @@ def run_kv_sweep(
                 configs.append(config)
             else:
                 result.not_applicable.append({"impl": config.impl, "context_tokens": ctx, "reason": reason})
-        # the engine measures, finalizes (the cache keys) and saves every variant; the plan adds what needs
+        # the engine measures, finishes (the cache keys) and saves every variant; the plan adds what needs
         # all variants of one context length (the compute claim, the latency plot), which the engine saves too
         plan = SweepPlan(conclude=lambda docs, _, ctx=ctx: _context_keys(docs, ctx, loaded.ref, n, shape, long_claim,
                                                                         result))
@@ -147,7 +147,7 @@ def run_kv_sweep(
 
 
 def _context_keys(docs: list[ResultDocument], ctx: int, model: str, n: int, shape: kv.ModelShape, long_claim: dict,
-                  result: KVSweepResult) -> dict[str, bytes]:
+                  result: KVSweepResult) -> Conclusion:
     """What needs every variant of one context length: the compute claim, the rows not applicable, the
     prompt's source, and the per-position latency plot (returned for each result's folder)."""
     claims = [kv.compute_claim(shape, ctx, measured_wall(docs, n)), long_claim]
@@ -161,7 +161,7 @@ def _context_keys(docs: list[ResultDocument], ctx: int, model: str, n: int, shap
                                "concatenated and cut to exactly context_tokens tokens")
         doc.set_section("claims", claims)
         doc.set_section("not_applicable", [r for r in result.not_applicable if r["context_tokens"] == ctx])
-    return {"latency.png": png}
+    return Conclusion(files={"latency.png": png})
 
 
 def measured_wall(docs: list[ResultDocument], new_tokens: int) -> dict | None:

@@ -16,7 +16,7 @@ from infer_tune.document import ResultDocument
 from infer_tune.errors import ConfigError
 from infer_tune.runners.base import Progress
 from infer_tune.scenarios.common import RunSpec, open_run, reference_that_fits
-from infer_tune.session import resolve_configs, run_configs
+from infer_tune.sweep import resolve_configs, run_configs
 from infer_tune.tuners.quantize import QuantizeConfig
 
 

@@ -21,7 +21,7 @@ from infer_tune.document import ResultDocument, as_document
 from infer_tune.errors import ConfigError
 from infer_tune.runners.base import Progress
 from infer_tune.scenarios.common import RunSpec, open_run
-from infer_tune.session import SweepPlan, run_configs, store_claim
+from infer_tune.sweep import SweepPlan, run_configs, store_claim
 from infer_tune.tuners.speculate import EARLY_EXIT, SpeculateConfig, parse_draft
 from infer_tune.tuners.speculate.claim import claim_check, lossless
 from infer_tune.tuners.speculate.prepare import PROMPT_IDS_KEY, WARNINGS_KEY

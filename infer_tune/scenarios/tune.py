@@ -58,7 +58,7 @@ from infer_tune.scenarios.tune_plan import (
     slo_text,
     stack_candidates,
 )
-from infer_tune.session import SweepPlan, ensure_baseline, run_configs
+from infer_tune.sweep import SweepPlan, ensure_baseline, run_configs
 from infer_tune.tuners.base import Offer
 
 COMPILE_ALLOWANCE_S = 150.0  # first guess of a compiled candidate's extra cost (2 cores); refined once measured

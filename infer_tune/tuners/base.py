@@ -3,7 +3,8 @@
 A technique is a config dataclass (validates itself in `__post_init__`, naming the field, the
 allowed values and what it received) plus one registered entry: a `prepare(loaded, config, ctx)`
 function that returns a `PreparedModel`, and the entry's options (`Technique`, built by keyword):
-the runner that measures it, its constraints, its hooks, and what `tune` may try of it (`Tuning`).
+the runner that measures it, its hooks (before measuring: `resolve`, `preflight`; after: `finish` once
+per row, `conclude` once per sweep), the report's lead and what `tune` may try of it (`Tuning`).
 How to add one: docs/architecture.md, "Adding a technique".
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from infer_tune.document import ResultDocument
 from infer_tune.errors import ConfigError
 from infer_tune.models import LoadedModel
 from infer_tune.runners.prepared import PreparedModel
@@ -30,6 +32,7 @@ class TechniqueConfig:
     """Base of every technique config; `technique` is the result's `technique` value."""
 
     technique: ClassVar[str] = ""
+    max_batch_size: ClassVar[int | None] = None  # the largest batch it runs (speculate, lean, llama-cpp: 1)
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": type(self).__name__, **dataclasses.asdict(self)}
@@ -41,6 +44,17 @@ class TechniqueConfig:
     def label(self) -> str:
         """Short human summary for leaderboards and run ids."""
         return ",".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items() if v is not None)
+
+    def check_workload(self, workload) -> None:
+        """Refuse a workload this config cannot run, before anything loads (default: `max_batch_size`)."""
+        if self.max_batch_size is not None and workload.batch_size > self.max_batch_size:
+            raise ConfigError(f"{self.technique} runs at batch size <= {self.max_batch_size}; "
+                              f"the workload asks for batch size {workload.batch_size}")
+
+    def workload_for(self, workload):
+        """The workload this config runs: the sweep's (default), or its own (a batch-size sweep row runs at its
+        own batch size); the engine encodes the inputs again for it and measures the row alone."""
+        return workload
 
     def applicable_fields(self) -> tuple[str, ...]:
         """The fields that mean something for this config (what is printed and saved in a recipe);
@@ -173,79 +187,90 @@ class Tuning:
     compose: Callable[[list], Any] | None = None
 
 
+@dataclass
+class MeasuredRow:
+    """What a technique's `finish` hook gets once one of its rows is measured, while the prepared model still
+    exists: the config, the built result (`doc`, typed) and its outputs rows, what ran (`prepared`, the runner's
+    raw `run`, the encoded `inputs`), the run's context, and the rows of the sweep measured before it."""
+
+    config: TechniqueConfig
+    doc: ResultDocument
+    outputs: list[dict]
+    prepared: PreparedModel
+    run: Any  # runners.GenerationRun
+    inputs: Any  # workload.Inputs
+    ctx: RunContext
+    earlier: list[ResultDocument] = field(default_factory=list)
+
+
+@dataclass
+class Conclusion:
+    """What a sweep-level hook concludes over the rows it is given (a technique's `conclude`, or a command's
+    `SweepPlan.conclude`); the engine stores it in those rows and rewrites only the results its sweep saved.
+
+    - `claim`: stored as `metrics.claim_check` in every row (the claims table reads it there).
+    - `files`: {file name: bytes}, written into every row's folder (figures the HTML report shows).
+    - `metrics`: {run id: keys} added to that row's `metrics` (keys over the sweep: set, or set again).
+    - `sections`: {run id: {section: value}} set on that row (`ResultDocument.set_section`).
+    """
+
+    claim: dict | None = None
+    files: dict[str, bytes] = field(default_factory=dict)
+    metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class Technique:
     """One registry entry.
 
     - `runner`: the runner that measures the prepared model (`generation`, `speculative`, `trace`,
       `multiprocess`; see infer_tune.runners).
-    - `max_batch_size`: a constraint checked against the workload before anything loads.
-    - `resolve(config, ctx) -> config`: settle host-dependent choices (e.g. a backend `auto`) so the
-      result and the fingerprint record what really ran.
-    - `annotate(doc, earlier_docs)`: add facts that need the results measured before this one in the
-      same sweep (a claim judged against a 16-bit run), before the result is saved.
-    - `preflight(loaded, config, ctx)`: checks that need the model, run for every config of a sweep
-      before anything is measured, so bad input fails before a result is written.
     - `measure_ppl`: whether perplexity means something for this technique (the model's logits change).
-    - `summarize(docs) -> claim | None`: a claim check that needs every result of the technique in
-      one sweep (static vs continuous at the same rate, each suite's fastest draft); the sweep stores
-      it as `metrics.claim_check` in each of those results (the claims table reads it there).
-    - `plots(docs) -> {file name: PNG bytes}`: the technique's own figures over the sweep (acceptance
-      by position, latency CDFs, device load per plan), written into each of those results' folders,
-      where the HTML report finds them.
-    - `per_position`: the result carries `per_position_ms` (the latency of each decode step).
-    - `finalize(config, doc, outputs, prepared, inputs, ctx) -> {file name: bytes} | None`: facts measured
-      after the runner ran, while the prepared model still exists (a cache probe, the trace that was
-      replayed), added to `doc` in place; the files returned are saved with the result. Whatever
-      command or recipe ran the technique, its document is the same.
     - `objective`: what the recommender and `tune` rank this technique's rows on (a key of
       report.recommend.OBJECTIVES: `decode` for single-stream techniques, `throughput` for batching).
     - `phase`: where the technique goes in a stack (lower first: weights 0, cache 1, decoding loop 2-3).
     - `conflicts`: {other technique: why the two cannot share a stack}.
-    - `tune`: what `tune` may try of this technique and how it stacks (`Tuning`): its offers for a search,
-      the `--methods` names it answers to, or how it composes a stack.
-    - `workload(config, workload) -> Workload`: the workload this config runs when it is not the sweep's
-      (a batch-size sweep row: its own batch size); the engine encodes the inputs again at that batch size
-      and measures the row alone, since it cannot share rounds with a baseline of another workload.
-    - `complete(docs, skipped) -> None`: keys that need every result of the technique in one sweep and
-      the configs the sweep skipped (`session.Skipped`), added to the docs in place (the batch-size sweep's
-      knee and `sweep` block); the engine rewrites the results it changed.
+    - `resolve(config, ctx) -> config`: settle host-dependent choices (e.g. a backend `auto`) so the
+      result and the fingerprint record what really ran.
+    - `preflight(loaded, config, ctx)`: checks that need the model, run for every config of a sweep
+      before anything is measured, so bad input fails before a result is written.
+    - `finish(row: MeasuredRow) -> {file name: bytes} | None`: once per row, after the runner ran and while
+      the prepared model still exists, before the result is saved: facts measured then (a cache probe,
+      the trace replayed), facts judged against the rows measured before it in the sweep (`row.earlier`:
+      the INT8 claim against a 16-bit row), added to `row.doc` through `add_metrics`; the files returned
+      are saved with the result. Whatever command or recipe ran the technique, its document is the same.
+    - `conclude(docs, skipped) -> Conclusion | None`: once per sweep, over every result of the technique
+      in it and the configs it skipped (`sweep.Skipped`): a claim that needs them all (static vs
+      continuous at the same rate, each suite's fastest draft), figures, keys and sections over the sweep
+      (the batch-size sweep's knee); the engine stores them (`Conclusion`).
     - `report_columns(doc, docs) -> Lead`: what the combined report leads this technique's row with (the
       figures its claim is about and what they are compared with; infer_tune/report/leads.py). None:
       decode speedup vs the baseline.
+    - `tune`: what `tune` may try of this technique and how it stacks (`Tuning`): its offers for a search,
+      the `--methods` names it answers to, or how it composes a stack.
+
+    What holds for one config rather than the technique is the config's (`TechniqueConfig`): the largest
+    batch it runs (`max_batch_size`, `check_workload`) and the workload it runs at (`workload_for`).
     """
 
     config_cls: type
     prepare: PrepareFn
     runner: str = "generation"
-    max_batch_size: int | None = None
-    resolve: Callable[[Any, RunContext], Any] | None = None
-    annotate: Callable[[dict, list[dict]], None] | None = None
-    preflight: Callable[[LoadedModel, Any, RunContext], None] | None = None
     measure_ppl: bool = True
-    summarize: Callable[[list[dict]], dict | None] | None = None
-    plots: Callable[[list[dict]], dict[str, bytes]] | None = None
-    per_position: bool = False
-    finalize: Callable[..., dict[str, bytes] | None] | None = None
     objective: str = "decode"
     phase: int = 1
     conflicts: dict[str, str] = field(default_factory=dict)
+    resolve: Callable[[Any, RunContext], Any] | None = None
+    preflight: Callable[[LoadedModel, Any, RunContext], None] | None = None
+    finish: Callable[[MeasuredRow], dict[str, bytes] | None] | None = None
+    conclude: Callable[[list[ResultDocument], list[Any]], Conclusion | None] | None = None
+    report_columns: Callable[[ResultDocument, list[ResultDocument]], Any] | None = None
     tune: Tuning | None = None
-    report_columns: Callable[[dict, list[dict]], Any] | None = None
-    workload: Callable[[Any, Any], Any] | None = None
-    complete: Callable[[list[dict], list[Any]], None] | None = None
 
     @property
     def name(self) -> str:
         return self.config_cls.technique
-
-    def check_workload(self, workload, config: Any = None) -> None:
-        """The entry's constraints, then the config's own `check_workload(workload)` when it has one."""
-        if self.max_batch_size is not None and workload.batch_size > self.max_batch_size:
-            raise ConfigError(f"{self.name} runs at batch size <= {self.max_batch_size}; "
-                              f"the workload asks for batch size {workload.batch_size}")
-        if config is not None and hasattr(config, "check_workload"):
-            config.check_workload(workload)
 
 
 TECHNIQUES: dict[type, Technique] = {}

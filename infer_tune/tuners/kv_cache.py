@@ -19,7 +19,15 @@ from infer_tune.errors import ConfigError
 from infer_tune.metrics import kv
 from infer_tune.runners.generation import eos_ids, split_generate_kwargs
 from infer_tune.runners.prepared import PreparedModel
-from infer_tune.tuners.base import Offer, RunContext, TechniqueConfig, TuneAsk, Tuning, register_technique
+from infer_tune.tuners.base import (
+    MeasuredRow,
+    Offer,
+    RunContext,
+    TechniqueConfig,
+    TuneAsk,
+    Tuning,
+    register_technique,
+)
 
 IMPLS = ("none", "dynamic", "static", "quantized", "offloaded")
 LOSSLESS_IMPLS = ("none", "dynamic", "static", "offloaded")
@@ -170,13 +178,15 @@ def cache_metrics(config: KVCacheConfig, doc: dict, prepared: PreparedModel, bat
     }
 
 
-def finalize_cache(config: KVCacheConfig, doc: dict, outputs: list[dict], prepared: PreparedModel, inputs,
-                   ctx: RunContext) -> None:
-    """The cache keys of every kv-cache row (and of a stack holding one), whichever command ran it: a
-    probe of the cache on the workload's first request, the analytic size and FLOPs."""
+def finish_cache(row: MeasuredRow) -> None:
+    """The cache keys of every kv-cache row (and of a stack holding one), whichever command ran it: the
+    mean latency of each decode step in order (`per_position_ms`, how the cache's cost grows with the
+    context), a probe of the cache on the workload's first request, the analytic size and FLOPs."""
+    config, doc, prepared = row.config, row.doc, row.prepared
+    doc.add_metrics({"per_position_ms": row.run.per_position_ms()}, source="kv-cache's finish")
     shape = kv.ModelShape.from_config(prepared.model.config)
-    doc.add_metrics(cache_metrics(config, doc, prepared, inputs.batches[0], shape,
-                                  int(doc["workload"]["max_new_tokens"])), source="kv-cache's finalize")
+    doc.add_metrics(cache_metrics(config, doc, prepared, row.inputs.batches[0], shape,
+                                  int(doc["workload"]["max_new_tokens"])), source="kv-cache's finish")
     if config.compile:
         doc["metrics"]["compiled"] = getattr(prepared.model, "_compiled_call", None) is not None
     return None
@@ -191,8 +201,7 @@ def tune_offer(ask: TuneAsk) -> list[Offer]:
     return [Offer(KVCacheConfig(impl="static", compile=True), role="part", compiles=True, beside=False)]
 
 
-@register_technique(KVCacheConfig, preflight=_preflight, measure_ppl=False, per_position=True,
-                    finalize=finalize_cache, phase=1, report_columns=report_columns, tune=Tuning(offer=tune_offer))
+@register_technique(KVCacheConfig, preflight=_preflight, measure_ppl=False, finish=finish_cache, phase=1, report_columns=report_columns, tune=Tuning(offer=tune_offer))
 def apply_kv_cache(loaded: models.LoadedModel, config: KVCacheConfig, ctx: RunContext) -> PreparedModel:
     """Choose how `generate` builds its cache; the model itself is unchanged."""
     model = loaded.model

@@ -7,7 +7,14 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from infer_tune.runners.prepared import PreparedModel
-from infer_tune.tuners.base import Offer, TechniqueConfig, Tuning, register_technique, unregister_technique
+from infer_tune.tuners.base import (
+    Conclusion,
+    Offer,
+    TechniqueConfig,
+    Tuning,
+    register_technique,
+    unregister_technique,
+)
 
 STATEMENT = "an echo decodes exactly like its source"
 
@@ -22,13 +29,14 @@ def prepare(loaded, config: EchoConfig, ctx) -> PreparedModel:
     return PreparedModel(loaded.model, loaded.tokenizer, label=f"echo-{config.tag}", metrics={"echo_tag": config.tag})
 
 
-def summarize(docs: list[dict]) -> dict:
+def conclude(docs: list, skipped: list) -> Conclusion:
     same = all(d["metrics"].get("output_mismatches") == 0 for d in docs)
-    return {"statement": STATEMENT, "finding": f"{len(docs)} echo row(s), outputs identical: {same}", "held": same}
+    return Conclusion(claim={"statement": STATEMENT, "finding": f"{len(docs)} echo row(s), outputs identical: {same}",
+                             "held": same})
 
 
 def register() -> None:
-    register_technique(EchoConfig, summarize=summarize, phase=2,
+    register_technique(EchoConfig, conclude=conclude, phase=2,
                        tune=Tuning(offer=lambda ask: [] if ask.on is not None else
                                    [Offer(EchoConfig(tag="tuned"), lossless=True)]))(prepare)
 

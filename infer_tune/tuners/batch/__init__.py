@@ -4,8 +4,8 @@ and the closed-loop batch-size sweep.
 A `BatchConfig` with scheduler `static` or `continuous` runs on the `trace` runner: its trace is built
 when the runner starts (the prompts' single-request greedy lengths are needed first, see
 `TraceFactory`), and the scheduler replays it. A scheduler `sweep` row is one size of the closed-loop
-batch-size sweep: the sweep engine runs it on the `generation` runner at its own batch size (the entry's
-`workload` hook), and `complete_sweep` adds the knee over the sweep's rows. The commands, metric
+batch-size sweep: the sweep engine runs it on the `generation` runner at its own batch size
+(`BatchConfig.workload_for`), and `conclude` adds the knee over the sweep's rows. The commands, metric
 definitions and design: docs/batch.md.
 """
 
@@ -17,10 +17,20 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from infer_tune import models
+from infer_tune.document import ResultDocument
 from infer_tune.errors import ConfigError
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.runners.trace import TraceRequest
-from infer_tune.tuners.base import Offer, RunContext, TechniqueConfig, TuneAsk, Tuning, register_technique
+from infer_tune.tuners.base import (
+    Conclusion,
+    MeasuredRow,
+    Offer,
+    RunContext,
+    TechniqueConfig,
+    TuneAsk,
+    Tuning,
+    register_technique,
+)
 from infer_tune.tuners.batch import analysis
 from infer_tune.tuners.batch import plots as batch_plots
 from infer_tune.tuners.batch.arrivals import TraceRow, check_burstiness, check_rate, trace_plan
@@ -99,6 +109,10 @@ class BatchConfig(TechniqueConfig):
             if self.timeout_ms is not None:
                 raise ConfigError("batch timeout_ms applies to the static scheduler only")
 
+    def workload_for(self, workload):
+        """A sweep row runs the workload at its own batch size; trace rows run the sweep's."""
+        return dataclasses.replace(workload, batch_size=self.batch_size) if self.scheduler == "sweep" else workload
+
     def label(self) -> str:
         if self.scheduler == "sweep":
             return f"sweep-b{self.batch_size}"
@@ -144,11 +158,6 @@ def make_scheduler(config: BatchConfig, shared: dict | None = None):
     return ContinuousBatcher(config.batch_size, config.max_batch_tokens)
 
 
-def sweep_workload(config: BatchConfig, workload):
-    """A sweep row runs the workload at its own batch size; trace rows run the sweep's."""
-    return dataclasses.replace(workload, batch_size=config.batch_size) if config.scheduler == "sweep" else workload
-
-
 def padding(inputs, max_new_tokens: int) -> tuple[float, int]:
     """(padding share, longest padded prompt) of the encoded batches, with the output length pinned."""
     positions = pads = 0
@@ -161,7 +170,7 @@ def padding(inputs, max_new_tokens: int) -> tuple[float, int]:
     return pads / positions if positions else 0.0, width
 
 
-def finalize_sweep_row(config: BatchConfig, doc: dict, inputs) -> None:
+def finish_sweep_row(config: BatchConfig, doc: dict, inputs) -> None:
     """A batch-size sweep row's own keys: its size and padding waste; the reference row (compared with
     nothing) has no mismatches by definition."""
     share, _ = padding(inputs, doc["workload"]["max_new_tokens"])
@@ -169,47 +178,51 @@ def finalize_sweep_row(config: BatchConfig, doc: dict, inputs) -> None:
     doc["metrics"].setdefault("output_mismatches", 0 if doc.get("baseline_run_id") is None else None)
 
 
-def complete_sweep(docs: list[dict], skipped: list) -> None:
+def sweep_conclusion(docs: list[ResultDocument], skipped: list) -> Conclusion:
     """The keys that need every batch-size sweep row: throughput by size, the knee, the gain per doubling
-    to the next size, the reference (smallest) size and the sizes not measured (`session.Skipped`)."""
+    to the next size, the reference (smallest) size and the sizes not measured (`sweep.Skipped`), and the
+    figure of throughput by batch size."""
     rows = sorted((d for d in docs if d["config"].get("scheduler") == "sweep"), key=lambda d: d["config"]["batch_size"])
     skipped = [s for s in skipped if getattr(s.config, "scheduler", None) == "sweep"]
     if not rows:
-        return
+        return Conclusion()
     throughput = {d["metrics"]["batch_size"]: d["metrics"]["output_throughput_tok_s"] for d in rows}
     knee, gains = analysis.knee(throughput)
     reference = rows[0]["metrics"]["batch_size"]
-    for doc in rows:
-        size = doc["metrics"]["batch_size"]
-        doc["metrics"].update(knee_batch_size=knee, is_knee=size == knee, reference_batch_size=reference,
-                              gain_per_doubling=gains.get(size))
-        doc.set_section("sweep", {"throughput_by_batch_size": {str(k): v for k, v in throughput.items()},
-                                  "knee_batch_size": knee, "not_measured": [s.to_dict() for s in skipped]})
+    section = {"throughput_by_batch_size": {str(k): v for k, v in throughput.items()}, "knee_batch_size": knee,
+               "not_measured": [s.to_dict() for s in skipped]}
+    table = [{"batch_size": d["metrics"]["batch_size"], "throughput": d["metrics"]["output_throughput_tok_s"],
+              "e2e_p50_ms": d["metrics"]["e2e_ms"]["p50"], "padding_share": d["metrics"]["padding_share"]}
+             for d in rows]
+    png = batch_plots.sweep_png(table, knee, f"{rows[0]['model']['ref']}: padded static batches, closed loop")
+    return Conclusion(
+        files={"sweep.png": png},
+        metrics={d["run_id"]: {"knee_batch_size": knee, "is_knee": d["metrics"]["batch_size"] == knee,
+                               "reference_batch_size": reference,
+                               "gain_per_doubling": gains.get(d["metrics"]["batch_size"])} for d in rows},
+        sections={d["run_id"]: {"sweep": section} for d in rows})
 
 
-def plots(docs: list[dict]) -> dict[str, bytes]:
-    """The trace rows' latency CDFs and throughput-latency curve; the sweep rows' throughput by batch size."""
-    files = batch_plots.sweep_plots(docs)
-    rows = sorted((d for d in docs if d["config"].get("scheduler") == "sweep"), key=lambda d: d["config"]["batch_size"])
-    if rows:
-        table = [{"batch_size": d["metrics"]["batch_size"], "throughput": d["metrics"]["output_throughput_tok_s"],
-                  "e2e_p50_ms": d["metrics"]["e2e_ms"]["p50"], "padding_share": d["metrics"]["padding_share"]}
-                 for d in rows]
-        files["sweep.png"] = batch_plots.sweep_png(table, rows[0]["metrics"].get("knee_batch_size"),
-                                                   f"{rows[0]['model']['ref']}: padded static batches, closed loop")
-    return files
+def conclude(docs: list[ResultDocument], skipped: list) -> Conclusion:
+    """Over a sweep's batch rows: the claim (static vs continuous on the same trace, paired by rate), the
+    trace rows' latency CDFs and throughput-latency curve, and the batch-size sweep's knee and figure."""
+    sized = sweep_conclusion(docs, skipped)
+    return Conclusion(claim=analysis.summarize(docs) if docs else None,
+                      files={**(batch_plots.sweep_plots(docs) if docs else {}), **sized.files},
+                      metrics=sized.metrics, sections=sized.sections)
 
 
-def finalize_trace(config: BatchConfig, doc: dict, outputs: list[dict], prepared: PreparedModel, inputs,
-                   ctx: RunContext) -> dict[str, bytes] | None:
+def finish(row: MeasuredRow) -> dict[str, bytes] | None:
     """The trace keys of every trace-scheduled row, whichever command or recipe ran it: the trace replayed
-    (`trace.jsonl`), each request's output length, the offered rate and the spread of the arrivals."""
+    (`trace.jsonl`), each request's output length, the offered rate and the spread of the arrivals (a
+    batch-size sweep row: its size and padding waste)."""
     import json
 
     from infer_tune.tuners.batch.arrivals import interarrival_cv, offered_rate
 
+    config, doc, prepared = row.config, row.doc, row.prepared
     if config.scheduler == "sweep":
-        finalize_sweep_row(config, doc, inputs)
+        finish_sweep_row(config, doc, row.inputs)
         return None
     factory = prepared.runner_options.get("trace")
     if not isinstance(factory, TraceFactory) or not factory.rows:
@@ -217,7 +230,7 @@ def finalize_trace(config: BatchConfig, doc: dict, outputs: list[dict], prepared
     rows = [r.to_dict() for r in factory.rows]
     times = [r["arrival_s"] for r in rows]
     doc.add_metrics({"offered_rate": offered_rate(times), "interarrival_cv": interarrival_cv(times)},
-                    source="batch's finalize")
+                    source="batch's finish")
     doc["workload"].update(requests=len(rows), rate=config.rate, burstiness=config.burstiness,
                            output_length="each prompt's single-request greedy length, capped at max_new_tokens")
     return {"trace.jsonl": "".join(json.dumps(r) + "\n" for r in rows).encode()}
@@ -246,10 +259,8 @@ def tune_offer(ask: TuneAsk) -> list[Offer]:
             for step in ((False, True) if native else (False,)) for n in BATCH_SLOTS]
 
 
-@register_technique(BatchConfig, runner="trace", measure_ppl=False, summarize=analysis.summarize, plots=plots,
-                    finalize=finalize_trace, objective="throughput", report_columns=report_columns,
-                    workload=sweep_workload, complete=complete_sweep,
-                    tune=Tuning(offer=tune_offer))
+@register_technique(BatchConfig, runner="trace", measure_ppl=False, finish=finish, conclude=conclude,
+                    objective="throughput", report_columns=report_columns, tune=Tuning(offer=tune_offer))
 def prepare_batch(loaded: models.LoadedModel, config: BatchConfig, ctx: RunContext) -> PreparedModel:
     """The model unchanged; the trace runner gets the trace factory and the scheduler (a sweep row: the
     closed-loop `generation` runner at its batch size)."""

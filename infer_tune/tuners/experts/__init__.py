@@ -19,7 +19,7 @@ import numpy as np
 from infer_tune import jsonsafe, models
 from infer_tune.errors import ConfigError
 from infer_tune.runners.prepared import PreparedModel
-from infer_tune.tuners.base import RunContext, TechniqueConfig, register_technique
+from infer_tune.tuners.base import Conclusion, MeasuredRow, RunContext, TechniqueConfig, register_technique
 from infer_tune.tuners.experts import (
     claim,
     loadfile,
@@ -194,9 +194,17 @@ def link_bytes(m: dict, ranks: list[dict], tokens: float) -> None:
             m[f"{key}_vs_predicted_pct"] = 100.0 * (m[key] / predicted - 1.0)
 
 
-@register_technique(ExpertsConfig, runner="multiprocess", preflight=_preflight, annotate=finish_validation,
-                    measure_ppl=False, summarize=claim.summarize, plots=plots.validation_plots,
-                    report_columns=report_columns)
+def _finish(row: MeasuredRow) -> None:
+    finish_validation(row.doc)
+
+
+def _conclude(docs: list, skipped: list) -> Conclusion:
+    """The measured claim over the sweep's plans (locality vs round-robin bytes) and the device-load figures."""
+    return Conclusion(claim=claim.summarize(docs), files=plots.validation_plots(docs))
+
+
+@register_technique(ExpertsConfig, runner="multiprocess", preflight=_preflight, finish=_finish, conclude=_conclude,
+                    measure_ppl=False, report_columns=report_columns)
 def prepare_experts(loaded: models.LoadedModel, config: ExpertsConfig, ctx: RunContext) -> PreparedModel:
     """A multi-process run of the workload under the plan: one rank per device."""
     from infer_tune.tuners.experts import worker

@@ -39,6 +39,7 @@ class LeanConfig(TechniqueConfig):
     (or eager) step, the reason in `lean_native_fallback`."""
 
     technique: ClassVar[str] = "lean"
+    max_batch_size: ClassVar[int] = 1  # one sequence at a time
 
     compile: bool = True
     cpp_wrapper: bool = False
@@ -95,7 +96,7 @@ def offer(ask: TuneAsk) -> list[Offer]:
     return parts
 
 
-@register_technique(LeanConfig, runner="lean", max_batch_size=1, measure_ppl=False, phase=3, tune=Tuning(offer=offer),
+@register_technique(LeanConfig, runner="lean", measure_ppl=False, phase=3, tune=Tuning(offer=offer),
                     conflicts={"kv-cache": "lean runs its own static cache; drop kv-cache from the stack",
                                "speculate": "lean and speculate each run their own decoding loop",
                                "batch": "a batch of slots runs the lean path as the batch part's engine: "

@@ -53,6 +53,7 @@ class LlamaCppConfig(TechniqueConfig):
     best_new_tokens decoded; the row records every format's figures (`llamacpp_best`)."""
 
     technique: ClassVar[str] = "llama-cpp"
+    max_batch_size: ClassVar[int] = 1  # one sequence at a time
 
     gguf: str | None = None
     n_ctx: int = 2048
@@ -204,7 +205,7 @@ def _fastest(loaded: LoadedModel, config: LlamaCppConfig, ctx: RunContext) -> Pa
     return Path(chosen.gguf)
 
 
-@register_technique(LlamaCppConfig, runner="llama-cpp", max_batch_size=1, preflight=_preflight, measure_ppl=False,
+@register_technique(LlamaCppConfig, runner="llama-cpp", preflight=_preflight, measure_ppl=False,
                     resolve=_resolve, tune=Tuning(offer=tune_offer))
 def prepare_llamacpp(loaded: LoadedModel, config: LlamaCppConfig, ctx: RunContext) -> PreparedModel:
     """Load the GGUF into llama.cpp with the run's thread count (in process, or its server on loopback)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from infer_tune import models
-from infer_tune.tuners.base import RunContext, Tuning, register_technique
+from infer_tune.tuners.base import MeasuredRow, RunContext, Tuning, register_technique
 from infer_tune.tuners.quantize import pipeline, serialize, tune
 from infer_tune.tuners.quantize.config import BACKENDS, METHODS, QuantizeConfig, parse_sweep, resolve_backend
 from infer_tune.tuners.quantize.report import report_columns
@@ -26,6 +26,11 @@ def _resolve(config: QuantizeConfig, ctx: RunContext) -> QuantizeConfig:
     return dataclasses.replace(config, backend=resolve_backend(config, ctx.device))
 
 
-register_technique(QuantizeConfig, resolve=_resolve, annotate=pipeline.annotate_claim,
+def _finish(row: MeasuredRow) -> None:
+    """The INT8 claim judged against a 16-bit row measured earlier in the sweep, and the TTFT note."""
+    pipeline.annotate_claim(row.doc, row.earlier)
+
+
+register_technique(QuantizeConfig, resolve=_resolve, finish=_finish,
                    preflight=pipeline.preflight, phase=0, report_columns=report_columns,
                    tune=Tuning(offer=tune.offer, methods=tune.TUNE_METHODS))(pipeline.prepare_quantized)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from infer_tune.tuners.base import RunContext, register_technique
+from infer_tune.tuners.base import Conclusion, MeasuredRow, RunContext, register_technique
 from infer_tune.tuners.speculate import claim, plots
 from infer_tune.tuners.speculate.config import (
     EARLY_EXIT,
@@ -42,6 +42,15 @@ def _resolve(config: SpeculateConfig, ctx: RunContext) -> SpeculateConfig:
     return dataclasses.replace(config, draft_digest=draft_digest(config.source.ref))
 
 
-register_technique(SpeculateConfig, runner="speculative", max_batch_size=1, resolve=_resolve, preflight=preflight,
-                   annotate=annotate, measure_ppl=False, summarize=claim.summarize, plots=plots.plots,
-                   phase=2, report_columns=report_columns)(prepare)
+def _finish(row: MeasuredRow) -> None:
+    """Losslessness: greedy speculative decoding reproduces the target-alone outputs token for token."""
+    annotate(row.doc, row.earlier)
+
+
+def _conclude(docs: list, skipped: list) -> Conclusion:
+    """The claim over the sweep's drafts (each code suite's fastest lossless draft) and the acceptance figure."""
+    return Conclusion(claim=claim.summarize(docs), files=plots.plots(docs))
+
+
+register_technique(SpeculateConfig, runner="speculative", resolve=_resolve, preflight=preflight, finish=_finish,
+                   conclude=_conclude, measure_ppl=False, phase=2, report_columns=report_columns)(prepare)

@@ -71,6 +71,7 @@ class SpeculateConfig(TechniqueConfig):
     """
 
     technique: ClassVar[str] = "speculate"
+    max_batch_size: ClassVar[int] = 1  # one sequence at a time
 
     draft: str = PROMPT_LOOKUP
     num_draft_tokens: int = 4

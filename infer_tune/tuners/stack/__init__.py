@@ -17,10 +17,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from infer_tune.document import ResultDocument
 from infer_tune.errors import ConfigError
 from infer_tune.models import LoadedModel
 from infer_tune.runners.prepared import PreparedModel, RunCounters
 from infer_tune.tuners.base import (
+    Conclusion,
+    MeasuredRow,
     RunContext,
     TechniqueConfig,
     Tuning,
@@ -101,9 +104,9 @@ class StackConfig(TechniqueConfig):
         return [p.technique for p in self.configs]
 
     def check_workload(self, workload) -> None:
-        """Every part's registry constraints (batch size) hold for the workload."""
+        """Every part's constraints (batch size) hold for the workload."""
         for part in self.configs:
-            technique_for(part).check_workload(workload, part)
+            part.check_workload(workload)
 
 
 class StackCounters(RunCounters):
@@ -157,22 +160,25 @@ def runner_of(config: StackConfig) -> str:
     return runners.pop() if runners else "generation"
 
 
-def _finalize(config: StackConfig, doc: dict, outputs: list[dict], prepared: PreparedModel, inputs, ctx: RunContext):
-    """Every part's own `finalize` on the stacked run: a stack's row carries its parts' keys."""
+def _finish(row: MeasuredRow) -> dict[str, bytes] | None:
+    """Every part's own `finish` on the stacked run: a stack's row carries its parts' keys."""
     files: dict[str, bytes] = {}
-    for part in config.configs:
+    for part in row.config.configs:
         entry = technique_for(part)
-        if entry.finalize:
-            files.update(entry.finalize(part, doc, outputs, prepared, inputs, ctx) or {})
+        if entry.finish:
+            files.update(entry.finish(dataclasses.replace(row, config=part)) or {})
     return files or None
 
 
-def as_part(doc: dict, name: str) -> dict | None:
-    """The stack row seen as a row of its part `name` (its technique and its config; the same metrics
-    object), so the part's sweep-level hooks read it like one of their own; None without such a part."""
+def as_part(doc: ResultDocument, name: str) -> ResultDocument | None:
+    """The stack row seen as a row of its part `name` (its technique and its config; the same run id and
+    metrics object), so the part's sweep-level hook reads it like one of its own; None without such a part."""
     for part in (doc.get("config") or {}).get("configs") or []:
         if isinstance(part, dict) and part.get("technique") == name:
-            return {**doc, "technique": name, "config": {k: v for k, v in part.items() if k != "technique"}}
+            config = {k: v for k, v in part.items() if k != "technique"}
+            if isinstance(doc, ResultDocument):
+                return dataclasses.replace(doc, technique=name, config=config)
+            return {**doc, "technique": name, "config": config}  # a hand-made row (the report's readers)
     return None
 
 
@@ -188,25 +194,23 @@ def _by_part(docs: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
-def _summarize(docs: list[dict]) -> dict | None:
-    """A part's claim over the stack rows that hold it (batch: static vs continuous stacks on one trace):
-    the first part, in phase order, whose `summarize` judges one."""
+def _conclude(docs: list[ResultDocument], skipped: list) -> Conclusion:
+    """Every part's own `conclude` over the stack rows that hold it (each seen as the part's row: batch's
+    static vs continuous stacks on one trace get batching's claim and figures): the claim of the first part,
+    in phase order, that judges one; every part's files, keys and sections."""
+    out = Conclusion()
     for name, views in _by_part(docs).items():
         entry = entry_named(name)
-        claim = entry.summarize(views) if entry and entry.summarize else None
-        if claim is not None:
-            return claim
-    return None
-
-
-def _plots(docs: list[dict]) -> dict[str, bytes]:
-    """Every part's own figures over the stack rows that hold it."""
-    files: dict[str, bytes] = {}
-    for name, views in _by_part(docs).items():
-        entry = entry_named(name)
-        if entry and entry.plots:
-            files.update(entry.plots(views) or {})
-    return files
+        found = entry.conclude(views, []) if entry and entry.conclude else None
+        if found is None:
+            continue
+        out.claim = out.claim if out.claim is not None else found.claim
+        out.files.update(found.files)
+        for run_id, keys in found.metrics.items():
+            out.metrics.setdefault(run_id, {}).update(keys)
+        for run_id, sections in found.sections.items():
+            out.sections.setdefault(run_id, {}).update(sections)
+    return out
 
 
 def _report_columns(doc: dict, docs: list[dict]):
@@ -221,8 +225,8 @@ def _report_columns(doc: dict, docs: list[dict]):
     raise ValueError("no part declares report columns")  # the report falls back to the decode speedup
 
 
-@register_technique(StackConfig, resolve=_resolve, preflight=_preflight, finalize=_finalize, summarize=_summarize,
-                    plots=_plots, report_columns=_report_columns,
+@register_technique(StackConfig, resolve=_resolve, preflight=_preflight, finish=_finish, conclude=_conclude,
+                    report_columns=_report_columns,
                     tune=Tuning(compose=lambda parts: StackConfig(configs=list(parts))))
 def prepare_stack(loaded: LoadedModel, config: StackConfig, ctx: RunContext) -> PreparedModel:
     """Prepare each part on the previous part's model, in phase order, and merge what they hand the runner."""
