@@ -120,9 +120,8 @@ def lead_for(doc: dict, docs: Sequence[dict], declared: dict) -> Lead:
 
 def declared_columns() -> dict:
     """Technique name -> its registered `report_columns` (the registry is read, never listed here)."""
-    from infer_tune.tuners.base import TECHNIQUES, load_techniques
-
     from infer_tune.scenarios import engine_tune
+    from infer_tune.tuners.base import TECHNIQUES, load_techniques
 
     load_techniques()
     found = {entry.name: entry.report_columns for entry in TECHNIQUES.values() if entry.report_columns}
