@@ -182,29 +182,44 @@ def test_fake_engine_refusing_its_argv_fails_clearly(monkeypatch, tmp_path):
             pass
 
 
-def test_tune_engine_decides_from_intervals_and_writes_the_launch(monkeypatch, tmp_path, tiny_model_dir, prompts_file):
-    """tune --engine on a fake llama-server: the default launch (f16) paced at 30 ms a token, q4_0 at 10 ms and
-    q8_0 at 15 ms but over the perplexity budget, a refused launch: q4_0 wins on its interval, recommended.yaml
-    holds its argv and bench --recipe's reader gets the same launch back."""
-    from infer_tune.scenarios.common import RunSpec
-    from infer_tune.workload import Protocol, Workload
-
+def _fake_llama(monkeypatch, tmp_path, gaps: dict, ppl: dict) -> dict:
+    """A fake llama-server ($LLAMA_SERVER) pacing each GGUF as `gaps` says (first matching name wins), the
+    GGUF of a `gguf` setting a file named after it, and `ppl` as llama-perplexity's answer per type."""
     server = tmp_path / "llama-server"
     server.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE} \"$@\"\n")
     server.chmod(0o755)
     monkeypatch.setenv("LLAMA_SERVER", str(server))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("FAKE_ENGINE_GAP_S", json.dumps({"q4_0.gguf": 0.01, "q8_0.gguf": 0.015, "*": 0.03}))
+    monkeypatch.setenv("FAKE_ENGINE_GAP_S", json.dumps(gaps))
     ggufs = {}
-    for name in ("f16", "q8_0", "q4_0"):
-        ggufs[name] = tmp_path / f"{name}.gguf"
+    for name in ppl:
+        ggufs[name] = tmp_path / "gguf" / f"{name}.gguf"
+        ggufs[name].parent.mkdir(exist_ok=True)
         ggufs[name].write_bytes(b"GGUF" + name.encode())
     monkeypatch.setattr(lm, "resolve_files", lambda launch, **_: {"model": ggufs[launch.get("gguf", "f16")]})
-    ppl = {"f16": 10.0, "q8_0": 11.0, "q4_0": 10.3}
     monkeypatch.setattr(et, "perplexity_of", lambda started, text, threads: {
         "ppl": ppl[started.launch.get("gguf", "f16")], "ppl_stderr": 0.1, "context": 128})
-    spec = RunSpec(model=str(tiny_model_dir), workload=Workload(suite=str(prompts_file), limit=2, max_new_tokens=8),
-                   protocol=Protocol(warmup=1, min_iterations=3, min_duration_s=0.0), out_dir=tmp_path / "runs")
+    return ggufs
+
+
+def _engine_spec(tiny_model_dir, prompts_file, out_dir, rounds=3):
+    from infer_tune.scenarios.common import RunSpec
+    from infer_tune.workload import Protocol, Workload
+
+    return RunSpec(model=str(tiny_model_dir), workload=Workload(suite=str(prompts_file), limit=2, max_new_tokens=8),
+                   protocol=Protocol(warmup=1, min_iterations=rounds, min_duration_s=0.0), out_dir=out_dir)
+
+
+def test_tune_engine_decides_from_intervals_and_writes_the_launch(monkeypatch, tmp_path, tiny_model_dir, prompts_file):
+    """tune --engine on a fake llama-server: the default launch (f16) paced at 30 ms a token, q4_0 at 10 ms and
+    q8_0 at 15 ms but over the perplexity budget, a refused launch: q4_0 wins on its interval, recommended.yaml
+    holds its argv and command line, and bench --recipe (its reader and its measurement) starts the same launch
+    again (the same argv but the port) and measures its pace again."""
+    from infer_tune.cli.engine_tune import by_hand_bench
+
+    ggufs = _fake_llama(monkeypatch, tmp_path, {"q4_0.gguf": 0.01, "q8_0.gguf": 0.015, "*": 0.03},
+                        {"f16": 10.0, "q8_0": 11.0, "q4_0": 10.3})
+    spec = _engine_spec(tiny_model_dir, prompts_file, tmp_path / "runs")
     tspec = et.EngineTuneSpec(max_ppl_delta=5, budget_s=120)
     outcome = et.run_engine_tune(spec, tspec, settings_list=[
         {"gguf": "q8_0"}, {"gguf": "q4_0"}, {"gguf": "q4_0", "cache_type_v": "q4_0", "flash_attn": "off"}],
@@ -219,8 +234,58 @@ def test_tune_engine_decides_from_intervals_and_writes_the_launch(monkeypatch, t
     assert outcome.winner["metrics"]["rounds"]["rounds"] >= 3
     body = yaml.safe_load(outcome.recommended.read_text())[et.RECIPE_KEY]
     assert body["settings"] == {"gguf": "q4_0"} and str(ggufs["q4_0"]) in body["argv"]
+    # the printed launch is the command line that ran: the server's full path, startable by hand
+    assert outcome.command[0] == str(tmp_path / "llama-server") and body["command"].split() == outcome.command
+    port = outcome.command[outcome.command.index("--port") + 1]
+    hand = by_hand_bench(outcome).split()
+    assert hand[:4] == ["infer-tune", "bench", "--endpoint", f"http://127.0.0.1:{port}/v1"] and "--ignore-eos" in hand
+    assert hand[hand.index("--limit") + 1] == "2" and hand[hand.index("--max-new-tokens") + 1] == "8"
     again = et.launch_from_recipe(outcome.recommended)
     assert again.settings == {"gguf": "q4_0"} and again.engine == "llama.cpp"
+    base, measured = et.run_engine_bench(_engine_spec(tiny_model_dir, prompts_file, tmp_path / "again", 1), again)
+    argv, won = measured["config"]["launch"]["argv"], body["argv"]
+    at = won.index("--port") + 1
+    assert argv[:at] + argv[at + 1:] == won[:at] + won[at + 1:] and argv[at] != ""  # only the port differs
+    assert base["config"]["settings"] == {} and measured["baseline_run_id"] == base["run_id"]
+    assert 5 <= measured["metrics"]["tpot_ms"]["p50"] <= 25  # q4_0's 10 ms pace again, not the default's 30 ms
+    assert measured["metrics"]["speedup_vs_baseline"] > 1.5
+
+
+def test_combined_report_holds_in_process_and_engine_rows(monkeypatch, tmp_path, tiny_model_dir, prompts_file):
+    """One runs folder with an in-process bench (baseline + lean) and a tune --engine run: `leaderboard` shows
+    both kinds of row, the engine rows' perplexity change and BLEU drift in the columns the in-process rows
+    use, the imatrix Q4_K_M beside its uncalibrated twin, each engine row saying it is against llama.cpp's
+    default launch; the report's recommendation never ranks a launch against the in-process baseline."""
+    from infer_tune import results
+    from infer_tune.report import display
+    from infer_tune.report import leaderboard as lb
+    from infer_tune.report.recommend import Budget, recommend
+    from infer_tune.scenarios.bench import run_bench
+    from infer_tune.tuners.lean import LeanConfig
+
+    runs = tmp_path / "runs"
+    run_bench(_engine_spec(tiny_model_dir, prompts_file, runs / "own", 2), [LeanConfig(compile=False)])
+    _fake_llama(monkeypatch, tmp_path, {"imatrix-q4_k_m.gguf": 0.012, "q4_k_m.gguf": 0.013, "*": 0.03},
+                {"f16": 10.0, "q4_k_m": 10.42, "imatrix-q4_k_m": 10.29})
+    et.run_engine_tune(_engine_spec(tiny_model_dir, prompts_file, runs / "llama.cpp"), et.EngineTuneSpec(),
+                       settings_list=[{"gguf": "q4_k_m"}, {"gguf": "imatrix-q4_k_m"}])
+    docs = results.find_results(runs)
+    frame = lb.build(docs)
+    rows = {(r["technique"], r["config"].removesuffix(" [noisy]")): r for r in lb.rows_of(frame)}
+    assert {t for t, _ in rows} == {"baseline", "lean", "engine"}
+    default = rows[("engine", "llama.cpp default")]
+    calibrated, plain = rows[("engine", "llama.cpp gguf=imatrix-q4_k_m")], rows[("engine", "llama.cpp gguf=q4_k_m")]
+    assert abs(calibrated["ppl_delta_pct"] - 2.9) < 1e-6 and abs(plain["ppl_delta_pct"] - 4.2) < 1e-6
+    for row in (calibrated, plain):
+        assert row["bleu_drift"] is not None and row["exact_match_vs_baseline"] is not None
+        assert row["lead_vs"].startswith("llama.cpp default launch") and row["speedup_vs_baseline"] > 1.5
+    assert default["lead_vs"] == "reference of the llama.cpp rows"
+    assert [r["lead_vs"] for (t, _), r in rows.items() if t == "lean"] == ["baseline (same session)"]
+    text = display.markdown(lb.rows_of(frame))
+    assert "+2.90%" in text and "+4.20%" in text and "llama.cpp gguf=imatrix-q4_k_m" in text
+    rec = recommend(docs, Budget())
+    assert rec.doc is None or rec.doc["technique"] != "engine"
+    assert any("engine launch row(s)" in r for r in rec.reasons)
 
 
 def test_cli_bench_engine_bad_setting_exits_2():

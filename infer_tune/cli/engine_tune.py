@@ -54,3 +54,24 @@ def render(outcome, tspec) -> None:
     output.out.print(f"launch: {shlex.join(outcome.command)}", soft_wrap=True, markup=False)
     output.out.print(f"recommended: {outcome.recommended} (measure it again: infer-tune bench --recipe "
                      f"{outcome.recommended})", soft_wrap=True, markup=False)
+    by_hand = by_hand_bench(outcome)
+    if by_hand:
+        output.out.print(f"by hand: start the launch above, then {by_hand}", soft_wrap=True, markup=False)
+
+
+def by_hand_bench(outcome) -> str | None:
+    """The `bench --endpoint` line that measures the printed launch, started by hand, on the run's workload
+    (the same prompts and lengths, every request decoding its full length as in the search)."""
+    cmd = outcome.command
+    if "--port" not in cmd:
+        return None
+    w = outcome.winner.get("workload") or {}
+    host = cmd[cmd.index("--host") + 1] if "--host" in cmd else "127.0.0.1"
+    served = cmd[cmd.index("--alias") + 1] if "--alias" in cmd else outcome.winner["model"]["ref"]
+    parts = ["infer-tune", "bench", "--endpoint", f"http://{host}:{cmd[cmd.index('--port') + 1]}/v1",
+             "--model", str(outcome.winner["model"]["ref"]), "--served-model", served, "--ignore-eos"]
+    for flag, key in (("--suite", "suite"), ("--limit", "limit"), ("--max-new-tokens", "max_new_tokens"),
+                      ("--seed", "seed")):
+        if w.get(key) is not None:
+            parts += [flag, str(w[key])]
+    return shlex.join(parts)

@@ -116,10 +116,15 @@ def lead_for(doc: ResultDocument, docs: Sequence[ResultDocument], declared: dict
 
 def declared_columns() -> dict:
     """Technique name -> its registered `report_columns` (the registry is read, never listed here)."""
+    from infer_tune.scenarios import engine_tune
     from infer_tune.tuners.base import TECHNIQUES, load_techniques
 
     load_techniques()
-    return {entry.name: entry.report_columns for entry in TECHNIQUES.values() if entry.report_columns}
+    found = {entry.name: entry.report_columns for entry in TECHNIQUES.values() if entry.report_columns}
+    # launches of a serving engine (tune --engine) are no technique of the registry: their ratios are against
+    # the engine's default launch, and their rows say so
+    found.setdefault(engine_tune.TECHNIQUE, engine_tune.report_columns)
+    return found
 
 
 def leads(docs: Sequence[ResultDocument]) -> dict[str, Lead]:

@@ -21,6 +21,7 @@ from infer_tune.document import ResultDocument, as_document
 from infer_tune.errors import InferTuneError
 from infer_tune.report.display import is_broken
 
+ENGINE = "engine"  # rows of a serving engine's launches (scenarios/engine_tune.py): not ranked here
 OBJECTIVES = {"decode": "speedup_vs_baseline", "ttft": "ttft_speedup_vs_baseline",
               "throughput": "throughput_ratio_vs_baseline", "goodput": "goodput_ratio_vs_baseline"}
 
@@ -179,7 +180,8 @@ def recommend(docs: list[ResultDocument], budget: Budget) -> Recommendation:
     """The candidate whose objective interval has the highest lower bound among those within the budget
     (baselines excluded), with its contenders (module docstring)."""
     docs = [as_document(d) for d in docs]
-    candidates = [d for d in docs if d.technique not in ("baseline", None) and d.baseline_run_id]
+    candidates = [d for d in docs if d.technique not in ("baseline", None, ENGINE) and d.baseline_run_id]
+    launches = sum(1 for d in docs if d.technique == ENGINE and d.baseline_run_id)
     objective = budget.objective
     if objective == "auto":
         kinds = {row_objective(d) for d in candidates}
@@ -193,6 +195,9 @@ def recommend(docs: list[ResultDocument], budget: Budget) -> Recommendation:
             reasons.append(f"{doc.technique} {doc.label or ''}: {why}".strip())
         else:
             eligible.append(doc)
+    if launches:  # their ratios are against their engine's default launch, not this report's baseline
+        reasons.append(f"{launches} engine launch row(s) left to tune --engine, which ranks them against the "
+                       "engine's default launch (its recommended.yaml)")
     speed_only = any(random_weights(d) for d in candidates)
     if speed_only:  # no quality figure exists to hold against a budget (docs/metrics.md, "Random weights")
         reasons.insert(0, Recommendation.SPEED_ONLY)

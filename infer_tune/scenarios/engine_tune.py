@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,6 +128,7 @@ def run_engine_bench(spec: RunSpec, launch: lm.Launch, *, against_default: bool 
     base_doc = base_outputs = None
     if against_default and launch.engine == "llama.cpp" and launch.settings != default.settings:
         base_doc, base_outputs = _measure_launch(spec, default, text, progress, 0)
+        _mark(base_doc, engine_status="default")
         rows.append(Row(base_doc, base_outputs))
     doc, outputs = _measure_launch(spec, launch, text, progress, 1)
     if base_doc is not None:
@@ -162,12 +164,18 @@ def candidates(spec: EngineTuneSpec, model: str, threads: int | None = None) -> 
     """The launches worth trying for the objective, cheapest evidence first, sized to the budget (about one
     candidate per budget minute, at least the four formats)."""
     fa = {"flash_attn": "on"}
-    found: list[dict] = [{"gguf": "q8_0"}, {"gguf": "q4_0"}, {"gguf": "q4_k_m"}, {"gguf": "imatrix-q4_k_m"},
-                         {"gguf": "q4_0", **fa}, {"gguf": "q4_0", "cache_type_k": "q8_0", "cache_type_v": "q8_0", **fa}]
+    # the formats first, each 4-bit type beside its imatrix-calibrated twin; then the KV cache and drafting
+    # settings on the calibrated Q4_K_M, the 4-bit type that keeps most of the quality
+    calibrated = {"gguf": "imatrix-q4_k_m"}
+    found: list[dict] = [{"gguf": "q8_0"}, {"gguf": "q4_0"}, {"gguf": "q4_k_m"}, dict(calibrated),
+                         {"gguf": "imatrix-q4_0"}, {**calibrated, **fa},
+                         {**calibrated, "cache_type_k": "q8_0", "cache_type_v": "q8_0", **fa}]
     if spec.objective == "throughput":
-        found[1:1] = [{"gguf": "q4_0", "parallel": 4}, {"gguf": "q4_k_m", "parallel": 4}]
+        found[1:1] = [{"gguf": "q4_0", "parallel": 4}, {**calibrated, "parallel": 4}]
     elif spec.objective == "decode":
-        found.append({"gguf": "q4_0", "spec_type": "ngram-simple"})
+        # n-gram drafting from the prompt and the text so far (no draft model: SmolLM2-135M is the smallest
+        # of its family, and a draft is worth its steps only when it is several times cheaper than the target)
+        found.append({**calibrated, "spec_type": "ngram-simple"})
     return found[:max(4, int(spec.budget_s // 60))]
 
 
@@ -178,7 +186,7 @@ class EngineTuneOutcome:
     refused: list[dict]  # {label, settings, reason}
     winner: ResultDocument
     recommended: Path | None
-    command: list[str]
+    command: list[str]  # the winner's command line as it ran (the binary's full path): start it by hand
     elapsed_s: float
     notes: list[str] = field(default_factory=list)
 
@@ -203,6 +211,24 @@ def table_row(doc: ResultDocument) -> dict:
             "ppl": m.get("ppl"), "ppl_delta_pct": m.get("ppl_delta_pct"), "bleu_drift": m.get("bleu_drift"),
             "bleu_vs_baseline": m.get("bleu_vs_baseline"), "exact_match": m.get("exact_match_vs_baseline"),
             "reason": doc.get("engine_reason")}
+
+
+def report_columns(doc: dict, docs: list[dict]):
+    """What the combined report (`infer-tune leaderboard`, report/leads.py) leads an engine row with: its
+    objective's ratio and interval against the engine's default launch of the same run; the default launch
+    itself is the reference of those rows. In-process rows beside it are against their own baseline."""
+    from infer_tune.report import leads
+
+    engine = (doc.get("config") or {}).get("engine") or "the engine"
+    if doc.get("engine_status") == "default" or not doc.get("baseline_run_id"):
+        return leads.Lead((), f"reference of the {engine} rows" if doc.get("engine_status") == "default" else "-")
+    vs = f"{engine} default launch (f16 GGUF, default flags; same run)"
+    objective = doc.get("objective") if doc.get("objective") in OBJECTIVE_RATIO else "decode"
+    if objective == "decode":
+        return leads.decode_speedup(doc, docs, vs)
+    key, m = OBJECTIVE_RATIO[objective], doc.get("metrics") or {}
+    name = {"ttft": "TTFT", "throughput": "throughput"}[objective]
+    return leads.Lead((leads.Figure(name, leads.number(m.get(key)), "x", leads.interval(m, key)),), vs)
 
 
 def quality_reasons(m: dict, spec: EngineTuneSpec) -> list[str]:
@@ -315,16 +341,18 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
         notes.append("no launch's interval cleared the default launch within the quality budget: the default stands")
     recommended = write_recommended(spec, winner_started, winner_doc)
     return EngineTuneOutcome(baseline=base_doc, rows=docs, refused=refused, winner=winner_doc,
-                             recommended=recommended, command=winner_started.record()["argv"],
+                             recommended=recommended, command=list(winner_started.command),
                              elapsed_s=time.monotonic() - start, notes=notes)
 
 
 def write_recommended(spec: RunSpec, started: lm.Started, doc: ResultDocument) -> Path:
-    """`OUT/recommended.yaml`: the launch (engine, model, settings), its argv and GGUF(s), and the workload."""
+    """`OUT/recommended.yaml`: the launch (engine, model, settings), its argv, the command line that ran (to
+    start it by hand: `command`), its GGUF(s), and the workload."""
     record = started.record()
     settings = {**record["settings"], **({"threads": str(spec.threads)} if spec.threads else {})}
     body = {RECIPE_KEY: {"engine": record["engine"], "model": record["model"], "settings": settings,
-                         "argv": record["argv"], "gguf": record.get("gguf"), "llama_cpp": record.get("llama_cpp")},
+                         "argv": record["argv"], "command": shlex.join(started.command),
+                         "gguf": record.get("gguf"), "llama_cpp": record.get("llama_cpp")},
             "workload": spec.workload.to_dict(), "result": str(doc.location) if doc.location else None,
             "measured": {k: doc.metrics.get(k) for k in ("speedup_vs_baseline", "speedup_vs_baseline_ci95",
                                                              "ppl_delta_pct", "bleu_drift", "bleu_vs_baseline")}}
