@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import secrets
 import stat
+import time
 from pathlib import Path
 
 from infer_tune.errors import InferTuneError
@@ -27,12 +28,13 @@ def ensure_writable(folder: str | Path, what: str) -> Path:
     Safe when several commands check the same new folder at once: a folder another process made
     first counts as existing, and one it removed again under this check is made once more."""
     folder = Path(folder).expanduser()
-    for _ in range(5):
+    for attempt in range(20):
         try:
             _probe_writable(folder, what)
             return folder
-        except FileNotFoundError as exc:  # another pre-flight removed its folder under us: again
+        except FileNotFoundError as exc:  # another pre-flight removed its folder under us: again, a little later
             lost = exc
+            time.sleep(0.001 * secrets.randbelow(4 * (attempt + 1)))  # racing twins fall out of step
     raise InferTuneError(f"{what} {folder} is not writable: {lost.strerror or lost}") from None
 
 

@@ -184,6 +184,16 @@ def one_thread():
 
 
 @pytest.fixture(autouse=True)
+def no_contention_reruns(monkeypatch):
+    """A request batch is never run again for contention in tests (rounds.RERUNS): the suite runs on two
+    workers, so the host is always busy, and tests that count runner calls would see a rerun at random. The
+    rerun rule's own test sets it back."""
+    from infer_tune import rounds
+
+    monkeypatch.setattr(rounds, "RERUNS", 0)
+
+
+@pytest.fixture(autouse=True)
 def few_rounds(request, monkeypatch):
     """Tests check behaviour, not intervals: the engine's rounds are capped at the floor (tiny models' passes take
     milliseconds and their ratios never reach a 2% interval, so every sweep would run its whole round

@@ -17,14 +17,17 @@ from infer_tune.cli import app
 from infer_tune.document import OverwriteError, ResultDocument, as_document
 
 
-def _loaded(tmp_path, **metrics) -> ResultDocument:
-    return results.load_result(save(make_result("r", technique="quantize", **metrics), tmp_path / "runs"))
+def _loaded(tmp_path, noise_figure: dict | None = None, **metrics) -> ResultDocument:
+    doc = make_result("r", technique="quantize", **metrics)
+    if noise_figure is not None:  # `noise` is make_result's sample spread; the noise figure is set here
+        doc["metrics"]["noise"] = noise_figure
+    return results.load_result(save(doc, tmp_path / "runs"))
 
 
 def test_accessors_read_the_metrics_every_reader_needs(tmp_path):
     doc = _loaded(tmp_path, speedup_vs_baseline=2.5, speedup_vs_baseline_ci95=[2.25, 2.75], ppl_delta_pct=1.5,
                   bleu_drift=-0.25, ttft_speedup_vs_baseline_ci95=[1.5, 1.25],  # out of order: no interval
-                  noise={"noisy": True, "why": ["contention"]}, rounds={"rounds": 4, "group": "g1"})
+                  noise_figure={"noisy": True, "why": ["contention"]}, rounds={"rounds": 4, "group": "g1"})
     assert doc.speedup == 2.5 and doc.speedup_ci95 == (2.25, 2.75)
     assert doc.interval("ttft_speedup_vs_baseline") is None and doc.ttft_speedup is None
     assert doc.tpot_p50_ms == doc.metrics["tpot_ms"]["p50"] and doc.ttft_p50_ms == doc.metrics["ttft_ms"]["p50"]

@@ -297,6 +297,8 @@ def test_rounds_run_a_contended_request_batch_again(monkeypatch):
     every variant, once; the first try's timings and technique counts are dropped, the rerun counted."""
     from infer_tune import rounds
     from infer_tune.metrics import noise
+
+    monkeypatch.setattr(rounds, "RERUNS", 1)  # the suite's conftest turns the rerun off for every other test
     from infer_tune.runners.base import RUNNERS, GenerationRun, RequestTiming
     from infer_tune.runners.prepared import RunCounters
     from infer_tune.workload import Inputs

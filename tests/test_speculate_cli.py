@@ -47,7 +47,7 @@ def suites(tmp_path) -> list[Path]:
 
 
 def _invoke(args: list[str]):
-    return runner.invoke(app, ["speculate", *args], terminal_width=240)
+    return runner.invoke(app, ["speculate", *args], terminal_width=400)
 
 
 @pytest.mark.parametrize("args, message", [

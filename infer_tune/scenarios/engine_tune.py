@@ -45,9 +45,9 @@ from infer_tune.scenarios.endpoint import EndpointRun, measure_endpoint, open_en
 from infer_tune.sweep import Measured, Row, RowSpec, build_document, save_rows
 from infer_tune.workload import iter_prompts
 
-TECHNIQUE = "engine"
+TECHNIQUE = "engine"  # report/leads.py ENGINE
 OBJECTIVE_RATIO = {"decode": "speedup_vs_baseline", "ttft": "ttft_speedup_vs_baseline",
-                   "throughput": "throughput_ratio_vs_baseline"}
+                   "throughput": "throughput_ratio_vs_baseline"}  # report/leads.py ENGINE_RATIO
 RECIPE_KEY = "engine_launch"  # the recommended.yaml key `bench --recipe` recognizes
 
 
@@ -213,22 +213,12 @@ def table_row(doc: ResultDocument) -> dict:
             "reason": doc.get("engine_reason")}
 
 
-def report_columns(doc: dict, docs: list[dict]):
-    """What the combined report (`infer-tune leaderboard`, report/leads.py) leads an engine row with: its
-    objective's ratio and interval against the engine's default launch of the same run; the default launch
-    itself is the reference of those rows. In-process rows beside it are against their own baseline."""
+def report_columns(doc: ResultDocument, docs: list[ResultDocument]):
+    """What the combined report leads an engine row with (report/leads.py `engine_columns`, which the report
+    reads without importing this module)."""
     from infer_tune.report import leads
 
-    engine = (doc.get("config") or {}).get("engine") or "the engine"
-    if doc.get("engine_status") == "default" or not doc.get("baseline_run_id"):
-        return leads.Lead((), f"reference of the {engine} rows" if doc.get("engine_status") == "default" else "-")
-    vs = f"{engine} default launch (f16 GGUF, default flags; same run)"
-    objective = doc.get("objective") if doc.get("objective") in OBJECTIVE_RATIO else "decode"
-    if objective == "decode":
-        return leads.decode_speedup(doc, docs, vs)
-    key, m = OBJECTIVE_RATIO[objective], doc.get("metrics") or {}
-    name = {"ttft": "TTFT", "throughput": "throughput"}[objective]
-    return leads.Lead((leads.Figure(name, leads.number(m.get(key)), "x", leads.interval(m, key)),), vs)
+    return leads.engine_columns(doc, docs)
 
 
 def quality_reasons(m: dict, spec: EngineTuneSpec) -> list[str]:
