@@ -27,6 +27,10 @@ FAST = ["--warmup", "0", "--min-iterations", "1", "--min-duration", "0", "--thre
 @pytest.fixture(autouse=True)
 def _wide_and_one_thread(monkeypatch, one_thread):
     monkeypatch.setenv("COLUMNS", "400")  # the report table, unwrapped (its title holds the temp paths)
+    from infer_tune.cli import output
+
+    # the console took its width when it was imported (a pytest-xdist worker has COLUMNS=80 by then)
+    monkeypatch.setattr(output.out, "width", 400)
 
 
 @pytest.fixture(scope="module")
