@@ -122,28 +122,27 @@ def declared_columns() -> dict:
     found = {entry.name: entry.report_columns for entry in TECHNIQUES.values() if entry.report_columns}
     # launches of a serving engine (tune --engine) are no technique of the registry: their ratios are against
     # the engine's default launch, and their rows say so
+    from infer_tune.report.recommend import ENGINE
+
     found.setdefault(ENGINE, engine_columns)
     return found
-
-
-ENGINE = "engine"  # the technique name of a serving engine's launch rows (scenarios/engine_tune.py)
-ENGINE_RATIO = {"decode": "speedup_vs_baseline", "ttft": "ttft_speedup_vs_baseline",
-                "throughput": "throughput_ratio_vs_baseline"}
 
 
 def engine_columns(doc: ResultDocument, docs: Sequence[ResultDocument]) -> Lead:
     """What the combined report leads an engine launch row with (`tune --engine`): its objective's ratio and
     interval against the engine's default launch of the same run; the default launch itself is the reference
     of those rows. In-process rows beside it are against their own baseline."""
+    from infer_tune.report.recommend import ENGINE_OBJECTIVES, OBJECTIVES
+
     doc = as_document(doc)
     engine = (doc.config or {}).get("engine") or "the engine"
     if doc.extra.get("engine_status") == "default" or not doc.baseline_run_id:
         return Lead((), f"reference of the {engine} rows" if doc.extra.get("engine_status") == "default" else "-")
     vs = f"{engine} default launch (f16 GGUF, default flags; same run)"
-    objective = doc.objective if doc.objective in ENGINE_RATIO else "decode"
+    objective = doc.objective if doc.objective in ENGINE_OBJECTIVES else "decode"
     if objective == "decode":
         return decode_speedup(doc, docs, vs)
-    key = ENGINE_RATIO[objective]
+    key = OBJECTIVES[objective]
     name = {"ttft": "TTFT", "throughput": "throughput"}[objective]
     return Lead((Figure(name, finite(doc.metrics.get(key)), "x", interval(doc.metrics, key)),), vs)
 

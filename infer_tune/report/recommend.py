@@ -24,6 +24,7 @@ from infer_tune.report.display import is_broken
 ENGINE = "engine"  # rows of a serving engine's launches (scenarios/engine_tune.py): not ranked here
 OBJECTIVES = {"decode": "speedup_vs_baseline", "ttft": "ttft_speedup_vs_baseline",
               "throughput": "throughput_ratio_vs_baseline", "goodput": "goodput_ratio_vs_baseline"}
+ENGINE_OBJECTIVES = ("decode", "ttft", "throughput")  # what an engine launch is tuned on (tune --engine)
 
 
 @dataclass

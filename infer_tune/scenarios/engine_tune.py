@@ -37,6 +37,7 @@ from infer_tune.engines import calibrate
 from infer_tune.engines import launch as lm
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import deltas, noise
+from infer_tune.report.recommend import ENGINE, ENGINE_OBJECTIVES, OBJECTIVES
 from infer_tune.runners.base import Progress
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.scenarios import tune_plan
@@ -45,9 +46,8 @@ from infer_tune.scenarios.endpoint import EndpointRun, measure_endpoint, open_en
 from infer_tune.sweep import Measured, Row, RowSpec, build_document, save_rows
 from infer_tune.workload import iter_prompts
 
-TECHNIQUE = "engine"  # report/leads.py ENGINE
-OBJECTIVE_RATIO = {"decode": "speedup_vs_baseline", "ttft": "ttft_speedup_vs_baseline",
-                   "throughput": "throughput_ratio_vs_baseline"}  # report/leads.py ENGINE_RATIO
+TECHNIQUE = ENGINE
+OBJECTIVE_RATIO = {objective: OBJECTIVES[objective] for objective in ENGINE_OBJECTIVES}
 RECIPE_KEY = "engine_launch"  # the recommended.yaml key `bench --recipe` recognizes
 
 
