@@ -272,7 +272,7 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
         queue = [c for c in candidates if c.status == "pending"]
         leaders: list[dict] = []
         stacked = 0
-        speculated = False
+        asked_beside = False
         done = 0
         while queue:
             cand = queue.pop(0)
@@ -289,8 +289,8 @@ def run_tune(spec: RunSpec, tune: TuneSpec, *, progress: Progress | None = None)
                 group += together
                 queue = [c for c in queue if c not in together]
                 total += len(together)
-            if not speculated and cand.base:  # the most promising base
-                speculated = True
+            if not asked_beside and cand.base:  # the most promising base
+                asked_beside = True
                 beside, later = beside_method(tune, cand, host)
                 if beside and budget.fits_all([cand, *beside]):
                     group += beside
