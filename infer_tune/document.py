@@ -40,6 +40,9 @@ class RoundsBlock:
     judged_on: list[str] | None = None
     # request batches run again per round because other processes used the host meanwhile (rounds.RERUNS)
     reruns_by_round: list[int] | None = None
+    # how each ratio's interval was taken (metrics.stats.paired_rounds_interval): name -> {pooled, df,
+    # rounds_f_p}; pooled: the rounds did not differ beyond the pairs, which were the samples
+    interval_method: dict[str, dict] | None = None
 
 
 # top-level sections a sweep hook adds over every row of a technique (not measured: set, or set again)

@@ -11,7 +11,8 @@ whole pass. A request batch during which other processes used more than `noise.O
 the host (the host's counters say so, not the timings) is run again once by every variant and the
 first try dropped (`reruns_by_round`). A ratio is taken per round — for TTFT and TPOT the geometric
 mean over prompts of each prompt's paired ratio, for throughput the pass totals — and the rounds are
-its samples: rounds continue until every candidate's intervals of the ratios the target is on are
+its samples, or for TTFT and TPOT the (round, prompt) pairs when the rounds do not differ beyond the
+pairs' own spread (`interval`; metrics.stats.paired_rounds_interval): rounds continue until every candidate's intervals of the ratios the target is on are
 within the protocol's target half-width (all three, or with `target_on: objective` the one the row is
 ranked on: `judged`), or the round or time budget ends. A variant whose runner replays an arrival
 trace (`register_runner(..., passes="whole")`) runs its whole trace once per round, at a shuffled
@@ -36,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 from infer_tune.document import RoundsBlock
 from infer_tune.metrics import noise
-from infer_tune.metrics.stats import log_ratio_interval
+from infer_tune.metrics.stats import log_ratio_interval, paired_rounds_interval
 from infer_tune.runners import GenerationRun, PreparedModel, get_runner
 from infer_tune.runners.base import Progress
 from infer_tune.workload import Inputs, Protocol, Workload
@@ -111,7 +112,9 @@ class RoundsOutcome:
             other_cpu_by_round=self.other_cpu_by_round or None,
             major_faults_by_round=self.major_faults_by_round or None, group=self.group,
             reruns_by_round=self.reruns_by_round or None,
-            judged_on=list(on) if name in self.intervals else None))
+            judged_on=list(on) if name in self.intervals else None,
+            interval_method={key: {k: iv[k] for k in ("pooled", "df", "rounds_f_p") if k in iv}
+                             for key, iv in mine.items() if iv and "pooled" in iv} or None))
 
 
 def one_pass(protocol: Protocol) -> Protocol:
@@ -202,9 +205,34 @@ def judged(v: Variant, protocol: Protocol) -> tuple[str, ...]:
     return tuple(RATIOS)
 
 
+def pair_table(base: Variant, cand: Variant, metric: str) -> list[list[float]] | None:
+    """The log paired ratio base / cand of every (round, prompt) for a latency, or None unless every round
+    paired the same prompts (then the rounds alone are the samples)."""
+    if metric == "output_throughput_tok_s":
+        return None
+    rows: list[dict[int, float]] = []
+    for b_run, c_run in zip(base.passes, cand.passes):
+        b, c = per_prompt(b_run, metric), per_prompt(c_run, metric)
+        rows.append({k: math.log(b[k] / c[k]) for k in set(b) & set(c)})
+    keys = sorted(rows[0]) if rows else []
+    if not keys or any(sorted(row) != keys for row in rows):
+        return None
+    return [[row[k] for k in keys] for row in rows]
+
+
+def interval(base: Variant, cand: Variant, metric: str) -> dict | None:
+    """A ratio's 95% interval over the rounds: from the table of paired ratios per (round, prompt) where
+    there is one (`paired_rounds_interval`: the rounds pooled with the pairs when they do not differ beyond
+    them), else from the per-round ratios."""
+    table = pair_table(base, cand, metric)
+    if table is not None and len(table) >= 2:
+        return paired_rounds_interval(table)
+    return log_ratio_interval(round_ratios(base, cand, metric))
+
+
 def intervals(base: Variant, cand: Variant) -> dict[str, dict | None]:
     names = WHOLE_RATIOS if cand.whole else tuple(RATIOS)
-    return {name: log_ratio_interval(round_ratios(base, cand, RATIOS[name])) for name in names}
+    return {name: interval(base, cand, RATIOS[name]) for name in names}
 
 
 def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, protocol: Protocol, *, seed: int = 0,

@@ -270,6 +270,39 @@ def test_moe_demo_is_a_model_name(monkeypatch, tmp_path):
     assert models.resolve("moe-demo") == str(tmp_path / "models" / "moe-demo")
 
 
+def test_a_cached_moe_demo_is_kept_only_when_built_from_the_same_spec_source_and_builder(monkeypatch, tmp_path):
+    from infer_tune import atomic
+    from infer_tune.tuners.experts import demo
+
+    monkeypatch.setenv("INFER_TUNE_HOME", str(tmp_path))
+    source = tmp_path / "models" / "smollm2-135m"
+    source.mkdir(parents=True)
+    (source / "config.json").write_text("{}")
+    (source / "model.safetensors").write_bytes(b"weights one")
+    built = tmp_path / "models" / "moe-demo"
+    built.mkdir()
+    (built / "config.json").write_text("{}")
+    (built / "model.safetensors").write_bytes(b"moe")
+    spec = demo.DemoSpec()
+    atomic.write_json(built / "infer_tune_source.json", {"built": {"experts": 16}, "key": demo.build_key(spec)})
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a cached build was built again")
+
+    monkeypatch.setattr(demo.models, "load", no_load)
+    facts = demo.build(spec, rebuild=False)
+    assert facts["cached"] is True and facts["experts"] == 16 and facts["path"] == str(built)
+    with pytest.raises(AssertionError, match="built again"):  # --rebuild builds whatever is cached
+        demo.build(spec, rebuild=True)
+    assert demo.cached_build(demo.DemoSpec(experts=8)) is None  # another spec
+    monkeypatch.setattr(demo, "BUILDER_VERSION", demo.BUILDER_VERSION + 1)
+    assert demo.cached_build(spec) is None  # another builder
+    monkeypatch.setattr(demo, "BUILDER_VERSION", demo.BUILDER_VERSION - 1)
+    assert demo.cached_build(spec) is not None
+    (source / "model.safetensors").write_bytes(b"weights two")  # other source bytes
+    assert demo.cached_build(spec) is None
+
+
 # --------------------------------------------------------------------------- end to end: profile, plan, validate
 @pytest.fixture(scope="module")
 def tiny_moe_dir(tmp_path_factory) -> Path:

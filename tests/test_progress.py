@@ -38,6 +38,9 @@ def test_a_line_per_finished_config_with_its_key_figure_and_the_recipe_eta(tmp_p
     save(doc, tmp_path)
     progress("configs", 1, 2)
     progress("recipe", 1, 4)  # a recipe's overall count follows each finished config at once
+    assert lines == []  # the line waits a moment: other configs of the same group may finish with it
+    clock.now += 1
+    progress.beat()
     assert lines[0].startswith("      baseline: TPOT p50 ")
     assert lines[1].startswith("[1/2] quantize int8-dynamic-torch: decode 3.64x [3.58–3.70]")
     assert "took 20s" in lines[1] and "elapsed 20s" in lines[1] and "recipe ETA 1m00s" in lines[1]
@@ -47,8 +50,9 @@ def test_a_line_per_finished_config_with_its_key_figure_and_the_recipe_eta(tmp_p
     save(doc, tmp_path)
     progress("configs", 2, 2)
     progress("recipe", 2, 4)
+    progress("configs", 0, 2)  # the next stage starts
     assert lines[2].startswith("[2/2] quantize bf16-torch: decode 1.50x")
-    assert "took 40s" in lines[2] and "elapsed 1m00s" in lines[2] and "recipe ETA 1m00s" in lines[2]
+    assert "took 41s" in lines[2] and "elapsed 1m01s" in lines[2] and "recipe ETA 1m01s" in lines[2]
 
     plain, alone = [], LineProgress(lines.append, out_dir=tmp_path, clock=clock, start_thread=False)
     alone.emit = plain.append
@@ -58,6 +62,26 @@ def test_a_line_per_finished_config_with_its_key_figure_and_the_recipe_eta(tmp_p
     clock.now += 1
     alone.beat()
     assert plain[0].startswith("[2/3] 2 config(s) already measured (--resume) · took ") and " · ETA " in plain[0]
+
+
+def test_configs_that_finish_together_print_the_eta_once_on_the_last_line(tmp_path):
+    clock, lines = Clock(), []
+    progress = LineProgress(lines.append, out_dir=tmp_path, clock=clock, start_thread=False)
+    progress("configs", 0, 4)
+    progress("recipe", 0, 12)
+    clock.now += 240  # one group of interleaved rounds: four rows saved at the end of it
+    for i in range(1, 5):
+        doc = make_result(f"r-{i}", technique="quantize", speedup_vs_baseline=1.0 + i, seed=i)
+        doc["label"] = f"row-{i}"
+        save(doc, tmp_path)
+        progress("configs", i, 4)
+        progress("recipe", i, 12)
+    clock.now += 1
+    progress.beat()
+    finished = [line for line in lines if line.startswith("[")]
+    assert len(finished) == 4
+    assert not any("ETA" in line for line in finished[:3])  # 1 of 12 done after 4 min is not a 44-minute recipe
+    assert finished[3].endswith("recipe ETA 8m00s")  # 4 done in 4 min, 8 to go
 
 
 def test_heartbeat_at_most_every_30s_while_a_step_is_silent():
@@ -93,7 +117,7 @@ def test_bench_recipe_in_a_log_prints_each_config_and_a_reproducible_recommendat
     assert finished[0].startswith("[1/2] kv-cache static: decode ") and "(vs dynamic cache (the baseline))" in finished[0]
     assert finished[1].startswith("[2/2] kv-cache none: decode ")
     assert all(" · took " in line and " · elapsed " in line for line in finished)
-    assert "recipe ETA" in finished[0]
+    assert "ETA" not in finished[1]  # the recipe is done
     assert "report: " in result.stdout and "key figures" in result.stdout
     if "reproduce: " in result.stdout:  # a config beat the baseline on this machine: its recipe is beside the report
         command = result.stdout.split("reproduce: ", 1)[1].splitlines()[0]

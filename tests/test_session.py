@@ -209,6 +209,56 @@ def test_rounds_stop_at_the_target_and_report_a_miss_as_noisy():
 
 
 @pytest.mark.full_rounds
+def test_rounds_pool_their_prompt_pairs_unless_the_rounds_differ():
+    """Four prompts a round, each candidate's per-prompt ratio steady across rounds but for pair noise: the
+    decode interval pools the rounds with the pairs (12 degrees of freedom at 4 rounds, narrower than the
+    rounds alone give); the same pairs with each round shifted as a whole are judged on the rounds alone."""
+    import numpy as np
+
+    from infer_tune import rounds
+    from infer_tune.metrics.stats import log_ratio_interval
+    from infer_tune.runners.base import RUNNERS, GenerationRun, RequestTiming
+    from infer_tune.workload import Inputs
+
+    shift = {0: -0.3, 1: 0.0, 2: 0.3, 3: 0.1}
+
+    def fake_runner(base_tpot, shifted, seed):
+        calls = iter(range(64))
+        noise = np.random.default_rng(seed).normal(0, 0.05, 64)
+
+        def run(prepared, inputs, workload, protocol, progress):
+            k = next(calls)  # k // 4: the round (4 request batches a round)
+            tpot = base_tpot * (1 + k % 4) * float(np.exp(noise[k] + (shift[k // 4 % 4] if shifted else 0.0)))
+            req = RequestTiming(0, 0, 4, 0, [int(1e6 * (10 + tpot * j)) for j in range(5)])
+            return GenerationRun([req], [], 0.1, 1, None, 0.0, 0, 0, 5, 1)
+        return run
+
+    four = Inputs(prompts=[None] * 4, rendered=["x"] * 4, batches=[{"input_ids": torch.zeros(1, 4)}] * 4,
+                  templated=False)
+    protocol = Protocol(warmup=0, min_iterations=4, min_duration_s=0, max_rounds=4, target_half_width_pct=0.1)
+    blocks = {}
+    try:
+        for shifted in (False, True):
+            RUNNERS["test-base"] = fake_runner(10.0, False, 4)
+            RUNNERS["test-cand"] = fake_runner(5.0, shifted, 5)
+            variants = [rounds.Variant("a", PreparedModel(None, None), "test-base"),
+                        rounds.Variant("b", PreparedModel(None, None), "test-cand")]
+            out = rounds.run_rounds(variants, four, None, protocol)
+            assert out.rounds == 4
+            blocks[shifted] = (out.block("b")["interval_method"]["speedup_vs_baseline"],
+                               out.intervals["b"]["speedup_vs_baseline"],
+                               log_ratio_interval(rounds.round_ratios(variants[0], variants[1], "tpot_ms")))
+    finally:
+        RUNNERS.pop("test-base", None)
+        RUNNERS.pop("test-cand", None)
+    method, pooled, by_round = blocks[False]
+    assert method["pooled"] is True and method["df"] == 12
+    assert abs(pooled["point"] - by_round["point"]) < 1e-9 and pooled["half_width_pct"] < by_round["half_width_pct"]
+    method, iv, by_round = blocks[True]
+    assert method["pooled"] is False and method["df"] == 3 and iv["ci95"] == pytest.approx(by_round["ci95"])
+
+
+@pytest.mark.full_rounds
 def test_rounds_target_on_the_objective_ratio_alone():
     """`target_on: objective`: a row whose decode ratio is steady and whose TTFT is scattered stops at the
     floor, target met, with the TTFT interval still reported (as wide as it came out); under `all` the

@@ -291,11 +291,14 @@ def build_demo(
     top_k: Annotated[int, typer.Option("--top-k", help="Experts per token.")] = 4,
     shared: Annotated[int, typer.Option("--shared", help="MLP neurons kept in the always-on shared expert.")] = 512,
     calib_texts: Annotated[int, typer.Option("--calib-texts", help="Suite texts to calibrate on.")] = 40,
+    rebuild: Annotated[bool, typer.Option("--rebuild", help="Build again even when the cached moe-demo was "
+                                          "built from the same options, source weights and builder.")] = False,
     json_out: opt.Json = False,
     debug: opt.Debug = False,
 ) -> None:
     """Build `moe-demo`: SmolLM2-135M MoEfied into a Qwen2-MoE checkpoint (experts = neurons that fire together,
-    routers fitted on calibration activations), cached and usable as --model moe-demo.
+    routers fitted on calibration activations), cached and usable as --model moe-demo. A cached build from
+    the same options, the same SmolLM2 bytes and the same builder is kept (--rebuild builds anyway).
 
     Example: infer-tune experts build-demo
     """
@@ -303,9 +306,13 @@ def build_demo(
 
     with output.progress_bar(not json_out) as progress:
         facts = run_build_demo(experts=experts, top_k=top_k, shared=shared, calib_texts=calib_texts,
-                               progress=progress)
+                               progress=progress, rebuild=rebuild)
     if json_out:
         output.print_json(facts)
+        return
+    if facts.get("cached"):
+        output.out.print(f"moe-demo is built (same options, source weights and builder): {facts['path']} "
+                         f"(--rebuild to build again)")
         return
     output.out.print(f"built moe-demo: {facts['layers']} layers x {facts['experts']} experts (top-{facts['top_k']}) + "
                      f"{facts['shared_neurons']}-neuron shared expert, from {facts['source']} in {facts['build_s']:.0f} s")

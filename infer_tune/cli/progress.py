@@ -1,6 +1,7 @@
 """Progress for a log (CI, a pipe, a file): plain lines instead of rich's live bars, which show only on
 a terminal. One line per finished config (`[3/14] quantize int8-dynamic-torch: decode 2.71x · 41s ·
-recipe ETA 5m10s`) and, while a step stays silent (compilation, distillation, a long measurement), a
+recipe ETA 5m10s`; configs that finish together, the rows of one group of interleaved rounds, print
+the ETA on the last line of the burst only, from the configs done so far) and, while a step stays silent (compilation, distillation, a long measurement), a
 heartbeat line at most every `heartbeat_s` seconds naming the step and how long it has run.
 
 The sweep reports a finished config as the stage `configs` (done / total of its configs; a first tick
@@ -63,11 +64,14 @@ class LineProgress:
     def __call__(self, stage: str, done: float, total: float | None = None, *info) -> None:
         with self.lock:
             now = self.clock()
-            if stage == "recipe":
+            if stage == "recipe":  # the count of the config just finished: its line waits for `beat`
                 self.recipe = (int(done), int(total or 0))
-                self._flush(now)
                 return
-            self._flush(now)
+            # another config finishing at once (a group of interleaved rounds ends together): the line before
+            # carries no ETA, which only the last of the burst can estimate
+            burst = (stage == "configs" and self.pending is not None and self.configs_done is not None
+                     and int(done) > self.configs_done and now - self.pending[0] < FLUSH_S)
+            self._flush(now, eta=not burst)
             if stage == "configs":
                 done, total = int(done), int(total or 0)
                 if self.configs_done is None or done <= self.configs_done:  # a sweep (a recipe's stage) starts
@@ -84,7 +88,7 @@ class LineProgress:
             self.stage = (_printable(stage), done, total)
 
     # -- lines
-    def _flush(self, now: float) -> None:
+    def _flush(self, now: float, eta: bool = True) -> None:
         if self.pending is None:
             return
         when, done, total, what = self.pending
@@ -92,13 +96,13 @@ class LineProgress:
         step, self.previous_finish = when - self.previous_finish, when
         count_done, count_total = self.recipe if self.recipe else (done, total)
         elapsed = when - self.started
-        eta = ""
-        if 0 < count_done < count_total:
-            eta = f" · {'recipe ' if self.recipe else ''}ETA {duration(elapsed / count_done * (count_total - count_done))}"
+        left = ""
+        if eta and 0 < count_done < count_total:
+            left = f" · {'recipe ' if self.recipe else ''}ETA {duration(elapsed / count_done * (count_total - count_done))}"
         *earlier, last = what
         for line in earlier:  # the baseline saved with the first config of its group
             self._line(f"      {line}", now)
-        self._line(f"[{done}/{total}] {last} · took {duration(step)} · elapsed {duration(elapsed)}{eta}", now)
+        self._line(f"[{done}/{total}] {last} · took {duration(step)} · elapsed {duration(elapsed)}{left}", now)
         self.stage = None
 
     def _line(self, text: str, now: float) -> None:

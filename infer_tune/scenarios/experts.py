@@ -192,11 +192,12 @@ def run_validate(spec: RunSpec, plan_file: Path, *, procs: int, strategies: list
 
 # --------------------------------------------------------------------------- demo model
 def run_build_demo(experts: int = 16, top_k: int = 4, shared: int = 512, calib_texts: int = 40,
-                   progress: Progress | None = None) -> dict:
-    """Build `moe-demo` (MoEfied SmolLM2) into the model cache; returns its build facts."""
+                   progress: Progress | None = None, rebuild: bool = False) -> dict:
+    """Build `moe-demo` (MoEfied SmolLM2) into the model cache, or keep the cached one built from the same
+    spec and source; returns its build facts."""
     from infer_tune.scenarios.common import setup_threads
     from infer_tune.tuners.experts import demo
 
     spec = demo.DemoSpec(experts=experts, top_k=top_k, shared=shared, calib_texts=calib_texts)
     setup_threads(None)
-    return demo.build(spec, progress=progress)
+    return demo.build(spec, progress=progress, rebuild=rebuild)

@@ -24,14 +24,15 @@ workloads pick first (chat prompts from CHAT_OFFSET on, HumanEval tasks from COD
 
 from __future__ import annotations
 
+import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
-from infer_tune import atomic, models
+from infer_tune import atomic, contenthash, models
 from infer_tune.errors import ConfigError
 
 ALIAS = "moe-demo"
@@ -40,6 +41,8 @@ CHAT_OFFSET = 200
 CODE_OFFSET = 100
 ROUTER_SCALE = 0.05
 RIDGE = 1e-2
+# bumped whenever what `build` computes changes: a saved model built by another version is built again
+BUILDER_VERSION = 1
 
 
 @dataclass
@@ -215,8 +218,34 @@ def assemble(dense, splits: dict[int, LayerSplit], spec: DemoSpec):
     return moe
 
 
-def build(spec: DemoSpec, *, progress=None, activations=None) -> dict:
-    """Build `moe-demo` from SmolLM2 into the model cache; returns the build facts (also saved)."""
+def build_key(spec: DemoSpec) -> dict:
+    """What a saved `moe-demo` must have been built from to be reused: the spec, the source's bytes, the builder."""
+    return {"spec": asdict(spec), "source_sha256": contenthash.tree_digest(models.resolve(SOURCE)),
+            "builder_version": BUILDER_VERSION}
+
+
+def cached_build(spec: DemoSpec) -> dict | None:
+    """The saved build facts when the cached `moe-demo` was built from this spec, source and builder; else None."""
+    folder = models.built_model_dir(ALIAS)
+    try:
+        saved = json.loads((folder / "infer_tune_source.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict) or not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
+        return None
+    if saved.get("key") != build_key(spec):
+        return None
+    return {**saved["built"], "path": str(folder), "cached": True}
+
+
+def build(spec: DemoSpec, *, progress=None, activations=None, rebuild: bool = True) -> dict:
+    """Build `moe-demo` from SmolLM2 into the model cache; returns the build facts (also saved).
+
+    With `rebuild=False` a cached model built from the same spec, source bytes and builder version is kept
+    (its saved facts come back with `cached: True`); anything else builds anew.
+    """
+    if not rebuild and activations is None and (facts := cached_build(spec)) is not None:
+        return facts
     start = time.perf_counter()
     dense = models.load(SOURCE, dtype="float32")
     tokenizer, model = dense.tokenizer, dense.model
@@ -257,7 +286,7 @@ def build(spec: DemoSpec, *, progress=None, activations=None) -> dict:
             moe.generation_config = model.generation_config
             moe.generation_config.save_pretrained(staging)
         result["build_s"] = time.perf_counter() - start
-        atomic.write_json(staging / "infer_tune_source.json", {"built": result})
+        atomic.write_json(staging / "infer_tune_source.json", {"built": result, "key": build_key(spec)})
     result["path"] = str(target_dir)
     return result
 
