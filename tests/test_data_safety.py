@@ -34,11 +34,15 @@ def recipe(tmp_path: Path, methods=METHODS) -> Path:
     return path
 
 
+def bench_args(model: Path, suite: Path, recipe_file: Path, out: Path, *extra: str) -> list[str]:
+    return ["bench", "--recipe", str(recipe_file), "--model", str(model), "--suite", str(suite), "--threads", "1",
+            "--no-ppl", "--out", str(out), "--json", *extra]
+
+
 def bench(model: Path, suite: Path, recipe_file: Path, out: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "infer_tune", "bench", "--recipe", str(recipe_file), "--model",
-                             str(model), "--suite", str(suite), "--threads", "1", "--no-ppl", "--out", str(out),
-                             "--json", *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-m", "infer_tune", *bench_args(model, suite, recipe_file, out, *extra)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def finished(out: Path) -> list[dict]:
@@ -55,9 +59,14 @@ def test_sweep_killed_at_a_random_point_resumes_to_every_config_once(tiny_model_
     time.sleep(random.Random().uniform(0.0, 2.0))  # anywhere after the first save: mid-config, mid-save...
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
-    resumed = bench(tiny_model_dir, prompts_file, sweep, out, "--resume")
-    stdout, stderr = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, stderr
+    from typer.testing import CliRunner
+
+    from infer_tune.cli import app
+
+    # the resume runs in this process (what is checked is what the killed one left behind)
+    resumed = CliRunner().invoke(app, bench_args(tiny_model_dir, prompts_file, sweep, out, "--resume"))
+    assert resumed.exit_code == 0, resumed.output
+    stdout = resumed.stdout
     docs = finished(out)
     baselines = {d["run_id"] for d in docs if d["technique"] == "baseline"}
     candidates = [d for d in docs if d["technique"] == "quantize"]
@@ -321,11 +330,16 @@ def test_a_second_sweep_leaves_every_earlier_result_byte_identical(tiny_model_di
     first.write_text(SUMMARIZED)
     more = tmp_path / "more.yaml"  # the same rows and one more: the resumed rows meet a new baseline and row
     more.write_text(SUMMARIZED + "  - {technique: quantize, method: int8-dynamic, backend: torch}\n")
+    from typer.testing import CliRunner
+
+    from infer_tune.cli import app
+
     seen: dict[str, bytes] = {}
     for recipe_file, extra in ((first, ()), (more, ("--resume",)), (first, ())):
-        proc = bench(tiny_model_dir, prompts_file, recipe_file, out, *extra)
-        stdout, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, stderr
+        # in this process (`bench` as its subprocess would run it, less an interpreter start per sweep)
+        done = CliRunner().invoke(app, bench_args(tiny_model_dir, prompts_file, recipe_file, out, *extra))
+        assert done.exit_code == 0, done.output
+        stdout = done.stdout
         now = _result_bytes(out)
         changed = [name for name, data in seen.items() if now.get(name) != data]
         assert not changed, f"an earlier result was rewritten: {changed}"
