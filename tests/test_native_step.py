@@ -304,3 +304,40 @@ def test_rows_of_a_slot_step_do_not_depend_on_each_other(tokenizer):
         assert torch.equal(together[b], alone[0]), b
         for layer in range(layers):
             assert torch.equal(k3[layer][b], k1[layer][0]) and torch.equal(v3[layer][b], v1[layer][0])
+
+
+def test_a_mixed_step_gives_each_row_what_it_gets_alone(tokenizer):
+    """step_mixed (the slot engine's mixed step): 2 decode rows (slots 0, 1) and a 20-token prompt chunk of slot 2
+    in one call (20 rows: the many-row matmul loop where the CPU has it) give, bit for bit, the decode rows'
+    logits and cache entries of a step_rows of those 2 rows alone, and the prompt's last-row logits and cache of
+    the same prompt run in two chunks of its own (a chunk's rows see the rows before them, written in this step)."""
+    from infer_tune.native.step import llama_step, recognize
+
+    model = quantized(tiny_llama(tokenizer))
+    parts, why = recognize(model)
+    assert parts is not None, why
+    gen = torch.Generator().manual_seed(5)
+    layers, kv, d, hidden = model.config.num_hidden_layers, model.config.num_key_value_heads, 16, model.config.hidden_size
+    keys = [torch.randn(3, kv, 192, d, generator=gen) for _ in range(layers)]
+    values = [torch.randn(3, kv, 192, d, generator=gen) for _ in range(layers)]
+    decode_x = torch.randn(2, hidden, generator=gen)
+    prompt_x = torch.randn(20, hidden, generator=gen)
+    positions = torch.tensor([70, 9])
+
+    k_mix, v_mix = [t.clone() for t in keys], [t.clone() for t in values]
+    mixed = llama_step(parts, k_mix, v_mix).step_mixed(
+        torch.cat([decode_x, prompt_x]), torch.tensor([0, 1] + [2] * 20), torch.cat([positions, torch.arange(20)]), 2,
+        torch.tensor([0, 1, 21]))
+    assert mixed.shape[0] == 3
+
+    k_sep, v_sep = [t.clone() for t in keys], [t.clone() for t in values]
+    step = llama_step(parts, k_sep, v_sep)
+    alone = step.step_rows(decode_x, positions)
+    step.step_mixed(prompt_x[:13], torch.full((13,), 2), torch.arange(13), 0, torch.tensor([12]))
+    last = step.step_mixed(prompt_x[13:], torch.full((7,), 2), torch.arange(13, 20), 0, torch.tensor([6]))
+    assert torch.equal(mixed[:2], alone)
+    assert torch.equal(mixed[2], last[0])
+    for layer in range(layers):
+        assert torch.equal(k_mix[layer], k_sep[layer]) and torch.equal(v_mix[layer], v_sep[layer]), layer
+    with pytest.raises(RuntimeError, match="slot"):  # a decode row must be its own slot
+        llama_step(parts, k_mix, v_mix).step_mixed(decode_x, torch.tensor([1, 0]), positions, 2, torch.tensor([0]))

@@ -25,6 +25,7 @@ def serve(
     host: Annotated[str, typer.Option("--host", help="Address to listen on (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port (0: a free one, printed when ready).")] = 8000,
     max_waiting: Annotated[int, typer.Option("--max-waiting", help="Requests that may wait for a slot; more get HTTP 503.")] = 256,
+    prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="With the native step: prompt tokens one step runs at most beside the decoding slots' tokens.")] = 128,
     threads: opt.Threads = None,
     debug: opt.Debug = False,
 ) -> None:
@@ -44,6 +45,8 @@ def serve(
         raise ConfigError(f"--slots must be >= 1, got {slots}")
     if max_waiting < 1:
         raise ConfigError(f"--max-waiting must be >= 1, got {max_waiting}")
+    if prefill_chunk < 1:
+        raise ConfigError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
     if recipe is not None:
         plan = scenario.plan_from_recipe(recipe, config_index, model)
     else:
@@ -59,7 +62,8 @@ def serve(
     for note in plan.notes:
         output.warn(note)
     output.err.print(f"loading {plan.describe()} ...", markup=False, highlight=False)
-    served = scenario.build(plan, threads=threads, max_context=context, max_waiting=max_waiting)
+    served = scenario.build(plan, threads=threads, max_context=context, max_waiting=max_waiting,
+                            prefill_chunk=prefill_chunk)
     fallback = served.facts.get("lean_native_fallback")
     if fallback:
         output.warn(f"native step not used: {fallback}")

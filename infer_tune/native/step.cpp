@@ -114,7 +114,9 @@ struct LlamaStep : torch::CustomClassHolder {
   double eps, scaling, softcap;  // softcap: the final logits' soft cap, 0 for none
   std::vector<double> rope_scale;  // per rotary table: its attention scaling of cos and sin
   std::vector<int64_t> windows;    // per mask: 0 (the whole cache up to the position) or a sliding window
-  std::vector<float> resid, h, qs, ks, vs, proj, normed, gate, up, act, cos, sin;
+  std::vector<float> resid, h, qs, ks, vs, proj, normed, gate, up, act, cos, sin, att;
+  int64_t cap = 0;  // rows the buffers below hold (grown by `ensure`: a mixed step may hold more rows than slots)
+  std::vector<int64_t> slot_of;  // per row of the current step: the cache row (slot) it reads and writes
   // per mask (the full one, then one per sliding window) [batch, 1, 1, max_len] and its first r rows' views
   std::vector<at::Tensor> masks;
   std::vector<std::vector<at::Tensor>> mask_rows;
@@ -193,11 +195,8 @@ struct LlamaStep : torch::CustomClassHolder {
                     "LlamaStep: layer ", l, "'s length counter is not one int64");
     }
     vocab = weights[layers * PER_LAYER + 1].size(0) * 8;  // padded to a multiple of 8; the caller narrows
-    const auto f32 = at::TensorOptions().dtype(at::kFloat);
-    q = at::empty({batch, heads, 1, head_dim}, f32);
     key_rows.resize(layers), value_rows.resize(layers);
     for (int64_t r = 1; r <= batch; ++r) {
-      q_rows.push_back(q.narrow(0, 0, r));
       for (int64_t l = 0; l < layers; ++l) {
         key_rows[l].push_back(keys[l].narrow(0, 0, r));
         value_rows[l].push_back(values[l].narrow(0, 0, r));
@@ -239,11 +238,6 @@ struct LlamaStep : torch::CustomClassHolder {
                           values[l].data_ptr<float>(), keys[l].stride(0), keys[l].stride(1), keys[l].stride(2),
                           values[l].stride(0), values[l].stride(1), values[l].stride(2), rope, mask_index});
     }
-    mask_rows.resize(windows.size());
-    for (size_t m = 0; m < windows.size(); ++m) {
-      masks.push_back(at::zeros({batch, 1, 1, max_len}, at::TensorOptions().dtype(at::kBool)));
-      for (int64_t r = 1; r <= batch; ++r) mask_rows[m].push_back(masks[m].narrow(0, 0, r));
-    }
     const at::Tensor* tail = weights.data() + layers * PER_LAYER;
     TORCH_CHECK(tail[0].scalar_type() == at::kFloat && tail[0].numel() == hidden && tail[1].is_contiguous(),
                 "LlamaStep: the final norm and the head");
@@ -260,16 +254,37 @@ struct LlamaStep : torch::CustomClassHolder {
                   "LlamaStep: a w8a8 head is int8 [N/8, K/32, 256] with fp32 scales [N]");
       head_scale = tail[2].data_ptr<float>();
     }
-    resid.resize(batch * hidden), h.resize(batch * hidden), qs.resize(batch * qn);
-    ks.resize(batch * kn), vs.resize(batch * kn), proj.resize(batch * hidden), normed.resize(batch * hidden);
-    gate.resize(batch * inter), up.resize(batch * inter), act.resize(batch * inter);
-    cos.resize(ropes * batch * head_dim / 2), sin.resize(ropes * batch * head_dim / 2);
+    ensure(batch);
+  }
+
+  // buffers for `rows` rows of one step (the slots' decode rows and the prompt rows of a mixed step)
+  void ensure(int64_t rows) {
+    if (rows <= cap) return;
+    TORCH_CHECK(rows <= LIMIT && fits(rows, std::max({hidden, inter, heads * head_dim})) && fits(rows, max_len),
+                "LlamaStep: ", rows, " rows overflow");
+    const int64_t qn = heads * head_dim, kn = kv_heads * head_dim;
+    cap = rows;
+    resid.resize(cap * hidden), h.resize(cap * hidden), qs.resize(cap * qn), att.resize(cap * qn);
+    ks.resize(cap * kn), vs.resize(cap * kn), proj.resize(cap * hidden), normed.resize(cap * hidden);
+    gate.resize(cap * inter), up.resize(cap * inter), act.resize(cap * inter);
+    cos.resize(ropes * cap * head_dim / 2), sin.resize(ropes * cap * head_dim / 2);
+    slot_of.resize(cap);
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    q = at::empty({cap, heads, 1, head_dim}, f32);
+    q_rows.clear();
+    for (int64_t r = 1; r <= batch; ++r) q_rows.push_back(q.narrow(0, 0, r));
+    masks.clear(), mask_rows.assign(windows.size(), {});
+    for (size_t m = 0; m < windows.size(); ++m) {
+      masks.push_back(at::zeros({cap, 1, 1, max_len}, at::TensorOptions().dtype(at::kBool)));
+      for (int64_t r = 1; r <= batch; ++r) mask_rows[m].push_back(masks[m].narrow(0, 0, r));
+    }
   }
 
   // the lean loop's step: x the token's embedding [1, hidden] fp32 at `position` -> logits [1, vocab padded]
   at::Tensor step(const at::Tensor& x, int64_t position) {
     TORCH_CHECK(x.numel() == hidden && x.scalar_type() == at::kFloat, "LlamaStep: x must be [1, hidden] fp32");
-    const at::Tensor logits = run(1, x.contiguous().data_ptr<float>(), &position);
+    slot_of[0] = 0;
+    const at::Tensor logits = run(1, x.contiguous().data_ptr<float>(), &position, 1, nullptr, 1);
     for (const at::Tensor& counter : lengths) *counter.data_ptr<int64_t>() = position + 1;
     return logits;
   }
@@ -280,7 +295,41 @@ struct LlamaStep : torch::CustomClassHolder {
     TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden && x.scalar_type() == at::kFloat && rows >= 1 && rows <= batch,
                 "LlamaStep: x must be [rows <= ", batch, ", hidden] fp32");
     TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == rows, "LlamaStep: one int64 position per row");
-    return run(rows, x.contiguous().data_ptr<float>(), positions.contiguous().data_ptr<int64_t>());
+    for (int64_t b = 0; b < rows; ++b) slot_of[b] = b;
+    return run(rows, x.contiguous().data_ptr<float>(), positions.contiguous().data_ptr<int64_t>(), rows, nullptr,
+               rows);
+  }
+
+  // The slot engine's mixed step: `decode` rows, row b < decode the token of slot b (as step_rows), then the
+  // prompt rows of new requests: row b >= decode is the token x[b] of slot slots[b] at positions[b] (a prompt's
+  // chunk: consecutive rows of one slot at consecutive positions, so each row sees the rows before it, whose
+  // keys and values this step writes first). Every row runs through the same matmuls, whose weights are read
+  // once for all rows. Returns the logits of the rows `keep` names [len(keep), vocab padded] (the decode rows
+  // and each finished prompt's last row: a prompt's other rows need none). A row's values are the ones it gets
+  // in a step of its own: every kernel treats rows independently.
+  at::Tensor step_mixed(const at::Tensor& x, const at::Tensor& slots, const at::Tensor& positions, int64_t decode,
+                        const at::Tensor& keep) {
+    const int64_t rows = x.size(0);
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden && x.scalar_type() == at::kFloat && rows >= 1,
+                "LlamaStep: x must be [rows, hidden] fp32");
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == rows && positions.scalar_type() == at::kLong &&
+                    positions.numel() == rows && keep.scalar_type() == at::kLong && keep.numel() >= 1 &&
+                    keep.numel() <= rows,
+                "LlamaStep: one int64 slot and position per row, and at least one int64 row to keep");
+    TORCH_CHECK(decode >= 0 && decode <= batch && decode <= rows, "LlamaStep: ", decode, " decode rows of ", batch,
+                " slots");
+    ensure(rows);
+    const at::Tensor sc = slots.contiguous(), kc = keep.contiguous();
+    const int64_t* sp = sc.data_ptr<int64_t>();
+    const int64_t* kp = kc.data_ptr<int64_t>();
+    for (int64_t b = 0; b < rows; ++b) {
+      TORCH_CHECK(sp[b] >= 0 && sp[b] < batch && (b >= decode || sp[b] == b), "LlamaStep: row ", b, "'s slot ", sp[b]);
+      slot_of[b] = sp[b];
+    }
+    for (int64_t i = 0; i < keep.numel(); ++i)
+      TORCH_CHECK(kp[i] >= 0 && kp[i] < rows, "LlamaStep: kept row ", kp[i], " of ", rows);
+    return run(rows, x.contiguous().data_ptr<float>(), positions.contiguous().data_ptr<int64_t>(), decode, kp,
+               keep.numel());
   }
 
   // x [n] += rms_norm(y) * w, or += y where the layer has no such norm (w nullptr), per row
@@ -293,7 +342,10 @@ struct LlamaStep : torch::CustomClassHolder {
     add(resid.data(), normed.data(), rows * hidden);
   }
 
-  at::Tensor run(int64_t rows, const float* x, const int64_t* positions) {
+  // rows 0..decode-1: slots 0..decode-1; rows from `decode` on: runs of one slot each (slot_of); the logits of
+  // rows keep[0..nkeep) (keep nullptr: rows 0..nkeep-1)
+  at::Tensor run(int64_t rows, const float* x, const int64_t* positions, int64_t decode, const int64_t* keep,
+                 int64_t nkeep) {
     const int64_t D = head_dim, half = head_dim / 2, qn = heads * D, kn = kv_heads * D;
     const float fe = static_cast<float>(eps);
     const float* inv = inv_freq.data_ptr<float>();
@@ -302,8 +354,8 @@ struct LlamaStep : torch::CustomClassHolder {
       TORCH_CHECK(p >= 0 && p < max_len, "LlamaStep: position ", p, " outside the cache of ", max_len);
       for (int64_t t = 0; t < ropes; ++t) {
         const float rs = static_cast<float>(rope_scale[t]);
-        float* c = cos.data() + (t * batch + b) * half;
-        float* sn = sin.data() + (t * batch + b) * half;
+        float* c = cos.data() + (t * cap + b) * half;
+        float* sn = sin.data() + (t * cap + b) * half;
         for (int64_t i = 0; i < half; ++i) {  // as transformers: freqs = position * inv_freq in fp32
           const float f = static_cast<float>(p) * inv[t * half + i];
           c[i] = std::cos(f) * rs;
@@ -339,22 +391,46 @@ struct LlamaStep : torch::CustomClassHolder {
           for (int64_t i = 0; i < heads; ++i) rms_norm(qb + i * D, L.q_norm, D, fe, qb + i * D);
         if (L.k_norm)
           for (int64_t g = 0; g < kv_heads; ++g) rms_norm(kb + g * D, L.k_norm, D, fe, kb + g * D);
-        const float* c = cos.data() + (L.rope * batch + b) * half;
-        const float* sn = sin.data() + (L.rope * batch + b) * half;
+        const float* c = cos.data() + (L.rope * cap + b) * half;
+        const float* sn = sin.data() + (L.rope * cap + b) * half;
         const int64_t p = positions[b];
         for (int64_t i = 0; i < heads; ++i) rotate(qb + i * D, c, sn, D, qp + b * qn + i * D);
         for (int64_t g = 0; g < kv_heads; ++g) {
-          rotate(kb + g * D, c, sn, D, L.keys + b * L.k0 + g * L.k1 + p * L.k2);
-          std::copy_n(vb + g * D, D, L.values + b * L.v0 + g * L.v1 + p * L.v2);
+          const int64_t s = slot_of[b];
+          rotate(kb + g * D, c, sn, D, L.keys + s * L.k0 + g * L.k1 + p * L.k2);
+          std::copy_n(vb + g * D, D, L.values + s * L.v0 + g * L.v1 + p * L.v2);
         }
       }
-      const at::Tensor attended = decode_attention(q_rows[rows - 1], key_rows[l][rows - 1], value_rows[l][rows - 1],
-                                                   mask_rows[L.mask][rows - 1], scaling);  // [rows, 1, H, D]
+      const float* attended_rows;
+      at::Tensor attended;
+      if (decode == rows) {
+        attended = decode_attention(q_rows[rows - 1], key_rows[l][rows - 1], value_rows[l][rows - 1],
+                                    mask_rows[L.mask][rows - 1], scaling);  // [rows, 1, H, D]
+        attended_rows = attended.data_ptr<float>();
+      } else {  // the decode rows together, then each prompt's rows over its slot's cache (one row repeated)
+        if (decode > 0) {
+          attended = decode_attention(q_rows[decode - 1], key_rows[l][decode - 1], value_rows[l][decode - 1],
+                                      mask_rows[L.mask][decode - 1], scaling);
+          std::copy_n(attended.data_ptr<float>(), decode * qn, att.data());
+        }
+        for (int64_t r0 = decode; r0 < rows;) {
+          const int64_t s = slot_of[r0];
+          int64_t r1 = r0 + 1;
+          while (r1 < rows && slot_of[r1] == s) ++r1;
+          const int64_t n = r1 - r0;
+          const at::Tensor part = decode_attention(
+              q.narrow(0, r0, n), keys[l].narrow(0, s, 1).expand({n, kv_heads, max_len, D}),
+              values[l].narrow(0, s, 1).expand({n, kv_heads, max_len, D}), masks[L.mask].narrow(0, r0, n), scaling);
+          std::copy_n(part.data_ptr<float>(), n * qn, att.data() + r0 * qn);
+          r0 = r1;
+        }
+        attended_rows = att.data();
+      }
       {
         const uint8_t* packed[1] = {L.o};
         const int64_t tiles[1] = {hidden / 8};
         float* out[1] = {proj.data()};
-        w4a8_rows_multi(attended.data_ptr<float>(), rows, qn, group, 1, packed, tiles, out);
+        w4a8_rows_multi(attended_rows, rows, qn, group, 1, packed, tiles, out);
       }
       if (L.o_bias)
         for (int64_t b = 0; b < rows; ++b) add(proj.data() + b * hidden, L.o_bias, hidden);
@@ -379,7 +455,9 @@ struct LlamaStep : torch::CustomClassHolder {
       }
       add_residual(rows, proj.data(), L.mlp_out_norm, fe);
     }
-    for (int64_t b = 0; b < rows; ++b) rms_norm(resid.data() + b * hidden, final_norm, hidden, fe, h.data() + b * hidden);
+    for (int64_t i = 0; i < nkeep; ++i)
+      rms_norm(resid.data() + (keep ? keep[i] : i) * hidden, final_norm, hidden, fe, h.data() + i * hidden);
+    rows = nkeep;
     at::Tensor logits = at::empty({rows, vocab}, at::TensorOptions().dtype(at::kFloat));
     if (head_group) {
       const uint8_t* packed[1] = {head};
@@ -403,5 +481,6 @@ TORCH_LIBRARY_FRAGMENT(infer_tune_native, m) {
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, at::Tensor, std::vector<int64_t>, std::vector<double>>())
       .def("step", &LlamaStep::step)
-      .def("step_rows", &LlamaStep::step_rows);
+      .def("step_rows", &LlamaStep::step_rows)
+      .def("step_mixed", &LlamaStep::step_mixed);
 }

@@ -285,8 +285,20 @@ class NativeSlotStep:
         self.keys, self.values, self.parts = keys, values, parts
         self._native = None
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _built(self):
         if self._native is None:
             self._native = llama_step(self.parts, self.keys, self.values)
-        logits = self._native.step_rows(self.embed(input_ids).reshape(input_ids.shape[0], -1), positions)
+        return self._native
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        logits = self._built().step_rows(self.embed(input_ids).reshape(input_ids.shape[0], -1), positions)
         return logits[:, :self.parts["vocab"]].unsqueeze(1)
+
+    def mixed(self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, decode: int,
+              keep: torch.Tensor) -> torch.Tensor:
+        """One step over rows of several kinds (step.cpp's `step_mixed`): rows 0..decode-1 the decode tokens of
+        slots 0..decode-1, then prompt rows (`ids` [N], each at its slot and position); logits of the rows
+        `keep` [M] -> [M, vocab]."""
+        logits = self._built().step_mixed(self.embed(ids.view(-1, 1)).reshape(ids.shape[0], -1), slots, positions,
+                                          decode, keep)
+        return logits[:, :self.parts["vocab"]]

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from infer_tune.tuners.batch.slots import SlotEngine, greedy, rows_for, step_buckets
+from infer_tune.tuners.batch.slots import PREFILL_CHUNK, SlotEngine, greedy, rows_for, step_buckets
 
 Emit = Callable[[int | None, str | None], None]
 
@@ -58,11 +58,11 @@ class LiveSlots:
 
     def __init__(self, model: torch.nn.Module, eos: list[int], *, slots: int, max_context: int, compile: bool = True,
                  compile_prefill: bool = False, every_bucket: bool = True, native_step: bool = False,
-                 max_waiting: int = 256) -> None:
+                 max_waiting: int = 256, prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.model, self.eos, self.slots, self.max_context = model, set(eos), slots, max_context
         self.every_bucket, self.max_waiting = every_bucket, max_waiting
         self.engine = SlotEngine(model, slots, max_context, compile=compile, compile_prefill=compile_prefill,
-                                 every_bucket=every_bucket, native_step=native_step)
+                                 every_bucket=every_bucket, native_step=native_step, prefill_chunk=prefill_chunk)
         self._inbox: queue.Queue[LiveRequest] = queue.Queue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -83,6 +83,10 @@ class LiveSlots:
                 for length in lengths:
                     for _ in range(calls):
                         engine.step(rows, torch.zeros(rows, dtype=torch.long), length)
+            if engine.native:  # a mixed step: the slots' decode rows and a prompt's rows
+                engine.positions.zero_()
+                engine.mixed(self.slots, torch.zeros(self.slots, dtype=torch.long), [],
+                             [(self.slots - 1, torch.tensor(prompt, dtype=torch.long), True)])
         engine.positions.zero_()
         return time.perf_counter() - started
 
@@ -185,6 +189,9 @@ class LiveSlots:
             else:
                 nxt[slot] = token
 
+        if engine.native:
+            self._mixed_loop(waiting, busy)
+            return
         while not self._stop.is_set():
             idle = all(r is None for r in busy)
             if idle and not waiting:
@@ -217,3 +224,81 @@ class LiveSlots:
             free = [slot for slot in range(rows) if busy[slot] is None]
             if free:  # a free row's write position stays inside its row (it writes harmlessly at 0)
                 engine.positions[free] = 0
+
+    def _mixed_loop(self, waiting: deque[LiveRequest], busy: list[LiveRequest | None]) -> None:
+        """The native engine's loop: every step decodes a token for each decoding slot and, in the same call,
+        runs up to `prefill_chunk` prompt tokens of the requests being admitted (oldest first, a long prompt
+        over several steps), so a new request's prefill no longer stalls the slots that decode
+        (docs/batch.md, "Mixed steps")."""
+        engine, size, budget = self.engine, self.slots, self.engine.prefill_chunk
+        nxt = torch.zeros(size, dtype=torch.long)
+        done = [0] * size  # per prefilling slot: prompt tokens in its cache
+        filling: deque[int] = deque()  # slots being prefilled, oldest first
+
+        def emit(slot: int, token: int) -> None:
+            request = busy[slot]
+            request.tokens.append(token)
+            n = len(request.tokens)
+            if token in self.eos and not request.ignore_eos:
+                finish = "stop"
+            elif n >= request.max_tokens or int(engine.positions[slot]) >= self.max_context:
+                finish = "length"
+            else:
+                finish = None
+            request.emit(token, finish)
+            if finish is not None:
+                busy[slot] = None
+                self.served += 1
+            else:
+                nxt[slot] = token
+
+        while not self._stop.is_set():
+            if all(r is None for r in busy) and not waiting:
+                try:  # nothing to do: wait for a request (bounded, so a stop is seen)
+                    waiting.append(self._inbox.get(timeout=0.1))
+                except queue.Empty:
+                    continue
+            waiting.extend(self._drain())
+            for slot in range(size):
+                while busy[slot] is None and waiting:
+                    request = waiting.popleft()
+                    if request.cancelled:
+                        request.emit(None, "abort")
+                        continue
+                    busy[slot] = request
+                    engine.positions[slot] = 0
+                    done[slot] = 0
+                    filling.append(slot)
+            for slot in range(size):
+                if busy[slot] is not None and busy[slot].cancelled:
+                    busy[slot].emit(None, "abort")
+                    busy[slot] = None
+            for slot in list(filling):
+                if busy[slot] is None:
+                    filling.remove(slot)
+            chunks, left = [], budget
+            for slot in filling:
+                if left == 0:
+                    break
+                ids = busy[slot].ids
+                n = min(left, len(ids) - done[slot])
+                chunks.append((slot, torch.tensor(ids[done[slot]:done[slot] + n], dtype=torch.long),
+                               done[slot] + n == len(ids)))
+                done[slot] += n
+                left -= n
+            active = [s for s in range(size) if busy[s] is not None and s not in filling]
+            if not active and not chunks:
+                continue
+            rows = rows_for(active[-1], size, self.every_bucket) if active else 0
+            for slot in range(rows):  # a free row writes harmlessly at 0
+                if busy[slot] is None:
+                    engine.positions[slot] = 0
+            logits, firsts = engine.mixed(rows, nxt[:rows], active, chunks)
+            self.steps += 1
+            if active:
+                picks = greedy(logits).tolist()
+                for slot in active:
+                    emit(slot, picks[slot])
+            for slot, first in firsts.items():
+                filling.remove(slot)
+                emit(slot, int(greedy(first[None])[0]))

@@ -39,6 +39,9 @@ from infer_tune.runners.generation import eos_ids
 from infer_tune.runners.trace import wait_until
 from infer_tune.tuners.batch.common import count_mismatches, make_output
 
+# prompt tokens a native step takes at most (a prompt's chunk, or the chunks of several), beside its decode rows
+PREFILL_CHUNK = 128
+
 IMPL = "infer-tune lean slots (static per-slot KV cache, compiled prefill buckets, compiled batched decode step)"
 
 
@@ -158,9 +161,13 @@ class SlotEngine:
     """The slot cache, the compiled prefill and one compiled decode step per row bucket."""
 
     def __init__(self, model: torch.nn.Module, batch_size: int, max_cache_len: int, *, compile: bool = True,
-                 compile_prefill: bool = False, every_bucket: bool = True, native_step: bool = False) -> None:
+                 compile_prefill: bool = False, every_bucket: bool = True, native_step: bool = False,
+                 prefill_chunk: int = PREFILL_CHUNK) -> None:
         from infer_tune.tuners.lean.prefill import CompiledPrefill
 
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         self.model, self.batch_size, self.max_cache_len, self.compile = model, batch_size, max_cache_len, compile
         self.facts: dict = {}
         # the step of every row bucket in one native call (infer_tune/native/step.py) where the model is one it
@@ -175,7 +182,9 @@ class SlotEngine:
         self.every_bucket = every_bucket
         self.prefill = CompiledPrefill(model, logits_to_keep=True, facts=self.facts) if compile and compile_prefill \
             else None
-        if self.prefill is None:
+        if self.native:
+            self.facts["lean_prefill"] = "native rows"
+        elif self.prefill is None:
             self.facts["lean_prefill"] = "eager"
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -188,10 +197,23 @@ class SlotEngine:
 
     # ------------------------------------------------------------------ prefill into a slot
     def admit(self, slot: int, input_ids: torch.Tensor) -> torch.Tensor:
-        """Prefill one prompt [1, P] into `slot`; returns the logits of its last position [V]."""
+        """Prefill one prompt [1, P] into `slot`; returns the logits of its last position [V]. The native
+        engine runs the prompt through its own step (`mixed` with no decode rows, `prefill_chunk` rows a
+        step), so a prompt's cache and first token are the same alone and inside a mixed step."""
         from infer_tune.native.step import plain_cache
 
         length = input_ids.shape[1]
+        if self.native:
+            if length > self.max_cache_len:
+                raise ValueError(f"a prompt of {length} tokens does not fit a cache of {self.max_cache_len}")
+            ids = input_ids[0]
+            self.positions[slot] = 0
+            logits = None
+            for start in range(0, length, self.prefill_chunk):
+                chunk = ids[start:start + self.prefill_chunk]
+                _, firsts = self.mixed(0, None, [], [(slot, chunk, start + len(chunk) == length)])
+                logits = firsts.get(slot, logits)
+            return logits
         # every layer full length (a sliding-window layer's rolling buffer would hold only its window)
         scratch = plain_cache(self.model.config, length)
         logits = self.prefill(input_ids, scratch) if self.prefill is not None else None
@@ -209,6 +231,56 @@ class SlotEngine:
             values[slot, :, :length].copy_(layer.values[0, :, :length])
         self.positions[slot] = length
         return logits[0, -1]
+
+    def _native_cache(self) -> None:
+        """The slot cache of the native engine, shaped from the parts it runs (every layer full length)."""
+        if self.keys:
+            return
+        ints = self._native_parts["ints"]
+        layers, kv_heads, head_dim = ints[0], ints[2], ints[3]
+        for _ in range(layers):
+            self.keys.append(torch.zeros((self.batch_size, kv_heads, self.max_cache_len, head_dim)))
+            self.values.append(torch.zeros((self.batch_size, kv_heads, self.max_cache_len, head_dim)))
+
+    # ------------------------------------------------------------------ one mixed step (native)
+    def mixed(self, rows: int, tokens: torch.Tensor | None, active: list[int], chunks: list[tuple[int, torch.Tensor, bool]]
+              ) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
+        """One native step of decode rows and prompt rows together, the weights read once for all of them
+        (step.cpp's `step_mixed`): slots 0..rows-1 decode `tokens` [rows] at their positions (the slots in
+        `active` advance by one; another row writes harmlessly at its slot's position, which a prompt chunk of
+        that slot, run after it, overwrites), and each chunk (slot, ids [n], last) prefills `n` prompt tokens of
+        `slot` from its position on. Returns the decode rows' logits [rows, V] (None without decode rows) and,
+        per chunk that ends its prompt, its slot's logits of the last prompt token [V]."""
+        if not self.native:
+            raise RuntimeError("mixed steps need the native step")
+        self._native_cache()
+        step = self._step_for(max(rows, 1), self.lengths[0])
+        slots = list(range(rows))
+        positions = self.positions[:rows].tolist()
+        pieces = [tokens[:rows]] if rows else []
+        keep = list(range(rows))
+        ends = []
+        for slot, ids, last in chunks:
+            start = int(self.positions[slot])
+            if start + len(ids) > self.max_cache_len:
+                raise ValueError(f"slot {slot}: {start + len(ids)} positions do not fit a cache of {self.max_cache_len}")
+            slots += [slot] * len(ids)
+            positions += range(start, start + len(ids))
+            pieces.append(ids)
+            if last:
+                ends.append(slot)
+                keep.append(len(slots) - 1)
+        if len(keep) == 0:  # a middle chunk alone: its last row's logits, unused
+            keep.append(len(slots) - 1)
+        logits = step.mixed(torch.cat(pieces).to(torch.long), torch.tensor(slots), torch.tensor(positions), rows,
+                            torch.tensor(keep))
+        for slot in active:
+            self.positions[slot] += 1
+        for slot, ids, _ in chunks:
+            self.positions[slot] += len(ids)
+        self.facts["slot_mixed_steps"] = self.facts.get("slot_mixed_steps", 0) + (1 if rows and chunks else 0)
+        firsts = {slot: logits[rows + i] for i, slot in enumerate(ends)}
+        return (logits[:rows] if rows else None), firsts
 
     # ------------------------------------------------------------------ one batched decode step
     def _step_for(self, rows: int, length: int):
