@@ -15,12 +15,14 @@ Models listed in `--ours-only` get no checkpoint and no llama.cpp row (llama-3.1
 conversion and three formats take about 50 GB of disk beside the other sizes'); their weights are drawn
 directly (weights.RandomWeights).
 
-The timed run measures each model in its own process (its peak RSS is its own): the int4-rtn a8 model (group
-32) built layer by layer from the checkpoint's tensors (tuners/quantize/apply.quantize_layerwise: no float copy
-of the model), kernels chosen as `quantize` chooses them, the lean loop with the native step
-(infer_tune/native/step.py; its fallback reason if it falls back); llama-bench times the three GGUFs at these
-prompt lengths and decode length and picks the fastest (decode + the prefills: `e2e`), and llama-server serves
-it. Then `--rounds` rounds, each: TTFT of the ~40-token and the ~500-token prompt (ours: submit to the first
+The timed run measures each model in its own process (its peak RSS is its own): the int4-rtn a8 model built
+layer by layer from the checkpoint's tensors (tuners/quantize/apply.quantize_layerwise: no float copy of the
+model) at each `--group-size` (32: a bf16 scale and zero per 32 weights, 5.0 bits a weight; 64: 4.5, Q4_0's;
+128: 4.25), kernels chosen as `quantize` chooses them, the lean loop with the native step
+(infer_tune/native/step.py; its fallback reason if it falls back); llama-bench times the GGUFs of `--formats`
+at these prompt lengths and decode length and picks the fastest (decode + the prefills: `e2e`), and
+llama-server serves it. Several groups give one row each against the same llama.cpp measurement (the peak
+RSS is then the process's, every build included). Then `--rounds` rounds, each (ours at every group, then llama-server, the order reversed every other round): TTFT of the ~40-token and the ~500-token prompt (ours: submit to the first
 token; llama-server: its own `timings.prompt_ms`, no HTTP in it), and a `--decode-tokens` single-stream decode
 after the short prompt (ours: tokens / time between the first and last token; llama-server:
 `predicted_per_second`, end-of-sequence ignored). Medians over the rounds; ratios ours / theirs (decode) and
@@ -31,6 +33,8 @@ llama-server's `VmHWM`.
 
     flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/scaling.py --prepare --models llama-3.2-1b
     flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/scaling.py --threads 2 --rounds 3 --out scaling.json
+    flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/scaling.py --models qwen3-1.7b --group-size 64,128 \
+        --formats q4_0,q4_k_m --out scaling-1.7b.json
 
 Not a test: read the ratios of one run.
 """
@@ -102,14 +106,33 @@ def prepare(names: list[str], seed: int, ours_only: set[str], threads: int) -> N
 
 
 # --------------------------------------------------------------------------- one model, in its own process
-def build_ours(name: str, seed: int, ours_only: set[str]):
-    """(tokenizer, int4 a8 model, facts): built layer by layer from the checkpoint's tensors (or the seed's)."""
+def refuse(line: str) -> None:
+    """Bad input: one line, exit 2."""
+    print(f"scaling: {line}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def group_sizes(text: str) -> list[int]:
+    """`--group-size`: comma-separated int4 groups, each a multiple of 32 the quantizer takes (config.INT4_GROUP_SIZES)."""
+    from infer_tune.tuners.quantize.config import INT4_GROUP_SIZES
+
+    words = [g.strip() for g in text.split(",") if g.strip()]
+    groups = [int(g) for g in words] if all(g.isdigit() for g in words) else []
+    if not groups or any(g not in INT4_GROUP_SIZES for g in groups) or len(set(groups)) != len(groups):
+        refuse(f"--group-size takes distinct values of {', '.join(map(str, INT4_GROUP_SIZES))} separated by "
+               f"commas; got {text!r}")
+    return groups
+
+
+def build_ours(name: str, seed: int, ours_only: set[str], group: int = 32):
+    """(tokenizer, int4 a8 model in groups of `group`, facts): built layer by layer from the checkpoint's tensors
+    (or the seed's)."""
     import torch
 
     from infer_tune import models, weights
     from infer_tune.tuners.quantize import QuantizeConfig, apply, kernel_choice
 
-    qconfig = QuantizeConfig(method="int4-rtn", activations="int8", group_size=32)
+    qconfig = QuantizeConfig(method="int4-rtn", activations="int8", group_size=group)
     if name in models.BUILTINS:
         folder = Path(models.resolve(name))
         config, _ = weights.architecture_config(str(folder))
@@ -138,8 +161,9 @@ def build_ours(name: str, seed: int, ours_only: set[str]):
     apply.quantize_layerwise(model, weights.Filler(model, values), qconfig)
     model.eval()
     build_s = time.monotonic() - started
-    record = kernel_choice.choose_for_model(model, "int4-rtn", prefill_rows=64, activations="int8")
-    return tokenizer, model, {"weights": source, "build_s": round(build_s, 1), "params": weights.count_params(config),
+    record = kernel_choice.choose_for_model(model, "int4-rtn", prefill_rows=64, group_size=group, activations="int8")
+    return tokenizer, model, {"weights": source, "group_size": group, "build_s": round(build_s, 1),
+                              "params": weights.count_params(config),
                               "kernels": {k: (v or {}).get("chosen") for k, v in record.items()
                                           if isinstance(v, dict)}}
 
@@ -153,7 +177,8 @@ def hwm_bytes(pid: int) -> int | None:
     return int(line.split()[1]) * 1024 if line else None
 
 
-def measure_one(args) -> dict:
+def measure_one(args) -> list[dict]:
+    """One model's rows, one per `--group-size`, against one llama.cpp measurement."""
     import torch
 
     from bench.lean_prefill import prompts, roofline_line, server_completion
@@ -169,40 +194,47 @@ def measure_one(args) -> dict:
     warnings.filterwarnings("ignore")
     setup_threads(args.threads)
     name, ours_only = args.one, set(args.ours_only)
-    tokenizer, model, facts = build_ours(name, args.seed, ours_only)
-    cases = prompts(tokenizer, args.short, args.long)
-    eos = eos_ids(model, tokenizer)
-    decoder = LeanDecoder(model, compile=False, native_step=True)
-    decoder.reserve(max(ids.shape[1] for ids in cases.values()) + args.decode_tokens)
-    for ids in cases.values():
-        decoder.generate(ids, 4, eos)  # first calls (the native step's cache, the kernels' buffers)
-    facts.update({k: decoder.facts.get(k) for k in ("lean_step", "lean_native_fallback", "lean_prefill")})
-    row = {"model": name, **facts, "prompt_tokens": {c: int(ids.shape[1]) for c, ids in cases.items()},
-           "threads": torch.get_num_threads(), "rounds": args.rounds, "decode_tokens": args.decode_tokens}
-    ours: dict[str, list[float]] = {"ttft_short": [], "ttft_long": [], "decode": []}
+    groups = group_sizes(args.group_size)
+    built = []  # (model, facts, decoder) per group
+    for group in groups:
+        tokenizer, model, facts = build_ours(name, args.seed, ours_only, group)
+        cases = prompts(tokenizer, args.short, args.long)
+        eos = eos_ids(model, tokenizer)
+        decoder = LeanDecoder(model, compile=False, native_step=True)
+        decoder.reserve(max(ids.shape[1] for ids in cases.values()) + args.decode_tokens)
+        for ids in cases.values():
+            decoder.generate(ids, 4, eos)  # first calls (the native step's cache, the kernels' buffers)
+        facts.update({k: decoder.facts.get(k) for k in ("lean_step", "lean_native_fallback", "lean_prefill")})
+        built.append((model, facts, decoder))
+    common = {"prompt_tokens": {c: int(ids.shape[1]) for c, ids in cases.items()},
+              "threads": torch.get_num_threads(), "rounds": args.rounds, "decode_tokens": args.decode_tokens}
+    ours = [{"ttft_short": [], "ttft_long": [], "decode": []} for _ in built]
     theirs: dict[str, list[float]] = {"ttft_short": [], "ttft_long": [], "decode": []}
-    server, chosen = None, None
+    reference, server = None, None
     with contextlib_exit() as stack:
         if name not in ours_only:
             folder = Path(models.resolve(name)) if name in models.BUILTINS else checkpoint_dir(name, args.seed)
             lengths = [int(ids.shape[1]) for ids in cases.values()]
-            chosen = llamacpp.best(folder, lengths, args.decode_tokens, args.threads, repeats=args.bench_repeats)
-            row["llama_cpp"] = {"fastest": chosen.format, "objective": chosen.objective,
-                                "formats": {t.format: t.to_dict(args.decode_tokens) for t in chosen.timings},
-                                "commit": chosen.llama_cpp.get("commit"), "build": chosen.llama_cpp.get("build_number")}
+            formats = [f for f in args.formats.split(",") if f]
+            chosen = llamacpp.best(folder, lengths, args.decode_tokens, args.threads, repeats=args.bench_repeats,
+                                   formats=formats)
+            reference = {"fastest": chosen.format, "objective": chosen.objective,
+                         "formats": {t.format: t.to_dict(args.decode_tokens) for t in chosen.timings},
+                         "commit": chosen.llama_cpp.get("commit"), "build": chosen.llama_cpp.get("build_number")}
             server = stack.enter_context(local_server("llama.cpp", str(chosen.gguf), threads=args.threads))
             for ids in cases.values():
                 server_completion(server.url, tokenizer.decode(ids[0]), 4)  # warms the server
         short_text = tokenizer.decode(cases["short"][0])
         for r in range(args.rounds):
-            order = (0, 1) if r % 2 == 0 else (1, 0)  # who goes first alternates
-            for who in order:
-                if who == 0:
+            order = [*range(len(built)), None]
+            for who in (order if r % 2 == 0 else order[::-1]):  # who goes first alternates
+                if who is not None:
+                    decoder = built[who][2]
                     for case, ids in cases.items():
                         submit, token_ns, _, _ = decoder.generate(ids, 1, eos)
-                        ours[f"ttft_{case}"].append((token_ns[0] - submit) / 1e6)
+                        ours[who][f"ttft_{case}"].append((token_ns[0] - submit) / 1e6)
                     _, token_ns, _, _ = decoder.generate(cases["short"], args.decode_tokens, eos)
-                    ours["decode"].append((len(token_ns) - 1) * 1e9 / (token_ns[-1] - token_ns[0]))
+                    ours[who]["decode"].append((len(token_ns) - 1) * 1e9 / (token_ns[-1] - token_ns[0]))
                 elif server is not None:
                     for case, ids in cases.items():
                         answer, _ = server_completion(server.url, tokenizer.decode(ids[0]), 1)
@@ -210,21 +242,27 @@ def measure_one(args) -> dict:
                     answer, _ = server_completion(server.url, short_text, args.decode_tokens)
                     theirs["decode"].append(answer["timings"]["predicted_per_second"])
         if server is not None:
-            row["llama_cpp"]["peak_rss_bytes"] = hwm_bytes(server.process.pid)
-    row["ours"] = {k: statistics.median(v) for k, v in ours.items()}
-    row["ours_samples"] = ours
-    if server is not None:
-        row["llama_cpp"]["served"] = {k: statistics.median(v) for k, v in theirs.items()}
-        row["llama_cpp"]["samples"] = theirs
+            reference["peak_rss_bytes"] = hwm_bytes(server.process.pid)
+            reference["served"] = {k: statistics.median(v) for k, v in theirs.items()}
+            reference["samples"] = theirs
     mean_context = cases["short"].shape[1] + args.decode_tokens / 2
-    row["roofline"] = roofline_line(model, mean_context, row["ours"]["decode"])
     reading = bandwidth_reading()
-    kv_read = kv.kv_bytes(kv.ModelShape.from_config(model.config), 1, 32) * mean_context
-    row["model_bytes"] = models.model_bytes(model)
-    row.update(roofline.roofline(reading["gb_s"], row["model_bytes"], kv_read, 1, 1000.0 / row["ours"]["decode"]))
-    row["bandwidth"] = reading
-    row["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return row
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rows = []
+    for (model, facts, _), samples in zip(built, ours):
+        row = {"model": name, **facts, **common, "ours": {k: statistics.median(v) for k, v in samples.items()},
+               "ours_samples": samples}
+        if reference is not None:
+            row["llama_cpp"] = reference
+        row["roofline"] = roofline_line(model, mean_context, row["ours"]["decode"])
+        kv_read = kv.kv_bytes(kv.ModelShape.from_config(model.config), 1, 32) * mean_context
+        row["model_bytes"] = models.model_bytes(model)
+        row.update(roofline.roofline(reading["gb_s"], row["model_bytes"], kv_read, 1, 1000.0 / row["ours"]["decode"]))
+        row["bandwidth"] = reading
+        row["peak_rss_bytes"] = peak
+        row["peak_rss_groups"] = groups  # the process's peak: every group's build included
+        rows.append(row)
+    return rows
 
 
 def contextlib_exit():
@@ -246,18 +284,18 @@ def pair(ours: dict, theirs: dict, key: str, fmt: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| model | params | weights | decode tok/s ours / llama.cpp (x) | TTFT ~40 tok ms ours / llama.cpp (x) | "
+    head = ("| model | params | weights | int4 group | decode tok/s ours / llama.cpp (x) | TTFT ~40 tok ms ours / llama.cpp (x) | "
             "TTFT ~500 tok ms ours / llama.cpp (x) | roofline_fraction | peak RSS ours / llama.cpp | llama.cpp fastest |")
-    out = [head, "|" + "---|" * 9]
+    out = [head, "|" + "---|" * 10]
     for row in rows:
         if "error" in row:
-            out.append(f"| {row['model']} | - | - | failed: {row['error']} | | | | | |")
+            out.append(f"| {row['model']} | - | - | - | failed: {row['error']} | | | | | |")
             continue
         o, ref = row["ours"], (row.get("llama_cpp") or {})
         served = ref.get("served") or {}
         tokens = row["prompt_tokens"]
         out.append(
-            f"| {row['model']} | {row['params'] / 1e9:.2f}B | {row['weights']} | "
+            f"| {row['model']} | {row['params'] / 1e9:.2f}B | {row['weights']} | g{row.get('group_size', 32)} | "
             f"{pair(o, served, 'decode', '.1f')} | "
             f"{pair(o, served, 'ttft_short', '.1f')} ({tokens['short']} tok) | "
             f"{pair(o, served, 'ttft_long', '.0f')} ({tokens['long']} tok) | "
@@ -278,14 +316,22 @@ def main() -> None:
     p.add_argument("--short", type=int, default=40)
     p.add_argument("--long", type=int, default=500)
     p.add_argument("--bench-repeats", type=int, default=2, help="llama-bench -r when it picks the fastest format")
+    p.add_argument("--group-size", default="32",
+                   help="int4 groups of ours, comma-separated (32: 5.0 bits a weight, 64: 4.5, 128: 4.25); one row each")
+    p.add_argument("--formats", default=",".join(FORMATS), help="the llama.cpp formats llama-bench picks the fastest of")
     p.add_argument("--prepare", action="store_true", help="make the checkpoints and GGUFs, time nothing")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child: one model, its row as JSON
     args = p.parse_args()
     args.ours_only = [m for m in args.ours_only.split(",") if m]
     names = [m for m in args.models.split(",") if m]
+    groups = group_sizes(args.group_size)
+    unknown = sorted(set(f for f in args.formats.split(",") if f) - set(FORMATS))
+    if unknown or not args.formats.strip(","):
+        refuse(f"--formats takes some of {', '.join(FORMATS)}; got {args.formats!r}")
     if args.one:
-        print("ROW " + json.dumps(measure_one(args)), flush=True)
+        for row in measure_one(args):
+            print("ROW " + json.dumps(row), flush=True)
         return
     if args.prepare:
         prepare(names, args.seed, set(args.ours_only), args.threads)
@@ -296,18 +342,22 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--one", name, "--ours-only", ",".join(args.ours_only) or ",",
                "--seed", str(args.seed), "--threads", str(args.threads), "--rounds", str(args.rounds),
                "--decode-tokens", str(args.decode_tokens), "--short", str(args.short), "--long", str(args.long),
-               "--bench-repeats", str(args.bench_repeats)]
+               "--bench-repeats", str(args.bench_repeats), "--group-size", args.group_size, "--formats", args.formats]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=dict(os.environ))
         found = [x for x in proc.stdout.splitlines() if x.startswith("ROW ")]
         if proc.returncode != 0 or not found:
             tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
-            rows.append({"model": name, "error": f"exit {proc.returncode}: {tail[-300:]}"})
+            made = [{"model": name, "error": f"exit {proc.returncode}: {tail[-300:]}"}]
         else:
-            rows.append(json.loads(found[-1][4:]))
-        rows[-1]["wall_s"] = round(time.monotonic() - started, 1)
-        print(f"{name}: {rows[-1].get('error') or 'done'} ({rows[-1]['wall_s']} s)", file=sys.stderr, flush=True)
+            made = [json.loads(x[4:]) for x in found]
+        for row in made:
+            row["wall_s"] = round(time.monotonic() - started, 1)
+        rows += made
+        print(f"{name}: {made[0].get('error') or 'done'} ({made[0]['wall_s']} s)", file=sys.stderr, flush=True)
         if args.out:
-            Path(args.out).write_text(json.dumps(rows, indent=1))
+            from infer_tune import atomic
+
+            atomic.write_json(Path(args.out), rows)
         if len(rows) == 1 and "error" in rows[0]:
             break  # the first model failed: the others would fail the same way
     from infer_tune.env import bandwidth_reading
@@ -315,11 +365,12 @@ def main() -> None:
     reading = bandwidth_reading()
     print(f"{args.threads} threads, {args.rounds} rounds (alternating who goes first), decode {args.decode_tokens} "
           f"tokens after the short prompt, bandwidth {reading['gb_s']:.1f} GB/s ({reading['source']}); ours: int4-rtn "
-          "a8 g32, lean + native step; llama.cpp: llama-server on the format llama-bench found fastest")
+          f"a8 {'/'.join(f'g{g}' for g in groups)}, lean + native step; llama.cpp: llama-server on the format "
+          f"llama-bench found fastest of {args.formats}")
     print(table(rows))
     for row in rows:
         if "roofline" in row:
-            print(f"{row['model']}: {row['roofline']}; step {row.get('lean_step')}"
+            print(f"{row['model']} g{row.get('group_size', 32)}: {row['roofline']}; step {row.get('lean_step')}"
                   + (f" (fallback: {row['lean_native_fallback']})" if row.get("lean_native_fallback") else "")
                   + ("; llama-bench: " + "; ".join(
                       f"{f} {t['decode_tok_s'] or 0:.1f} tok/s, "

@@ -34,8 +34,9 @@ def tokenizer():
     return build_tiny_tokenizer()
 
 
-def quantized(model, **config):
-    quantize_in_memory(model, QuantizeConfig(method="int4-rtn", activations="int8", group_size=32, **config), "torch")
+def quantized(model, group_size: int = 32, **config):
+    quantize_in_memory(model, QuantizeConfig(method="int4-rtn", activations="int8", group_size=group_size, **config),
+                       "torch")
     return model
 
 
@@ -144,6 +145,34 @@ def test_native_step_computes_the_eager_step_of_each_family(tokenizer, arch):
     expect = {"mistral": [24, 24], "qwen2": [0, 24], "qwen3": [0, 0], "gemma3": [24, 0, 24]}[arch]
     assert parts["windows"] == expect
     check_steps(model, parts)
+
+
+@pytest.mark.parametrize("group,arch,head_bits", [(64, "llama", 8), (128, "llama", 4), (128, "qwen3", 8)])
+def test_native_step_runs_the_larger_int4_groups(tokenizer, group, arch, head_bits):
+    """Groups of 64 and 128 (4.5 and 4.25 bits a weight, against 5.0 at 32: the bytes a bandwidth-bound decode
+    reads, bench/scaling.py) go through the native step as they are: every layer packed in groups of `group`,
+    the step told that group (its packed sizes are checked against it: a step assuming 32 refuses the weights),
+    its logits the eager int4 forward's, and the lean loop runs it with no fallback."""
+    from infer_tune.native.step import recognize
+    from infer_tune.tuners.lean.loop import LeanDecoder
+    from infer_tune.tuners.quantize.modules import Int4A8Linear
+
+    shape = dict(hidden_size=128, intermediate_size=256, head_dim=32)  # every input a whole number of 128-groups
+    model = tiny_llama(tokenizer, **shape) if arch == "llama" else tiny_family(tokenizer, arch, **shape)
+    model = quantized(model, group_size=group, head_bits=head_bits)
+    layers = [m for m in model.modules() if type(m) is Int4A8Linear]
+    assert len(layers) == 7 * model.config.num_hidden_layers + (head_bits == 4)
+    assert {m.group_size for m in layers} == {group}
+    parts, why = recognize(model)
+    assert parts is not None, why
+    assert parts["ints"][6] == group and parts["ints"][7] == (group if head_bits == 4 else 0)
+    check_steps(model, parts)
+    decoder = LeanDecoder(model, compile=False, native_step=True)
+    ids = torch.randint(3, len(tokenizer), (1, 12), generator=torch.Generator().manual_seed(2))
+    _, _, tokens, _ = decoder.generate(ids, 8, [model.config.eos_token_id])
+    assert decoder.facts["lean_step"] == "native" and "lean_native_fallback" not in decoder.facts
+    _, _, want, _ = LeanDecoder(model, compile=False).generate(ids, 8, [model.config.eos_token_id])
+    assert tokens == want
 
 
 @pytest.mark.parametrize("arch,broken", [
