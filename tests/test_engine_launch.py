@@ -364,6 +364,8 @@ def test_perplexity_takes_the_launchs_kv_cache_and_flash_attention(monkeypatch, 
     tool.write_text(f"#!/bin/sh\necho \"$@\" >> {seen}\necho 'Final estimate: PPL = 9.0000 +/- 0.1000'\n")
     tool.chmod(0o755)
     monkeypatch.setattr(llamacpp, "require", lambda name: tool)
+    # a home of its own: the session's links the real cache's data/ (llama-perplexity's cache among it)
+    monkeypatch.setenv("INFER_TUNE_HOME", str(tmp_path / "home"))
     gguf, text = tmp_path / "m.gguf", tmp_path / "t.txt"
     gguf.write_bytes(b"GGUF")
     text.write_text("some text\n")
