@@ -74,6 +74,9 @@ for name, key in (("decode tok/s (1000 / TPOT p50)", "tpot_ms"), ("TTFT p50", "t
     ok &= within or key != "tpot_ms"  # the check is on the objective (decode); TTFT is reported beside it
     print(f"{name}: tuned row {a:.2f}, started by hand {b:.2f} ({change:+.1f}%)"
           + (f" {'PASS' if within else 'FAIL'} (within 10%)" if key == "tpot_ms" else ""))
+rounds = [1000 / t for t in ((tuned.get("rounds") or {}).get("per_round") or {}).get("tpot_ms") or [] if t]
+if rounds:  # the row's own spread: how far its rounds' decode speeds were apart on this host
+    print(f"the tuned row's rounds: decode tok/s {min(rounds):.1f} to {max(rounds):.1f} over {len(rounds)} rounds")
 print(f"winner: {tuned.get('speedup_vs_baseline')} {tuned.get('speedup_vs_baseline_ci95')} of the default launch, "
       f"ppl {tuned.get('ppl_delta_pct')}%, BLEU drift {tuned.get('bleu_drift')}")
 sys.exit(0 if ok else 1)

@@ -131,9 +131,14 @@ def test_decide_uses_intervals_and_the_quality_budget():
     assert "exceeds the 5% budget" in fast_but_lossy["engine_reason"]
     assert "does not clear 1" in overlaps_one["engine_reason"]
     assert et.decide([fast_but_lossy, overlaps_one], spec) is None
-    assert len(et.candidates(spec, "m")) >= 4 and {"gguf": "imatrix-q4_k_m"} in et.candidates(spec, "m")
+    found = et.candidates(spec, "m")
+    assert len(found) == 10 and {"gguf": "imatrix-q4_k_m"} in found
+    # each calibrated 4-bit type beside its uncalibrated twin; the KV cache and drafting settings on imatrix IQ4_XS
+    assert found.index({"gguf": "iq4_xs"}) + 1 == found.index({"gguf": "imatrix-iq4_xs"})
+    assert {"gguf": "imatrix-iq4_xs", "spec_type": "ngram-simple"} in found
     small = et.EngineTuneSpec(budget_s=60)
-    assert len(et.candidates(small, "m")) == 4
+    assert et.candidates(small, "m") == found[:6]
+    assert all(lm.Launch("llama.cpp", "m", s) for s in found)  # every candidate is a valid launch
 
 
 def _fake_env(monkeypatch, tmp_path, engine, expect):
@@ -327,3 +332,69 @@ def test_real_llama_server_q4_0_against_default(smollm2_available, tmp_path, _te
     assert q4["config"]["launch"]["llama_cpp"]["commit"]
     assert q4["metrics"]["ppl"] > 0 and q4["metrics"]["ppl_delta_pct"] is not None
     assert q4["metrics"]["bleu_vs_baseline"] is not None and q4["baseline_run_id"] == base["run_id"]
+
+
+def test_a_running_child_servers_cpu_is_not_counted_as_contention():
+    """A launched server is this process's child and works for the measurement: the host snapshot counts a
+    running child's CPU seconds as its own (the kernel adds them to children_* only once it has exited and been
+    waited for), so rounds over a launch do not take its work for another process's and run every request
+    batch again. The child burns 0.5 CPU-seconds, then waits, still running, while the snapshot is taken."""
+    from infer_tune.metrics import noise
+
+    burn = "import sys, time\nwhile time.process_time() < 0.5: pass\nprint('done', flush=True)\ntime.sleep(60)\n"
+    before = noise.HostSnapshot.take()
+    child = subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "done"
+        after = noise.HostSnapshot.take()
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+    # the child's 0.5 s are ours (read in clock ticks: 0.49 is 0.5); without its running time counted, about 0
+    assert after.own_cpu_s - before.own_cpu_s >= 0.4
+
+
+def test_perplexity_takes_the_launchs_kv_cache_and_flash_attention(monkeypatch, tmp_path):
+    """A q8_0 KV cache costs quality: the row's perplexity is llama-perplexity run with the launch's cache types
+    and flash attention (a fake tool records its argv), cached apart from the plain GGUF's."""
+    from infer_tune.engines import llamacpp
+
+    seen = tmp_path / "argv.txt"
+    tool = tmp_path / "llama-perplexity"
+    tool.write_text(f"#!/bin/sh\necho \"$@\" >> {seen}\necho 'Final estimate: PPL = 9.0000 +/- 0.1000'\n")
+    tool.chmod(0o755)
+    monkeypatch.setattr(llamacpp, "require", lambda name: tool)
+    # a home of its own: the session's links the real cache's data/ (llama-perplexity's cache among it)
+    monkeypatch.setenv("INFER_TUNE_HOME", str(tmp_path / "home"))
+    gguf, text = tmp_path / "m.gguf", tmp_path / "t.txt"
+    gguf.write_bytes(b"GGUF")
+    text.write_text("some text\n")
+    launch = lm.Launch("llama.cpp", "m", {"gguf": "imatrix-iq4_xs", "cache_type_k": "q8_0", "cache_type_v": "q8_0",
+                                          "flash_attn": "on"})
+    flags = et.perplexity_flags(launch)
+    assert flags == ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"]
+    assert et.perplexity_flags(lm.Launch("llama.cpp", "m", {"gguf": "q4_0", "parallel": 2})) == []
+    assert calibrate.perplexity(gguf, text, flags=flags)["ppl"] == 9.0
+    calibrate.perplexity(gguf, text)  # the plain GGUF: its own cache entry, so the tool runs again
+    calibrate.perplexity(gguf, text, flags=flags)  # cached: no third run with the flags
+    runs = seen.read_text().splitlines()
+    assert len(runs) == 2 and runs[0].endswith("-ctk q8_0 -ctv q8_0 -fa on") and "-ctk" not in runs[1]
+
+
+def test_by_hand_line_measures_what_the_row_measured():
+    """The printed `bench --endpoint` line sends as many requests at once as the row did (one per slot of the
+    launch) and keeps the workload's prompt options, so the launch started by hand is measured on the same load."""
+    from types import SimpleNamespace
+
+    from infer_tune.cli.engine_tune import by_hand_bench
+
+    winner = {"model": {"ref": "smollm2-135m"}, "workload": {
+        "suite": "chat", "limit": 8, "max_new_tokens": 64, "seed": 0, "max_prompt_tokens": 256, "lang": "en",
+        "prompt_field": "prompt", "reference_field": None, "chat_template": False}}
+    command = ["/x/llama-server", "--model", "m.gguf", "--alias", "smollm2-135m", "--host", "127.0.0.1",
+               "--port", "8081", "--ctx-size", "8192", "--parallel", "4"]
+    hand = by_hand_bench(SimpleNamespace(command=command, winner=winner)).split()
+    assert hand[hand.index("--concurrency") + 1] == "4" and hand[hand.index("--max-prompt-tokens") + 1] == "256"
+    assert "--no-chat-template" in hand and "--reference-field" not in hand
+    single = by_hand_bench(SimpleNamespace(command=command[:-2] + ["--parallel", "1"], winner=winner)).split()
+    assert "--concurrency" not in single

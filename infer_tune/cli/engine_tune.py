@@ -71,7 +71,14 @@ def by_hand_bench(outcome) -> str | None:
     parts = ["infer-tune", "bench", "--endpoint", f"http://{host}:{cmd[cmd.index('--port') + 1]}/v1",
              "--model", str(outcome.winner["model"]["ref"]), "--served-model", served, "--ignore-eos"]
     for flag, key in (("--suite", "suite"), ("--limit", "limit"), ("--max-new-tokens", "max_new_tokens"),
-                      ("--seed", "seed")):
+                      ("--seed", "seed"), ("--max-prompt-tokens", "max_prompt_tokens"), ("--lang", "lang"),
+                      ("--prompt-field", "prompt_field"), ("--reference-field", "reference_field")):
         if w.get(key) is not None:
             parts += [flag, str(w[key])]
+    if w.get("chat_template") is False:
+        parts.append("--no-chat-template")
+    # the row's requests in flight: one per slot of the launch (engine_tune.open_launch)
+    parallel = int(cmd[cmd.index("--parallel") + 1]) if "--parallel" in cmd else 1
+    if parallel > 1:
+        parts += ["--concurrency", str(parallel)]
     return shlex.join(parts)

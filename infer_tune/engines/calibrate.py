@@ -6,7 +6,7 @@
   then `llama-quantize --imatrix` to `fmt` (Q8_0 embeddings and output, as the uncalibrated twin); cached
   beside the other GGUFs as `imatrix-<fmt>-<text digest[:12]>.gguf` with its `.json` (and the `.imatrix`).
 - `perplexity(gguf, text)`: `llama-perplexity` on the text, its final estimate parsed (`parse_perplexity`),
-  cached per (GGUF digest, text digest, context).
+  cached per (GGUF digest, text digest, context, the KV cache / flash attention flags of the launch).
 """
 
 from __future__ import annotations
@@ -105,18 +105,22 @@ def parse_perplexity(text: str) -> tuple[float, float]:
 
 
 def perplexity(gguf: Path, text: Path, *, threads: int | None = None, context: int = PPL_CONTEXT,
-               timeout_s: float = 600.0) -> dict:
-    """{ppl, ppl_stderr, context, text_sha256, command} of `gguf` on `text`, cached."""
+               timeout_s: float = 600.0, flags: list[str] | tuple[str, ...] = ()) -> dict:
+    """{ppl, ppl_stderr, context, text_sha256, command} of `gguf` on `text`, cached. `flags`: llama.cpp
+    options that change what is computed (a KV cache type `-ctk q8_0`, flash attention `-fa on`), part of
+    the cache key."""
     from infer_tune import contenthash
 
-    key = f"{contenthash.file_digest(gguf)[:16]}-{text_digest(text)[:12]}-c{context}x{PPL_CHUNKS}"
+    flags = [str(f) for f in flags]
+    tag = ("-" + hashlib.sha256(" ".join(flags).encode()).hexdigest()[:8]) if flags else ""
+    key = f"{contenthash.file_digest(gguf)[:16]}-{text_digest(text)[:12]}-c{context}x{PPL_CHUNKS}{tag}"
     cache = paths.home() / "data" / "llama-perplexity" / f"{key}.json"
     try:
         return json.loads(cache.read_text())
     except (OSError, ValueError):
         pass
     cmd = [str(llamacpp.require("llama-perplexity")), "-m", str(gguf), "-f", str(text), "-c", str(context),
-           "-b", str(context), "--chunks", str(PPL_CHUNKS)] + (["-t", str(threads)] if threads else [])
+           "-b", str(context), "--chunks", str(PPL_CHUNKS)] + (["-t", str(threads)] if threads else []) + flags
     import subprocess
 
     try:

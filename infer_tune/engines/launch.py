@@ -6,7 +6,7 @@ engine). llama.cpp's `llama-server`:
 
 | key | flag | technique |
 |---|---|---|
-| gguf | the `--model` file: f16, q8_0, q4_k_m, q4_0, imatrix-q4_k_m, imatrix-q4_0 or a .gguf path | quantization |
+| gguf | the `--model` file: f16, q8_0, q4_k_m, q4_k_s, q4_0, iq4_xs, iq4_nl, each 4-bit type as imatrix-<type>, or a .gguf path | quantization |
 | cache_type_k / cache_type_v | `--cache-type-k` / `--cache-type-v` | KV cache |
 | flash_attn | `--flash-attn on/off/auto` | KV cache |
 | ctx_size | `--ctx-size` (per slot here: times `parallel`) | KV cache |
@@ -48,7 +48,8 @@ ENGINES = ("llama.cpp", "vllm", "sglang")
 # bytes per element of a KV cache type (blocks of 32 with their scales for the quantized ones)
 CACHE_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
                     "iq4_nl": 18 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32}
-GGUF_TYPES = ("f16", "q8_0", "q4_k_m", "q4_0", "imatrix-q4_k_m", "imatrix-q4_0")
+GGUF_TYPES = ("f16", "q8_0", "q4_k_m", "q4_k_s", "q4_0", "iq4_xs", "iq4_nl", "imatrix-q4_k_m", "imatrix-q4_k_s",
+              "imatrix-q4_0", "imatrix-iq4_xs", "imatrix-iq4_nl")
 FLASH = ("on", "off", "auto")
 SPEC_TYPES = ("none", "draft-simple", "ngram-simple", "ngram-cache", "ngram-mod", "ngram-map-k")
 MEMORY_HEADROOM = 1.15  # the estimate times this must fit in MemAvailable (buffers, the compute graph)

@@ -37,7 +37,10 @@ from infer_tune import atomic, paths
 from infer_tune.errors import ConfigError, InferTuneError
 
 TOOLS = ("llama-server", "llama-quantize", "llama-bench", "llama-imatrix", "llama-perplexity")
-QUANT_TYPES = {"f16": "F16", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M", "q8_0": "Q8_0"}  # ours -> llama-quantize's
+# ours -> llama-quantize's; the non-linear 4-bit types (IQ4_XS 4.25 bits a weight, IQ4_NL 4.5) need no importance
+# matrix but gain most from one (engines.calibrate)
+QUANT_TYPES = {"f16": "F16", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M", "q8_0": "Q8_0", "q4_k_s": "Q4_K_S",
+               "iq4_xs": "IQ4_XS", "iq4_nl": "IQ4_NL"}
 BEST_FORMATS = ("q4_0", "q4_k_m", "q8_0")  # the candidates of the reference row
 OBJECTIVES = ("e2e", "decode", "prefill")
 BUILD_INFO = "llama-cpp.json"

@@ -33,7 +33,8 @@ OTHER_CPU_LIMIT = 0.10
 
 @dataclass
 class HostSnapshot:
-    """CPU counters at one instant: host busy seconds, this process's (and children's) CPU seconds."""
+    """CPU counters at one instant: host busy seconds, the CPU seconds of this process and its children (the
+    running ones too: a launched server's work is this measurement's, not contention)."""
 
     wall_s: float
     host_busy_s: float
@@ -45,13 +46,35 @@ class HostSnapshot:
         times = psutil.cpu_times()
         busy = times.user + times.system + getattr(times, "nice", 0.0) + getattr(times, "irq", 0.0) \
             + getattr(times, "softirq", 0.0) + getattr(times, "steal", 0.0)
-        own = psutil.Process().cpu_times()
-        own_s = own.user + own.system + getattr(own, "children_user", 0.0) + getattr(own, "children_system", 0.0)
+        me = psutil.Process()
+        own_s = _cpu_s(me.cpu_times()) + sum(_cpu_s(t) for t in _descendant_times(me))
         try:
             load = os.getloadavg()[0]
         except OSError:
             load = None
         return cls(time.perf_counter(), busy, own_s, load)
+
+
+def _cpu_s(times) -> float:
+    """User + system seconds of a process and of its children it has waited for."""
+    return times.user + times.system + getattr(times, "children_user", 0.0) + getattr(times, "children_system", 0.0)
+
+
+def _descendant_times(process: psutil.Process) -> list:
+    """cpu_times of the process's live descendants: a server it started (a launched engine, a worker) works
+    for it, and the kernel counts a child's time in `children_*` only once it has exited and been waited for,
+    so without these a running child's work would count as another process's."""
+    out = []
+    try:
+        children = process.children(recursive=True)
+    except (psutil.Error, OSError):
+        return out
+    for child in children:
+        try:
+            out.append(child.cpu_times())
+        except (psutil.Error, OSError):
+            continue  # exited meanwhile: its time moves to its parent's children_* once it is waited for
+    return out
 
 
 def other_share(before: HostSnapshot, after: HostSnapshot) -> float:
