@@ -39,7 +39,7 @@ def test_a_line_per_finished_config_with_its_key_figure_and_the_recipe_eta(tmp_p
     progress("configs", 1, 2)
     progress("recipe", 1, 4)  # a recipe's overall count follows each finished config at once
     assert lines == []  # the line waits a moment: other configs of the same group may finish with it
-    clock.now += 1
+    clock.now += 11
     progress.beat()
     assert lines[0].startswith("      baseline: TPOT p50 ")
     assert lines[1].startswith("[1/2] quantize int8-dynamic-torch: decode 3.64x [3.58–3.70]")
@@ -52,14 +52,14 @@ def test_a_line_per_finished_config_with_its_key_figure_and_the_recipe_eta(tmp_p
     progress("recipe", 2, 4)
     progress("configs", 0, 2)  # the next stage starts
     assert lines[2].startswith("[2/2] quantize bf16-torch: decode 1.50x")
-    assert "took 41s" in lines[2] and "elapsed 1m01s" in lines[2] and "recipe ETA 1m01s" in lines[2]
+    assert "took 51s" in lines[2] and "elapsed 1m11s" in lines[2] and "recipe ETA 1m11s" in lines[2]
 
     plain, alone = [], LineProgress(lines.append, out_dir=tmp_path, clock=clock, start_thread=False)
     alone.emit = plain.append
     alone("configs", 2, 3)  # resumed: two configs found done; no recipe count follows (a plain sweep)
     alone.beat()
     assert plain == []  # waits a moment for a recipe's count
-    clock.now += 1
+    clock.now += 11
     alone.beat()
     assert plain[0].startswith("[2/3] 2 config(s) already measured (--resume) · took ") and " · ETA " in plain[0]
 
@@ -76,12 +76,14 @@ def test_configs_that_finish_together_print_the_eta_once_on_the_last_line(tmp_pa
         save(doc, tmp_path)
         progress("configs", i, 4)
         progress("recipe", i, 12)
-    clock.now += 1
+        clock.now += 3  # each row's perplexity and BLEU before it is saved
+        progress.beat()
+    clock.now += 8
     progress.beat()
     finished = [line for line in lines if line.startswith("[")]
     assert len(finished) == 4
     assert not any("ETA" in line for line in finished[:3])  # 1 of 12 done after 4 min is not a 44-minute recipe
-    assert finished[3].endswith("recipe ETA 8m00s")  # 4 done in 4 min, 8 to go
+    assert finished[3].endswith("recipe ETA 8m18s")  # 4 done in 4m09s, 8 to go
 
 
 def test_heartbeat_at_most_every_30s_while_a_step_is_silent():

@@ -21,7 +21,9 @@ from pathlib import Path
 from infer_tune.document import ResultDocument
 
 HEARTBEAT_S = 30.0
-FLUSH_S = 0.5  # a finished config's line waits this long for the recipe's count that follows it
+# a finished config's line waits this long for the recipe's count and for the configs that finish with it (the
+# rows of one group of interleaved rounds are built and saved 2-3 s apart: perplexity, BLEU)
+FLUSH_S = 10.0
 
 
 def duration(seconds: float) -> str:
