@@ -168,51 +168,63 @@ class LiveSlots:
             except queue.Empty:
                 return out
 
-    def _loop(self, waiting: deque[LiveRequest], busy: list[LiveRequest | None]) -> None:
-        engine, size = self.engine, self.slots
-        nxt = torch.zeros(size, dtype=torch.long)
+    def _emit(self, busy: list[LiveRequest | None], nxt: torch.Tensor, slot: int, token: int) -> None:
+        """Hand `token` to the request in `slot`; a finished request frees its slot, else the token is its next
+        step's input."""
+        request = busy[slot]
+        request.tokens.append(token)
+        if token in self.eos and not request.ignore_eos:
+            finish = "stop"
+        elif len(request.tokens) >= request.max_tokens or int(self.engine.positions[slot]) >= self.max_context:
+            finish = "length"
+        else:
+            finish = None
+        request.emit(token, finish)
+        if finish is not None:
+            busy[slot] = None
+            self.served += 1
+        else:
+            nxt[slot] = token
 
-        def emit(slot: int, token: int) -> None:
-            request = busy[slot]
-            request.tokens.append(token)
-            n = len(request.tokens)
-            if token in self.eos and not request.ignore_eos:
-                finish = "stop"
-            elif n >= request.max_tokens or int(engine.positions[slot]) >= self.max_context:
-                finish = "length"
-            else:
-                finish = None
-            request.emit(token, finish)
-            if finish is not None:
+    def _gather(self, waiting: deque[LiveRequest], busy: list[LiveRequest | None]) -> bool:
+        """Move arrived requests into `waiting` (waiting for one, bounded so a stop is seen, when nothing is
+        running) and abort the cancelled running ones; False when there is nothing to do this turn."""
+        if all(r is None for r in busy) and not waiting:
+            try:
+                waiting.append(self._inbox.get(timeout=0.1))
+            except queue.Empty:
+                return False
+        waiting.extend(self._drain())
+        for slot, request in enumerate(busy):
+            if request is not None and request.cancelled:
+                request.emit(None, "abort")
                 busy[slot] = None
-                self.served += 1
-            else:
-                nxt[slot] = token
+        return True
 
-        if engine.native:
+    @staticmethod
+    def _next_live(waiting: deque[LiveRequest]) -> LiveRequest | None:
+        """The oldest waiting request not cancelled (the cancelled ones before it are aborted), or None."""
+        while waiting:
+            request = waiting.popleft()
+            if not request.cancelled:
+                return request
+            request.emit(None, "abort")
+        return None
+
+    def _loop(self, waiting: deque[LiveRequest], busy: list[LiveRequest | None]) -> None:
+        if self.engine.native:
             self._mixed_loop(waiting, busy)
             return
+        engine, size = self.engine, self.slots
+        nxt = torch.zeros(size, dtype=torch.long)
         while not self._stop.is_set():
-            idle = all(r is None for r in busy)
-            if idle and not waiting:
-                try:  # nothing to do: wait for a request (bounded, so a stop is seen)
-                    waiting.append(self._inbox.get(timeout=0.1))
-                except queue.Empty:
-                    continue
-            waiting.extend(self._drain())
+            if not self._gather(waiting, busy):
+                continue
             for slot in range(size):
-                while busy[slot] is None and waiting:
-                    request = waiting.popleft()
-                    if request.cancelled:
-                        request.emit(None, "abort")
-                        continue
+                while busy[slot] is None and (request := self._next_live(waiting)) is not None:
                     busy[slot] = request
                     logits = engine.admit(slot, torch.tensor([request.ids], dtype=torch.long))
-                    emit(slot, int(greedy(logits[None])[0]))
-            for slot in range(size):
-                if busy[slot] is not None and busy[slot].cancelled:
-                    busy[slot].emit(None, "abort")
-                    busy[slot] = None
+                    self._emit(busy, nxt, slot, int(greedy(logits[None])[0]))
             active = [s for s in range(size) if busy[s] is not None]
             if not active:
                 continue
@@ -220,7 +232,7 @@ class LiveSlots:
             picks = greedy(engine.step(rows, nxt[:rows])).tolist()
             self.steps += 1
             for slot in active:
-                emit(slot, picks[slot])
+                self._emit(busy, nxt, slot, picks[slot])
             free = [slot for slot in range(rows) if busy[slot] is None]
             if free:  # a free row's write position stays inside its row (it writes harmlessly at 0)
                 engine.positions[free] = 0
@@ -234,45 +246,15 @@ class LiveSlots:
         nxt = torch.zeros(size, dtype=torch.long)
         done = [0] * size  # per prefilling slot: prompt tokens in its cache
         filling: deque[int] = deque()  # slots being prefilled, oldest first
-
-        def emit(slot: int, token: int) -> None:
-            request = busy[slot]
-            request.tokens.append(token)
-            n = len(request.tokens)
-            if token in self.eos and not request.ignore_eos:
-                finish = "stop"
-            elif n >= request.max_tokens or int(engine.positions[slot]) >= self.max_context:
-                finish = "length"
-            else:
-                finish = None
-            request.emit(token, finish)
-            if finish is not None:
-                busy[slot] = None
-                self.served += 1
-            else:
-                nxt[slot] = token
-
         while not self._stop.is_set():
-            if all(r is None for r in busy) and not waiting:
-                try:  # nothing to do: wait for a request (bounded, so a stop is seen)
-                    waiting.append(self._inbox.get(timeout=0.1))
-                except queue.Empty:
-                    continue
-            waiting.extend(self._drain())
+            if not self._gather(waiting, busy):
+                continue
             for slot in range(size):
-                while busy[slot] is None and waiting:
-                    request = waiting.popleft()
-                    if request.cancelled:
-                        request.emit(None, "abort")
-                        continue
+                if busy[slot] is None and (request := self._next_live(waiting)) is not None:
                     busy[slot] = request
                     engine.positions[slot] = 0
                     done[slot] = 0
                     filling.append(slot)
-            for slot in range(size):
-                if busy[slot] is not None and busy[slot].cancelled:
-                    busy[slot].emit(None, "abort")
-                    busy[slot] = None
             for slot in list(filling):
                 if busy[slot] is None:
                     filling.remove(slot)
@@ -298,7 +280,7 @@ class LiveSlots:
             if active:
                 picks = greedy(logits).tolist()
                 for slot in active:
-                    emit(slot, picks[slot])
+                    self._emit(busy, nxt, slot, picks[slot])
             for slot, first in firsts.items():
                 filling.remove(slot)
-                emit(slot, int(greedy(first[None])[0]))
+                self._emit(busy, nxt, slot, int(greedy(first[None])[0]))
