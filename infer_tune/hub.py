@@ -13,6 +13,10 @@ from urllib.parse import urlparse
 
 TRUE = ("1", "true", "yes", "on")
 PROBE_TIMEOUT_S = 2.0
+# `from_pretrained` keyword arguments: the model runs the modules its architecture defines. transformers >= 5.25
+# swaps layers for kernels fetched from the hub by default (`use_kernels`): code from the network in every baseline,
+# and not what a technique is measured against (docs/architecture.md, "Loading")
+PLAIN_MODULES = {"use_kernels": False}
 _reachable: bool | None = None
 
 

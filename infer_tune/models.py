@@ -234,6 +234,7 @@ def load(
                 dtype=torch_dtype,
                 trust_remote_code=trust_remote_code,
                 use_safetensors=None if allow_pickle else True,
+                **hub.PLAIN_MODULES,
             )
     except ModelError:
         raise
@@ -457,7 +458,8 @@ def convert_gguf(path: Path, *, target: Path | None = None, source: str | None =
     atomic.clean_stale(target.parent)  # staging folders of conversions that were killed
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                         **hub.PLAIN_MODULES)
     except Exception as exc:  # gguf parsing errors come in many types
         raise ModelError(f"cannot read GGUF file {path}: {str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
     config = gguf_model.config

@@ -48,6 +48,24 @@ def test_load_local_checkpoint(tiny_model_dir):
     assert loaded.params == sum(p.numel() for p in loaded.model.parameters())
 
 
+def test_a_loaded_model_runs_its_own_modules_not_hub_kernels(tiny_model_dir, monkeypatch):
+    """transformers >= 5.25 swaps layers for kernels fetched from the hub unless told not to: every load asks for
+    the architecture's own modules (a baseline with downloaded code in it is not what a technique is measured
+    against)."""
+    from transformers import AutoModelForCausalLM
+
+    seen = []
+    original = AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("use_kernels"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+    models.load(str(tiny_model_dir))
+    assert seen == [False]
+
+
 def test_model_bytes_counts_tied_weights_once():
     lin = torch.nn.Linear(8, 8, bias=False)
     module = torch.nn.Sequential(lin, torch.nn.Linear(8, 8, bias=False))

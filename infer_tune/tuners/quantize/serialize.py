@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from infer_tune import atomic, jsonsafe
+from infer_tune import atomic, hub, jsonsafe
 from infer_tune.errors import ModelError
 from infer_tune.nn_utils import set_module
 from infer_tune.tuners.quantize import wrap
@@ -100,7 +100,7 @@ def load_quantized(path: str | Path, *, choose_kernels: bool = True) -> nn.Modul
     config = QuantizeConfig(**manifest["config"])
     if manifest["method"] == "bf16":
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, use_safetensors=True,
-                                                     trust_remote_code=False)
+                                                     trust_remote_code=False, **hub.PLAIN_MODULES)
         return model.eval()
     hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)  # a saved dir never runs its code
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
