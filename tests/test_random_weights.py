@@ -301,6 +301,14 @@ def test_a_16bit_architecture_is_compared_in_16_bits_not_a_float32_copy(tmp_path
     row = docs["stack"]
     assert row["baseline_run_id"] == docs["quantize"]["run_id"] and "bf16" in row["metrics"]["compared_with"]
     assert "ships in bfloat16" in row["metrics"]["baseline_skipped"]
+    from infer_tune.report.leads import decode_speedup
+
+    assert "bf16" in decode_speedup(row).vs  # the report names the reference, not a "baseline"
+    shown = runner.invoke(app, ["bench", "--model", str(path), "--weights", "random", "--recipe", str(recipe),
+                                "--suite", str(prompts_file), "--limit", "1", "--max-new-tokens", "4",
+                                "--out", str(tmp_path / "bf16"), "--resume", "--json", *FAST])
+    assert shown.exit_code == 0, shown.output
+    assert sorted(d["technique"] for d in json.loads(shown.stdout)) == ["quantize", "stack"]  # the reference once
     assert set(techniques("fp32", "--dtype", "float32")) == {"baseline", "stack"}  # asked for: measured
     (tmp_path / "f32").mkdir()
     assert set(techniques("fp32-config", model=tiny_config(tmp_path / "f32", "qwen3"))) == {"baseline", "stack"}
