@@ -45,6 +45,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -330,6 +331,9 @@ def main() -> None:
     if unknown or not args.formats.strip(","):
         refuse(f"--formats takes some of {', '.join(FORMATS)}; got {args.formats!r}")
     if args.one:
+        # SIGTERM (a `timeout` of the run) leaves through the context managers, as Ctrl-C does: llama-server (its own
+        # session, not in this process group) is stopped, not left serving after the run (it was, once)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         for row in measure_one(args):
             print("ROW " + json.dumps(row), flush=True)
         return

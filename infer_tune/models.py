@@ -282,12 +282,16 @@ def load_random(ref: str, *, seed: int = 0, dtype: str = "auto", device: str = "
     `lazy`: when the model in `dtype` would not fit (weights.footprint over weights.FIT_FRACTION of the
     memory available), it is returned unfilled (`materialized` False, `not_loaded` the one line saying so):
     its matrices stay on the meta device and only builds that fill it layer by layer run (a quantized
-    method's, tuners/quantize/pipeline.py), compared with a reference that fits (scenarios/common.py)."""
+    method's, tuners/quantize/pipeline.py), compared with a reference that fits (scenarios/common.py). So is
+    a float32 model (`--dtype auto` on a CPU) whose architecture ships in 16 bits that this CPU computes in
+    natively (`_published_reference`): the reference is then the 16-bit model, not a float32 copy."""
     from infer_tune import weights as weights_mod
 
     config, source = weights_mod.architecture_config(
         ref, trust_remote_code=trust_remote_code, resolve=lambda r: resolve(r))
     torch_dtype = resolve_dtype(dtype, device)
+    # read before the skeleton is built: building it sets the config's dtype to the one it is built in
+    published = _published_reference(config, dtype, torch_dtype, device) if lazy else None
     tokenizer, tokenizer_name = random_tokenizer(weights_mod.vocab_size(config))
     spec = weights_mod.RandomWeights(config=config, seed=seed, dtype=torch_dtype, source=source,
                                      tokenizer=tokenizer_name)
@@ -296,10 +300,16 @@ def load_random(ref: str, *, seed: int = 0, dtype: str = "auto", device: str = "
     if lazy:
         running = weights_mod.footprint(config, torch.empty((), dtype=torch_dtype).element_size(),
                                         params=count_params(skeleton))
+        why = None
         if not weights_mod.fits(running, available):
             why = (f"the {str(torch_dtype).removeprefix('torch.')} model of '{ref}' needs about "
                    f"{running / 2**30:.1f} GiB to run and {available / 2**30:.1f} GiB of memory is available "
                    f"(it must fit in {weights_mod.FIT_FRACTION:.0%} of it): it is not built whole")
+        elif published is not None:
+            why = (f"'{ref}' ships in {published} and its weights are random (quality is n/a): its float32 copy, "
+                   f"twice the bytes a token of the {published} model this CPU runs natively, is not measured "
+                   f"(--dtype float32 measures it)")
+        if why is not None:
             if tokenizer.pad_token_id is None:
                 tokenizer.pad_token = tokenizer.eos_token
             tokenizer.padding_side = "left"
@@ -317,6 +327,23 @@ def load_random(ref: str, *, seed: int = 0, dtype: str = "auto", device: str = "
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return LoadedModel(model=skeleton, tokenizer=tokenizer, ref=ref, path=source, weights=spec)
+
+
+def _published_reference(config, dtype: str, torch_dtype: torch.dtype, device: str) -> str | None:
+    """The 16-bit type a random-weight model is compared in instead of float32 (`load_random(lazy=True)`), or
+    None: only with `--dtype auto` on a CPU, when the architecture ships in bfloat16 / float16
+    (`weights.published_dtype`) and this CPU computes in it natively. A float32 baseline there is a copy nobody
+    runs: at 1.7B it decoded at 1.9 tok/s (6.9 GB a token) and took 132 s of a 325 s `bench --recipe
+    int4-native` (docs/results.md)."""
+    from infer_tune import env
+    from infer_tune import weights as weights_mod
+
+    if dtype != "auto" or torch_dtype != torch.float32 or not device.startswith("cpu"):
+        return None
+    published = weights_mod.published_dtype(config)
+    if published is None or not weights_mod.runs_16bit_natively(published, env.cpu_flags()):
+        return None
+    return str(published).removeprefix("torch.")
 
 
 def _available_bytes() -> int:

@@ -313,6 +313,26 @@ def footprint(config: Any, bytes_per_param: float, *, params: int | None = None,
     return int(params * bytes_per_param + cache + RUNTIME_MARGIN)
 
 
+def published_dtype(config: Any) -> torch.dtype | None:
+    """The 16-bit float type the architecture's config says its checkpoints ship in (`torch_dtype`, or
+    `dtype` in newer configs): bfloat16 or float16; None for float32 or unstated."""
+    text = getattr(config, "text_config", None) or config
+    for owner in (config, text):
+        for key in ("torch_dtype", "dtype"):
+            value = getattr(owner, key, None)
+            name = str(value).removeprefix("torch.") if value is not None else ""
+            if name in ("bfloat16", "float16"):
+                return getattr(torch, name)
+    return None
+
+
+def runs_16bit_natively(dtype: torch.dtype, flags: list[str]) -> bool:
+    """Whether this CPU computes in `dtype` itself (AVX-512 BF16 / AMX for bfloat16, AVX-512 FP16 / AMX for
+    float16) rather than converting to float32 around every product (`flags`: env.cpu_flags)."""
+    needed = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+    return any(f in flags for f in needed.get(dtype, ()))
+
+
 def fits(need: int, available: int) -> bool:
     """Whether a build estimated at `need` bytes fits in `available` (FIT_FRACTION of it)."""
     return need <= FIT_FRACTION * available

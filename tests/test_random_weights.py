@@ -276,3 +276,41 @@ def test_a_model_too_large_to_build_whole_skips_the_baseline_for_a_reference_tha
     recipe.write_text("configs:\n  - {technique: kv-cache, impl: static}\n")
     result = runner.invoke(app, args("runs-kv"))
     assert result.exit_code == 2 and "layer by layer" in result.output
+
+
+def test_a_16bit_architecture_is_compared_in_16_bits_not_a_float32_copy(tmp_path, prompts_file, monkeypatch):
+    """`bench --recipe` of random weights whose architecture ships in bfloat16, on a CPU that computes in it:
+    no float32 baseline, the bf16 reference measured first and named; `--dtype float32`, or a CPU without
+    native bf16, or an architecture published in float32 keep the float32 baseline."""
+    path = tiny_config(tmp_path, "qwen3", torch_dtype="bfloat16")
+    monkeypatch.setattr(weights, "runs_16bit_natively", lambda dtype, flags: dtype == torch.bfloat16)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("configs:\n  - {technique: stack, configs: [{technique: quantize, method: int4-rtn}, "
+                      "{technique: lean, compile: false}]}\n")
+
+    def techniques(out: str, *extra: str, model: Path = path) -> dict:
+        result = runner.invoke(app, ["bench", "--model", str(model), "--weights", "random", "--recipe", str(recipe),
+                                     "--suite", str(prompts_file), "--limit", "1", "--max-new-tokens", "4",
+                                     "--out", str(tmp_path / out), *extra, *FAST])
+        assert result.exit_code == 0, result.output
+        return {d["technique"]: d for d in (json.loads(p.read_text()) for p in (tmp_path / out).glob("*/result.json"))}
+
+    docs = techniques("bf16")
+    assert set(docs) == {"quantize", "stack"}  # no float32 baseline row
+    assert docs["quantize"]["config"]["method"] == "bf16" and docs["quantize"]["metrics"]["built"] == "layer by layer"
+    row = docs["stack"]
+    assert row["baseline_run_id"] == docs["quantize"]["run_id"] and "bf16" in row["metrics"]["compared_with"]
+    assert "ships in bfloat16" in row["metrics"]["baseline_skipped"]
+    from infer_tune.report.leads import decode_speedup
+
+    assert "bf16" in decode_speedup(row).vs  # the report names the reference, not a "baseline"
+    shown = runner.invoke(app, ["bench", "--model", str(path), "--weights", "random", "--recipe", str(recipe),
+                                "--suite", str(prompts_file), "--limit", "1", "--max-new-tokens", "4",
+                                "--out", str(tmp_path / "bf16"), "--resume", "--json", *FAST])
+    assert shown.exit_code == 0, shown.output
+    assert sorted(d["technique"] for d in json.loads(shown.stdout)) == ["quantize", "stack"]  # the reference once
+    assert set(techniques("fp32", "--dtype", "float32")) == {"baseline", "stack"}  # asked for: measured
+    (tmp_path / "f32").mkdir()
+    assert set(techniques("fp32-config", model=tiny_config(tmp_path / "f32", "qwen3"))) == {"baseline", "stack"}
+    monkeypatch.setattr(weights, "runs_16bit_natively", lambda dtype, flags: False)
+    assert set(techniques("no-bf16")) == {"baseline", "stack"}

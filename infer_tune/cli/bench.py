@@ -79,7 +79,9 @@ def bench(
                                 model_given="model" in opts.explicit)
     with xo.scope(executor, ray_address, opts.device), output.progress_bar(not opts.json_out, out_dir=spec.out_dir) as progress:
         outcomes = run_recipe(stages, progress=progress)
-    docs = [doc for o in outcomes for doc in (o.baseline, *o.docs)]
+    # a stage compared with a reference measured first (the baseline skipped) has that row as its baseline
+    docs = [doc for o in outcomes for doc in ([o.baseline] if o.baseline is not None and o.baseline["run_id"] not in
+                                               {d["run_id"] for d in o.docs} else []) + list(o.docs)]
     if opts.json_out:
         output.print_json(docs)
         return

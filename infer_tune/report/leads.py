@@ -86,8 +86,12 @@ class Lead:
 
 
 def decode_speedup(doc: ResultDocument, docs: Sequence[ResultDocument] = (), vs: str = BASELINE_VS) -> Lead:
-    """The default lead: decode (and TTFT) speedup vs the baseline, with their intervals."""
+    """The default lead: decode (and TTFT) speedup vs the baseline, with their intervals; vs the reference the
+    row names instead when the baseline was skipped (`metrics.compared_with`: scenarios/common.reference_that_fits)."""
     doc = as_document(doc)
+    compared = (doc.get("metrics") or {}).get("compared_with")
+    if isinstance(compared, str) and compared:
+        vs = compared
     figures = [Figure("decode", doc.speedup, "x", doc.speedup_ci95)]
     if doc.ttft_speedup is not None:
         figures.append(Figure("TTFT", doc.ttft_speedup, "x", doc.interval("ttft_speedup_vs_baseline")))
