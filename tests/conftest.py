@@ -24,6 +24,10 @@ if XDIST_WORKER:
 
     _shared_tmp = tempfile.gettempdir()
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_shared_tmp, f"torchinductor_{getpass.getuser()}"))
+    # inductor's precompiled C++ header (~6 s to build on this host's 2 cores, one per torch install) goes under the temp
+    # folder of the moment its codecache module is imported, not under TORCHINDUCTOR_CACHE_DIR: imported before the
+    # worker's TMPDIR is set, both workers share it with every run, instead of each building its own every run
+    import torch._inductor.codecache  # noqa: F401
     _worker_tmp = tempfile.mkdtemp(prefix=f"pytest-worker-{XDIST_WORKER}-", dir=_shared_tmp)
     os.environ["TMPDIR"] = _worker_tmp
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
