@@ -24,6 +24,10 @@ if XDIST_WORKER:
 
     _shared_tmp = tempfile.gettempdir()
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_shared_tmp, f"torchinductor_{getpass.getuser()}"))
+    # inductor's precompiled C++ header (~6 s to build on this host's 2 cores, one per torch install) goes under the temp
+    # folder of the moment its codecache module is imported, not under TORCHINDUCTOR_CACHE_DIR: imported before the
+    # worker's TMPDIR is set, both workers share it with every run, instead of each building its own every run
+    import torch._inductor.codecache  # noqa: F401
     _worker_tmp = tempfile.mkdtemp(prefix=f"pytest-worker-{XDIST_WORKER}-", dir=_shared_tmp)
     os.environ["TMPDIR"] = _worker_tmp
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
@@ -33,12 +37,15 @@ if XDIST_WORKER:
     torch.set_num_threads(1)
 
 
-# The files that take longest (on two workers on 2 cores, pytest --durations=0), handed out first under xdist so that no long
-# file starts last and keeps one worker busy while the other has finished; the rest follow in collection order.
+# The files that take longest (two workers on 2 cores, with a cold inductor cache as a fresh clone has it: pytest
+# --durations), handed out first under xdist so that no long file starts last and keeps one worker busy while the other
+# has finished; the rest follow in collection order. The second file needs no native kernels: its worker keeps busy
+# while the first file's worker builds them.
 LONGEST_FILES = ("test_batch_slots.py", "test_data_safety.py", "test_native_attention.py", "test_endpoint_server.py",
-                 "test_tune.py", "test_speculate.py", "test_architecture.py", "test_batch.py", "test_random_weights.py",
-                 "test_native_step.py", "test_experts.py", "test_loadgen.py", "test_engine_launch.py",
-                 "test_endpoint.py", "test_hostile_local.py", "test_torchrun.py")
+                 "test_engine_launch.py", "test_tune.py", "test_lean_prefill.py", "test_native_step.py",
+                 "test_architecture.py", "test_experts.py", "test_llamacpp_best.py", "test_speculate.py",
+                 "test_torchrun.py", "test_random_weights.py", "test_batch.py", "test_loadgen.py", "test_endpoint.py",
+                 "test_hostile_local.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -83,9 +83,9 @@ def test_int4_slots_equal_single_request_greedy(arch, scheduler, compiled, every
                             {"timeout_ms": None, "compile": False, "compile_prefill": False, "every_bucket": every,
                              "shared": None})
     loaded = models.load(str(tiny_model_dir if arch == "llama" else qwen3_dir))
-    # compiled: 3 short prompts and 2 slots (prefill buckets 16, 32, 64 and step buckets 1, 2 to compile)
+    # compiled: 2 short prompts and 2 slots (prefill buckets 16 and 32, step buckets 1 and 2 to compile)
     size = 2 if compiled else 3
-    workload = Workload(suite=str(mixed_suite), limit=3 if compiled else 8, max_new_tokens=10, chat_template=False)
+    workload = Workload(suite=str(mixed_suite), limit=2 if compiled else 8, max_new_tokens=10, chat_template=False)
     inputs = prepare_inputs(loaded, workload)
     config = StackConfig(configs=[
         QuantizeConfig(method="int4-rtn", backend="torch", decode_kernel="int4pack", prefill_kernel="int4pack"),

@@ -197,6 +197,17 @@ def test_lean_is_bit_identical_to_generate(tiny_loaded, compile_step):
     decoder.generate(ids, 150, eos)  # a 256-position cache of its own; then back to the 128 one
     _, _, again, _ = decoder.generate(ids, 12, eos)
     assert again == reference and decoder.facts["lean_cache_buckets"] == [128, 256]
+    if compile_step and torch._inductor.config.fx_graph_cache:
+        # the same graph captured again (another decoder of this model): loaded from inductor's FX graph cache, not
+        # compiled a second time (tests/conftest.py shares that cache between the suite's processes)
+        from torch._dynamo.utils import counters
+
+        hits, bypassed = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_bypass"]
+        second = LeanDecoder(model, compile=True)
+        _, _, tokens, _ = second.generate(ids, 12, eos)
+        assert tokens == reference and second.facts["lean_step"] == "captured", second.facts
+        assert counters["inductor"]["fxgraph_cache_hit"] == hits + 1, dict(counters["inductor"])
+        assert counters["inductor"]["fxgraph_cache_bypass"] == bypassed
     # an end-of-sequence id greedy does pick (the 4th token): recorded where it first wins, then suppressed
     # as generate() suppresses it (the loop takes a second argmax only on those steps)
     forced = [reference[3]]

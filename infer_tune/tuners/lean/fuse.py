@@ -13,6 +13,7 @@ lean step holds a second copy of the fused projections' int4 weights.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -120,10 +121,12 @@ def fuse_int4_siblings(gm: fx.GraphModule, example_inputs: list) -> tuple[list, 
         args[0] = x
         with gm.graph.inserting_before(nodes[0]):
             merged = gm.graph.call_function(op, tuple(args))
+        _fake_like(merged, nodes[0], sum(widths))
         offset = 0
         for node, width in zip(nodes, widths):
             with gm.graph.inserting_after(merged):
                 part = gm.graph.call_function(torch.narrow, (merged, -1, offset, width))
+            _fake_like(part, node, width)
             node.replace_all_uses_with(part)
             gm.graph.erase_node(node)
             offset += width
@@ -132,6 +135,16 @@ def fuse_int4_siblings(gm: fx.GraphModule, example_inputs: list) -> tuple[list, 
         gm.graph.lint()
         gm.recompile()
     return inputs, removed
+
+
+def _fake_like(node: fx.Node, like: fx.Node, width: int) -> None:
+    """Give a new node the value dynamo records on each node it traced (`example_value`: a fake tensor of `like`'s
+    but `width` columns), which inductor's compiled-graph caches read to key the graph; without it they compile it
+    again every time."""
+    value = like.meta.get("example_value")
+    if isinstance(value, torch.Tensor):
+        with value.fake_mode if hasattr(value, "fake_mode") else contextlib.nullcontext():
+            node.meta["example_value"] = value.new_empty((*value.shape[:-1], width))
 
 
 def _width(spec: Fusable, tensors: list[torch.Tensor]) -> int:

@@ -16,7 +16,9 @@ call, about 1 ms of each decode step on SmolLM2 (measured with the profiler: "To
 Lookup" 1.1 ms/step). The step is instead captured once by dynamo as one graph, checked to be the
 same graph at the next position (a cache that keeps per-step Python state, such as a sliding-window
 counter, fails this and the step falls back to plain `torch.compile`), int4 matmuls that read the same
-input merged into one (fuse.py), compiled by inductor, and then
+input merged into one (fuse.py), compiled by inductor (inside the capture's tracing context, so that inductor's FX
+graph cache keys the graph: an identical graph compiled earlier, by this process or another, is loaded, not
+compiled again), and then
 called directly with the new token: the parameters and cache tensors it reads are the same objects
 every step, mutated in place. Measured on SmolLM2 int4 layers (2 threads, 64 tokens after a 173-token
 prompt, one-off scripts): with an int4 head, guarded `torch.compile` 6.85 ms/token, captured 6.35;
@@ -247,7 +249,9 @@ class CapturedStep:
             found = next((i for i, t in enumerate(example_inputs) if t is tensor), None)
             return found if found is not None else next((i for i, n in enumerate(names) if n == name), None)
         slots = (slot(ids, "l_input_ids_"), slot(position, "l_cache_position_"))
-        self.graphs.append((gm, list(example_inputs), slots))
+        # dynamo's tracing context (its fake tensors and shape env): inductor's FX graph cache keys a graph with it,
+        # and bypasses the cache without it ("No shape env"), so the graph is compiled inside it (`_compile`)
+        self.graphs.append((gm, list(example_inputs), slots, torch._guards.TracingContext.try_get()))
         return gm.forward
 
     def __call__(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
@@ -285,7 +289,7 @@ class CapturedStep:
 
         from infer_tune.tuners.lean.fuse import fuse_int4_siblings
 
-        gm, example_inputs, slots = self.graphs[0]
+        gm, example_inputs, slots, context = self.graphs[0]
         example_inputs, fused = fuse_int4_siblings(gm, example_inputs)
         self.facts["lean_fused_int4_calls"] = fused
         modes = [True, False] if self.cpp_wrapper else [False]
@@ -293,7 +297,9 @@ class CapturedStep:
             try:
                 # CHECKED_ONCE: every call passes the same tensors (parameters, cache) but the token and position
                 # of fixed shapes, so the per-call shape/stride/alignment asserts inductor emits are dropped
-                with inductor_config.patch(cpp_wrapper=cpp, **CHECKED_ONCE):
+                # inside the capture's tracing context: an identical graph (same code, input shapes, settings) compiled
+                # earlier, in this process or another, is loaded from inductor's cache instead of compiled again
+                with torch._guards.tracing(context), inductor_config.patch(cpp_wrapper=cpp, **CHECKED_ONCE):
                     self._compiled = compile_fx(gm, example_inputs)
             except Exception as exc:  # e.g. no C++ toolchain for the wrapper: try the Python wrapper
                 self.facts["lean_step_fallback"] = f"cpp_wrapper={cpp}: {type(exc).__name__}"
