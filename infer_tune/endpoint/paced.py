@@ -107,8 +107,10 @@ class PacedState:
             if s.transport.is_closing():
                 self._finish(s)
                 continue
-            s.transport.write(s.event)
+            # the time the write starts: on loopback the peer's kernel stamps the bytes inside this call, so a time
+            # read after it (late by a preemption under load) could follow the client's own receive stamp
             s.sends.append(time.perf_counter_ns())
+            s.transport.write(s.event)
             s.left -= 1
             if s.left > 0:
                 heapq.heappush(self.heap, (due + interval, next(self.seq), s))
