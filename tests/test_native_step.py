@@ -301,10 +301,13 @@ def test_models_it_does_not_know_get_the_compiled_step_and_the_reason(tokenizer,
     parts, why = recognize(model)
     assert parts is None and fragment in why, why
     decoder = LeanDecoder(copy.deepcopy(model), compile=True, native_step=True)
-    ids = torch.randint(3, len(tokenizer), (1, 8), generator=torch.Generator().manual_seed(3))
-    decoder.generate(ids, 3, [model.config.eos_token_id])
-    assert decoder.facts["lean_step"] in ("captured", "guarded")
     assert fragment in decoder.facts["lean_native_fallback"]
+    if case in ("phi3", "dynamic-rope"):  # decoded by the compiled step: one captured, one guarded (a compile is
+        # ~10 s of the suite; every fallback reason reaches the step through the same `_native_parts is None`)
+        ids = torch.randint(3, len(tokenizer), (1, 8), generator=torch.Generator().manual_seed(3))
+        decoder.generate(ids, 3, [model.config.eos_token_id])
+        assert decoder.facts["lean_step"] == ("captured" if case == "phi3" else "guarded"), decoder.facts
+        assert fragment in decoder.facts["lean_native_fallback"]
 
 
 def test_rows_of_a_slot_step_do_not_depend_on_each_other(tokenizer):

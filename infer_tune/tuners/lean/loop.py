@@ -314,8 +314,12 @@ class CapturedStep:
         self.facts["lean_step"], self.facts["lean_step_fallback"] = "guarded", why
         self.facts["lean_attention"] = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
         self.graphs = []
-        self._guarded = torch.compile(self._forward, dynamic=False, fullgraph=False) if self._custom else \
-            _call_model(torch.compile(self.model, dynamic=False, fullgraph=False), self.cache, self.extra)
+        # dynamic=None (automatic dynamic): an int that changes every step (a sliding-window cache's length) is
+        # specialized once, then made symbolic on its first recompile. dynamic=False compiled a new graph for
+        # every position of a Gemma 3 step until dynamo's recompile limit (8) and then ran the step eagerly
+        # (docs/techniques.md, "lean")
+        self._guarded = torch.compile(self._forward, dynamic=None, fullgraph=False) if self._custom else \
+            _call_model(torch.compile(self.model, dynamic=None, fullgraph=False), self.cache, self.extra)
         if call:
             return self(*call)
         return None
