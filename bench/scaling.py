@@ -56,7 +56,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MODELS = ("smollm2-135m", "llama-3.2-1b", "qwen3-1.7b", "llama-3.2-3b", "qwen3-4b", "llama-3.1-8b")
-OURS_ONLY = ("llama-3.1-8b",)
+OURS_ONLY: tuple[str, ...] = ()  # `--ours-only`: models measured without a llama.cpp row
 FORMATS = ("q4_0", "q4_k_m", "q8_0")
 
 
@@ -66,10 +66,44 @@ def checkpoint_dir(preset: str, seed: int) -> Path:
     return paths.models_dir() / f"random-{preset}-seed{seed}"
 
 
-def make_checkpoint(preset: str, seed: int) -> Path:
-    """The preset with seeded random weights saved as a bf16 safetensors checkpoint (built directly in bf16,
-    one tensor at a time: weights.Filler) with the SmolLM2 tokenizer; made once."""
+SHARD_BYTES = 2 << 30  # a checkpoint shard: the most bytes of tensors `make_checkpoint` holds at once
+
+
+def checkpoint_plan(model, shard_bytes: int = SHARD_BYTES) -> list[list[tuple[str, object]]]:
+    """The tensors `save_pretrained` would save of a skeleton (`weights.skeleton`: matrices on the meta device),
+    in its order, cut into shards of at most `shard_bytes` (a larger tensor alone in its own): per shard
+    [(name, the skeleton's tensor)]. Tied tensors once, under their first owner's name (the embedding, as a
+    state dict without its tied head); persistent buffers included."""
+    entries, seen = [], set()
+    for name, param in model.named_parameters():  # remove_duplicate: a tied head's weight is its embedding's
+        if id(param) not in seen:
+            seen.add(id(param))
+            entries.append((name, param))
+    for prefix, module in model.named_modules():
+        for key, buf in module._buffers.items():
+            if buf is not None and key not in module._non_persistent_buffers_set:
+                entries.append((f"{prefix}.{key}" if prefix else key, buf))
+    shards, size = [[]], 0
+    for name, tensor in entries:
+        n = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, tensor))
+        size += n
+    return shards
+
+
+def make_checkpoint(preset: str, seed: int, shard_bytes: int = SHARD_BYTES) -> Path:
+    """The preset with seeded random weights saved as a bf16 safetensors checkpoint with the SmolLM2 tokenizer;
+    made once. Written shard by shard (`checkpoint_plan`), never the whole model in memory: the skeleton's
+    matrices stay on the meta device, each shard's tensors are drawn (weights.random_values: the values
+    `RandomWeights.build` gives, one tensor at a time), saved as `model-0000i-of-0000n.safetensors` and
+    dropped before the next; `model.safetensors.index.json` maps every tensor to its shard, as
+    `save_pretrained` writes a sharded checkpoint. At most one shard (2 GiB) and one tensor's fp32 draw are in
+    memory: an 8B checkpoint (16 GB) is written in about 5 GiB."""
     import torch
+    from safetensors.torch import save_file
 
     from infer_tune import atomic, models, weights
 
@@ -79,16 +113,33 @@ def make_checkpoint(preset: str, seed: int) -> Path:
     config, source = weights.architecture_config(preset)
     tokenizer, name = models.random_tokenizer(weights.vocab_size(config))
     spec = weights.RandomWeights(config=config, seed=seed, dtype=torch.bfloat16, source=source, tokenizer=name)
-    model = spec.build()
+    model = spec.skeleton()
+    values = spec.values()
+    plan = checkpoint_plan(model, shard_bytes)
+    weight_map, total = {}, 0
     with atomic.staged_dir(target, exists="keep") as staging:
-        model.save_pretrained(staging)
+        for i, shard in enumerate(plan):
+            file = f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
+            tensors = {}
+            for key, tensor in shard:
+                made = values(key, tensor.shape, torch.bfloat16) if tensor.is_meta else tensor.detach().clone()
+                tensors[key] = made.contiguous()
+                weight_map[key] = file
+                total += made.numel() * made.element_size()
+            save_file(tensors, str(staging / file), metadata={"format": "pt"})
+            del tensors
+        atomic.write_json(staging / "model.safetensors.index.json",
+                          {"metadata": {"total_size": total}, "weight_map": weight_map})
+        model.config.save_pretrained(staging)
+        if model.can_generate() and model.generation_config is not None:
+            model.generation_config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         atomic.write_json(staging / "infer_tune_source.json",
-                          {"random_weights": spec.describe(), "dtype": "bfloat16"})
+                          {"random_weights": spec.describe(), "dtype": "bfloat16", "shards": len(plan)})
     return target
 
 
-def prepare(names: list[str], seed: int, ours_only: set[str], threads: int) -> None:
+def prepare(names: list[str], seed: int, ours_only: set[str], threads: int, formats=FORMATS) -> None:
     from infer_tune import models
     from infer_tune.engines import llamacpp
 
@@ -98,9 +149,9 @@ def prepare(names: list[str], seed: int, ours_only: set[str], threads: int) -> N
             continue
         started = time.monotonic()
         folder = Path(models.resolve(name)) if name in models.BUILTINS else make_checkpoint(name, seed)
-        made = [llamacpp.gguf(folder, fmt, threads=threads) for fmt in FORMATS]
+        made = [llamacpp.gguf(folder, fmt, threads=threads) for fmt in formats]
         f16 = made[0].parent / "f16.gguf"
-        if f16.is_file():
+        if f16.is_file() and "f16" not in formats:
             f16.unlink()  # only the quantized formats are timed; the conversion is the disk's largest file
         print(f"{name}: {folder}, {', '.join(f'{p.name} {p.stat().st_size / 2**30:.2f} GiB' for p in made)} "
               f"({time.monotonic() - started:.0f} s)", flush=True)
@@ -327,7 +378,8 @@ def main() -> None:
     args.ours_only = [m for m in args.ours_only.split(",") if m]
     names = [m for m in args.models.split(",") if m]
     groups = group_sizes(args.group_size)
-    unknown = sorted(set(f for f in args.formats.split(",") if f) - set(FORMATS))
+    # --prepare also takes f16: the conversion kept for a later --prepare (one lock hold per step at 8B)
+    unknown = sorted(set(f for f in args.formats.split(",") if f) - set(FORMATS) - ({"f16"} if args.prepare else set()))
     if unknown or not args.formats.strip(","):
         refuse(f"--formats takes some of {', '.join(FORMATS)}; got {args.formats!r}")
     if args.one:
@@ -338,7 +390,7 @@ def main() -> None:
             print("ROW " + json.dumps(row), flush=True)
         return
     if args.prepare:
-        prepare(names, args.seed, set(args.ours_only), args.threads)
+        prepare(names, args.seed, set(args.ours_only), args.threads, [f for f in args.formats.split(",") if f])
         return
     rows = []
     for name in names:
