@@ -176,9 +176,10 @@ def group_sizes(text: str) -> list[int]:
     return groups
 
 
-def build_ours(name: str, seed: int, ours_only: set[str], group: int = 32):
+def build_ours(name: str, seed: int, ours_only: set[str], group: int = 32, screen: bool = True):
     """(tokenizer, int4 a8 model in groups of `group`, facts): built layer by layer from the checkpoint's tensors
-    (or the seed's)."""
+    (or the seed's); kernels chosen by quantize's screen (`screen`), else left at their default (w4a8 where the
+    native kernels build: what the screen chose at every size measured here)."""
     import torch
 
     from infer_tune import models, weights
@@ -213,11 +214,17 @@ def build_ours(name: str, seed: int, ours_only: set[str], group: int = 32):
     apply.quantize_layerwise(model, weights.Filler(model, values), qconfig)
     model.eval()
     build_s = time.monotonic() - started
-    record = kernel_choice.choose_for_model(model, "int4-rtn", prefill_rows=64, group_size=group, activations="int8")
+    started = time.monotonic()
+    if screen:
+        record = kernel_choice.choose_for_model(model, "int4-rtn", prefill_rows=64, group_size=group,
+                                                activations="int8")
+        kernels = {k: (v or {}).get("chosen") for k, v in record.items() if isinstance(v, dict)}
+    else:
+        kernels = sorted({f"{type(m).__name__}: {m.decode_kernel} / {m.prefill_kernel} (default, not screened)"
+                          for m in model.modules() if hasattr(m, "decode_kernel")})
     return tokenizer, model, {"weights": source, "group_size": group, "build_s": round(build_s, 1),
-                              "params": weights.count_params(config),
-                              "kernels": {k: (v or {}).get("chosen") for k, v in record.items()
-                                          if isinstance(v, dict)}}
+                              "screen_s": round(time.monotonic() - started, 1) if screen else None,
+                              "params": weights.count_params(config), "kernels": kernels}
 
 
 def hwm_bytes(pid: int) -> int | None:
@@ -249,7 +256,7 @@ def measure_one(args) -> list[dict]:
     groups = group_sizes(args.group_size)
     built = []  # (model, facts, decoder) per group
     for group in groups:
-        tokenizer, model, facts = build_ours(name, args.seed, ours_only, group)
+        tokenizer, model, facts = build_ours(name, args.seed, ours_only, group, screen=not args.no_screen)
         cases = prompts(tokenizer, args.short, args.long)
         eos = eos_ids(model, tokenizer)
         decoder = LeanDecoder(model, compile=False, native_step=True)
@@ -371,6 +378,8 @@ def main() -> None:
     p.add_argument("--group-size", default="32",
                    help="int4 groups of ours, comma-separated (32: 5.0 bits a weight, 64: 4.5, 128: 4.25); one row each")
     p.add_argument("--formats", default=",".join(FORMATS), help="the llama.cpp formats llama-bench picks the fastest of")
+    p.add_argument("--no-screen", action="store_true",
+                   help="skip quantize's kernel screen (its minutes at 8B): the kernels' defaults (w4a8)")
     p.add_argument("--prepare", action="store_true", help="make the checkpoints and GGUFs, time nothing")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child: one model, its row as JSON
@@ -398,7 +407,8 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--one", name, "--ours-only", ",".join(args.ours_only) or ",",
                "--seed", str(args.seed), "--threads", str(args.threads), "--rounds", str(args.rounds),
                "--decode-tokens", str(args.decode_tokens), "--short", str(args.short), "--long", str(args.long),
-               "--bench-repeats", str(args.bench_repeats), "--group-size", args.group_size, "--formats", args.formats]
+               "--bench-repeats", str(args.bench_repeats), "--group-size", args.group_size, "--formats", args.formats,
+               *(["--no-screen"] if args.no_screen else [])]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=dict(os.environ))
         found = [x for x in proc.stdout.splitlines() if x.startswith("ROW ")]
         if proc.returncode != 0 or not found:
@@ -426,7 +436,8 @@ def main() -> None:
     print(table(rows))
     for row in rows:
         if "roofline" in row:
-            print(f"{row['model']} g{row.get('group_size', 32)}: {row['roofline']}; step {row.get('lean_step')}"
+            print(f"{row['model']} g{row.get('group_size', 32)}: {row['roofline']}; build {row.get('build_s')} s, "
+                  f"screen {row.get('screen_s')} s, kernels {row.get('kernels')}; step {row.get('lean_step')}"
                   + (f" (fallback: {row['lean_native_fallback']})" if row.get("lean_native_fallback") else "")
                   + ("; llama-bench: " + "; ".join(
                       f"{f} {t['decode_tok_s'] or 0:.1f} tok/s, "
