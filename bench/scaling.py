@@ -7,18 +7,22 @@ llama-3.2-3b, qwen3-4b, llama-3.1-8b. `--prepare` makes, once, what the timed ru
 a build is not what it measures):
 
 - each preset's random checkpoint, saved as bf16 safetensors with the SmolLM2 tokenizer the prompts use
-  (`$INFER_TUNE_HOME/models/random-<preset>-seed<seed>`);
-- llama.cpp's GGUFs of that checkpoint: `convert_hf_to_gguf.py` to f16, `llama-quantize` to Q4_0, Q4_K_M and
-  Q8_0 (infer_tune/engines/llamacpp.py), the f16 file removed afterwards (disk).
+  (`$INFER_TUNE_HOME/models/random-<preset>-seed<seed>`), written shard by shard (`make_checkpoint`: 2 GiB
+  shards and their index, never the whole model in memory: the 8B checkpoint, 16 GB, was written with the
+  host's memory use peaking at 4.4 GiB);
+- llama.cpp's GGUFs of that checkpoint: `convert_hf_to_gguf.py` to f16, `llama-quantize` to the `--formats`
+  (default Q4_0, Q4_K_M and Q8_0; infer_tune/engines/llamacpp.py), the f16 file removed afterwards (disk)
+  unless `--formats` lists `f16`. At 8B the steps fit one lock hold each: `--formats f16` (checkpoint and
+  conversion, 171 s), then `--formats q4_0,q4_k_m` (426 s; the f16 removed after).
 
-Models listed in `--ours-only` get no checkpoint and no llama.cpp row (llama-3.1-8b by default: its f16
-conversion and three formats take about 50 GB of disk beside the other sizes'); their weights are drawn
-directly (weights.RandomWeights).
+Models listed in `--ours-only` (none by default) get no checkpoint and no llama.cpp row; their weights are
+drawn directly (weights.RandomWeights).
 
 The timed run measures each model in its own process (its peak RSS is its own): the int4-rtn a8 model built
 layer by layer from the checkpoint's tensors (tuners/quantize/apply.quantize_layerwise: no float copy of the
 model) at each `--group-size` (32: a bf16 scale and zero per 32 weights, 5.0 bits a weight; 64: 4.5, Q4_0's;
-128: 4.25), kernels chosen as `quantize` chooses them, the lean loop with the native step
+128: 4.25), kernels chosen as `quantize` chooses them (its screen; `--no-screen`: the kernels' defaults, w4a8
+and w8a8, what the screen chose at 4B, without its two minutes at 8B), the lean loop with the native step
 (infer_tune/native/step.py; its fallback reason if it falls back); llama-bench times the GGUFs of `--formats`
 at these prompt lengths and decode length and picks the fastest (decode + the prefills: `e2e`), and
 llama-server serves it. Several groups give one row each against the same llama.cpp measurement (the peak
@@ -35,6 +39,8 @@ llama-server's `VmHWM`.
     flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/scaling.py --threads 2 --rounds 3 --out scaling.json
     flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/scaling.py --models qwen3-1.7b --group-size 64,128 \
         --formats q4_0,q4_k_m --out scaling-1.7b.json
+    flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/scaling.py --models llama-3.1-8b --group-size 128 \
+        --formats q4_0,q4_k_m --bench-repeats 1 --no-screen --out scaling-8b.json
 
 Not a test: read the ratios of one run.
 """
@@ -227,6 +233,11 @@ def build_ours(name: str, seed: int, ours_only: set[str], group: int = 32, scree
                               "params": weights.count_params(config), "kernels": kernels}
 
 
+def phase(line: str) -> None:
+    """The child's progress on stderr (a run stopped by its time limit still shows how far it got)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+
 def hwm_bytes(pid: int) -> int | None:
     try:
         text = Path(f"/proc/{pid}/status").read_text()
@@ -265,6 +276,7 @@ def measure_one(args) -> list[dict]:
             decoder.generate(ids, 4, eos)  # first calls (the native step's cache, the kernels' buffers)
         facts.update({k: decoder.facts.get(k) for k in ("lean_step", "lean_native_fallback", "lean_prefill")})
         built.append((model, facts, decoder))
+        phase(f"{name} g{group}: built in {facts['build_s']} s (screen {facts['screen_s']} s), warmed")
     common = {"prompt_tokens": {c: int(ids.shape[1]) for c, ids in cases.items()},
               "threads": torch.get_num_threads(), "rounds": args.rounds, "decode_tokens": args.decode_tokens}
     ours = [{"ttft_short": [], "ttft_long": [], "decode": []} for _ in built]
@@ -280,6 +292,7 @@ def measure_one(args) -> list[dict]:
             reference = {"fastest": chosen.format, "objective": chosen.objective,
                          "formats": {t.format: t.to_dict(args.decode_tokens) for t in chosen.timings},
                          "commit": chosen.llama_cpp.get("commit"), "build": chosen.llama_cpp.get("build_number")}
+            phase(f"llama-bench: {chosen.format} fastest ({chosen.objective})")
             server = stack.enter_context(local_server("llama.cpp", str(chosen.gguf), threads=args.threads))
             for ids in cases.values():
                 server_completion(server.url, tokenizer.decode(ids[0]), 4)  # warms the server
@@ -300,6 +313,8 @@ def measure_one(args) -> list[dict]:
                         theirs[f"ttft_{case}"].append(answer["timings"]["prompt_ms"])
                     answer, _ = server_completion(server.url, short_text, args.decode_tokens)
                     theirs["decode"].append(answer["timings"]["predicted_per_second"])
+            phase(f"round {r + 1} of {args.rounds}: ours {[o['decode'][-1] for o in ours]}, llama-server "
+                  f"{theirs['decode'][-1:] } tok/s")
         if server is not None:
             reference["peak_rss_bytes"] = hwm_bytes(server.process.pid)
             reference["served"] = {k: statistics.median(v) for k, v in theirs.items()}
