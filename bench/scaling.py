@@ -7,18 +7,22 @@ llama-3.2-3b, qwen3-4b, llama-3.1-8b. `--prepare` makes, once, what the timed ru
 a build is not what it measures):
 
 - each preset's random checkpoint, saved as bf16 safetensors with the SmolLM2 tokenizer the prompts use
-  (`$INFER_TUNE_HOME/models/random-<preset>-seed<seed>`);
-- llama.cpp's GGUFs of that checkpoint: `convert_hf_to_gguf.py` to f16, `llama-quantize` to Q4_0, Q4_K_M and
-  Q8_0 (infer_tune/engines/llamacpp.py), the f16 file removed afterwards (disk).
+  (`$INFER_TUNE_HOME/models/random-<preset>-seed<seed>`), written shard by shard (`make_checkpoint`: 2 GiB
+  shards and their index, never the whole model in memory: the 8B checkpoint, 16 GB, was written with the
+  host's memory use peaking at 4.4 GiB);
+- llama.cpp's GGUFs of that checkpoint: `convert_hf_to_gguf.py` to f16, `llama-quantize` to the `--formats`
+  (default Q4_0, Q4_K_M and Q8_0; infer_tune/engines/llamacpp.py), the f16 file removed afterwards (disk)
+  unless `--formats` lists `f16`. At 8B the steps fit one lock hold each: `--formats f16` (checkpoint and
+  conversion, 171 s), then `--formats q4_0,q4_k_m` (426 s; the f16 removed after).
 
-Models listed in `--ours-only` get no checkpoint and no llama.cpp row (llama-3.1-8b by default: its f16
-conversion and three formats take about 50 GB of disk beside the other sizes'); their weights are drawn
-directly (weights.RandomWeights).
+Models listed in `--ours-only` (none by default) get no checkpoint and no llama.cpp row; their weights are
+drawn directly (weights.RandomWeights).
 
 The timed run measures each model in its own process (its peak RSS is its own): the int4-rtn a8 model built
 layer by layer from the checkpoint's tensors (tuners/quantize/apply.quantize_layerwise: no float copy of the
 model) at each `--group-size` (32: a bf16 scale and zero per 32 weights, 5.0 bits a weight; 64: 4.5, Q4_0's;
-128: 4.25), kernels chosen as `quantize` chooses them, the lean loop with the native step
+128: 4.25), kernels chosen as `quantize` chooses them (its screen; `--no-screen`: the kernels' defaults, w4a8
+and w8a8, what the screen chose at 4B, without its two minutes at 8B), the lean loop with the native step
 (infer_tune/native/step.py; its fallback reason if it falls back); llama-bench times the GGUFs of `--formats`
 at these prompt lengths and decode length and picks the fastest (decode + the prefills: `e2e`), and
 llama-server serves it. Several groups give one row each against the same llama.cpp measurement (the peak
@@ -35,6 +39,8 @@ llama-server's `VmHWM`.
     flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/scaling.py --threads 2 --rounds 3 --out scaling.json
     flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/scaling.py --models qwen3-1.7b --group-size 64,128 \
         --formats q4_0,q4_k_m --out scaling-1.7b.json
+    flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/scaling.py --models llama-3.1-8b --group-size 128 \
+        --formats q4_0,q4_k_m --bench-repeats 1 --no-screen --out scaling-8b.json
 
 Not a test: read the ratios of one run.
 """
@@ -56,7 +62,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MODELS = ("smollm2-135m", "llama-3.2-1b", "qwen3-1.7b", "llama-3.2-3b", "qwen3-4b", "llama-3.1-8b")
-OURS_ONLY = ("llama-3.1-8b",)
+OURS_ONLY: tuple[str, ...] = ()  # `--ours-only`: models measured without a llama.cpp row
 FORMATS = ("q4_0", "q4_k_m", "q8_0")
 
 
@@ -66,10 +72,44 @@ def checkpoint_dir(preset: str, seed: int) -> Path:
     return paths.models_dir() / f"random-{preset}-seed{seed}"
 
 
-def make_checkpoint(preset: str, seed: int) -> Path:
-    """The preset with seeded random weights saved as a bf16 safetensors checkpoint (built directly in bf16,
-    one tensor at a time: weights.Filler) with the SmolLM2 tokenizer; made once."""
+SHARD_BYTES = 2 << 30  # a checkpoint shard: the most bytes of tensors `make_checkpoint` holds at once
+
+
+def checkpoint_plan(model, shard_bytes: int = SHARD_BYTES) -> list[list[tuple[str, object]]]:
+    """The tensors `save_pretrained` would save of a skeleton (`weights.skeleton`: matrices on the meta device),
+    in its order, cut into shards of at most `shard_bytes` (a larger tensor alone in its own): per shard
+    [(name, the skeleton's tensor)]. Tied tensors once, under their first owner's name (the embedding, as a
+    state dict without its tied head); persistent buffers included."""
+    entries, seen = [], set()
+    for name, param in model.named_parameters():  # remove_duplicate: a tied head's weight is its embedding's
+        if id(param) not in seen:
+            seen.add(id(param))
+            entries.append((name, param))
+    for prefix, module in model.named_modules():
+        for key, buf in module._buffers.items():
+            if buf is not None and key not in module._non_persistent_buffers_set:
+                entries.append((f"{prefix}.{key}" if prefix else key, buf))
+    shards, size = [[]], 0
+    for name, tensor in entries:
+        n = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, tensor))
+        size += n
+    return shards
+
+
+def make_checkpoint(preset: str, seed: int, shard_bytes: int = SHARD_BYTES) -> Path:
+    """The preset with seeded random weights saved as a bf16 safetensors checkpoint with the SmolLM2 tokenizer;
+    made once. Written shard by shard (`checkpoint_plan`), never the whole model in memory: the skeleton's
+    matrices stay on the meta device, each shard's tensors are drawn (weights.random_values: the values
+    `RandomWeights.build` gives, one tensor at a time), saved as `model-0000i-of-0000n.safetensors` and
+    dropped before the next; `model.safetensors.index.json` maps every tensor to its shard, as
+    `save_pretrained` writes a sharded checkpoint. At most one shard (2 GiB) and one tensor's fp32 draw are in
+    memory: an 8B checkpoint (16 GB) is written in about 5 GiB."""
     import torch
+    from safetensors.torch import save_file
 
     from infer_tune import atomic, models, weights
 
@@ -79,16 +119,33 @@ def make_checkpoint(preset: str, seed: int) -> Path:
     config, source = weights.architecture_config(preset)
     tokenizer, name = models.random_tokenizer(weights.vocab_size(config))
     spec = weights.RandomWeights(config=config, seed=seed, dtype=torch.bfloat16, source=source, tokenizer=name)
-    model = spec.build()
+    model = spec.skeleton()
+    values = spec.values()
+    plan = checkpoint_plan(model, shard_bytes)
+    weight_map, total = {}, 0
     with atomic.staged_dir(target, exists="keep") as staging:
-        model.save_pretrained(staging)
+        for i, shard in enumerate(plan):
+            file = f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
+            tensors = {}
+            for key, tensor in shard:
+                made = values(key, tensor.shape, torch.bfloat16) if tensor.is_meta else tensor.detach().clone()
+                tensors[key] = made.contiguous()
+                weight_map[key] = file
+                total += made.numel() * made.element_size()
+            save_file(tensors, str(staging / file), metadata={"format": "pt"})
+            del tensors
+        atomic.write_json(staging / "model.safetensors.index.json",
+                          {"metadata": {"total_size": total}, "weight_map": weight_map})
+        model.config.save_pretrained(staging)
+        if model.can_generate() and model.generation_config is not None:
+            model.generation_config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         atomic.write_json(staging / "infer_tune_source.json",
-                          {"random_weights": spec.describe(), "dtype": "bfloat16"})
+                          {"random_weights": spec.describe(), "dtype": "bfloat16", "shards": len(plan)})
     return target
 
 
-def prepare(names: list[str], seed: int, ours_only: set[str], threads: int) -> None:
+def prepare(names: list[str], seed: int, ours_only: set[str], threads: int, formats=FORMATS) -> None:
     from infer_tune import models
     from infer_tune.engines import llamacpp
 
@@ -98,9 +155,9 @@ def prepare(names: list[str], seed: int, ours_only: set[str], threads: int) -> N
             continue
         started = time.monotonic()
         folder = Path(models.resolve(name)) if name in models.BUILTINS else make_checkpoint(name, seed)
-        made = [llamacpp.gguf(folder, fmt, threads=threads) for fmt in FORMATS]
+        made = [llamacpp.gguf(folder, fmt, threads=threads) for fmt in formats]
         f16 = made[0].parent / "f16.gguf"
-        if f16.is_file():
+        if f16.is_file() and "f16" not in formats:
             f16.unlink()  # only the quantized formats are timed; the conversion is the disk's largest file
         print(f"{name}: {folder}, {', '.join(f'{p.name} {p.stat().st_size / 2**30:.2f} GiB' for p in made)} "
               f"({time.monotonic() - started:.0f} s)", flush=True)
@@ -125,9 +182,10 @@ def group_sizes(text: str) -> list[int]:
     return groups
 
 
-def build_ours(name: str, seed: int, ours_only: set[str], group: int = 32):
+def build_ours(name: str, seed: int, ours_only: set[str], group: int = 32, screen: bool = True):
     """(tokenizer, int4 a8 model in groups of `group`, facts): built layer by layer from the checkpoint's tensors
-    (or the seed's)."""
+    (or the seed's); kernels chosen by quantize's screen (`screen`), else left at their default (w4a8 where the
+    native kernels build: what the screen chose at every size measured here)."""
     import torch
 
     from infer_tune import models, weights
@@ -162,11 +220,22 @@ def build_ours(name: str, seed: int, ours_only: set[str], group: int = 32):
     apply.quantize_layerwise(model, weights.Filler(model, values), qconfig)
     model.eval()
     build_s = time.monotonic() - started
-    record = kernel_choice.choose_for_model(model, "int4-rtn", prefill_rows=64, group_size=group, activations="int8")
+    started = time.monotonic()
+    if screen:
+        record = kernel_choice.choose_for_model(model, "int4-rtn", prefill_rows=64, group_size=group,
+                                                activations="int8")
+        kernels = {k: (v or {}).get("chosen") for k, v in record.items() if isinstance(v, dict)}
+    else:
+        kernels = sorted({f"{type(m).__name__}: {m.decode_kernel} / {m.prefill_kernel} (default, not screened)"
+                          for m in model.modules() if hasattr(m, "decode_kernel")})
     return tokenizer, model, {"weights": source, "group_size": group, "build_s": round(build_s, 1),
-                              "params": weights.count_params(config),
-                              "kernels": {k: (v or {}).get("chosen") for k, v in record.items()
-                                          if isinstance(v, dict)}}
+                              "screen_s": round(time.monotonic() - started, 1) if screen else None,
+                              "params": weights.count_params(config), "kernels": kernels}
+
+
+def phase(line: str) -> None:
+    """The child's progress on stderr (a run stopped by its time limit still shows how far it got)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
 
 
 def hwm_bytes(pid: int) -> int | None:
@@ -198,7 +267,7 @@ def measure_one(args) -> list[dict]:
     groups = group_sizes(args.group_size)
     built = []  # (model, facts, decoder) per group
     for group in groups:
-        tokenizer, model, facts = build_ours(name, args.seed, ours_only, group)
+        tokenizer, model, facts = build_ours(name, args.seed, ours_only, group, screen=not args.no_screen)
         cases = prompts(tokenizer, args.short, args.long)
         eos = eos_ids(model, tokenizer)
         decoder = LeanDecoder(model, compile=False, native_step=True)
@@ -207,6 +276,7 @@ def measure_one(args) -> list[dict]:
             decoder.generate(ids, 4, eos)  # first calls (the native step's cache, the kernels' buffers)
         facts.update({k: decoder.facts.get(k) for k in ("lean_step", "lean_native_fallback", "lean_prefill")})
         built.append((model, facts, decoder))
+        phase(f"{name} g{group}: built in {facts['build_s']} s (screen {facts['screen_s']} s), warmed")
     common = {"prompt_tokens": {c: int(ids.shape[1]) for c, ids in cases.items()},
               "threads": torch.get_num_threads(), "rounds": args.rounds, "decode_tokens": args.decode_tokens}
     ours = [{"ttft_short": [], "ttft_long": [], "decode": []} for _ in built]
@@ -222,6 +292,7 @@ def measure_one(args) -> list[dict]:
             reference = {"fastest": chosen.format, "objective": chosen.objective,
                          "formats": {t.format: t.to_dict(args.decode_tokens) for t in chosen.timings},
                          "commit": chosen.llama_cpp.get("commit"), "build": chosen.llama_cpp.get("build_number")}
+            phase(f"llama-bench: {chosen.format} fastest ({chosen.objective})")
             server = stack.enter_context(local_server("llama.cpp", str(chosen.gguf), threads=args.threads))
             for ids in cases.values():
                 server_completion(server.url, tokenizer.decode(ids[0]), 4)  # warms the server
@@ -242,6 +313,8 @@ def measure_one(args) -> list[dict]:
                         theirs[f"ttft_{case}"].append(answer["timings"]["prompt_ms"])
                     answer, _ = server_completion(server.url, short_text, args.decode_tokens)
                     theirs["decode"].append(answer["timings"]["predicted_per_second"])
+            phase(f"round {r + 1} of {args.rounds}: ours {[o['decode'][-1] for o in ours]}, llama-server "
+                  f"{theirs['decode'][-1:] } tok/s")
         if server is not None:
             reference["peak_rss_bytes"] = hwm_bytes(server.process.pid)
             reference["served"] = {k: statistics.median(v) for k, v in theirs.items()}
@@ -320,6 +393,8 @@ def main() -> None:
     p.add_argument("--group-size", default="32",
                    help="int4 groups of ours, comma-separated (32: 5.0 bits a weight, 64: 4.5, 128: 4.25); one row each")
     p.add_argument("--formats", default=",".join(FORMATS), help="the llama.cpp formats llama-bench picks the fastest of")
+    p.add_argument("--no-screen", action="store_true",
+                   help="skip quantize's kernel screen (its minutes at 8B): the kernels' defaults (w4a8)")
     p.add_argument("--prepare", action="store_true", help="make the checkpoints and GGUFs, time nothing")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child: one model, its row as JSON
@@ -327,7 +402,8 @@ def main() -> None:
     args.ours_only = [m for m in args.ours_only.split(",") if m]
     names = [m for m in args.models.split(",") if m]
     groups = group_sizes(args.group_size)
-    unknown = sorted(set(f for f in args.formats.split(",") if f) - set(FORMATS))
+    # --prepare also takes f16: the conversion kept for a later --prepare (one lock hold per step at 8B)
+    unknown = sorted(set(f for f in args.formats.split(",") if f) - set(FORMATS) - ({"f16"} if args.prepare else set()))
     if unknown or not args.formats.strip(","):
         refuse(f"--formats takes some of {', '.join(FORMATS)}; got {args.formats!r}")
     if args.one:
@@ -338,7 +414,7 @@ def main() -> None:
             print("ROW " + json.dumps(row), flush=True)
         return
     if args.prepare:
-        prepare(names, args.seed, set(args.ours_only), args.threads)
+        prepare(names, args.seed, set(args.ours_only), args.threads, [f for f in args.formats.split(",") if f])
         return
     rows = []
     for name in names:
@@ -346,7 +422,8 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--one", name, "--ours-only", ",".join(args.ours_only) or ",",
                "--seed", str(args.seed), "--threads", str(args.threads), "--rounds", str(args.rounds),
                "--decode-tokens", str(args.decode_tokens), "--short", str(args.short), "--long", str(args.long),
-               "--bench-repeats", str(args.bench_repeats), "--group-size", args.group_size, "--formats", args.formats]
+               "--bench-repeats", str(args.bench_repeats), "--group-size", args.group_size, "--formats", args.formats,
+               *(["--no-screen"] if args.no_screen else [])]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=dict(os.environ))
         found = [x for x in proc.stdout.splitlines() if x.startswith("ROW ")]
         if proc.returncode != 0 or not found:
@@ -374,7 +451,8 @@ def main() -> None:
     print(table(rows))
     for row in rows:
         if "roofline" in row:
-            print(f"{row['model']} g{row.get('group_size', 32)}: {row['roofline']}; step {row.get('lean_step')}"
+            print(f"{row['model']} g{row.get('group_size', 32)}: {row['roofline']}; build {row.get('build_s')} s, "
+                  f"screen {row.get('screen_s')} s, kernels {row.get('kernels')}; step {row.get('lean_step')}"
                   + (f" (fallback: {row['lean_native_fallback']})" if row.get("lean_native_fallback") else "")
                   + ("; llama-bench: " + "; ".join(
                       f"{f} {t['decode_tok_s'] or 0:.1f} tok/s, "

@@ -180,7 +180,12 @@ def gguf(checkpoint: str | Path, fmt: str, *, threads: int | None = None, info: 
     if target.is_file():
         return target
     folder.mkdir(parents=True, exist_ok=True)
-    atomic.check_free_space(folder, 2 * _checkpoint_bytes(Path(checkpoint)) + (64 << 20), f"the GGUF {target.name}")
+    # the f16 conversion is about the checkpoint's size (bf16 / f16); a quantized format writes at most about 0.6
+    # of it (q8_0: 8.5 bits a weight), after the f16 if that is still to be made
+    checkpoint_bytes = _checkpoint_bytes(Path(checkpoint))
+    f16_needed = fmt == "f16" or not (folder / "f16.gguf").is_file()
+    need = (checkpoint_bytes if f16_needed else 0) + (0 if fmt == "f16" else checkpoint_bytes * 6 // 10)
+    atomic.check_free_space(folder, need + (64 << 20), f"the GGUF {target.name}")
     staged = folder / f".{fmt}.gguf.partial-{os.getpid()}"
     try:
         if fmt == "f16":

@@ -1,0 +1,98 @@
+"""bench/scaling.py's random checkpoints: written shard by shard (never the whole model in memory), with the
+tensors, names and files `RandomWeights.build` + `save_pretrained` give (docs/results.md, the scaling table)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def scaling_module():
+    import infer_tune
+
+    path = Path(infer_tune.__file__).resolve().parent.parent / "bench" / "scaling.py"
+    spec = importlib.util.spec_from_file_location("scaling_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tiny_config(folder: Path, tied: bool) -> Path:
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 512, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "initializer_range": 0.02,
+              "tie_word_embeddings": tied, "bos_token_id": 1, "eos_token_id": 2}
+    path = folder / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(file)))
+    return out
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_checkpoint_is_written_shard_by_shard_with_the_built_models_tensors(tmp_path, monkeypatch, tied):
+    from transformers import AutoModelForCausalLM
+
+    from infer_tune import models, weights
+
+    scaling = scaling_module()
+    config_path = tiny_config(tmp_path, tied)
+    shard_bytes = 40_000  # a layer's matrices are 8 KiB-32 KiB in bf16: several shards
+    drawn = []
+    real_values = weights.random_values
+
+    def counting(seed, std):  # every tensor drawn, in order, with its bytes
+        values = real_values(seed, std)
+
+        def draw(name, shape, dtype):
+            out = values(name, shape, dtype)
+            drawn.append((name, out.numel() * out.element_size()))
+            return out
+        return draw
+
+    monkeypatch.setattr(weights, "random_values", counting)
+    monkeypatch.setattr(scaling, "checkpoint_dir", lambda preset, seed: tmp_path / f"random-tiny-seed{seed}")
+    folder = scaling.make_checkpoint(str(config_path), 3, shard_bytes=shard_bytes)
+    monkeypatch.setattr(weights, "random_values", real_values)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and shards == sorted(p.name for p in folder.glob("*.safetensors"))
+    from safetensors.torch import load_file
+
+    for file in shards:  # no shard holds more than its share (a single larger tensor would stand alone)
+        held = load_file(str(folder / file))
+        assert sum(t.numel() * t.element_size() for t in held.values()) <= shard_bytes or len(held) == 1
+    assert len(drawn) == len({n for n, _ in drawn})  # each tensor drawn once
+
+    # the same tensors, names and values as the whole model built in memory and saved by transformers
+    config, source = weights.architecture_config(str(config_path))
+    tokenizer, name = models.random_tokenizer(weights.vocab_size(config))
+    spec = weights.RandomWeights(config=config, seed=3, dtype=torch.bfloat16, source=source, tokenizer=name)
+    reference = tmp_path / "reference"
+    spec.build().save_pretrained(reference)
+    ours, theirs = tensors_of(folder), tensors_of(reference)
+    assert sorted(ours) == sorted(theirs)
+    assert ("lm_head.weight" in ours) is not tied
+    assert all(ours[k].dtype == torch.bfloat16 and torch.equal(ours[k], theirs[k]) for k in ours)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in ours.values())
+    saved = json.loads((folder / "config.json").read_text())
+    assert saved == json.loads((reference / "config.json").read_text())
+
+    # and transformers loads it as the model it was drawn as
+    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    built = spec.build()
+    ids = torch.tensor([[5, 9, 200, 7]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, built(ids).logits)
+    assert json.loads((folder / "infer_tune_source.json").read_text())["shards"] == len(shards)
