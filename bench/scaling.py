@@ -314,7 +314,7 @@ def measure_one(args) -> list[dict]:
                     answer, _ = server_completion(server.url, short_text, args.decode_tokens)
                     theirs["decode"].append(answer["timings"]["predicted_per_second"])
             phase(f"round {r + 1} of {args.rounds}: ours {[o['decode'][-1] for o in ours]}, llama-server "
-                  f"{theirs['decode'][-1:] } tok/s")
+                  f"{theirs['decode'][-1:]} tok/s")
         if server is not None:
             reference["peak_rss_bytes"] = hwm_bytes(server.process.pid)
             reference["served"] = {k: statistics.median(v) for k, v in theirs.items()}

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import mmap
+import statistics
 import sys
 import tempfile
 import time
@@ -239,7 +240,6 @@ def profile(args, model, parts, layer_bytes, keys, values, prompt) -> None:
                 started = time.perf_counter_ns()
                 fns[k][0]()
                 times[k].append((time.perf_counter_ns() - started) / 1e6 / fns[k][1])
-    import statistics
 
     for k, ms in times.items():
         med = statistics.median(ms)

@@ -44,7 +44,7 @@ def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
 def test_the_checkpoint_is_written_shard_by_shard_with_the_built_models_tensors(tmp_path, monkeypatch, tied):
     from transformers import AutoModelForCausalLM
 
-    from infer_tune import models, weights
+    from infer_tune import hub, models, weights
 
     scaling = scaling_module()
     config_path = tiny_config(tmp_path, tied)
@@ -90,7 +90,7 @@ def test_the_checkpoint_is_written_shard_by_shard_with_the_built_models_tensors(
     assert saved == json.loads((reference / "config.json").read_text())
 
     # and transformers loads it as the model it was drawn as
-    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, **hub.PLAIN_MODULES)  # as every load in the project
     built = spec.build()
     ids = torch.tensor([[5, 9, 200, 7]])
     with torch.no_grad():
