@@ -9,6 +9,13 @@ export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
 .PHONY: install model demo test lint clean system-deps
 
+# INSTALLER=uv (default) or pip. uv resolves and installs the same requirements in ~8 s where pip takes ~78 s
+# (measured on 2 cores into a new venv, uv's cache empty); pip stays in the venv either way (`models pull` uses
+# `pip download`). uv does not read pip's configuration, so the find-links pip is given (where a machine keeps
+# wheels such as the pinned CPU torch) are handed on to it.
+INSTALLER ?= uv
+FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
@@ -16,7 +23,12 @@ $(BIN)/python:
 # one resolve for the project, its dev extra and the pinned torch (a separate `pip install torch` first resolved
 # and checked torch twice)
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
+ifeq ($(INSTALLER),uv)
+	test -x $(BIN)/uv || $(BIN)/pip install --quiet uv
+	$(BIN)/uv pip install --quiet --python $(BIN)/python $(addprefix --find-links ,$(FIND_LINKS)) -e ".[dev]" "$(TORCH_SPEC)"
+else
 	$(BIN)/pip install --quiet -e ".[dev]" "$(TORCH_SPEC)"
+endif
 	touch $@
 
 install: $(VENV)/.installed

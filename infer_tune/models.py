@@ -6,6 +6,7 @@ transformers and saved as safetensors in `$INFER_TUNE_HOME/models`, so later loa
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -556,6 +557,29 @@ def check_gguf(path: Path) -> None:
             raise ModelError(f"{path} is not a GGUF file (no GGUF magic bytes)")
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """transformers parses a GGUF file's header once for the config, once for the tokenizer and once for the
+    weights (2.8 s each for SmolLM2's, most of it the 49k-entry vocabulary); within this block each file is
+    parsed once. It replaces `gguf.GGUFReader`, which transformers imports at call time, with a memoising one."""
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def reader(path, mode="r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 def convert_gguf(path: Path, *, target: Path | None = None, source: str | None = None) -> Path:
     """Dequantize a GGUF file with transformers and save a plain safetensors checkpoint + tokenizer.
 
@@ -573,16 +597,19 @@ def convert_gguf(path: Path, *, target: Path | None = None, source: str | None =
         return target
     atomic.clean_stale(target.parent)  # staging folders of conversions that were killed
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                         **hub.PLAIN_MODULES)
+        with _gguf_parsed_once():
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                             **hub.PLAIN_MODULES)
     except Exception as exc:  # gguf parsing errors come in many types
         raise ModelError(f"cannot read GGUF file {path}: {str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
     config = gguf_model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    clean.load_state_dict(gguf_model.state_dict(), strict=True)
+    with torch.device("meta"):  # no random initialisation of weights that are replaced on the next line
+        clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    clean.load_state_dict(gguf_model.state_dict(), strict=True, assign=True)
+    clean.tie_weights()
     atomic.check_free_space(target.parent, model_bytes(clean) + (64 << 20), f"the converted model {target.name}")
     # another process converting the same file at the same time: the first finished copy is kept
     with atomic.staged_dir(target, exists="keep") as staging:
