@@ -196,6 +196,18 @@ def one_thread():
 
 
 @pytest.fixture(autouse=True)
+def _worker_keeps_one_thread():
+    """Under xdist a test that runs a command with `threads` set (RunSpec(threads=2)) leaves torch at that count in
+    the worker; the next test gets the worker's one thread back."""
+    yield
+    if XDIST_WORKER:
+        import torch
+
+        if torch.get_num_threads() != 1:
+            torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
 def no_contention_reruns(monkeypatch):
     """A request batch is never run again for contention in tests (rounds.RERUNS): the suite runs on two
     workers, so the host is always busy, and tests that count runner calls would see a rerun at random. The
