@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 # `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`, docs/commands.md). Each worker is
-# one process of the two cores: torch gets one intra-op thread there, and its own temp folder (subprocesses inherit
+# one process of the two cores: torch gets one intra-op thread there (and in what it starts), and its own temp folder (subprocesses inherit
 # it), so a test that checks what it left in the temp folder never sees the other worker's files. The compiled
 # graphs stay shared: inductor's cache is pinned to the folder it would use without the worker's TMPDIR.
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
@@ -35,6 +35,11 @@ if XDIST_WORKER:
     import torch
 
     torch.set_num_threads(1)
+    # and so does every process a test starts (a `transformers serve` server, a CLI subprocess, a rank, a command run
+    # in-process: scenarios.common.setup_threads reads it too): two OpenMP threads per process with the other worker
+    # on the second core wait at every barrier for a descheduled thread (the two `transformers serve` tests beside
+    # one busy core: 116 s with two threads, 35 s with one)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 # The files that take longest (two workers on 2 cores, with a cold inductor cache as a fresh clone has it: pytest
@@ -188,6 +193,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _worker_keeps_one_thread():
+    """Under xdist a test that runs a command with `threads` set (RunSpec(threads=2)) leaves torch at that count in
+    the worker; the next test gets the worker's one thread back."""
+    yield
+    if XDIST_WORKER:
+        import torch
+
+        if torch.get_num_threads() != 1:
+            torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

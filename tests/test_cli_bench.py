@@ -13,6 +13,29 @@ runner = CliRunner()
 FAST = ["--warmup", "0", "--min-iterations", "1", "--min-duration", "0", "--threads", "1"]
 
 
+def test_threads_default_to_omp_num_threads_when_set(monkeypatch):
+    """A process told `OMP_NUM_THREADS` (a test worker's children, a job script's pinning) runs that many torch
+    threads unless --threads says otherwise; unset or not a positive integer: the physical cores."""
+    import psutil
+    import torch
+
+    from infer_tune.scenarios.common import setup_threads
+
+    before = torch.get_num_threads()
+    cores = psutil.cpu_count(logical=False) or 1
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        assert setup_threads(None) == 3 == torch.get_num_threads()
+        assert setup_threads(1) == 1 == torch.get_num_threads()
+        for value in ("0", "two", ""):
+            monkeypatch.setenv("OMP_NUM_THREADS", value)
+            assert setup_threads(None) == cores
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        assert setup_threads(None) == cores
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bench_json_document(tiny_model_dir, prompts_file, tmp_path):
     out = tmp_path / "runs"
     result = runner.invoke(app, ["bench", "--model", str(tiny_model_dir), "--suite", str(prompts_file),

@@ -37,7 +37,7 @@ Suite = Annotated[str, typer.Option("--suite", "-s", help="`chat` (ShareGPT), `c
 Limit = Annotated[int, typer.Option("--limit", "-n", help="Number of prompts, picked deterministically by --seed.")]
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", help="Tokens generated per request (pinned for timing).")]
 BatchSize = Annotated[int, typer.Option("--batch-size", "-b", help="Requests per generate call (left-padded).")]
-Threads = Annotated[int | None, typer.Option("--threads", help="torch intra-op threads (default: physical cores).")]
+Threads = Annotated[int | None, typer.Option("--threads", help="torch intra-op threads (default: OMP_NUM_THREADS when set, else physical cores).")]
 Seed = Annotated[int, typer.Option("--seed", help="Seed for prompt sampling and bootstrap.")]
 Warmup = Annotated[int, typer.Option("--warmup", help="Untimed warmup generate calls (the first is reported as first_call_ms).")]
 MinIterations = Annotated[int, typer.Option("--min-iterations", help=(

@@ -41,15 +41,22 @@ class OpenRun:
 
 
 def setup_threads(threads: int | None) -> int:
-    """Apply a thread count (default: physical cores) to torch before any work."""
+    """Apply a thread count to torch before any work. Default: `OMP_NUM_THREADS` when it is set to a positive
+    integer (what torch itself starts with), else the physical cores."""
     import psutil
     import torch
 
     if threads is not None and threads < 1:
         raise InferTuneError(f"threads must be >= 1, got {threads}")
-    n = threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    n = threads or omp_threads() or psutil.cpu_count(logical=False) or os.cpu_count() or 1
     torch.set_num_threads(n)
     return n
+
+
+def omp_threads() -> int | None:
+    """`OMP_NUM_THREADS` as a positive integer; None when unset or not one (OpenMP ignores those too)."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def resolve_device(device: str) -> str:
