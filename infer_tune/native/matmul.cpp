@@ -25,7 +25,8 @@
 // 8 x 2 x 15 x 127 < 32767; one vpmaddwd then leaves each output's sum in its own int32 lane, no
 // horizontal adds). With AVX-512 VNNI (and VL), vpdpbusd sums the u8 x s8 products straight into int32.
 // The scales apply in fp32 as dx * (s * sum a q + (z - 8 s) * sum a), z - 8 s once per group, dx and
-// sum a broadcast from memory. A tile's block is unpacked once for all rows. Threads split the tiles.
+// sum a broadcast from memory. A tile's block is unpacked once for all rows. Threads split the tiles; one
+// row (decode) streams each thread's tiles in several parts side by side (one_row).
 // Without AVX2 a scalar loop computes the same value. Measured against the previous layout (two outputs
 // per vector, three horizontal adds per block; same results bit for bit), interleaved, 120 layers of
 // SmolLM2's shapes on an AVX-512 VNNI host: 0.796x [0.760, 0.834] of its time for four rows (0.851x
@@ -356,10 +357,13 @@ void tile2_zmm(const int8_t* a, const float* dx, const float* asum, int64_t m0, 
 
 // One row (decode), 2 * P tiles side by side, two to a 512-bit vector (tile[2q] in lanes 0..7, tile[2q + 1] in
 // 8..15, as tile2_zmm), each from its own part of the weights, the accumulators in registers. The decode GEMV
-// is bound by the loads a core keeps in flight: one stream per thread read 0.80-0.92x of what the memory gives
-// 2 to 8 streams, and software prefetching on top of several streams measured slower (more load slots taken,
-// no more bandwidth), so there is none here. The arithmetic is tile2_zmm's for one row: every output the same
-// bit for bit as tiles1_avx2's.
+// is bound by the loads a core keeps in flight, and one stream per thread left bandwidth unused: on qwen3-4b's
+// matrices at g128 (one row, 2 threads, 2-core AMD EPYC Zen 4) a plain read gained with each stream a thread
+// adds (1 -> 2 streams 29.7 -> 34.6 GB/s in one run, 4 -> 8 40.6 -> 43.8 in another); this loop with 4 streams
+// took 0.719x [0.699, 0.739] of the one-stream loop's time (bench/gemv_ab.py), 8 streams were not clearly
+// better than 4 (0.73x / 0.81x in one run, 0.89x / 0.87x in another), and software prefetching on top of
+// several streams measured slower (load slots taken, no more bandwidth), so there is none here. The arithmetic
+// is tile2_zmm's for one row: every output the same bit for bit as tiles1_avx2's.
 constexpr int ROW_STREAMS = 4;  // tiles a thread streams at once in the one-row loop (2 vectors)
 
 template <int P>
