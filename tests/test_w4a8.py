@@ -67,6 +67,27 @@ def test_kernel_computes_its_numerics(n, k, group, rows):
 
 
 @needs_kernel
+@pytest.mark.parametrize("tiles", [1, 3, 8, 9, 37])  # per thread: below, at and past the streams, with leftovers
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_row_loop_gives_the_multi_row_loops_values(tiles, threads):
+    # one row (decode) runs a loop of its own, a thread's tiles cut into parts streamed side by side; its values
+    # are the multi-row loop's (3 rows), bit for bit, whatever the tiles per thread
+    module = layer(8 * tiles, 256, 64, seed=tiles)
+    module.set_kernels("w4a8", "w4a8")
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(tiles))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batch = module(x)
+        rows = [module(x[i:i + 1]) for i in range(3)]
+    finally:
+        torch.set_num_threads(before)
+    assert torch.allclose(batch.double(), reference(module, x), rtol=1e-5, atol=1e-5)
+    for i, row in enumerate(rows):
+        assert torch.equal(row, batch[i:i + 1]), (i, (row - batch[i:i + 1]).abs().max())
+
+
+@needs_kernel
 def test_prefill_loop_runs_where_the_cpu_has_avx512_vnni():
     from infer_tune.env import cpu_flags
 

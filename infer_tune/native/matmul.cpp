@@ -25,7 +25,8 @@
 // 8 x 2 x 15 x 127 < 32767; one vpmaddwd then leaves each output's sum in its own int32 lane, no
 // horizontal adds). With AVX-512 VNNI (and VL), vpdpbusd sums the u8 x s8 products straight into int32.
 // The scales apply in fp32 as dx * (s * sum a q + (z - 8 s) * sum a), z - 8 s once per group, dx and
-// sum a broadcast from memory. A tile's block is unpacked once for all rows. Threads split the tiles.
+// sum a broadcast from memory. A tile's block is unpacked once for all rows. Threads split the tiles; one
+// row (decode) streams each thread's tiles in several parts side by side (one_row).
 // Without AVX2 a scalar loop computes the same value. Measured against the previous layout (two outputs
 // per vector, three horizontal adds per block; same results bit for bit), interleaved, 120 layers of
 // SmolLM2's shapes on an AVX-512 VNNI host: 0.796x [0.760, 0.834] of its time for four rows (0.851x
@@ -248,25 +249,34 @@ void tile_avx2(const int8_t* a, const float* dx, const float* asum, int64_t M, i
   for (int64_t m = 0; m < M; ++m) store_tile(y + m * ldy, _mm256_loadu_ps(acc + m * TILE));
 }
 
-// one row (decode): the accumulator stays in a register
-void tile1_avx2(const int8_t* a, const float* dx, const float* asum, int64_t K, int64_t group,
-                const uint8_t* tile, float* y) {
+// one row (decode), S tiles side by side (tile[j] -> y[j]), each from its own part of the weights: the
+// accumulators stay in registers, and a thread keeps S streams of loads in flight instead of one. Each
+// tile's arithmetic is the same, in the same order, whatever S.
+template <int S>
+void tiles1_avx2(const int8_t* a, const float* dx, const float* asum, int64_t K, int64_t group,
+                 const uint8_t* const* tile, float* const* y) {
   const int64_t groups = K / group, per_group = group / BLOCK, gbytes = group_bytes(group);
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc[S];
+  for (int j = 0; j < S; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* p = tile + g * gbytes;
-    for (int64_t ahead = 0; ahead < gbytes; ahead += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(p + W4A8_PREFETCH * gbytes + ahead), _MM_HINT_T0);
-    __m256 s, z;
-    load_scales(p, s, z);
+    const uint8_t* p[S];
+    __m256 s[S], z[S];
+    for (int j = 0; j < S; ++j) {
+      p[j] = tile[j] + g * gbytes;
+      for (int64_t ahead = 0; ahead < gbytes; ahead += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(p[j] + W4A8_PREFETCH * gbytes + ahead), _MM_HINT_T0);
+      load_scales(p[j], s[j], z[j]);
+    }
     for (int64_t i = 0; i < per_group; ++i) {
       const int64_t b = g * per_group + i;
-      Weights w;
-      unpack(p + 4 * TILE + i * TILE * 16, w);
-      acc = apply(acc, dot8(w, a + b * ABYTES), s, z, dx + b, asum + b);
+      for (int j = 0; j < S; ++j) {
+        Weights w;
+        unpack(p[j] + 4 * TILE + i * TILE * 16, w);
+        acc[j] = apply(acc[j], dot8(w, a + b * ABYTES), s[j], z[j], dx + b, asum + b);
+      }
     }
   }
-  store_tile(y, acc);
+  for (int j = 0; j < S; ++j) store_tile(y[j], acc[j]);
 }
 
 #ifdef W4A8_ZMM
@@ -342,6 +352,62 @@ void tile2_zmm(const int8_t* a, const float* dx, const float* asum, int64_t m0, 
       _mm512_storeu_ps(y + (m0 + r) * ldy, v);
     else
       _mm256_storeu_ps(y + (m0 + r) * ldy, _mm512_castps512_ps256(v));
+  }
+}
+
+// One row (decode), 2 * P tiles side by side, two to a 512-bit vector (tile[2q] in lanes 0..7, tile[2q + 1] in
+// 8..15, as tile2_zmm), each from its own part of the weights, the accumulators in registers. The decode GEMV
+// is bound by the loads a core keeps in flight, and one stream per thread left bandwidth unused: on qwen3-4b's
+// matrices at g128 (one row, 2 threads, 2-core AMD EPYC Zen 4) a plain read gained with each stream a thread
+// adds (1 -> 2 streams 29.7 -> 34.6 GB/s in one run, 4 -> 8 40.6 -> 43.8 in another); this loop with 4 streams
+// took 0.719x [0.699, 0.739] of the one-stream loop's time (bench/gemv_ab.py), 8 streams were not clearly
+// better than 4 (0.73x / 0.81x in one run, 0.89x / 0.87x in another), and software prefetching on top of
+// several streams measured slower (load slots taken, no more bandwidth), so there is none here. The arithmetic
+// is tile2_zmm's for one row: every output the same bit for bit as tiles1_avx2's.
+constexpr int ROW_STREAMS = 4;  // tiles a thread streams at once in the one-row loop (2 vectors)
+
+template <int P>
+void tiles1_zmm(const int8_t* a, const float* dx, const float* asum, int64_t K, int64_t group,
+                const uint8_t* const* tile, float* const* y) {
+  const int64_t groups = K / group, per_group = group / BLOCK, gbytes = group_bytes(group);
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  __m512 acc[P];
+  for (int q = 0; q < P; ++q) acc[q] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* p[2 * P];
+    for (int j = 0; j < 2 * P; ++j) p[j] = tile[j] + g * gbytes;
+    __m512 s[P], zc[P];
+    for (int q = 0; q < P; ++q) {
+      __m256 sa, za, sb, zb;
+      load_scales(p[2 * q], sa, za);
+      load_scales(p[2 * q + 1], sb, zb);
+      s[q] = join_ps(sa, sb), zc[q] = join_ps(za, zb);
+    }
+    for (int64_t i = 0; i < per_group; ++i) {
+      const int64_t b = g * per_group + i;
+      const int8_t* act = a + b * ABYTES;  // [a0..15, a0..15, a16..31, a16..31]
+      for (int q = 0; q < P; ++q) {
+        const uint8_t* qa = p[2 * q] + 4 * TILE + i * TILE * 16;
+        const uint8_t* qb = p[2 * q + 1] + 4 * TILE + i * TILE * 16;
+        __m512i dlo = _mm512_setzero_si512(), dhi = _mm512_setzero_si512();
+        for (int j = 0; j < 4; ++j) {
+          const __m512i v = _mm512_inserti64x4(
+              _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + 32 * j))),
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * j)), 1);
+          dlo = _mm512_dpbusd_epi32(dlo, _mm512_and_si512(v, mask), bcast4(act + 4 * j));
+          dhi = _mm512_dpbusd_epi32(dhi, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask), bcast4(act + 32 + 4 * j));
+        }
+        const __m512 inner = _mm512_fmadd_ps(s[q], _mm512_cvtepi32_ps(_mm512_add_epi32(dlo, dhi)),
+                                             _mm512_mul_ps(zc[q], _mm512_set1_ps(asum[b])));
+        acc[q] = _mm512_fmadd_ps(_mm512_set1_ps(dx[b]), inner, acc[q]);
+      }
+    }
+  }
+  const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  for (int q = 0; q < P; ++q) {
+    const __m512 v = _mm512_permutexvar_ps(order, acc[q]);
+    _mm256_storeu_ps(y[2 * q], _mm512_castps512_ps256(v));
+    _mm256_storeu_ps(y[2 * q + 1], _mm512_extractf32x8_ps(v, 1));
   }
 }
 #endif
@@ -484,11 +550,46 @@ inline void tile_rows(const Activations& act, int64_t M, int64_t K, int64_t grou
                       int64_t ldy, float* acc) {
 #ifdef W4A8_AVX2
   if (M == 1)
-    tile1_avx2(act.a, act.dx, act.asum, K, group, tile, y);
+    tiles1_avx2<1>(act.a, act.dx, act.asum, K, group, &tile, &y);
   else
     tile_avx2(act.a, act.dx, act.asum, M, K, group, tile, y, ldy, acc);
 #else
   tile_scalar(act.a, act.dx, act.asum, M, K, group, tile, y, ldy);
+#endif
+}
+
+// One row through a thread's tiles [begin, end) (tile(t): its weights, out(t): its 8 outputs), the range cut
+// into S equal parts run side by side, tile begin + j with begin + chunk + j, ...: S streams of weights instead
+// of one (S = ROW_STREAMS with AVX-512, tiles1_zmm; 2 on AVX2, tiles1_avx2), the last (end - begin) % S tiles one
+// by one. Returns false where there is no AVX2 loop (the caller runs tile by tile).
+template <class Tile, class Out>
+inline bool one_row(const Activations& act, int64_t K, int64_t group, int64_t begin, int64_t end, Tile tile, Out out) {
+#ifdef W4A8_AVX2
+#ifdef W4A8_ZMM
+  constexpr int S = ROW_STREAMS;
+#else
+  constexpr int S = 2;
+#endif
+  const int64_t chunk = (end - begin) / S;
+  for (int64_t j = 0; j < chunk; ++j) {
+    const uint8_t* w[S];
+    float* y[S];
+    for (int c = 0; c < S; ++c) w[c] = tile(begin + c * chunk + j), y[c] = out(begin + c * chunk + j);
+#ifdef W4A8_ZMM
+    tiles1_zmm<S / 2>(act.a, act.dx, act.asum, K, group, w, y);
+#else
+    tiles1_avx2<S>(act.a, act.dx, act.asum, K, group, w, y);
+#endif
+  }
+  for (int64_t t = begin + S * chunk; t < end; ++t) {
+    const uint8_t* w = tile(t);
+    float* y = out(t);
+    tiles1_avx2<1>(act.a, act.dx, act.asum, K, group, &w, &y);
+  }
+  return true;
+#else
+  (void)act, (void)K, (void)group, (void)begin, (void)end, (void)tile, (void)out;
+  return false;
 #endif
 }
 
@@ -536,6 +637,16 @@ void w4a8_rows_multi(const float* x, int64_t M, int64_t K, int64_t group, int co
   int64_t start[5] = {0};
   for (int i = 0; i < count; ++i) start[i + 1] = start[i] + tiles[i];
   at::parallel_for(0, start[count], 1, [&](int64_t begin, int64_t end) {
+    if (M == 1) {
+      auto matrix = [&](int64_t t) {
+        int m = 0;
+        while (t >= start[m + 1]) ++m;
+        return m;
+      };
+      auto tile = [&](int64_t t) { const int m = matrix(t); return packed[m] + (t - start[m]) * tile_bytes; };
+      auto out = [&](int64_t t) { const int m = matrix(t); return y[m] + (t - start[m]) * TILE; };
+      if (one_row(act, K, group, begin, end, tile, out)) return;
+    }
     thread_local std::vector<float> acc;
     acc.resize(std::max<size_t>(acc.size(), M * TILE));
     int m = 0;
@@ -567,6 +678,9 @@ at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group)
   if (prefill_rows(act, M, K, group, 1, &pp, &tiles, &yp)) return y;
   // its own loop, not w4a8_rows_multi's: that measured 1.048x [1.001, 1.098] of this one's time at one row
   at::parallel_for(0, N / TILE, 1, [&](int64_t begin, int64_t end) {
+    if (M == 1 && one_row(act, K, group, begin, end, [&](int64_t t) { return pp + t * tile_bytes; },
+                          [&](int64_t t) { return yp + t * TILE; }))
+      return;
     thread_local std::vector<float> acc;
     acc.resize(std::max<size_t>(acc.size(), M * TILE));
     for (int64_t tile = begin; tile < end; ++tile)
