@@ -24,13 +24,20 @@ model) at each `--group-size` (32: a bf16 scale and zero per 32 weights, 5.0 bit
 128: 4.25), kernels chosen as `quantize` chooses them (its screen; `--no-screen`: the kernels' defaults, w4a8
 and w8a8, what the screen chose at 4B, without its two minutes at 8B), the lean loop with the native step
 (infer_tune/native/step.py; its fallback reason if it falls back); llama-bench times the GGUFs of `--formats`
-at these prompt lengths and decode length and picks the fastest (decode + the prefills: `e2e`), and
-llama-server serves it. Several groups give one row each against the same llama.cpp measurement (the peak
-RSS is then the process's, every build included). Then `--rounds` rounds, each (ours at every group, then llama-server, the order reversed every other round): TTFT of the ~40-token and the ~500-token prompt (ours: submit to the first
-token; llama-server: its own `timings.prompt_ms`, no HTTP in it), and a `--decode-tokens` single-stream decode
-after the short prompt (ours: tokens / time between the first and last token; llama-server:
-`predicted_per_second`, end-of-sequence ignored). Medians over the rounds; ratios ours / theirs (decode) and
-ours / theirs (TTFT: below 1 is faster). `roofline_fraction` as the result documents define it
+at these prompt lengths and decode length (llama.cpp's own figures, a column of the table; its pick, decode + the
+prefills: `e2e`, is what `--served fastest` serves), and llama-server serves every format of `--formats`
+(`--served all`, the default), all of them up before the first round. Several groups give one row each against
+the same llama.cpp measurement (the peak RSS is then the process's, every build included). Then `--rounds`
+rounds, each timing ours at every group and every served format, the order reversed every other round: TTFT of
+the ~40-token and the ~500-token prompt (ours: submit to the first token; llama-server: its own
+`timings.prompt_ms`, no HTTP in it), and a `--decode-tokens` single-stream decode after the short prompt (ours:
+tokens / time between the first and last token; llama-server: `predicted_per_second`, end-of-sequence ignored);
+then `--decode-rounds` more rounds of the decode alone. Each metric is compared with the served format at its
+best for that metric (the highest median decode, the lowest median TTFT): the ratio ours / theirs is taken per
+round (both measured in that round: the host's drift cancels), and the row gives their geometric mean, its 95%
+t-interval (metrics/stats.log_ratio_interval) and the verdict on the target (decode >= 1.1x, TTFT <= 1.0x): met
+or missed when the interval lies on one side of the line, else inconclusive. Picking the reference on the same
+rounds favours llama.cpp, never ours. `roofline_fraction` as the result documents define it
 (metrics/roofline.py): decode tok/s over the ceiling of the weights' bytes plus the KV cache read at the mean
 context at the host's measured bandwidth. Peak RSS: ours the process's `ru_maxrss` (the build included),
 llama-server's `VmHWM`.
@@ -39,8 +46,10 @@ llama-server's `VmHWM`.
     flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/scaling.py --threads 2 --rounds 3 --out scaling.json
     flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/scaling.py --models qwen3-1.7b --group-size 64,128 \
         --formats q4_0,q4_k_m --out scaling-1.7b.json
+    flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/scaling.py --models qwen3-4b --group-size 128 \
+        --formats q4_0,q4_k_m --rounds 3 --decode-rounds 9 --no-screen --out scaling-4b.json
     flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/scaling.py --models llama-3.1-8b --group-size 128 \
-        --formats q4_0,q4_k_m --bench-repeats 1 --no-screen --out scaling-8b.json
+        --formats q4_k_m --bench-repeats 1 --no-screen --out scaling-8b.json
 
 Not a test: read the ratios of one run.
 """
@@ -247,6 +256,38 @@ def hwm_bytes(pid: int) -> int | None:
     return int(line.split()[1]) * 1024 if line else None
 
 
+METRICS = ("ttft_short", "ttft_long", "decode")
+TARGETS = {"decode": (">=", 1.1), "ttft_short": ("<=", 1.0), "ttft_long": ("<=", 1.0)}  # issue "Real sizes"
+
+
+def best_served(theirs: dict[str, dict[str, list[float]]], metric: str) -> str:
+    """The served format at its best for `metric`: the highest median decode, the lowest median TTFT."""
+    pick = max if metric == "decode" else min
+    return pick(theirs, key=lambda f: statistics.median(theirs[f][metric]))
+
+
+def ratio(ours: list[float], theirs: list[float], metric: str, against: str) -> dict:
+    """ours / theirs per round (each pair measured in the same round), their geometric mean and its 95%
+    t-interval (metrics/stats.log_ratio_interval), and the verdict on the metric's target: met when the interval
+    lies on the target's side, missed when it lies on the other, else inconclusive."""
+    from infer_tune.metrics.stats import log_ratio_interval
+
+    per_round = [o / t for o, t in zip(ours, theirs) if o and t]
+    out = {"against": against, "per_round": per_round, **(log_ratio_interval(per_round) or {})}
+    side, line = TARGETS[metric]
+    low, high = out.get("ci95") or (None, None)
+    if low is None:
+        out["verdict"] = "inconclusive (fewer than 2 rounds)"
+    elif (low >= line) if side == ">=" else (high <= line):
+        out["verdict"] = "met"
+    elif (high < line) if side == ">=" else (low > line):
+        out["verdict"] = "missed"
+    else:
+        out["verdict"] = "inconclusive"
+    out["target"] = f"{side} {line}"
+    return out
+
+
 def measure_one(args) -> list[dict]:
     """One model's rows, one per `--group-size`, against one llama.cpp measurement."""
     import torch
@@ -278,10 +319,11 @@ def measure_one(args) -> list[dict]:
         built.append((model, facts, decoder))
         phase(f"{name} g{group}: built in {facts['build_s']} s (screen {facts['screen_s']} s), warmed")
     common = {"prompt_tokens": {c: int(ids.shape[1]) for c, ids in cases.items()},
-              "threads": torch.get_num_threads(), "rounds": args.rounds, "decode_tokens": args.decode_tokens}
-    ours = [{"ttft_short": [], "ttft_long": [], "decode": []} for _ in built]
-    theirs: dict[str, list[float]] = {"ttft_short": [], "ttft_long": [], "decode": []}
-    reference, server = None, None
+              "threads": torch.get_num_threads(), "rounds": args.rounds, "decode_rounds": args.decode_rounds,
+              "decode_tokens": args.decode_tokens}
+    ours = [{m: [] for m in METRICS} for _ in built]
+    theirs: dict[str, dict[str, list[float]]] = {}  # format -> metric -> one sample a round
+    reference, servers = None, {}
     with contextlib_exit() as stack:
         if name not in ours_only:
             folder = Path(models.resolve(name)) if name in models.BUILTINS else checkpoint_dir(name, args.seed)
@@ -291,33 +333,41 @@ def measure_one(args) -> list[dict]:
                                    formats=formats)
             reference = {"fastest": chosen.format, "objective": chosen.objective,
                          "formats": {t.format: t.to_dict(args.decode_tokens) for t in chosen.timings},
-                         "commit": chosen.llama_cpp.get("commit"), "build": chosen.llama_cpp.get("build_number")}
+                         "commit": chosen.llama_cpp.get("commit"), "build": chosen.llama_cpp.get("build_number"),
+                         "served_formats": args.served}
             phase(f"llama-bench: {chosen.format} fastest ({chosen.objective})")
-            server = stack.enter_context(local_server("llama.cpp", str(chosen.gguf), threads=args.threads))
-            for ids in cases.values():
-                server_completion(server.url, tokenizer.decode(ids[0]), 4)  # warms the server
+            serve = {t.format: t.gguf for t in chosen.timings} if args.served == "all" else {chosen.format: chosen.gguf}
+            for fmt, path in serve.items():  # every server up before the rounds: each round times them all
+                servers[fmt] = stack.enter_context(local_server("llama.cpp", str(path), threads=args.threads))
+                theirs[fmt] = {m: [] for m in METRICS}
+                for ids in cases.values():
+                    server_completion(servers[fmt].url, tokenizer.decode(ids[0]), 4)  # warms the server
         short_text = tokenizer.decode(cases["short"][0])
-        for r in range(args.rounds):
-            order = [*range(len(built)), None]
-            for who in (order if r % 2 == 0 else order[::-1]):  # who goes first alternates
-                if who is not None:
+        who_all = [*range(len(built)), *servers]
+        for r in range(args.rounds + args.decode_rounds):
+            ttft = r < args.rounds  # the --decode-rounds after them time the decode alone
+            for who in (who_all if r % 2 == 0 else who_all[::-1]):  # who goes first alternates
+                if isinstance(who, int):
                     decoder = built[who][2]
-                    for case, ids in cases.items():
+                    for case, ids in (cases.items() if ttft else ()):
                         submit, token_ns, _, _ = decoder.generate(ids, 1, eos)
                         ours[who][f"ttft_{case}"].append((token_ns[0] - submit) / 1e6)
                     _, token_ns, _, _ = decoder.generate(cases["short"], args.decode_tokens, eos)
                     ours[who]["decode"].append((len(token_ns) - 1) * 1e9 / (token_ns[-1] - token_ns[0]))
-                elif server is not None:
-                    for case, ids in cases.items():
-                        answer, _ = server_completion(server.url, tokenizer.decode(ids[0]), 1)
-                        theirs[f"ttft_{case}"].append(answer["timings"]["prompt_ms"])
-                    answer, _ = server_completion(server.url, short_text, args.decode_tokens)
-                    theirs["decode"].append(answer["timings"]["predicted_per_second"])
-            phase(f"round {r + 1} of {args.rounds}: ours {[o['decode'][-1] for o in ours]}, llama-server "
-                  f"{theirs['decode'][-1:]} tok/s")
-        if server is not None:
-            reference["peak_rss_bytes"] = hwm_bytes(server.process.pid)
-            reference["served"] = {k: statistics.median(v) for k, v in theirs.items()}
+                else:
+                    for case, ids in (cases.items() if ttft else ()):
+                        answer, _ = server_completion(servers[who].url, tokenizer.decode(ids[0]), 1)
+                        theirs[who][f"ttft_{case}"].append(answer["timings"]["prompt_ms"])
+                    answer, _ = server_completion(servers[who].url, short_text, args.decode_tokens)
+                    theirs[who]["decode"].append(answer["timings"]["predicted_per_second"])
+            phase(f"round {r + 1} of {args.rounds + args.decode_rounds}{'' if ttft else ' (decode)'}: ours "
+                  f"{[round(o['decode'][-1], 2) for o in ours]}, llama-server "
+                  f"{ {f: round(t['decode'][-1], 2) for f, t in theirs.items()} } tok/s")
+        if servers:
+            reference["peak_rss_bytes"] = max(hwm_bytes(s.process.pid) or 0 for s in servers.values()) or None
+            reference["served_all"] = {f: {m: statistics.median(v) for m, v in t.items()} for f, t in theirs.items()}
+            reference["served_format"] = {m: best_served(theirs, m) for m in METRICS}
+            reference["served"] = {m: reference["served_all"][f][m] for m, f in reference["served_format"].items()}
             reference["samples"] = theirs
     mean_context = cases["short"].shape[1] + args.decode_tokens / 2
     reading = bandwidth_reading()
@@ -328,6 +378,7 @@ def measure_one(args) -> list[dict]:
                "ours_samples": samples}
         if reference is not None:
             row["llama_cpp"] = reference
+            row["ratios"] = {m: ratio(samples[m], theirs[f][m], m, f) for m, f in reference["served_format"].items()}
         row["roofline"] = roofline_line(model, mean_context, row["ours"]["decode"])
         kv_read = kv.kv_bytes(kv.ModelShape.from_config(model.config), 1, 32) * mean_context
         row["model_bytes"] = models.model_bytes(model)
@@ -350,29 +401,36 @@ def gib(value) -> str:
     return "-" if value is None else f"{value / 2**30:.2f} GiB"
 
 
-def pair(ours: dict, theirs: dict, key: str, fmt: str) -> str:
-    """`ours / theirs (ours / theirs x)`, or `ours / -` without a llama.cpp row."""
+def pair(row: dict, key: str, fmt: str) -> str:
+    """`ours / theirs (x [low, high] vs FORMAT, verdict)`, or `ours / -` without a llama.cpp row."""
+    ours, ref = row["ours"], (row.get("llama_cpp") or {})
+    theirs = ref.get("served") or {}
     if not theirs:
         return f"{ours[key]:{fmt}} / -"
-    return f"{ours[key]:{fmt}} / {theirs[key]:{fmt}} ({ours[key] / theirs[key]:.2f}x)"
+    r = (row.get("ratios") or {}).get(key) or {}
+    if "ci95" not in r:
+        return f"{ours[key]:{fmt}} / {theirs[key]:{fmt}} ({ours[key] / theirs[key]:.2f}x)"
+    low, high = r["ci95"]
+    return (f"{ours[key]:{fmt}} / {theirs[key]:{fmt}} ({r['point']:.2f}x [{low:.2f}, {high:.2f}] vs "
+            f"{r['against'].upper()}, {r['verdict']})")
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| model | params | weights | int4 group | decode tok/s ours / llama.cpp (x) | TTFT ~40 tok ms ours / llama.cpp (x) | "
-            "TTFT ~500 tok ms ours / llama.cpp (x) | roofline_fraction | peak RSS ours / llama.cpp | llama.cpp fastest |")
+    head = ("| model | params | weights | int4 group | decode tok/s ours / llama-server (x [95%] vs its fastest) | "
+            "TTFT ~40 tok ms ours / llama-server | TTFT ~500 tok ms ours / llama-server | roofline_fraction | "
+            "peak RSS ours / llama-server | llama-bench's fastest (e2e) |")
     out = [head, "|" + "---|" * 10]
     for row in rows:
         if "error" in row:
             out.append(f"| {row['model']} | - | - | - | failed: {row['error']} | | | | | |")
             continue
-        o, ref = row["ours"], (row.get("llama_cpp") or {})
-        served = ref.get("served") or {}
+        ref = row.get("llama_cpp") or {}
         tokens = row["prompt_tokens"]
         out.append(
             f"| {row['model']} | {row['params'] / 1e9:.2f}B | {row['weights']} | g{row.get('group_size', 32)} | "
-            f"{pair(o, served, 'decode', '.1f')} | "
-            f"{pair(o, served, 'ttft_short', '.1f')} ({tokens['short']} tok) | "
-            f"{pair(o, served, 'ttft_long', '.0f')} ({tokens['long']} tok) | "
+            f"{pair(row, 'decode', '.1f')} | "
+            f"{pair(row, 'ttft_short', '.1f')} ({tokens['short']} tok) | "
+            f"{pair(row, 'ttft_long', '.0f')} ({tokens['long']} tok) | "
             f"{row['roofline_fraction']:.2f} | {gib(row['peak_rss_bytes'])} / {gib(ref.get('peak_rss_bytes'))} | "
             f"{(ref.get('fastest') or 'not run').upper()} |")
     return "\n".join(out)
@@ -386,6 +444,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--decode-rounds", type=int, default=0,
+                   help="more rounds after --rounds that time the decode alone (a tighter decode interval)")
+    p.add_argument("--served", choices=("all", "fastest"), default="all",
+                   help="llama-server serves every format of --formats, each metric compared with its best "
+                        "(all), or only llama-bench's fastest end to end (fastest)")
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--short", type=int, default=40)
     p.add_argument("--long", type=int, default=500)
@@ -421,6 +484,7 @@ def main() -> None:
         started = time.monotonic()
         cmd = [sys.executable, __file__, "--one", name, "--ours-only", ",".join(args.ours_only) or ",",
                "--seed", str(args.seed), "--threads", str(args.threads), "--rounds", str(args.rounds),
+               "--decode-rounds", str(args.decode_rounds), "--served", args.served,
                "--decode-tokens", str(args.decode_tokens), "--short", str(args.short), "--long", str(args.long),
                "--bench-repeats", str(args.bench_repeats), "--group-size", args.group_size, "--formats", args.formats,
                *(["--no-screen"] if args.no_screen else [])]
@@ -444,10 +508,12 @@ def main() -> None:
     from infer_tune.env import bandwidth_reading
 
     reading = bandwidth_reading()
-    print(f"{args.threads} threads, {args.rounds} rounds (alternating who goes first), decode {args.decode_tokens} "
-          f"tokens after the short prompt, bandwidth {reading['gb_s']:.1f} GB/s ({reading['source']}); ours: int4-rtn "
-          f"a8 {'/'.join(f'g{g}' for g in groups)}, lean + native step; llama.cpp: llama-server on the format "
-          f"llama-bench found fastest of {args.formats}")
+    served = (f"llama-server on each of {args.formats}, every metric against the format at its best for it"
+              if args.served == "all" else f"llama-server on the format llama-bench found fastest of {args.formats}")
+    print(f"{args.threads} threads, {args.rounds} rounds + {args.decode_rounds} decode-only (alternating who goes "
+          f"first), decode {args.decode_tokens} tokens after the short prompt, bandwidth {reading['gb_s']:.1f} GB/s "
+          f"({reading['source']}); ours: int4-rtn a8 {'/'.join(f'g{g}' for g in groups)}, lean + native step; "
+          f"llama.cpp: {served}; intervals: 95% t on the per-round log ratios")
     print(table(rows))
     for row in rows:
         if "roofline" in row:

@@ -96,3 +96,22 @@ def test_the_checkpoint_is_written_shard_by_shard_with_the_built_models_tensors(
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, built(ids).logits)
     assert json.loads((folder / "infer_tune_source.json").read_text())["shards"] == len(shards)
+
+
+def test_each_metric_is_compared_with_the_served_format_at_its_best_and_judged_by_its_interval():
+    """The scaling table's verdicts: the reference for decode is the format with the highest median, for TTFT
+    the lowest; a target is met or missed only when the per-round interval lies on one side of its line."""
+    scaling = scaling_module()
+    theirs = {"q4_0": {"decode": [10.0, 11.0, 12.0], "ttft_long": [900.0, 950.0, 1000.0]},
+              "q4_k_m": {"decode": [11.0, 12.0, 13.0], "ttft_long": [1000.0, 1100.0, 1200.0]}}
+    assert scaling.best_served(theirs, "decode") == "q4_k_m"
+    assert scaling.best_served(theirs, "ttft_long") == "q4_0"
+    steady = scaling.ratio([15.0, 16.5, 18.0], [11.0, 12.0, 13.0], "decode", "q4_k_m")
+    assert steady["verdict"] == "met" and steady["ci95"][0] >= 1.1 and len(steady["per_round"]) == 3
+    noisy = scaling.ratio([15.0, 11.0, 19.0], [11.0, 12.0, 13.0], "decode", "q4_k_m")
+    assert noisy["verdict"] == "inconclusive" and noisy["ci95"][0] < 1.1 < noisy["ci95"][1]
+    behind = scaling.ratio([10.0, 11.0, 12.0], [11.0, 12.0, 13.0], "decode", "q4_k_m")
+    assert behind["verdict"] == "missed"
+    assert scaling.ratio([600.0, 640.0, 660.0], [900.0, 950.0, 1000.0], "ttft_long", "q4_0")["verdict"] == "met"
+    assert scaling.ratio([1200.0, 1250.0, 1300.0], [900.0, 950.0, 1000.0], "ttft_long", "q4_0")["verdict"] == "missed"
+    assert scaling.ratio([15.0], [11.0], "decode", "q4_k_m")["verdict"].startswith("inconclusive")
