@@ -13,7 +13,6 @@ between `<!-- summary:begin -->` and `<!-- summary:end -->` in README.md with th
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -53,8 +52,9 @@ def main() -> None:
     body = board.read_text().replace("# infer-tune leaderboard", "### Leaderboard", 1)
     body = body.replace("\n## Claims", "\n### Claims").replace("\n## Recommended configuration", "\n### Recommended configuration")
     replace_block(ROOT / "docs" / "results.md", BEGIN, END, f"{machine}\n\n{body}")
-    shown = Path(os.path.relpath(runs.resolve(), Path.cwd())) if runs.is_absolute() else runs
-    lines = summary.lines(results.find_results(runs), shown, write=False)
+    lines = summary.lines(results.find_results(runs), runs, write=False)
+    shown = f"runs/{runs.resolve().name}"  # the paths `make demo` prints in a clone, wherever the run was made
+    lines = [line.replace(str(runs), shown) for line in lines]
     replace_block(ROOT / "README.md", SUMMARY_BEGIN, SUMMARY_END, "```text\n" + "\n".join(lines) + "\n```\n\n" + machine)
     print(f"docs/results.md and the README summary regenerated from {runs}")
 
