@@ -39,8 +39,12 @@ t-interval (metrics/stats.log_ratio_interval) and the verdict on the target (dec
 or missed when the interval lies on one side of the line, else inconclusive. Picking the reference on the same
 rounds favours llama.cpp, never ours. `roofline_fraction` as the result documents define it
 (metrics/roofline.py): decode tok/s over the ceiling of the weights' bytes plus the KV cache read at the mean
-context at the host's measured bandwidth. Peak RSS: ours the process's `ru_maxrss` (the build included),
-llama-server's `VmHWM`.
+context at the host's measured bandwidth (a cached copy reading: on a shared host it moves by half within
+minutes, so the column can read above 1). Beside it, the decode's read against a plain read in the same minutes:
+right after ours' decode in each round, a plain read of the step's own integer weights (a sum over each, the
+faster of two) gives the GB/s the memory gives a read then; the step's bytes x its tok/s over that rate, per
+round, with its 95% t-interval. Peak RSS: ours the process's `ru_maxrss` (the build included), llama-server's
+`VmHWM` (the larger of the served formats').
 
     flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/scaling.py --prepare --models llama-3.2-1b
     flock /tmp/infer-tune-cpu.lock .venv/bin/python bench/scaling.py --threads 2 --rounds 3 --out scaling.json
@@ -288,6 +292,35 @@ def ratio(ours: list[float], theirs: list[float], metric: str, against: str) -> 
     return out
 
 
+def read_probe(model) -> tuple[list, int]:
+    """(the native step's integer weight tensors, the bytes the step reads a token): what `plain_read` reads."""
+    import torch
+
+    from infer_tune.native.step import recognize
+
+    parts, _ = recognize(model)
+    tensors = [t for t in (parts or {}).get("tensors", []) if t.numel()]
+    return [t for t in tensors if t.dtype in (torch.uint8, torch.int8)], sum(t.numel() * t.element_size() for t in tensors)
+
+
+def plain_read(tensors: list, passes: int = 2) -> float | None:
+    """GB/s of the fastest of `passes` plain reads of `tensors` (a sum over each, as int64 where it divides):
+    what the memory gives a read of the step's own bytes in this minute."""
+    import torch
+
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    if not size:
+        return None
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(passes):
+            started = time.perf_counter_ns()
+            for t in tensors:
+                t.view(torch.int64).sum() if t.numel() % 8 == 0 else t.sum()
+            best = min(best, time.perf_counter_ns() - started)
+    return size / best
+
+
 def measure_one(args) -> list[dict]:
     """One model's rows, one per `--group-size`, against one llama.cpp measurement."""
     import torch
@@ -322,6 +355,8 @@ def measure_one(args) -> list[dict]:
               "threads": torch.get_num_threads(), "rounds": args.rounds, "decode_rounds": args.decode_rounds,
               "decode_tokens": args.decode_tokens}
     ours = [{m: [] for m in METRICS} for _ in built]
+    probe_tensors, step_bytes = zip(*(read_probe(model) for model, _, _ in built))
+    probes: list[list[float | None]] = [[] for _ in built]
     theirs: dict[str, dict[str, list[float]]] = {}  # format -> metric -> one sample a round
     reference, servers = None, {}
     with contextlib_exit() as stack:
@@ -354,6 +389,7 @@ def measure_one(args) -> list[dict]:
                         ours[who][f"ttft_{case}"].append((token_ns[0] - submit) / 1e6)
                     _, token_ns, _, _ = decoder.generate(cases["short"], args.decode_tokens, eos)
                     ours[who]["decode"].append((len(token_ns) - 1) * 1e9 / (token_ns[-1] - token_ns[0]))
+                    probes[who].append(plain_read(probe_tensors[who]))  # the same minute's read of its bytes
                 else:
                     for case, ids in (cases.items() if ttft else ()):
                         answer, _ = server_completion(servers[who].url, tokenizer.decode(ids[0]), 1)
@@ -380,6 +416,12 @@ def measure_one(args) -> list[dict]:
             row["llama_cpp"] = reference
             row["ratios"] = {m: ratio(samples[m], theirs[f][m], m, f) for m, f in reference["served_format"].items()}
         row["roofline"] = roofline_line(model, mean_context, row["ours"]["decode"])
+        i = len(rows)
+        fractions = [step_bytes[i] * tok_s / (gb_s * 1e9) for tok_s, gb_s in zip(samples["decode"], probes[i]) if gb_s]
+        from infer_tune.metrics.stats import log_ratio_interval
+
+        row["read_fraction"] = {"step_bytes": step_bytes[i], "plain_read_gb_s": probes[i], "per_round": fractions,
+                                **(log_ratio_interval(fractions) or {})}
         kv_read = kv.kv_bytes(kv.ModelShape.from_config(model.config), 1, 32) * mean_context
         row["model_bytes"] = models.model_bytes(model)
         row.update(roofline.roofline(reading["gb_s"], row["model_bytes"], kv_read, 1, 1000.0 / row["ours"]["decode"]))
@@ -415,14 +457,20 @@ def pair(row: dict, key: str, fmt: str) -> str:
             f"{r['against'].upper()}, {r['verdict']})")
 
 
+def read_cell(read: dict) -> str:
+    if "ci95" not in read:
+        return "-"
+    return f"{read['point']:.2f} [{read['ci95'][0]:.2f}, {read['ci95'][1]:.2f}]"
+
+
 def table(rows: list[dict]) -> str:
     head = ("| model | params | weights | int4 group | decode tok/s ours / llama-server (x [95%] vs its fastest) | "
             "TTFT ~40 tok ms ours / llama-server | TTFT ~500 tok ms ours / llama-server | roofline_fraction | "
-            "peak RSS ours / llama-server | llama-bench's fastest (e2e) |")
-    out = [head, "|" + "---|" * 10]
+            "decode's read / a plain read, same rounds [95%] | peak RSS ours / llama-server | llama-bench's fastest (e2e) |")
+    out = [head, "|" + "---|" * 11]
     for row in rows:
         if "error" in row:
-            out.append(f"| {row['model']} | - | - | - | failed: {row['error']} | | | | | |")
+            out.append(f"| {row['model']} | - | - | - | failed: {row['error']} | | | | | | |")
             continue
         ref = row.get("llama_cpp") or {}
         tokens = row["prompt_tokens"]
@@ -431,7 +479,8 @@ def table(rows: list[dict]) -> str:
             f"{pair(row, 'decode', '.1f')} | "
             f"{pair(row, 'ttft_short', '.1f')} ({tokens['short']} tok) | "
             f"{pair(row, 'ttft_long', '.0f')} ({tokens['long']} tok) | "
-            f"{row['roofline_fraction']:.2f} | {gib(row['peak_rss_bytes'])} / {gib(ref.get('peak_rss_bytes'))} | "
+            f"{row['roofline_fraction']:.2f} | {read_cell(row.get('read_fraction') or {})} | "
+            f"{gib(row['peak_rss_bytes'])} / {gib(ref.get('peak_rss_bytes'))} | "
             f"{(ref.get('fastest') or 'not run').upper()} |")
     return "\n".join(out)
 
