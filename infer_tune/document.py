@@ -43,6 +43,9 @@ class RoundsBlock:
     # how each ratio's interval was taken (metrics.stats.paired_rounds_interval): name -> {pooled, df,
     # rounds_f_p}; pooled: the rounds did not differ beyond the pairs, which were the samples
     interval_method: dict[str, dict] | None = None
+    # a plain read of this variant's weights after each round (env.read_gb_s), GB/s: the ceiling its
+    # `roofline_tok_s` takes (their median), from the same minutes as its passes
+    read_gb_s_by_round: list[float | None] | None = None
 
 
 # top-level sections a sweep hook adds over every row of a technique (not measured: set, or set again)

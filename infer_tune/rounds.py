@@ -35,6 +35,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from infer_tune import env
 from infer_tune.document import RoundsBlock
 from infer_tune.metrics import noise
 from infer_tune.metrics.stats import log_ratio_interval, paired_rounds_interval
@@ -91,6 +92,8 @@ class RoundsOutcome:
     other_cpu_by_round: list[float] = field(default_factory=list)  # share of the host other processes used
     reruns_by_round: list[int] = field(default_factory=list)  # contended request batches run again, per round
     major_faults_by_round: list[int] = field(default_factory=list)  # pages this process read back from disk
+    # per variant, a plain read of its weights after each round (env.read_gb_s): its roofline's ceiling
+    read_gb_s_by_round: dict[str, list[float | None]] = field(default_factory=dict)
     group: str = field(default_factory=lambda: uuid.uuid4().hex[:16])  # the id its rows share (RoundsBlock.group)
     judged: dict[str, tuple[str, ...]] = field(default_factory=dict)  # candidate name -> the target's ratios
 
@@ -111,6 +114,7 @@ class RoundsOutcome:
             baseline_drift_pct=self.baseline_drift_pct, per_round=self.per_round.get(name),
             other_cpu_by_round=self.other_cpu_by_round or None,
             major_faults_by_round=self.major_faults_by_round or None, group=self.group,
+            read_gb_s_by_round=self.read_gb_s_by_round.get(name) or None,
             reruns_by_round=self.reruns_by_round or None,
             judged_on=list(on) if name in self.intervals else None,
             interval_method={key: {k: iv[k] for k in ("pooled", "df", "rounds_f_p") if k in iv}
@@ -274,6 +278,10 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
 
     other_cpu: list[float] = []
     faults: list[int] = []
+    # the bytes each variant's decode reads, read plainly after every round: its roofline ceiling, taken in the
+    # same minutes as its passes (a cached host reading moves by half within minutes on a shared host)
+    weights = {v.name: env.weight_tensors(v.prepared.model) if v.prepared.model is not None else [] for v in variants}
+    reads: dict[str, list[float | None]] = {v.name: [] for v in variants}
     reruns: list[int] = []
     try:
         while True:
@@ -318,6 +326,7 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
             faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faulted)
             for v in variants:
                 v.passes.append(concat(parts[v.name], v.prepared))
+                reads[v.name].append(env.read_gb_s(weights[v.name]) if weights[v.name] else None)
             found = {c.name: intervals(base, c) for c in candidates}
             widths = [iv["half_width_pct"] if iv else float("inf")
                       for name, ivs in found.items() for key, iv in ivs.items() if key in on[name]]
@@ -351,7 +360,8 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
                          target_half_width_pct=protocol.target_half_width_pct, target_met=met or not candidates,
                          stopped_by=stopped_by, order=order, intervals=found, baseline_drift_pct=drift,
                          variants=len(variants), per_round=per_round, other_cpu_by_round=other_cpu,
-                         major_faults_by_round=faults, judged=on, reruns_by_round=reruns)
+                         major_faults_by_round=faults, judged=on, reruns_by_round=reruns,
+                         read_gb_s_by_round=reads)
 
 
 def request_batches(inputs: Inputs) -> list[tuple[Inputs, int]]:

@@ -86,6 +86,29 @@ def test_baseline_reuse_does_not_depend_on_the_date(noise_technique, tiny_loaded
     assert base2["run_id"] == base1["run_id"]
 
 
+def test_a_rows_roofline_ceiling_is_the_read_of_its_weights_in_its_own_rounds(noise_technique, tiny_loaded,
+                                                                              prompts_file, tmp_path):
+    """Measured in rounds, a row's roofline ceiling is the median of the plain reads of its weights taken after
+    each round (the same minutes as its passes), not the host's cached reading; a single pass keeps the reading."""
+    import statistics
+
+    workload = Workload(suite=str(prompts_file), limit=2, max_new_tokens=4)
+    inputs = prepare_inputs(tiny_loaded, workload)
+    env = dict(envinfo.collect_env(1), mem_bandwidth_gb_s=1e-6)  # a reading no read of real memory is near
+    ctx = RunContext(env=env, out_dir=tmp_path)
+    protocol = Protocol(warmup=0, min_iterations=4, min_duration_s=0, max_rounds=4)
+    base, docs = run_configs(tiny_loaded, inputs, workload, protocol, [NoiseConfig(0.0)], ctx)
+    for doc in (base, *docs):
+        reads = doc["metrics"]["rounds"]["read_gb_s_by_round"]
+        assert len(reads) == doc["metrics"]["rounds"]["rounds"] and all(r > 0.01 for r in reads)
+        assert doc["metrics"]["roofline_bandwidth_gb_s"] == statistics.median(reads)
+        assert doc["metrics"]["roofline_bandwidth_from"] == "read of the weights in the rounds"
+        assert doc["metrics"]["roofline_tok_s"] > 1.0  # at the 1e-6 GB/s reading: far below a token a second
+    once, _ = run_configs(tiny_loaded, inputs, workload, ONCE, [], RunContext(env=env, out_dir=tmp_path / "once"))
+    assert once["metrics"]["roofline_bandwidth_from"] == "host reading"
+    assert once["metrics"]["roofline_bandwidth_gb_s"] == 1e-6
+
+
 def test_candidates_are_measured_in_interleaved_rounds_with_intervals(noise_technique, tiny_loaded, prompts_file,
                                                                      tmp_path):
     """The baseline and every candidate run one pass per round, in a shuffled order; each ratio comes from
