@@ -293,7 +293,7 @@ def ratio(ours: list[float], theirs: list[float], metric: str, against: str) -> 
 
 
 def read_probe(model) -> tuple[list, int]:
-    """(the native step's integer weight tensors, the bytes the step reads a token): what `plain_read` reads."""
+    """(the native step's integer weight tensors, the bytes the step reads a token): what the probe after each decode reads (env.read_gb_s)."""
     import torch
 
     from infer_tune.native.step import recognize
@@ -301,24 +301,6 @@ def read_probe(model) -> tuple[list, int]:
     parts, _ = recognize(model)
     tensors = [t for t in (parts or {}).get("tensors", []) if t.numel()]
     return [t for t in tensors if t.dtype in (torch.uint8, torch.int8)], sum(t.numel() * t.element_size() for t in tensors)
-
-
-def plain_read(tensors: list, passes: int = 2) -> float | None:
-    """GB/s of the fastest of `passes` plain reads of `tensors` (a sum over each, as int64 where it divides):
-    what the memory gives a read of the step's own bytes in this minute."""
-    import torch
-
-    size = sum(t.numel() * t.element_size() for t in tensors)
-    if not size:
-        return None
-    best = float("inf")
-    with torch.inference_mode():
-        for _ in range(passes):
-            started = time.perf_counter_ns()
-            for t in tensors:
-                t.view(torch.int64).sum() if t.numel() % 8 == 0 else t.sum()
-            best = min(best, time.perf_counter_ns() - started)
-    return size / best
 
 
 def measure_one(args) -> list[dict]:
@@ -329,7 +311,7 @@ def measure_one(args) -> list[dict]:
     from infer_tune import models
     from infer_tune.endpoint.servers import local_server
     from infer_tune.engines import llamacpp
-    from infer_tune.env import bandwidth_reading
+    from infer_tune.env import bandwidth_reading, read_gb_s
     from infer_tune.metrics import kv, roofline
     from infer_tune.runners.generation import eos_ids
     from infer_tune.scenarios.common import setup_threads
@@ -389,7 +371,7 @@ def measure_one(args) -> list[dict]:
                         ours[who][f"ttft_{case}"].append((token_ns[0] - submit) / 1e6)
                     _, token_ns, _, _ = decoder.generate(cases["short"], args.decode_tokens, eos)
                     ours[who]["decode"].append((len(token_ns) - 1) * 1e9 / (token_ns[-1] - token_ns[0]))
-                    probes[who].append(plain_read(probe_tensors[who]))  # the same minute's read of its bytes
+                    probes[who].append(read_gb_s(probe_tensors[who]))  # the same minute's read of its bytes
                 else:
                     for case, ids in (cases.items() if ttft else ()):
                         answer, _ = server_completion(servers[who].url, tokenizer.decode(ids[0]), 1)

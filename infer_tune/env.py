@@ -114,22 +114,6 @@ def measure_bandwidth_gb_s(size_mb: int = 256, repeats: int = 5) -> float:
     return 2 * src.numel() * src.element_size() / best  # bytes/ns == GB/s
 
 
-def weight_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The plain CPU tensors a decode step reads: parameters and buffers, shared ones once (as
-    models.model_bytes counts them)."""
-    seen: set[tuple[int, int]] = set()
-    out = []
-    for value in model.state_dict(keep_vars=True).values():
-        data = value.data if isinstance(value, torch.nn.Parameter) else value
-        if (isinstance(data, torch.Tensor) and type(data) is torch.Tensor and not data.is_quantized
-                and data.device.type == "cpu" and data.is_contiguous() and data.numel()):
-            key = (data.untyped_storage().data_ptr(), data.storage_offset())
-            if key not in seen:
-                seen.add(key)
-                out.append(data)
-    return out
-
-
 def read_gb_s(tensors: list[torch.Tensor], passes: int = 2) -> float | None:
     """GB/s of the fastest of `passes` plain reads of `tensors` (a sum over each one's bytes, as int64 where they
     allow): what the memory gives a read of these bytes now. The rounds take one after each round, so a

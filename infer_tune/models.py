@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -647,24 +647,43 @@ def tensor_bytes(value: Any) -> int:
     return 0
 
 
+def is_plain(data: object) -> bool:
+    """A plain torch tensor (not quantized, not a tensor subclass): its bytes are numel x element size."""
+    return isinstance(data, torch.Tensor) and not data.is_quantized and type(data) is torch.Tensor
+
+
+def stored_values(model: torch.nn.Module) -> Iterator[object]:
+    """The state dict's values as stored: parameters unwrapped, a plain tensor several names share (tied
+    weights) once, anything else (quantized tensors, subclasses) as it is."""
+    seen: set[tuple[int, int]] = set()
+    for value in model.state_dict(keep_vars=True).values():
+        data = value.data if isinstance(value, torch.nn.Parameter) else value
+        if is_plain(data):
+            key = (data.untyped_storage().data_ptr(), data.storage_offset())
+            if key in seen:
+                continue
+            seen.add(key)
+        yield data
+
+
+def readable_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The plain, contiguous CPU tensors among `stored_values`: what `env.read_gb_s` can read as bytes (the
+    rounds read them after each round for a row's roofline ceiling)."""
+    return [t for t in stored_values(model)
+            if is_plain(t) and t.device.type == "cpu" and t.is_contiguous() and t.numel()]
+
+
 def model_bytes(model: torch.nn.Module, *, float_bytes: int | None = None) -> int:
     """Bytes of parameters + buffers as stored (shared tensors once), from the state dict.
 
     `float_bytes=2` counts every plain floating tensor at 16 bits (the "16-bit model" reference).
     """
-    seen: set[tuple[int, int]] = set()
     total = 0
-    for value in model.state_dict(keep_vars=True).values():
-        data = value.data if isinstance(value, torch.nn.Parameter) else value
-        if isinstance(data, torch.Tensor) and not data.is_quantized and type(data) is torch.Tensor:
-            key = (data.untyped_storage().data_ptr(), data.storage_offset())
-            if key in seen:
-                continue
-            seen.add(key)
-            if float_bytes is not None and data.is_floating_point():
-                total += data.numel() * float_bytes
-                continue
-        total += tensor_bytes(data)
+    for data in stored_values(model):
+        if float_bytes is not None and is_plain(data) and data.is_floating_point():
+            total += data.numel() * float_bytes
+        else:
+            total += tensor_bytes(data)
     return total
 
 

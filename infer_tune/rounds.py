@@ -35,7 +35,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from infer_tune import env
+from infer_tune import env, models
 from infer_tune.document import RoundsBlock
 from infer_tune.metrics import noise
 from infer_tune.metrics.stats import log_ratio_interval, paired_rounds_interval
@@ -280,7 +280,7 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
     faults: list[int] = []
     # the bytes each variant's decode reads, read plainly after every round: its roofline ceiling, taken in the
     # same minutes as its passes (a cached host reading moves by half within minutes on a shared host)
-    weights = {v.name: env.weight_tensors(v.prepared.model) if v.prepared.model is not None else [] for v in variants}
+    weights = {v.name: models.readable_tensors(v.prepared.model) if v.prepared.model is not None else [] for v in variants}
     reads: dict[str, list[float | None]] = {v.name: [] for v in variants}
     reruns: list[int] = []
     try:
