@@ -37,7 +37,8 @@ best for that metric (the highest median decode, the lowest median TTFT): the ra
 round (both measured in that round: the host's drift cancels), and the row gives their geometric mean, its 95%
 t-interval (metrics/stats.log_ratio_interval) and the verdict on the target (decode >= 1.1x, TTFT <= 1.0x): met
 or missed when the interval lies on one side of the line, else inconclusive. Picking the reference on the same
-rounds favours llama.cpp, never ours. `roofline_fraction` as the result documents define it
+rounds favours llama.cpp, never ours; and since the pick rests on medians, the verdict shown is the worst of the
+verdicts against every served format (`by_format`: met only when met against each). `roofline_fraction` as the result documents define it
 (metrics/roofline.py): decode tok/s over the ceiling of the weights' bytes plus the KV cache read at the mean
 context at the host's measured bandwidth (a cached copy reading: on a shared host it moves by half within
 minutes, so the column can read above 1). Beside it, the decode's read against a plain read in the same minutes:
@@ -303,6 +304,26 @@ def read_probe(model) -> tuple[list, int]:
     return [t for t in tensors if t.dtype in (torch.uint8, torch.int8)], sum(t.numel() * t.element_size() for t in tensors)
 
 
+SEVERITY = ("met", "inconclusive", "missed")  # a verdict against every served format: the worst of them
+
+
+def judged(ours: list[float], theirs: dict[str, dict[str, list[float]]], metric: str, against: str) -> dict:
+    """`ratio` against the format at its best for `metric` (the one shown), whose verdict is the worst of the
+    verdicts against every served format (`by_format`): which format is best is read from medians, so the
+    verdict does not rest on that pick."""
+    shown = ratio(ours, theirs[against][metric], metric, against)
+    by_format = {f: ratio(ours, t[metric], metric, f) for f, t in theirs.items()}
+    shown["by_format"] = {f: {k: r.get(k) for k in ("point", "ci95", "verdict")} for f, r in by_format.items()}
+
+    def severity(r: dict) -> int:  # "inconclusive (fewer than 2 rounds)" is an inconclusive
+        return SEVERITY.index(r["verdict"].split(" ")[0])
+
+    worst = max(by_format.values(), key=severity)
+    if severity(worst) > severity(shown):
+        shown["verdict"] = f"{worst['verdict']} (against {worst['against'].upper()})"
+    return shown
+
+
 def measure_one(args) -> list[dict]:
     """One model's rows, one per `--group-size`, against one llama.cpp measurement."""
     import torch
@@ -396,7 +417,7 @@ def measure_one(args) -> list[dict]:
                "ours_samples": samples}
         if reference is not None:
             row["llama_cpp"] = reference
-            row["ratios"] = {m: ratio(samples[m], theirs[f][m], m, f) for m, f in reference["served_format"].items()}
+            row["ratios"] = {m: judged(samples[m], theirs, m, f) for m, f in reference["served_format"].items()}
         row["roofline"] = roofline_line(model, mean_context, row["ours"]["decode"])
         i = len(rows)
         fractions = [step_bytes[i] * tok_s / (gb_s * 1e9) for tok_s, gb_s in zip(samples["decode"], probes[i]) if gb_s]

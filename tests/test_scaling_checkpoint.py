@@ -115,3 +115,19 @@ def test_each_metric_is_compared_with_the_served_format_at_its_best_and_judged_b
     assert scaling.ratio([600.0, 640.0, 660.0], [900.0, 950.0, 1000.0], "ttft_long", "q4_0")["verdict"] == "met"
     assert scaling.ratio([1200.0, 1250.0, 1300.0], [900.0, 950.0, 1000.0], "ttft_long", "q4_0")["verdict"] == "missed"
     assert scaling.ratio([15.0], [11.0], "decode", "q4_k_m")["verdict"].startswith("inconclusive")
+
+
+def test_a_verdict_holds_against_every_served_format_not_only_the_median_pick():
+    """The format shown is the best by median, but a target is met only when it is met against every served
+    format: a slower median with a wider spread can still leave the verdict inconclusive."""
+    scaling = scaling_module()
+    theirs = {"q4_0": {"decode": [10.0, 10.5, 11.0]}, "q4_k_m": {"decode": [9.0, 13.0, 8.0]}}
+    ours = [13.0, 13.6, 14.3]
+    assert scaling.best_served(theirs, "decode") == "q4_0"
+    alone = scaling.ratio(ours, theirs["q4_0"]["decode"], "decode", "q4_0")
+    both = scaling.judged(ours, theirs, "decode", "q4_0")
+    assert alone["verdict"] == "met" and both["point"] == alone["point"]
+    assert both["by_format"]["q4_k_m"]["verdict"] == "inconclusive"
+    assert both["verdict"] == "inconclusive (against Q4_K_M)"
+    steady = {"q4_0": {"decode": [10.0, 10.5, 11.0]}, "q4_k_m": {"decode": [9.0, 9.4, 9.9]}}
+    assert scaling.judged(ours, steady, "decode", "q4_0")["verdict"] == "met"
