@@ -412,14 +412,13 @@ def measure_one(args) -> list[dict]:
     reading = bandwidth_reading()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rows = []
-    for (model, facts, _), samples in zip(built, ours):
+    for i, ((model, facts, _), samples) in enumerate(zip(built, ours)):
         row = {"model": name, **facts, **common, "ours": {k: statistics.median(v) for k, v in samples.items()},
                "ours_samples": samples}
         if reference is not None:
             row["llama_cpp"] = reference
             row["ratios"] = {m: judged(samples[m], theirs, m, f) for m, f in reference["served_format"].items()}
         row["roofline"] = roofline_line(model, mean_context, row["ours"]["decode"])
-        i = len(rows)
         fractions = [step_bytes[i] * tok_s / (gb_s * 1e9) for tok_s, gb_s in zip(samples["decode"], probes[i]) if gb_s]
         from infer_tune.metrics.stats import log_ratio_interval
 
