@@ -184,5 +184,32 @@ def main() -> int:
     return 1 if failed else 0
 
 
+def summarize(path: str, model: str) -> int:
+    """One line per row of a `quantize --json` sweep (check 6 of gpu_check.sh); exit 1 when a row failed."""
+    import json
+
+    def p50(metric):
+        return (metric or {}).get("p50")
+
+    status = 0
+    for doc in json.load(open(path)):
+        m, config = doc["metrics"], doc.get("config") or {}
+        ratio, interval = m.get("speedup_vs_baseline"), m.get("speedup_vs_baseline_ci95")
+        fields = [f"decode {m.get('decode_tok_s') or 0:.1f} tok/s", f"TTFT p50 {p50(m.get('ttft_ms')) or 0:.1f} ms",
+                  f"TPOT p50 {p50(m.get('tpot_ms')) or 0:.2f} ms",
+                  f"speedup {ratio:.2f}x {[round(x, 2) for x in interval] if interval else '(no interval)'}" if ratio else "reference",
+                  f"backend {m.get('backend_resolved')}", f"layers {m.get('quantized_layers')}",
+                  f"{(m.get('model_bytes') or 0) / 2**30:.2f} GiB ({m.get('bytes_ratio_vs_16bit') or 0:.2f}x 16-bit)",
+                  f"GPU peak {(m.get('cuda_peak_bytes') or 0) / 2**30:.2f} GiB",
+                  f"roofline {m.get('roofline_fraction')} of {m.get('roofline_bandwidth_gb_s')} GB/s "
+                  f"({m.get('roofline_bandwidth_from')})"]
+        bad = config.get("method") not in (None, "bf16") and not m.get("quantized_layers")
+        status |= bad
+        print(f"{'FAIL' if bad else 'PASS'} sizes {model} {config.get('method', doc.get('label'))}: " + ", ".join(fields))
+    return status
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--summarize"]:
+        sys.exit(summarize(*sys.argv[2:4]))
     sys.exit(main())

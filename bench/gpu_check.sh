@@ -9,6 +9,11 @@
 #   5. engine launches: `bench --engine vllm` and `bench --engine sglang` on a small checkpoint (fp8 KV cache,
 #      a slot limit) where the engine is installed (skipped otherwise): the launch path of
 #      infer_tune/engines/launch.py against the real server (tests/test_engine_launch.py runs it against a fake)
+#   6. real sizes through the CLI: `infer-tune quantize --weights random --device cuda --sweep int8-dynamic,int4-rtn`
+#      on the presets in SIZE_MODELS (default llama-3.2-1b and llama-3.1-8b): the bf16 reference, then each
+#      method with the backend `auto` picks on CUDA; one line per row (decode tok/s, TTFT, speedup [95%],
+#      bytes against 16-bit, quantized layers, GPU peak memory). Set SIZE_MODELS= (empty) to skip. Each model's sweep
+#      is measured in interleaved rounds: allow minutes (one method at 1B took 1m33s at --max-round-seconds 60)
 # The checks live in bench/gpu_check.py. Prints one line per check (PASS / FAIL / SKIP) and a summary; exits 1 if a check failed. On a machine
 # without CUDA it says so and exits 0.
 #
@@ -24,7 +29,7 @@ if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() el
   exit 0
 fi
 
-timeout 900 "$PYTHON" bench/gpu_check.py
+timeout "${CHECK_TIMEOUT:-900}" "$PYTHON" bench/gpu_check.py
 rc=$?
 
 # 5. engine launches (ENGINE_MODEL: a small checkpoint or hub id the engines can load offline)
@@ -42,4 +47,19 @@ engine_check() {  # name, python module, settings...
 }
 engine_check vllm vllm kv_cache_dtype=fp8 max_num_seqs=8 max_num_batched_tokens=2048
 engine_check sglang sglang kv_cache_dtype=fp8_e4m3 max_num_seqs=8
+
+# 6. real sizes through the CLI
+SIZE_OUT="${SIZE_OUT:-runs/gpu-check-sizes}"
+for model in ${SIZE_MODELS-llama-3.2-1b llama-3.1-8b}; do
+  log="$SIZE_OUT/$model.log"; mkdir -p "$SIZE_OUT"
+  if timeout "${SIZE_TIMEOUT:-420}" "$PYTHON" -m infer_tune quantize --model "$model" --weights random --device cuda \
+       --sweep "${SIZE_METHODS:-int8-dynamic,int4-rtn}" --limit 4 --max-new-tokens 64 --min-duration 2 \
+       --max-round-seconds 30 --out "$SIZE_OUT" --json > "$SIZE_OUT/$model.json" 2> "$log"; then
+    "$PYTHON" bench/gpu_check.py --summarize "$SIZE_OUT/$model.json" "$model" || rc=1
+  else
+    status=$?; why=$(grep -v '^\s*$' "$log" | tail -n 3 | tr '\n' ' ')
+    [ "$status" = 124 ] && why="timed out after ${SIZE_TIMEOUT:-420} s (SIZE_TIMEOUT) $why"
+    echo "FAIL sizes $model: $why"; rc=1
+  fi
+done
 exit $rc

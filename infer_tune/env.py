@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -135,6 +136,28 @@ def read_gb_s(tensors: list[torch.Tensor], passes: int = 2) -> float | None:
             for v in views:
                 v.sum()
             best = min(best, time.perf_counter_ns() - start)
+    return size / max(best, 1)  # bytes/ns == GB/s
+
+
+@functools.cache
+def device_read_gb_s(device: str, size_mb: int = 1024, repeats: int = 5) -> float:
+    """GB/s of the fastest of `repeats` plain reads (a sum) of a `size_mb` buffer in an accelerator's own memory:
+    the roofline ceiling of a model whose weights live there (a host reading says nothing of HBM). Measured once
+    per process and device; each read is timed between synchronizations."""
+    dev = torch.device(device)
+    buffer = torch.ones(size_mb * 2**20 // 8, dtype=torch.int64, device=dev)
+    sync = getattr(torch, dev.type).synchronize
+    best = float("inf")
+    with torch.inference_mode():
+        buffer.sum()  # the kernel's first launch is not bandwidth
+        for _ in range(repeats):
+            sync(dev)
+            start = time.perf_counter_ns()
+            buffer.sum()
+            sync(dev)
+            best = min(best, time.perf_counter_ns() - start)
+    size = buffer.numel() * buffer.element_size()
+    del buffer
     return size / max(best, 1)  # bytes/ns == GB/s
 
 

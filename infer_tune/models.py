@@ -655,11 +655,14 @@ def is_plain(data: object) -> bool:
 def stored_values(model: torch.nn.Module) -> Iterator[object]:
     """The state dict's values as stored: parameters unwrapped, a plain tensor several names share (tied
     weights) once, anything else (quantized tensors, subclasses) as it is."""
-    seen: set[tuple[int, int]] = set()
+    seen: set[tuple] = set()
     for value in model.state_dict(keep_vars=True).values():
         data = value.data if isinstance(value, torch.nn.Parameter) else value
         if is_plain(data):
-            key = (data.untyped_storage().data_ptr(), data.storage_offset())
+            # every meta tensor's storage is at address 0: a skeleton's matrices are told apart by the object the
+            # module holds (tied weights are one Parameter), real storage by its address
+            key = (("meta", id(value)) if data.is_meta else
+                   (data.untyped_storage().data_ptr(), data.storage_offset()))
             if key in seen:
                 continue
             seen.add(key)

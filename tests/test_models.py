@@ -73,6 +73,20 @@ def test_model_bytes_counts_tied_weights_once():
     assert models.model_bytes(module) == 8 * 8 * 4
 
 
+def test_model_bytes_of_a_meta_skeleton_counts_every_matrix():
+    """A skeleton built on the meta device (a random-weight model built layer by layer) has the bytes its
+    materialised model has: every meta tensor's storage address is 0, so an address key counted one of them."""
+    def build():
+        module = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 16, bias=False))
+        module[2].weight = module[0].weight  # tied, as a head on its embedding
+        return module
+
+    with torch.device("meta"):
+        skeleton = build()
+    assert models.model_bytes(skeleton) == models.model_bytes(build()) == (16 * 8 + 8 * 8 + 8) * 4
+    assert models.model_bytes(skeleton, float_bytes=2) == (16 * 8 + 8 * 8 + 8) * 2
+
+
 def test_model_bytes_of_bf16_is_half(tiny_loaded):
     fp32 = models.model_bytes(tiny_loaded.model)
     assert models.model_bytes(tiny_loaded.model.to(torch.bfloat16)) == fp32 // 2

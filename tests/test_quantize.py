@@ -200,3 +200,20 @@ def test_claim_check_judges_speed_against_16bit_when_bf16_ran():
     with_bf16 = claim_check([doc("bf16", 22.0), int8])
     assert with_bf16["speedup_vs_16bit"] == 22.0 / 12.0
     assert not with_bf16["speed_held"] and not with_bf16["held"]  # 1.83x vs 16-bit is under 2x
+
+
+def test_torchao_int4_packs_for_torchs_own_kernel_where_the_config_has_packing_formats():
+    """torchao's second int4 config defaults to a packing whose matmul needs a separate kernel package (it was
+    missing on an H200 with a plain `pip install torchao`); the tinygemm packing runs on torch's own kernel."""
+    from infer_tune.tuners.quantize.library import int4_tinygemm_options
+
+    class Versioned:
+        def __init__(self, group_size=128, int4_packing_format="plain", version=2):
+            pass
+
+    class Older:
+        def __init__(self, group_size=128, use_hqq=False):
+            pass
+
+    assert int4_tinygemm_options(Versioned) == {"int4_packing_format": "tile_packed_to_4d"}
+    assert int4_tinygemm_options(Older) == {}

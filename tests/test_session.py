@@ -109,6 +109,21 @@ def test_a_rows_roofline_ceiling_is_the_read_of_its_weights_in_its_own_rounds(no
     assert once["metrics"]["roofline_bandwidth_gb_s"] == 1e-6
 
 
+def test_a_single_pass_rows_ceiling_on_an_accelerator_is_that_devices_memory(monkeypatch):
+    """Weights on a GPU: the ceiling is a read of the device's own memory, never the host's (a GPU row's
+    roofline_fraction against a CPU copy rate read 76.6% on an H200 where the device reads 1000x that)."""
+    from infer_tune.sweep.document import roofline_ceiling
+
+    asked = []
+    monkeypatch.setattr(envinfo, "device_read_gb_s", lambda device: asked.append(device) or 4000.0)
+    model, env = torch.nn.Linear(2, 2), {"mem_bandwidth_gb_s": 40.0}
+    on_gpu = PreparedModel(model=model, tokenizer=None, device="cuda:0")
+    assert roofline_ceiling(None, on_gpu, env) == (4000.0, "read of cuda:0 memory") and asked == ["cuda:0"]
+    assert roofline_ceiling(None, PreparedModel(model=model, tokenizer=None, device="cpu"), env) == (40.0, "host reading")
+    assert roofline_ceiling({"read_gb_s_by_round": [30.0, None, 50.0, 20.0]}, on_gpu, env) == (
+        30.0, "read of the weights in the rounds")
+
+
 def test_candidates_are_measured_in_interleaved_rounds_with_intervals(noise_technique, tiny_loaded, prompts_file,
                                                                      tmp_path):
     """The baseline and every candidate run one pass per round, in a shuffled order; each ratio comes from

@@ -96,6 +96,19 @@ class RowSpec:
     baseline_outputs: list[dict] | None = None
 
 
+def roofline_ceiling(rounds_block: dict | None, prepared: PreparedModel, env: dict) -> tuple[float, str]:
+    """(GB/s, where it came from) of a row's roofline ceiling: the median of the plain reads of its weights taken
+    after each round (the same minutes as its passes); weights on an accelerator: a read of that device's own
+    memory (env.device_read_gb_s); else the host's cached reading (a single pass, or no weights here)."""
+    reads = [r for r in (rounds_block or {}).get("read_gb_s_by_round") or [] if r]
+    device = str(prepared.device or "cpu")
+    if reads:
+        return statistics.median(reads), "read of the weights in the rounds"
+    if prepared.model is not None and not device.startswith(("cpu", "meta")):
+        return envinfo.device_read_gb_s(device), f"read of {device} memory"
+    return env["mem_bandwidth_gb_s"], "host reading"
+
+
 def build_document(measured: Measured, row: RowSpec) -> tuple[ResultDocument, list[dict]]:
     """The result document and outputs rows of one measured run.
 
@@ -117,14 +130,11 @@ def build_document(measured: Measured, row: RowSpec) -> tuple[ResultDocument, li
     mean_context = (sum(o.prompt_tokens for o in run.outputs) / max(len(run.outputs), 1)
                     + workload.max_new_tokens / 2)
     kv_read = kv_bytes_read(prepared, mean_context, run.batch_size)
-    # the ceiling: the median of the plain reads of these weights taken after each round (the same minutes as the
-    # passes), else the host's cached reading (a single pass, or no weights in this process)
-    reads = [r for r in (rounds_block or {}).get("read_gb_s_by_round") or [] if r]
-    bandwidth = statistics.median(reads) if reads else env["mem_bandwidth_gb_s"]
+    bandwidth, source = roofline_ceiling(rounds_block, prepared, env)
     metrics.update(roofline.roofline(bandwidth, weight_bytes, kv_read, max(run.batch_size, 1),
                                      metrics["tpot_ms"]["p50"]))
     metrics["roofline_bandwidth_gb_s"] = bandwidth
-    metrics["roofline_bandwidth_from"] = "read of the weights in the rounds" if reads else "host reading"
+    metrics["roofline_bandwidth_from"] = source
     metrics.update({
         "peak_rss_bytes": run.peak_rss_bytes,
         "rss_before_bytes": run.rss_before_bytes,

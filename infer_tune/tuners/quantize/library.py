@@ -47,7 +47,19 @@ def quantize_torchao(model: nn.Module, config: QuantizeConfig, targets: list[str
 
     wanted = set(targets)
     ao_config = (Int8DynamicActivationInt8WeightConfig() if config.method == "int8-dynamic"
-                 else Int4WeightOnlyConfig(group_size=config.group_size))
+                 else Int4WeightOnlyConfig(group_size=config.group_size, **int4_tinygemm_options(Int4WeightOnlyConfig)))
     quantize_(model, ao_config, filter_fn=lambda module, fqn: fqn in wanted)
     return {"layers": {name: config.method for name in targets},
             "note": "torchao tensors serialize only with pickle; measured in memory, not saved or reloaded"}
+
+
+def int4_tinygemm_options(config_class: type) -> dict:
+    """Keyword arguments that make torchao's int4 weight-only config pack for torch's own int4 kernel
+    (tinygemm, `aten._weight_int4pack_mm`). torchao's second config version defaults to a plain packing
+    whose matmul lives in a separate kernel package (mslk) that a plain `pip install torchao` lacks; the
+    first version (no `int4_packing_format` argument) packs for tinygemm already."""
+    import inspect
+
+    if "int4_packing_format" in inspect.signature(config_class).parameters:
+        return {"int4_packing_format": "tile_packed_to_4d"}
+    return {}
