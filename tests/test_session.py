@@ -109,6 +109,30 @@ def test_a_rows_roofline_ceiling_is_the_read_of_its_weights_in_its_own_rounds(no
     assert once["metrics"]["roofline_bandwidth_gb_s"] == 1e-6
 
 
+def test_rows_compared_with_the_first_are_measured_in_rounds_beside_it(noise_technique, tiny_loaded, prompts_file,
+                                                                       tmp_path):
+    """`reference: first` (a random-weight model too large to build whole): the rows in the first one's group
+    share its rounds, so their ratios have intervals against it and their ceilings per-round reads; no plain
+    baseline is measured. The rows were measured alone, once, with no interval, before."""
+    from infer_tune.sweep.plan import SweepPlan
+
+    workload = Workload(suite=str(prompts_file), limit=2, max_new_tokens=4)
+    inputs = prepare_inputs(tiny_loaded, workload)
+    ctx = RunContext(env=envinfo.collect_env(1), out_dir=tmp_path)
+    protocol = Protocol(warmup=0, min_iterations=3, min_duration_s=0, max_rounds=3)
+    first, docs = run_configs(tiny_loaded, inputs, workload, protocol, [NoiseConfig(0.0), NoiseConfig(0.1)], ctx,
+                              plan=SweepPlan(reference="first"))
+    assert first["run_id"] == docs[0]["run_id"] and len(find_results(tmp_path)) == 2  # no baseline row
+    reference, other = docs[0]["metrics"], docs[1]["metrics"]
+    assert reference["rounds"]["rounds"] == other["rounds"]["rounds"] == 3
+    assert reference["rounds"]["variants"] == other["rounds"]["variants"] == 2
+    assert other["roofline_bandwidth_from"] == "read of the weights in the rounds"
+    assert docs[1]["baseline_run_id"] == docs[0]["run_id"]
+    low, high = other["speedup_vs_baseline_ci95"]
+    assert low <= other["speedup_vs_baseline"] <= high
+    assert reference.get("speedup_vs_baseline") is None
+
+
 def test_a_single_pass_rows_ceiling_on_an_accelerator_is_that_devices_memory(monkeypatch):
     """Weights on a GPU: the ceiling is a read of the device's own memory, never the host's (a GPU row's
     roofline_fraction against a CPU copy rate read 76.6% on an H200 where the device reads 1000x that)."""
@@ -186,10 +210,12 @@ def test_passes_collect_only_what_the_sweep_made_and_its_models_are_still_freed(
     inputs = prepare_inputs(tiny_loaded, workload)
     ctx = RunContext(env=envinfo.collect_env(1), out_dir=tmp_path)
     assert gc.get_freeze_count() == 0
+    freezes = []
+    monkeypatch.setattr(memory.gc, "freeze", lambda real=gc.freeze: freezes.append(1) or real())
     with memory.long_lived_heap():
-        nested = gc.get_freeze_count()
-        with memory.long_lived_heap():  # the outermost acts
-            assert gc.get_freeze_count() == nested > 10_000
+        assert gc.get_freeze_count() > 10_000
+        with memory.long_lived_heap():  # the outermost acts (a count compared here moved when frozen objects died)
+            assert len(freezes) == 1
     assert gc.get_freeze_count() == 0
     run_configs(tiny_loaded, inputs, workload, ONCE, [NoiseConfig(scale=0.5)], ctx)
     assert frozen_at_passes and min(frozen_at_passes) > 10_000  # torch, transformers and the model set aside

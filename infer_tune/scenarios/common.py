@@ -124,7 +124,6 @@ def open_run(spec: RunSpec, progress: Progress | None = None, *, load_suite: boo
     from infer_tune import env as envinfo
     from infer_tune import paths
 
-    check_execute(spec)
     paths.ensure_writable(spec.out_dir, "the runs directory (out_dir)")
     paths.ensure_writable(paths.home(), "INFER_TUNE_HOME")
     n_threads = setup_threads(spec.threads)
@@ -135,6 +134,7 @@ def open_run(spec: RunSpec, progress: Progress | None = None, *, load_suite: boo
         if not first.extra.get("test"):
             raise ConfigError(f"pass@1 needs a suite with tests (e.g. code); '{spec.workload.suite}' has none")
         prompts = itertools.chain([first], prompts)
+    check_execute(spec)  # after the suite's check: bad input gets its one line before any note of the sandbox's
     check_context_early(spec)
     loaded = models.load(spec.model, dtype=spec.dtype, device=device, trust_remote_code=spec.trust_remote_code,
                          weights=spec.weights, lazy=lazy_weights)

@@ -96,7 +96,10 @@ def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, proto
             sweep.admitted[i] = admission.metrics
             prepared = entry.prepare(loaded, config, ctx)
             prepared.device = ctx.device
-            if (prepared.runner or entry.runner) in PASS_RUNNERS and not first and not sweep.own_workload(config):
+            # with `reference: first`, the rows that join the first one's group are measured in rounds beside it
+            # (it is the rounds' variant 0); the rows after that group are measured alone against its result
+            if ((prepared.runner or entry.runner) in PASS_RUNNERS and not sweep.own_workload(config)
+                    and not (first and sweep.baseline is not None)):
                 group.append((i, prepared))
                 if not fits_another(loaded, group):  # hold no more variants than memory allows
                     sweep.measure_group(group, configs, docs)

@@ -120,21 +120,40 @@ class Measuring:
 
     def measure_group(self, group: list[tuple[int, PreparedModel]], configs: list[TechniqueConfig],
                       docs: list[ResultDocument | None]) -> None:
-        """The baseline and `group` in interleaved rounds; then every result built, finished and saved."""
+        """The baseline and `group` in interleaved rounds; then every result built, finished and saved.
+
+        With `reference: first` and no reference measured yet, the group's first row is the reference: it is
+        the rounds' variant 0 (the others' ratios and intervals are against it) and its own row, not a
+        baseline, is what the later rows compare with; alone in its group, it is measured alone."""
         if not group:
             return
-        base = rounds.Variant("baseline", self.baseline_prepared(), "generation")
+        reference = self.plan.reference == "first" and self.baseline is None
+        if reference and len(group) == 1:
+            (i, prepared), = group
+            group.clear()
+            self.measure_alone(i, configs[i], prepared, docs, admission=Admission(metrics=self.admitted.get(i) or {}))
+            return
         runners = [p.runner or technique_for(configs[i]).runner for i, p in group]
-        variants = [base] + [rounds.Variant(f"{i}:{p.label}", p, runner, whole=runner in WHOLE_RUNNERS,
-                                            objective=ranked_on(configs[i]))
-                             for (i, p), runner in zip(group, runners)]
+        variants = [rounds.Variant(f"{i}:{p.label}", p, runner, whole=runner in WHOLE_RUNNERS,
+                                   objective=ranked_on(configs[i]))
+                    for (i, p), runner in zip(group, runners)]
+        base = variants[0] if reference else rounds.Variant("baseline", self.baseline_prepared(), "generation")
+        if not reference:
+            variants.insert(0, base)
         before = noise.HostSnapshot.take()
         try:
             outcome = rounds.run_rounds(variants, self.inputs, self.workload, self.protocol, seed=self.workload.seed,
                                         progress=self.ctx.progress, stop=self.plan.stop_rounds)
             host = (before, noise.HostSnapshot.take())
-            self.baseline, self.baseline_outputs = self._save_baseline(base, outcome, host)
-            for (i, prepared), variant in zip(group, variants[1:]):
+            if reference:
+                i0, prepared0 = group[0]
+                docs[i0] = self._finish(configs[i0], prepared0, rounds.merged_run(base), host,
+                                        rounds_block=outcome.block(base.name), earlier=docs,
+                                        metrics=self.admitted.get(i0))
+                self.baseline, self.baseline_outputs = docs[i0], results.load_outputs(docs[i0])
+            else:
+                self.baseline, self.baseline_outputs = self._save_baseline(base, outcome, host)
+            for (i, prepared), variant in zip(group[1:] if reference else group, variants[1:]):
                 docs[i] = self._finish(configs[i], prepared, rounds.merged_run(variant), host,
                                        rounds_block=outcome.block(variant.name),
                                        ratios=outcome.intervals.get(variant.name), earlier=docs,
@@ -160,9 +179,9 @@ class Measuring:
     def measure_alone(self, i: int, config: TechniqueConfig, prepared: PreparedModel, docs: list[ResultDocument | None], *,
                       admission: Admission) -> None:
         """A candidate measured once per the protocol (its runner does not run in passes, it runs its own
-        workload, or the plan compares every row with the first), against the baseline measured last (or
-        one the engine reused / measured for it; with `reference: first`, the first row measured, or none
-        for that row)."""
+        workload, or the plan compares every row with the first and the row is not in the first one's group),
+        against the baseline measured last (or one the engine reused / measured for it; with `reference:
+        first`, the first row measured, or none for that row)."""
         try:
             entry = technique_for(config)
             workload, inputs = self.point(config)
