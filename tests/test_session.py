@@ -104,6 +104,12 @@ def test_a_rows_roofline_ceiling_is_the_read_of_its_weights_in_its_own_rounds(no
         assert doc["metrics"]["roofline_bandwidth_gb_s"] == statistics.median(reads)
         assert doc["metrics"]["roofline_bandwidth_from"] == "read of the weights in the rounds"
         assert doc["metrics"]["roofline_tok_s"] > 1.0  # at the 1e-6 GB/s reading: far below a token a second
+        # the fraction pairs each round's decode with the read taken after it
+        by_round = doc["metrics"]["roofline_fraction_by_round"]
+        assert len(by_round) == len(reads) and all(f > 0 for f in by_round)
+        low, high = doc["metrics"]["roofline_fraction_ci95"]
+        assert low <= doc["metrics"]["roofline_fraction"] <= high
+        assert min(by_round) <= doc["metrics"]["roofline_fraction"] <= max(by_round)
     once, _ = run_configs(tiny_loaded, inputs, workload, ONCE, [], RunContext(env=env, out_dir=tmp_path / "once"))
     assert once["metrics"]["roofline_bandwidth_from"] == "host reading"
     assert once["metrics"]["roofline_bandwidth_gb_s"] == 1e-6

@@ -19,3 +19,22 @@ def roofline(
         return {"roofline_tok_s": ceiling, "roofline_fraction": None, "decode_tok_s": None}
     achieved = batch_size * 1000.0 / tpot_ms_p50
     return {"roofline_tok_s": ceiling, "roofline_fraction": achieved / ceiling, "decode_tok_s": achieved}
+
+
+def by_round(reads_gb_s: list[float | None], tpot_ms: list[float | None], bytes_per_step: float,
+             batch_size: int = 1) -> dict | None:
+    """The fraction of the ceiling per round, each round's decode (its median TPOT) over the ceiling of the
+    read taken right after it, and their geometric mean with its 95% interval (`stats.log_ratio_interval`):
+    where the memory's speed moves between rounds, a pooled decode over one median read mixes rounds of
+    either state. None without two rounds that have both."""
+    from infer_tune.metrics.stats import log_ratio_interval
+
+    fractions = []
+    for read, tpot in zip(reads_gb_s, tpot_ms):
+        ceiling = ceiling_tok_s(read, bytes_per_step, batch_size) if read else None
+        fractions.append(batch_size * 1000.0 / tpot / ceiling if ceiling and tpot else None)
+    interval = log_ratio_interval(fractions)
+    if interval is None:
+        return None
+    return {"roofline_fraction": interval["point"], "roofline_fraction_ci95": interval["ci95"],
+            "roofline_fraction_by_round": fractions}

@@ -135,6 +135,12 @@ def build_document(measured: Measured, row: RowSpec) -> tuple[ResultDocument, li
                                      metrics["tpot_ms"]["p50"]))
     metrics["roofline_bandwidth_gb_s"] = bandwidth
     metrics["roofline_bandwidth_from"] = source
+    if rounds_block is not None:  # each round's decode against the read taken after it
+        paired = roofline.by_round(rounds_block.get("read_gb_s_by_round") or [],
+                                   (rounds_block.get("per_round") or {}).get("tpot_ms") or [],
+                                   weight_bytes + kv_read, max(run.batch_size, 1))
+        if paired is not None:
+            metrics.update(paired)
     metrics.update({
         "peak_rss_bytes": run.peak_rss_bytes,
         "rss_before_bytes": run.rss_before_bytes,
