@@ -154,6 +154,15 @@ def test_a_single_pass_rows_ceiling_on_an_accelerator_is_that_devices_memory(mon
         30.0, "read of the weights in the rounds")
 
 
+def test_the_device_read_runs_through_the_devices_own_synchronize():
+    """env.device_read_gb_s on the CPU device (the same code a CUDA device runs, with torch.cpu's synchronize):
+    a positive rate, and one measurement per process and device."""
+    envinfo.device_read_gb_s.cache_clear()
+    first = envinfo.device_read_gb_s("cpu", size_mb=16, repeats=2)
+    assert first > 0.1 and envinfo.device_read_gb_s("cpu", size_mb=16, repeats=2) == first
+    envinfo.device_read_gb_s.cache_clear()
+
+
 def test_candidates_are_measured_in_interleaved_rounds_with_intervals(noise_technique, tiny_loaded, prompts_file,
                                                                      tmp_path):
     """The baseline and every candidate run one pass per round, in a shuffled order; each ratio comes from
