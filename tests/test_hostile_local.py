@@ -196,6 +196,15 @@ def test_a_dead_builders_lock_does_not_hang_the_next_load(tmp_path, monkeypatch)
     assert not (folder / "lock").exists()
 
 
+def _line_within(stream, seconds: float) -> str:
+    """The first line on `stream`, or '' at end of stream; fails the test past `seconds` (bounded wait)."""
+    import select
+
+    ready, _, _ = select.select([stream], [], [], seconds)
+    assert ready, f"nothing printed in {seconds} s"
+    return stream.readline()
+
+
 @needs_compiler
 def test_a_live_builder_is_waited_for(tmp_path, monkeypatch):
     """Two processes building the same folder: the second waits for the first (names it) and loads its build."""
@@ -212,13 +221,15 @@ def test_a_live_builder_is_waited_for(tmp_path, monkeypatch):
     waiting = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
-        with pytest.raises(subprocess.TimeoutExpired):
-            waiting.wait(timeout=3)
+        # hold the lock until the child says it waits (its imports alone take seconds on a loaded host);
+        # a child that finished without waiting would close stderr first
+        first = _line_within(waiting.stderr, seconds=120)
+        assert waiting.poll() is None, first
     finally:
         os.close(fd)
     out, err = waiting.communicate(timeout=120)
-    assert waiting.returncode == 0 and "loaded" in out, err
-    assert f"waiting for process {os.getpid()}" in err
+    assert waiting.returncode == 0 and "loaded" in out, first + err
+    assert f"waiting for process {os.getpid()}" in first
 
 
 # ---- 2. listeners beyond loopback -------------------------------------------------------------------------
