@@ -51,6 +51,24 @@ def test_link_bytes_split_by_the_launchers_nodes():
     assert m["link_nodes_from"] == "plan" and m["inter_node_bytes_per_token"] == 100.0
 
 
+def _communicate_all(procs, timeout: float) -> list[tuple[str, str]]:
+    """Both invocations read at once (one stuck node would otherwise hide the other's output); on a timeout the
+    test fails with every node's stderr tail."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(procs)) as pool:
+        futures = [pool.submit(p.communicate, timeout=timeout) for p in procs]
+        try:
+            return [f.result() for f in futures]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            tails = [(f.exception() or f.result()) for f in futures]
+            tails = [t.stderr if isinstance(t, subprocess.TimeoutExpired) else t[1] for t in tails]
+            tails = [(t.decode(errors="replace") if isinstance(t, bytes) else (t or ""))[-800:] for t in tails]
+            pytest.fail(f"a torchrun node did not finish in {timeout} s; stderr tails: {tails}")
+
+
 def test_two_torchrun_invocations_validate_a_two_node_plan(tiny_moe_dir, prompts_file, tmp_path):  # noqa: F811
     from test_experts import _spec
 
@@ -72,12 +90,7 @@ def test_two_torchrun_invocations_validate_a_two_node_plan(tiny_moe_dir, prompts
          "--plan", str(tmp_path / "plans.json"), "--limit", "4", "--max-new-tokens", "6", "--threads", "1",
          "--out", str(out), "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         for n in (0, 1)]
-    try:
-        finished = [p.communicate(timeout=150) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    finished = _communicate_all(procs, timeout=150)
     assert [p.returncode for p in procs] == [0, 0], [e[-600:] for _, e in finished]
     printed = [o for o, _ in finished if o.strip()]
     assert len(printed) == 1  # rank 0 alone reports (and writes)

@@ -7,7 +7,8 @@ Every process joins one process group through env:// (gloo on CPU; gloo for cont
 CUDA tensors on GPUs). Rank 0 runs the command as usual (baseline, results, output); the others only
 `follow`: each launch the runner makes is broadcast to them (the worker and setup functions by
 reference, the payload), every rank runs its share through the runner's own rank body, and rank 0
-gathers the readings. Rank 0 ends with a stop message. Followers write nothing.
+gathers the readings. Rank 0 ends with a stop message and a barrier that every rank passes before
+leaving the group. Followers write nothing.
 See docs/experts.md ("Across hosts with torchrun") and docs/scale.md.
 """
 
@@ -82,6 +83,7 @@ def release() -> None:
         return
     try:
         dist.broadcast_object_list([None], src=0)
+        dist.barrier()  # every follower has the stop before anyone tears its connections down
     finally:
         dist.destroy_process_group()
 
@@ -106,6 +108,9 @@ def follow(run_rank, device: str = "cpu") -> int:
             dist.broadcast_object_list(box, src=0)
             job = box[0]
             if job is None:
+                # rank 0 waits here too: a group torn down while a peer still reads the stop message can leave
+                # that peer's worker failed, and torchrun's agents then wait out their exit barrier
+                dist.barrier()
                 return launches
             reading = _guarded(run_rank, found["rank"], found["world_size"], job)
             dist.gather_object(reading, None, dst=0)
