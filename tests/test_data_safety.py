@@ -22,7 +22,7 @@ from infer_tune import atomic, paths, results
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = """\
 workload: {limit: 2, max_new_tokens: 4}
-protocol: {warmup: 0, min_iterations: 1, min_duration_s: 0}
+protocol: {warmup: 0, min_iterations: 1, min_duration_s: 0, max_rounds: 3}
 configs:
 """
 METHODS = ("bf16", "int8-dynamic", "int4-rtn")
