@@ -43,8 +43,8 @@ class RoundsBlock:
     # how each ratio's interval was taken (metrics.stats.paired_rounds_interval): name -> {pooled, df,
     # rounds_f_p}; pooled: the rounds did not differ beyond the pairs, which were the samples
     interval_method: dict[str, dict] | None = None
-    # a plain read of this variant's weights after each round (env.read_gb_s), GB/s: the ceiling its
-    # `roofline_tok_s` takes (their median), from the same minutes as its passes
+    # per round, the mean of the plain reads of this variant's weights taken right after each of its runs
+    # (env.read_gb_s), GB/s: the ceiling its `roofline_tok_s` takes (their median), from the seconds of its decode
     read_gb_s_by_round: list[float | None] | None = None
 
 

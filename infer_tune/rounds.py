@@ -92,7 +92,7 @@ class RoundsOutcome:
     other_cpu_by_round: list[float] = field(default_factory=list)  # share of the host other processes used
     reruns_by_round: list[int] = field(default_factory=list)  # contended request batches run again, per round
     major_faults_by_round: list[int] = field(default_factory=list)  # pages this process read back from disk
-    # per variant, a plain read of its weights after each round (env.read_gb_s): its roofline's ceiling
+    # per variant and round, the mean of the plain reads of its weights right after each of its runs (env.read_gb_s)
     read_gb_s_by_round: dict[str, list[float | None]] = field(default_factory=dict)
     group: str = field(default_factory=lambda: uuid.uuid4().hex[:16])  # the id its rows share (RoundsBlock.group)
     judged: dict[str, tuple[str, ...]] = field(default_factory=dict)  # candidate name -> the target's ratios
@@ -278,15 +278,24 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
 
     other_cpu: list[float] = []
     faults: list[int] = []
-    # the bytes each variant's decode reads, read plainly after every round: its roofline ceiling, taken in the
-    # same minutes as its passes (a cached host reading moves by half within minutes on a shared host)
+    # the bytes each variant's decode reads, read plainly right after each of its runs: its roofline ceiling, taken
+    # in the same seconds as its decode (the host's memory moves between two speeds within a round; a read at the
+    # round's end paired a decode in one with a read in the other, fractions 0.63-1.33 in one 1B run), the round's
+    # read the mean of its runs' reads
     weights = {v.name: models.readable_tensors(v.prepared.model) if v.prepared.model is not None else [] for v in variants}
     reads: dict[str, list[float | None]] = {v.name: [] for v in variants}
+
+    def read_after(v: Variant, into: dict[str, list[float]]) -> None:
+        if weights[v.name]:
+            got = env.read_gb_s(weights[v.name])
+            if got:
+                into[v.name].append(got)
     reruns: list[int] = []
     try:
         while True:
             snapshot, faulted = noise.HostSnapshot.take(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
             parts: dict[str, list[GenerationRun]] = {v.name: [] for v in variants}
+            round_reads: dict[str, list[float]] = {v.name: [] for v in variants}
             sequences = []
             reruns.append(0)
             # a whole-trace variant runs once, before request batch `at` (len(batches): after the last)
@@ -296,6 +305,7 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
                 rng.shuffle(due)
                 for v in due:
                     parts[v.name].append(timed(v, inputs, 0))
+                    read_after(v, round_reads)
                 if k == len(batches):
                     break
                 batch_inputs, offset = batches[k]
@@ -309,7 +319,10 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
                     counts = {v.name: copy.deepcopy(v.prepared.counters.values) for v in sequence
                               if v.prepared.counters is not None}
                     host = noise.HostSnapshot.take()
-                    runs = [(v, timed(v, batch_inputs, offset)) for v in sequence]
+                    runs, attempt_reads = [], {v.name: [] for v in sequence}
+                    for v in sequence:
+                        runs.append((v, timed(v, batch_inputs, offset)))
+                        read_after(v, attempt_reads)
                     calm = noise.other_share(host, noise.HostSnapshot.take()) <= noise.OTHER_CPU_LIMIT
                     if calm or attempt == RERUNS:
                         break
@@ -319,6 +332,7 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
                             v.prepared.counters.values = counts[v.name]
                 for v, run in runs:
                     parts[v.name].append(run)
+                    round_reads[v.name] += attempt_reads[v.name]
                 if progress:  # the line moves within a round too (a round of a slow variant takes a while)
                     progress(f"round {len(order) + 1}: request batches", k + 1, len(batches))
             order.append(sequences[0])
@@ -326,7 +340,8 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
             faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faulted)
             for v in variants:
                 v.passes.append(concat(parts[v.name], v.prepared))
-                reads[v.name].append(env.read_gb_s(weights[v.name]) if weights[v.name] else None)
+                got = round_reads[v.name]
+                reads[v.name].append(sum(got) / len(got) if got else None)
             found = {c.name: intervals(base, c) for c in candidates}
             widths = [iv["half_width_pct"] if iv else float("inf")
                       for name, ivs in found.items() for key, iv in ivs.items() if key in on[name]]

@@ -88,8 +88,8 @@ def test_baseline_reuse_does_not_depend_on_the_date(noise_technique, tiny_loaded
 
 def test_a_rows_roofline_ceiling_is_the_read_of_its_weights_in_its_own_rounds(noise_technique, tiny_loaded,
                                                                               prompts_file, tmp_path):
-    """Measured in rounds, a row's roofline ceiling is the median of the plain reads of its weights taken after
-    each round (the same minutes as its passes), not the host's cached reading; a single pass keeps the reading."""
+    """Measured in rounds, a row's roofline ceiling is the median of its rounds' plain reads of its weights (taken
+    beside its passes), not the host's cached reading; a single pass keeps the reading."""
     import statistics
 
     workload = Workload(suite=str(prompts_file), limit=2, max_new_tokens=4)
@@ -113,6 +113,59 @@ def test_a_rows_roofline_ceiling_is_the_read_of_its_weights_in_its_own_rounds(no
     once, _ = run_configs(tiny_loaded, inputs, workload, ONCE, [], RunContext(env=env, out_dir=tmp_path / "once"))
     assert once["metrics"]["roofline_bandwidth_from"] == "host reading"
     assert once["metrics"]["roofline_bandwidth_gb_s"] == 1e-6
+
+
+def test_each_runs_read_follows_that_run_and_a_round_reads_their_mean(noise_technique, tiny_loaded, prompts_file,
+                                                                       tmp_path, monkeypatch):
+    """The read of a variant's weights is taken right after each of its runs (nothing of another variant's between),
+    and the round's read is the mean of them: a decode is paired with a read of the same seconds. On the old code
+    the reads came at the round's end, after every variant had run."""
+    from infer_tune import rounds
+
+    workload = Workload(suite=str(prompts_file), limit=2, max_new_tokens=4)
+    inputs = prepare_inputs(tiny_loaded, workload)
+    events: list[tuple[str, int]] = []
+    owner: dict[int, int] = {}  # id of a weights list -> id of its model
+    values = iter(range(1, 10_000))
+
+    real_tensors, real_runner = rounds.models.readable_tensors, rounds.get_runner
+
+    def tensors(model):
+        got = real_tensors(model)
+        owner[id(got)] = id(model)
+        return got
+
+    def read(weights):
+        events.append(("read", owner[id(weights)]))
+        return float(next(values))
+
+    def runner(kind):
+        inner = real_runner(kind)
+
+        def run(prepared, *args, **kwargs):
+            events.append(("run", id(prepared.model)))
+            return inner(prepared, *args, **kwargs)
+        return run
+
+    monkeypatch.setattr(rounds.models, "readable_tensors", tensors)
+    monkeypatch.setattr(rounds.env, "read_gb_s", read)
+    monkeypatch.setattr(rounds, "get_runner", runner)
+    protocol = Protocol(warmup=0, min_iterations=3, min_duration_s=0, max_rounds=3)
+    ctx = RunContext(env=envinfo.collect_env(1), out_dir=tmp_path)
+    base, docs = run_configs(tiny_loaded, inputs, workload, protocol, [NoiseConfig(0.0)], ctx)
+    timed = [i for i, e in enumerate(events) if e[0] == "read"]
+    assert len(timed) == 3 * 2 * 2  # 3 rounds, 2 request batches, 2 variants
+    for i in timed:  # every read is of the model whose run came just before it
+        assert events[i - 1] == ("run", events[i][1])
+    # the reads returned 1, 2, 3, ... in order: a variant's round read is the mean of its two runs' values
+    returned: dict[int, list[int]] = {}
+    for value, i in enumerate(timed, start=1):
+        returned.setdefault(events[i][1], []).append(value)
+    candidate = next(m for m in returned if m != id(tiny_loaded.model))
+    for doc, model in ((base, id(tiny_loaded.model)), (docs[0], candidate)):
+        values = returned[model]
+        assert doc["metrics"]["rounds"]["read_gb_s_by_round"] == [(values[2 * r] + values[2 * r + 1]) / 2
+                                                                  for r in range(3)]
 
 
 def test_rows_compared_with_the_first_are_measured_in_rounds_beside_it(noise_technique, tiny_loaded, prompts_file,
