@@ -285,17 +285,14 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
     weights = {v.name: models.readable_tensors(v.prepared.model) if v.prepared.model is not None else [] for v in variants}
     reads: dict[str, list[float | None]] = {v.name: [] for v in variants}
 
-    def read_after(v: Variant, into: dict[str, list[float]]) -> None:
-        if weights[v.name]:
-            got = env.read_gb_s(weights[v.name])
-            if got:
-                into[v.name].append(got)
+    def read_of(v: Variant) -> float | None:
+        return env.read_gb_s(weights[v.name]) if weights[v.name] else None
     reruns: list[int] = []
     try:
         while True:
             snapshot, faulted = noise.HostSnapshot.take(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
             parts: dict[str, list[GenerationRun]] = {v.name: [] for v in variants}
-            round_reads: dict[str, list[float]] = {v.name: [] for v in variants}
+            round_reads: dict[str, list[float | None]] = {v.name: [] for v in variants}
             sequences = []
             reruns.append(0)
             # a whole-trace variant runs once, before request batch `at` (len(batches): after the last)
@@ -305,7 +302,7 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
                 rng.shuffle(due)
                 for v in due:
                     parts[v.name].append(timed(v, inputs, 0))
-                    read_after(v, round_reads)
+                    round_reads[v.name].append(read_of(v))
                 if k == len(batches):
                     break
                 batch_inputs, offset = batches[k]
@@ -319,10 +316,10 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
                     counts = {v.name: copy.deepcopy(v.prepared.counters.values) for v in sequence
                               if v.prepared.counters is not None}
                     host = noise.HostSnapshot.take()
-                    runs, attempt_reads = [], {v.name: [] for v in sequence}
-                    for v in sequence:
-                        runs.append((v, timed(v, batch_inputs, offset)))
-                        read_after(v, attempt_reads)
+                    runs = []
+                    for v in sequence:  # each run's read right after it: (variant, run, GB/s)
+                        run = timed(v, batch_inputs, offset)
+                        runs.append((v, run, read_of(v)))
                     calm = noise.other_share(host, noise.HostSnapshot.take()) <= noise.OTHER_CPU_LIMIT
                     if calm or attempt == RERUNS:
                         break
@@ -330,9 +327,9 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
                     for v in sequence:
                         if v.name in counts:  # a dropped run's technique counts are dropped with it
                             v.prepared.counters.values = counts[v.name]
-                for v, run in runs:
+                for v, run, read in runs:
                     parts[v.name].append(run)
-                    round_reads[v.name] += attempt_reads[v.name]
+                    round_reads[v.name].append(read)
                 if progress:  # the line moves within a round too (a round of a slow variant takes a while)
                     progress(f"round {len(order) + 1}: request batches", k + 1, len(batches))
             order.append(sequences[0])
@@ -340,8 +337,8 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
             faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faulted)
             for v in variants:
                 v.passes.append(concat(parts[v.name], v.prepared))
-                got = round_reads[v.name]
-                reads[v.name].append(sum(got) / len(got) if got else None)
+                got = [r for r in round_reads[v.name] if r]
+                reads[v.name].append(statistics.fmean(got) if got else None)
             found = {c.name: intervals(base, c) for c in candidates}
             widths = [iv["half_width_pct"] if iv else float("inf")
                       for name, ivs in found.items() for key, iv in ivs.items() if key in on[name]]

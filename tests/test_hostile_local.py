@@ -14,6 +14,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -196,13 +197,20 @@ def test_a_dead_builders_lock_does_not_hang_the_next_load(tmp_path, monkeypatch)
     assert not (folder / "lock").exists()
 
 
-def _line_within(stream, seconds: float) -> str:
-    """The first line on `stream`, or '' at end of stream; fails the test past `seconds` (bounded wait)."""
+def _lines_until(stream, text: str, seconds: float) -> str:
+    """The lines on `stream` up to and including the first holding `text` (or up to its end); fails the test past
+    `seconds` (a bounded wait; a warning printed first does not end it)."""
     import select
 
-    ready, _, _ = select.select([stream], [], [], seconds)
-    assert ready, f"nothing printed in {seconds} s"
-    return stream.readline()
+    deadline, seen = time.monotonic() + seconds, ""
+    while text not in seen:
+        ready, _, _ = select.select([stream], [], [], max(0.0, deadline - time.monotonic()))
+        assert ready, f"no line holding {text!r} in {seconds} s; printed: {seen!r}"
+        line = stream.readline()
+        if not line:  # the end of the stream: the child exited without printing it
+            break
+        seen += line
+    return seen
 
 
 @needs_compiler
@@ -223,7 +231,7 @@ def test_a_live_builder_is_waited_for(tmp_path, monkeypatch):
     try:
         # hold the lock until the child says it waits (its imports alone take seconds on a loaded host);
         # a child that finished without waiting would close stderr first
-        first = _line_within(waiting.stderr, seconds=120)
+        first = _lines_until(waiting.stderr, "waiting for process", seconds=120)
         assert waiting.poll() is None, first
     finally:
         os.close(fd)

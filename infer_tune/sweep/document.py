@@ -98,8 +98,9 @@ class RowSpec:
 
 def roofline_ceiling(rounds_block: dict | None, prepared: PreparedModel, env: dict) -> tuple[float, str]:
     """(GB/s, where it came from) of a row's roofline ceiling: the median of the rounds' reads of its weights (each
-    the mean of reads taken right after each of the row's runs: the same seconds as its decode); weights on an accelerator: a read of that device's own
-    memory (env.device_read_gb_s); else the host's cached reading (a single pass, or no weights here)."""
+    the mean of reads taken right after each of the row's runs: the same seconds as its decode); weights on an
+    accelerator: a read of that device's own memory (env.device_read_gb_s); else the host's cached reading (a
+    single pass, or no weights here)."""
     reads = [r for r in (rounds_block or {}).get("read_gb_s_by_round") or [] if r]
     device = str(prepared.device or "cpu")
     if reads:
