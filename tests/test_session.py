@@ -89,7 +89,7 @@ def test_baseline_reuse_does_not_depend_on_the_date(noise_technique, tiny_loaded
 def test_a_rows_roofline_ceiling_is_the_read_of_its_weights_in_its_own_rounds(noise_technique, tiny_loaded,
                                                                               prompts_file, tmp_path):
     """Measured in rounds, a row's roofline ceiling is the median of its rounds' plain reads of its weights (taken
-    beside its passes), not the host's cached reading; a single pass keeps the reading."""
+    beside its passes), not the host's cached reading; a single pass reads its weights once after the run."""
     import statistics
 
     workload = Workload(suite=str(prompts_file), limit=2, max_new_tokens=4)
@@ -111,8 +111,9 @@ def test_a_rows_roofline_ceiling_is_the_read_of_its_weights_in_its_own_rounds(no
         assert low <= doc["metrics"]["roofline_fraction"] <= high
         assert min(by_round) <= doc["metrics"]["roofline_fraction"] <= max(by_round)
     once, _ = run_configs(tiny_loaded, inputs, workload, ONCE, [], RunContext(env=env, out_dir=tmp_path / "once"))
-    assert once["metrics"]["roofline_bandwidth_from"] == "host reading"
-    assert once["metrics"]["roofline_bandwidth_gb_s"] == 1e-6
+    # a single pass reads its own weights after the run (the host's 1e-6 GB/s reading is not taken)
+    assert once["metrics"]["roofline_bandwidth_from"] == "read of the weights after the run"
+    assert once["metrics"]["roofline_bandwidth_gb_s"] > 0.01
 
 
 def test_each_runs_read_follows_that_run_and_a_round_reads_their_mean(noise_technique, tiny_loaded, prompts_file,
@@ -202,7 +203,7 @@ def test_a_single_pass_rows_ceiling_on_an_accelerator_is_that_devices_memory(mon
     model, env = torch.nn.Linear(2, 2), {"mem_bandwidth_gb_s": 40.0}
     on_gpu = PreparedModel(model=model, tokenizer=None, device="cuda:0")
     assert roofline_ceiling(None, on_gpu, env) == (4000.0, "read of cuda:0 memory") and asked == ["cuda:0"]
-    assert roofline_ceiling(None, PreparedModel(model=model, tokenizer=None, device="cpu"), env) == (40.0, "host reading")
+    assert roofline_ceiling(None, PreparedModel(model=None, tokenizer=None, device="cpu"), env) == (40.0, "host reading")
     assert roofline_ceiling({"read_gb_s_by_round": [30.0, None, 50.0, 20.0]}, on_gpu, env) == (
         30.0, "read of the weights in the rounds")
 

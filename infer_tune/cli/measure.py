@@ -28,10 +28,11 @@ def render_result(doc: ResultDocument, run_dir: Path | str | None = None) -> Non
     output.out.print(table)
     facts = [
         ("output throughput", f"{output.fmt(m['output_throughput_tok_s'])} tok/s"),
-        ("roofline", f"{output.fmt(m.get('roofline_tok_s'), '.1f')} tok/s ceiling, achieved "
-                     f"{output.fmt(m.get('roofline_fraction'), '.1%')}"
-                     + (" [{:.1%}, {:.1%}] of each round's read".format(*m["roofline_fraction_ci95"])
-                        if m.get("roofline_fraction_ci95") else "")),
+        ("roofline", f"{output.fmt(m.get('roofline_tok_s'), '.1f')} tok/s ceiling, "
+                     + (f"fraction refused: {m['roofline_refused']}" if m.get("roofline_refused") else
+                        f"achieved {output.fmt(m.get('roofline_fraction'), '.1%')}"
+                        + (" [{:.1%}, {:.1%}] of each round's read".format(*m["roofline_fraction_ci95"])
+                           if m.get("roofline_fraction_ci95") else ""))),
         ("peak RSS / model", f"{output.fmt_bytes(m['peak_rss_bytes'])} / {output.fmt_bytes(m['model_bytes'])}"),
     ]
     if m.get("quality"):  # random weights: quality is n/a, never a number

@@ -34,6 +34,12 @@ def pct(v) -> str:
     return "-" if _missing(v) else f"{v:.0%}"
 
 
+def of_ceiling(v) -> str:
+    """A fraction of a physical ceiling: one above 100% is a measurement error (metrics/roofline.py), never
+    printed as a figure (results saved before the check could hold one)."""
+    return "-" if _missing(v) else "refused (>100%)" if v > 1.0 else f"{v:.0%}"
+
+
 def signed_pct(v) -> str:
     return "-" if _missing(v) else f"{v:+.2f}%"
 
@@ -150,7 +156,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("bleu_drift", "BLEU drift [95% CI]", quality_or(bleu_drift)),
     Column("model_bytes", "model", _get("model_bytes", mib)),
     Column("peak_rss_bytes", "peak RSS", _get("peak_rss_bytes", mib)),
-    Column("roofline_fraction", "of roofline", _get("roofline_fraction", pct)),
+    Column("roofline_fraction", "of roofline", _get("roofline_fraction", of_ceiling)),
     Column("verdict", "verdict", verdict, numeric=False, narrow=True),
     Column("verdict_evidence", "verdict evidence", _get("verdict_evidence", text), numeric=False),
     Column("run_id", "run", _get("run_id", text), numeric=False),

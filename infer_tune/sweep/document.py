@@ -99,14 +99,21 @@ class RowSpec:
 def roofline_ceiling(rounds_block: dict | None, prepared: PreparedModel, env: dict) -> tuple[float, str]:
     """(GB/s, where it came from) of a row's roofline ceiling: the median of the rounds' reads of its weights (each
     the mean of reads taken right after each of the row's runs: the same seconds as its decode); weights on an
-    accelerator: a read of that device's own memory (env.device_read_gb_s); else the host's cached reading (a
-    single pass, or no weights here)."""
+    accelerator: a read of that device's own memory (env.device_read_gb_s); a single pass: a read of its weights
+    right after the run; no weights here: the host's cached reading."""
     reads = [r for r in (rounds_block or {}).get("read_gb_s_by_round") or [] if r]
     device = str(prepared.device or "cpu")
     if reads:
         return statistics.median(reads), "read of the weights in the rounds"
     if prepared.model is not None and not device.startswith(("cpu", "meta")):
         return envinfo.device_read_gb_s(device), f"read of {device} memory"
+    # a single pass: a plain read of the same bytes, right after the run, on the same threads. The host's cached
+    # reading (a 256 MiB copy, possibly minutes old) is the wrong ceiling where the weights fit a large L3
+    # (the decode then reads from cache) or the memory's speed has moved since: it gave fractions above 1
+    tensors = models.readable_tensors(prepared.model) if prepared.model is not None else []
+    read = envinfo.read_gb_s(tensors) if tensors else None
+    if read:
+        return read, "read of the weights after the run"
     return env["mem_bandwidth_gb_s"], "host reading"
 
 
