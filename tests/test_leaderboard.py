@@ -276,3 +276,22 @@ def test_rows_saved_within_one_second_keep_their_order(tmp_path):
         save(doc, tmp_path)
     assert [d["run_id"] for d in results.find_results(tmp_path)] == [
         "20260101-000000-baseline-b", "20260101-000000-batch-static-s", "20260101-000000-batch-x"]
+
+
+def test_pareto_labels_of_neighbouring_points_do_not_overlap():
+    """Two best rows a hair apart (the demo's int4 and lookup rows): their labels' boxes are disjoint."""
+    from infer_tune.report import plots
+
+    plt = plots.pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    pts = [("quantize int4-weight-torch-g32", 3.14, -1.14), ("speculate lookup-k8 with a long name", 3.16, -1.10),
+           ("stack int4+lookup+native", 3.17, -1.12), ("quantize int8-dynamic-torch", 2.18, 1.84)]
+    for _, x, y in pts:
+        ax.plot([x], [y], "o")
+    ax.margins(x=0.25, y=0.3)
+    notes = plots.place_labels(fig, ax, pts)
+    renderer = fig.canvas.get_renderer()
+    boxes = [plots.text_box(n, renderer) for n in notes]
+    plt.close(fig)
+    assert len(boxes) == 4
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])

@@ -89,6 +89,42 @@ def pareto_points(rows: list[dict], broken: list[bool]) -> list[tuple[int, float
     return points
 
 
+# label offsets (points) tried in turn: right of the point first, then above and below it further and further out
+_OFFSETS = [(6, dy) for dy in (4, 14, -16, 26, -28, 38, -40, 50, -52, 62, -64)] + \
+    [(-6 - 120, dy) for dy in (14, -16, 30, -32)]
+
+
+def text_box(note, renderer):
+    """The display box of an annotation's text alone (its own extent includes the leader line)."""
+    from matplotlib.text import Text
+
+    note.update_positions(renderer)  # the text's place follows its point only once positions are updated
+    return Text.get_window_extent(note, renderer)
+
+
+def place_labels(fig, ax, labels: list[tuple[str, float, float]]) -> list:
+    """Annotate each (text, x, y), trying offsets in turn until the label's box overlaps no label placed before
+    it (measured with the figure's own renderer, in display pixels); the last offset where none is free. A
+    label away from its point gets a thin leader line. Returns the annotations."""
+    fig.canvas.draw()  # limits settled, so boxes are where they will be drawn
+    renderer = fig.canvas.get_renderer()
+    placed, boxes = [], []
+    for text, x, y in labels:
+        note = None
+        for dx, dy in _OFFSETS:
+            if note is not None:
+                note.remove()
+            note = ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=9,
+                               arrowprops={"arrowstyle": "-", "color": "#999", "linewidth": 0.6}
+                               if abs(dy) > 10 or dx < 0 else None)
+            box = text_box(note, renderer).expanded(1.04, 1.15)
+            if not any(box.overlaps(other) for other in boxes):
+                break
+        boxes.append(text_box(note, renderer))
+        placed.append(note)
+    return placed
+
+
 def pareto_svg(rows: list[dict], broken: list[bool], front_of) -> str | None:
     """Speedup vs perplexity change as an inline SVG: every point has a hover title, only the Pareto
     front is labelled, the recommended row is a star. `front_of(points)` -> indices of the front."""
@@ -112,24 +148,15 @@ def pareto_svg(rows: list[dict], broken: list[bool], front_of) -> str | None:
     ordered = sorted((k for k in front), key=lambda k: points[k][1])
     ax.plot([points[k][1] for k in ordered], [points[k][2] for k in ordered], "--", color="tab:red", linewidth=1,
             label="Pareto front (faster, or lower perplexity change)")
-    xs = [p[1] for p in points]
-    span = (max(xs) - min(xs)) or 1.0
-    last_x, level = None, 0
     recommended = [k for k, (i, _, _) in enumerate(points) if rows[i].get("recommended") and k not in front]
     ordered = sorted(ordered + recommended, key=lambda k: points[k][1])  # the recommended row is labelled too
-    for k in ordered:  # stagger labels of neighbouring labelled points so they never overlap
-        x, y = points[k][1], points[k][2]
-        level = level + 1 if last_x is not None and (x - last_x) / span < 0.22 else 0
-        last_x = x
-        dy = (10, -16, 24, -30)[level % 4]
-        ax.annotate(plot_text(names[k]), (x, y), xytext=(6, dy), textcoords="offset points", fontsize=9,
-                    arrowprops={"arrowstyle": "-", "color": "#999", "linewidth": 0.6} if level else None)
+    ax.margins(x=0.25, y=0.3)  # before the labels: their boxes are measured against the final limits
+    place_labels(fig, ax, [(plot_text(names[k]), points[k][1], points[k][2]) for k in ordered])
     if any(rows[i].get("recommended") for i, _, _ in points):
         ax.plot([], [], marker="*", markersize=12, color="tab:orange", linestyle="none", label="recommended")
     ax.set_xlabel(SPEEDUP_AXIS, fontsize=10)
     ax.set_ylabel(QUALITY_AXIS, fontsize=10)
     ax.axhline(0, color="#bbb", linewidth=0.8)
-    ax.margins(x=0.25, y=0.3)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     buffer = io.StringIO()
