@@ -68,6 +68,9 @@ class SpeculateConfig(TechniqueConfig):
     `max_matching_ngram_size` applies to prompt lookup (the longest suffix n-gram searched for);
     `draft_vocab` (lean engine, a draft made by `speculate distill`) cuts the draft's output head to
     the tokens the target emitted most in the distillation data, plus each prompt's own tokens.
+    `native_step` (lean engine) runs the target's prefill and verify passes in the native decode step
+    (int4 / int8 layers with int8 activations: infer_tune/native/step.py); a model it does not run keeps the
+    target's own forward, the reason in `speculate_native_fallback`.
     """
 
     technique: ClassVar[str] = "speculate"
@@ -79,6 +82,7 @@ class SpeculateConfig(TechniqueConfig):
     max_matching_ngram_size: int | None = None
     draft_vocab: int | None = None
     draft_digest: str | None = None  # set by the registry's resolve: which weights a draft directory held
+    native_step: bool = False  # lean engine: the target's passes run in the native decode step (step.cpp)
 
     def __post_init__(self) -> None:
         source = parse_draft(self.draft)
@@ -101,6 +105,8 @@ class SpeculateConfig(TechniqueConfig):
             if self.engine != "lean" or source.kind != "model":
                 raise ConfigError("speculate draft_vocab cuts the head of a draft model in the lean engine; got "
                                   f"draft '{self.draft}' with engine '{self.engine}'")
+        if self.native_step and self.engine != "lean":
+            raise ConfigError(f"speculate native_step verifies in the lean engine's loop; got engine '{self.engine}'")
         if source.kind == EARLY_EXIT and self.engine != "hf":
             raise ConfigError("speculate draft early-exit is transformers' own loop (engine 'hf'); the lean "
                               "engine's equivalent is self-draft:N")
@@ -117,7 +123,8 @@ class SpeculateConfig(TechniqueConfig):
             name += f"-ngram{self.max_matching_ngram_size}"
         if self.draft_vocab is not None:
             name += f"-v{self.draft_vocab}"
-        return f"{name}-k{self.num_draft_tokens}" + ("-lean" if self.engine == "lean" else "")
+        return f"{name}-k{self.num_draft_tokens}" + ("-lean" if self.engine == "lean" else "") \
+            + ("-native" if self.native_step else "")
 
 
 def _short(ref: str) -> str:

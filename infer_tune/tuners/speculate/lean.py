@@ -146,9 +146,69 @@ def leading_matches(proposal: list[int], chosen: list[int]) -> int:
     return n
 
 
+class TorchVerifier:
+    """The target's own forward on a dynamic cache: `forward(ids [1, n], keep)` -> fp32 logits of the last
+    `keep` positions [keep, V], the cache grown by n; `crop(length)` drops positions from `length` on."""
+
+    def __init__(self, target: torch.nn.Module) -> None:
+        self.target = target
+
+    def reset(self, needed: int) -> None:
+        self.cache = new_cache(self.target)
+
+    def forward(self, ids: torch.Tensor, keep: int) -> torch.Tensor:
+        out = self.target(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
+        return out.logits[0].float()
+
+    def crop(self, length: int) -> None:
+        crop_to(self.cache, length)
+
+
+class NativeVerifier:
+    """Verify passes through the native decode step (infer_tune/native/step.py, step.cpp's `step_mixed`): the
+    prompt and each [last token, d1..dK] run as consecutive rows of one slot at consecutive positions, every
+    matmul reading the weights once for all rows, each row's values those of a step of its own (so the
+    accepted tokens are the native greedy decode's). Rejected drafts are dropped by moving the length back:
+    a row attends to positions up to its own, so what lies beyond is never read and is overwritten next."""
+
+    def __init__(self, target: torch.nn.Module, parts: dict) -> None:
+        self.embed = target.get_input_embeddings()
+        self.parts = parts
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.native = None
+        self.length = 0
+
+    def reset(self, needed: int) -> None:
+        from infer_tune.native.step import llama_step
+
+        ints = self.parts["ints"]
+        layers, kv_heads, head_dim = ints[0], ints[2], ints[3]
+        if not self.keys or self.keys[0].shape[2] < needed:
+            size = -(-needed // 128) * 128
+            self.keys = [torch.zeros((1, kv_heads, size, head_dim)) for _ in range(layers)]
+            self.values = [torch.zeros((1, kv_heads, size, head_dim)) for _ in range(layers)]
+            self.native = llama_step(self.parts, self.keys, self.values)
+        self.length = 0
+
+    def forward(self, ids: torch.Tensor, keep: int) -> torch.Tensor:
+        rows = ids.shape[1]
+        x = self.embed(ids.view(-1, 1)).reshape(rows, -1)
+        positions = torch.arange(self.length, self.length + rows, dtype=torch.long)
+        kept = torch.arange(rows - keep, rows, dtype=torch.long)
+        logits = self.native.step_mixed(x, torch.zeros(rows, dtype=torch.long), positions, 0, kept)
+        self.length += rows
+        return logits[:, :self.parts["vocab"]].float()
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+
 def speculative_generate(target: torch.nn.Module, drafter, num_draft_tokens: int, counters: SpeculativeCounters,
-                         device: str) -> Callable:
-    """A `generate` replacement for `target` running the lean loop (installed on the instance)."""
+                         device: str, verifier=None) -> Callable:
+    """A `generate` replacement for `target` running the lean loop (installed on the instance); `verifier` runs
+    the target's passes (default: its own forward on a dynamic cache; `NativeVerifier`: the native step)."""
+    verifier = verifier or TorchVerifier(target)
 
     def generate(input_ids=None, attention_mask=None, generation_config=None, logits_processor=None, streamer=None,
                  **kwargs):
@@ -166,7 +226,7 @@ def speculative_generate(target: torch.nn.Module, drafter, num_draft_tokens: int
         processors = logits_processor or (lambda _ids, scores: scores)
         sync(device)
         start = time.perf_counter_ns()
-        cache = new_cache(target)
+        verifier.reset(input_ids.shape[1] + max_new + num_draft_tokens + 1)
         drafter.reset(input_ids)
         if streamer is not None:
             streamer.put(input_ids.cpu())
@@ -174,10 +234,10 @@ def speculative_generate(target: torch.nn.Module, drafter, num_draft_tokens: int
         def verify(ids: torch.Tensor, keep: int) -> torch.Tensor:
             sync(device)
             begin = time.perf_counter_ns()
-            out = target(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+            logits = verifier.forward(ids, keep)  # [keep, V]
             sync(device)
             counters.time_ns("verify_ns", begin)
-            return out.logits[0].float()  # [keep, V]
+            return logits
 
         seq = input_ids
         logits = processors(seq, verify(seq, 1)[-1:])
@@ -208,7 +268,7 @@ def speculative_generate(target: torch.nn.Module, drafter, num_draft_tokens: int
             stop = next((i for i, t in enumerate(new) if t in eos), None)
             if stop is not None:
                 new = new[:stop + 1]
-            crop_to(cache, seq.shape[1] + accepted)  # drop the rejected drafts' keys and values
+            verifier.crop(seq.shape[1] + accepted)  # drop the rejected drafts' keys and values
             counters.round(len(proposal), accepted)
         sync(device)
         counters.time_ns("generate_ns", start)

@@ -153,7 +153,18 @@ def prepare(loaded: models.LoadedModel, config: SpeculateConfig, ctx: RunContext
         else:
             vocab = draft_vocabulary(facts, config.draft_vocab) if config.draft_vocab else None
             drafter = lean.ModelDrafter(draft_model, counters, ctx.device, vocab=vocab, eos_ids=eos)
-        target.generate = lean.speculative_generate(target, drafter, config.num_draft_tokens, counters, ctx.device)
+        verifier = None
+        if config.native_step:
+            from infer_tune.native.step import recognize
+
+            parts, why = recognize(target)
+            if parts is None:
+                facts["speculate_native_fallback"] = why
+            else:
+                verifier = lean.NativeVerifier(target, parts)
+            facts["speculate_verify"] = "native" if verifier is not None else "torch"
+        target.generate = lean.speculative_generate(target, drafter, config.num_draft_tokens, counters, ctx.device,
+                                                    verifier=verifier)
         undo.append(lambda: target.__dict__.pop("generate", None))
 
     def cleanup() -> None:
