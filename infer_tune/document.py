@@ -46,6 +46,9 @@ class RoundsBlock:
     # per round, the mean of the plain reads of this variant's weights taken right after each of its runs
     # (env.read_gb_s), GB/s: the ceiling its `roofline_tok_s` takes (their median), from the seconds of its decode
     read_gb_s_by_round: list[float | None] | None = None
+    # per round, each prompt's TPOT ({prompt index: ms}): a ratio between any two rows of the group taken as the
+    # rows' own are (rounds.round_ratio; the stack thesis, tuners/stack/thesis.py)
+    tpot_ms_by_prompt_by_round: list[dict[str, float]] | None = None
 
 
 # top-level sections a sweep hook adds over every row of a technique (not measured: set, or set again)

@@ -94,6 +94,7 @@ class RoundsOutcome:
     major_faults_by_round: list[int] = field(default_factory=list)  # pages this process read back from disk
     # per variant and round, the mean of the plain reads of its weights right after each of its runs (env.read_gb_s)
     read_gb_s_by_round: dict[str, list[float | None]] = field(default_factory=dict)
+    tpot_ms_by_prompt: dict[str, list[dict[str, float]]] = field(default_factory=dict)  # name -> per round
     group: str = field(default_factory=lambda: uuid.uuid4().hex[:16])  # the id its rows share (RoundsBlock.group)
     judged: dict[str, tuple[str, ...]] = field(default_factory=dict)  # candidate name -> the target's ratios
 
@@ -115,6 +116,7 @@ class RoundsOutcome:
             other_cpu_by_round=self.other_cpu_by_round or None,
             major_faults_by_round=self.major_faults_by_round or None, group=self.group,
             read_gb_s_by_round=self.read_gb_s_by_round.get(name) or None,
+            tpot_ms_by_prompt_by_round=self.tpot_ms_by_prompt.get(name) or None,
             reruns_by_round=self.reruns_by_round or None,
             judged_on=list(on) if name in self.intervals else None,
             interval_method={key: {k: iv[k] for k in ("pooled", "df", "rounds_f_p") if k in iv}
@@ -368,12 +370,14 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
     first, last = pass_value(base.passes[0], "tpot_ms"), pass_value(base.passes[-1], "tpot_ms")
     drift = 100.0 * (last / first - 1.0) if first and last and len(base.passes) > 1 else None
     per_round = {v.name: {m: [pass_value(p, m) for p in v.passes] for m in PER_ROUND} for v in variants}
+    by_prompt = {v.name: [{str(k): t for k, t in per_prompt(p, "tpot_ms").items()} for p in v.passes]
+                 for v in variants if not v.whole}
     return RoundsOutcome(rounds=len(order), elapsed_s=time.perf_counter() - start,
                          target_half_width_pct=protocol.target_half_width_pct, target_met=met or not candidates,
                          stopped_by=stopped_by, order=order, intervals=found, baseline_drift_pct=drift,
                          variants=len(variants), per_round=per_round, other_cpu_by_round=other_cpu,
                          major_faults_by_round=faults, judged=on, reruns_by_round=reruns,
-                         read_gb_s_by_round=reads)
+                         read_gb_s_by_round=reads, tpot_ms_by_prompt=by_prompt)
 
 
 def request_batches(inputs: Inputs) -> list[tuple[Inputs, int]]:

@@ -218,7 +218,8 @@ class Measuring:
         doc.objective = ranked_on(config)
         doc.add_metrics(metrics, source="the sweep's admission")
         files = entry.finish(MeasuredRow(config, doc, outputs, prepared, run, inputs, self.ctx,
-                                         [d for d in earlier if d is not None])) if entry.finish else None
+                                         [d for d in earlier if d is not None], baseline=self.baseline)) \
+            if entry.finish else None
         save_result(self.ctx.out_dir, doc, outputs, files)
         self.written.add(doc.run_id)
         self.finished += 1

@@ -191,7 +191,7 @@ class Tuning:
 class MeasuredRow:
     """What a technique's `finish` hook gets once one of its rows is measured, while the prepared model still
     exists: the config, the built result (`doc`, typed) and its outputs rows, what ran (`prepared`, the runner's
-    raw `run`, the encoded `inputs`), the run's context, and the rows of the sweep measured before it."""
+    raw `run`, the encoded `inputs`), the run's context, the rows of the sweep measured before it and the baseline."""
 
     config: TechniqueConfig
     doc: ResultDocument
@@ -201,6 +201,7 @@ class MeasuredRow:
     inputs: Any  # workload.Inputs
     ctx: RunContext
     earlier: list[ResultDocument] = field(default_factory=list)
+    baseline: ResultDocument | None = None  # what the row was measured against (its rounds' baseline)
 
 
 @dataclass

@@ -161,12 +161,18 @@ def runner_of(config: StackConfig) -> str:
 
 
 def _finish(row: MeasuredRow) -> dict[str, bytes] | None:
-    """Every part's own `finish` on the stacked run: a stack's row carries its parts' keys."""
+    """Every part's own `finish` on the stacked run: a stack's row carries its parts' keys; and the thesis the
+    stack tests (thesis.py: together against each alone, in the same rounds) where its parts have rows."""
+    from infer_tune.tuners.stack.thesis import thesis
+
     files: dict[str, bytes] = {}
     for part in row.config.configs:
         entry = technique_for(part)
         if entry.finish:
             files.update(entry.finish(dataclasses.replace(row, config=part)) or {})
+    claim = thesis(row.doc, row.baseline, row.earlier)
+    if claim is not None:
+        row.doc.add_metrics({"claims": [claim]}, source="stack thesis")
     return files or None
 
 
