@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from infer_tune import atomic, hub, jsonsafe
+from infer_tune import atomic, hub, jsonsafe, weights
 from infer_tune.errors import ModelError
 from infer_tune.nn_utils import set_module
 from infer_tune.tuners.quantize import wrap
@@ -103,7 +103,9 @@ def load_quantized(path: str | Path, *, choose_kernels: bool = True) -> nn.Modul
                                                      trust_remote_code=False, **hub.PLAIN_MODULES)
         return model.eval()
     hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)  # a saved dir never runs its code
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    # the matrices on the meta device: the saved tensors replace them (quantized layers swapped in, the rest
+    # assigned), so no float copy of the model is ever built (at 1B that copy alone was 4.9 GB of fp32)
+    model = weights.skeleton(hf_config, torch.float32)
     state = load_file(str(path / "model.safetensors"))
     if manifest["backend"] == "quanto":
         from optimum.quanto import requantize
@@ -116,13 +118,17 @@ def load_quantized(path: str | Path, *, choose_kernels: bool = True) -> nn.Modul
         _check_shape(path, name, model, layer)
         set_module(model, name, layer)
     _load_embeddings_and_head(model, state, summary, config)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    head = model.get_output_embeddings()
+    if isinstance(getattr(head, "weight", None), torch.Tensor) and head.weight.is_meta:  # a float head tied to
+        model.tie_weights()  # the embedding: assigning the embedding's table left the head's meta one behind
     if unexpected:
         raise ModelError(f"{path}: unexpected tensors {', '.join(unexpected[:3])}; the checkpoint does not match "
                          f"{MANIFEST}")
     float_missing = [k for k in missing if not k.endswith("inv_freq")]
-    if float_missing:
-        raise ModelError(f"{path}: missing tensors {', '.join(float_missing[:3])}")
+    left_on_meta = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if float_missing or left_on_meta:
+        raise ModelError(f"{path}: missing tensors {', '.join((float_missing or left_on_meta)[:3])}")
     from infer_tune.tuners.quantize.apply import apply_compute_dtype
 
     apply_compute_dtype(model, config)

@@ -90,7 +90,9 @@ def wrap_embedding(module: nn.Embedding, tensors: dict[str, torch.Tensor], group
     reads its values produces NaN (caught by `verify_embedding`) instead of plausible garbage.
     """
     weight = module.weight
-    dtype, device, shape = weight.dtype, weight.device, tuple(weight.shape)
+    # the placeholder lives with the quantized rows (a skeleton's float table is on the meta device)
+    dtype, shape = weight.dtype, tuple(weight.shape)
+    device = next(iter(tensors.values())).device if weight.is_meta and tensors else weight.device
     original_cls = type(module)
     del module.weight
     module.__class__ = quantized_class(original_cls)
