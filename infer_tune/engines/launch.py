@@ -14,6 +14,7 @@ engine). llama.cpp's `llama-server`:
 | parallel, batch_size, ubatch_size, cont_batching | `--parallel`, `--batch-size`, `--ubatch-size`, `--cont-batching` / `--no-cont-batching` | batching |
 | override_tensor, n_cpu_moe | `--override-tensor`, `--n-cpu-moe` | experts |
 | threads | `--threads` and `--threads-batch` | |
+| repack | `--repack` / `--no-repack` (off: no weight repacking, no AMX buffer types at run time) | |
 
 vLLM (`vllm serve`) and SGLang (`python -m sglang.launch_server`) take the same kind of table mapped to
 their flags (`--quantization`, `--kv-cache-dtype`, `--speculative-config`, `--max-num-seqs`,
@@ -107,6 +108,7 @@ LLAMA_CPP = {
     "override_tensor": Setting("--override-tensor", "str", technique="experts"),
     "n_cpu_moe": Setting("--n-cpu-moe", "int", technique="experts"),
     "threads": Setting(None, "int"),
+    "repack": Setting(None, "bool", help="weight repacking and the AMX buffer types (off: --no-repack)"),
 }
 VLLM_QUANT = ("awq", "gptq", "fp8", "bitsandbytes", "gguf", "compressed-tensors", "marlin", "awq_marlin",
               "gptq_marlin", "experts_int8")
@@ -243,6 +245,8 @@ def _llama_argv(launch: Launch, port: int, files: dict[str, Path], threads: int 
     threads = launch.get("threads", threads)
     if threads:
         cmd += ["--threads", str(threads), "--threads-batch", str(threads)]
+    if "repack" in launch.settings:
+        cmd.append("--repack" if launch.get("repack") else "--no-repack")
     return cmd + _flags(LLAMA_CPP, launch.settings)
 
 

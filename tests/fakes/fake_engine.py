@@ -8,7 +8,8 @@ llama-server's argv names the model with --alias, vLLM's and SGLang's with --ser
 It can also fail as a real engine does: $FAKE_ENGINE_FAIL is a JSON object {"substring": how, ...} (the first
 substring found in the argv decides), `how` one of `sigill` (kills itself with SIGILL at start), `sigill-at-
 first-request` (answers /v1/models, then SIGILL at its first completion request: llama.cpp's AMX matmul),
-`hang` (never listens), `stall` (answers /v1/models, never a completion). Each start appends its argv as one
+`sigill-at-request-N` (the same at its Nth), `hang` (never listens), `stall` (answers /v1/models, never a
+completion). Each start appends its argv as one
 JSON line to $FAKE_ENGINE_STARTS, so a test counts the starts."""
 
 import asyncio
@@ -22,10 +23,14 @@ from infer_tune.endpoint.loopback import Behaviour, _Handler
 
 
 class _Dying(_Handler):
-    """Dies with SIGILL at its first completion request, as llama.cpp does in its first AMX matmul."""
+    """Dies with SIGILL at its `at`th completion request (the first: as llama.cpp does in its first AMX matmul)."""
+
+    at = 1
+    posts = 0
 
     async def respond(self, method, path, body, writer, headers) -> None:
-        if method == "POST":
+        self.posts += method == "POST"
+        if self.posts >= self.at:
             print("fake engine: ggml_backend_amx_mul_mat: illegal instruction", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGILL)
         await super().respond(method, path, body, writer, headers)
@@ -66,8 +71,11 @@ def main(argv: list[str]) -> int:
     if isinstance(gap, dict):
         joined = " ".join(argv)
         gap = next((v for k, v in gap.items() if k in joined), gap.get("*", 0.005))
-    handler = (_Dying if fail == "sigill-at-first-request" else _Handler)(
+    dying = fail == "sigill-at-first-request" or (fail or "").startswith("sigill-at-request-")
+    handler = (_Dying if dying else _Handler)(
         Behaviour(model=name, chunks=8, gap_s=float(gap), stall_s=3600.0 if fail == "stall" else 0.0))
+    if fail and fail.startswith("sigill-at-request-"):
+        handler.at = int(fail.rsplit("-", 1)[1])
 
     async def serve() -> None:
         server = await asyncio.start_server(handler.connection, "127.0.0.1", port)
