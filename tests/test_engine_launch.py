@@ -402,7 +402,7 @@ def test_by_hand_line_measures_what_the_row_measured():
 
 
 def test_tune_engine_crashed_launches_are_rows_quarantined_and_never_win(monkeypatch, tmp_path, tiny_model_dir,
-                                                                         prompts_file):
+                                                                         prompts_file, capsys):
     """Launches that die or hang are results, not the end of the search (engines/crash.py): a fake llama-server
     killing itself with SIGILL at start, one dying with SIGILL at its first request (llama.cpp's AMX matmul),
     one never answering /v1/models and one stalling at its first request, against 2 s deadlines. Each is a
@@ -472,6 +472,12 @@ def test_tune_engine_crashed_launches_are_rows_quarantined_and_never_win(monkeyp
     assert "signal SIGILL (4)" in sigill["verdict_evidence"] and str(ggufs["q8_0"]) in sigill["verdict_evidence"]
     text = display.markdown(lb.rows_of(lb.build(docs)))
     assert "| crashed |" in text and "reproduce:" in text
+    from infer_tune.cli.engine_tune import render
+
+    capsys.readouterr()
+    render(outcome, tspec)  # the table of tune --engine: each crash, and the line that runs it again
+    shown = capsys.readouterr().out
+    assert shown.count("crashed: llama.cpp gguf=") == 5 and "reproduce: ENGINE_BUILD=" in shown
 
     # bench --engine: the crashed launch is its row beside the default launch's, with no figures
     base, crashed = et.run_engine_bench(_engine_spec(tiny_model_dir, prompts_file, tmp_path / "bench", 1),
