@@ -485,3 +485,11 @@ def test_tune_engine_crashed_launches_are_rows_quarantined_and_never_win(monkeyp
     assert base["engine_status"] == "default" and base["metrics"]["tpot_ms"]["p50"] > 0
     assert crashed["engine_status"] == "crashed" and crashed["crash"]["signal"] == "SIGILL"
     assert "tpot_ms" not in crashed["metrics"] and Path(crashed.location, "result.json").is_file()
+    # the default launch crashing leaves nothing to compare with: its row is saved, and the search ends saying so
+    from infer_tune.engines import crash
+
+    monkeypatch.setenv("FAKE_ENGINE_FAIL", json.dumps({"f16.gguf": "sigill"}))
+    with pytest.raises(crash.EngineCrashed, match=r"default: crashed at start: signal SIGILL \(4\) \(its row: "):
+        et.run_engine_tune(_engine_spec(tiny_model_dir, prompts_file, tmp_path / "nodefault"), tspec,
+                           settings_list=[{"gguf": "q4_0"}])
+    assert [d["engine_status"] for d in results.find_results(tmp_path / "nodefault")] == ["crashed"]

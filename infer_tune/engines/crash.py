@@ -60,9 +60,10 @@ class EngineCrashed(InferTuneError):
 
     exit_code = 1
 
-    def __init__(self, crash: Crash) -> None:
+    def __init__(self, crash: Crash, row: Path | None = None) -> None:
         line = crash.reproducer.get("line", "")
-        super().__init__(f"{crash.label}: {crash.summary}" + (f"; reproduce: {line}" if line else ""))
+        super().__init__(f"{crash.label}: {crash.summary}" + (f" (its row: {row})" if row else "")
+                         + (f"; reproduce: {line}" if line else ""))
         self.crash = crash
 
 

@@ -35,7 +35,7 @@ from infer_tune.document import ResultDocument
 from infer_tune.endpoint.config import EndpointConfig
 from infer_tune.engines import calibrate, crash
 from infer_tune.engines import launch as lm
-from infer_tune.errors import ConfigError, InferTuneError
+from infer_tune.errors import ConfigError
 from infer_tune.metrics import deltas, noise
 from infer_tune.report.recommend import ENGINE, ENGINE_OBJECTIVES, OBJECTIVES
 from infer_tune.runners.base import Progress
@@ -341,6 +341,13 @@ def decide(docs: list[ResultDocument], spec: EngineTuneSpec) -> ResultDocument |
     return best
 
 
+def _default_crashed(spec: RunSpec, found: crash.Crash, env: dict | None, tspec: EngineTuneSpec):
+    """The default launch crashed: nothing to compare the others with. Its row is saved, then the search ends
+    (EngineCrashed, exit 1, naming the row and the reproducer)."""
+    saved = save_rows(spec.out_dir, [Row(crashed_doc(spec, found, env, tspec.objective))])
+    raise crash.EngineCrashed(found, row=saved[0].location)
+
+
 def _prepared(run: EndpointRun) -> PreparedModel:
     return PreparedModel(model=None, tokenizer=run.model.tokenizer, label=run.config.display_label(),
                          device="endpoint", metrics={"model_bytes": run.weight_bytes},
@@ -368,8 +375,7 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
         try:
             base_started, base_run = open_launch(stack, spec, default, text, **deadlines)
         except crash.EngineCrashed as exc:  # nothing to compare with: the crashed row, then the end
-            saved = save_rows(spec.out_dir, [Row(crashed_doc(spec, exc.crash, None, tspec.objective))])
-            raise crash.EngineCrashed(exc.crash) from InferTuneError(f"its row: {saved[0].location}")
+            _default_crashed(spec, exc.crash, None, tspec)
         live: list[tuple[lm.Launch, lm.Started, EndpointRun]] = []
         for i, launch in enumerate(launches):
             if progress:
@@ -408,9 +414,9 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
                 failed = None
             except Exception as exc:  # noqa: BLE001 (re-raised below unless a launch died)
                 failed = exc
-            if base_started.process.poll() is not None:
-                found = ended(base_started, "measurement")
-                raise crash.EngineCrashed(found) if found else failed or InferTuneError("the default launch ended")
+            found = ended(base_started, "measurement")
+            if found is not None:
+                _default_crashed(spec, found, base_run.env, tspec)
             dead = [(x, found) for x in live if (found := ended(x[1], "measurement")) is not None]
             for (launch, _, _), found in dead:
                 crashes.append(found)
