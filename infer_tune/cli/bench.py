@@ -118,6 +118,13 @@ def bench_engine(opts: opt.MeasureOptions, engine: str | None, sets: list[str], 
         output.print_json(docs)
         return
     for doc in docs:
+        if doc.get("engine_status") == "crashed":  # engines/crash.py: nothing measured, how to run it again
+            crash = doc["crash"]
+            output.out.print(f"{doc.label}: {crash['summary']} (row {doc.location})", soft_wrap=True, markup=False)
+            for line in crash["log_tail"][-5:]:
+                output.out.print(f"  | {line}", soft_wrap=True, markup=False, highlight=False)
+            output.out.print(f"reproduce: {crash['reproducer']['line']}", soft_wrap=True, markup=False)
+            continue
         render_result(doc, doc.location)  # where it was saved: never a key of the document
         m = doc.metrics
         output.out.print(f"launch: {' '.join(doc.config['launch']['argv'])}", soft_wrap=True, markup=False)

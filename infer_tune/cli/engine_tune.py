@@ -36,8 +36,8 @@ def render(outcome, tspec) -> None:
     table.add_row(base.label, "default", "1.00", output.fmt(1000 / base.tpot_p50_ms if base.tpot_p50_ms else None, ".1f"),
                   output.fmt(base.ttft_p50_ms, ".0f"), output.fmt(base.metric("ppl"), ".3f"), "-", "-", "-", "")
     for row in outcome.tried():
-        if row["status"] == "refused":
-            table.add_row(row["label"], "refused", "-", "-", "-", "-", "-", "-", "-", row["reason"])
+        if row["status"] in ("refused", "crashed"):
+            table.add_row(row["label"], row["status"], "-", "-", "-", "-", "-", "-", "-", row["reason"])
             continue
         ci = row["ratio_ci95"]
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
@@ -49,6 +49,9 @@ def render(outcome, tspec) -> None:
     output.out.print(table)
     for line in outcome.notes:
         output.out.print(f"note: {line}", soft_wrap=True)
+    for doc in outcome.crashed:  # quarantined for this search; how to see it again by hand
+        output.out.print(f"crashed: {doc.label} ({doc['crash']['summary']}; row {doc.location}); reproduce: "
+                         f"{doc['crash']['reproducer']['line']}", soft_wrap=True, markup=False)
     w = outcome.winner
     output.out.print(f"winner: {w['label']}", soft_wrap=True, markup=False)
     output.out.print(f"launch: {shlex.join(outcome.command)}", soft_wrap=True, markup=False)

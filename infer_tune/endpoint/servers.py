@@ -131,14 +131,31 @@ def engine_command(engine: str, model_ref: str, port: int, *, continuous_batchin
     return cmd + list(extra_args), checkpoint
 
 
+class ServerExited(EndpointError):
+    """The server process ended before it answered (`returncode`: negative, the signal that killed it)."""
+
+    def __init__(self, message: str, returncode: int, log_path: Path) -> None:
+        super().__init__(message)
+        self.returncode, self.log_path = returncode, log_path
+
+
+class ServerHung(EndpointError):
+    """The server process lived but did not answer within `timeout_s` (it is stopped on the way out)."""
+
+    def __init__(self, message: str, timeout_s: float, log_path: Path) -> None:
+        super().__init__(message)
+        self.timeout_s, self.log_path = timeout_s, log_path
+
+
 def wait_ready(url: str, process: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
-    """Poll `GET {url}/models` until it answers 200; fail with the log's tail if the process exits or time runs out."""
+    """Poll `GET {url}/models` until it answers 200; fail with the log's tail if the process exits
+    (`ServerExited`) or time runs out (`ServerHung`)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
-            raise EndpointError(f"the server exited with code {process.returncode} before it was ready: "
-                                + " | ".join(tail))
+            raise ServerExited(f"the server exited with code {process.returncode} before it was ready: "
+                               + " | ".join(tail), process.returncode, log_path)
         try:
             with urllib.request.urlopen(f"{url}/models", timeout=2) as response:  # noqa: S310 (loopback only)
                 if response.status == 200:
@@ -146,7 +163,11 @@ def wait_ready(url: str, process: subprocess.Popen, log_path: Path, timeout_s: f
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.25)  # polling interval while the engine loads its model
-    raise EndpointError(f"the server did not answer {url}/models within {timeout_s:g} s (log: {log_path})")
+    if process.poll() is not None:  # it died while the last poll waited
+        raise ServerExited(f"the server exited with code {process.returncode} before it was ready",
+                           process.returncode, log_path)
+    raise ServerHung(f"the server did not answer {url}/models within {timeout_s:g} s (log: {log_path})", timeout_s,
+                     log_path)
 
 
 def stop(process: subprocess.Popen, grace_s: float = 10.0) -> None:

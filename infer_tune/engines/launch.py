@@ -14,6 +14,7 @@ engine). llama.cpp's `llama-server`:
 | parallel, batch_size, ubatch_size, cont_batching | `--parallel`, `--batch-size`, `--ubatch-size`, `--cont-batching` / `--no-cont-batching` | batching |
 | override_tensor, n_cpu_moe | `--override-tensor`, `--n-cpu-moe` | experts |
 | threads | `--threads` and `--threads-batch` | |
+| repack | `--repack` / `--no-repack` (off: no weight repacking, no AMX buffer types at run time) | |
 
 vLLM (`vllm serve`) and SGLang (`python -m sglang.launch_server`) take the same kind of table mapped to
 their flags (`--quantization`, `--kv-cache-dtype`, `--speculative-config`, `--max-num-seqs`,
@@ -26,7 +27,9 @@ attention (llama.cpp refuses it), a cache type the engine does not have, a draft
 or memory: the weights (the GGUF's bytes) plus the KV cache (layers x context x KV heads x head size x
 the cache types' bytes, from the checkpoint's config.json) against `MemAvailable`.
 `started(launch)` starts the engine on 127.0.0.1 at a free port in its own process group, waits (bounded)
-until `GET /v1/models` answers and stops the group on the way out, on errors and interrupts too.
+until `GET /v1/models` answers and stops the group on the way out, on errors and interrupts too. An engine
+killed by a signal before it answered, or silent past the deadline, raises `engines.crash.EngineCrashed`
+(the signal or the hang, its log's tail, a reproducer); one that exits with a code refused its argv.
 """
 
 from __future__ import annotations
@@ -105,6 +108,7 @@ LLAMA_CPP = {
     "override_tensor": Setting("--override-tensor", "str", technique="experts"),
     "n_cpu_moe": Setting("--n-cpu-moe", "int", technique="experts"),
     "threads": Setting(None, "int"),
+    "repack": Setting(None, "bool", help="weight repacking and the AMX buffer types (off: --no-repack)"),
 }
 VLLM_QUANT = ("awq", "gptq", "fp8", "bitsandbytes", "gguf", "compressed-tensors", "marlin", "awq_marlin",
               "gptq_marlin", "experts_int8")
@@ -241,6 +245,8 @@ def _llama_argv(launch: Launch, port: int, files: dict[str, Path], threads: int 
     threads = launch.get("threads", threads)
     if threads:
         cmd += ["--threads", str(threads), "--threads-batch", str(threads)]
+    if "repack" in launch.settings:
+        cmd.append("--repack" if launch.get("repack") else "--no-repack")
     return cmd + _flags(LLAMA_CPP, launch.settings)
 
 
@@ -416,7 +422,8 @@ class Started:
                                   if llamacpp.gguf_facts(p).get("imatrix") else {})}
                            for k, p in self.files.items()}
             info = llamacpp.build_info()
-            out["llama_cpp"] = {k: info.get(k) for k in ("commit", "build_number", "system_info") if info.get(k)}
+            out["llama_cpp"] = {k: info.get(k) for k in ("commit", "build_number", "source_package", "system_info")
+                                if info.get(k)}
         return out
 
     def weight_bytes(self) -> int | None:
@@ -429,6 +436,7 @@ def started(launch: Launch, *, threads: int | None = None, calibration: Path | N
             startup_timeout_s: float = 300.0, log_dir: Path | None = None, check: bool = True) -> Iterator[Started]:
     """Start `launch` on loopback (after its preflight), wait until it answers, stop it on the way out."""
     from infer_tune.endpoint import servers
+    from infer_tune.engines import crash
 
     files = resolve_files(launch, threads=threads, calibration=calibration)
     if check:
@@ -437,6 +445,15 @@ def started(launch: Launch, *, threads: int | None = None, calibration: Path | N
             raise ConfigError(f"{launch.label}: refused in preflight: {why}")
     port = servers.free_port()
     cmd = argv(launch, port, files=files, threads=threads)
-    with servers.spawned(cmd, launch.engine, port, log_dir=log_dir, startup_timeout_s=startup_timeout_s) as (
-            url, process, log_path):
-        yield Started(launch, url, launch.model, cmd, files, log_path, process)
+    try:
+        with servers.spawned(cmd, launch.engine, port, log_dir=log_dir, startup_timeout_s=startup_timeout_s) as (
+                url, process, log_path):
+            yield Started(launch, url, launch.model, cmd, files, log_path, process)
+    except servers.ServerHung as exc:  # a hang before it answered: a crash (engines.crash), stopped by spawned
+        raise crash.EngineCrashed(crash.crash_of(launch, cmd, files, phase="start", hung_after_s=exc.timeout_s,
+                                                 log_path=exc.log_path)) from exc
+    except servers.ServerExited as exc:  # killed by a signal: a crash; an exit code: the engine refused its argv
+        if not crash.is_crash(exc.returncode, "start"):
+            raise
+        raise crash.EngineCrashed(crash.crash_of(launch, cmd, files, phase="start", returncode=exc.returncode,
+                                                 log_path=exc.log_path)) from exc

@@ -223,7 +223,7 @@ def gguf_facts(path: str | Path) -> dict:
 
 
 def _version_facts(info: dict) -> dict:
-    keys = ("commit", "build_number", "llama_cpp_python", "system_info", "flags")
+    keys = ("commit", "build_number", "source_package", "llama_cpp_python", "system_info", "flags")
     return {k: info.get(k) for k in keys if info.get(k) is not None}
 
 

@@ -1,6 +1,6 @@
 """Human rendering of leaderboard rows: units (ms, tok/s, MiB, x, %), the technique and its config
 first, drift judged on perplexity and faithfulness with BLEU's interval beside it, and a verdict
-column (`broken`, `lossless`, `lossy`). Shared by the markdown, HTML and terminal renderings."""
+column (`crashed`, `broken`, `lossless`, `lossy`). Shared by the markdown, HTML and terminal renderings."""
 
 from __future__ import annotations
 
@@ -78,11 +78,18 @@ def bleu_drift(row: dict) -> str:
     return f"{v:+.2f}"
 
 
+def crashed(row: dict) -> bool:
+    """A launch that crashed (engines/crash.py): nothing measured, its reproducer in `verdict_evidence`."""
+    return isinstance(row.get("crashed"), str) and bool(row["crashed"])
+
+
 def verdict(row: dict) -> str:
-    """`baseline`, `broken` (drift says the model no longer works), `lossless` (token-identical to the
-    baseline) or `lossy`; empty when nothing was compared."""
+    """`baseline`, `crashed` (the engine died or hung), `broken` (drift says the model no longer works),
+    `lossless` (token-identical to the baseline) or `lossy`; empty when nothing was compared."""
     if row.get("technique") == "baseline":
         return "baseline"
+    if crashed(row):
+        return "crashed"
     if is_broken(row):
         return "broken"
     # against the baseline's outputs: a row whose own `output_mismatches` counts against another reference
@@ -131,6 +138,8 @@ def config_cell(row: dict) -> str:
 
 def lead_cell(row: dict) -> str:
     """What the row's technique is judged on (report/leads.py); a broken row is never a speedup."""
+    if crashed(row):
+        return "crashed"
     if is_broken(row) and row.get("technique") != "baseline":
         return "broken"
     return text(row.get("lead"))

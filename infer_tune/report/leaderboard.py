@@ -27,8 +27,8 @@ COLUMNS = ("run_id", "technique", "config", "model", "suite", "ttft_p50_ms", "tt
            "bleu_drift", "bleu_vs_baseline", "exact_match_vs_baseline", "ppl_delta_pct", "pass_at_1",
            "roofline_fraction", "output_mismatches", "output_mismatches_vs_baseline", "ttft_speedup_vs_baseline", "bleu_drift_ci95", "broken", "broken_why",
            "verdict_evidence", "speedup_vs_baseline_ci95", "ttft_speedup_vs_baseline_ci95", "lead", "lead_value",
-           "lead_vs", "lead_decode", "host", "quality")
-OBJECT_COLUMNS = {"quality", "run_id", "technique", "config", "model", "suite", "bleu_drift_ci95", "broken", "broken_why",
+           "lead_vs", "lead_decode", "host", "quality", "crashed")
+OBJECT_COLUMNS = {"crashed", "quality", "run_id", "technique", "config", "model", "suite", "bleu_drift_ci95", "broken", "broken_why",
                   "verdict_evidence", "speedup_vs_baseline_ci95", "ttft_speedup_vs_baseline_ci95", "lead", "lead_vs",
                   "lead_decode", "host"}
 
@@ -68,6 +68,11 @@ def flatten(doc: ResultDocument) -> dict:
     for key in COLUMNS:
         if not key.startswith("lead"):
             row.setdefault(key, m.get(key))
+    crash = doc.get("crash") if doc.get("engine_status") == "crashed" else None
+    if isinstance(crash, dict):  # a launch that crashed (engines/crash.py): the verdict, and how to run it again
+        row["crashed"] = str(crash.get("summary") or "crashed")
+        row["verdict_evidence"] = (f"{row['crashed']}; reproduce: "
+                                   f"{(crash.get('reproducer') or {}).get('line') or '-'}")
     if display.is_broken(row):  # a broken model is never shown as a speedup (metrics.deltas.verdict; the verdict column says why)
         row["speedup_vs_baseline"] = None
     elif doc.noisy:

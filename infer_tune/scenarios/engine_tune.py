@@ -33,7 +33,7 @@ import yaml
 from infer_tune import atomic
 from infer_tune.document import ResultDocument
 from infer_tune.endpoint.config import EndpointConfig
-from infer_tune.engines import calibrate
+from infer_tune.engines import calibrate, crash
 from infer_tune.engines import launch as lm
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import deltas, noise
@@ -64,19 +64,68 @@ def launch_config(started: lm.Started) -> dict:
 
 
 def open_launch(stack: contextlib.ExitStack, spec: RunSpec, launch: lm.Launch, text: Path | None,
-                startup_timeout_s: float = 300.0) -> tuple[lm.Started, EndpointRun]:
-    """Start `launch` (stopped when `stack` closes) and connect the endpoint runner to it."""
-    started = stack.enter_context(lm.started(launch, threads=spec.threads, calibration=text,
-                                             startup_timeout_s=startup_timeout_s))
-    # ignore_eos: every launch generates the same number of tokens, so their times compare (as the reference
-    # row of tune does); the outputs still compare token by token up to that length
-    config = EndpointConfig(url=started.url, served_model=started.served_model, concurrency=launch.parallel(),
-                            label=launch.label, ignore_eos=True)
-    model_given = not launch.model.lower().endswith(".gguf")
-    run = open_endpoint(dataclasses.replace(spec, model=launch.model), config, model_given=model_given)
-    run.weight_bytes = started.weight_bytes()
-    run.env["endpoint"]["launched"] = started.record()
+                startup_timeout_s: float = 300.0, answer_deadline_s: float | None = None) -> tuple[lm.Started, EndpointRun]:
+    """Start `launch` (stopped when `stack` closes) and connect the endpoint runner to it (its first request).
+    An engine that dies or hangs on the way raises `crash.EngineCrashed` (engines.crash), stopped at once:
+    at the start (lm.started), or at its first request (killed by a signal, ended, or silent past
+    `answer_deadline_s`, the requests' idle limit)."""
+    with contextlib.ExitStack() as own:  # this launch's: stopped here if it fails, else handed to `stack`
+        started = own.enter_context(lm.started(launch, threads=spec.threads, calibration=text,
+                                               startup_timeout_s=startup_timeout_s))
+        # ignore_eos: every launch generates the same number of tokens, so their times compare (as the reference
+        # row of tune does); the outputs still compare token by token up to that length
+        config = EndpointConfig(url=started.url, served_model=started.served_model, concurrency=launch.parallel(),
+                                label=launch.label, ignore_eos=True,
+                                **({"idle_timeout_s": answer_deadline_s} if answer_deadline_s else {}))
+        model_given = not launch.model.lower().endswith(".gguf")
+        began = time.monotonic()
+        try:
+            run = open_endpoint(dataclasses.replace(spec, model=launch.model), config, model_given=model_given)
+        except Exception as exc:
+            found = ended(started, "first request")
+            if found is None and time.monotonic() - began >= config.idle_timeout_s and "timeout" in str(exc):
+                found = crash.crash_of(launch, started.command, started.files, phase="first request",
+                                       hung_after_s=config.idle_timeout_s, log_path=started.log_path)
+            if found is None:
+                raise
+            raise crash.EngineCrashed(found) from exc
+        run.weight_bytes = started.weight_bytes()
+        run.env["endpoint"]["launched"] = started.record()
+        stack.enter_context(own.pop_all())
     return started, run
+
+
+def ended(started: lm.Started, phase: str) -> crash.Crash | None:
+    """The crash of a launch whose process has ended on its own (read before it is stopped), else None."""
+    code = started.process.poll()
+    if not crash.is_crash(code, phase):
+        return None
+    return crash.crash_of(started.launch, started.command, started.files, phase=phase, returncode=code,
+                          log_path=started.log_path)
+
+
+def crashed_doc(spec: RunSpec, found: crash.Crash, env: dict | None, objective: str | None = None) -> ResultDocument:
+    """The result row of a launch that crashed: nothing measured, `engine_status: crashed` and `crash` (the
+    signal or the hang, its log's tail, the reproducer); never eligible, never a winner."""
+    from infer_tune import env as envinfo
+    from infer_tune import results
+
+    env = {k: v for k, v in (env or envinfo.collect_env(spec.threads)).items() if k != "endpoint"}
+    argv = found.reproducer.get("argv") or []
+    binary = found.reproducer.get("binary")
+    engine = found.label.split(" ", 1)[0]
+    doc = ResultDocument(
+        run_id=results.new_run_id(TECHNIQUE, found.label), created_at=results.created_stamp(),
+        tool=envinfo.tool_info(), env=env, model={"ref": spec.model}, technique=TECHNIQUE, label=found.label,
+        config={"engine": engine, "settings": found.settings,
+                "launch": {"engine": engine, "model": spec.model, "settings": found.settings,
+                           "argv": [Path(binary).name] + argv if binary else argv,
+                           **({"llama_cpp": found.reproducer["build"]} if found.reproducer.get("build") else {})}},
+        runner="endpoint", workload=spec.workload.to_dict(), protocol=None, metrics={"measured": False},
+        samples={}, objective=objective,
+        fingerprint=results.fingerprint("engine-crashed", found.label, found.settings, found.how, found.phase))
+    _mark(doc, engine_status="crashed", eligible=False, engine_reason=found.summary, crash=found.to_dict())
+    return doc
 
 
 def perplexity_of(started: lm.Started, text: Path | None, threads: int | None) -> dict | None:
@@ -118,12 +167,25 @@ def default_launch(launch: lm.Launch) -> lm.Launch:
 
 # --------------------------------------------------------------------------- bench --engine
 def _measure_launch(spec: RunSpec, launch: lm.Launch, text, progress: Progress | None, step: int):
-    """Start one launch, measure it like `bench --endpoint`, its perplexity in the row; stopped on return."""
+    """Start one launch, measure it like `bench --endpoint`, its perplexity in the row; stopped on return.
+    A launch that crashes (engines.crash) is its crashed row, with no outputs."""
     if progress:
         progress(f"launch {launch.label}", step, 2)
     with contextlib.ExitStack() as stack:
-        started, run = open_launch(stack, spec, launch, text)
-        doc, outputs = measure_endpoint(run, spec, extra_config=launch_config(started), progress=progress)
+        try:
+            started, run = open_launch(stack, spec, launch, text)
+        except crash.EngineCrashed as exc:
+            return crashed_doc(spec, exc.crash, None), None
+        try:
+            doc, outputs = measure_endpoint(run, spec, extra_config=launch_config(started), progress=progress)
+        except Exception:
+            found = ended(started, "measurement")
+            if found is None:
+                raise
+            return crashed_doc(spec, found, run.env), None
+        found = ended(started, "measurement")
+        if found is not None:  # it answered some requests, then died: its figures are not a launch's
+            return crashed_doc(spec, found, run.env), None
         doc.technique = TECHNIQUE
         add_quality(doc, perplexity_of(started, text, spec.threads), None)
     return doc, outputs
@@ -139,9 +201,15 @@ def run_engine_bench(spec: RunSpec, launch: lm.Launch, *, against_default: bool 
     base_doc = base_outputs = None
     if against_default and launch.engine == "llama.cpp" and launch.settings != default.settings:
         base_doc, base_outputs = _measure_launch(spec, default, text, progress, 0)
-        _mark(base_doc, engine_status="default")
-        rows.append(Row(base_doc, base_outputs))
+        if base_outputs is None:  # the default launch crashed: its row, and the launch measured on its own
+            rows.append(Row(base_doc, []))
+            base_doc = None
+        else:
+            _mark(base_doc, engine_status="default")
+            rows.append(Row(base_doc, base_outputs))
     doc, outputs = _measure_launch(spec, launch, text, progress, 1)
+    if outputs is None:
+        return save_rows(spec.out_dir, rows + [Row(doc, [])])
     if base_doc is not None:
         doc.add_metrics(deltas.versus_baseline(doc.metrics, outputs, base_doc, base_outputs),
                         source="the comparison with the default launch")
@@ -160,9 +228,14 @@ class EngineTuneSpec:
     objective: str = "decode"
     budget_s: float = 600.0
     seed: int = 0
+    start_deadline_s: float = 300.0  # a launch silent past this before it answers /v1/models: crashed (hung)
+    answer_deadline_s: float = 60.0  # ... or silent past this at a request (the requests' idle limit)
 
     def __post_init__(self) -> None:
         lm.check_engine(self.engine)
+        for name in ("start_deadline_s", "answer_deadline_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"tune --engine: {name} must be > 0, got {getattr(self, name)}")
         if self.engine != "llama.cpp":
             raise ConfigError(f"tune --engine {self.engine} needs its GPU: only llama.cpp is searched on this host "
                               "(bench --engine measures one vLLM / SGLang launch)")
@@ -204,10 +277,12 @@ class EngineTuneOutcome:
     command: list[str]  # the winner's command line as it ran (the binary's full path): start it by hand
     elapsed_s: float
     notes: list[str] = field(default_factory=list)
+    crashed: list[ResultDocument] = field(default_factory=list)  # saved rows of the launches that crashed
 
     def tried(self) -> list[dict]:
         return [table_row(d) for d in self.rows] + [
-            {"label": r["label"], "status": "refused", "reason": r["reason"]} for r in self.refused]
+            {"label": r["label"], "status": "refused", "reason": r["reason"]} for r in self.refused] + [
+            {**table_row(d), "reproducer": d["crash"]["reproducer"]["line"]} for d in self.crashed]
 
     def to_dict(self) -> dict:
         return {"winner": self.winner, "baseline": self.baseline, "tried": self.tried(),
@@ -252,6 +327,8 @@ def decide(docs: list[ResultDocument], spec: EngineTuneSpec) -> ResultDocument |
     key = OBJECTIVE_RATIO[spec.objective]
     best = None
     for doc in docs:
+        if doc.get("engine_status") == "crashed":  # nothing measured: never a winner
+            continue
         why = quality_reasons(doc.metrics, spec)
         ci = doc.interval(key)
         if not why and not ci:
@@ -262,6 +339,13 @@ def decide(docs: list[ResultDocument], spec: EngineTuneSpec) -> ResultDocument |
         if not why and (best is None or ci[0] > best.interval(key)[0]):
             best = doc  # the highest lower bound, as tune decides; an overlap is said after the search
     return best
+
+
+def _default_crashed(spec: RunSpec, found: crash.Crash, env: dict | None, tspec: EngineTuneSpec):
+    """The default launch crashed: nothing to compare the others with. Its row is saved, then the search ends
+    (EngineCrashed, exit 1, naming the row and the reproducer)."""
+    saved = save_rows(spec.out_dir, [Row(crashed_doc(spec, found, env, tspec.objective))])
+    raise crash.EngineCrashed(found, row=saved[0].location)
 
 
 def _prepared(run: EndpointRun) -> PreparedModel:
@@ -282,33 +366,67 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
                 (settings_list if settings_list is not None else candidates(tspec, spec.model, spec.threads))]
     refused: list[dict] = []
     notes: list[str] = []
+    crashes: list[crash.Crash] = []
+    quarantine = crash.Quarantine()  # what crashed or was refused in this search is never started again
+    deadlines = {"startup_timeout_s": tspec.start_deadline_s, "answer_deadline_s": tspec.answer_deadline_s}
     with contextlib.ExitStack() as stack:
         if progress:
             progress(f"launch {default.label}", 0, len(launches) + 1)
-        base_started, base_run = open_launch(stack, spec, default, text)
+        try:
+            base_started, base_run = open_launch(stack, spec, default, text, **deadlines)
+        except crash.EngineCrashed as exc:  # nothing to compare with: the crashed row, then the end
+            _default_crashed(spec, exc.crash, None, tspec)
         live: list[tuple[lm.Launch, lm.Started, EndpointRun]] = []
         for i, launch in enumerate(launches):
             if progress:
                 progress(f"launch {launch.label}", i + 1, len(launches) + 1)
+            if launch in quarantine:  # the same configuration again: not started twice
+                notes.append(f"{launch.label} is listed again: quarantined ({quarantine.why(launch)}), not retried")
+                continue
             files = lm.resolve_files(launch, threads=spec.threads, calibration=text)
             why = lm.preflight(launch, files, lm.model_config(launch))
             if why:
                 refused.append({"label": launch.label, "settings": launch.to_dict()["settings"], "reason": why})
+                quarantine.add(launch, "refused")
                 continue
             try:
-                started, run = open_launch(stack, spec, launch, text)
+                started, run = open_launch(stack, spec, launch, text, **deadlines)
+            except crash.EngineCrashed as exc:  # a crash is a row of its own; the search goes on without it
+                crashes.append(exc.crash)
+                quarantine.add(launch, exc.crash.summary)
+                continue
             except Exception as exc:  # noqa: BLE001 (a launch the engine refuses is a refused row, not the end)
                 refused.append({"label": launch.label, "settings": launch.to_dict()["settings"],
                                 "reason": f"did not start: {str(exc).splitlines()[0][:200]}"})
+                quarantine.add(launch, "did not start")
                 continue
             live.append((launch, started, run))
         spent = time.monotonic() - start
         protocol = dataclasses.replace(spec.protocol, max_duration_s=max(30.0, 0.8 * (tspec.budget_s - spent)))
-        variants = [rounds.Variant("default", _prepared(base_run), "endpoint")] + [
-            rounds.Variant(f"{i}:{launch.label}", _prepared(run), "endpoint") for i, (launch, _, run) in enumerate(live)]
         before = noise.HostSnapshot.take()
-        outcome = rounds.run_rounds(variants, base_run.inputs, spec.workload, protocol, seed=tspec.seed,
-                                    progress=progress)
+        while True:  # a launch that dies during the rounds is a crash: the rounds again without it (once each)
+            variants = [rounds.Variant("default", _prepared(base_run), "endpoint")] + [
+                rounds.Variant(f"{i}:{launch.label}", _prepared(run), "endpoint")
+                for i, (launch, _, run) in enumerate(live)]
+            try:
+                outcome = rounds.run_rounds(variants, base_run.inputs, spec.workload, protocol, seed=tspec.seed,
+                                            progress=progress)
+                failed = None
+            except Exception as exc:  # noqa: BLE001 (re-raised below unless a launch died)
+                failed = exc
+            found = ended(base_started, "measurement")
+            if found is not None:
+                _default_crashed(spec, found, base_run.env, tspec)
+            dead = [(x, found) for x in live if (found := ended(x[1], "measurement")) is not None]
+            for (launch, _, _), found in dead:
+                crashes.append(found)
+                quarantine.add(launch, found.summary)
+            kept = [(x, v) for x, v in zip(live, variants[1:]) if all(x is not d for d, _ in dead)]
+            live, variants = [x for x, _ in kept], variants[:1] + [v for _, v in kept]
+            if failed is not None and not dead:
+                raise failed
+            if failed is None:
+                break
         host = (before, noise.HostSnapshot.take())
         base_doc, base_outputs = build_document(
             Measured(base_run.model, variants[0].prepared, rounds.merged_run(variants[0]), base_run.inputs,
@@ -331,7 +449,9 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
         for r in rows[1:]:
             _mark(r.doc, engine_status="winner" if r.doc is winner else "measured")
         winner_started = next((s for (_, s, _), r in zip(live, rows[1:]) if r.doc is winner), base_started)
-    saved = save_rows(spec.out_dir, [r for r in rows])
+    crashed_rows = [Row(crashed_doc(spec, found, base_run.env, tspec.objective)) for found in crashes]
+    saved = save_rows(spec.out_dir, [r for r in rows] + crashed_rows)
+    saved, crashed_docs = saved[:len(rows)], saved[len(rows):]
     base_doc, docs = saved[0], saved[1:]
     winner_doc = next((d for d in docs if d.get("engine_status") == "winner"), base_doc)
     if winner is not None:
@@ -347,7 +467,7 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
     recommended = write_recommended(spec, winner_started, winner_doc)
     return EngineTuneOutcome(baseline=base_doc, rows=docs, refused=refused, winner=winner_doc,
                              recommended=recommended, command=list(winner_started.command),
-                             elapsed_s=time.monotonic() - start, notes=notes)
+                             elapsed_s=time.monotonic() - start, notes=notes, crashed=crashed_docs)
 
 
 def write_recommended(spec: RunSpec, started: lm.Started, doc: ResultDocument) -> Path:
