@@ -363,3 +363,28 @@ def test_an_error_record_is_one_line_without_debug():
     text = stream.getvalue()
     assert text.count("\n") == 1 and "Traceback" not in text
     assert "Error handling request from 127.0.0.1: ConnectionResetError: Cannot write" in text
+
+
+def test_soak_with_clients_hanging_up(tiny_model_dir, _test_home):
+    """bench/serve_soak.py's load for 6 s on a tiny model (2 slots): streamed and whole requests, a third of
+    them abandoned mid-stream or before the answer, /health polled throughout. Every request that was not
+    abandoned is answered, /health always, every slot is free at the end, and the log holds no traceback
+    (before: one per client that left mid-stream)."""
+    import os
+    from pathlib import Path
+
+    from bench.serve_soak import soak, start_server, stop_server
+
+    env = dict(os.environ, INFER_TUNE_HOME=str(_test_home), PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]))
+    process, base = start_server(["--model", str(tiny_model_dir), "--method", "int4-rtn", "--no-compile",
+                                  "--context", "256", "--slots", "2", "--threads", "1"], env=env, ready_s=120)
+    try:
+        report = soak(base, process.pid, 6.0, clients=4, warmup_s=2.0, seed=1, settle_s=10)
+    finally:
+        code, log = stop_server(process)
+    assert report["served"] >= 10 and report["hangups"] >= 5, report
+    assert report["failures"] == {} and report["stuck_threads"] == 0, report
+    assert report["health_failures"] == {} and report["health_polls"] >= 10, report
+    assert report["slots"] == 2 and report["busy_at_end"] == 0 and report["waiting_at_end"] == 0, report
+    assert code == 0 and "Traceback" not in log, log[-3000:]
