@@ -382,9 +382,12 @@ def test_soak_with_clients_hanging_up(tiny_model_dir, _test_home):
     try:
         report = soak(base, process.pid, 6.0, clients=4, warmup_s=2.0, seed=1, settle_s=10)
     finally:
+        stopping = time.monotonic()
         code, log = stop_server(process)
+    stop_s = time.monotonic() - stopping
     assert report["served"] >= 10 and report["hangups"] >= 5, report
     assert report["failures"] == {} and report["stuck_threads"] == 0, report
     assert report["health_failures"] == {} and report["health_polls"] >= 10, report
     assert report["slots"] == 2 and report["busy_at_end"] == 0 and report["waiting_at_end"] == 0, report
     assert code == 0 and "Traceback" not in log, log[-3000:]
+    assert stop_s < 6, f"SIGTERM to exit took {stop_s:.1f} s (the HTTP thread waited 10 s for the main one)"

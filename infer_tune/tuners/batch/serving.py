@@ -69,6 +69,7 @@ class LiveSlots:
         self._busy: list[LiveRequest | None] = [None] * slots
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._own_thread = False  # start()'s thread, joined by stop(); run()'s caller is not waited for
         self.failure: BaseException | None = None
         self._running = False
         self.served = 0
@@ -119,6 +120,7 @@ class LiveSlots:
     def start(self) -> LiveSlots:
         """Serve on a thread of its own (tests; `run()` serves in the calling thread, faster: module docstring)."""
         self._running = True
+        self._own_thread = True
         self._thread = threading.Thread(target=self._run, name="infer-tune slots", daemon=True)
         self._thread.start()
         return self
@@ -161,9 +163,11 @@ class LiveSlots:
             self._pending -= n
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop after the current step; requests still waiting or decoding end with finish_reason `abort`."""
+        """Stop after the current step; requests still waiting or decoding end with finish_reason `abort`.
+        Waits for start()'s thread; never for run()'s caller (the main thread of `serve`, which itself waits
+        for the HTTP thread that calls this: joined, every SIGTERM took 10 s)."""
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
+        if self._own_thread and self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
 
     def _run(self) -> None:
