@@ -217,9 +217,9 @@ def test_the_queue_bound_counts_what_the_engine_took_in(tokenizer):
             engine.submit(request)
         release[1].set()
         assert paused[3].wait(30)  # a step later: the engine has moved both from its inbox to its queue
-        assert engine.waiting == 2 and engine.busy_slots == 1
         with pytest.raises(queue.Full):
             engine.submit(LiveRequest(ids=[3], max_tokens=2, emit=other))
+        assert engine.waiting == 2 and engine.busy_slots == 1
         waiting[0].cancelled = True  # a client that left gives its place back at the next step
         release[3].set()
         assert until(lambda: engine.waiting == 1, 10)
