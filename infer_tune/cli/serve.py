@@ -22,9 +22,10 @@ def serve(
     native_step: Annotated[bool | None, typer.Option("--native-step/--no-native-step", help="The decode step in one native call (int4 a8 Llama models).")] = None,
     compile: Annotated[bool | None, typer.Option("--compile/--no-compile", help="Compile the batched decode step (default on; the native step needs none).")] = None,
     context: Annotated[int | None, typer.Option("--context", help="Cache positions per slot (prompt + output; default min(2048, the model's)).")] = None,
-    host: Annotated[str, typer.Option("--host", help="Address to listen on (loopback by default).")] = "127.0.0.1",
+    host: Annotated[str, typer.Option("--host", help="Address to listen on (loopback by default; beyond it, give --api-key-env).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port (0: a free one, printed when ready).")] = 8000,
-    max_waiting: Annotated[int, typer.Option("--max-waiting", help="Requests that may wait for a slot; more get HTTP 503.")] = 256,
+    max_waiting: Annotated[int, typer.Option("--max-waiting", help="Requests that may wait for a slot; more get HTTP 503 (Retry-After).")] = 256,
+    api_key_env: Annotated[str | None, typer.Option("--api-key-env", help="Environment variable holding the API key every /v1 request must send (Authorization: Bearer KEY).")] = None,
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="With the native step: prompt tokens one step runs at most beside the decoding slots' tokens.")] = 128,
     threads: opt.Threads = None,
     debug: opt.Debug = False,
@@ -34,7 +35,11 @@ def serve(
 
     Example: infer-tune serve --recipe runs/x/recommended.yaml --port 8000
     Example: infer-tune serve --model smollm2-135m --method int4-rtn --activations int8 --native-step --slots 4
+    Example: SERVE_KEY=... infer-tune serve --recipe recommended.yaml --host 0.0.0.0 --api-key-env SERVE_KEY
     """
+    import os
+
+    from infer_tune.endpoint.serving import is_loopback, listen
     from infer_tune.scenarios import serve as scenario
 
     if (recipe is None) == (method is None):
@@ -47,6 +52,11 @@ def serve(
         raise ConfigError(f"--max-waiting must be >= 1, got {max_waiting}")
     if prefill_chunk < 1:
         raise ConfigError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
+    api_key = None
+    if api_key_env is not None:
+        api_key = os.environ.get(api_key_env, "")
+        if not api_key.strip():
+            raise ConfigError(f"--api-key-env {api_key_env}: that environment variable is not set or empty")
     if recipe is not None:
         plan = scenario.plan_from_recipe(recipe, config_index, model)
     else:
@@ -59,11 +69,19 @@ def serve(
         plan.native_step = native_step
     if compile is not None:
         plan.compile = compile
-    for note in plan.notes:
-        output.warn(note)
-    output.err.print(f"loading {plan.describe()} ...", markup=False, highlight=False)
-    served = scenario.build(plan, threads=threads, max_context=context, max_waiting=max_waiting,
-                            prefill_chunk=prefill_chunk)
+    sock = listen(host, port)  # before the model loads: a port in use is one line at once, not after the load
+    try:
+        if not is_loopback(host) and api_key is None:
+            output.warn(f"listening on {host}, beyond loopback without --api-key-env: anyone who can reach "
+                        f"port {sock.getsockname()[1]} can use this server")
+        for note in plan.notes:
+            output.warn(note)
+        output.err.print(f"loading {plan.describe()} ...", markup=False, highlight=False)
+        served = scenario.build(plan, threads=threads, max_context=context, max_waiting=max_waiting,
+                                prefill_chunk=prefill_chunk)
+    except BaseException:
+        sock.close()
+        raise
     fallback = served.facts.get("lean_native_fallback")
     if fallback:
         output.warn(f"native step not used: {fallback}")
@@ -73,5 +91,5 @@ def serve(
                          f"(Ctrl-C stops)", markup=False, highlight=False)
         print(f"READY {url}", flush=True)
 
-    scenario.serve(served, host, port, ready)
+    scenario.serve(served, host, port, ready, sock=sock, api_key=api_key, debug=output.state.debug)
     output.err.print(f"stopped after {served.engine.served} requests", markup=False, highlight=False)

@@ -12,8 +12,18 @@ Greedy decoding only: `temperature` must be 0 or absent (a sampling request is r
 decoded greedily), `n` 1. `ignore_eos: true` (the llama.cpp / vLLM extension) decodes past
 end-of-sequence up to `max_tokens`; without `max_tokens`, a request decodes until end-of-sequence or its
 slot's cache is full. Bad requests get HTTP 400 with `{"error": {"message", "type", "code"}}`: a body that
-is not a JSON object, a missing or malformed field, a prompt longer than the context; an unknown model
-404; a body over `MAX_BODY_BYTES` 413; a full queue 503. Streamed text is the decoded text of all tokens
+is not a JSON object (JSON nested deeper than 64 levels, an integer of more than 4,300 digits included), a
+missing or malformed field, a prompt longer than the context; an unknown model 404; a body over
+`MAX_BODY_BYTES` 413; a POST whose Content-Type is not `application/json` 415; a full queue (`max_waiting`
+requests waiting, counted over the engine's inbox and queue) 503 with `Retry-After`.
+
+Exposure (docs/hardening.md, "Serving"): a request whose `Host` is not a name of this server (loopback names,
+the bound address; any IP literal or this machine's name when bound to every interface) gets 421, so a web
+page cannot reach the server through a rebound DNS name; with an API key every `/v1/` route needs
+`Authorization: Bearer KEY` (401 otherwise; compared in constant time, never logged). A client that
+disconnects cancels its handler (aiohttp's `handler_cancellation`), streaming or not, and its request leaves
+its slot (or the queue) at the engine's next step. Errors are logged one line each (`--debug`: tracebacks).
+Streamed text is the decoded text of all tokens
 so far minus what was sent (held back while it ends in an incomplete character), so the concatenated
 deltas equal the decoded output exactly.
 """
@@ -21,12 +31,20 @@ deltas equal the decoded output exactly.
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
+import logging
 import queue
 import signal
+import socket
+import sys
 import time
 import uuid
 from dataclasses import dataclass
+
+from infer_tune import jsonsafe
+from infer_tune.errors import ConfigError
 
 MAX_BODY_BYTES = 1 << 20
 MAX_MESSAGES = 1024
@@ -48,19 +66,151 @@ class Parsed:
     ignore_eos: bool
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error"):
+RETRY_AFTER_S = 1
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+WILDCARDS = ("", "0.0.0.0", "::")
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None):
     from aiohttp import web
 
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status,
+                             headers=headers)
+
+
+def _ip(text: str):
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        return None
+
+
+def host_name(header: str) -> str:
+    """The host of a `Host` header without its port, lowercased: `[::1]:8000` -> `::1`, `Localhost.:80` ->
+    `localhost`."""
+    text = header.strip().lower()
+    if text.startswith("["):
+        return text[1:text.find("]")] if "]" in text else text
+    if text.count(":") == 1:
+        text = text.split(":", 1)[0]
+    return text.rstrip(".")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address a server listens on) is loopback only."""
+    ip = _ip(host.strip("[]"))
+    return host.lower().rstrip(".") == "localhost" if ip is None else ip.is_loopback
+
+
+def allowed_hosts(*bound: str) -> tuple[set[str], bool]:
+    """The `Host` names a server listening on `bound` (the address as bound, the name it was given) answers,
+    and whether any IP literal is one of them (bound to every interface: clients name it by any of its
+    addresses; a rebound DNS name is never an IP literal)."""
+    names = set(LOOPBACK_NAMES)
+    wildcard = False
+    for host in filter(None, bound):
+        if host.strip("[]") in WILDCARDS:
+            wildcard = True
+        else:
+            names.add(host_name(host if ":" not in host or host.startswith("[") else f"[{host}]"))
+    if wildcard:
+        for name in (socket.gethostname(), socket.getfqdn()):
+            if name:
+                names.add(name.lower().rstrip("."))
+    return names, wildcard
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: a free one), made before anything slow is loaded; an address
+    in use, not of this machine or unknown is a ConfigError (one line, exit 2)."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {getattr(exc, 'strerror', None) or exc}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+class OneLine(logging.Formatter):
+    """A log record as one line: its message and, for an exception, its type and first line, no traceback."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        from infer_tune.endpoint.client import clean
+
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            exc = record.exc_info[1]
+            text += f": {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+        return f"warning: serve: {clean(text, 300)}"
+
+
+def log_errors(debug: bool = False, stream=None):
+    """Send aiohttp's and asyncio's error records to stderr, one line each (with `debug`: with tracebacks);
+    returns a function that puts the loggers back as they were."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s") if debug else OneLine())
+    saved = []
+    for name in ("aiohttp", "asyncio"):
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.propagate, logger.level))
+        logger.addHandler(handler)
+        logger.propagate = False
+        if logger.level == logging.NOTSET or logger.level > logging.WARNING:
+            logger.setLevel(logging.WARNING)
+
+    def restore() -> None:
+        for logger, propagate, level in saved:
+            logger.removeHandler(handler)
+            logger.propagate, logger.level = propagate, level
+
+    return restore
 
 
 class OpenAIServer:
     """The routes over one `LiveSlots` engine, its tokenizer and the model name it serves."""
 
-    def __init__(self, engine, tokenizer, served_model: str, *, max_waiting: int = 256) -> None:
+    def __init__(self, engine, tokenizer, served_model: str, *, max_waiting: int = 256,
+                 api_key: str | None = None) -> None:
         self.engine, self.tokenizer, self.served_model = engine, tokenizer, served_model
         self.max_waiting = max_waiting
+        self._bearer = f"Bearer {api_key}".encode() if api_key else None
+        self.hosts, self.any_ip = allowed_hosts("127.0.0.1")
         self.created = int(time.time())
+
+    def bind(self, *hosts: str) -> None:
+        """Answer the `Host` names of a server listening on `hosts` (its address as bound, the name given)."""
+        self.hosts, self.any_ip = allowed_hosts(*hosts)
+
+    def host_ok(self, header: str | None) -> bool:
+        if not header:
+            return False
+        name = host_name(header)
+        return name in self.hosts or (self.any_ip and _ip(name) is not None)
+
+    def refusal(self, request):
+        """The answer to a request this server does not serve (wrong Host, no API key, not JSON), or None."""
+        if not self.host_ok(request.headers.get("Host")):
+            return _error(421, "this server does not answer for this Host", "misdirected_request")
+        if self._bearer is not None and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "").encode("utf-8", "replace")
+            if not hmac.compare_digest(given, self._bearer):
+                return _error(401, "a valid API key is needed: Authorization: Bearer KEY", "authentication_error",
+                              {"WWW-Authenticate": "Bearer"})
+        if request.method == "POST" and request.content_type != "application/json":
+            return _error(415, "the body must be JSON sent with Content-Type: application/json",
+                          "unsupported_media_type")
+        return None
 
     # ------------------------------------------------------------------ requests
     def encode(self, body: dict, chat: bool) -> list[int]:
@@ -96,9 +246,12 @@ class OpenAIServer:
 
     def parse(self, raw: bytes, chat: bool) -> Parsed:
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise BadRequest(f"the body is not JSON: {exc}") from None
+            body = jsonsafe.loads(raw)
+        except ValueError as exc:  # not JSON, not UTF-8, too deep, an integer over Python's 4,300 digits
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if "integer string conversion" in reason:
+                reason = "an integer literal of more than 4300 digits"
+            raise BadRequest(f"the body is not JSON: {reason[:200]}") from None
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
         model = body.get("model")
@@ -120,7 +273,9 @@ class OpenAIServer:
         ignore_eos = body.get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):
             raise BadRequest("'ignore_eos' must be true or false")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = body.get("max_completion_tokens")
+        if max_tokens is None:  # absent or null: `max_tokens` (null there too: until the slot is full)
+            max_tokens = body.get("max_tokens")
         if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
             raise BadRequest("'max_tokens' must be an integer >= 1")
         ids = self.encode(body, chat)
@@ -141,7 +296,12 @@ class OpenAIServer:
 
         if not self.engine.alive:
             return _error(503, "the engine is not serving", "unavailable")
-        return web.json_response({"status": "ok"})
+        state = {"status": "ok"}
+        for key, attribute in (("slots", "slots"), ("busy", "busy_slots"), ("waiting", "waiting")):
+            value = getattr(self.engine, attribute, None)
+            if isinstance(value, int):
+                state[key] = value
+        return web.json_response(state)
 
     async def chat(self, request):
         return await self.complete(request, chat=True)
@@ -171,7 +331,8 @@ class OpenAIServer:
         try:
             self.engine.submit(live)
         except queue.Full:
-            return _error(503, f"{self.max_waiting} requests are waiting; try again later", "overloaded")
+            return _error(503, f"{self.max_waiting} requests are waiting; try again later", "overloaded",
+                          {"Retry-After": str(RETRY_AFTER_S)})
         except EngineStopped as exc:
             return _error(503, str(exc), "unavailable")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -179,8 +340,8 @@ class OpenAIServer:
             if parsed.stream:
                 return await self.stream(request, parsed, rid, tokens)
             return await self.whole(parsed, rid, tokens)
-        finally:
-            live.cancelled = True  # a client that left frees its slot at the next step
+        finally:  # also when the handler is cancelled: a client that left frees its slot at the next step
+            live.cancelled = True
 
     def _usage(self, parsed: Parsed, n: int) -> dict:
         return {"prompt_tokens": len(parsed.ids), "completion_tokens": n, "total_tokens": len(parsed.ids) + n}
@@ -208,6 +369,13 @@ class OpenAIServer:
         from aiohttp import web
 
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        try:
+            await self._stream(request, response, parsed, rid, tokens)
+        except ConnectionError:  # the client left: its request is cancelled (complete's finally), nothing to log
+            pass
+        return response
+
+    async def _stream(self, request, response, parsed: Parsed, rid: str, tokens: asyncio.Queue) -> None:
         await response.prepare(request)
         base = {"id": rid, "object": "chat.completion.chunk" if parsed.chat else "text_completion",
                 "created": int(time.time()), "model": self.served_model}
@@ -246,29 +414,37 @@ class OpenAIServer:
                 break
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
-        return response
 
     def app(self):
         from aiohttp import web
 
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        @web.middleware
+        async def guard(request, handler):
+            refused = self.refusal(request)
+            return refused if refused is not None else await handler(request)
+
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[guard])
         app.add_routes([web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
                         web.get("/v1/models", self.models), web.get("/health", self.health),
                         web.get("/v1/health", self.health)])
         return app
 
 
-async def serve_until_stopped(server: OpenAIServer, host: str, port: int, ready, control: dict) -> None:
-    """Listen on host:port (0: a free port), call `ready(url)`, serve until `control["stop"]()` is called
-    (from any thread: it sets this loop's stop event), then stop accepting and close the listener; streams
-    of requests the engine ended early have their error event written first (a shutdown grace of 5 s)."""
+async def serve_until_stopped(server: OpenAIServer, host: str, port: int, ready, control: dict,
+                              sock: socket.socket | None = None) -> None:
+    """Listen on `sock` (a socket of `listen`) or else host:port (0: a free port), call `ready(url)`, serve
+    until `control["stop"]()` is called (from any thread: it sets this loop's stop event), then stop accepting
+    and close the listener; streams of requests the engine ended early have their error event written first
+    (a shutdown grace of 5 s). A client that disconnects cancels its handler (module docstring)."""
     from aiohttp import web
 
-    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False)
+    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, shutdown_timeout=5.0)
+    site = (web.SockSite(runner, sock, shutdown_timeout=5.0) if sock is not None
+            else web.TCPSite(runner, host, port, shutdown_timeout=5.0))
     await site.start()
     bound = runner.addresses[0]
+    server.bind(bound[0], host)
     shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -282,11 +458,14 @@ async def serve_until_stopped(server: OpenAIServer, host: str, port: int, ready,
         await runner.cleanup()
 
 
-def serve_until_signal(server: OpenAIServer, host: str, port: int, ready) -> None:
+def serve_until_signal(server: OpenAIServer, host: str, port: int, ready, *, sock: socket.socket | None = None,
+                       debug: bool = False) -> None:
     """Serve until SIGINT or SIGTERM: the engine (`server.engine`, a LiveSlots) runs in this thread, which
-    must be the main one (infer_tune/tuners/batch/serving.py says why), the HTTP server on a thread of its own.
+    must be the main one (infer_tune/tuners/batch/serving.py says why), the HTTP server on a thread of its own,
+    on `sock` when given (`listen`: the port is taken before the model loads) or else host:port.
     A signal stops the engine (requests still decoding end: their streams get an error event), then the
-    listener closes. A server that cannot listen (a port in use) stops the engine and its error is raised."""
+    listener closes. A server that cannot listen (a port in use) stops the engine and its error is raised.
+    aiohttp's and asyncio's errors are logged one line each (`debug`: with tracebacks)."""
     import threading
 
     engine = server.engine
@@ -295,7 +474,7 @@ def serve_until_signal(server: OpenAIServer, host: str, port: int, ready) -> Non
 
     def http() -> None:
         try:
-            asyncio.run(serve_until_stopped(server, host, port, ready, control))
+            asyncio.run(serve_until_stopped(server, host, port, ready, control, sock))
         except BaseException as exc:  # noqa: BLE001 (raised again in the main thread)
             failed.append(exc)
         finally:
@@ -307,6 +486,7 @@ def serve_until_signal(server: OpenAIServer, host: str, port: int, ready) -> Non
         signalled.append(signum)
         engine.stop()
 
+    restore_logs = log_errors(debug)
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     thread = threading.Thread(target=http, name="infer-tune http", daemon=True)
     thread.start()
@@ -319,6 +499,7 @@ def serve_until_signal(server: OpenAIServer, host: str, port: int, ready) -> Non
         if "stop" in control:
             control["stop"]()
         thread.join(15.0)
+        restore_logs()
     if failed:
         raise failed[0]
     if engine.failure is not None and not signalled:

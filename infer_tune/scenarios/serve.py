@@ -158,13 +158,15 @@ def build(plan: ServePlan, *, threads: int | None = None, max_context: int | Non
     return Served(plan=plan, engine=engine, tokenizer=tokenizer, served_model=served, facts=facts, warm_s=warm_s)
 
 
-def serve(served: Served, host: str, port: int, ready) -> None:
+def serve(served: Served, host: str, port: int, ready, *, sock=None, api_key: str | None = None,
+          debug: bool = False) -> None:
     """Serve until SIGINT / SIGTERM: the engine in this (the main) thread, HTTP on another
-    (infer_tune/endpoint/serving.py)."""
+    (infer_tune/endpoint/serving.py), on `sock` when given (taken before the model loaded)."""
     from infer_tune.endpoint.serving import OpenAIServer, serve_until_signal
 
-    server = OpenAIServer(served.engine, served.tokenizer, served.served_model, max_waiting=served.engine.max_waiting)
+    server = OpenAIServer(served.engine, served.tokenizer, served.served_model, max_waiting=served.engine.max_waiting,
+                          api_key=api_key)
     try:
-        serve_until_signal(server, host, port, ready)
+        serve_until_signal(server, host, port, ready, sock=sock, debug=debug)
     finally:
         served.engine.stop()

@@ -64,8 +64,12 @@ class LiveSlots:
         self.engine = SlotEngine(model, slots, max_context, compile=compile, compile_prefill=compile_prefill,
                                  every_bucket=every_bucket, native_step=native_step, prefill_chunk=prefill_chunk)
         self._inbox: queue.Queue[LiveRequest] = queue.Queue()
+        self._lock = threading.Lock()
+        self._pending = 0  # requests submitted and not yet in a slot (the inbox and the engine's queue)
+        self._busy: list[LiveRequest | None] = [None] * slots
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._own_thread = False  # start()'s thread, joined by stop(); run()'s caller is not waited for
         self.failure: BaseException | None = None
         self._running = False
         self.served = 0
@@ -116,6 +120,7 @@ class LiveSlots:
     def start(self) -> LiveSlots:
         """Serve on a thread of its own (tests; `run()` serves in the calling thread, faster: module docstring)."""
         self._running = True
+        self._own_thread = True
         self._thread = threading.Thread(target=self._run, name="infer-tune slots", daemon=True)
         self._thread.start()
         return self
@@ -130,25 +135,44 @@ class LiveSlots:
     def alive(self) -> bool:
         return self._running and self._thread is not None and self._thread.is_alive() and self.failure is None
 
+    @property
+    def waiting(self) -> int:
+        """Requests submitted and not yet in a slot (any thread)."""
+        return self._pending
+
+    @property
+    def busy_slots(self) -> int:
+        """Slots holding a request (any thread: a snapshot)."""
+        return sum(r is not None for r in list(self._busy))
+
     def submit(self, request: LiveRequest) -> None:
         """Queue a request (any thread). Raises EngineStopped when the engine no longer serves, and
-        queue.Full when `max_waiting` requests already wait."""
+        queue.Full when `max_waiting` requests already wait: all that wait are counted, those still in the
+        inbox and those the engine took into its queue (a request stops waiting when it gets a slot or ends)."""
         if self._stop.is_set() or not self.alive:
             raise EngineStopped("the engine is not serving" + (f": {self.failure}" if self.failure else ""))
-        if self._inbox.qsize() >= self.max_waiting:
-            raise queue.Full
+        with self._lock:
+            if self._pending >= self.max_waiting:
+                raise queue.Full
+            self._pending += 1
         request.submitted_ns = time.perf_counter_ns()
         self._inbox.put(request)
 
+    def _left_queue(self, n: int = 1) -> None:
+        with self._lock:
+            self._pending -= n
+
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop after the current step; requests still waiting or decoding end with finish_reason `abort`."""
+        """Stop after the current step; requests still waiting or decoding end with finish_reason `abort`.
+        Waits for start()'s thread; never for run()'s caller (the main thread of `serve`, which itself waits
+        for the HTTP thread that calls this: joined, every SIGTERM took 10 s)."""
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
+        if self._own_thread and self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
 
     def _run(self) -> None:
         waiting: deque[LiveRequest] = deque()
-        busy: list[LiveRequest | None] = [None] * self.slots
+        busy = self._busy
         try:
             with torch.inference_mode():
                 self._loop(waiting, busy)
@@ -157,7 +181,12 @@ class LiveSlots:
         finally:
             self._running = False
             reason = "error" if self.failure is not None else "abort"
-            for request in [*waiting, *(r for r in busy if r is not None), *self._drain()]:
+            ended = [*waiting, *(r for r in busy if r is not None), *self._drain()]
+            waiting.clear()
+            busy[:] = [None] * len(busy)
+            with self._lock:
+                self._pending = 0
+            for request in ended:
                 request.emit(None, reason)
 
     def _drain(self) -> list[LiveRequest]:
@@ -199,13 +228,21 @@ class LiveSlots:
             if request is not None and request.cancelled:
                 request.emit(None, "abort")
                 busy[slot] = None
+        if any(r.cancelled for r in waiting):  # clients that left while waiting give their places back now
+            kept = [r for r in waiting if not r.cancelled]
+            for request in waiting:
+                if request.cancelled:
+                    request.emit(None, "abort")
+            self._left_queue(len(waiting) - len(kept))
+            waiting.clear()
+            waiting.extend(kept)
         return True
 
-    @staticmethod
-    def _next_live(waiting: deque[LiveRequest]) -> LiveRequest | None:
+    def _next_live(self, waiting: deque[LiveRequest]) -> LiveRequest | None:
         """The oldest waiting request not cancelled (the cancelled ones before it are aborted), or None."""
         while waiting:
             request = waiting.popleft()
+            self._left_queue()
             if not request.cancelled:
                 return request
             request.emit(None, "abort")
