@@ -133,3 +133,24 @@ def untrusted(path: str | Path, root: str | Path | None = None) -> str | None:
         if info.st_mode & 0o022:
             return f"{item} is writable by group or others (mode {stat.S_IMODE(info.st_mode):04o})"
     return None
+
+
+def untrusted_anywhere(path: str | Path) -> str | None:
+    """Why `path` (a file or folder anywhere, e.g. a source tree a trust file names) cannot be trusted to run
+    as this user, or None: it and every folder above it, up to `/`, belong to this user or to root and are
+    writable by no one else (group and others: no `w`; a root-owned folder with the sticky bit, like `/tmp`,
+    passes: others can add to it but not replace what is ours). docs/hardening.md, "Nothing another account
+    wrote is loaded or run"."""
+    path = Path(os.path.abspath(Path(path).expanduser()))
+    uid = os.getuid()
+    for item in [*reversed(path.parents), path]:
+        try:
+            info = item.stat()
+        except OSError as exc:
+            return f"{item} cannot be read: {exc.strerror or exc}"
+        if info.st_uid not in (uid, 0):
+            return f"{item} belongs to uid {info.st_uid}, not to this user (uid {uid}) or root"
+        sticky_root = info.st_uid == 0 and stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_ISVTX and item != path
+        if info.st_mode & 0o022 and not sticky_root:
+            return f"{item} is writable by group or others (mode {stat.S_IMODE(info.st_mode):04o})"
+    return None

@@ -4,6 +4,7 @@ results, a missing llama.cpp binary named with its variable, and private folders
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,96 @@ def test_an_integer_beyond_a_float_is_refused_not_a_crash(tmp_path):
     assert board.exit_code == 0, board.output
     assert "huge/result.json" in board.stderr and "integer of 401 digits" in board.stderr
     assert {row["run_id"] for row in json.loads(board.stdout)["rows"]} == {"base", "good"}
+
+
+# ----------------------------------------------------------------------------- trust files (finding 1)
+@pytest.fixture()
+def planted(tmp_path, monkeypatch):
+    """A home whose bin/llama-cpp.json names a source folder whose convert_hf_to_gguf.py writes a marker (and
+    the f16 file, so a trusted run completes): everything private, as scripts/build-llama-cpp.sh leaves it."""
+    for name in ("LLAMA_CPP_SOURCE", "LLAMA_SERVER", "LLAMA_BENCH", "LLAMA_QUANTIZE"):
+        monkeypatch.delenv(name, raising=False)
+    home = tmp_path / "home"
+    (home / "bin").mkdir(parents=True, mode=0o700)
+    home.chmod(0o700)
+    source = tmp_path / "src" / "llama.cpp"
+    (source / "gguf-py" / "gguf").mkdir(parents=True)
+    marker = tmp_path / "ran"
+    (source / "convert_hf_to_gguf.py").write_text(
+        "import sys\n"
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "open(sys.argv[sys.argv.index('--outfile') + 1], 'wb').write(b'GGUF' + b'0' * 64)\n")
+    (source / "gguf-py" / "gguf" / "__init__.py").write_text("")
+    record = home / "bin" / "llama-cpp.json"
+    record.write_text(json.dumps({"commit": "abc1234", "build_number": 7, "source": str(source)}))
+    record.chmod(0o600)
+    monkeypatch.setenv("INFER_TUNE_HOME", str(home))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty") + ":" + str(Path(sys.executable).parent))
+    return {"home": home, "record": record, "source": source, "marker": marker}
+
+
+def _loosen(path: Path, bits: int) -> None:
+    path.chmod(path.stat().st_mode | bits)
+
+
+@pytest.mark.parametrize("what, bits", [
+    ("bin", 0o020), ("bin", 0o002), ("record", 0o002), ("home", 0o020),
+    ("source", 0o002), ("script", 0o020), ("gguf-py", 0o002), ("src", 0o022),
+])
+def test_a_trust_file_or_the_source_it_names_that_others_could_write_is_refused(planted, tiny_model_dir, what, bits):
+    """The build record names the source whose convert_hf_to_gguf.py is run: the record, the folders above it,
+    the script, its gguf-py package and the folders above them must be writable by no one else, or the
+    conversion is refused in one line (ConfigError: exit 2) and the planted script never runs."""
+    from infer_tune.engines import llamacpp
+    from infer_tune.errors import ConfigError
+
+    target = {"bin": planted["home"] / "bin", "record": planted["record"], "home": planted["home"],
+              "source": planted["source"], "script": planted["source"] / "convert_hf_to_gguf.py",
+              "gguf-py": planted["source"] / "gguf-py" / "gguf", "src": planted["source"].parent}[what]
+    _loosen(target, bits)
+    with pytest.raises(ConfigError, match="refusing to (read|run) .*writable by group or others"):
+        llamacpp.gguf(tiny_model_dir, "f16")
+    assert not planted["marker"].exists()
+
+
+def test_the_private_set_up_runs_and_an_environment_source_is_the_users_to_vouch_for(planted, tiny_model_dir,
+                                                                                    monkeypatch):
+    """The control: with everything private the script runs (so the refusals above are the check's doing); a
+    source named by $LLAMA_CPP_SOURCE is not judged (like a binary named by $LLAMA_SERVER)."""
+    from infer_tune.engines import llamacpp
+
+    assert llamacpp.gguf(tiny_model_dir, "f16").is_file() and planted["marker"].exists()
+    planted["marker"].unlink()
+    _loosen(planted["source"], 0o002)
+    monkeypatch.setenv("LLAMA_CPP_SOURCE", str(planted["source"]))
+    monkeypatch.setenv("INFER_TUNE_HOME", str(planted["home"].parent / "home2"))
+    (planted["home"].parent / "home2" / "bin").mkdir(parents=True)
+    (planted["home"].parent / "home2" / "bin" / "llama-cpp.json").write_text(
+        json.dumps({"commit": "abc1234", "build_number": 7}))
+    assert llamacpp.gguf(tiny_model_dir, "f16").is_file() and planted["marker"].exists()
+
+
+def test_bench_engine_refuses_a_world_writable_bin_with_exit_2(planted, tiny_model_dir):
+    _loosen(planted["home"] / "bin", 0o002)
+    result = runner.invoke(app, ["bench", "--engine", "llama.cpp", "--model", str(tiny_model_dir), "--limit", "1",
+                                 "--max-new-tokens", "4", "--out", str(planted["home"].parent / "runs")])
+    assert result.exit_code == 2, result.output
+    line = one_error_line(result)
+    assert "refusing to read" in line and "llama-cpp.json" in line and "writable by group or others" in line
+    assert not planted["marker"].exists()
+
+
+# ----------------------------------------------------------------------------- a missing binary (finding 9)
+def test_a_missing_llama_cpp_binary_is_named_with_its_variable(tmp_path, monkeypatch, tiny_model_dir):
+    for name in ("LLAMA_CPP_SOURCE", "LLAMA_BENCH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LLAMA_SERVER", str(tmp_path / "no-such-server"))
+    monkeypatch.setenv("INFER_TUNE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    result = runner.invoke(app, ["bench", "--engine", "llama.cpp", "--model", str(tiny_model_dir), "--limit", "1",
+                                 "--max-new-tokens", "4", "--out", str(tmp_path / "runs")])
+    assert result.exit_code == 2, result.output
+    line = one_error_line(result)
+    assert "version is unknown" not in line
+    assert f"llama-server ($LLAMA_SERVER is '{tmp_path / 'no-such-server'}', not an executable file)" in line
+    assert "llama-bench ($LLAMA_BENCH unset)" in line and "scripts/build-llama-cpp.sh" in line
