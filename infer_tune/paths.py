@@ -11,9 +11,19 @@ from pathlib import Path
 from infer_tune.errors import InferTuneError
 
 
+def home_path() -> Path:
+    """Where `home()` is, without creating it."""
+    return Path(os.environ.get("INFER_TUNE_HOME") or Path.home() / ".cache" / "infer-tune").expanduser()
+
+
+def in_home(path: str | Path) -> bool:
+    """Whether `path` lies in `$INFER_TUNE_HOME` (what is written there is private whatever the umask)."""
+    return Path(os.path.abspath(path)).is_relative_to(os.path.abspath(home_path()))
+
+
 def home() -> Path:
     """`$INFER_TUNE_HOME` (`~` expanded), default `~/.cache/infer-tune`; created on first use, private (0700)."""
-    root = Path(os.environ.get("INFER_TUNE_HOME") or Path.home() / ".cache" / "infer-tune").expanduser()
+    root = home_path()
     try:
         private_dir(root)
     except OSError as exc:

