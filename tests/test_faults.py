@@ -174,3 +174,114 @@ def test_a_disk_that_fills_while_a_result_is_written_ends_in_one_line_and_keeps_
     assert _hashes(out) == before
     assert not [p for p in out.rglob("*") if atomic.STAGING_TAG in p.name or p.name.endswith(".partial")]
     assert len([p for p in out.iterdir() if not p.name.startswith(".")]) == 1
+
+
+# ----------------------------------------------------------------------------- the server under test failing
+SSE_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+            b"Server: faulty\r\n\r\n")
+FAST = ["--warmup", "1", "--min-iterations", "2", "--min-duration", "0", "--limit", "3", "--max-new-tokens", "8",
+        "--served-model", "m", "--json"]
+
+
+def _faulty(kind: str, every: int):
+    """The loopback server (infer_tune/endpoint/loopback.py) failing on every `every`-th completion request:
+    `die` (half a stream, then the connection reset: the server process gone mid-answer), `garbage` (bytes that
+    are no HTTP at all, then close) or `stall` (half a stream, then silence for 30 s)."""
+    import asyncio
+
+    from infer_tune.endpoint.loopback import Behaviour, LoopbackServer, _chunk, _event, _Handler
+
+    class Faulty(_Handler):
+        async def complete(self, request, n, writer):
+            if n % every:
+                return await super().complete(request, n, writer)
+            event = {"id": f"r{n}", "object": "chat.completion.chunk", "model": "m",
+                     "choices": [{"index": 0, "delta": {"content": "half "}}]}
+            if kind == "garbage":
+                writer.write(b"\x00\xff\xfeSSH-2.0-garbage\r\n" * 64)
+                await writer.drain()
+                writer.close()
+                return
+            writer.write(SSE_HEAD + _chunk(_event(event)))
+            await writer.drain()
+            if kind == "die":
+                writer.transport.abort()  # RST: what a killed server's kernel sends
+            else:
+                await asyncio.sleep(30)
+
+    server = LoopbackServer(Behaviour(model="m"))
+    server.handler = Faulty(Behaviour(model="m"))
+    return server
+
+
+@pytest.mark.parametrize("kind", ["die", "garbage", "stall"])
+def test_a_server_that_dies_mid_stream_answers_garbage_or_stalls_gives_failed_requests_with_reasons(tmp_path,
+                                                                                                     kind):
+    """Every 2nd completion request fails in the server (1 handshake, 1 warmup, 6 timed: 3 of the timed): the run
+    records each as a failed request with its reason, saves the result and ends well within its deadline (the
+    stall is cut by --idle-timeout 0.5 s, not waited out)."""
+    from typer.testing import CliRunner
+
+    from infer_tune.cli import app
+
+    started = time.monotonic()
+    with _faulty(kind, every=2) as server:
+        result = CliRunner().invoke(app, ["bench", "--endpoint", server.url, "--out", str(tmp_path), *FAST,
+                                          "--idle-timeout", "0.5", "--request-timeout", "10"])
+    elapsed = time.monotonic() - started
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    m = doc["metrics"]
+    assert m["requests_failed"] == 3 and m["requests_ok"] == 3, m
+    assert sum(m["failures_by_kind"].values()) == 3 and all(m["failures_by_kind"]), m["failures_by_kind"]
+    assert elapsed < 20, f"the run took {elapsed:.1f} s"
+    saved = results.load_result(Path(tmp_path).glob("*/result.json").__next__())
+    assert saved.metrics["requests_failed"] == 3
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "3 of 6 requests failed" in warnings[0], result.stderr
+    print(kind, m["failures_by_kind"], f"{elapsed:.2f} s")
+
+
+def test_a_server_process_killed_mid_run_ends_the_run_within_its_deadline(tmp_path):
+    """The server process itself SIGKILLed while `bench --endpoint` times it (its streams cut, then every
+    connection refused): the run ends on its own, well within --request-timeout x requests, with the requests
+    after the kill failed by reason, or one `error:` line and exit 2 when too few requests succeeded; never a
+    hang or a traceback."""
+    import threading
+
+    from typer.testing import CliRunner
+
+    from infer_tune.cli import app
+
+    code = ("import sys, time\n"
+            "from infer_tune.endpoint.loopback import Behaviour, LoopbackServer\n"
+            "server = LoopbackServer(Behaviour(model='m', gap_s=0.05))\n"
+            "server.__enter__()\n"
+            "print(server.url, flush=True)\n"
+            "time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), url
+        killer = threading.Timer(1.5, proc.kill)  # after the handshake and warmup, amid the timed requests
+        killer.start()
+        started = time.monotonic()
+        result = CliRunner().invoke(app, ["bench", "--endpoint", url, "--out", str(tmp_path), *FAST,
+                                          "--min-iterations", "6", "--request-timeout", "10"])
+        elapsed = time.monotonic() - started
+        killer.join()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert "Traceback" not in result.output
+    assert elapsed < 30, f"the run took {elapsed:.1f} s"
+    print(result.exit_code, result.stderr[-500:], f"{elapsed:.2f} s")
+    if result.exit_code == 0:
+        m = json.loads(result.stdout)["metrics"]
+        assert m["requests_failed"] >= 1 and all(m["failures_by_kind"]), m
+    else:
+        assert result.exit_code == 2, result.output
+        lines = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("warning:")]
+        assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
