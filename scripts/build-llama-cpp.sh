@@ -47,8 +47,12 @@ if [ ! -f "$SRC/CMakeLists.txt" ]; then
   echo "downloading llama-cpp-python==$VERSION (source distribution) from PyPI"
   "$PYTHON" -m pip download --quiet --disable-pip-version-check --no-deps --no-binary :all: \
     "llama-cpp-python==$VERSION" -d "$WORK/sdist"
-  tar -xzf "$WORK/sdist/llama_cpp_python-$VERSION.tar.gz" -C "$WORK"
+  tar -xzf "$WORK/sdist/llama_cpp_python-$VERSION.tar.gz" -C "$WORK" --no-same-owner --no-same-permissions
 fi
+# infer-tune runs the source's convert_hf_to_gguf.py only when it is ours (or root's) and not writable by others
+# (docs/hardening.md): a tar run as root kept the sdist's uid (1001), and a folder extracted before this line may too
+[ "$(id -u)" = 0 ] && chown -R 0:0 "$WORK/llama_cpp_python-$VERSION"
+chmod -R go-w "$WORK/llama_cpp_python-$VERSION"
 [ -f "$SRC/CMakeLists.txt" ] || { echo "error: no llama.cpp source in the sdist ($SRC)" >&2; exit 2; }
 
 GGML_AMX="${GGML_AMX:-OFF}"
