@@ -147,8 +147,9 @@ def test_a_disk_that_fills_while_a_result_is_written_ends_in_one_line_and_keeps_
 
     runner = CliRunner()
     out = tmp_path / "runs"
-    args = ["bench", "--model", str(tiny_model_dir), "--suite", str(prompts_file), "--limit", "2",
-            "--max-new-tokens", "4", "--threads", "1", "--no-ppl", "--out", str(out)]
+    args = ["bench", "--model", str(tiny_model_dir), "--suite", str(prompts_file), "--limit", "1",
+            "--max-new-tokens", "2", "--warmup", "0", "--min-iterations", "1", "--min-duration", "0", "--threads", "1",
+            "--no-ppl", "--out", str(out)]
     first = runner.invoke(app, args)
     assert first.exit_code == 0, first.output
     before = _hashes(out)
