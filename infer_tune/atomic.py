@@ -9,6 +9,9 @@ and never a moment where the target is missing.
   one already there (`"keep"`, two processes converting the same model), or swapped in one atomic
   exchange (`"replace"`, `--overwrite`; Linux renameat2, else two renames).
 - Staging folders left by a killed process are removed by `clean_stale` on the next run.
+- What is written into `$INFER_TUNE_HOME` (models, GGUFs, caches) is private whatever the umask: folders
+  0700, files without group or other bits (under `umask 000` a pulled model was world-writable, and
+  infer-tune loads and runs what the home holds).
 """
 
 from __future__ import annotations
@@ -58,13 +61,37 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _private(path: Path) -> bool:
+    from infer_tune import paths
+
+    return paths.in_home(path)
+
+
+def _make_private(tree: Path) -> None:
+    """Take group and other bits off every folder and file under `tree` (symlinks are left alone)."""
+    for root, _dirs, files in os.walk(tree):
+        os.chmod(root, stat.S_IMODE(os.lstat(root).st_mode) & 0o700)
+        for name in files:
+            item = os.path.join(root, name)
+            info = os.lstat(item)
+            if stat.S_ISREG(info.st_mode):
+                os.chmod(item, stat.S_IMODE(info.st_mode) & 0o700)
+
+
 def write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path`: temp file, fsync, rename, fsync of the folder; mode 0666 & ~umask."""
+    """Write `data` to `path`: temp file, fsync, rename, fsync of the folder; mode 0666 & ~umask (0600 and
+    missing folders 0700 in `$INFER_TUNE_HOME`)."""
+    from infer_tune import paths
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private = _private(path)
+    if private:
+        paths.private_dir(path.parent)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}{STAGING_TAG}{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 & ~umask())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o666 & ~umask())
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
@@ -170,12 +197,20 @@ def staged_dir(final: Path, *, exists: str = "replace") -> Iterator[Path]:
     """
     if exists not in ("replace", "keep", "error"):
         raise ValueError(f"exists must be replace, keep or error, got {exists!r}")
+    from infer_tune import paths
+
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    private = _private(final)
+    if private:
+        paths.private_dir(final.parent)
+    else:
+        final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}{STAGING_TAG}{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir(mode=0o777 & ~umask())
+    tmp.mkdir(mode=0o700 if private else 0o777 & ~umask())
     try:
         yield tmp
+        if private:
+            _make_private(tmp)
         _fsync_tree(tmp)
         _move_into_place(tmp, final, exists)
         _fsync_dir(final.parent)

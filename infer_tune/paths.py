@@ -11,9 +11,19 @@ from pathlib import Path
 from infer_tune.errors import InferTuneError
 
 
+def home_path() -> Path:
+    """Where `home()` is, without creating it."""
+    return Path(os.environ.get("INFER_TUNE_HOME") or Path.home() / ".cache" / "infer-tune").expanduser()
+
+
+def in_home(path: str | Path) -> bool:
+    """Whether `path` lies in `$INFER_TUNE_HOME` (what is written there is private whatever the umask)."""
+    return Path(os.path.abspath(path)).is_relative_to(os.path.abspath(home_path()))
+
+
 def home() -> Path:
     """`$INFER_TUNE_HOME` (`~` expanded), default `~/.cache/infer-tune`; created on first use, private (0700)."""
-    root = Path(os.environ.get("INFER_TUNE_HOME") or Path.home() / ".cache" / "infer-tune").expanduser()
+    root = home_path()
     try:
         private_dir(root)
     except OSError as exc:
@@ -131,5 +141,26 @@ def untrusted(path: str | Path, root: str | Path | None = None) -> str | None:
         if info.st_uid != uid:
             return f"{item} belongs to uid {info.st_uid}, not to this user (uid {uid})"
         if info.st_mode & 0o022:
+            return f"{item} is writable by group or others (mode {stat.S_IMODE(info.st_mode):04o})"
+    return None
+
+
+def untrusted_anywhere(path: str | Path) -> str | None:
+    """Why `path` (a file or folder anywhere, e.g. a source tree a trust file names) cannot be trusted to run
+    as this user, or None: it and every folder above it, up to `/`, belong to this user or to root and are
+    writable by no one else (group and others: no `w`; a root-owned folder with the sticky bit, like `/tmp`,
+    passes: others can add to it but not replace what is ours). docs/hardening.md, "Nothing another account
+    wrote is loaded or run"."""
+    path = Path(os.path.abspath(Path(path).expanduser()))
+    uid = os.getuid()
+    for item in [*reversed(path.parents), path]:
+        try:
+            info = item.stat()
+        except OSError as exc:
+            return f"{item} cannot be read: {exc.strerror or exc}"
+        if info.st_uid not in (uid, 0):
+            return f"{item} belongs to uid {info.st_uid}, not to this user (uid {uid}) or root"
+        sticky_root = info.st_uid == 0 and stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_ISVTX and item != path
+        if info.st_mode & 0o022 and not sticky_root:
             return f"{item} is writable by group or others (mode {stat.S_IMODE(info.st_mode):04o})"
     return None

@@ -165,6 +165,8 @@ def runs_lock(out_dir: str | Path, on_wait: Callable[[], None] | None = None) ->
 MAX_RESULT_BYTES = 64 << 20  # a result.json larger than this is refused by its size, before it is read
 MAX_OUTPUTS_BYTES = 256 << 20
 MAX_MS = 1e8  # about 28 hours: a timing above it is not a measurement of one request
+MIN_MS = 1e-6  # one nanosecond, the clocks' resolution: a timing above 0 and below it was not measured
+MIN_REQUEST_MS = 1e-3  # one microsecond: no request gets its first (or last) token sooner
 KNOWN_VERDICTS = ("held", "did not hold here", "did not hold", "not applicable", "inconclusive")
 TIMING_SAMPLES = ("ttft_ms", "tpot_ms", "e2e_ms", "itl_ms", "queue_ms")
 POSITIVE_SAMPLES = ("ttft_ms", "e2e_ms")  # a request cannot get its first (or last) token in zero time
@@ -188,13 +190,17 @@ def _type(value: Any) -> str:
     return type(value).__name__
 
 
-def _timing_problem(where: str, value: Any) -> str | None:
+def _timing_problem(where: str, value: Any, least: float = MIN_MS) -> str | None:
+    """A timing in ms: finite, not negative, at most MAX_MS, and 0 or at least `least` (a sub-nanosecond
+    timing made `compare` pass its gate at -100%)."""
     if not _number(value) or not math.isfinite(value):
         return f"'{where}' is {value!r}, expected a finite number"
     if value < 0:
         return f"'{where}' is negative ({value:g} ms)"
     if value > MAX_MS:
         return f"'{where}' is {value:g} ms, beyond any request ({MAX_MS:g} ms)"
+    if 0 < value < least:
+        return f"'{where}' is {value:g} ms, below what a clock measures ({least:g} ms)"
     return None
 
 
@@ -210,7 +216,10 @@ def _distribution_problem(key: str, block: Any) -> str | None:
             continue
         if not _number(value):
             return f"'metrics.{key}.{name}' is {_type(value)}, expected a number"
-        if name in STATS and (problem := _timing_problem(f"metrics.{key}.{name}", value)):
+        least = MIN_REQUEST_MS if key in POSITIVE_SAMPLES and name in ("p50", "p90", "p99", "mean") else MIN_MS
+        if name in ("stdev", "mad"):
+            least = 0.0  # a spread may be as small as rounding makes it
+        if name in STATS and (problem := _timing_problem(f"metrics.{key}.{name}", value, least)):
             return problem
     ci = block.get("p50_ci95")
     if ci is not None and not (isinstance(ci, list) and len(ci) == 2 and all(_number(v) and math.isfinite(v)
@@ -278,8 +287,9 @@ def _samples_problem(samples: dict) -> str | None:
             return f"'samples.{key}' must hold finite numbers"
         if key not in TIMING_SAMPLES:
             continue
+        least = MIN_REQUEST_MS if key in POSITIVE_SAMPLES else MIN_MS
         for value in values:
-            if problem := _timing_problem(f"samples.{key}", value):
+            if problem := _timing_problem(f"samples.{key}", value, least):
                 return problem
         if key in POSITIVE_SAMPLES and any(v <= 0 for v in values):
             return f"'samples.{key}' holds a zero: a request takes time"

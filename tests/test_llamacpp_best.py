@@ -207,14 +207,17 @@ def test_reference_row_records_the_choice(fake_tools, tiny_model_dir):
 
 def test_missing_tools_are_one_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("LLAMA_BENCH", str(tmp_path / "missing"))
+    monkeypatch.delenv("LLAMA_SERVER", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     monkeypatch.setenv("INFER_TUNE_HOME", str(tmp_path / "home"))  # no bin/llama-bench there
     with pytest.raises(ConfigError, match="build-llama-cpp.sh"):
         llamacpp.require("llama-bench")
     with pytest.raises(ConfigError, match="not a checkpoint"):
         llamacpp.gguf_dir(tmp_path, {"commit": "abc"})
-    with pytest.raises(ConfigError, match="version is unknown"):
+    with pytest.raises(ConfigError, match=r"no llama-server \(\$LLAMA_SERVER unset\) or llama-bench \(\$LLAMA_BENCH is"):
         llamacpp.version_key({})
+    with pytest.raises(ConfigError, match="version is unknown"):
+        llamacpp.version_key({"source": "/x"})
 
 
 def test_parse_version_line():

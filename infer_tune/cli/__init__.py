@@ -8,6 +8,7 @@ Exit codes: 0 success, 1 regression (`compare` only), 2 bad input (one `error:` 
 
 from __future__ import annotations
 
+import errno
 import os
 import warnings
 
@@ -73,6 +74,9 @@ def _silence_stdout() -> None:
     os.dup2(devnull, sys.stdout.fileno())
 
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # an unusable environment (exit 2), not a bug of infer-tune
+
+
 class ErrorMappingGroup(TyperGroup):
     """The root group: every command's errors become one line and an exit code, here and only here."""
 
@@ -94,6 +98,12 @@ class ErrorMappingGroup(TyperGroup):
             _silence_stdout()
             raise typer.Exit(0) from None
         except Exception as exc:
+            if isinstance(exc, OSError) and exc.errno in DISK_FULL and not output.state.debug:
+                where = f" writing {exc.filename}" if exc.filename else ""
+                output.error(f"the disk is full{where} ({exc.strerror or 'no space left on device'}): nothing "
+                             "half-written was kept and earlier results are intact; free some space and rerun (with "
+                             "--resume where the command has it)")
+                raise typer.Exit(2) from None
             if _is_click_error(exc) and not output.state.debug:  # bad flags or values: bad input, one line
                 message = " ".join(exc.format_message().split())
                 output.error(f"{message} (see {ctx.command_path} {ctx.invoked_subcommand or ''} --help)"
@@ -117,11 +127,19 @@ app = typer.Typer(
 )
 
 
+def _no_writes_for_others() -> None:
+    """Nothing infer-tune creates is writable by the group or others, whatever the umask (`umask 000` made a
+    pulled model, GGUF folders and run folders world-writable: another account could swap what is loaded,
+    run or reported). Reading stays as the umask allows (CI artifacts); the home is private anyway."""
+    os.umask(os.umask(0o077) | 0o022)
+
+
 @app.callback()
 def root() -> None:
     """Apply real LLM-inference optimizations to a real model; measure speed and quality drift in one leaderboard."""
     from infer_tune import results
 
+    _no_writes_for_others()
     _quiet_libraries()
     results.set_warning_handler(output.warn)  # a result file skipped while listing: one warning line
 

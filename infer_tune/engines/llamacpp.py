@@ -106,6 +106,7 @@ def build_info() -> dict:
     """What the build recorded (`$INFER_TUNE_HOME/bin/llama-cpp.json`), else what `llama-bench --version`
     says; {} when no llama.cpp tool is here."""
     recorded = paths.home() / "bin" / BUILD_INFO
+    _trust_record(recorded)
     try:
         info = json.loads(recorded.read_text())
         if isinstance(info, dict) and info.get("commit"):
@@ -119,11 +120,56 @@ def build_info() -> dict:
     return {**parse_version(proc.stdout + proc.stderr), "source": os.environ.get("LLAMA_CPP_SOURCE")}
 
 
+def _trust_record(recorded: Path) -> None:
+    """The build's record names the source whose script is run: it is read only when it and the folders from
+    the home down to it are this account's and writable by no one else (as the binaries beside it), else
+    refused in one line (docs/hardening.md)."""
+    if not recorded.exists():
+        return
+    problem = paths.untrusted(recorded, paths.home())
+    if problem:
+        raise ConfigError(f"refusing to read {recorded}: {problem}; it names the llama.cpp source whose "
+                          f"convert_hf_to_gguf.py is run: remove it and rebuild with scripts/build-llama-cpp.sh "
+                          "(or set LLAMA_CPP_SOURCE to a llama.cpp folder you trust)")
+
+
+def _trust_source(folder: Path) -> None:
+    """A source folder named by the build's record: its `convert_hf_to_gguf.py` and the `gguf-py` package it
+    imports (every file and folder), and every folder above them, belong to this user or root and are not
+    writable by others, else refused in one line. One named by `$LLAMA_CPP_SOURCE` is the user's to vouch for."""
+    items = [folder / "convert_hf_to_gguf.py"]
+    package = folder / "gguf-py"
+    if package.is_dir():
+        items.append(package)
+        items += sorted(package.rglob("*"))[:10_000]
+    for item in items:
+        problem = paths.untrusted_anywhere(item)
+        if problem:
+            raise ConfigError(f"refusing to run {folder / 'convert_hf_to_gguf.py'}: {problem}; rebuild with "
+                              f"scripts/build-llama-cpp.sh (or set LLAMA_CPP_SOURCE to a llama.cpp folder you trust)")
+
+
 def version_key(info: dict) -> str:
     """The cache key of a llama.cpp build: `b<build number>-<commit>` (its GGUFs are kept apart)."""
+    if not info:
+        raise ConfigError(_not_built("llama-server", "llama-bench"))
     if not info.get("commit"):
         raise ConfigError(f"llama.cpp's version is unknown (no {BUILD_INFO} and no version line): {BUILD_HINT}")
     return f"b{info.get('build_number', 0)}-{info['commit']}"
+
+
+def _not_built(*names: str) -> str:
+    """One line for llama.cpp tools found nowhere: each binary, the variable that points at it (and what it is
+    set to, when that is no executable file), where else it was looked for, and how to build it."""
+    said = []
+    for name in names:
+        variable = name.upper().replace("-", "_")
+        given = os.environ.get(variable)
+        said.append(f"{name} (${variable} is {given!r}, not an executable file)" if given
+                    else f"{name} (${variable} unset)")
+    return (f"llama.cpp is not built here: no {' or '.join(said)}, none in {paths.home() / 'bin'} or on PATH, "
+            f"no {BUILD_INFO}: {BUILD_HINT}, or set {' / '.join(n.upper().replace('-', '_') for n in names)} "
+            "to the binary")
 
 
 def source_dir(info: dict | None = None) -> Path:
@@ -131,9 +177,11 @@ def source_dir(info: dict | None = None) -> Path:
     else the one the build recorded."""
     info = build_info() if info is None else info
     given = os.environ.get("LLAMA_CPP_SOURCE") or info.get("source")
-    if not given or not (Path(given) / "convert_hf_to_gguf.py").is_file():
+    if not given or not isinstance(given, str) or not (Path(given) / "convert_hf_to_gguf.py").is_file():
         raise ConfigError(f"no llama.cpp source with convert_hf_to_gguf.py (got {given!r}): {BUILD_HINT}, "
                           "or set LLAMA_CPP_SOURCE to the llama.cpp folder")
+    if not os.environ.get("LLAMA_CPP_SOURCE"):
+        _trust_source(Path(given))
     return Path(given)
 
 
