@@ -217,3 +217,40 @@ def test_torchao_int4_packs_for_torchs_own_kernel_where_the_config_has_packing_f
 
     assert int4_tinygemm_options(Versioned) == {"int4_packing_format": "tile_packed_to_4d"}
     assert int4_tinygemm_options(Older) == {}
+
+
+def test_a_saved_model_reuses_the_kernel_screen_this_host_kept(tiny_loaded, prompts_file, tmp_path, monkeypatch):
+    """Loading a saved model takes the screen `quantize` kept for its shapes on this host (no second screen, whose
+    fp32 references of every shape were the load's memory peak); without one it measures and keeps it; one in a
+    folder another account could write is not read."""
+    import os
+    import shutil
+
+    from infer_tune import paths
+    from infer_tune.tuners.quantize import kernel_choice
+
+    screens = paths.home() / "kernels" / "screens"
+    shutil.rmtree(screens, ignore_errors=True)
+    calls = []
+    real = kernel_choice.screen_kernels
+    monkeypatch.setattr(kernel_choice, "screen_kernels",
+                        lambda *a, **kw: calls.append(a[2]) or real(*a, max_rounds=2, min_rounds=2, **kw))
+    model, config, summary = quantized_copy(tiny_loaded, "int8-dynamic", prompts_file)  # its screen is kept
+    model.infer_tune_kernels = kernel_choice.choose_for_model(model, "int8-dynamic", keep="store")
+    assert calls and sorted(screens.glob("*.json"))
+    save_quantized(model, tiny_loaded.tokenizer, tmp_path / "q",
+                   {"method": "int8-dynamic", "backend": "torch", "summary": summary,
+                    "config": {k: v for k, v in config.to_dict().items() if k != "kind"}})
+    calls.clear()
+    reloaded = load_quantized(tmp_path / "q")
+    assert calls == [] and reloaded.infer_tune_kernels["screens_reused"]
+    for kind, choice in reloaded.infer_tune_kernels["by_kind"].items():
+        assert choice["decode"]["chosen"] == model.infer_tune_kernels["by_kind"][kind]["decode"]["chosen"]
+    shutil.rmtree(screens)
+    assert "screens_reused" not in load_quantized(tmp_path / "q").infer_tune_kernels and calls  # measured, kept
+    calls.clear()
+    os.chmod(screens, 0o777)  # another account could have written there: measured again
+    try:
+        assert "screens_reused" not in load_quantized(tmp_path / "q").infer_tune_kernels and calls
+    finally:
+        os.chmod(screens, 0o700)

@@ -106,6 +106,68 @@ def benchmark(shapes: Counter, rows: int, kind: str, *, group_size: int = 32,
     return screen_kernels(shapes, rows, kind, group_size=group_size, **limits).timings()
 
 
+def _host_key() -> dict:
+    """What a screen's timings depend on besides the shapes: the CPU, its flags, torch and its threads."""
+    import platform
+
+    from infer_tune import native
+
+    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    return {"cpu": model, "flags": native.all_cpu_flags(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "machine": platform.machine()}
+
+
+def _cpuinfo() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def screen_path(kind: str, shapes: Counter, rows: int, group_size: int):
+    """Where the screen of these shapes on this host is kept ($INFER_TUNE_HOME/kernels/screens/<digest>.json)."""
+    import hashlib
+    import json
+
+    from infer_tune import paths
+
+    key = json.dumps({"host": _host_key(), "kind": kind, "rows": rows, "group_size": group_size,
+                      "shapes": sorted([list(shape), count] for shape, count in shapes.items())}, sort_keys=True)
+    return paths.home() / "kernels" / "screens" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+def load_screen(path) -> screen.Screen | None:
+    """A screen this host measured earlier (kept by `store_screen`); None when absent, unreadable, or in a folder
+    another account could have written (paths.untrusted)."""
+    import json
+
+    from infer_tune import paths
+
+    if not path.is_file() or paths.untrusted(path) is not None:
+        return None
+    try:
+        data = json.loads(path.read_text())
+        return screen.Screen(samples={k: [float(x) for x in v] for k, v in data["samples"].items()},
+                             failed=list(data.get("failed") or []), rounds=int(data.get("rounds") or 0),
+                             separated=bool(data.get("separated")), stopped=str(data.get("stopped") or ""))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def store_screen(path, measured: screen.Screen) -> None:
+    from dataclasses import asdict
+
+    from infer_tune import atomic, paths
+
+    try:
+        paths.private_dir(path.parent)
+        atomic.write_json(path, asdict(measured))
+    except OSError:  # a read-only or full home: the next load measures again
+        pass
+
+
 def unpack_timing(value) -> tuple[dict[str, float | None], float, dict | None]:
     """A timings entry: a Screen (measured here) or an injected (kernel -> ms, fp32 ms) pair."""
     if isinstance(value, screen.Screen):
@@ -117,14 +179,17 @@ def unpack_timing(value) -> tuple[dict[str, float | None], float, dict | None]:
 
 def choose_for_model(model: nn.Module, method: str, *, prefill_rows: int = 64, group_size: int = 32,
                      forced: tuple[str | None, str | None] = (None, None),
-                     timings: dict | None = None, activations: str = "bf16") -> dict:
+                     timings: dict | None = None, activations: str = "bf16", keep: str | None = None) -> dict:
     """Measure and apply the decode and prefill kernels of every quantized Linear of `model`, per kind.
 
     An int8-static model also holds int8-dynamic Linears (its head, layers whose static error was too
     large); each kind gets its own choice. `forced` = (decode, prefill) kernel names from the config for
     the method's own kind (`family(method, activations)`; None: choose); `timings` holds benchmark results {(kind, regime): (kernel ->
     ms, fp32 ms)}: given ones are used instead of measuring (tests inject them), missing ones are
-    measured and stored there (a run reuses them across configs). Returns the record of the result.
+    measured and stored there (a run reuses them across configs). `keep`: "store" keeps each screen measured
+    under $INFER_TUNE_HOME/kernels/screens (keyed by the host, torch, its threads, the kind, rows and shapes);
+    "reuse" also takes a kept one instead of measuring (loading a saved model: its screen holds the full-size
+    fp32 reference of every shape, a transient of 3.4 GB at 1B). Returns the record of the result.
     """
     shapes = linear_shapes(model)
     if not shapes:
@@ -138,7 +203,13 @@ def choose_for_model(model: nn.Module, method: str, *, prefill_rows: int = 64, g
         chosen = {}
         for regime, rows, name in (("decode", 1, force[0]), ("prefill", prefill_rows, force[1])):
             if (kind, regime) not in timings:
-                timings[(kind, regime)] = screen_kernels(kind_shapes, rows, kind, group_size=group_size)
+                path = screen_path(kind, kind_shapes, rows, group_size) if keep else None
+                kept = load_screen(path) if keep == "reuse" else None
+                if kept is not None:
+                    record.setdefault("screens_reused", []).append(f"{kind} {regime}")
+                timings[(kind, regime)] = kept or screen_kernels(kind_shapes, rows, kind, group_size=group_size)
+                if kept is None and path is not None:
+                    store_screen(path, timings[(kind, regime)])
             kernel_ms, fp32_ms, stats = unpack_timing(timings[(kind, regime)])
             skip = excluded(kind, regime)
             choice = choose({k: v for k, v in kernel_ms.items() if k not in skip}, fp32_ms, forced=name,

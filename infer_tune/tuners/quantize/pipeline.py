@@ -118,7 +118,7 @@ def choose_kernels(model: torch.nn.Module, config: QuantizeConfig, ctx: RunConte
         ctx.progress("timing kernels", 0, 1)
     record = kernel_choice.choose_for_model(model, config.method, prefill_rows=rows, group_size=config.group_size,
                                       forced=config.forced_kernels(), timings=timings,
-                                      activations=config.activations)
+                                      activations=config.activations, keep="store")
     if ctx.progress:
         ctx.progress("timing kernels", 1, 1)
     return record

@@ -89,8 +89,9 @@ def read_manifest(path: str | Path) -> dict:
 def load_quantized(path: str | Path, *, choose_kernels: bool = True) -> nn.Module:
     """Rebuild the quantized model saved in `path` (CPU, eval mode).
 
-    `choose_kernels`: time the candidate kernels on this host and run the fastest (kernels.py); the
-    record is kept on the model as `infer_tune_kernels`.
+    `choose_kernels`: run the fastest candidate kernels on this host (kernels.py), from the screen `quantize`
+    kept on this host for these shapes when there is one, else timed now; the record is kept on the model as
+    `infer_tune_kernels`.
     """
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -136,7 +137,8 @@ def load_quantized(path: str | Path, *, choose_kernels: bool = True) -> nn.Modul
         from infer_tune.tuners.quantize.kernel_choice import choose_for_model
 
         model.infer_tune_kernels = choose_for_model(model, manifest["method"], group_size=config.group_size,
-                                                    forced=config.forced_kernels(), activations=config.activations)
+                                                    forced=config.forced_kernels(), activations=config.activations,
+                                                    keep="reuse")
     return model.eval()
 
 
