@@ -111,7 +111,7 @@ def parts_of(stack: Any) -> list:
     return [stack]
 
 
-class _Registry(dict):
+class _Registry(dict[str, Engine]):
     """`ENGINES`: a dict that imports the package's engine modules before it is first read."""
 
     _loaded = False
@@ -157,7 +157,7 @@ class _Registry(dict):
         return dict.items(self)
 
 
-ENGINES: dict[str, Engine] = _Registry()
+ENGINES = _Registry()  # name -> Engine
 
 
 def register_engine(engine: Engine) -> Engine:
@@ -199,3 +199,12 @@ def resolve(name: str, *, technique: str | None = None, starts: str | None = Non
         allowed = [n for e in ENGINES.values() if fits(e) for n in (e.name, *e.aliases)]
         raise ConfigError(f"{where} must be one of {', '.join(allowed)}, got {name!r}")
     return found.name
+
+
+def config_engine(value: str, *, technique: str, spelling: Mapping[str, str] | None = None,
+                  where: str = "engine") -> str:
+    """A technique config's `engine` field checked against the registry: an in-process engine (or alias) that
+    runs `technique` (ConfigError otherwise). Returns it as the config spells that engine (`spelling`:
+    canonical name -> the config's own word, e.g. speculate's {"torch": "hf"}, which its results keep)."""
+    canonical = resolve(value, technique=technique, starts="in-process", where=where)
+    return (spelling or {}).get(canonical, canonical)

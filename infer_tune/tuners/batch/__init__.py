@@ -18,6 +18,7 @@ from typing import ClassVar
 
 from infer_tune import models
 from infer_tune.document import ResultDocument
+from infer_tune.engines.base import config_engine
 from infer_tune.errors import ConfigError
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.runners.trace import TraceRequest
@@ -41,7 +42,7 @@ from infer_tune.tuners.batch.slots import SlotBatcher, prepare_model
 from infer_tune.tuners.batch.static import StaticBatcher
 
 SCHEDULERS = ("static", "continuous", "sweep")
-ENGINES = ("transformers", "lean")
+ENGINE_SPELLING = {"torch": "transformers"}  # the torch engine (engines/inprocess.py) as batch results name it
 DEFAULT_TIMEOUT_MS = 250.0
 DEFAULT_MAX_BATCH_TOKENS = 512
 
@@ -77,8 +78,7 @@ class BatchConfig(TechniqueConfig):
     native_step: bool = False
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ConfigError(f"batch engine must be one of {', '.join(ENGINES)}, got '{self.engine}'")
+        self.engine = config_engine(self.engine, technique="batch", spelling=ENGINE_SPELLING, where="batch engine")
         if self.step_buckets not in ("all", "full"):
             raise ConfigError(f"batch step_buckets must be 'all' or 'full', got '{self.step_buckets}'")
         if self.scheduler not in SCHEDULERS:
