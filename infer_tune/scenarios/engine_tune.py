@@ -14,8 +14,8 @@ wait), refused in preflight with the reason where they cannot run here, then mea
 launch in the sweep engine's interleaved rounds (infer_tune.rounds: >= 3 rounds, shuffled order, one ratio
 per round, 95% intervals from infer_tune.metrics.stats). The winner is the row within the quality budget
 whose ratio interval on the objective lies above 1 with the highest lower bound; none: the default launch. It is
-written to `recommended.yaml` (the launch, its argv, its GGUF and imatrix), which `bench --recipe` launches
-again.
+written to `recommended.yaml`, a recipe naming the engine and its settings (its argv, GGUF and imatrix
+under `provenance`), which `bench --recipe` launches again.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ from infer_tune.workload import iter_prompts
 
 TECHNIQUE = ENGINE
 OBJECTIVE_RATIO = {objective: OBJECTIVES[objective] for objective in ENGINE_OBJECTIVES}
-RECIPE_KEY = "engine_launch"  # the recommended.yaml key `bench --recipe` recognizes
 
 
 def calibration_text(spec: RunSpec) -> Path:
@@ -351,31 +350,20 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
 
 
 def write_recommended(spec: RunSpec, started: lm.Started, doc: ResultDocument) -> Path:
-    """`OUT/recommended.yaml`: the launch (engine, model, settings), its argv, the command line that ran (to
-    start it by hand: `command`), its GGUF(s), and the workload."""
+    """`OUT/recommended.yaml`: a recipe of the launch (infer_tune/recipe.py: engine, model, settings, the
+    workload) and, under `provenance`, its argv, the command line that ran (to start it by hand: `command`),
+    its GGUF(s), the engine's build, the result and its measured figures."""
     record = started.record()
     settings = {**record["settings"], **({"threads": str(spec.threads)} if spec.threads else {})}
-    body = {RECIPE_KEY: {"engine": record["engine"], "model": record["model"], "settings": settings,
-                         "argv": record["argv"], "command": shlex.join(started.command),
-                         "gguf": record.get("gguf"), "llama_cpp": record.get("llama_cpp")},
-            "workload": spec.workload.to_dict(), "result": str(doc.location) if doc.location else None,
-            "measured": {k: doc.metrics.get(k) for k in ("speedup_vs_baseline", "speedup_vs_baseline_ci95",
-                                                             "ppl_delta_pct", "bleu_drift", "bleu_vs_baseline")}}
+    body = {"description": f"the winner of tune --engine {record['engine']}", "model": record["model"],
+            "engine": record["engine"], "settings": settings, "workload": spec.workload.to_dict(),
+            "provenance": {"argv": record["argv"], "command": shlex.join(started.command),
+                           "gguf": record.get("gguf"), "llama_cpp": record.get("llama_cpp"),
+                           "result": str(doc.location) if doc.location else None,
+                           "measured": {k: doc.metrics.get(k) for k in (
+                               "speedup_vs_baseline", "speedup_vs_baseline_ci95", "ppl_delta_pct", "bleu_drift",
+                               "bleu_vs_baseline")}}}
     path = Path(spec.out_dir) / "recommended.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_text(path, yaml.safe_dump(body, sort_keys=False))
     return path
-
-
-def launch_from_recipe(path: str | Path) -> lm.Launch | None:
-    """The launch a recommended.yaml of `tune --engine` names (None: not such a file)."""
-    try:
-        body = yaml.safe_load(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return None  # not a launch: the recipe loader says what is wrong with it
-    entry = body.get(RECIPE_KEY) if isinstance(body, dict) else None
-    if not isinstance(entry, dict):
-        return None
-    if not isinstance(entry.get("model"), str):
-        raise ConfigError(f"{path}: {RECIPE_KEY}.model must name the model the launch serves")
-    return lm.Launch(entry.get("engine", "llama.cpp"), str(entry["model"]), dict(entry.get("settings") or {}))

@@ -51,9 +51,13 @@ def plan_from_config(model: str, config, source: str = "") -> ServePlan:
 
 def plan_from_recipe(path: str, index: int | None = None, model: str | None = None) -> ServePlan:
     """The plan of a recipe's config: its only one, or `configs[index]` of its first stage."""
-    from infer_tune.recipe import build_configs, expand_stages, load_recipe
+    from infer_tune.recipe import build_configs, engine_launch, expand_stages, load_recipe
 
-    recipe = expand_stages(load_recipe(path))[0]
+    loaded = load_recipe(path)
+    if engine_launch(loaded) is not None:
+        raise ConfigError(f"recipe {path} names engine {loaded.engine}, a server of its own: serve runs the "
+                          f"{SERVING_ENGINE} engine (start that one with bench --recipe {path})")
+    recipe = expand_stages(loaded)[0]
     configs = build_configs(recipe)
     if not configs:
         raise ConfigError(f"recipe {path} has no configs to serve")
