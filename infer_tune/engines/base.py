@@ -46,6 +46,8 @@ from infer_tune.errors import ConfigError
 
 ENGINES_PACKAGE = "infer_tune.engines"  # every module in it may register engines on import
 STARTS = ("in-process", "server")
+DEFAULT_ENGINE = "torch"  # the engine of a row no technique part names (the baseline's: eager transformers)
+ENDPOINT_ENGINE = "remote"  # the engine of a server measured as it runs (bench --endpoint)
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,17 @@ def load_engines() -> None:
     for info in pkgutil.iter_modules(package.__path__):
         if info.name != "base" and not info.name.startswith("_"):
             importlib.import_module(f"{ENGINES_PACKAGE}.{info.name}")
+
+
+def engine_of(config: Any) -> str:
+    """The engine a technique config runs on: the last part (highest phase) whose `runs_on()` names one (lean:
+    the lean loop, batch engine lean: the slots, llama-cpp: llama.cpp), else `DEFAULT_ENGINE`."""
+    for part in reversed(parts_of(config)):
+        runs_on = getattr(part, "runs_on", None)
+        name = runs_on() if callable(runs_on) else None
+        if name:
+            return name
+    return DEFAULT_ENGINE
 
 
 def names() -> list[str]:

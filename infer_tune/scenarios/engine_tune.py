@@ -62,6 +62,11 @@ def launch_config(started: lm.Started) -> dict:
             "launch": started.record()}
 
 
+def launched_engine(started: lm.Started) -> dict:
+    """A launch row's engine and argv (`RowSpec` / `measure_endpoint` keywords)."""
+    return {"engine": started.launch.engine, "engine_argv": started.record()["argv"]}
+
+
 def open_launch(stack: contextlib.ExitStack, spec: RunSpec, launch: lm.Launch, text: Path | None,
                 startup_timeout_s: float = 300.0) -> tuple[lm.Started, EndpointRun]:
     """Start `launch` (stopped when `stack` closes) and connect the endpoint runner to it."""
@@ -122,7 +127,8 @@ def _measure_launch(spec: RunSpec, launch: lm.Launch, text, progress: Progress |
         progress(f"launch {launch.label}", step, 2)
     with contextlib.ExitStack() as stack:
         started, run = open_launch(stack, spec, launch, text)
-        doc, outputs = measure_endpoint(run, spec, extra_config=launch_config(started), progress=progress)
+        doc, outputs = measure_endpoint(run, spec, extra_config=launch_config(started), progress=progress,
+                                        **launched_engine(started))
         doc.technique = TECHNIQUE
         add_quality(doc, perplexity_of(started, text, spec.threads), None)
     return doc, outputs
@@ -312,7 +318,8 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
         base_doc, base_outputs = build_document(
             Measured(base_run.model, variants[0].prepared, rounds.merged_run(variants[0]), base_run.inputs,
                      spec.workload, protocol, host, rounds_block=outcome.block("default")),
-            RowSpec(TECHNIQUE, launch_config(base_started), "endpoint", base_run.env, measure_ppl=False))
+            RowSpec(TECHNIQUE, launch_config(base_started), "endpoint", base_run.env, measure_ppl=False,
+                    **launched_engine(base_started)))
         add_quality(base_doc, perplexity_of(base_started, text, spec.threads), None)
         base_doc.objective = tspec.objective
         rows = [Row(base_doc, base_outputs)]
@@ -321,7 +328,7 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
                 Measured(run.model, variant.prepared, rounds.merged_run(variant), run.inputs, spec.workload, protocol,
                          host, outcome.block(variant.name), outcome.intervals.get(variant.name)),
                 RowSpec(TECHNIQUE, launch_config(started), "endpoint", run.env, measure_ppl=False,
-                        baseline=base_doc, baseline_outputs=base_outputs))
+                        baseline=base_doc, baseline_outputs=base_outputs, **launched_engine(started)))
             add_quality(doc, perplexity_of(started, text, spec.threads), base_doc)
             doc.objective = tspec.objective
             rows.append(Row(doc, outputs))

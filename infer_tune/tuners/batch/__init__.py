@@ -113,6 +113,9 @@ class BatchConfig(TechniqueConfig):
         """A sweep row runs the workload at its own batch size; trace rows run the sweep's."""
         return dataclasses.replace(workload, batch_size=self.batch_size) if self.scheduler == "sweep" else workload
 
+    def runs_on(self) -> str | None:
+        return "slots" if self.engine == "lean" else None  # engine lean: the slot engine over the lean step
+
     def label(self) -> str:
         if self.scheduler == "sweep":
             return f"sweep-b{self.batch_size}"

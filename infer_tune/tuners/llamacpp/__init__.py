@@ -74,6 +74,9 @@ class LlamaCppConfig(TechniqueConfig):
         if self.engine not in MODES:
             raise ConfigError(f"llama-cpp: engine must be one of {', '.join(MODES)}; got {self.engine!r}")
 
+    def runs_on(self) -> str:
+        return "llama.cpp"
+
     def label(self) -> str:
         if self.best_at is not None:
             return "llama.cpp (fastest format here)"

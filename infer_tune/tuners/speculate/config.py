@@ -110,6 +110,9 @@ class SpeculateConfig(TechniqueConfig):
     def source(self) -> DraftSource:
         return parse_draft(self.draft)
 
+    def runs_on(self) -> str | None:
+        return "lean" if self.engine == "lean" else None  # hf: the torch engine's assisted generation
+
     def label(self) -> str:
         source = self.source
         name = {"model": _short(source.ref or ""), PROMPT_LOOKUP: "lookup"}.get(
