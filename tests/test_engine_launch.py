@@ -175,6 +175,7 @@ def test_fake_engine_launch_is_measured(engine, settings, expect, monkeypatch, t
     got = json.loads(argv_file.read_text())
     assert doc["technique"] == "engine" and doc["config"]["engine"] == engine
     assert got == doc["config"]["launch"]["argv"][2:]  # [python, fake_engine.py, what the engine got...]
+    assert doc.engine == engine and doc.engine_argv == doc["config"]["launch"]["argv"]  # the row's engine axis
     assert 15 <= doc["metrics"]["tpot_ms"]["p50"] <= 60  # the fake's pace, seen through HTTP
     assert Path(doc.location, "result.json").is_file()
 

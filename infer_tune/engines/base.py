@@ -20,6 +20,8 @@ techniques (infer_tune/tuners) say what is done to the model; the engine says wh
   `{"commit": "abc123", "build_number": 6000}`; `{}` when unknown. Never raises.
 - `argv(started) -> list[str]` (optional): the command line of a started instance (servers launched here).
 - `setting_table`: for a launched server, its launch settings (engines/launch.py `Setting` tables).
+- `searched_here`: a launched engine whose settings `tune --engine` searches on this host and whose launches
+  are measured against its default launch, perplexity by its own tool (a CPU build: llama.cpp).
 - `selectable`: whether a technique config's `engine` field may name it (speculate's and batch's `engine`
   choose an in-process engine; False for one only reached another way, e.g. `slots`, which `serve` runs and
   batch's `engine: lean` drives).
@@ -67,6 +69,7 @@ class Engine:
     argv: Callable[[Any], list[str]] | None = None
     setting_table: Mapping[str, Any] | None = None
     selectable: bool = True
+    searched_here: bool = False
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):

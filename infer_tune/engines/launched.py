@@ -46,6 +46,7 @@ LLAMA_CPP = register_engine(Engine(
     description="llama.cpp's llama-server on a GGUF of the checkpoint (engines/launch.py, engines/llamacpp.py)",
     techniques={**_techniques(launch.LLAMA_CPP), "llama-cpp": "the llama-cpp technique's GGUF and server"},
     unsupported=_OWN, version=_llama_version, argv=_argv, setting_table=launch.LLAMA_CPP, selectable=False,
+    searched_here=True,
 ))
 VLLM = register_engine(Engine(
     name="vllm", starts="server", runner="endpoint", selectable=False,

@@ -262,11 +262,12 @@ def rates_png(docs: list[ResultDocument], rates: list[float], knee_rate: float |
 
 
 def served_weight_bytes(server) -> int | None:
-    """Bytes of the GGUF a started llama.cpp server reads (its weights, as stored); None for other engines."""
-    if server.engine != "llama.cpp" or "--model" not in server.command:
+    """Bytes of the GGUF a started server reads (its weights, as stored: llama.cpp's `--model` file); None for a
+    server that was given no GGUF."""
+    if "--model" not in server.command:
         return None
     path = Path(server.command[server.command.index("--model") + 1])
-    return path.stat().st_size if path.is_file() else None
+    return path.stat().st_size if path.suffix.lower() == ".gguf" and path.is_file() else None
 
 
 def run_reference(spec: RunSpec, engine: str, config: EndpointConfig, *, continuous_batching: bool = False,

@@ -35,6 +35,7 @@ from infer_tune.document import ResultDocument
 from infer_tune.endpoint.config import EndpointConfig
 from infer_tune.engines import calibrate
 from infer_tune.engines import launch as lm
+from infer_tune.engines.base import ENGINES
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import deltas, noise
 from infer_tune.report.recommend import ENGINE, ENGINE_OBJECTIVES, OBJECTIVES
@@ -48,6 +49,16 @@ from infer_tune.workload import iter_prompts
 
 TECHNIQUE = ENGINE
 OBJECTIVE_RATIO = {objective: OBJECTIVES[objective] for objective in ENGINE_OBJECTIVES}
+
+
+def searched_here(launch: lm.Launch) -> bool:
+    """The launch's engine is searched on this host and measured against its default launch (engines.base
+    `Engine.searched_here`: llama.cpp)."""
+    return ENGINES[launch.engine].searched_here
+
+
+def searched_engines() -> list[str]:
+    return [e.name for e in ENGINES.values() if e.searched_here]
 
 
 def calibration_text(spec: RunSpec) -> Path:
@@ -88,7 +99,7 @@ def perplexity_of(started: lm.Started, text: Path | None, threads: int | None) -
     attention (None: not llama.cpp, or no tool)."""
     from infer_tune.engines import llamacpp
 
-    if started.launch.engine != "llama.cpp" or text is None or llamacpp.tool("llama-perplexity") is None:
+    if not searched_here(started.launch) or text is None or llamacpp.tool("llama-perplexity") is None:
         return None
     return calibrate.perplexity(started.files["model"], text, threads=threads, flags=perplexity_flags(started.launch))
 
@@ -138,11 +149,11 @@ def run_engine_bench(spec: RunSpec, launch: lm.Launch, *, against_default: bool 
                      progress: Progress | None = None) -> list[ResultDocument]:
     """One launch measured like `bench --endpoint`; for llama.cpp first the default launch (the row its
     drift, perplexity change and speedup are against) unless it is the default. Returns the saved docs."""
-    text = calibration_text(spec) if launch.engine == "llama.cpp" else None
+    text = calibration_text(spec) if searched_here(launch) else None
     default = default_launch(launch)
     rows: list[Row] = []
     base_doc = base_outputs = None
-    if against_default and launch.engine == "llama.cpp" and launch.settings != default.settings:
+    if against_default and searched_here(launch) and launch.settings != default.settings:
         base_doc, base_outputs = _measure_launch(spec, default, text, progress, 0)
         _mark(base_doc, engine_status="default")
         rows.append(Row(base_doc, base_outputs))
@@ -159,7 +170,7 @@ def run_engine_bench(spec: RunSpec, launch: lm.Launch, *, against_default: bool 
 # --------------------------------------------------------------------------- tune --engine
 @dataclass
 class EngineTuneSpec:
-    engine: str = "llama.cpp"
+    engine: str = field(default_factory=lambda: searched_engines()[0])
     max_ppl_delta: float = 5.0
     max_bleu_drift: float = 1.0
     objective: str = "decode"
@@ -168,8 +179,9 @@ class EngineTuneSpec:
 
     def __post_init__(self) -> None:
         lm.check_engine(self.engine)
-        if self.engine != "llama.cpp":
-            raise ConfigError(f"tune --engine {self.engine} needs its GPU: only llama.cpp is searched on this host "
+        if self.engine not in searched_engines():
+            raise ConfigError(f"tune --engine {self.engine} needs its GPU: only {', '.join(searched_engines())} is "
+                              "searched on this host "
                               "(bench --engine measures one vLLM / SGLang launch)")
         if self.objective not in OBJECTIVE_RATIO:
             raise ConfigError(f"tune --engine: --objective must be one of {', '.join(OBJECTIVE_RATIO)}, "

@@ -98,12 +98,12 @@ def plan_doc(load: loadfile.LoadFile, config: ExpertsConfig, metrics: dict, env:
     m = load.model
     model_bytes = m.dense_bytes + m.expert_bytes * m.num_experts * load.num_layers
     doc = ResultDocument(
-        run_id=results.new_run_id("experts", "plan-" + config.label()),
+        run_id=results.new_run_id(ExpertsConfig.technique, "plan-" + config.label()),
         created_at=results.created_stamp(),
         tool=envinfo.tool_info(),
         env=env,
         model={"ref": m.ref, "path": m.path, "params": None, "model_bytes": model_bytes, "dtype": m.dtype},
-        technique="experts",
+        technique=ExpertsConfig.technique,
         label="plan " + config.label(),
         config=config.to_dict(),
         runner=None,

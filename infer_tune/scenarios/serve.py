@@ -14,8 +14,6 @@ from pathlib import Path
 
 from infer_tune.errors import ConfigError
 
-SERVING_ENGINE = "slots"  # the registry entry `serve` runs (engines/slots.py)
-
 
 @dataclass
 class ServePlan:
@@ -40,9 +38,8 @@ class ServePlan:
 def plan_from_config(model: str, config, source: str = "") -> ServePlan:
     """A ServePlan from one technique config (a stack's parts in phase order): the slots engine's settings
     (engines/slots.py), refused with its reason when the engine does not run the stack."""
-    from infer_tune.engines.base import ENGINES
+    from infer_tune.engines.slots import SLOTS as engine  # the registry's entry `serve` runs
 
-    engine = ENGINES[SERVING_ENGINE]
     why = engine.supports(config)
     if why:
         raise ConfigError(f"{why} ({config.label()})")
@@ -51,12 +48,13 @@ def plan_from_config(model: str, config, source: str = "") -> ServePlan:
 
 def plan_from_recipe(path: str, index: int | None = None, model: str | None = None) -> ServePlan:
     """The plan of a recipe's config: its only one, or `configs[index]` of its first stage."""
+    from infer_tune.engines.slots import SLOTS
     from infer_tune.recipe import build_configs, engine_launch, expand_stages, load_recipe
 
     loaded = load_recipe(path)
     if engine_launch(loaded) is not None:
         raise ConfigError(f"recipe {path} names engine {loaded.engine}, a server of its own: serve runs the "
-                          f"{SERVING_ENGINE} engine (start that one with bench --recipe {path})")
+                          f"{SLOTS.name} engine (start that one with bench --recipe {path})")
     recipe = expand_stages(loaded)[0]
     configs = build_configs(recipe)
     if not configs:
