@@ -53,7 +53,7 @@ def bench(
     served weights (their tokenizer renders prompts and counts tokens):
     infer-tune bench --endpoint http://127.0.0.1:8000/v1 --model smollm2-135m --limit 4 --max-new-tokens 32
     """
-    if engine is not None or sets or (recipe is not None and _launched(recipe) is not None):
+    if engine is not None or sets or (recipe is not None and endpoint is None and _launched(recipe) is not None):
         return bench_engine(opts, engine, sets or [], recipe)
     if executor != "local" and recipe is None:
         raise ConfigError("--executor applies to the configs of a --recipe (a baseline alone runs here)")
