@@ -1,4 +1,5 @@
-"""`infer-tune tune --engine llama.cpp`: the table of launches, the winner and its launch command."""
+"""`infer-tune tune --engine llama.cpp` / `--engine openvino`: the table of launches, the winner and its launch
+command."""
 
 from __future__ import annotations
 
@@ -15,11 +16,19 @@ def tune_engine(opts: opt.MeasureOptions, engine: str, *, max_ppl_delta: float, 
     from infer_tune.cli.measure import run_spec
     from infer_tune.scenarios.engine_tune import EngineTuneSpec, run_engine_tune
 
-    tspec = EngineTuneSpec(engine=engine, max_ppl_delta=max_ppl_delta, max_bleu_drift=max_bleu_drift,
-                           objective=objective, budget_s=budget_s, seed=opts.seed)
+    if engine == "openvino":  # in-process (engines/openvino.py): its own search, the same table
+        from infer_tune.scenarios.openvino_tune import OpenVINOTuneSpec, run_openvino_tune
+
+        tspec = OpenVINOTuneSpec(max_ppl_delta=max_ppl_delta, max_bleu_drift=max_bleu_drift, objective=objective,
+                                 budget_s=budget_s, seed=opts.seed)
+        run = run_openvino_tune
+    else:
+        tspec = EngineTuneSpec(engine=engine, max_ppl_delta=max_ppl_delta, max_bleu_drift=max_bleu_drift,
+                               objective=objective, budget_s=budget_s, seed=opts.seed)
+        run = run_engine_tune
     spec = run_spec(opts)
     with output.progress_bar(not opts.json_out, out_dir=spec.out_dir) as progress:
-        outcome = run_engine_tune(spec, tspec, progress=progress)
+        outcome = run(spec, tspec, progress=progress)
     if opts.json_out:
         output.print_json(outcome.to_dict())
         return
