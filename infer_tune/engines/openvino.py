@@ -413,9 +413,15 @@ def prepare(folder: Path, settings: Settings, tokenizer, eos_ids: list[int]) -> 
 
 
 # --------------------------------------------------------------------------- perplexity
+PPL_CHUNK = 8  # targets per forward after the context's: each chunk reads the context and earlier chunks from the cache
+
+
 def perplexity(folder: Path, settings: Settings, scored: list[ppl_mod.Scored]) -> float | None:
-    """exp(mean NLL) of the scored targets under the exported model (compiled with the settings' properties),
-    one teacher-forced forward per sequence from an empty state: `metrics.perplexity.sequence_nll`'s figure."""
+    """exp(mean NLL) of the scored targets under the exported model compiled with the settings' properties: the
+    figure `metrics.perplexity.sequence_nll` gives the torch model, from an empty state per sequence. The context
+    runs as one forward, then the targets PPL_CHUNK at a time, so every target is scored against keys and values
+    read back from the KV cache in its precision (a single teacher-forced forward attends to the fresh keys and
+    scores a u8 and an f16 cache alike: 7.067 and 7.067 for int4 SmolLM2-135M)."""
     import numpy as np
     import openvino as ov
 
@@ -425,16 +431,22 @@ def perplexity(folder: Path, settings: Settings, scored: list[ppl_mod.Scored]) -
     names = {i.get_any_name() for i in compiled.inputs}
     total_nll, total_tokens = 0.0, 0
     for context, targets in scored:
-        ids = np.array([context + targets], dtype=np.int64)
-        feed = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
-        if "position_ids" in names:
-            feed["position_ids"] = np.arange(ids.shape[1], dtype=np.int64)[None, :]
-        if "beam_idx" in names:
-            feed["beam_idx"] = np.zeros(1, dtype=np.int32)
+        sequence = context + targets
         request.reset_state()
-        logits = request.infer(feed)[compiled.output("logits")][0, len(context) - 1:-1]
-        scores = torch.from_numpy(np.asarray(logits, dtype=np.float32))
-        total_nll += float(torch.nn.functional.cross_entropy(scores, torch.tensor(targets), reduction="sum"))
+        logits_by_position = []
+        bounds = [0, len(context)] + list(range(len(context) + PPL_CHUNK, len(sequence), PPL_CHUNK))
+        bounds = sorted(set(b for b in bounds if b < len(sequence))) + [len(sequence)]
+        for lo, hi in zip(bounds, bounds[1:]):
+            ids = np.array([sequence[lo:hi]], dtype=np.int64)
+            feed = {"input_ids": ids, "attention_mask": np.ones((1, hi), dtype=np.int64)}
+            if "position_ids" in names:
+                feed["position_ids"] = np.arange(lo, hi, dtype=np.int64)[None, :]
+            if "beam_idx" in names:
+                feed["beam_idx"] = np.zeros(1, dtype=np.int32)
+            logits_by_position.append(np.asarray(request.infer(feed)[compiled.output("logits")][0], dtype=np.float32))
+        logits = np.concatenate(logits_by_position)[len(context) - 1:-1]  # [R, V]: position p predicts p + 1
+        total_nll += float(torch.nn.functional.cross_entropy(torch.from_numpy(logits), torch.tensor(targets),
+                                                             reduction="sum"))
         total_tokens += len(targets)
     return ppl_mod.perplexity(total_nll, total_tokens)
 
