@@ -50,6 +50,9 @@ class RoundsBlock:
 
 # top-level sections a sweep hook adds over every row of a technique (not measured: set, or set again)
 SECTIONS = ("sweep", "serve_summary", "claims", "not_applicable")
+# what ran the row (docs/architecture.md, "The engine axis"): written together whenever `engine` is set (every
+# row measured now); a document of an earlier version has none of them
+ENGINE_KEYS = ("engine", "engine_version", "engine_argv")
 
 
 class OverwriteError(ValueError):
@@ -83,7 +86,11 @@ class ResultDocument(Mapping):
     `metrics` holds the shared timing / quality / memory figures (sweep.build_document), the deltas
     against the baseline (metrics/deltas.py), the technique's own keys (its `prepare` facts, run-time
     counters and `finish`, added through `add_metrics`, which refuses to replace a measured figure), and
-    `rounds` / `noise`. `objective` is what a candidate row is ranked on. The sweep-level sections
+    `rounds` / `noise`. `objective` is what a candidate row is ranked on. A row is (model, technique stack,
+    engine, workload): `engine` names the registered engine that ran it (engines/base.py ENGINES: torch,
+    lean, slots, llama.cpp, vllm, sglang, remote...), `engine_version` what identifies its build
+    (`Engine.identity()`: versions, a commit; {} when unknown) and `engine_argv` the command line of an
+    engine launched as a server (None for one in this process or not started by infer-tune). The sweep-level sections
     (`sweep`, `serve_summary`, `claims`, `not_applicable`) are set with `set_section`. Top-level keys this
     version does not name (written by another) are kept in `extra` and written back as they were.
 
@@ -109,6 +116,9 @@ class ResultDocument(Mapping):
     fingerprint: str | None
     baseline_run_id: str | None = None
     objective: str | None = None
+    engine: str | None = None
+    engine_version: dict[str, Any] | None = None
+    engine_argv: list[str] | None = None
     schema_version: int = SCHEMA_VERSION
     sweep: dict[str, Any] | None = None  # batch sweep: throughput by size and the knee (tuners/batch `conclude`)
     serve_summary: dict[str, Any] | None = None  # batch serve-sim: the table over rates (scenarios/batch.py)
@@ -121,7 +131,9 @@ class ResultDocument(Mapping):
     def _keys(self) -> list[str]:
         names = [f.name for f in fields(self) if f.name not in ("extra", "location")]
         optional = ("objective",) + SECTIONS
-        return [n for n in names if n not in optional or getattr(self, n) is not None] + list(self.extra)
+        engine = self.engine is not None
+        return [n for n in names if (n not in optional or getattr(self, n) is not None)
+                and (n not in ENGINE_KEYS or engine)] + list(self.extra)
 
     def __getitem__(self, key: str) -> Any:
         if key in self.extra:
@@ -129,7 +141,7 @@ class ResultDocument(Mapping):
         if key in ("extra", "location") or key not in self.__dataclass_fields__:
             raise KeyError(key)
         value = getattr(self, key)
-        if value is None and key in ("objective",) + SECTIONS:
+        if value is None and key in ("objective",) + SECTIONS or key in ENGINE_KEYS and self.engine is None:
             raise KeyError(key)
         return value
 
@@ -147,6 +159,13 @@ class ResultDocument(Mapping):
     __hash__ = None  # type: ignore[assignment]
 
     # ----------------------------------------------------------------- typed changes after the build
+    def set_engine(self, name: str, version: Mapping[str, Any] | None = None, argv: list[str] | None = None) -> None:
+        """What ran the row: the registered engine's name, its version facts and its launch argv (set where
+        the row is made: sweep.build_document, an endpoint or launch row)."""
+        self.engine = name
+        self.engine_version = dict(version or {})
+        self.engine_argv = [str(a) for a in argv] if argv is not None else None
+
     def add_metrics(self, facts: Mapping[str, Any] | None, *, source: str) -> None:
         """Facts added under `metrics` (a technique's `finish`, an admission, a sweep hook); a key already
         measured with a different value is refused (`merge_facts`)."""
@@ -247,6 +266,9 @@ class ResultDocument(Mapping):
         doc = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name not in ("extra", "location")}
         for key in ("objective",) + SECTIONS:
             if doc[key] is None:
+                doc.pop(key)
+        if self.engine is None:
+            for key in ENGINE_KEYS:
                 doc.pop(key)
         doc.update(_plain(self.extra))
         return doc

@@ -11,6 +11,21 @@ configs:
 ```
 Each config names a registered technique; its other keys are that technique's config fields.
 Built-in recipes ship inside the wheel (`infer_tune.recipes`); a path to a .yaml file works too.
+
+A recipe names its engine (infer_tune/engines, `ENGINES`) with `engine:`; without it the configs run in
+this process on the engine each one runs on (torch, or lean for the lean path). An in-process engine must run
+every config (`supports`). An engine launched from settings (llama.cpp, vllm, sglang) takes `settings`
+(that engine's launch keys, engines/launch.py) and no configs: `bench --recipe` starts it on loopback.
+
+```yaml
+description: the winner of tune --engine llama.cpp
+model: smollm2-135m
+engine: llama.cpp
+settings: {gguf: q4_0, parallel: "2"}
+workload: {suite: chat, limit: 4, max_new_tokens: 32}
+provenance: {argv: [...], command: "...", gguf: {...}}   # what produced it: kept, never read
+```
+A launch file of earlier versions (`engine_launch: {engine, model, settings, ...}`) is read as that recipe.
 """
 
 from __future__ import annotations
@@ -67,6 +82,9 @@ class Recipe:
     protocol: dict[str, Any] = field(default_factory=dict)
     configs: list[dict[str, Any]] = field(default_factory=list)
     stages: list[dict[str, Any]] = field(default_factory=list)
+    engine: str | None = None  # a registered engine (engines/base.py); None: each config's own in-process engine
+    settings: dict[str, Any] = field(default_factory=dict)  # a launched engine's settings (engines/launch.py)
+    provenance: dict[str, Any] = field(default_factory=dict)  # what produced the recipe (argv, digests): not read
 
 
 STAGE_KEYS = ("name", "description", "model", "workload", "protocol", "configs")
@@ -94,7 +112,7 @@ def expand_stages(recipe: Recipe) -> list[Recipe]:
                           model=stage.get("model") or recipe.model,
                           workload={**recipe.workload, **(stage.get("workload") or {})},
                           protocol={**recipe.protocol, **(stage.get("protocol") or {})},
-                          configs=list(stage.get("configs") or [])))
+                          configs=list(stage.get("configs") or []), engine=recipe.engine))
     return out
 
 
@@ -138,6 +156,7 @@ def load_recipe(name_or_path: str) -> Recipe:
     doc = safe_load(text, f"recipe {name_or_path}")
     if not isinstance(doc, dict):
         raise ConfigError(f"recipe {name_or_path} must be a mapping with workload/configs keys")
+    doc = _from_launch_file(doc, name_or_path)
     check_keys(doc, f"recipe {name_or_path}")
     allowed = {f.name for f in dataclasses.fields(Recipe)} - {"name"}
     unknown = set(doc) - allowed
@@ -148,7 +167,85 @@ def load_recipe(name_or_path: str) -> Recipe:
     for i, entry in enumerate(doc.get("configs") or []):
         if isinstance(entry, dict):
             check_keys(entry, f"recipe {name_or_path}: configs[{i}]")
-    return Recipe(name=name, **doc)
+    recipe = Recipe(name=name, **doc)
+    check_engine(recipe)
+    return recipe
+
+
+LAUNCH_FILE_KEY = "engine_launch"  # the launch files `tune --engine` wrote before recipes named their engine
+
+
+def _from_launch_file(doc: dict, where: str) -> dict:
+    """An earlier launch file (`engine_launch: {engine, model, settings, argv, ...}`, `result`, `measured`) as
+    the recipe it is: the engine, model and settings at the top, the rest kept under `provenance`."""
+    if LAUNCH_FILE_KEY not in doc:
+        return doc
+    entry = doc[LAUNCH_FILE_KEY]
+    if not isinstance(entry, dict) or not isinstance(entry.get("model"), str):
+        raise ConfigError(f"recipe {where}: {LAUNCH_FILE_KEY}.model must name the model the launch serves")
+    rest = {k: v for k, v in doc.items() if k not in (LAUNCH_FILE_KEY, "workload", "result", "measured")}
+    provenance = {k: v for k, v in entry.items() if k not in ("engine", "model", "settings")}
+    provenance.update({k: doc[k] for k in ("result", "measured") if k in doc})
+    return {**rest, "engine": entry.get("engine", "llama.cpp"), "model": entry["model"],
+            "settings": dict(entry.get("settings") or {}), "workload": doc.get("workload") or {},
+            "provenance": provenance}
+
+
+def check_engine(recipe: Recipe) -> None:
+    """The recipe's engine is registered; a launched engine has settings (checked against its table) and no
+    configs; an in-process engine has no settings and runs every config (ConfigError naming the recipe)."""
+    if recipe.engine is None:
+        if recipe.settings:
+            raise ConfigError(f"recipe {recipe.name}: settings are a launched engine's: name it with engine:")
+        return
+    from infer_tune.engines.base import ENGINES, resolve
+
+    engine = ENGINES[resolve(recipe.engine, where=f"recipe {recipe.name}: engine")]
+    if engine.setting_table is not None:
+        if recipe.configs or recipe.stages:
+            raise ConfigError(f"recipe {recipe.name}: engine {engine.name} is launched with its settings; "
+                              "configs and stages run in this process (leave engine: out for them)")
+        if not recipe.model:
+            raise ConfigError(f"recipe {recipe.name}: engine {engine.name} needs the model it serves (model:)")
+        from infer_tune.engines import launch
+
+        launch.parse_settings(engine.name, dict(recipe.settings))  # names a bad key or value
+        return
+    if recipe.settings:
+        raise ConfigError(f"recipe {recipe.name}: engine {engine.name} takes no settings (its configs say what "
+                          "runs); settings are a launched engine's (llama.cpp, vllm, sglang)")
+    if engine.starts != "in-process":
+        raise ConfigError(f"recipe {recipe.name}: engine {engine.name} is measured as it runs: "
+                          "use bench --endpoint URL")
+
+
+def engine_launch(recipe: Recipe, sets: list[str] | tuple[str, ...] = ()):
+    """The launch (engines/launch.py `Launch`) a recipe of a launched engine names, `--set` pairs layered
+    over its settings; None for a recipe of in-process configs."""
+    if recipe.engine is None:
+        return None
+    from infer_tune.engines.base import ENGINES, resolve
+
+    engine = ENGINES[resolve(recipe.engine)]
+    if engine.setting_table is None:
+        return None
+    from infer_tune.engines import launch
+
+    settings = {**launch.parse_settings(engine.name, dict(recipe.settings)), **launch.parse_settings(engine.name, sets)}
+    return launch.Launch(engine.name, str(recipe.model), settings)
+
+
+def check_supported(recipe: Recipe, configs: list) -> None:
+    """An in-process recipe's engine runs each of its configs (`Engine.supports`), else one line why not."""
+    if recipe.engine is None:
+        return
+    from infer_tune.engines.base import ENGINES, resolve
+
+    engine = ENGINES[resolve(recipe.engine)]
+    for i, config in enumerate(configs):
+        why = engine.supports(config)
+        if why:
+            raise ConfigError(f"recipe {recipe.name}: configs[{i}]: {why}")
 
 
 # --------------------------------------------------------------------------- type checks
@@ -257,4 +354,5 @@ def build_configs(recipe: Recipe) -> list:
             configs.append(cls(**params))
         except (TypeError, ValueError) as exc:  # a config's own validation that is not a ConfigError
             raise ConfigError(f"recipe {recipe.name}: configs[{i}] ({technique}): {exc}") from None
+    check_supported(recipe, configs)
     return configs

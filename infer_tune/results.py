@@ -373,7 +373,8 @@ def _schema_problem(doc: dict) -> str | None:
     if not doc["run_id"] or "/" in doc["run_id"] or "\\" in doc["run_id"] or doc["run_id"] in (".", ".."):
         return f"'run_id' {doc['run_id'][:80]!r} is not a run id"
     for key, kind in (("label", str), ("protocol", dict), ("baseline_run_id", str), ("fingerprint", str),
-                      ("runner", str), ("claims", (list, dict))):
+                      ("runner", str), ("claims", (list, dict)), ("engine", str), ("engine_version", dict),
+                      ("engine_argv", list)):
         if doc.get(key) is not None and not isinstance(doc[key], kind):
             return f"'{key}' is {_type(doc[key])}, expected {getattr(kind, '__name__', 'a list or object')}"
     metrics = doc["metrics"]

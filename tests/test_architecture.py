@@ -10,11 +10,12 @@ from typing import ClassVar
 
 import pytest
 import torch
+import transformers
 from typer.testing import CliRunner
 
 from infer_tune import env as envinfo
 from infer_tune.errors import ConfigError
-from infer_tune.results import find_results, load_outputs
+from infer_tune.results import find_results, load_outputs, load_result
 from infer_tune.runners import PreparedModel, Protocol, RunCounters, TokenClock
 from infer_tune.runners.base import RequestTiming
 from infer_tune.runners.trace import TraceRequest
@@ -123,6 +124,12 @@ def test_each_runner_kind_measures_a_technique_end_to_end(test_techniques, tiny_
     by = {d["technique"]: d for d in docs}
     assert [d["runner"] for d in docs] == ["generation", "speculative", "trace", "multiprocess"]
     assert len(find_results(tmp_path)) == 5
+    # every row names the engine that ran it (no part names one: torch), its versions, no launch argv; kept on load
+    for doc in [baseline, *docs]:
+        assert doc.engine == "torch" and doc.engine_argv is None
+        assert doc.engine_version == {"torch": torch.__version__, "transformers": transformers.__version__}
+        again = load_result(doc.location)
+        assert (again.engine, again.engine_version, again["engine_argv"]) == ("torch", doc.engine_version, None)
 
     plain = by["test-plain"]["metrics"]
     assert plain["output_mismatches"] == 0

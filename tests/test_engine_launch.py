@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from infer_tune import recipe as recipes
 from infer_tune.engines import calibrate
 from infer_tune.engines import launch as lm
 from infer_tune.errors import ConfigError
@@ -174,6 +175,7 @@ def test_fake_engine_launch_is_measured(engine, settings, expect, monkeypatch, t
     got = json.loads(argv_file.read_text())
     assert doc["technique"] == "engine" and doc["config"]["engine"] == engine
     assert got == doc["config"]["launch"]["argv"][2:]  # [python, fake_engine.py, what the engine got...]
+    assert doc.engine == engine and doc.engine_argv == doc["config"]["launch"]["argv"]  # the row's engine axis
     assert 15 <= doc["metrics"]["tpot_ms"]["p50"] <= 60  # the fake's pace, seen through HTTP
     assert Path(doc.location, "result.json").is_file()
 
@@ -237,15 +239,17 @@ def test_tune_engine_decides_from_intervals_and_writes_the_launch(monkeypatch, t
     refused = rows["llama.cpp gguf=q4_0 cache_type_v=q4_0 flash_attn=off"]
     assert refused["status"] == "refused" and "flash attention" in refused["reason"]
     assert outcome.winner["metrics"]["rounds"]["rounds"] >= 3
-    body = yaml.safe_load(outcome.recommended.read_text())[et.RECIPE_KEY]
-    assert body["settings"] == {"gguf": "q4_0"} and str(ggufs["q4_0"]) in body["argv"]
+    written = yaml.safe_load(outcome.recommended.read_text())
+    body = written["provenance"]  # a recipe naming its engine; what ran kept beside it
+    assert written["engine"] == "llama.cpp" and written["settings"] == {"gguf": "q4_0"}
+    assert str(ggufs["q4_0"]) in body["argv"]
     # the printed launch is the command line that ran: the server's full path, startable by hand
     assert outcome.command[0] == str(tmp_path / "llama-server") and body["command"].split() == outcome.command
     port = outcome.command[outcome.command.index("--port") + 1]
     hand = by_hand_bench(outcome).split()
     assert hand[:4] == ["infer-tune", "bench", "--endpoint", f"http://127.0.0.1:{port}/v1"] and "--ignore-eos" in hand
     assert hand[hand.index("--limit") + 1] == "2" and hand[hand.index("--max-new-tokens") + 1] == "8"
-    again = et.launch_from_recipe(outcome.recommended)
+    again = recipes.engine_launch(recipes.load_recipe(str(outcome.recommended)))  # the one recipe reader
     assert again.settings == {"gguf": "q4_0"} and again.engine == "llama.cpp"
     base, measured = et.run_engine_bench(_engine_spec(tiny_model_dir, prompts_file, tmp_path / "again", 1), again)
     argv, won = measured["config"]["launch"]["argv"], body["argv"]

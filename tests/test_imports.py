@@ -105,3 +105,49 @@ def test_the_graph_sees_imports_by_name():
     tree = ast.parse(source)
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and _imported_by_name(n)]
     assert [c.args[0].value for c in calls] == ["infer_tune.tuners"]
+
+
+# --------------------------------------------------------------------------- layers
+ARCHITECTURE = ROOT.parent / "docs" / "architecture.md"
+
+
+def layer_order(text: str | None = None) -> list[list[str]]:
+    """The layers of docs/architecture.md's ```layers block, top first: each line's names (after `#`: a comment)."""
+    text = ARCHITECTURE.read_text(encoding="utf-8") if text is None else text
+    block = text.split("```layers\n", 1)[1].split("```", 1)[0]
+    return [line.split("#", 1)[0].split() for line in block.splitlines() if line.split("#", 1)[0].strip()]
+
+
+def layer_of(module: str, layers: list[list[str]]) -> int | None:
+    """The layer of the longest name in `layers` that is `module` or a package above it (None: no layer)."""
+    best: tuple[int, int] | None = None
+    for i, names in enumerate(layers):
+        for name in names:
+            full = "infer_tune" if name == "infer_tune" else f"infer_tune.{name}"
+            if (module == full or module.startswith(full + ".")) and (best is None or len(full) > best[1]):
+                best = (i, len(full))
+    return best[0] if best else None
+
+
+def upward_imports(graph: dict[str, set[str]], layers: list[list[str]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                  if layer_of(b, layers) is not None and layer_of(a, layers) is not None
+                  and layer_of(b, layers) < layer_of(a, layers))
+
+
+def test_every_module_has_a_layer():
+    layers = layer_order()
+    assert [m for m in module_graph() if layer_of(m, layers) is None] == []
+
+
+def test_no_import_points_up_the_layers():
+    """docs/architecture.md's layer order, as written there: no module imports one of a higher layer."""
+    assert upward_imports(module_graph(), layer_order()) == []
+
+
+def test_the_layer_check_finds_an_upward_import():
+    layers = layer_order("```layers\ncli  # top\nengines\nengines.base errors\n```\n")
+    assert layers == [["cli"], ["engines"], ["engines.base", "errors"]]
+    graph = {"infer_tune.engines.base": {"infer_tune.engines.slots"}, "infer_tune.engines.slots": {"infer_tune.errors"},
+             "infer_tune.cli": {"infer_tune.engines.slots"}}
+    assert upward_imports(graph, layers) == ["infer_tune.engines.base -> infer_tune.engines.slots"]

@@ -53,7 +53,7 @@ def bench(
     served weights (their tokenizer renders prompts and counts tokens):
     infer-tune bench --endpoint http://127.0.0.1:8000/v1 --model smollm2-135m --limit 4 --max-new-tokens 32
     """
-    if engine is not None or sets or (recipe is not None and _engine_recipe(recipe) is not None):
+    if engine is not None or sets or (recipe is not None and _launched(recipe) is not None):
         return bench_engine(opts, engine, sets or [], recipe)
     if executor != "local" and recipe is None:
         raise ConfigError("--executor applies to the configs of a --recipe (a baseline alone runs here)")
@@ -88,10 +88,11 @@ def bench(
     render_recipe(docs, spec.out_dir)
 
 
-def _engine_recipe(recipe: str):
-    from infer_tune.scenarios.engine_tune import launch_from_recipe
+def _launched(recipe: str, sets: list[str] | tuple[str, ...] = ()):
+    """The launch a recipe names when its engine is launched from settings (llama.cpp, vllm, sglang), else None."""
+    from infer_tune import recipe as recipes
 
-    return launch_from_recipe(recipe) if recipe.endswith((".yaml", ".yml")) else None
+    return recipes.engine_launch(recipes.load_recipe(recipe), sets)
 
 
 def bench_engine(opts: opt.MeasureOptions, engine: str | None, sets: list[str], recipe: str | None) -> None:
@@ -102,11 +103,12 @@ def bench_engine(opts: opt.MeasureOptions, engine: str | None, sets: list[str], 
     from infer_tune.scenarios.engine_tune import run_engine_bench
 
     if recipe is not None:
-        launch = _engine_recipe(recipe)
+        launch = _launched(recipe, sets)
         if launch is None:
-            raise ConfigError(f"--engine with --recipe takes a recommended.yaml of tune --engine, got {recipe}")
-        if sets:
-            launch = Launch(launch.engine, launch.model, {**launch.settings, **parse_settings(launch.engine, sets)})
+            raise ConfigError(f"--engine / --set take a recipe that names a launched engine (engine: llama.cpp, "
+                              f"vllm or sglang with its settings), got {recipe}")
+        if engine is not None and engine != launch.engine:
+            raise ConfigError(f"--engine {engine} and recipe {recipe}'s engine {launch.engine} differ")
     else:
         if engine is None:
             raise ConfigError("--set applies to --engine")

@@ -36,12 +36,14 @@ NgramSize = Annotated[int | None, typer.Option("--max-matching-ngram-size", help
 
 
 def parse_engines(text: str) -> list[str]:
-    from infer_tune.tuners.speculate import ENGINES
+    from infer_tune.engines.base import config_engine
+    from infer_tune.tuners.speculate import ENGINE_SPELLING
 
     names = [n.strip() for n in text.split(",") if n.strip()]
-    if not names or any(n not in ENGINES for n in names):
+    if not names:
         raise ConfigError(f"--engine must be hf, lean or hf,lean; got '{text}'")
-    return list(dict.fromkeys(names))
+    return list(dict.fromkeys(config_engine(n, technique="speculate", spelling=ENGINE_SPELLING, where="--engine")
+                              for n in names))
 
 
 def draft_sources(draft: list[str] | None, self_draft_layers: list[int] | None, early_exit: list[int] | None,

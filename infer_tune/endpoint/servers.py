@@ -35,7 +35,9 @@ from pathlib import Path
 from infer_tune.endpoint.probe import EndpointError
 from infer_tune.errors import ConfigError
 
-ENGINES = ("transformers", "llama.cpp")
+# the reference servers started here, by the name `--engine` takes -> the registry's engine each one is
+# (engines/base.py ENGINES: `transformers serve` runs the torch engine behind HTTP)
+STARTED_HERE = {"transformers": "torch", "llama.cpp": "llama.cpp"}
 LLAMA_CPP_SERVER_MODULES = ("llama_cpp", "uvicorn", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings")
 TRANSFORMERS_SERVE_MODULES = ("fastapi", "uvicorn", "openai", "pydantic")
 
@@ -74,8 +76,8 @@ def missing_modules(engine: str) -> list[str]:
 
 
 def check_engine(engine: str, parallel: int = 1) -> None:
-    if engine not in ENGINES:
-        raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine not in STARTED_HERE:
+        raise ConfigError(f"engine must be one of {', '.join(STARTED_HERE)}, got {engine!r}")
     if not isinstance(parallel, int) or parallel < 1:
         raise ConfigError(f"parallel must be an integer >= 1, got {parallel}")
     if parallel > 1 and engine != "llama.cpp":

@@ -42,9 +42,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from infer_tune.engines.base import ENGINES
 from infer_tune.errors import ConfigError
 
-ENGINES = ("llama.cpp", "vllm", "sglang")
 # bytes per element of a KV cache type (blocks of 32 with their scales for the quantized ones)
 CACHE_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
                     "iq4_nl": 18 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32}
@@ -142,8 +142,10 @@ SETTINGS = {"llama.cpp": LLAMA_CPP, "vllm": VLLM, "sglang": SGLANG}
 
 
 def check_engine(engine: str) -> str:
-    if engine not in ENGINES:
-        raise ConfigError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    """`engine` when it is a registered engine launched from a settings table (engines/launched.py)."""
+    launched = [e.name for e in ENGINES.values() if e.setting_table is not None]
+    if engine not in launched:
+        raise ConfigError(f"--engine must be one of {', '.join(launched)}, got {engine!r}")
     return engine
 
 

@@ -159,17 +159,15 @@ def reference_that_fits(loaded: models.LoadedModel, configs: list, device: str =
     from infer_tune import weights
     from infer_tune.sweep import SweepPlan
     from infer_tune.tuners.quantize import QuantizeConfig
-    from infer_tune.tuners.quantize.apply import LAYERWISE_METHODS
-    from infer_tune.tuners.quantize.config import resolve_backend
+    from infer_tune.tuners.quantize.apply import LAYERWISE_METHODS, builds_layer_by_layer
 
     def first_part(config):
-        parts = getattr(config, "configs", None)
-        return (parts[0] if parts else None) if config.technique == "stack" else config
+        parts = config.parts()  # a stack's parts in order; any other config is its own one part
+        return parts[0] if parts else None
 
     for config in configs:
         part = first_part(config)
-        if not (isinstance(part, QuantizeConfig) and part.method in LAYERWISE_METHODS
-                and resolve_backend(part, device) == "torch"):
+        if not builds_layer_by_layer(part, device):
             raise ConfigError(f"{loaded.not_loaded}, so only methods built layer by layer run "
                               f"({', '.join(LAYERWISE_METHODS)}, torch backend, alone or first in a stack); "
                               f"'{config.label()}' is not one")

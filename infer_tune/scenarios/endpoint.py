@@ -24,6 +24,7 @@ from infer_tune.document import ResultDocument
 from infer_tune.endpoint.arrivals import poisson_trace
 from infer_tune.endpoint.config import EndpointConfig
 from infer_tune.endpoint.probe import ServerInfo, connect
+from infer_tune.engines.base import ENDPOINT_ENGINE
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import deltas, quality, saturation
 from infer_tune.runners.base import Progress
@@ -144,9 +145,11 @@ def check_baseline(baseline: ResultDocument, workload) -> None:
 def measure_endpoint(run: EndpointRun, spec: RunSpec, *, trace: list[TraceRequest] | None = None,
                      protocol: Protocol | None = None, baseline: tuple[ResultDocument, list[dict]] | None = None,
                      slo: dict[str, float] | None = None, extra_config: dict | None = None,
-                     label_suffix: str = "", progress: Progress | None = None) -> tuple[ResultDocument, list[dict]]:
+                     label_suffix: str = "", progress: Progress | None = None, engine: str = ENDPOINT_ENGINE,
+                     engine_argv: list[str] | None = None) -> tuple[ResultDocument, list[dict]]:
     """One result document of the endpoint (closed loop, or one replay of `trace`), optionally against a
-    baseline; with `slo`, goodput and SLO attainment (metrics.saturation)."""
+    baseline; with `slo`, goodput and SLO attainment (metrics.saturation). `engine`: the registered engine
+    behind it (a server measured as it runs, unless infer-tune launched it: then its argv too)."""
     config = run.config
     prepared = PreparedModel(model=None, tokenizer=run.model.tokenizer, label=config.display_label() + label_suffix,
                              device="endpoint", metrics={"model_bytes": run.weight_bytes},
@@ -155,7 +158,8 @@ def measure_endpoint(run: EndpointRun, spec: RunSpec, *, trace: list[TraceReques
     config_dict = {**config.to_dict(), **(extra_config or {})}
     doc, outputs = measure_prepared(run.model, prepared, run.inputs, spec.workload, protocol or spec.protocol,
                                     technique="endpoint", config=config_dict, env=run.env, runner="endpoint",
-                                    measure_ppl=False, execute=spec.execute, progress=progress)
+                                    measure_ppl=False, execute=spec.execute, progress=progress, engine=engine,
+                                    engine_argv=engine_argv)
     doc.model.update(model_bytes=run.weight_bytes, served_model=config.served_model, tokenizer=run.model.tokenizer is not None)
     if baseline is not None:
         base_doc, base_outputs = subset_baseline(baseline[0], baseline[1], outputs)
@@ -258,11 +262,12 @@ def rates_png(docs: list[ResultDocument], rates: list[float], knee_rate: float |
 
 
 def served_weight_bytes(server) -> int | None:
-    """Bytes of the GGUF a started llama.cpp server reads (its weights, as stored); None for other engines."""
-    if server.engine != "llama.cpp" or "--model" not in server.command:
+    """Bytes of the GGUF a started server reads (its weights, as stored: llama.cpp's `--model` file); None for a
+    server that was given no GGUF."""
+    if "--model" not in server.command:
         return None
     path = Path(server.command[server.command.index("--model") + 1])
-    return path.stat().st_size if path.is_file() else None
+    return path.stat().st_size if path.suffix.lower() == ".gguf" and path.is_file() else None
 
 
 def run_reference(spec: RunSpec, engine: str, config: EndpointConfig, *, continuous_batching: bool = False,

@@ -14,8 +14,8 @@ wait), refused in preflight with the reason where they cannot run here, then mea
 launch in the sweep engine's interleaved rounds (infer_tune.rounds: >= 3 rounds, shuffled order, one ratio
 per round, 95% intervals from infer_tune.metrics.stats). The winner is the row within the quality budget
 whose ratio interval on the objective lies above 1 with the highest lower bound; none: the default launch. It is
-written to `recommended.yaml` (the launch, its argv, its GGUF and imatrix), which `bench --recipe` launches
-again.
+written to `recommended.yaml`, a recipe naming the engine and its settings (its argv, GGUF and imatrix
+under `provenance`), which `bench --recipe` launches again.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from infer_tune.document import ResultDocument
 from infer_tune.endpoint.config import EndpointConfig
 from infer_tune.engines import calibrate
 from infer_tune.engines import launch as lm
+from infer_tune.engines.base import ENGINES
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import deltas, noise
 from infer_tune.report.recommend import ENGINE, ENGINE_OBJECTIVES, OBJECTIVES
@@ -48,7 +49,16 @@ from infer_tune.workload import iter_prompts
 
 TECHNIQUE = ENGINE
 OBJECTIVE_RATIO = {objective: OBJECTIVES[objective] for objective in ENGINE_OBJECTIVES}
-RECIPE_KEY = "engine_launch"  # the recommended.yaml key `bench --recipe` recognizes
+
+
+def searched_here(launch: lm.Launch) -> bool:
+    """The launch's engine is searched on this host and measured against its default launch (engines.base
+    `Engine.searched_here`: llama.cpp)."""
+    return ENGINES[launch.engine].searched_here
+
+
+def searched_engines() -> list[str]:
+    return [e.name for e in ENGINES.values() if e.searched_here]
 
 
 def calibration_text(spec: RunSpec) -> Path:
@@ -61,6 +71,11 @@ def calibration_text(spec: RunSpec) -> Path:
 def launch_config(started: lm.Started) -> dict:
     return {"engine": started.launch.engine, "settings": started.launch.to_dict()["settings"],
             "launch": started.record()}
+
+
+def launched_engine(started: lm.Started) -> dict:
+    """A launch row's engine and argv (`RowSpec` / `measure_endpoint` keywords)."""
+    return {"engine": started.launch.engine, "engine_argv": started.record()["argv"]}
 
 
 def open_launch(stack: contextlib.ExitStack, spec: RunSpec, launch: lm.Launch, text: Path | None,
@@ -84,7 +99,7 @@ def perplexity_of(started: lm.Started, text: Path | None, threads: int | None) -
     attention (None: not llama.cpp, or no tool)."""
     from infer_tune.engines import llamacpp
 
-    if started.launch.engine != "llama.cpp" or text is None or llamacpp.tool("llama-perplexity") is None:
+    if not searched_here(started.launch) or text is None or llamacpp.tool("llama-perplexity") is None:
         return None
     return calibrate.perplexity(started.files["model"], text, threads=threads, flags=perplexity_flags(started.launch))
 
@@ -123,7 +138,8 @@ def _measure_launch(spec: RunSpec, launch: lm.Launch, text, progress: Progress |
         progress(f"launch {launch.label}", step, 2)
     with contextlib.ExitStack() as stack:
         started, run = open_launch(stack, spec, launch, text)
-        doc, outputs = measure_endpoint(run, spec, extra_config=launch_config(started), progress=progress)
+        doc, outputs = measure_endpoint(run, spec, extra_config=launch_config(started), progress=progress,
+                                        **launched_engine(started))
         doc.technique = TECHNIQUE
         add_quality(doc, perplexity_of(started, text, spec.threads), None)
     return doc, outputs
@@ -133,11 +149,11 @@ def run_engine_bench(spec: RunSpec, launch: lm.Launch, *, against_default: bool 
                      progress: Progress | None = None) -> list[ResultDocument]:
     """One launch measured like `bench --endpoint`; for llama.cpp first the default launch (the row its
     drift, perplexity change and speedup are against) unless it is the default. Returns the saved docs."""
-    text = calibration_text(spec) if launch.engine == "llama.cpp" else None
+    text = calibration_text(spec) if searched_here(launch) else None
     default = default_launch(launch)
     rows: list[Row] = []
     base_doc = base_outputs = None
-    if against_default and launch.engine == "llama.cpp" and launch.settings != default.settings:
+    if against_default and searched_here(launch) and launch.settings != default.settings:
         base_doc, base_outputs = _measure_launch(spec, default, text, progress, 0)
         _mark(base_doc, engine_status="default")
         rows.append(Row(base_doc, base_outputs))
@@ -154,7 +170,7 @@ def run_engine_bench(spec: RunSpec, launch: lm.Launch, *, against_default: bool 
 # --------------------------------------------------------------------------- tune --engine
 @dataclass
 class EngineTuneSpec:
-    engine: str = "llama.cpp"
+    engine: str = field(default_factory=lambda: searched_engines()[0])
     max_ppl_delta: float = 5.0
     max_bleu_drift: float = 1.0
     objective: str = "decode"
@@ -163,8 +179,9 @@ class EngineTuneSpec:
 
     def __post_init__(self) -> None:
         lm.check_engine(self.engine)
-        if self.engine != "llama.cpp":
-            raise ConfigError(f"tune --engine {self.engine} needs its GPU: only llama.cpp is searched on this host "
+        if self.engine not in searched_engines():
+            raise ConfigError(f"tune --engine {self.engine} needs its GPU: only {', '.join(searched_engines())} is "
+                              "searched on this host "
                               "(bench --engine measures one vLLM / SGLang launch)")
         if self.objective not in OBJECTIVE_RATIO:
             raise ConfigError(f"tune --engine: --objective must be one of {', '.join(OBJECTIVE_RATIO)}, "
@@ -313,7 +330,8 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
         base_doc, base_outputs = build_document(
             Measured(base_run.model, variants[0].prepared, rounds.merged_run(variants[0]), base_run.inputs,
                      spec.workload, protocol, host, rounds_block=outcome.block("default")),
-            RowSpec(TECHNIQUE, launch_config(base_started), "endpoint", base_run.env, measure_ppl=False))
+            RowSpec(TECHNIQUE, launch_config(base_started), "endpoint", base_run.env, measure_ppl=False,
+                    **launched_engine(base_started)))
         add_quality(base_doc, perplexity_of(base_started, text, spec.threads), None)
         base_doc.objective = tspec.objective
         rows = [Row(base_doc, base_outputs)]
@@ -322,7 +340,7 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
                 Measured(run.model, variant.prepared, rounds.merged_run(variant), run.inputs, spec.workload, protocol,
                          host, outcome.block(variant.name), outcome.intervals.get(variant.name)),
                 RowSpec(TECHNIQUE, launch_config(started), "endpoint", run.env, measure_ppl=False,
-                        baseline=base_doc, baseline_outputs=base_outputs))
+                        baseline=base_doc, baseline_outputs=base_outputs, **launched_engine(started)))
             add_quality(doc, perplexity_of(started, text, spec.threads), base_doc)
             doc.objective = tspec.objective
             rows.append(Row(doc, outputs))
@@ -351,31 +369,20 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
 
 
 def write_recommended(spec: RunSpec, started: lm.Started, doc: ResultDocument) -> Path:
-    """`OUT/recommended.yaml`: the launch (engine, model, settings), its argv, the command line that ran (to
-    start it by hand: `command`), its GGUF(s), and the workload."""
+    """`OUT/recommended.yaml`: a recipe of the launch (infer_tune/recipe.py: engine, model, settings, the
+    workload) and, under `provenance`, its argv, the command line that ran (to start it by hand: `command`),
+    its GGUF(s), the engine's build, the result and its measured figures."""
     record = started.record()
     settings = {**record["settings"], **({"threads": str(spec.threads)} if spec.threads else {})}
-    body = {RECIPE_KEY: {"engine": record["engine"], "model": record["model"], "settings": settings,
-                         "argv": record["argv"], "command": shlex.join(started.command),
-                         "gguf": record.get("gguf"), "llama_cpp": record.get("llama_cpp")},
-            "workload": spec.workload.to_dict(), "result": str(doc.location) if doc.location else None,
-            "measured": {k: doc.metrics.get(k) for k in ("speedup_vs_baseline", "speedup_vs_baseline_ci95",
-                                                             "ppl_delta_pct", "bleu_drift", "bleu_vs_baseline")}}
+    body = {"description": f"the winner of tune --engine {record['engine']}", "model": record["model"],
+            "engine": record["engine"], "settings": settings, "workload": spec.workload.to_dict(),
+            "provenance": {"argv": record["argv"], "command": shlex.join(started.command),
+                           "gguf": record.get("gguf"), "llama_cpp": record.get("llama_cpp"),
+                           "result": str(doc.location) if doc.location else None,
+                           "measured": {k: doc.metrics.get(k) for k in (
+                               "speedup_vs_baseline", "speedup_vs_baseline_ci95", "ppl_delta_pct", "bleu_drift",
+                               "bleu_vs_baseline")}}}
     path = Path(spec.out_dir) / "recommended.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_text(path, yaml.safe_dump(body, sort_keys=False))
     return path
-
-
-def launch_from_recipe(path: str | Path) -> lm.Launch | None:
-    """The launch a recommended.yaml of `tune --engine` names (None: not such a file)."""
-    try:
-        body = yaml.safe_load(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return None  # not a launch: the recipe loader says what is wrong with it
-    entry = body.get(RECIPE_KEY) if isinstance(body, dict) else None
-    if not isinstance(entry, dict):
-        return None
-    if not isinstance(entry.get("model"), str):
-        raise ConfigError(f"{path}: {RECIPE_KEY}.model must name the model the launch serves")
-    return lm.Launch(entry.get("engine", "llama.cpp"), str(entry["model"]), dict(entry.get("settings") or {}))

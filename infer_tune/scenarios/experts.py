@@ -20,6 +20,7 @@ from pathlib import Path
 from infer_tune import atomic, jsonsafe, results
 from infer_tune import env as envinfo
 from infer_tune.document import ResultDocument
+from infer_tune.engines.base import ENGINES, engine_of
 from infer_tune.errors import ConfigError
 from infer_tune.runners.base import Progress
 from infer_tune.scenarios.common import RunSpec, open_run
@@ -96,13 +97,13 @@ def plan_doc(load: loadfile.LoadFile, config: ExpertsConfig, metrics: dict, env:
     communication claim, the same on every plan's row."""
     m = load.model
     model_bytes = m.dense_bytes + m.expert_bytes * m.num_experts * load.num_layers
-    return ResultDocument(
-        run_id=results.new_run_id("experts", "plan-" + config.label()),
+    doc = ResultDocument(
+        run_id=results.new_run_id(ExpertsConfig.technique, "plan-" + config.label()),
         created_at=results.created_stamp(),
         tool=envinfo.tool_info(),
         env=env,
         model={"ref": m.ref, "path": m.path, "params": None, "model_bytes": model_bytes, "dtype": m.dtype},
-        technique="experts",
+        technique=ExpertsConfig.technique,
         label="plan " + config.label(),
         config=config.to_dict(),
         runner=None,
@@ -115,6 +116,9 @@ def plan_doc(load: loadfile.LoadFile, config: ExpertsConfig, metrics: dict, env:
         baseline_run_id=None,
         fingerprint=results.fingerprint("experts-plan", load_path, config.to_dict(), load.tokens),
     )
+    engine = ENGINES[engine_of(config)]  # the engine the plan is for (predicted: nothing ran)
+    doc.set_engine(engine.name, engine.identity())
+    return doc
 
 
 def run_plan(load_path: Path, *, devices: int, strategies: list[str] | None = None,

@@ -1,13 +1,9 @@
 """`infer-tune serve`: a recipe's configuration (or `--model` / `--method`) served over HTTP by the slot
 engine (docs/endpoint.md, "Serving").
 
-What a configuration becomes: its `quantize` part is applied to the weights as `bench --recipe` applies
-it; a `batch` part (engine `lean`, or `transformers`, whose batch size the slot engine takes over) sets
-the slots, `native_step`, `compile_prefill` and `step_buckets`; a `lean` part is the single-stream lean
-path: one slot unless `slots` says more, its `compile` and `native_step`; a `kv-cache` part with impl
-`static` or `dynamic` adds nothing (each slot's cache is static). Anything else (speculative decoding, a
-quantized cache, expert placement, llama.cpp) is refused with the reason: the server runs only what it
-runs exactly.
+What a configuration becomes is the `slots` engine's business (engines/slots.py): `supports(stack)` refuses
+what it does not run with the reason (the server runs only what it runs exactly), `settings(stack)` gives
+the weight configs to apply and the slot engine's settings.
 """
 
 from __future__ import annotations
@@ -17,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infer_tune.errors import ConfigError
-
-SERVED = ("quantize", "batch", "lean", "kv-cache")
 
 
 @dataclass
@@ -42,45 +36,26 @@ class ServePlan:
 
 
 def plan_from_config(model: str, config, source: str = "") -> ServePlan:
-    """A ServePlan from one technique config (a stack's parts in phase order)."""
-    from infer_tune.tuners.stack import StackConfig
+    """A ServePlan from one technique config (a stack's parts in phase order): the slots engine's settings
+    (engines/slots.py), refused with its reason when the engine does not run the stack."""
+    from infer_tune.engines.slots import SLOTS as engine  # the registry's entry `serve` runs
 
-    parts = list(config.configs) if isinstance(config, StackConfig) else [config]
-    plan = ServePlan(model=model, source=source, slots=1 if any(p.technique == "lean" for p in parts) else 4)
-    for part in parts:
-        name = part.technique
-        if name not in SERVED:
-            raise ConfigError(f"serve runs {', '.join(SERVED)} configurations; '{name}' is not served "
-                              f"({config.label()})")
-        if name == "quantize":
-            if part.method != "bf16":
-                plan.weights.append(part)
-        elif name == "kv-cache":
-            if part.impl not in ("static", "dynamic"):
-                raise ConfigError(f"serve: kv-cache impl '{part.impl}' is not served (each slot's cache is static)")
-        elif name == "lean":
-            plan.compile, plan.native_step = part.compile, part.native_step
-            plan.compile_prefill = part.compile and part.compile_prefill
-        elif name == "batch":
-            if part.scheduler == "sweep":
-                raise ConfigError("serve: a batch-size sweep row is not a serving configuration")
-            plan.slots = part.batch_size
-            if part.engine == "lean":
-                plan.native_step, plan.compile_prefill = part.native_step, part.compile_prefill
-                plan.every_bucket = part.step_buckets == "all"
-            else:
-                plan.notes.append(f"batch engine '{part.engine}': served by the slot engine at batch size "
-                                  f"{part.batch_size}")
-            if part.scheduler == "static":
-                plan.notes.append("scheduler 'static': served continuously (requests join free slots at once)")
-    return plan
+    why = engine.supports(config)
+    if why:
+        raise ConfigError(f"{why} ({config.label()})")
+    return ServePlan(model=model, source=source, **engine.settings(config))
 
 
 def plan_from_recipe(path: str, index: int | None = None, model: str | None = None) -> ServePlan:
     """The plan of a recipe's config: its only one, or `configs[index]` of its first stage."""
-    from infer_tune.recipe import build_configs, expand_stages, load_recipe
+    from infer_tune.engines.slots import SLOTS
+    from infer_tune.recipe import build_configs, engine_launch, expand_stages, load_recipe
 
-    recipe = expand_stages(load_recipe(path))[0]
+    loaded = load_recipe(path)
+    if engine_launch(loaded) is not None:
+        raise ConfigError(f"recipe {path} names engine {loaded.engine}, a server of its own: serve runs the "
+                          f"{SLOTS.name} engine (start that one with bench --recipe {path})")
+    recipe = expand_stages(loaded)[0]
     configs = build_configs(recipe)
     if not configs:
         raise ConfigError(f"recipe {path} has no configs to serve")

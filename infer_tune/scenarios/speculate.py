@@ -27,6 +27,9 @@ from infer_tune.tuners.speculate.claim import claim_check, lossless
 from infer_tune.tuners.speculate.prepare import PROMPT_IDS_KEY, WARNINGS_KEY
 from infer_tune.workload import load_prompts, prepare_inputs, select_prompts
 
+# speculate's default engine, transformers' assisted generation (the torch engine, as speculate spells it): the
+# only one early exit runs on; the other (the lean loop) takes draft_vocab
+ASSISTED = SpeculateConfig.engine
 WIN_THRESHOLD = 1.05  # a decode speedup below this is within run-to-run noise on a shared CPU: no win
 
 
@@ -37,7 +40,7 @@ class SpeculateSweep:
     drafts: list[str]
     draft_lengths: list[int] = field(default_factory=lambda: [2, 4, 6, 8, 10])
     suites: list[str] = field(default_factory=lambda: ["code"])
-    engines: list[str] = field(default_factory=lambda: ["hf"])
+    engines: list[str] = field(default_factory=lambda: [ASSISTED])
     max_matching_ngram_size: int | None = None
     draft_vocab: int | None = None  # lean engine, draft models: cut the draft's head (SpeculateConfig)
 
@@ -51,13 +54,13 @@ class SpeculateSweep:
         out = []
         for draft in dict.fromkeys(self.drafts):
             lookup = parse_draft(draft).kind == "prompt-lookup"
-            if parse_draft(draft).kind == EARLY_EXIT and "hf" not in self.engines:
+            if parse_draft(draft).kind == EARLY_EXIT and ASSISTED not in self.engines:
                 raise ConfigError(f"speculate draft '{draft}' is transformers' own early exit: it needs engine 'hf' "
                                   "(self-draft:N is the same draft for the lean engine)")
             for engine in self.engines:
-                if parse_draft(draft).kind == EARLY_EXIT and engine != "hf":
+                if parse_draft(draft).kind == EARLY_EXIT and engine != ASSISTED:
                     continue
-                cut = self.draft_vocab if engine == "lean" and parse_draft(draft).kind == "model" else None
+                cut = self.draft_vocab if engine != ASSISTED and parse_draft(draft).kind == "model" else None
                 for k in self.draft_lengths:
                     out.append(SpeculateConfig(draft=draft, num_draft_tokens=k, engine=engine, draft_vocab=cut,
                                                max_matching_ngram_size=self.max_matching_ngram_size if lookup else None))

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from infer_tune import env as envinfo
 from infer_tune import models, results, suites
 from infer_tune.document import ResultDocument, merge_facts
+from infer_tune.engines.base import DEFAULT_ENGINE, ENGINES
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import deltas, kv, noise, quality, roofline
 from infer_tune.metrics.perplexity import reference_perplexity
@@ -94,6 +95,8 @@ class RowSpec:
     execute: bool | str = False  # True: the code suite's tests run on the outputs in the sandbox; "unsafe": not
     baseline: ResultDocument | None = None
     baseline_outputs: list[dict] | None = None
+    engine: str | None = None  # the registered engine that ran it (None: engines.base.DEFAULT_ENGINE)
+    engine_argv: list[str] | None = None  # its command line, when it was launched as a server here
 
 
 def roofline_ceiling(rounds_block: dict | None, prepared: PreparedModel, env: dict) -> tuple[float, str]:
@@ -221,6 +224,9 @@ def build_document(measured: Measured, row: RowSpec) -> tuple[ResultDocument, li
         fingerprint=run_fingerprint(loaded, technique, config, workload, env, execute, protocol=protocol,
                                     measure_ppl=measure_ppl),
     )
+    engine = row.engine or DEFAULT_ENGINE
+    entry = ENGINES.get(engine)
+    result.set_engine(engine, entry.identity() if entry is not None else {}, row.engine_argv)
     return result, outputs
 
 

@@ -8,6 +8,7 @@ import gc
 
 from infer_tune import models, results, rounds
 from infer_tune.document import ResultDocument
+from infer_tune.engines.base import engine_of
 from infer_tune.metrics import noise
 from infer_tune.metrics.memory import is_out_of_memory
 from infer_tune.runners import GenerationRun, PreparedModel, get_runner
@@ -35,6 +36,8 @@ def measure_prepared(
     measure_ppl: bool = True,
     execute: bool | str = False,
     progress: Progress | None = None,
+    engine: str | None = None,
+    engine_argv: list[str] | None = None,
 ) -> tuple[ResultDocument, list[dict]]:
     """Run the workload on `prepared` through `runner` (alone, per the protocol) and build its result
     document and outputs rows (`build_document`)."""
@@ -43,7 +46,8 @@ def measure_prepared(
     after = noise.HostSnapshot.take()
     return build_document(Measured(loaded, prepared, run, inputs, workload, protocol, (before, after)),
                           RowSpec(technique, config, runner, env, measure_ppl=measure_ppl, execute=execute,
-                                  baseline=baseline, baseline_outputs=baseline_outputs))
+                                  baseline=baseline, baseline_outputs=baseline_outputs, engine=engine,
+                                  engine_argv=engine_argv))
 
 
 def fits_another(loaded: models.LoadedModel, group: list) -> bool:
@@ -214,7 +218,7 @@ class Measuring:
             Measured(self.loaded, prepared, run, inputs, workload, self.protocol, host, rounds_block, ratios),
             RowSpec(entry.name, config.to_dict(), prepared.runner or entry.runner, self.ctx.env,
                     measure_ppl=self.measure_ppl and entry.measure_ppl, execute=self.execute,
-                    baseline=self.baseline, baseline_outputs=self.baseline_outputs))
+                    baseline=self.baseline, baseline_outputs=self.baseline_outputs, engine=engine_of(config)))
         doc.objective = ranked_on(config)
         doc.add_metrics(metrics, source="the sweep's admission")
         files = entry.finish(MeasuredRow(config, doc, outputs, prepared, run, inputs, self.ctx,

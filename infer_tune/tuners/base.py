@@ -56,6 +56,11 @@ class TechniqueConfig:
         own batch size); the engine encodes the inputs again for it and measures the row alone."""
         return workload
 
+    def runs_on(self) -> str | None:
+        """The registered engine (infer_tune/engines) this config runs on, or None: the stack's other parts
+        say, else the default in-process engine (torch). A result's `engine` (engines.base.engine_of)."""
+        return None
+
     def applicable_fields(self) -> tuple[str, ...]:
         """The fields that mean something for this config (what is printed and saved in a recipe);
         a technique whose knobs depend on its method overrides this (quantize: no alpha for int8-dynamic)."""

@@ -18,6 +18,7 @@ from typing import ClassVar
 
 from infer_tune import models
 from infer_tune.document import ResultDocument
+from infer_tune.engines.base import config_engine
 from infer_tune.errors import ConfigError
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.runners.trace import TraceRequest
@@ -41,7 +42,7 @@ from infer_tune.tuners.batch.slots import SlotBatcher, prepare_model
 from infer_tune.tuners.batch.static import StaticBatcher
 
 SCHEDULERS = ("static", "continuous", "sweep")
-ENGINES = ("transformers", "lean")
+ENGINE_SPELLING = {"torch": "transformers"}  # the torch engine (engines/inprocess.py) as batch results name it
 DEFAULT_TIMEOUT_MS = 250.0
 DEFAULT_MAX_BATCH_TOKENS = 512
 
@@ -77,8 +78,7 @@ class BatchConfig(TechniqueConfig):
     native_step: bool = False
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ConfigError(f"batch engine must be one of {', '.join(ENGINES)}, got '{self.engine}'")
+        self.engine = config_engine(self.engine, technique="batch", spelling=ENGINE_SPELLING, where="batch engine")
         if self.step_buckets not in ("all", "full"):
             raise ConfigError(f"batch step_buckets must be 'all' or 'full', got '{self.step_buckets}'")
         if self.scheduler not in SCHEDULERS:
@@ -112,6 +112,9 @@ class BatchConfig(TechniqueConfig):
     def workload_for(self, workload):
         """A sweep row runs the workload at its own batch size; trace rows run the sweep's."""
         return dataclasses.replace(workload, batch_size=self.batch_size) if self.scheduler == "sweep" else workload
+
+    def runs_on(self) -> str | None:
+        return "slots" if self.engine == "lean" else None  # engine lean: the slot engine over the lean step
 
     def label(self) -> str:
         if self.scheduler == "sweep":

@@ -51,6 +51,9 @@ class LeanConfig(TechniqueConfig):
         if self.attention not in ATTENTION:
             raise ConfigError(f"lean: attention must be one of {', '.join(ATTENTION)}; got '{self.attention}'")
 
+    def runs_on(self) -> str:
+        return "lean"
+
     def label(self) -> str:
         if self.native_step:
             return "lean+native"

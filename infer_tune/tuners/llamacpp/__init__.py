@@ -41,7 +41,7 @@ from infer_tune.runners.base import GenerationRun, Output, Progress, Protocol, R
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.tuners.base import Offer, RunContext, TechniqueConfig, TuneAsk, Tuning, register_technique
 
-ENGINES = ("auto", "server", "python")
+MODES = ("auto", "server", "python")  # how the llama.cpp engine runs here: its server binary or the Python binding
 
 
 @dataclass
@@ -71,8 +71,11 @@ class LlamaCppConfig(TechniqueConfig):
                 raise ConfigError(f"llama-cpp: best_at must be prompt lengths >= 1; got {self.best_at!r}")
         if self.best_new_tokens < 1:
             raise ConfigError(f"llama-cpp: best_new_tokens must be >= 1; got {self.best_new_tokens}")
-        if self.engine not in ENGINES:
-            raise ConfigError(f"llama-cpp: engine must be one of {', '.join(ENGINES)}; got {self.engine!r}")
+        if self.engine not in MODES:
+            raise ConfigError(f"llama-cpp: engine must be one of {', '.join(MODES)}; got {self.engine!r}")
+
+    def runs_on(self) -> str:
+        return "llama.cpp"
 
     def label(self) -> str:
         if self.best_at is not None:

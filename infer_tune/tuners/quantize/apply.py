@@ -259,6 +259,15 @@ def quantize_model(model: nn.Module, config: QuantizeConfig, calib: list[torch.T
 LAYERWISE_METHODS = ("bf16", "int8-dynamic", "int4-weight", "int4-rtn")
 
 
+def builds_layer_by_layer(config, device: str) -> bool:
+    """Whether `config` is a quantize config this module builds layer by layer on `device` (a model too large to
+    load whole: a method of LAYERWISE_METHODS on the torch backend)."""
+    from infer_tune.tuners.quantize.config import resolve_backend
+
+    return isinstance(config, QuantizeConfig) and config.method in LAYERWISE_METHODS \
+        and resolve_backend(config, device) == "torch"
+
+
 @torch.no_grad()
 def quantize_layerwise(model: nn.Module, fill, config: QuantizeConfig,
                        progress: calibrate.Progress | None = None) -> dict:

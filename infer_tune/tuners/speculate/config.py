@@ -19,10 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from infer_tune.engines.base import config_engine
 from infer_tune.errors import ConfigError
 from infer_tune.tuners.base import TechniqueConfig
 
-ENGINES = ("hf", "lean")
+ENGINE_SPELLING = {"torch": "hf"}  # the torch engine (engines/inprocess.py) as this config and its results name it
 PROMPT_LOOKUP = "prompt-lookup"
 SELF_DRAFT = "self-draft"
 EARLY_EXIT = "early-exit"
@@ -86,8 +87,8 @@ class SpeculateConfig(TechniqueConfig):
                 or self.num_draft_tokens < 1:
             raise ConfigError(f"speculate num_draft_tokens must be an integer >= 1 (tokens proposed per verify "
                               f"pass), got {self.num_draft_tokens!r}")
-        if self.engine not in ENGINES:
-            raise ConfigError(f"speculate engine must be one of {', '.join(ENGINES)}, got '{self.engine}'")
+        self.engine = config_engine(self.engine, technique="speculate", spelling=ENGINE_SPELLING,
+                                    where="speculate engine")
         if source.kind == PROMPT_LOOKUP:
             self.max_matching_ngram_size = 2 if self.max_matching_ngram_size is None else self.max_matching_ngram_size
             if self.max_matching_ngram_size < 1:
@@ -108,6 +109,9 @@ class SpeculateConfig(TechniqueConfig):
     @property
     def source(self) -> DraftSource:
         return parse_draft(self.draft)
+
+    def runs_on(self) -> str | None:
+        return "lean" if self.engine == "lean" else None  # hf: the torch engine's assisted generation
 
     def label(self) -> str:
         source = self.source

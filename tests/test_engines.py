@@ -1,0 +1,171 @@
+"""The engine axis (docs/architecture.md, "The engine axis"): one registry of what runs a model, each entry
+declaring what technique stack it runs and how; recipes name their engine; nothing else lists engines."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import infer_tune
+from infer_tune import recipe as recipes
+from infer_tune.engines.base import (
+    ENGINES,
+    Engine,
+    config_engine,
+    engine_of,
+    register_engine,
+    resolve,
+    unregister_engine,
+)
+from infer_tune.errors import ConfigError
+
+ROOT = Path(infer_tune.__file__).parent
+
+
+def test_every_engine_is_registered_with_how_it_starts_and_what_measures_it():
+    got = {name: (e.starts, e.runner) for name, e in ENGINES.items()}
+    assert {k: got[k] for k in ("torch", "lean", "slots", "llama.cpp", "vllm", "sglang", "remote")} == {
+        "torch": ("in-process", "generation"), "lean": ("in-process", "generation"), "slots": ("in-process", "trace"),
+        "llama.cpp": ("server", "endpoint"), "vllm": ("server", "endpoint"), "sglang": ("server", "endpoint"),
+        "remote": ("server", "endpoint")}
+    # a launched engine's technique map is read off its settings table: every setting tagged with a technique
+    llama = ENGINES["llama.cpp"]
+    assert "cache_type_k" in llama.techniques["kv-cache"] and "draft" in llama.techniques["speculate"]
+    assert set(llama.setting_table) >= {"gguf", "parallel"}
+
+
+def test_one_engines_definition_in_the_package():
+    """`ENGINES =` is defined once (engines/base.py): the launch, batch, speculate, llama-cpp and reference-server
+    tuples it replaced are gone."""
+    found = [f"{f.relative_to(ROOT)}:{i}" for f in ROOT.rglob("*.py")
+             for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1) if re.match(r"\s*ENGINES\s*=", line)]
+    assert found == [f"engines{'/'}base.py:{found[0].split(':')[1]}"] if found else False
+
+
+def test_supports_names_why_not():
+    from infer_tune.tuners.kv_cache import KVCacheConfig
+    from infer_tune.tuners.lean import LeanConfig
+    from infer_tune.tuners.speculate import SpeculateConfig
+    from infer_tune.tuners.stack import StackConfig
+
+    slots = ENGINES["slots"]
+    from infer_tune.tuners.quantize import QuantizeConfig
+
+    assert slots.supports(StackConfig(configs=[QuantizeConfig(method="int8-dynamic"), LeanConfig()])) is None
+    assert slots.supports(KVCacheConfig(impl="static")) is None
+    assert "not served" in slots.supports(SpeculateConfig(draft="prompt-lookup"))
+    assert "impl 'quantized'" in slots.supports(KVCacheConfig(impl="quantized"))
+    assert "does not run lean" in ENGINES["torch"].supports(LeanConfig())
+    assert ENGINES["remote"].supports([]) is None and ENGINES["remote"].supports(LeanConfig())
+
+
+def test_a_row_runs_on_the_engine_its_parts_name():
+    from infer_tune.tuners.batch import BatchConfig
+    from infer_tune.tuners.lean import LeanConfig
+    from infer_tune.tuners.quantize import QuantizeConfig
+    from infer_tune.tuners.stack import StackConfig
+
+    assert engine_of(QuantizeConfig(method="int8-dynamic")) == "torch"
+    assert engine_of(StackConfig(configs=[QuantizeConfig(method="int8-dynamic"), LeanConfig()])) == "lean"
+    assert engine_of(BatchConfig(scheduler="continuous", batch_size=2, rate=1.0, engine="lean")) == "slots"
+    assert engine_of(BatchConfig(scheduler="continuous", batch_size=2, rate=1.0)) == "torch"
+
+
+def test_config_engine_fields_resolve_through_the_registry():
+    """speculate's and batch's `engine` take an in-process engine that runs the technique (or its alias) and keep
+    their own spelling; a launched or non-selectable engine is refused naming what is allowed."""
+    from infer_tune.tuners.batch import BatchConfig
+    from infer_tune.tuners.speculate import SpeculateConfig
+
+    assert SpeculateConfig(draft="prompt-lookup", engine="torch").engine == "hf"
+    assert BatchConfig(scheduler="continuous", batch_size=2, rate=1.0, engine="torch").engine == "transformers"
+    for bad in ("llama.cpp", "slots", "nope"):
+        with pytest.raises(ConfigError, match="speculate engine must be one of torch, hf, transformers, lean"):
+            SpeculateConfig(draft="prompt-lookup", engine=bad)
+    assert config_engine("lean", technique="batch") == "lean"
+    assert resolve("hf") == "torch"
+
+
+def test_an_engine_module_plugs_in_by_registering_itself():
+    register_engine(Engine(name="test-engine", starts="in-process", runner="generation",
+                           techniques={"quantize": "its own int8"}, version=lambda: {"version": "1"}))
+    try:
+        from infer_tune.tuners.speculate import SpeculateConfig
+
+        assert ENGINES["test-engine"].identity() == {"version": "1"}
+        assert config_engine("test-engine", technique="quantize") == "test-engine"
+        assert "does not run speculate" in ENGINES["test-engine"].supports(SpeculateConfig(draft="prompt-lookup"))
+    finally:
+        unregister_engine("test-engine")
+    assert "test-engine" not in ENGINES
+    with pytest.raises(TypeError, match="starts"):
+        Engine(name="x", starts="elsewhere", runner="generation")
+
+
+def test_scenarios_name_no_technique_or_engine_by_string():
+    """scenarios/ dispatches through the registries: no string constant there is a technique's or an engine's
+    name (serve asks ENGINES for the slots engine's supports / settings; the launch tuner asks what a
+    launched engine does)."""
+    from infer_tune.tuners import configs_by_technique
+
+    names = {n for n in configs_by_technique() if n} | {n for e in ENGINES.values() for n in (e.name, *e.aliases)}
+    hits = [(f.name, node.lineno, node.value) for f in sorted((ROOT / "scenarios").glob("*.py"))
+            for node in ast.walk(ast.parse(f.read_text(encoding="utf-8")))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names]
+    assert hits == []
+
+
+# --------------------------------------------------------------------------- recipes name their engine
+def test_a_launch_recipe_and_an_earlier_launch_file_read_as_the_same_recipe(tmp_path):
+    new = tmp_path / "new.yaml"
+    new.write_text("model: m\nengine: llama.cpp\nsettings: {gguf: q4_0, parallel: 2}\nworkload: {limit: 2}\n")
+    old = tmp_path / "old.yaml"
+    old.write_text("engine_launch: {engine: llama.cpp, model: m, settings: {gguf: q4_0, parallel: '2'}, argv: [x]}\n"
+                   "workload: {limit: 2}\nresult: runs/x\n")
+    launches = [recipes.engine_launch(recipes.load_recipe(str(p))) for p in (new, old)]
+    assert [(la.engine, la.model, la.settings) for la in launches] == [("llama.cpp", "m", {"gguf": "q4_0",
+                                                                                           "parallel": 2})] * 2
+    assert recipes.load_recipe(str(old)).provenance == {"argv": ["x"], "result": "runs/x"}
+    assert recipes.load_recipe(str(old)).workload == {"limit": 2}
+
+
+@pytest.mark.parametrize("body, why", [
+    ("engine: nope\nconfigs: []\n", "engine must be one of"),
+    ("model: m\nengine: llama.cpp\nsettings: {gguf: q3_x}\n", "must be one of"),
+    ("model: m\nengine: llama.cpp\nconfigs: [{technique: lean}]\n", "launched with its settings"),
+    ("engine: torch\nsettings: {gguf: q4_0}\n", "takes no settings"),
+    ("settings: {gguf: q4_0}\n", "name it with engine:"),
+    ("engine: remote\n", "bench --endpoint"),
+])
+def test_bad_engine_recipes_are_refused_in_one_line(tmp_path, body, why):
+    path = tmp_path / "r.yaml"
+    path.write_text(body)
+    with pytest.raises(ConfigError, match=why):
+        recipes.load_recipe(str(path))
+
+
+def test_an_in_process_engine_must_run_every_config(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("engine: slots\nconfigs: [{technique: speculate, draft: prompt-lookup}]\n")
+    with pytest.raises(ConfigError, match=r"configs\[0\]: engine slots does not run speculate"):
+        recipes.build_configs(recipes.load_recipe(str(path)))
+
+
+def test_bench_recipe_of_a_launched_engine_reaches_the_launch(monkeypatch, tmp_path):
+    """`bench --recipe FILE` reads the file once, as a recipe: its engine and settings (with --set over them) are
+    the launch measured; no other reader sees the file."""
+    from infer_tune.cli import app
+    from infer_tune.scenarios import engine_tune
+
+    seen = []
+    monkeypatch.setattr(engine_tune, "run_engine_bench", lambda spec, launch, **_: seen.append(launch) or [])
+    path = tmp_path / "recommended.yaml"
+    path.write_text("model: m\nengine: vllm\nsettings: {max_num_seqs: 4}\n")
+    result = CliRunner().invoke(app, ["bench", "--recipe", str(path), "--set", "kv_cache_dtype=fp8", "--json"])
+    assert result.exit_code == 0, result.output
+    assert [(la.engine, la.model, la.settings) for la in seen] == [
+        ("vllm", "m", {"max_num_seqs": 4, "kv_cache_dtype": "fp8"})]
