@@ -14,9 +14,10 @@ from infer_tune.cli import output
 def tune_engine(opts: opt.MeasureOptions, engine: str, *, max_ppl_delta: float, max_bleu_drift: float,
                 objective: str, budget_s: float) -> None:
     from infer_tune.cli.measure import run_spec
+    from infer_tune.engines import openvino
     from infer_tune.scenarios.engine_tune import EngineTuneSpec, run_engine_tune
 
-    if engine == "openvino":  # in-process (engines/openvino.py): its own search, the same table
+    if engine == openvino.ENGINE:  # in-process (engines/openvino.py): its own search, the same table
         from infer_tune.scenarios.openvino_tune import OpenVINOTuneSpec, run_openvino_tune
 
         tspec = OpenVINOTuneSpec(max_ppl_delta=max_ppl_delta, max_bleu_drift=max_bleu_drift, objective=objective,

@@ -35,14 +35,18 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from infer_tune import atomic, contenthash, paths
+from infer_tune.engines.base import Engine, register_engine
 from infer_tune.errors import ConfigError, InferTuneError
-from infer_tune.metrics import perplexity as ppl_mod
-from infer_tune.runners.base import GenerationRun, Progress, Protocol, TokenClock, register_runner
-from infer_tune.runners.prepared import PreparedModel
+
+if TYPE_CHECKING:  # torch and transformers are imported where used: the engine registry imports this module
+    import torch
+
+    from infer_tune.metrics.perplexity import Scored
+    from infer_tune.runners.base import GenerationRun, Progress, Protocol, TokenClock
+    from infer_tune.runners.prepared import PreparedModel
 
 ENGINE = "openvino"
 RUNTIME_PIN = "openvino-genai==2026.4.1.0"
@@ -362,6 +366,7 @@ def decode_fn(prepared: PreparedModel, max_new_tokens: int, pin_length: bool):
     own ids (no padding: OpenVINO's stateful pipeline runs one sequence), its steps stamped on the clock."""
     import openvino as ov
     import openvino_genai as og
+    import torch
 
     pipe, settings = prepared.runner_options["openvino"], prepared.runner_options["settings"]
     eos = set(prepared.runner_options["eos_ids"])
@@ -388,14 +393,13 @@ def decode_fn(prepared: PreparedModel, max_new_tokens: int, pin_length: bool):
     return decode
 
 
-@register_runner(ENGINE, passes=True)
 def run_openvino(prepared: PreparedModel, inputs, workload, protocol: Protocol,
                  progress: Progress | None = None) -> GenerationRun:
     """The closed loop of the generation runner over an OpenVINO pipeline (module docstring)."""
     from infer_tune.runners.generation import measure_generation
 
     if workload.batch_size != 1:
-        raise ConfigError("the openvino runner decodes one sequence per call: use --batch-size 1")
+        raise ConfigError("the openvino runner decodes one sequence per call: use batch_size 1")
     return measure_generation(prepared, inputs.batches, workload.max_new_tokens, protocol, progress=progress,
                               decode=decode_fn(prepared, workload.max_new_tokens, protocol.pin_length))
 
@@ -403,6 +407,11 @@ def run_openvino(prepared: PreparedModel, inputs, workload, protocol: Protocol,
 def prepare(folder: Path, settings: Settings, tokenizer, eos_ids: list[int]) -> PreparedModel:
     """A `PreparedModel` whose runner is `openvino`: the pipeline in `runner_options`, the IR's bytes declared
     (`extra_model_bytes`, what its roofline reads), the export's record in its facts."""
+    from infer_tune.runners.base import RUNNERS, register_runner
+    from infer_tune.runners.prepared import PreparedModel
+
+    if ENGINE not in RUNNERS:  # registered with the first pipeline (its module is imported by the engine registry)
+        register_runner(ENGINE, passes=True)(run_openvino)
     record = export_record(folder)
     pipe = pipeline(folder, settings)
     facts = {"openvino_ir_bytes": record["ir_bytes"], "openvino_weight_format": settings.weight_format}
@@ -416,7 +425,7 @@ def prepare(folder: Path, settings: Settings, tokenizer, eos_ids: list[int]) -> 
 PPL_CHUNK = 8  # targets per forward after the context's: each chunk reads the context and earlier chunks from the cache
 
 
-def perplexity(folder: Path, settings: Settings, scored: list[ppl_mod.Scored]) -> float | None:
+def perplexity(folder: Path, settings: Settings, scored: list[Scored]) -> float | None:
     """exp(mean NLL) of the scored targets under the exported model compiled with the settings' properties: the
     figure `metrics.perplexity.sequence_nll` gives the torch model, from an empty state per sequence. The context
     runs as one forward, then the targets PPL_CHUNK at a time, so every target is scored against keys and values
@@ -424,6 +433,9 @@ def perplexity(folder: Path, settings: Settings, scored: list[ppl_mod.Scored]) -
     scores a u8 and an f16 cache alike: 7.067 and 7.067 for int4 SmolLM2-135M)."""
     import numpy as np
     import openvino as ov
+    import torch
+
+    from infer_tune.metrics import perplexity as ppl_mod
 
     core = ov.Core()
     compiled = core.compile_model(str(Path(folder) / "openvino_model.xml"), "CPU", settings.properties())
@@ -451,18 +463,29 @@ def perplexity(folder: Path, settings: Settings, scored: list[ppl_mod.Scored]) -
     return ppl_mod.perplexity(total_nll, total_tokens)
 
 
-# what an engine registry needs of this engine (docs/engines.md): in-process, its runner, its settings per technique
-ENGINE_INFO = {
-    "name": ENGINE,
-    "start": "in-process",
-    "runner": ENGINE,
-    "available": available,
-    "supports": "one sequence per call (batch size 1) on the CPU; weight formats int4 / int8 / fp16",
-    "techniques": {
-        "quantize": ["weight_format", "group_size", "ratio", "sym"],
-        "kv_cache": ["kv_cache_precision"],
-        "batch": ["scheduler", "prefix_caching"],
-        "speculate": ["prompt_lookup", "num_assistant_tokens", "max_ngram_size"],
-        "threads": ["threads", "hint", "precision"],
+def _version() -> dict:
+    from importlib import metadata
+
+    found = {}
+    for package in ("openvino-genai", "openvino"):
+        try:
+            found[package.replace("-", "_")] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+OPENVINO = register_engine(Engine(
+    name=ENGINE, starts="in-process", runner=ENGINE, selectable=False,
+    description="OpenVINO GenAI's LLMPipeline on the checkpoint exported to OpenVINO IR (engines/openvino.py); "
+                "searched by tune --engine openvino",
+    techniques={
+        "quantize": "weight_format int4 / int8 / fp16 at export (nncf: group_size, ratio, sym)",
+        "kv-cache": "kv_cache_precision (KV_CACHE_PRECISION u8 / f16 / f32)",
+        "batch": "scheduler, prefix_caching (SchedulerConfig: continuous batching)",
+        "speculate": "prompt_lookup, num_assistant_tokens, max_ngram_size (prompt-lookup decoding)",
     },
-}
+    unsupported={"lean": "the compiled loop is infer-tune's own engine",
+                 "llama-cpp": "a GGUF runs on the llama.cpp engine"},
+    version=_version,
+))

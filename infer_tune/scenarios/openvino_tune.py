@@ -10,13 +10,14 @@ shuffled order, paired per-request ratios, 95% intervals). Quality of every row 
 perplexity on the suite's references from the exported model's own logits (engines.openvino.perplexity, the
 in-process rows' text and scoring), `ppl_delta_pct` against the default's, and BLEU drift / exact match of the
 greedy outputs. The winner (engine_tune.decide): within the budget, the ratio interval above 1 with the highest
-lower bound; none: the default stands. Written to `recommended.yaml` (`openvino_launch`: the settings and the
-export folder).
+lower bound; none: the default stands. Written to `recommended.yaml`, a recipe naming the engine and its
+settings (the export folder and the pipeline's command under `provenance`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,13 +29,13 @@ from infer_tune.engines import openvino as ovm
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import noise
 from infer_tune.metrics import perplexity as ppl_mod
+from infer_tune.report.recommend import ENGINE as ENGINE_TECHNIQUE
 from infer_tune.runners.base import Progress
 from infer_tune.scenarios.common import RunSpec, open_run
 from infer_tune.scenarios.engine_tune import OBJECTIVE_RATIO, EngineTuneOutcome, _mark, decide
 from infer_tune.sweep import Measured, Row, RowSpec, build_document, save_rows
 
-TECHNIQUE = "engine"
-RECIPE_KEY = "openvino_launch"
+TECHNIQUE = ENGINE_TECHNIQUE
 
 
 @dataclass
@@ -122,7 +123,8 @@ def run_openvino_tune(spec: RunSpec, tspec: OpenVINOTuneSpec, *, settings_list: 
     base_doc, base_outputs = build_document(
         Measured(loaded, base_prepared, rounds.merged_run(variants[0]), inputs, spec.workload, protocol, host,
                  rounds_block=outcome.block("default")),
-        RowSpec(TECHNIQUE, _row_config(default, base_prepared), ovm.ENGINE, env, measure_ppl=False))
+        RowSpec(TECHNIQUE, _row_config(default, base_prepared), ovm.ENGINE, env, measure_ppl=False,
+                engine=ovm.ENGINE))
     if progress:
         progress("perplexity", 0, len(live) + 1)
     base_ppl = ovm.perplexity(base_folder, default, scored)
@@ -134,7 +136,7 @@ def run_openvino_tune(spec: RunSpec, tspec: OpenVINOTuneSpec, *, settings_list: 
             Measured(loaded, prepared, rounds.merged_run(variant), inputs, spec.workload, protocol, host,
                      outcome.block(variant.name), outcome.intervals.get(variant.name)),
             RowSpec(TECHNIQUE, _row_config(settings, prepared), ovm.ENGINE, env, measure_ppl=False,
-                    baseline=base_doc, baseline_outputs=base_outputs))
+                    baseline=base_doc, baseline_outputs=base_outputs, engine=ovm.ENGINE))
         if progress:
             progress("perplexity", k + 1, len(live) + 1)
         ppl = ovm.perplexity(folder, settings, scored)
@@ -182,11 +184,16 @@ def launch_command(folder: Path, settings: ovm.Settings) -> list[str]:
 
 
 def write_recommended(spec: RunSpec, settings: ovm.Settings, folder: Path, doc) -> Path:
-    body = {RECIPE_KEY: {"engine": ovm.ENGINE, "model": spec.model, "settings": dataclasses.asdict(settings),
-                         "export": str(folder)},
-            "workload": spec.workload.to_dict(), "result": str(doc.location) if doc.location else None,
-            "measured": {k: doc.metrics.get(k) for k in ("speedup_vs_baseline", "speedup_vs_baseline_ci95",
-                                                             "ppl_delta_pct", "bleu_drift", "bleu_vs_baseline")}}
+    """`OUT/recommended.yaml` in the recipe format that names its engine (infer_tune/recipe.py: engine, model,
+    settings, workload), the export folder, the command that builds the pipeline and the measured figures under
+    `provenance`."""
+    body = {"description": f"the winner of tune --engine {ovm.ENGINE}", "model": spec.model, "engine": ovm.ENGINE,
+            "settings": settings.to_dict(), "workload": spec.workload.to_dict(),
+            "provenance": {"export": str(folder), "command": shlex.join(launch_command(folder, settings)),
+                           "result": str(doc.location) if doc.location else None,
+                           "measured": {k: doc.metrics.get(k) for k in (
+                               "speedup_vs_baseline", "speedup_vs_baseline_ci95", "ppl_delta_pct", "bleu_drift",
+                               "bleu_vs_baseline")}}}
     path = Path(spec.out_dir) / "recommended.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_text(path, yaml.safe_dump(body, sort_keys=False))
