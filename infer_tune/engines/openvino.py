@@ -368,7 +368,7 @@ def decode_fn(prepared: PreparedModel, max_new_tokens: int, pin_length: bool):
     import openvino_genai as og
     import torch
 
-    pipe, settings = prepared.runner_options["openvino"], prepared.runner_options["settings"]
+    pipe, settings = prepared.runner_options["pipeline"], prepared.runner_options["settings"]
     eos = set(prepared.runner_options["eos_ids"])
     config = generation_config(pipe, settings, max_new_tokens, pin_length)
 
@@ -417,7 +417,7 @@ def prepare(folder: Path, settings: Settings, tokenizer, eos_ids: list[int]) -> 
     facts = {"openvino_ir_bytes": record["ir_bytes"], "openvino_weight_format": settings.weight_format}
     return PreparedModel(model=None, tokenizer=tokenizer, label=settings.label, device="cpu", metrics=facts,
                          extra_model_bytes=record["ir_bytes"], runner=ENGINE,
-                         runner_options={"openvino": pipe, "settings": settings, "eos_ids": list(eos_ids),
+                         runner_options={"pipeline": pipe, "settings": settings, "eos_ids": list(eos_ids),
                                          "export": record})
 
 

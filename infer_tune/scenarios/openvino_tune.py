@@ -147,7 +147,7 @@ def run_openvino_tune(spec: RunSpec, tspec: OpenVINOTuneSpec, *, settings_list: 
         doc.objective = tspec.objective
         rows.append(Row(doc, outputs))
     for _, _, prepared in [(None, None, base_prepared), *live]:
-        prepared.runner_options.pop("openvino", None)  # the pipeline is freed before the rows are written
+        prepared.runner_options.pop("pipeline", None)  # the pipeline is freed before the rows are written
     winner = decide([r.doc for r in rows[1:]], tspec)
     _mark(base_doc, eligible=True, engine_status="default")
     for r in rows[1:]:
