@@ -62,8 +62,11 @@ def render(outcome, tspec) -> None:
     w = outcome.winner
     output.out.print(f"winner: {w['label']}", soft_wrap=True, markup=False)
     output.out.print(f"launch: {shlex.join(outcome.command)}", soft_wrap=True, markup=False)
-    output.out.print(f"recommended: {outcome.recommended} (measure it again: infer-tune bench --recipe "
-                     f"{outcome.recommended})", soft_wrap=True, markup=False)
+    from infer_tune.engines import openvino
+
+    again = (f"measure it again: infer-tune bench --recipe {outcome.recommended}" if tspec.engine != openvino.ENGINE
+             else "bench --recipe does not run an in-process engine's recipe yet")
+    output.out.print(f"recommended: {outcome.recommended} ({again})", soft_wrap=True, markup=False)
     by_hand = by_hand_bench(outcome)
     if by_hand:
         output.out.print(f"by hand: start the launch above, then {by_hand}", soft_wrap=True, markup=False)
