@@ -1,4 +1,5 @@
-"""`infer-tune tune --engine llama.cpp`: the table of launches, the winner and its launch command."""
+"""`infer-tune tune --engine llama.cpp` / `--engine openvino`: the table of launches, the winner and its launch
+command."""
 
 from __future__ import annotations
 
@@ -13,13 +14,22 @@ from infer_tune.cli import output
 def tune_engine(opts: opt.MeasureOptions, engine: str, *, max_ppl_delta: float, max_bleu_drift: float,
                 objective: str, budget_s: float) -> None:
     from infer_tune.cli.measure import run_spec
+    from infer_tune.engines import openvino
     from infer_tune.scenarios.engine_tune import EngineTuneSpec, run_engine_tune
 
-    tspec = EngineTuneSpec(engine=engine, max_ppl_delta=max_ppl_delta, max_bleu_drift=max_bleu_drift,
-                           objective=objective, budget_s=budget_s, seed=opts.seed)
+    if engine == openvino.ENGINE:  # in-process (engines/openvino.py): its own search, the same table
+        from infer_tune.scenarios.openvino_tune import OpenVINOTuneSpec, run_openvino_tune
+
+        tspec = OpenVINOTuneSpec(max_ppl_delta=max_ppl_delta, max_bleu_drift=max_bleu_drift, objective=objective,
+                                 budget_s=budget_s, seed=opts.seed)
+        run = run_openvino_tune
+    else:
+        tspec = EngineTuneSpec(engine=engine, max_ppl_delta=max_ppl_delta, max_bleu_drift=max_bleu_drift,
+                               objective=objective, budget_s=budget_s, seed=opts.seed)
+        run = run_engine_tune
     spec = run_spec(opts)
     with output.progress_bar(not opts.json_out, out_dir=spec.out_dir) as progress:
-        outcome = run_engine_tune(spec, tspec, progress=progress)
+        outcome = run(spec, tspec, progress=progress)
     if opts.json_out:
         output.print_json(outcome.to_dict())
         return
@@ -55,8 +65,11 @@ def render(outcome, tspec) -> None:
     w = outcome.winner
     output.out.print(f"winner: {w['label']}", soft_wrap=True, markup=False)
     output.out.print(f"launch: {shlex.join(outcome.command)}", soft_wrap=True, markup=False)
-    output.out.print(f"recommended: {outcome.recommended} (measure it again: infer-tune bench --recipe "
-                     f"{outcome.recommended})", soft_wrap=True, markup=False)
+    from infer_tune.engines import openvino
+
+    again = (f"measure it again: infer-tune bench --recipe {outcome.recommended}" if tspec.engine != openvino.ENGINE
+             else "bench --recipe does not run an in-process engine's recipe yet")
+    output.out.print(f"recommended: {outcome.recommended} ({again})", soft_wrap=True, markup=False)
     by_hand = by_hand_bench(outcome)
     if by_hand:
         output.out.print(f"by hand: start the launch above, then {by_hand}", soft_wrap=True, markup=False)

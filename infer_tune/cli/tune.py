@@ -25,7 +25,7 @@ Methods = Annotated[str | None, typer.Option("--methods", help="Quantize methods
                                                                "(default: int4-rtn-a8,int4-rtn,int4-weight,int8-dynamic,int8-static,bf16; "
                                                                "-a8: with int8 activations).")]
 Reference = Annotated[bool, typer.Option("--reference/--no-reference", help="Measure llama.cpp at its best as a reference row: the fastest of Q4_0 / Q4_K_M / Q8_0 made from the same checkpoint (needs scripts/build-llama-cpp.sh; else llama-cpp-python on the shipped GGUF).")]
-Engine = Annotated[str | None, typer.Option("--engine", help="Search a serving engine's own settings instead (llama.cpp): launches on loopback, quality against its default launch (docs/tune.md, 'Tuning a deployed engine').")]
+Engine = Annotated[str | None, typer.Option("--engine", help="Search an engine's own settings instead (llama.cpp: launches on loopback; openvino: in-process, docs/engines.md), quality against its default launch (docs/tune.md, 'Tuning a deployed engine').")]
 Compile = Annotated[bool, typer.Option("--compile/--no-compile", help="Allow candidates that compile the decode step (minutes each on few cores).")]
 
 

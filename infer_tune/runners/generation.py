@@ -72,7 +72,8 @@ class _PinLength(LogitsProcessor):
 
 
 def eos_ids(model: torch.nn.Module, tokenizer) -> list[int]:
-    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    config = getattr(model, "generation_config", None)  # None: no torch model here (an engine's own runner)
+    ids = config.eos_token_id if config is not None else None
     if ids is None:
         ids = tokenizer.eos_token_id
     if ids is None:

@@ -1,0 +1,200 @@
+"""`tune --engine openvino`: OpenVINO GenAI's own settings searched within a quality budget (docs/engines.md,
+"OpenVINO").
+
+The same search as `tune --engine llama.cpp` (scenarios/engine_tune.py), in-process: the default is OpenVINO's
+own default (the checkpoint exported at int8, default properties); the candidates are weight formats x KV-cache
+precision x performance hint (and prompt lookup for the decode objective), sized to the budget. Every
+candidate is exported (cached) and its pipeline built; one that cannot be is refused with the reason. All are
+then measured with the default in the sweep engine's interleaved rounds (infer_tune.rounds: >= 3 rounds,
+shuffled order, paired per-request ratios, 95% intervals). Quality of every row against the default:
+perplexity on the suite's references from the exported model's own logits (engines.openvino.perplexity, the
+in-process rows' text and scoring), `ppl_delta_pct` against the default's, and BLEU drift / exact match of the
+greedy outputs. The winner (engine_tune.decide): within the budget, the ratio interval above 1 with the highest
+lower bound; none: the default stands. Written to `recommended.yaml`, a recipe naming the engine and its
+settings (the export folder and the pipeline's command under `provenance`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from infer_tune import atomic
+from infer_tune.engines import openvino as ovm
+from infer_tune.errors import ConfigError
+from infer_tune.metrics import noise
+from infer_tune.metrics import perplexity as ppl_mod
+from infer_tune.report.recommend import ENGINE as ENGINE_TECHNIQUE
+from infer_tune.runners.base import Progress
+from infer_tune.scenarios.common import RunSpec, open_run
+from infer_tune.scenarios.engine_tune import OBJECTIVE_RATIO, EngineTuneOutcome, _mark, decide
+from infer_tune.sweep import Measured, Row, RowSpec, build_document, save_rows
+
+TECHNIQUE = ENGINE_TECHNIQUE
+
+
+@dataclass
+class OpenVINOTuneSpec:
+    """`tune --engine openvino`'s budgets (the fields engine_tune.decide reads)."""
+
+    engine: str = ovm.ENGINE
+    max_ppl_delta: float = 5.0
+    max_bleu_drift: float = 1.0
+    objective: str = "decode"
+    budget_s: float = 600.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVE_RATIO:
+            raise ConfigError(f"tune --engine openvino: --objective must be one of {', '.join(OBJECTIVE_RATIO)}, "
+                              f"got {self.objective!r}")
+
+
+def candidates(spec: OpenVINOTuneSpec) -> list[dict]:
+    """The settings worth trying, cheapest evidence first, about one per budget minute (at least four): the weight
+    formats (int4 the memory-bound decode's best bet), then the KV cache's precision and the hint on int4."""
+    int4 = {"weight_format": "int4"}
+    found: list[dict] = [dict(int4), {"weight_format": "fp16"}, {**int4, "kv_cache_precision": "f16"},
+                         {**int4, "hint": "THROUGHPUT"}, {"weight_format": "int8", "kv_cache_precision": "f16"},
+                         {**int4, "ratio": 0.8}, {**int4, "sym": True}]
+    if spec.objective == "decode":
+        found.insert(4, {**int4, "prompt_lookup": True})
+    return found[:max(4, int(spec.budget_s // 60))]
+
+
+def _row_config(settings: ovm.Settings, prepared) -> dict:
+    record = prepared.runner_options["export"]
+    return {"engine": ovm.ENGINE, "settings": settings.to_dict(),
+            "launch": {"engine": ovm.ENGINE, "start": "in-process", "settings": dataclasses.asdict(settings),
+                       "export": record}}
+
+
+def run_openvino_tune(spec: RunSpec, tspec: OpenVINOTuneSpec, *, settings_list: list[dict] | None = None,
+                      progress: Progress | None = None) -> EngineTuneOutcome:
+    """The search (module docstring)."""
+    from infer_tune import rounds
+    from infer_tune.runners.generation import eos_ids
+
+    why = ovm.available()
+    if why:
+        raise ConfigError(f"tune --engine openvino: {why}")
+    start = time.monotonic()
+    run = open_run(spec, progress)
+    loaded, inputs = run.loaded, run.inputs
+    checkpoint = Path(loaded.path)
+    eos = eos_ids(loaded.model, loaded.tokenizer)
+    scored = ppl_mod.reference_sequences(loaded.tokenizer, inputs.rendered, [p.reference for p in inputs.prompts])
+    threads = {"threads": spec.threads} if spec.threads else {}
+    default = ovm.Settings(**threads)
+    wanted = settings_list if settings_list is not None else candidates(tspec)
+    refused: list[dict] = []
+    notes: list[str] = []
+
+    def build(settings: ovm.Settings):
+        folder = ovm.export(checkpoint, settings, progress)
+        return folder, ovm.prepare(folder, settings, loaded.tokenizer, eos)
+
+    base_folder, base_prepared = build(default)
+    live = []
+    for i, values in enumerate(wanted):
+        if progress:
+            progress(f"openvino {values}", i + 1, len(wanted) + 1)
+        try:
+            settings = ovm.Settings.from_dict({**values, **threads})
+            folder, prepared = build(settings)
+        except (ConfigError, ovm.OpenVINOError) as exc:
+            refused.append({"label": "openvino " + " ".join(f"{k}={v}" for k, v in values.items()),
+                            "settings": values, "reason": str(exc).splitlines()[0][:200]})
+            continue
+        live.append((settings, folder, prepared))
+    spent = time.monotonic() - start
+    protocol = dataclasses.replace(spec.protocol, max_duration_s=max(30.0, 0.8 * (tspec.budget_s - spent)))
+    variants = [rounds.Variant("default", base_prepared, ovm.ENGINE, objective=tspec.objective)] + [
+        rounds.Variant(f"{i}:{s.label}", p, ovm.ENGINE, objective=tspec.objective) for i, (s, _, p) in enumerate(live)]
+    before = noise.HostSnapshot.take()
+    outcome = rounds.run_rounds(variants, inputs, spec.workload, protocol, seed=tspec.seed, progress=progress)
+    host = (before, noise.HostSnapshot.take())
+    env = run.ctx.env
+    base_doc, base_outputs = build_document(
+        Measured(loaded, base_prepared, rounds.merged_run(variants[0]), inputs, spec.workload, protocol, host,
+                 rounds_block=outcome.block("default")),
+        RowSpec(TECHNIQUE, _row_config(default, base_prepared), ovm.ENGINE, env, measure_ppl=False,
+                engine=ovm.ENGINE))
+    if progress:
+        progress("perplexity", 0, len(live) + 1)
+    base_ppl = ovm.perplexity(base_folder, default, scored)
+    base_doc.add_metrics({"ppl": base_ppl, "ppl_source": "openvino logits"}, source="the exported model's logits")
+    base_doc.objective = tspec.objective
+    rows = [Row(base_doc, base_outputs)]
+    for k, ((settings, folder, prepared), variant) in enumerate(zip(live, variants[1:])):
+        doc, outputs = build_document(
+            Measured(loaded, prepared, rounds.merged_run(variant), inputs, spec.workload, protocol, host,
+                     outcome.block(variant.name), outcome.intervals.get(variant.name)),
+            RowSpec(TECHNIQUE, _row_config(settings, prepared), ovm.ENGINE, env, measure_ppl=False,
+                    baseline=base_doc, baseline_outputs=base_outputs, engine=ovm.ENGINE))
+        if progress:
+            progress("perplexity", k + 1, len(live) + 1)
+        ppl = ovm.perplexity(folder, settings, scored)
+        doc.add_metrics({"ppl": ppl, "ppl_source": "openvino logits"}, source="the exported model's logits")
+        if ppl and base_ppl:
+            doc.add_metrics({"ppl_delta_pct": 100.0 * (ppl - base_ppl) / base_ppl},
+                            source="the default's perplexity")
+        doc.objective = tspec.objective
+        rows.append(Row(doc, outputs))
+    for _, _, prepared in [(None, None, base_prepared), *live]:
+        prepared.runner_options.pop("pipeline", None)  # the pipeline is freed before the rows are written
+    winner = decide([r.doc for r in rows[1:]], tspec)
+    _mark(base_doc, eligible=True, engine_status="default")
+    for r in rows[1:]:
+        _mark(r.doc, engine_status="winner" if r.doc is winner else "measured")
+    saved = save_rows(spec.out_dir, rows)
+    base_saved, docs = saved[0], saved[1:]
+    winner_doc = next((d for d in docs if d.get("engine_status") == "winner"), base_saved)
+    if winner is None:
+        notes.append("no setting's interval cleared OpenVINO's default within the quality budget: the default stands")
+    else:
+        key = OBJECTIVE_RATIO[tspec.objective]
+        low = winner.interval(key)[0]
+        close = [d.label for d in docs if d.get("eligible") and d.get("engine_status") != "winner"
+                 and (d.interval(key) or (0, 0))[1] >= low]
+        if close:
+            notes.append(f"the winner's {key} interval overlaps {', '.join(close)}'s: not separated on this run")
+    settings = next((s for (s, _, _), r in zip(live, rows[1:]) if r.doc is winner), default)
+    folder = next((f for (_, f, _), r in zip(live, rows[1:]) if r.doc is winner), base_folder)
+    recommended = write_recommended(spec, settings, folder, winner_doc)
+    return EngineTuneOutcome(baseline=base_saved, rows=docs, refused=refused, winner=winner_doc,
+                             recommended=recommended, command=launch_command(folder, settings),
+                             elapsed_s=time.monotonic() - start, notes=notes)
+
+
+def launch_command(folder: Path, settings: ovm.Settings) -> list[str]:
+    """A command that builds the winner's pipeline by hand (the export folder, its properties)."""
+    props = {k: (str(v) if k != "INFERENCE_NUM_THREADS" else v) for k, v in settings.properties().items()}
+    props_text = ", ".join(f"{k}={v!r}" if k != "KV_CACHE_PRECISION" else f"{k}=ov.Type.{settings.kv_cache_precision}"
+                           for k, v in props.items())
+    extra = ", prompt_lookup=True" if settings.prompt_lookup else ""
+    code = (f"import openvino as ov, openvino_genai as og; pipe = og.LLMPipeline({str(folder)!r}, 'CPU'"
+            f"{', ' + props_text if props_text else ''}{extra})")
+    return ["python", "-c", code]
+
+
+def write_recommended(spec: RunSpec, settings: ovm.Settings, folder: Path, doc) -> Path:
+    """`OUT/recommended.yaml` in the recipe format that names its engine (infer_tune/recipe.py: engine, model,
+    settings, workload), the export folder, the command that builds the pipeline and the measured figures under
+    `provenance`."""
+    body = {"description": f"the winner of tune --engine {ovm.ENGINE}", "model": spec.model, "engine": ovm.ENGINE,
+            "settings": settings.to_dict(), "workload": spec.workload.to_dict(),
+            "provenance": {"export": str(folder), "command": shlex.join(launch_command(folder, settings)),
+                           "result": str(doc.location) if doc.location else None,
+                           "measured": {k: doc.metrics.get(k) for k in (
+                               "speedup_vs_baseline", "speedup_vs_baseline_ci95", "ppl_delta_pct", "bleu_drift",
+                               "bleu_vs_baseline")}}}
+    path = Path(spec.out_dir) / "recommended.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_text(path, yaml.safe_dump(body, sort_keys=False))
+    return path
