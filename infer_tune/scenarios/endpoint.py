@@ -324,12 +324,10 @@ def multi_turn_material(run: EndpointRun, spec: RunSpec, workload: WorkloadOptio
     return Material(inputs, options, info, files)
 
 
-def trace_material(run: EndpointRun, spec: RunSpec, workload: WorkloadOptions,
-                   requests: int | None) -> tuple[list[TraceRequest], Material]:
+def load_trace(spec: RunSpec, workload: WorkloadOptions, requests: int | None) -> tuple[list, dict]:
     """The trace file's requests (the first `requests`, or a synthesized trace of `requests` with its
-    statistics when that is more than it has), arrivals scaled by `time_scale`."""
+    statistics when that is more than it has), arrivals scaled by `time_scale`; and what was read."""
     from infer_tune.endpoint import workloads as wl
-    from infer_tune.endpoint.replay import prompt_text
 
     entries, read = wl.read_trace(workload.trace, workload.trace_format, block_size=workload.block_size)
     synthesized = requests is not None and requests > len(entries)
@@ -337,7 +335,15 @@ def trace_material(run: EndpointRun, spec: RunSpec, workload: WorkloadOptions,
         entries = wl.synthesize_trace(entries, requests, seed=spec.workload.seed)
     elif requests is not None:
         entries = entries[:requests]
-    entries = wl.scale_times(entries, workload.time_scale)
+    return wl.scale_times(entries, workload.time_scale), {**read, "synthesized": synthesized}
+
+
+def trace_material(run: EndpointRun, spec: RunSpec, workload: WorkloadOptions, entries: list,
+                   read: dict) -> tuple[list[TraceRequest], Material]:
+    """The trace's requests with their prompts (Mooncake hash blocks as shared words, see workloads)."""
+    from infer_tune.endpoint import workloads as wl
+    from infer_tune.endpoint.replay import prompt_text
+
     prompts = wl.trace_prompts(entries, seed=spec.workload.seed, block_size=workload.block_size,
                                vocab=wl.vocabulary(run.model.tokenizer))
     render = render_for(run, spec)
@@ -345,7 +351,7 @@ def trace_material(run: EndpointRun, spec: RunSpec, workload: WorkloadOptions,
     inputs = Inputs(prompts=[Prompt(id=f"request{k}", text=prompt_text(p)) for k, p in enumerate(prompts)],
                     rendered=[], batches=[], templated=False)
     trace = [TraceRequest(k, e.arrival_s, e.output_length) for k, e in enumerate(entries)]
-    info = {**workload.to_dict(), "seed": spec.workload.seed, **read, "synthesized": synthesized,
+    info = {**workload.to_dict(), "seed": spec.workload.seed, **read,
             "requests": len(entries), "span_s": entries[-1].arrival_s,
             "requests_sharing_first_block": wl.sharing_first_block(entries)}
     files = {"schedule.jsonl": schedule_jsonl(trace, sent, spec.workload.max_new_tokens)}
@@ -358,9 +364,10 @@ def run_endpoint_workload(spec: RunSpec, config: EndpointConfig, workload: Workl
     """One replay of a timed trace file (`--workload trace`), or of a multi-turn / shared-prefix workload
     with everything arriving at once (`bench --endpoint --workload ...`: at most `concurrency` in flight);
     saved with its schedule."""
+    loaded = load_trace(spec, workload, requests) if workload.kind == "trace" else None  # a bad file fails first
     run = open_endpoint(spec, config, model_given=model_given, workload=workload)
-    if workload.kind == "trace":
-        trace, material = trace_material(run, spec, workload, requests)
+    if loaded is not None:
+        trace, material = trace_material(run, spec, workload, *loaded)
         info = {"time_scale": workload.time_scale, "seed": spec.workload.seed}
     else:
         trace, material = workload_material(run, spec, workload, math.inf, requests or len(run.inputs.prompts), 1.0)
