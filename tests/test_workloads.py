@@ -240,6 +240,12 @@ def test_endpoint_sim_multi_turn_saves_turns_and_sessions(tmp_path):
     assert [p["conversation"]["id"] for p in plans] == ["conv-a", "conv-b", "conv-c"]
     outputs = [json.loads(line) for line in (run / "outputs.jsonl").read_text().splitlines()]
     assert {o["reference"] for o in outputs} >= {"recorded answer a1", "recorded b2"}  # one row per turn
+    # the report: a per-turn table in the markdown and the HTML
+    report = runner.invoke(app, ["leaderboard", str(tmp_path), "--format", "md,html"])
+    assert report.exit_code == 0, report.output
+    md = (tmp_path / "leaderboard.md").read_text()
+    assert "## TTFT by turn" in md and "| turn 3 | 1 |" in md and "| history 0-64 | 6 |" in md
+    assert "<h2>TTFT by turn" in (tmp_path / "leaderboard.html").read_text()
 
 
 # --------------------------------------------------------------------------- token counts
