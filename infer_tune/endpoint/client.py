@@ -126,12 +126,13 @@ class SSEParser:
         return events
 
 
-def build_payload(config: EndpointConfig, prompt: str, max_new_tokens: int) -> dict[str, Any]:
-    """The request body: greedy (temperature 0), streaming, `max_tokens` new tokens."""
+def build_payload(config: EndpointConfig, prompt: str | list[dict], max_new_tokens: int) -> dict[str, Any]:
+    """The request body: greedy (temperature 0), streaming, `max_tokens` new tokens. A list `prompt` is
+    the chat messages themselves (a conversation so far, a system prompt)."""
     body: dict[str, Any] = {"model": config.served_model, "max_tokens": max_new_tokens, "stream": True,
                             "temperature": 0.0}
     if config.api == "chat":
-        body["messages"] = [{"role": "user", "content": prompt}]
+        body["messages"] = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
     if config.stream_usage:
@@ -336,5 +337,5 @@ async def stream_request(session, config: EndpointConfig, body: bytes, headers: 
     return record  # a stream with no text (immediate end-of-sequence) is a success with no tokens
 
 
-def encode_body(config: EndpointConfig, prompt: str, max_new_tokens: int) -> bytes:
+def encode_body(config: EndpointConfig, prompt: str | list[dict], max_new_tokens: int) -> bytes:
     return json.dumps(build_payload(config, prompt, max_new_tokens)).encode()

@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # imported when used: load-generator workers need only the se
     from infer_tune.runners.trace import TraceRequest
 
 Progress = Callable[[str, int, int | None], None]
+KEPT_TOKEN_FAILURES = 20  # token-count mismatches kept with their numbers (all are counted)
 
 
 @dataclass
@@ -59,6 +60,9 @@ class ReplayResult:
     token_sources: dict[str, int] = field(default_factory=dict)
     usage_mismatches: int = 0
     multi_token_deliveries: int = 0
+    token_count_mismatches: int = 0
+    token_count_unverified: int = 0
+    token_count_failures: list[dict] = field(default_factory=list)
 
     @property
     def wall_s(self) -> float:
@@ -73,6 +77,9 @@ class ReplayResult:
             self.token_sources[key] = self.token_sources.get(key, 0) + n
         self.usage_mismatches += other.usage_mismatches
         self.multi_token_deliveries += other.multi_token_deliveries
+        self.token_count_mismatches += other.token_count_mismatches
+        self.token_count_unverified += other.token_count_unverified
+        self.token_count_failures += other.token_count_failures[:KEPT_TOKEN_FAILURES - len(self.token_count_failures)]
 
 
 def count_tokens(record: StreamRecord) -> tuple[int, str, list[tuple[int, int]]]:
@@ -103,6 +110,22 @@ def count_tokens(record: StreamRecord) -> tuple[int, str, list[tuple[int, int]]]
     return tokens, source, [(t, n) for t, n in steps]
 
 
+def check_token_count(record: StreamRecord) -> bool | None:
+    """The client's count of streamed tokens (one per text event) against the server's
+    `usage.completion_tokens`: True when they agree (the server may count one more, its end-of-sequence
+    token, when it stopped), False when they differ, None when the server sent no count."""
+    reported = (record.usage or {}).get("completion_tokens")
+    if not isinstance(reported, int) or isinstance(reported, bool):
+        return None
+    events = len(record.delivery_ns)
+    return reported == events or (reported == events + 1 and record.finish_reason == "stop")
+
+
+def prompt_text(prompt: str | list[dict]) -> str:
+    """A request's prompt as text (a message list: its contents, one per paragraph)."""
+    return prompt if isinstance(prompt, str) else "\n\n".join(str(m.get("content", "")) for m in prompt)
+
+
 def to_timing(record: StreamRecord, prompt_index: int, submit_ns: int, start_ns: int | None, iteration: int,
               prompt_tokens: int) -> tuple[RequestTiming, str, bool]:
     """The record as a RequestTiming (one timestamp per token), the token-count source, and whether
@@ -118,13 +141,13 @@ def to_timing(record: StreamRecord, prompt_index: int, submit_ns: int, start_ns:
             source, mismatch)
 
 
-def prompt_token_count(record: StreamRecord, prompt: str, tokenizer) -> int:
+def prompt_token_count(record: StreamRecord, prompt: str | list[dict], tokenizer) -> int:
     """usage.prompt_tokens when reported, else the local tokenizer's count, else 0 (unknown)."""
     reported = (record.usage or {}).get("prompt_tokens")
     if isinstance(reported, int) and not isinstance(reported, bool) and 0 <= reported <= MAX_PROMPT_TOKENS:
         return reported  # a record with any other value failed as invalid_usage (client.check_length)
     if tokenizer is not None:
-        return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return len(tokenizer(prompt_text(prompt), add_special_tokens=False)["input_ids"])
     return 0
 
 
@@ -206,6 +229,16 @@ def collect(result: ReplayResult, trace: Sequence[TraceRequest], records, prompt
         result.timings.append(timing)
         result.token_sources[source] = result.token_sources.get(source, 0) + 1
         result.usage_mismatches += mismatch
+        agreed = check_token_count(record)
+        if agreed is None:
+            result.token_count_unverified += 1
+        elif not agreed:
+            result.token_count_mismatches += 1
+            if len(result.token_count_failures) < KEPT_TOKEN_FAILURES:
+                result.token_count_failures.append({
+                    "prompt_index": request.prompt_index, "arrival_s": request.arrival_s,
+                    "streamed_tokens": len(record.delivery_ns), "usage_completion_tokens":
+                    record.usage["completion_tokens"], "finish_reason": record.finish_reason})
         result.multi_token_deliveries += sum(1 for n in (timing.step_tokens or []) if n > 1)
         ids = tokenizer(record.text, add_special_tokens=False)["input_ids"] if tokenizer is not None else []
         result.outputs.append(Output(request.prompt_index, record.text, list(ids), n_prompt,

@@ -231,8 +231,9 @@ def technique_images(docs: list[ResultDocument]) -> list[tuple[str, bytes]]:
 
 
 def page(rows: list[dict], env: dict, claims: list[ClaimRow], rec: Recommendation, budget_text: str,
-         plots: list[tuple[str, str, object]], extra: list[tuple[str, bytes]]) -> str:
-    """The whole report. `plots`: (title, "svg" | "png", content) from report.plots.report_plots."""
+         plots: list[tuple[str, str, object]], extra: list[tuple[str, bytes]], sections: str = "") -> str:
+    """The whole report. `plots`: (title, "svg" | "png", content) from report.plots.report_plots;
+    `sections`: HTML placed before the plots (the per-turn tables of multi-turn results)."""
     figures = "".join(svg_figure(t, c) if kind == "svg" else figure(t, c, "wide" if kind == "png-wide" else "")
                       for t, kind, c in plots)
     extras = "".join(figure(t, d) for t, d in extra) or "<p>No technique plots in these results.</p>"
@@ -253,7 +254,7 @@ def page(rows: list[dict], env: dict, claims: list[ClaimRow], rec: Recommendatio
         "Drift is judged on perplexity change and on outputs identical to the baseline's; BLEU drift shows "
         "its 95% paired bootstrap interval over prompts (wide when there are few). Rows marked broken are "
         "never called a speedup. Click a column to sort.</p>"
-        f"<h2>Claims</h2>{claims_table(claims)}"
+        f"<h2>Claims</h2>{claims_table(claims)}{sections}"
         f"<h2>Plots</h2><div class=\"figs\">{figures}</div>"
         f"<h2>Technique plots</h2><div class=\"figs\">{extras}</div>"
         f"<h2>Environment</h2>{environment_block(env)}"

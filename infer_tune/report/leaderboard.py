@@ -16,7 +16,7 @@ import pandas as pd
 from infer_tune import atomic
 from infer_tune.document import ResultDocument, as_document
 from infer_tune.errors import InferTuneError
-from infer_tune.report import claims, display, leads
+from infer_tune.report import claims, display, leads, turns
 from infer_tune.report import html as html_report
 from infer_tune.report import plots as shared_plots
 from infer_tune.report.plots import pareto_front  # noqa: F401 - part of this module's API (tests, tune)
@@ -172,13 +172,14 @@ def write(frame: pd.DataFrame, docs: Sequence[ResultDocument], out_dir: Path, fo
     for fmt in formats:
         path = out_dir / f"leaderboard.{fmt}"
         if fmt == "md":
-            text = to_markdown(rows, found_claims, rec, budget_text)
+            text = to_markdown(rows, found_claims, rec, budget_text) + turns.markdown(shown)
         elif fmt == "csv":
             text = csv_safe(frame).to_csv(index=False)
         else:
             figures = shared_plots.report_plots(rows, per_position(docs, list(frame["run_id"])))
             env = next((d.env for d in shown if isinstance(d.env, dict)), {})
-            text = html_report.page(rows, env, found_claims, rec, budget_text, figures, html_report.technique_images(shown))
+            text = html_report.page(rows, env, found_claims, rec, budget_text, figures, html_report.technique_images(shown),
+                                    sections=turns.html(shown))
         atomic.write_text(path, text)
         written[fmt] = path
     if recipe is not None:

@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from infer_tune.endpoint import loadgen
+from infer_tune.endpoint import loadgen, sessions, workloads
 from infer_tune.endpoint import replay as rp  # a module reference: replay imports runners.base (a cycle)
 from infer_tune.endpoint.config import EndpointConfig
 from infer_tune.endpoint.probe import EndpointError
@@ -79,9 +79,11 @@ async def _timed(session, config: EndpointConfig, trace, prompts, max_new_tokens
 
 
 async def _measure(prepared: PreparedModel, prompts: list[str], max_new_tokens: int, protocol: Protocol,
-                   progress: Progress | None, client: dict) -> tuple[ReplayResult, int, float | None, float, int, int]:
+                   progress: Progress | None, client: dict,
+                   extra: dict) -> tuple[ReplayResult, int, float | None, float, int, int]:
     config: EndpointConfig = prepared.runner_options["endpoint"]
     trace: list[TraceRequest] | None = prepared.runner_options.get("trace")
+    plans = prepared.runner_options.get("sessions")
     first = trace[0].prompt_index if trace else 0
     async with rp.client_session(config) as session:
         warmup_start = time.perf_counter()
@@ -93,6 +95,13 @@ async def _measure(prepared: PreparedModel, prompts: list[str], max_new_tokens: 
                 first_call_ms = warm.timings[0].e2e_ms
         warmup_s = time.perf_counter() - warmup_start
         rss_before = memory.release_and_reset_peak()
+        if plans is not None:  # multi-turn: each turn waits for the previous answer, one loop
+            done, reading = await loadgen.monitored(sessions.replay_sessions(
+                session, config, plans, max_new_tokens, history=prepared.runner_options.get("history", "server"),
+                tokenizer=prepared.tokenizer, render=prepared.runner_options.get("render"), progress=progress))
+            client["worker_readings"].append(dict(reading, requests=len(done.sent), concurrency=config.concurrency))
+            extra["sessions"] = done
+            return done.result, 1, first_call_ms, warmup_s, warm_failures, rss_before
         if trace:
             total = await _timed(session, config, trace, prompts, max_new_tokens, client, tokenizer=prepared.tokenizer,
                                  progress=progress)
@@ -130,12 +139,15 @@ def run_endpoint(prepared: PreparedModel, inputs, workload, protocol: Protocol,
     """Warm up, then closed-loop passes (or one trace replay) against the endpoint; see the module docstring."""
     config: EndpointConfig = prepared.runner_options["endpoint"]
     trace = prepared.runner_options.get("trace")
+    plans = prepared.runner_options.get("sessions")
     prompts = prepared.runner_options.get("prompts") or request_prompts(inputs, config)
     requests = len(trace) if trace else len(prompts)
-    client = {"workers": config.workers or loadgen.default_workers(min(config.concurrency, requests)),
-              "workers_requested": config.workers, "cores": loadgen.cores(), "worker_readings": []}
+    workers = 1 if plans is not None else config.workers or loadgen.default_workers(min(config.concurrency, requests))
+    client = {"workers": workers, "workers_requested": config.workers, "cores": loadgen.cores(),
+              "worker_readings": []}
+    extra: dict = {}
     result, iterations, first_call_ms, warmup_s, warm_failures, rss_before = asyncio.run(
-        _measure(prepared, prompts, workload.max_new_tokens, protocol, progress, client))
+        _measure(prepared, prompts, workload.max_new_tokens, protocol, progress, client, extra))
     client.update(loadgen.saturation(client["worker_readings"], result.lateness_ms))
     sent = len(result.timings) + len(result.failures)
     if not result.timings:
@@ -152,6 +164,9 @@ def run_endpoint(prepared: PreparedModel, inputs, workload, protocol: Protocol,
         "warmup_failures": warm_failures,
         "token_count_source": sources.pop() if len(sources) == 1 else "mixed",
         "usage_token_mismatches": result.usage_mismatches,
+        "token_count_mismatches": result.token_count_mismatches,
+        "token_count_unverified": result.token_count_unverified,
+        "token_count_failures": result.token_count_failures,
         "multi_token_deliveries": result.multi_token_deliveries,
         "generate_steps": sum(len(t.step_ns()) for t in result.timings),  # deliveries the client saw
         "nondeterministic_outputs": varied,
@@ -165,6 +180,11 @@ def run_endpoint(prepared: PreparedModel, inputs, workload, protocol: Protocol,
     if slo is not None:
         counters.update(saturation.goodput(result.timings, saturation.SLO.from_dict(slo), result.wall_s,
                                            submitted=len(result.timings) + len(result.failures)))
+    if "sessions" in extra:
+        done = extra["sessions"]
+        counters.update(sessions=len(plans), turns_sent=sent, turns_not_sent=done.turns_not_sent,
+                        turns=workloads.per_turn(result.timings, done.turn_of),
+                        client_lateness_ms=summarize(result.lateness_ms))
     if trace:
         counters.update(trace_requests=len(trace), trace_span_s=max((r.arrival_s for r in trace), default=0.0),
                         client_lateness_ms=summarize(result.lateness_ms))
