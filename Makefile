@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: install model demo test lint clean system-deps
+.PHONY: install model demo test lint clean system-deps openvino-exporter
 
 # INSTALLER=uv (default) or pip. uv resolves and installs the same requirements in ~8 s where pip takes ~78 s
 # (measured on 2 cores into a new venv, uv's cache empty); pip stays in the venv either way (`models pull` uses
@@ -30,9 +30,9 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 ifeq ($(INSTALLER),uv)
 	test -x $(BIN)/uv || $(BIN)/pip install --quiet uv
 	$(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python $(addprefix --find-links ,$(FIND_LINKS)) \
-		-e ".[dev]" "$(TORCH_SPEC)"
+		-e ".[dev,openvino]" "$(TORCH_SPEC)"
 else
-	$(BIN)/pip install --quiet --compile -e ".[dev]" "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet --compile -e ".[dev,openvino]" "$(TORCH_SPEC)"
 endif
 	touch $@
 
@@ -44,6 +44,11 @@ system-deps:
 
 model: install
 	$(BIN)/infer-tune models pull smollm2-135m
+
+# OpenVINO's exporter (optimum-intel pins transformers<5.6): its own venv under $$INFER_TUNE_HOME/tools, made
+# once (~50 s, 1.6 GB; docs/engines.md); the tests that run OpenVINO for real on the default model need it
+openvino-exporter: install
+	$(BIN)/python -c "from infer_tune.engines import openvino; print(openvino.ensure_exporter())"
 
 # The main job: every technique once on SmolLM2-135M (the `quick` recipe: quantization, KV cache,
 # batching, speculative decoding, MoE expert placement on the MoEfied demo model), each stage against
@@ -59,7 +64,7 @@ demo: model
 	@echo "report: $(DEMO_OUT)/leaderboard.html (.md, .csv); results: $(DEMO_OUT)/<run-id>/result.json"
 
 # two pytest-xdist workers, one per core: whole files to a worker, the sandbox tests on one (tests/conftest.py)
-test: model system-deps
+test: model system-deps openvino-exporter
 	$(BIN)/python -m pytest -q -ra -n 2 --dist loadgroup
 
 lint: install
