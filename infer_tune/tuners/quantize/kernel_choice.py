@@ -208,7 +208,7 @@ def choose_for_model(model: nn.Module, method: str, *, prefill_rows: int = 64, g
                 if kept is not None:
                     record.setdefault("screens_reused", []).append(f"{kind} {regime}")
                 timings[(kind, regime)] = kept or screen_kernels(kind_shapes, rows, kind, group_size=group_size)
-                if kept is None and path is not None:
+                if kept is None and path is not None and isinstance(timings[(kind, regime)], screen.Screen):
                     store_screen(path, timings[(kind, regime)])
             kernel_ms, fp32_ms, stats = unpack_timing(timings[(kind, regime)])
             skip = excluded(kind, regime)
