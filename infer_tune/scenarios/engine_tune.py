@@ -494,14 +494,23 @@ def write_recommended(spec: RunSpec, started: lm.Started, doc: ResultDocument) -
     its GGUF(s), the engine's build, the result and its measured figures."""
     record = started.record()
     settings = {**record["settings"], **({"threads": str(spec.threads)} if spec.threads else {})}
-    body = {"description": f"the winner of tune --engine {record['engine']}", "model": record["model"],
-            "engine": record["engine"], "settings": settings, "workload": spec.workload.to_dict(),
-            "provenance": {"argv": record["argv"], "command": shlex.join(started.command),
-                           "gguf": record.get("gguf"), "llama_cpp": record.get("llama_cpp"),
-                           "result": str(doc.location) if doc.location else None,
-                           "measured": {k: doc.metrics.get(k) for k in (
-                               "speedup_vs_baseline", "speedup_vs_baseline_ci95", "ppl_delta_pct", "bleu_drift",
-                               "bleu_vs_baseline")}}}
+    return write_engine_recipe(spec, record["engine"], record["model"], settings, doc,
+                               {"argv": record["argv"], "command": shlex.join(started.command),
+                                "gguf": record.get("gguf"), "llama_cpp": record.get("llama_cpp")})
+
+
+MEASURED_IN_RECIPE = ("speedup_vs_baseline", "speedup_vs_baseline_ci95", "ppl_delta_pct", "bleu_drift",
+                      "bleu_vs_baseline")
+
+
+def write_engine_recipe(spec: RunSpec, engine: str, model: str, settings: dict, doc: ResultDocument,
+                        provenance: dict) -> Path:
+    """`OUT/recommended.yaml` of an engine's winner in the recipe format that names its engine (engine, model,
+    settings, the workload), `provenance` (how it ran) with the result and its measured figures added."""
+    body = {"description": f"the winner of tune --engine {engine}", "model": model, "engine": engine,
+            "settings": settings, "workload": spec.workload.to_dict(),
+            "provenance": {**provenance, "result": str(doc.location) if doc.location else None,
+                           "measured": {k: doc.metrics.get(k) for k in MEASURED_IN_RECIPE}}}
     path = Path(spec.out_dir) / "recommended.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_text(path, yaml.safe_dump(body, sort_keys=False))

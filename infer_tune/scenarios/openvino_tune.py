@@ -22,9 +22,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from infer_tune import atomic
 from infer_tune.engines import openvino as ovm
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import noise
@@ -32,7 +29,13 @@ from infer_tune.metrics import perplexity as ppl_mod
 from infer_tune.report.recommend import ENGINE as ENGINE_TECHNIQUE
 from infer_tune.runners.base import Progress
 from infer_tune.scenarios.common import RunSpec, open_run
-from infer_tune.scenarios.engine_tune import OBJECTIVE_RATIO, EngineTuneOutcome, _mark, decide
+from infer_tune.scenarios.engine_tune import (
+    OBJECTIVE_RATIO,
+    EngineTuneOutcome,
+    _mark,
+    decide,
+    write_engine_recipe,
+)
 from infer_tune.sweep import Measured, Row, RowSpec, build_document, save_rows
 
 TECHNIQUE = ENGINE_TECHNIQUE
@@ -187,14 +190,5 @@ def write_recommended(spec: RunSpec, settings: ovm.Settings, folder: Path, doc) 
     """`OUT/recommended.yaml` in the recipe format that names its engine (infer_tune/recipe.py: engine, model,
     settings, workload), the export folder, the command that builds the pipeline and the measured figures under
     `provenance`."""
-    body = {"description": f"the winner of tune --engine {ovm.ENGINE}", "model": spec.model, "engine": ovm.ENGINE,
-            "settings": settings.to_dict(), "workload": spec.workload.to_dict(),
-            "provenance": {"export": str(folder), "command": shlex.join(launch_command(folder, settings)),
-                           "result": str(doc.location) if doc.location else None,
-                           "measured": {k: doc.metrics.get(k) for k in (
-                               "speedup_vs_baseline", "speedup_vs_baseline_ci95", "ppl_delta_pct", "bleu_drift",
-                               "bleu_vs_baseline")}}}
-    path = Path(spec.out_dir) / "recommended.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic.write_text(path, yaml.safe_dump(body, sort_keys=False))
-    return path
+    return write_engine_recipe(spec, ovm.ENGINE, spec.model, settings.to_dict(), doc,
+                               {"export": str(folder), "command": shlex.join(launch_command(folder, settings))})
