@@ -22,8 +22,15 @@ SUMMARY_BEGIN, SUMMARY_END = "<!-- summary:begin -->", "<!-- summary:end -->"
 
 
 def machine_line(runs: Path) -> str:
-    env = next((json.loads(p.read_text()).get("env") for p in sorted(runs.glob("*/result.json"))), {}) or {}
-    return (f"Measured by `make demo` on: {env.get('cpu', '?')} ({', '.join(env.get('cpu_flags') or []) or 'no flags'}), "
+    docs = [json.loads(p.read_text()) for p in sorted(runs.glob("*/result.json"))]
+    env = next((d.get("env") for d in docs), {}) or {}
+    dates = sorted(str(d.get("created_at") or "")[:16].replace("T", " ") for d in docs if d.get("created_at"))
+    import subprocess  # the checkout the runs folder lies in: the code that ran (make demo writes runs/demo there)
+
+    found = subprocess.run(["git", "-C", str(runs), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    commit = found.stdout.strip() if found.returncode == 0 else None
+    when = f"{dates[0]}-{dates[-1][11:]} UTC" if dates else "?"
+    return (f"Measured by `make demo` {when}{f' at {commit[:7]}' if commit else ''} on: {env.get('cpu', '?')} ({', '.join(env.get('cpu_flags') or []) or 'no flags'}), "
             f"{env.get('cores', '?')} cores, {env.get('threads', '?')} threads, "
             f"{(env.get('ram_bytes') or 0) / 2**30:.0f} GiB RAM, memory bandwidth "
             f"{env.get('mem_bandwidth_gb_s', 0):.1f} GB/s (measured), torch {env.get('torch', '?')}, "

@@ -409,7 +409,7 @@ def test_tune_engine_crashed_launches_are_rows_quarantined_and_never_win(monkeyp
                                                                          prompts_file, capsys):
     """Launches that die or hang are results, not the end of the search (engines/crash.py): a fake llama-server
     killing itself with SIGILL at start, one dying with SIGILL at its first request (llama.cpp's AMX matmul),
-    one never answering /v1/models and one stalling at its first request, against 2 s deadlines. Each is a
+    one never answering /v1/models and one stalling at its first request, against 8 s (start) and 4 s (answer) deadlines, wide enough for a healthy fake started on a loaded 2-core host. Each is a
     saved `crashed` row (the signal or the hang, its log's tail, a reproducer naming the binary, the argv,
     the GGUF's sha256 and the CPU flags); the search goes on to the working q4_0 launch, which wins; the
     SIGILL configuration listed twice is started once; the report shows the `crashed` verdict with the
@@ -432,7 +432,7 @@ def test_tune_engine_crashed_launches_are_rows_quarantined_and_never_win(monkeyp
                                                        "q4_k_m.gguf": "hang", "iq4_nl.gguf": "stall",
                                                        "q4_k_s.gguf": "sigill-at-request-4"}))
     runs = tmp_path / "runs"
-    tspec = et.EngineTuneSpec(max_ppl_delta=5, budget_s=60, start_deadline_s=2, answer_deadline_s=2)
+    tspec = et.EngineTuneSpec(max_ppl_delta=5, budget_s=60, start_deadline_s=8, answer_deadline_s=4)
     outcome = et.run_engine_tune(_engine_spec(tiny_model_dir, prompts_file, runs), tspec, settings_list=[
         {"gguf": "q8_0"}, {"gguf": "iq4_xs"}, {"gguf": "q4_k_m"}, {"gguf": "iq4_nl"}, {"gguf": "q4_k_s"},
         {"gguf": "q4_0"}, {"gguf": "q8_0"}])
@@ -450,8 +450,8 @@ def test_tune_engine_crashed_launches_are_rows_quarantined_and_never_win(monkeyp
     first, at_start = crashes["q8_0"], crashes["iq4_xs"]
     assert (first["signal"], first["signal_number"], first["phase"]) == ("SIGILL", 4, "first request")
     assert (at_start["signal"], at_start["phase"]) == ("SIGILL", "start") and at_start["how"] == "signal SIGILL (4)"
-    assert crashes["q4_k_m"]["how"] == "hung past 2 s" and crashes["q4_k_m"]["phase"] == "start"
-    assert crashes["iq4_nl"]["how"] == "hung past 2 s" and crashes["iq4_nl"]["phase"] == "first request"
+    assert crashes["q4_k_m"]["how"] == "hung past 8 s" and crashes["q4_k_m"]["phase"] == "start"
+    assert crashes["iq4_nl"]["how"] == "hung past 4 s" and crashes["iq4_nl"]["phase"] == "first request"
     assert any("ggml_backend_amx_mul_mat: illegal instruction" in ln for ln in first["log_tail"])
     assert any("loading forever" in ln for ln in crashes["q4_k_m"]["log_tail"])
     assert all(len(c["log_tail"]) <= 20 for c in crashes.values())
