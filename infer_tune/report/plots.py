@@ -90,8 +90,8 @@ def pareto_points(rows: list[dict], broken: list[bool]) -> list[tuple[int, float
 
 
 # label offsets (points) tried in turn: right of the point first, then above and below it further and further out
-_OFFSETS = [(6, dy) for dy in (4, 14, -16, 26, -28, 38, -40, 50, -52, 62, -64)] + \
-    [(-6 - 120, dy) for dy in (14, -16, 30, -32)]
+_OFFSETS = [(6, dy, "left") for dy in (4, 14, -16, 26, -28, 38, -40, 50, -52, 62, -64)] + \
+    [(-6, dy, "right") for dy in (14, -16, 26, -28, 38, -40, 50, -52)]  # then ending left of the point
 
 
 def text_box(note, renderer):
@@ -104,21 +104,24 @@ def text_box(note, renderer):
 
 def place_labels(fig, ax, labels: list[tuple[str, float, float]]) -> list:
     """Annotate each (text, x, y), trying offsets in turn until the label's box overlaps no label placed before
-    it (measured with the figure's own renderer, in display pixels); the last offset where none is free. A
+    it and ends inside the plot (measured with the figure's own renderer, in display pixels); the last offset
+    where none is free. A
     label away from its point gets a thin leader line. Returns the annotations."""
     fig.canvas.draw()  # limits settled, so boxes are where they will be drawn
     renderer = fig.canvas.get_renderer()
+    right = ax.get_window_extent(renderer).x1  # a label past the plot's right edge is cut where the page shows it
     placed, boxes = [], []
     for text, x, y in labels:
         note = None
-        for dx, dy in _OFFSETS:
+        for dx, dy, align in _OFFSETS:
             if note is not None:
                 note.remove()
             note = ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=9,
+                               horizontalalignment=align,
                                arrowprops={"arrowstyle": "-", "color": "#999", "linewidth": 0.6}
                                if abs(dy) > 10 or dx < 0 else None)
             box = text_box(note, renderer).expanded(1.04, 1.15)
-            if not any(box.overlaps(other) for other in boxes):
+            if box.x1 <= right and not any(box.overlaps(other) for other in boxes):
                 break
         boxes.append(text_box(note, renderer))
         placed.append(note)
