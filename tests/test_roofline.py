@@ -61,3 +61,15 @@ def test_a_single_pass_rows_ceiling_is_a_read_of_its_own_weights():
     prepared = PreparedModel(model=model, tokenizer=None)
     gb_s, source = roofline_ceiling(None, prepared, {"mem_bandwidth_gb_s": 1e-6})
     assert source == "read of the weights after the run" and gb_s > 0.01
+
+
+def test_a_speculative_pass_reads_the_weights_once_for_every_token_it_verifies():
+    """3 tokens a verify pass: the ceiling is three times the one-token-a-read one, so a decode at 2.4x a plain
+    step's ceiling is 0.8 of its own, not a refused 2.4."""
+    gb = 1e9
+    plain = roofline.roofline(30.0, int(gb), 0.0, 1, 1000 / 72.0)  # 72 tok/s of a 1 GB model at 30 GB/s
+    assert plain["roofline_fraction"] is None and plain["roofline_refused"]
+    spec = roofline.roofline(30.0, int(gb), 0.0, 1, 1000 / 72.0, tokens_per_pass=3.0)
+    assert spec["roofline_tok_s"] == pytest.approx(90.0) and spec["roofline_fraction"] == pytest.approx(0.8)
+    paired = roofline.by_round([30.0, 30.0], [1000 / 72.0, 1000 / 72.0], gb, tokens_per_pass=3.0)
+    assert paired["roofline_fraction"] == pytest.approx(0.8)

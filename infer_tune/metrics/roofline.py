@@ -26,11 +26,14 @@ def ceiling_tok_s(bandwidth_gb_s: float, bytes_per_step: float, batch_size: int 
 
 
 def roofline(
-    bandwidth_gb_s: float, weight_bytes: int, kv_bytes_read: float, batch_size: int, tpot_ms_p50: float | None
+    bandwidth_gb_s: float, weight_bytes: int, kv_bytes_read: float, batch_size: int, tpot_ms_p50: float | None,
+    tokens_per_pass: float = 1.0,
 ) -> dict[str, float | None]:
     """`roofline_tok_s` (ceiling) and `roofline_fraction` (achieved decode tokens/s / ceiling); a fraction
-    above 1 is refused (`roofline_refused`, the fraction None)."""
+    above 1 is refused (`roofline_refused`, the fraction None). `tokens_per_pass`: tokens a sequence gets from
+    one read of the weights (speculative decoding: the verified drafts plus the bonus token of a verify pass)."""
     ceiling = ceiling_tok_s(bandwidth_gb_s, weight_bytes + kv_bytes_read, batch_size)
+    ceiling = ceiling * tokens_per_pass if ceiling is not None else None
     if ceiling is None or not tpot_ms_p50:
         return {"roofline_tok_s": ceiling, "roofline_fraction": None, "decode_tok_s": None, "roofline_refused": None}
     achieved = batch_size * 1000.0 / tpot_ms_p50
@@ -40,7 +43,7 @@ def roofline(
 
 
 def by_round(reads_gb_s: list[float | None], tpot_ms: list[float | None], bytes_per_step: float,
-             batch_size: int = 1) -> dict | None:
+             batch_size: int = 1, tokens_per_pass: float = 1.0) -> dict | None:
     """The fraction of the ceiling per round, each round's decode (its median TPOT) over the ceiling of the
     read taken right after it, and their geometric mean with its 95% interval (`stats.log_ratio_interval`):
     where the memory's speed moves between rounds, a pooled decode over one median read mixes rounds of
@@ -49,7 +52,7 @@ def by_round(reads_gb_s: list[float | None], tpot_ms: list[float | None], bytes_
 
     fractions = []
     for read, tpot in zip(reads_gb_s, tpot_ms):
-        ceiling = ceiling_tok_s(read, bytes_per_step, batch_size) if read else None
+        ceiling = ceiling_tok_s(read, bytes_per_step, batch_size) * tokens_per_pass if read else None
         fractions.append(batch_size * 1000.0 / tpot / ceiling if ceiling and tpot else None)
     interval = log_ratio_interval(fractions)
     if interval is None:

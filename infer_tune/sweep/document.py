@@ -142,14 +142,17 @@ def build_document(measured: Measured, row: RowSpec) -> tuple[ResultDocument, li
                     + workload.max_new_tokens / 2)
     kv_read = kv_bytes_read(prepared, mean_context, run.batch_size)
     bandwidth, source = roofline_ceiling(rounds_block, prepared, env)
+    # a speculative pass reads the weights once for every token it verifies: the ceiling is per pass, not per token
+    per_pass = run.counters.get("tokens_per_target_pass")
+    per_pass = per_pass if isinstance(per_pass, (int, float)) and per_pass > 1 else 1.0
     metrics.update(roofline.roofline(bandwidth, weight_bytes, kv_read, max(run.batch_size, 1),
-                                     metrics["tpot_ms"]["p50"]))
+                                     metrics["tpot_ms"]["p50"], tokens_per_pass=per_pass))
     metrics["roofline_bandwidth_gb_s"] = bandwidth
     metrics["roofline_bandwidth_from"] = source
     if rounds_block is not None:  # each round's decode against the read taken after it
         paired = roofline.by_round(rounds_block.get("read_gb_s_by_round") or [],
                                    (rounds_block.get("per_round") or {}).get("tpot_ms") or [],
-                                   weight_bytes + kv_read, max(run.batch_size, 1))
+                                   weight_bytes + kv_read, max(run.batch_size, 1), tokens_per_pass=per_pass)
         if paired is not None:
             metrics.update(paired)
     metrics.update({
