@@ -19,14 +19,9 @@ from pathlib import Path
 import pytest
 
 from infer_tune import atomic, results
+from tests.test_data_safety import METHODS, RECIPE  # the same cheap sweep the data-safety tests run
 
 ROOT = Path(__file__).resolve().parent.parent
-RECIPE = """\
-workload: {limit: 2, max_new_tokens: 4}
-protocol: {warmup: 0, min_iterations: 1, min_duration_s: 0, max_rounds: 3}
-configs:
-"""
-METHODS = ("bf16", "int8-dynamic", "int4-rtn")
 KILLS = 20
 SEED = 20261206
 
