@@ -9,6 +9,7 @@ from rich.table import Table
 
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
+from infer_tune.report.display import plain
 
 
 def tune_engine(opts: opt.MeasureOptions, engine: str, *, max_ppl_delta: float, max_bleu_drift: float,
@@ -60,8 +61,9 @@ def render(outcome, tspec) -> None:
     for line in outcome.notes:
         output.out.print(f"note: {line}", soft_wrap=True)
     for doc in outcome.crashed:  # quarantined for this search; how to see it again by hand
-        output.out.print(f"crashed: {doc.label} ({doc['crash']['summary']}; row {doc.location}); reproduce: "
-                         f"{doc['crash']['reproducer']['line']}", soft_wrap=True, markup=False)
+        # what an engine printed (its summary) reaches the terminal inert: no escape sequences, no line breaks
+        output.out.print(plain(f"crashed: {doc.label} ({doc['crash']['summary']}; row {doc.location}); reproduce: "
+                               f"{doc['crash']['reproducer']['line']}"), soft_wrap=True, markup=False)
     w = outcome.winner
     output.out.print(f"winner: {w['label']}", soft_wrap=True, markup=False)
     output.out.print(f"launch: {shlex.join(outcome.command)}", soft_wrap=True, markup=False)

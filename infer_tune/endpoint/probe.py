@@ -39,6 +39,15 @@ class EndpointError(InferTuneError):
     """An endpoint that cannot be reached or used, or a run in which every request failed."""
 
 
+class EveryRequestFailed(EndpointError):
+    """Every request sent failed (the handshake's first request, or all of a run's); `kinds`: the failures'
+    kinds (endpoint.client.FAILURE_KINDS), so a caller tells a silent server from a refusing one by type."""
+
+    def __init__(self, message: str, kinds: frozenset[str]) -> None:
+        super().__init__(message)
+        self.kinds = kinds
+
+
 @dataclass
 class ServerInfo:
     """What the endpoint says about itself: `models` it lists (None: no model list), the served model's
@@ -168,14 +177,15 @@ async def handshake(session, config: EndpointConfig, info: ServerInfo, prompt: s
         last = record
         if record.failure in ("connect", "timeout", "idle_timeout", "redirect", "too_many_tokens", "usage_mismatch",
                               "oversized", "not_event_stream", "invalid_usage"):
-            raise EndpointError(f"cannot use endpoint {config.url}: {record.message}")
+            raise EveryRequestFailed(f"cannot use endpoint {config.url}: {record.message}", frozenset({record.failure}))
         if record.status in (400, 404, 422) and usage and config.stream_usage is None:
             usage = False  # a server that rejects stream_options: ask again without it
             continue
         if record.status is not None and 400 <= record.status < 500:
             break
     if last.status is None or last.status >= 500:
-        raise EndpointError(f"endpoint {config.url} failed the first request 3 times: {last.message}")
+        raise EveryRequestFailed(f"endpoint {config.url} failed the first request 3 times: {last.message}",
+                                 frozenset({last.failure}))
     hint = ""
     if info.models is not None and config.served_model not in info.models:
         hint = f"; served_model {config.served_model!r} is not among the models it lists ({', '.join(info.models)})"

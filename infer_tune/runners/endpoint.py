@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from infer_tune.endpoint import loadgen, sessions, workloads
 from infer_tune.endpoint import replay as rp  # a module reference: replay imports runners.base (a cycle)
 from infer_tune.endpoint.config import EndpointConfig
-from infer_tune.endpoint.probe import EndpointError
+from infer_tune.endpoint.probe import EveryRequestFailed
 from infer_tune.metrics import memory, saturation
 from infer_tune.metrics.stats import summarize
 from infer_tune.runners.base import GenerationRun, Progress, Protocol, register_runner
@@ -151,7 +151,8 @@ def run_endpoint(prepared: PreparedModel, inputs, workload, protocol: Protocol,
     client.update(loadgen.saturation(client["worker_readings"], result.lateness_ms))
     sent = len(result.timings) + len(result.failures)
     if not result.timings:
-        raise EndpointError(failure_summary(result.failures, sent, config.url))
+        raise EveryRequestFailed(failure_summary(result.failures, sent, config.url),
+                                 frozenset(f.kind for f in result.failures))
     outputs, varied = first_outputs(result)
     sources = set(result.token_sources)
     counters = {

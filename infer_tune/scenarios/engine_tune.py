@@ -33,6 +33,7 @@ import yaml
 from infer_tune import atomic
 from infer_tune.document import ResultDocument
 from infer_tune.endpoint.config import EndpointConfig
+from infer_tune.endpoint.probe import EveryRequestFailed
 from infer_tune.engines import calibrate, crash
 from infer_tune.engines import launch as lm
 from infer_tune.engines.base import ENGINES
@@ -98,7 +99,8 @@ def open_launch(stack: contextlib.ExitStack, spec: RunSpec, launch: lm.Launch, t
             run = open_endpoint(dataclasses.replace(spec, model=launch.model), config, model_given=model_given)
         except Exception as exc:
             found = ended(started, "first request")
-            if found is None and time.monotonic() - began >= config.idle_timeout_s and "timeout" in str(exc):
+            silent = isinstance(exc, EveryRequestFailed) and bool(exc.kinds & {"idle_timeout", "timeout"})
+            if found is None and silent and time.monotonic() - began >= config.idle_timeout_s:
                 found = crash.crash_of(launch, started.command, started.files, phase="first request",
                                        hung_after_s=config.idle_timeout_s, log_path=started.log_path)
             if found is None:
