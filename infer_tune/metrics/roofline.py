@@ -18,8 +18,9 @@ def refusal(fraction: float | None, ceiling_from: str = "the ceiling") -> str | 
             "was not this decode's ceiling (a measurement error, not a result)")
 
 
-def ceiling_tok_s(bandwidth_gb_s: float, bytes_per_step: float, batch_size: int = 1) -> float | None:
-    """Tokens/s if a decode step took exactly the time to stream `bytes_per_step` through memory."""
+def ceiling_tok_s(bandwidth_gb_s: float, bytes_per_step: float, batch_size: float = 1) -> float | None:
+    """Tokens/s if a decode step took exactly the time to stream `bytes_per_step` through memory (`batch_size`:
+    tokens a step gives, rows x tokens per row)."""
     if not bandwidth_gb_s or not bytes_per_step:
         return None
     return batch_size * bandwidth_gb_s * 1e9 / bytes_per_step
@@ -32,8 +33,7 @@ def roofline(
     """`roofline_tok_s` (ceiling) and `roofline_fraction` (achieved decode tokens/s / ceiling); a fraction
     above 1 is refused (`roofline_refused`, the fraction None). `tokens_per_pass`: tokens a sequence gets from
     one read of the weights (speculative decoding: the verified drafts plus the bonus token of a verify pass)."""
-    ceiling = ceiling_tok_s(bandwidth_gb_s, weight_bytes + kv_bytes_read, batch_size)
-    ceiling = ceiling * tokens_per_pass if ceiling is not None else None
+    ceiling = ceiling_tok_s(bandwidth_gb_s, weight_bytes + kv_bytes_read, batch_size * tokens_per_pass)
     if ceiling is None or not tpot_ms_p50:
         return {"roofline_tok_s": ceiling, "roofline_fraction": None, "decode_tok_s": None, "roofline_refused": None}
     achieved = batch_size * 1000.0 / tpot_ms_p50
@@ -52,7 +52,7 @@ def by_round(reads_gb_s: list[float | None], tpot_ms: list[float | None], bytes_
 
     fractions = []
     for read, tpot in zip(reads_gb_s, tpot_ms):
-        ceiling = ceiling_tok_s(read, bytes_per_step, batch_size) * tokens_per_pass if read else None
+        ceiling = ceiling_tok_s(read, bytes_per_step, batch_size * tokens_per_pass) if read else None
         fractions.append(batch_size * 1000.0 / tpot / ceiling if ceiling and tpot else None)
     interval = log_ratio_interval(fractions)
     if interval is None:
