@@ -323,7 +323,12 @@ class OpenAIServer:
         tokens: asyncio.Queue = asyncio.Queue()
 
         def emit(token, finish) -> None:  # on the engine thread
-            loop.call_soon_threadsafe(tokens.put_nowait, (token, finish))
+            if loop.is_closed():  # the server stopped while this request was still in the engine: nobody reads it
+                return
+            try:
+                loop.call_soon_threadsafe(tokens.put_nowait, (token, finish))
+            except RuntimeError:  # closed between the check and the call
+                pass
 
         live = LiveRequest(ids=parsed.ids, max_tokens=parsed.max_tokens, emit=emit, ignore_eos=parsed.ignore_eos)
         try:
