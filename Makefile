@@ -63,9 +63,11 @@ demo: model
 	$(BIN)/infer-tune bench --recipe $(DEMO_RECIPE) --out $(DEMO_OUT) --resume
 	@echo "report: $(DEMO_OUT)/leaderboard.html (.md, .csv); results: $(DEMO_OUT)/<run-id>/result.json"
 
-# two pytest-xdist workers, one per core: whole files to a worker, the sandbox tests on one (tests/conftest.py)
+# two pytest-xdist workers, one per core: whole files to a worker, the sandbox tests on one (tests/conftest.py).
+# A worker that dies (a signal, the OOM killer) ends the run at once, naming its test, with what faulthandler wrote
+# (tests/conftest.py): pytest-xdist 3.8's loadgroup scheduler can wait forever for a replaced worker's work.
 test: model system-deps openvino-exporter
-	$(BIN)/python -m pytest -q -ra -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q -ra -n 2 --dist loadgroup --max-worker-restart 0
 
 lint: install
 	$(BIN)/ruff check infer_tune tests bench

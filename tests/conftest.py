@@ -53,6 +53,57 @@ LONGEST_FILES = ("test_batch_slots.py", "test_data_safety.py", "test_native_atte
                  "test_hostile_local.py")
 
 
+# A worker that dies takes its stderr with it (pytest-xdist says only "node down: Not properly terminated"). Each
+# worker has faulthandler write to a file of the controller's folder instead (SIGSEGV, SIGFPE, SIGABRT, SIGBUS,
+# SIGILL, and SIGTERM, which it then lets through), with the test it began last; the controller prints what a dead
+# worker left there in its summary.
+CRASH_DIR_ENV = "INFER_TUNE_TEST_CRASH_DIR"
+
+
+def pytest_configure(config):
+    if XDIST_WORKER or not getattr(config.option, "numprocesses", None):
+        return
+    import tempfile
+
+    os.environ[CRASH_DIR_ENV] = tempfile.mkdtemp(prefix="infer-tune-test-crashes-")
+
+
+def pytest_sessionstart(session):
+    folder = os.environ.get(CRASH_DIR_ENV)
+    if not (XDIST_WORKER and folder):
+        return
+    import faulthandler
+    import signal
+
+    global _crash_log
+    _crash_log = open(os.path.join(folder, f"{XDIST_WORKER}-{os.getpid()}.log"), "w")  # noqa: SIM115 (the process's)
+    faulthandler.enable(file=_crash_log, all_threads=True)
+    faulthandler.register(signal.SIGTERM, file=_crash_log, all_threads=True, chain=True)
+
+
+_crash_log = None
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if _crash_log is not None:
+        _crash_log.write(f"began {nodeid}\n")
+        _crash_log.flush()
+
+
+def pytest_terminal_summary(terminalreporter):
+    folder = os.environ.get(CRASH_DIR_ENV)
+    if XDIST_WORKER or not folder or not os.path.isdir(folder):
+        return
+    for name in sorted(os.listdir(folder)):
+        lines = Path(folder, name).read_text(errors="replace").splitlines()
+        fault = [i for i, line in enumerate(lines) if not line.startswith("began ")]
+        if fault:
+            began = [line for line in lines[:fault[0]] if line.startswith("began ")]
+            terminalreporter.write_sep("=", f"worker {name}: a fatal signal, after {began[-1] if began else 'no test'}")
+            terminalreporter.write_line("\n".join(lines[fault[0]:][:80]))
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config, items):
     if XDIST_WORKER:  # both workers sort alike: their collections must be the same list
         rank = {name: i for i, name in enumerate(LONGEST_FILES)}

@@ -53,13 +53,20 @@ def test_engine_in_the_main_thread_and_sigterm_stops_both():
             health.append(response.status)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    previous = signal.getsignal(signal.SIGTERM)
-    threading.Thread(target=client, daemon=True).start()
-    started = time.monotonic()
-    serve_until_signal(OpenAIServer(engine, None, "stand-in"), "127.0.0.1", 0, urls.append)
-    assert engine.ran_in_main and engine.stopped.is_set() and health == [200]
+    # the SIGTERM goes to this pytest process: a handler of the test's own, so one that came after serve's was
+    # gone (a client slower than the stand-in's 30 s) could not end the worker
+    late: list[int] = []
+    outer = signal.signal(signal.SIGTERM, lambda signum, frame: late.append(signum))
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+        threading.Thread(target=client, daemon=True).start()
+        started = time.monotonic()
+        serve_until_signal(OpenAIServer(engine, None, "stand-in"), "127.0.0.1", 0, urls.append)
+        assert signal.getsignal(signal.SIGTERM) is previous  # the handler it installed is gone
+    finally:
+        signal.signal(signal.SIGTERM, outer)
+    assert engine.ran_in_main and engine.stopped.is_set() and health == [200] and not late
     assert time.monotonic() - started < 20
-    assert signal.getsignal(signal.SIGTERM) is previous  # the handler it installed is gone
 
 
 def test_a_port_in_use_stops_the_engine_and_raises():

@@ -16,6 +16,9 @@ load). Each op has a fake implementation, so a compiled graph holds it as one ex
 No C++ compiler, or a failed build: `available()` says why, once per process (a failed build is not
 retried per call); the kernel screen then drops `w4a8` (its reason recorded), the lean step attends with
 SDPA, and a config that forces `w4a8` fails with that line. `INFER_TUNE_NO_NATIVE=1` turns them off.
+`INFER_TUNE_NATIVE_MARCH=haswell` (any `-march` value) compiles for that target instead of `native`: the AVX2
+paths on an AVX-512 host, `x86-64` the scalar ones (how the tests reach every path on one machine; the key
+covers it, so each target keeps its own library).
 """
 
 from __future__ import annotations
@@ -37,6 +40,12 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("matmul.cpp", "atten
 HEADERS = (Path(__file__).with_name("kernels.h"),)  # in the build key, not compiled on their own
 NAME = "infer_tune_native"
 DISABLE_ENV = "INFER_TUNE_NO_NATIVE"
+MARCH_ENV = "INFER_TUNE_NATIVE_MARCH"
+
+
+def march() -> str:
+    """The `-march` the library is compiled for: `native` unless INFER_TUNE_NATIVE_MARCH names another."""
+    return os.environ.get(MARCH_ENV, "").strip() or "native"
 
 
 class KernelUnavailable(RuntimeError):
@@ -49,6 +58,8 @@ def build_key(sources: list[bytes]) -> str:
     not share a library, or the older one dies with SIGILL)."""
     parts = [hashlib.sha256(b"".join(sources)).hexdigest()[:16], torch.__version__, platform.python_version(),
              platform.machine(), ",".join(all_cpu_flags())]
+    if march() != "native":
+        parts.append(f"march={march()}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -98,7 +109,7 @@ def _build() -> None:
         raise KernelUnavailable("no C++ compiler (c++) on PATH to build the native kernels")
     folder = paths.home() / "kernels" / f"native-{build_key([s.read_bytes() for s in SOURCES + HEADERS])}"
     try:
-        build_library(folder, NAME, SOURCES, extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        build_library(folder, NAME, SOURCES, extra_cflags=["-O3", f"-march={march()}", "-fopenmp"],
                       extra_ldflags=["-fopenmp"])
     except KernelUnavailable:
         raise
