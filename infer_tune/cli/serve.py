@@ -27,11 +27,13 @@ def serve(
     max_waiting: Annotated[int, typer.Option("--max-waiting", help="Requests that may wait for a slot; more get HTTP 503 (Retry-After).")] = 256,
     api_key_env: Annotated[str | None, typer.Option("--api-key-env", help="Environment variable holding the API key every /v1 request must send (Authorization: Bearer KEY).")] = None,
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="With the native step: prompt tokens one step runs at most beside the decoding slots' tokens.")] = 128,
+    prefix_cache: Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="With the native step: a prompt that begins like one served before skips the prefill of what they share (a chat's history, a system prompt).")] = True,
+    cache_mib: Annotated[float, typer.Option("--cache-mib", help="Host memory for prefixes evicted from the slots (the prefix cache's store, LRU); 0 keeps only what the slots hold.")] = 1024.0,
     threads: opt.Threads = None,
     debug: opt.Debug = False,
 ) -> None:
     """Serve a configuration over HTTP (OpenAI-compatible: /v1/chat/completions, /v1/completions, streaming,
-    usage; /v1/models, /health) with the slot engine; stops cleanly on Ctrl-C or SIGTERM.
+    usage; /v1/models, /health, /metrics) with the slot engine; stops cleanly on Ctrl-C or SIGTERM.
 
     Example: infer-tune serve --recipe runs/x/recommended.yaml --port 8000
     Example: infer-tune serve --model smollm2-135m --method int4-rtn --activations int8 --native-step --slots 4
@@ -52,6 +54,8 @@ def serve(
         raise ConfigError(f"--max-waiting must be >= 1, got {max_waiting}")
     if prefill_chunk < 1:
         raise ConfigError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
+    if not cache_mib >= 0:
+        raise ConfigError(f"--cache-mib must be >= 0, got {cache_mib}")
     api_key = None
     if api_key_env is not None:
         api_key = os.environ.get(api_key_env, "")
@@ -78,7 +82,7 @@ def serve(
             output.warn(note)
         output.err.print(f"loading {plan.describe()} ...", markup=False, highlight=False)
         served = scenario.build(plan, threads=threads, max_context=context, max_waiting=max_waiting,
-                                prefill_chunk=prefill_chunk)
+                                prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, cache_mib=cache_mib)
     except BaseException:
         sock.close()
         raise

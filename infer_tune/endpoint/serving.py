@@ -71,6 +71,38 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARDS = ("", "0.0.0.0", "::")
 
 
+METRICS = (  # (name, type, help, how it is read from LiveSlots.stats())
+    ("infer_tune_up", "gauge", "1 while the engine serves", lambda s, alive: int(alive)),
+    ("infer_tune_slots", "gauge", "slots of the engine", lambda s, alive: s.get("slots")),
+    ("infer_tune_slots_busy", "gauge", "slots holding a request", lambda s, alive: s.get("busy")),
+    ("infer_tune_requests_waiting", "gauge", "requests waiting for a slot (queue depth)", lambda s, alive: s.get("waiting")),
+    ("infer_tune_requests_served_total", "counter", "requests that ended with stop or length",
+     lambda s, alive: s.get("served")),
+    ("infer_tune_generation_tokens_total", "counter", "tokens decoded", lambda s, alive: s.get("generated_tokens")),
+    ("infer_tune_engine_steps_total", "counter", "engine steps run", lambda s, alive: s.get("steps")),
+    ("infer_tune_prompt_tokens_total", "counter", "prompt tokens admitted (with the prefix cache on)",
+     lambda s, alive: (s.get("prefix_cache") or {}).get("prompt_tokens")),
+    ("infer_tune_prefix_cache_hit_tokens_total", "counter", "prompt tokens whose prefill the prefix cache skipped",
+     lambda s, alive: (s.get("prefix_cache") or {}).get("cached_tokens")),
+    ("infer_tune_prefix_cache_hit_rate", "gauge", "prefix cache hit tokens / prompt tokens since the start",
+     lambda s, alive: (s.get("prefix_cache") or {}).get("hit_rate")),
+    ("infer_tune_prefix_cache_store_bytes", "gauge", "host memory the prefix cache's store holds",
+     lambda s, alive: None if not s.get("prefix_cache") else int(s["prefix_cache"]["store_mib"] * 2**20)),
+)
+
+
+def prometheus(stats: dict, alive: bool) -> str:
+    """The engine's stats in Prometheus' text format (0.0.4); a metric the engine does not keep is left out."""
+    lines = []
+    for name, kind, text, read in METRICS:
+        value = read(stats, alive)
+        if value is None:
+            continue
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {value:g}" if isinstance(value, float)
+                  else f"{name} {value}"]
+    return "\n".join(lines) + "\n"
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None):
     from aiohttp import web
 
@@ -299,7 +331,18 @@ class OpenAIServer:
             value = getattr(self.engine, attribute, None)
             if isinstance(value, int):
                 state[key] = value
+        prefix = self.engine.stats().get("prefix_cache") if hasattr(self.engine, "stats") else None
+        if prefix:
+            state["prefix_cache_hit_rate"] = round(prefix["hit_rate"], 4)
         return web.json_response(state)
+
+    async def metrics(self, request):
+        """Prometheus text (docs/endpoint.md, "Metrics"): the engine's counters and gauges at this moment."""
+        from aiohttp import web
+
+        return web.Response(text=prometheus(self.engine.stats() if hasattr(self.engine, "stats") else {},
+                                            self.engine.alive),
+                            content_type="text/plain", charset="utf-8", headers={"X-Prometheus-Format": "0.0.4"})
 
     async def chat(self, request):
         return await self.complete(request, chat=True)
@@ -341,15 +384,17 @@ class OpenAIServer:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         try:
             if parsed.stream:
-                return await self.stream(request, parsed, rid, tokens)
-            return await self.whole(parsed, rid, tokens)
+                return await self.stream(request, parsed, rid, tokens, live)
+            return await self.whole(parsed, rid, tokens, live)
         finally:  # also when the handler is cancelled: a client that left frees its slot at the next step
             live.cancelled = True
 
-    def _usage(self, parsed: Parsed, n: int) -> dict:
-        return {"prompt_tokens": len(parsed.ids), "completion_tokens": n, "total_tokens": len(parsed.ids) + n}
+    def _usage(self, parsed: Parsed, n: int, live) -> dict:
+        """OpenAI's usage, with `prompt_tokens_details.cached_tokens`: the prompt tokens the prefix cache gave."""
+        return {"prompt_tokens": len(parsed.ids), "completion_tokens": n, "total_tokens": len(parsed.ids) + n,
+                "prompt_tokens_details": {"cached_tokens": int(getattr(live, "cached", 0))}}
 
-    async def whole(self, parsed: Parsed, rid: str, tokens: asyncio.Queue):
+    async def whole(self, parsed: Parsed, rid: str, tokens: asyncio.Queue, live=None):
         from aiohttp import web
 
         out: list[int] = []
@@ -366,19 +411,19 @@ class OpenAIServer:
                   if parsed.chat else {"index": 0, "text": text, "finish_reason": finish})
         return web.json_response({"id": rid, "object": "chat.completion" if parsed.chat else "text_completion",
                                   "created": int(time.time()), "model": self.served_model, "choices": [choice],
-                                  "usage": self._usage(parsed, len(out))})
+                                  "usage": self._usage(parsed, len(out), live)})
 
-    async def stream(self, request, parsed: Parsed, rid: str, tokens: asyncio.Queue):
+    async def stream(self, request, parsed: Parsed, rid: str, tokens: asyncio.Queue, live=None):
         from aiohttp import web
 
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         try:
-            await self._stream(request, response, parsed, rid, tokens)
+            await self._stream(request, response, parsed, rid, tokens, live)
         except ConnectionError:  # the client left: its request is cancelled (complete's finally), nothing to log
             pass
         return response
 
-    async def _stream(self, request, response, parsed: Parsed, rid: str, tokens: asyncio.Queue) -> None:
+    async def _stream(self, request, response, parsed: Parsed, rid: str, tokens: asyncio.Queue, live=None) -> None:
         await response.prepare(request)
         base = {"id": rid, "object": "chat.completion.chunk" if parsed.chat else "text_completion",
                 "created": int(time.time()), "model": self.served_model}
@@ -413,7 +458,7 @@ class OpenAIServer:
             if finish is not None:
                 await response.write(event({**base, "choices": [choice("", finish)]}))
                 if parsed.include_usage:
-                    await response.write(event({**base, "choices": [], "usage": self._usage(parsed, len(out))}))
+                    await response.write(event({**base, "choices": [], "usage": self._usage(parsed, len(out), live)}))
                 break
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
@@ -429,6 +474,7 @@ class OpenAIServer:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[guard])
         app.add_routes([web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
                         web.get("/v1/models", self.models), web.get("/health", self.health),
+                        web.get("/metrics", self.metrics),
                         web.get("/v1/health", self.health)])
         return app
 

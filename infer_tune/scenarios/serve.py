@@ -92,7 +92,7 @@ class Served:
 
 def build(plan: ServePlan, *, threads: int | None = None, max_context: int | None = None,
           max_waiting: int = 256, dtype: str = "auto", trust_remote_code: bool = False,
-          prefill_chunk: int = 128) -> Served:
+          prefill_chunk: int = 128, prefix_cache: bool = True, cache_mib: float = 1024.0) -> Served:
     """Load the model, apply the weight configs, make the batched-kernel choice for the slots, build the
     engine and warm every bucket (nothing compiles inside a request); the engine is not started."""
     import torch
@@ -124,7 +124,8 @@ def build(plan: ServePlan, *, threads: int | None = None, max_context: int | Non
     tokenizer = loaded.tokenizer
     engine = LiveSlots(model, eos_ids(model, tokenizer), slots=plan.slots, max_context=context, compile=plan.compile,
                        compile_prefill=plan.compile_prefill, every_bucket=plan.every_bucket,
-                       native_step=plan.native_step, max_waiting=max_waiting, prefill_chunk=prefill_chunk)
+                       native_step=plan.native_step, max_waiting=max_waiting, prefill_chunk=prefill_chunk,
+                       prefix_cache=prefix_cache, cache_mib=cache_mib)
     warm_ids = list(tokenizer("Hello")["input_ids"]) or [0]
     with torch.inference_mode():
         warm_s = engine.warm(warm_ids)

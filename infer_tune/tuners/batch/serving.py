@@ -47,6 +47,7 @@ class LiveRequest:
     cancelled: bool = False
     tokens: list[int] = field(default_factory=list)
     submitted_ns: int = 0
+    cached: int = 0  # prompt tokens whose cache rows the prefix cache gave (prefill skipped)
 
 
 class EngineStopped(RuntimeError):
@@ -58,8 +59,12 @@ class LiveSlots:
 
     def __init__(self, model: torch.nn.Module, eos: list[int], *, slots: int, max_context: int, compile: bool = True,
                  compile_prefill: bool = False, every_bucket: bool = True, native_step: bool = False,
-                 max_waiting: int = 256, prefill_chunk: int = PREFILL_CHUNK) -> None:
+                 max_waiting: int = 256, prefill_chunk: int = PREFILL_CHUNK, prefix_cache: bool = True,
+                 cache_mib: float = 1024.0) -> None:
         self.model, self.eos, self.slots, self.max_context = model, set(eos), slots, max_context
+        # the prefix cache (prefix.py): with the native step, whose prompts run through the same step as decoding
+        self.prefix_cache, self.cache_mib = prefix_cache, cache_mib
+        self.prefix = None
         self.every_bucket, self.max_waiting = every_bucket, max_waiting
         self.engine = SlotEngine(model, slots, max_context, compile=compile, compile_prefill=compile_prefill,
                                  every_bucket=every_bucket, native_step=native_step, prefill_chunk=prefill_chunk)
@@ -74,6 +79,7 @@ class LiveSlots:
         self._running = False
         self.served = 0
         self.steps = 0
+        self.generated = 0
 
     # ------------------------------------------------------------------ before serving
     def warm(self, prompt: list[int]) -> float:
@@ -92,6 +98,8 @@ class LiveSlots:
                 engine.mixed(self.slots, torch.zeros(self.slots, dtype=torch.long), [],
                              [(self.slots - 1, torch.tensor(prompt, dtype=torch.long), True)])
         engine.positions.zero_()
+        if self.prefix is not None:
+            self.prefix.forget_slots()
         return time.perf_counter() - started
 
     def alone(self, prompt: list[int], max_tokens: int, ignore_eos: bool = False) -> list[int]:
@@ -110,6 +118,8 @@ class LiveSlots:
                 step_in[0] = tokens[-1]
                 tokens.append(int(greedy(engine.step(rows, step_in))[0]))
         engine.positions.zero_()
+        if self.prefix is not None:
+            self.prefix.forget_slots()
         return tokens
 
     def limit(self, prompt_tokens: int, max_tokens: int) -> int:
@@ -144,6 +154,13 @@ class LiveSlots:
     def busy_slots(self) -> int:
         """Slots holding a request (any thread: a snapshot)."""
         return sum(r is not None for r in list(self._busy))
+
+    def stats(self) -> dict:
+        """What `/metrics` and `/health` report (any thread: a snapshot): requests served, steps run, tokens
+        decoded, slots busy, requests waiting, and the prefix cache's counters (None without one)."""
+        return {"slots": self.slots, "busy": self.busy_slots, "waiting": self.waiting, "served": self.served,
+                "steps": self.steps, "generated_tokens": self.generated,
+                "prefix_cache": self.prefix.stats() if self.prefix is not None else None}
 
     def submit(self, request: LiveRequest) -> None:
         """Queue a request (any thread). Raises EngineStopped when the engine no longer serves, and
@@ -202,6 +219,7 @@ class LiveSlots:
         step's input."""
         request = busy[slot]
         request.tokens.append(token)
+        self.generated += 1
         if token in self.eos and not request.ignore_eos:
             finish = "stop"
         elif len(request.tokens) >= request.max_tokens or int(self.engine.positions[slot]) >= self.max_context:
@@ -210,10 +228,16 @@ class LiveSlots:
             finish = None
         request.emit(token, finish)
         if finish is not None:
-            busy[slot] = None
+            self._release(busy, slot)
             self.served += 1
         else:
             nxt[slot] = token
+
+    def _release(self, busy: list[LiveRequest | None], slot: int) -> None:
+        """Free `slot`; the prefix cache learns what its rows now hold (the ids fed through them, in order)."""
+        request, busy[slot] = busy[slot], None
+        if self.prefix is not None and request is not None:
+            self.prefix.release(slot, (request.ids + request.tokens)[:int(self.engine.positions[slot])])
 
     def _gather(self, waiting: deque[LiveRequest], busy: list[LiveRequest | None]) -> bool:
         """Move arrived requests into `waiting` (waiting for one, bounded so a stop is seen, when nothing is
@@ -227,7 +251,7 @@ class LiveSlots:
         for slot, request in enumerate(busy):
             if request is not None and request.cancelled:
                 request.emit(None, "abort")
-                busy[slot] = None
+                self._release(busy, slot)
         if any(r.cancelled for r in waiting):  # clients that left while waiting give their places back now
             kept = [r for r in waiting if not r.cancelled]
             for request in waiting:
@@ -280,18 +304,28 @@ class LiveSlots:
         over several steps), so a new request's prefill no longer stalls the slots that decode
         (docs/batch.md, "Mixed steps")."""
         engine, size, budget = self.engine, self.slots, self.engine.prefill_chunk
+        if self.prefix_cache and self.prefix is None:
+            from infer_tune.tuners.batch.prefix import PrefixCache
+
+            engine._native_cache()
+            self.prefix = PrefixCache(engine.keys, engine.values, max_context=self.max_context,
+                                      budget_bytes=int(self.cache_mib * 2**20))
+        prefix = self.prefix
         nxt = torch.zeros(size, dtype=torch.long)
         done = [0] * size  # per prefilling slot: prompt tokens in its cache
         filling: deque[int] = deque()  # slots being prefilled, oldest first
         while not self._stop.is_set():
             if not self._gather(waiting, busy):
                 continue
-            for slot in range(size):
-                if busy[slot] is None and (request := self._next_live(waiting)) is not None:
-                    busy[slot] = request
-                    engine.positions[slot] = 0
-                    done[slot] = 0
-                    filling.append(slot)
+            free = [slot for slot in range(size) if busy[slot] is None]
+            while free and (request := self._next_live(waiting)) is not None:
+                slot, reused = prefix.place(request.ids, free) if prefix is not None else (free[0], 0)
+                free.remove(slot)
+                busy[slot] = request
+                request.cached = reused
+                engine.positions[slot] = reused  # its prefill starts past the rows the cache gave
+                done[slot] = reused
+                filling.append(slot)
             for slot in list(filling):
                 if busy[slot] is None:
                     filling.remove(slot)
@@ -309,9 +343,9 @@ class LiveSlots:
             if not active and not chunks:
                 continue
             rows = rows_for(active[-1], size, self.every_bucket) if active else 0
-            for slot in range(rows):  # a free row writes harmlessly at 0
+            for slot in range(rows):  # a free row writes harmlessly past what its slot keeps
                 if busy[slot] is None:
-                    engine.positions[slot] = 0
+                    engine.positions[slot] = prefix.park(slot) if prefix is not None else 0
             logits, firsts = engine.mixed(rows, nxt[:rows], active, chunks)
             self.steps += 1
             if active:
