@@ -74,6 +74,7 @@ def infer_tune_server(args):
            "--context", str(args.context)]
     cmd += ["--native-step"] if args.native_step else []
     cmd += ["--threads", str(args.threads)] if args.threads else []
+    cmd += list(getattr(args, "serve_args", []))  # more `serve` options (bench/serve_speculate.py: --speculate K)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)

@@ -57,7 +57,8 @@ def test_supports_names_why_not():
 
     assert slots.supports(StackConfig(configs=[QuantizeConfig(method="int8-dynamic"), LeanConfig()])) is None
     assert slots.supports(KVCacheConfig(impl="static")) is None
-    assert "not served" in slots.supports(SpeculateConfig(draft="prompt-lookup"))
+    assert slots.supports(SpeculateConfig(draft="prompt-lookup")) is None  # verified in the native step
+    assert "not served" in slots.supports(SpeculateConfig(draft="self-draft:1", engine="lean"))
     assert "impl 'quantized'" in slots.supports(KVCacheConfig(impl="quantized"))
     assert "does not run lean" in ENGINES["torch"].supports(LeanConfig())
     assert ENGINES["remote"].supports([]) is None and ENGINES["remote"].supports(LeanConfig())
@@ -150,8 +151,8 @@ def test_bad_engine_recipes_are_refused_in_one_line(tmp_path, body, why):
 
 def test_an_in_process_engine_must_run_every_config(tmp_path):
     path = tmp_path / "r.yaml"
-    path.write_text("engine: slots\nconfigs: [{technique: speculate, draft: prompt-lookup}]\n")
-    with pytest.raises(ConfigError, match=r"configs\[0\]: engine slots does not run speculate"):
+    path.write_text("engine: slots\nconfigs: [{technique: speculate, draft: self-draft:1, engine: lean}]\n")
+    with pytest.raises(ConfigError, match=r"configs\[0\]: .*speculative draft 'self-draft:1' is not served"):
         recipes.build_configs(recipes.load_recipe(str(path)))
 
 

@@ -183,8 +183,13 @@ def test_recipe_plans_and_refusals(tmp_path, tiny_model_dir):
     lean = tmp_path / "lean.yaml"
     lean.write_text(f"model: {tiny_model_dir}\nconfigs:\n  - {{technique: lean, native_step: true}}\n")
     assert plan_from_recipe(str(lean)).slots == 1
+    lookup = tmp_path / "lookup.yaml"  # prompt lookup: drafts verified in the native step
+    lookup.write_text(f"model: {tiny_model_dir}\nconfigs:\n  - {{technique: stack, configs: [{{technique: quantize, method: int4-rtn, activations: int8}},"
+                      f" {{technique: speculate, draft: prompt-lookup, num_draft_tokens: 8, engine: lean, native_step: true}}]}}\n")
+    plan = plan_from_recipe(str(lookup))
+    assert (plan.speculate, plan.ngram, plan.native_step, plan.slots) == (8, 2, True, 4) and not plan.notes
     spec = tmp_path / "spec.yaml"
-    spec.write_text(f"model: {tiny_model_dir}\nconfigs:\n  - {{technique: speculate, draft: prompt-lookup}}\n")
+    spec.write_text(f"model: {tiny_model_dir}\nconfigs:\n  - {{technique: speculate, draft: self-draft:1, engine: lean}}\n")
     with pytest.raises(ConfigError, match="not served"):
         plan_from_recipe(str(spec))
     result = runner.invoke(app, ["serve", "--recipe", str(spec)])

@@ -27,6 +27,8 @@ def serve(
     max_waiting: Annotated[int, typer.Option("--max-waiting", help="Requests that may wait for a slot; more get HTTP 503 (Retry-After).")] = 256,
     api_key_env: Annotated[str | None, typer.Option("--api-key-env", help="Environment variable holding the API key every /v1 request must send (Authorization: Bearer KEY).")] = None,
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="With the native step: prompt tokens one step runs at most beside the decoding slots' tokens.")] = 128,
+    speculate: Annotated[int | None, typer.Option("--speculate", help="Prompt-lookup draft tokens per step, verified in the native step (greedy: the same text; 0: off; default: the config's).")] = None,
+    ngram: Annotated[int | None, typer.Option("--ngram", help="With --speculate: the longest n-gram prompt lookup matches.")] = None,
     prefix_cache: Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="With the native step: a prompt that begins like one served before skips the prefill of what they share (a chat's history, a system prompt).")] = True,
     cache_mib: Annotated[float, typer.Option("--cache-mib", help="Host memory for prefixes evicted from the slots (the prefix cache's store, LRU); 0 keeps only what the slots hold.")] = 1024.0,
     threads: opt.Threads = None,
@@ -37,6 +39,7 @@ def serve(
 
     Example: infer-tune serve --recipe runs/x/recommended.yaml --port 8000
     Example: infer-tune serve --model smollm2-135m --method int4-rtn --activations int8 --native-step --slots 4
+    Example: infer-tune serve --model smollm2-135m --method int4-rtn --activations int8 --speculate 8
     Example: SERVE_KEY=... infer-tune serve --recipe recommended.yaml --host 0.0.0.0 --api-key-env SERVE_KEY
     """
     import os
@@ -73,6 +76,16 @@ def serve(
         plan.native_step = native_step
     if compile is not None:
         plan.compile = compile
+    if speculate is not None:
+        if speculate < 0:
+            raise ConfigError(f"--speculate must be >= 0, got {speculate}")
+        plan.speculate = speculate
+        if speculate and native_step is None:
+            plan.native_step = True
+    if ngram is not None:
+        if ngram < 1:
+            raise ConfigError(f"--ngram must be >= 1, got {ngram}")
+        plan.ngram = ngram
     sock = listen(host, port)  # before the model loads: a port in use is one line at once, not after the load
     try:
         if not is_loopback(host) and api_key is None:

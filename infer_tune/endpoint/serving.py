@@ -86,6 +86,12 @@ METRICS = (  # (name, type, help, how it is read from LiveSlots.stats())
      lambda s, alive: (s.get("prefix_cache") or {}).get("cached_tokens")),
     ("infer_tune_prefix_cache_hit_rate", "gauge", "prefix cache hit tokens / prompt tokens since the start",
      lambda s, alive: (s.get("prefix_cache") or {}).get("hit_rate")),
+    ("infer_tune_spec_draft_tokens_total", "counter", "prompt-lookup draft tokens verified",
+     lambda s, alive: (s.get("speculative") or {}).get("drafted")),
+    ("infer_tune_spec_accepted_tokens_total", "counter", "draft tokens accepted (the step chose them too)",
+     lambda s, alive: (s.get("speculative") or {}).get("accepted")),
+    ("infer_tune_spec_verify_passes_total", "counter", "a slot's drafts verified in a step",
+     lambda s, alive: (s.get("speculative") or {}).get("verify_passes")),
     ("infer_tune_prefix_cache_store_bytes", "gauge", "host memory the prefix cache's store holds",
      lambda s, alive: None if not s.get("prefix_cache") else int(s["prefix_cache"]["store_mib"] * 2**20)),
 )

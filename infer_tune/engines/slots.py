@@ -5,7 +5,9 @@ How a technique stack maps onto its settings (`settings(stack)`, what scenarios/
 part is applied to the weights (bf16 adds nothing); a `batch` part (engine `lean`, or `transformers`, whose
 batch size the slot engine takes over) sets `slots`, `native_step`, `compile_prefill` and `every_bucket`; a
 `lean` part is the single-stream lean path: one slot unless `slots` says more, its `compile` and
-`native_step`; a `kv-cache` part with impl `static` or `dynamic` adds nothing (each slot's cache is static).
+`native_step`; a `kv-cache` part with impl `static` or `dynamic` adds nothing (each slot's cache is static);
+a `speculate` part with the prompt-lookup draft sets `speculate` (its draft tokens K) and `ngram`, verified in the
+native step (the slots' speculation runs there only: tuners/batch/serving.py).
 Anything else is refused with the reason (`supports`): the server runs only what it runs exactly.
 """
 
@@ -20,6 +22,9 @@ def _check(part) -> str | None:
         return f"serve: kv-cache impl '{part.impl}' is not served (each slot's cache is static)"
     if part.technique == "batch" and part.scheduler == "sweep":
         return "serve: a batch-size sweep row is not a serving configuration"
+    if part.technique == "speculate" and part.source.kind != "prompt-lookup":
+        return (f"serve: speculative draft '{part.draft}' is not served (the slots draft by prompt lookup, "
+                "verified in the native step)")
     return None
 
 
@@ -29,7 +34,8 @@ def settings(stack) -> dict:
     `native_step`, and `notes` on what is served differently from how the stack was measured."""
     parts = parts_of(stack)
     out = {"weights": [], "slots": 1 if any(p.technique == "lean" for p in parts) else 4, "compile": True,
-           "compile_prefill": False, "every_bucket": True, "native_step": False, "notes": []}
+           "compile_prefill": False, "every_bucket": True, "native_step": False, "speculate": 0, "ngram": 2,
+           "notes": []}
     for part in parts:
         name = part.technique
         if name == "quantize" and part.method != "bf16":
@@ -37,6 +43,12 @@ def settings(stack) -> dict:
         elif name == "lean":
             out["compile"], out["native_step"] = part.compile, part.native_step
             out["compile_prefill"] = part.compile and part.compile_prefill
+        elif name == "speculate":
+            out["speculate"], out["ngram"] = part.num_draft_tokens, part.max_matching_ngram_size
+            out["native_step"], out["compile"] = True, False
+            if not part.native_step:
+                out["notes"].append(f"speculate {part.label()}: verified in the native step (measured "
+                                    f"with engine '{part.engine}')")
         elif name == "batch":
             out["slots"] = part.batch_size
             if part.engine == "lean":
@@ -59,9 +71,10 @@ SLOTS = register_engine(Engine(
         "batch": "batch_size -> slots; engine lean: native_step, compile_prefill, step_buckets",
         "lean": "compile, native_step, compile_prefill (one slot unless a batch part says more)",
         "kv-cache": "impl static or dynamic: each slot's static cache",
+        "speculate": "draft prompt-lookup: num_draft_tokens -> speculate, max_matching_ngram_size -> ngram "
+                     "(verified in the native step)",
     },
-    unsupported={"speculate": f"speculative decoding {_NOT_SERVED}",
-                 "experts": f"expert placement {_NOT_SERVED}",
+    unsupported={"experts": f"expert placement {_NOT_SERVED}",
                  "llama-cpp": f"llama.cpp {_NOT_SERVED}"},
     check=_check, settings=settings, version=_own_version,
 ))

@@ -26,13 +26,16 @@ class ServePlan:
     compile_prefill: bool = False
     every_bucket: bool = True
     native_step: bool = False
+    speculate: int = 0  # prompt-lookup draft tokens a step (0: none)
+    ngram: int = 2
     source: str = ""
     notes: list[str] = dataclasses.field(default_factory=list)
 
     def describe(self) -> str:
         weights = "+".join(c.label() for c in self.weights) or "model weights as loaded"
         step = "native step" if self.native_step else ("compiled step" if self.compile else "eager step")
-        return f"{self.model} ({weights}), {self.slots} slot{'s' if self.slots != 1 else ''}, {step}"
+        spec = f", prompt-lookup drafts k={self.speculate}" if self.speculate else ""
+        return f"{self.model} ({weights}), {self.slots} slot{'s' if self.slots != 1 else ''}, {step}{spec}"
 
 
 def plan_from_config(model: str, config, source: str = "") -> ServePlan:
@@ -125,7 +128,7 @@ def build(plan: ServePlan, *, threads: int | None = None, max_context: int | Non
     engine = LiveSlots(model, eos_ids(model, tokenizer), slots=plan.slots, max_context=context, compile=plan.compile,
                        compile_prefill=plan.compile_prefill, every_bucket=plan.every_bucket,
                        native_step=plan.native_step, max_waiting=max_waiting, prefill_chunk=prefill_chunk,
-                       prefix_cache=prefix_cache, cache_mib=cache_mib)
+                       prefix_cache=prefix_cache, cache_mib=cache_mib, speculate=plan.speculate, ngram=plan.ngram)
     warm_ids = list(tokenizer("Hello")["input_ids"]) or [0]
     with torch.inference_mode():
         warm_s = engine.warm(warm_ids)

@@ -60,14 +60,27 @@ class LiveSlots:
     def __init__(self, model: torch.nn.Module, eos: list[int], *, slots: int, max_context: int, compile: bool = True,
                  compile_prefill: bool = False, every_bucket: bool = True, native_step: bool = False,
                  max_waiting: int = 256, prefill_chunk: int = PREFILL_CHUNK, prefix_cache: bool = True,
-                 cache_mib: float = 1024.0) -> None:
+                 cache_mib: float = 1024.0, speculate: int = 0, ngram: int = 2) -> None:
         self.model, self.eos, self.slots, self.max_context = model, set(eos), slots, max_context
         # the prefix cache (prefix.py): with the native step, whose prompts run through the same step as decoding
         self.prefix_cache, self.cache_mib = prefix_cache, cache_mib
         self.prefix = None
+        # speculative decoding (native step): each decoding slot's prompt-lookup drafts, up to `speculate` a step,
+        # verified in the same step as the other slots' rows (`_verify`)
+        if speculate < 0 or ngram < 1:
+            raise ValueError(f"speculate must be >= 0 and ngram >= 1, got {speculate} and {ngram}")
+        self.speculate, self.ngram = speculate, ngram
+        self.spec = {"verify_passes": 0, "drafted": 0, "accepted": 0,
+                     "proposed_at": [0] * speculate, "accepted_at": [0] * speculate}
         self.every_bucket, self.max_waiting = every_bucket, max_waiting
         self.engine = SlotEngine(model, slots, max_context, compile=compile, compile_prefill=compile_prefill,
                                  every_bucket=every_bucket, native_step=native_step, prefill_chunk=prefill_chunk)
+        if speculate and not self.engine.native:
+            from infer_tune.errors import ConfigError
+
+            why = self.engine.facts.get("lean_native_fallback") or "native_step is off"
+            raise ConfigError(f"speculative decoding in the slots verifies in the native step, which does not run "
+                              f"here: {why}")
         self._inbox: queue.Queue[LiveRequest] = queue.Queue()
         self._lock = threading.Lock()
         self._pending = 0  # requests submitted and not yet in a slot (the inbox and the engine's queue)
@@ -158,9 +171,15 @@ class LiveSlots:
     def stats(self) -> dict:
         """What `/metrics` and `/health` report (any thread: a snapshot): requests served, steps run, tokens
         decoded, slots busy, requests waiting, and the prefix cache's counters (None without one)."""
+        spec = None
+        if self.speculate:
+            s = self.spec
+            spec = {**s, "draft_tokens": self.speculate, "ngram": self.ngram,
+                    "acceptance": s["accepted"] / s["drafted"] if s["drafted"] else 0.0,
+                    "acceptance_by_position": [a / p if p else None for a, p in zip(s["accepted_at"], s["proposed_at"])]}
         return {"slots": self.slots, "busy": self.busy_slots, "waiting": self.waiting, "served": self.served,
                 "steps": self.steps, "generated_tokens": self.generated,
-                "prefix_cache": self.prefix.stats() if self.prefix is not None else None}
+                "prefix_cache": self.prefix.stats() if self.prefix is not None else None, "speculative": spec}
 
     def submit(self, request: LiveRequest) -> None:
         """Queue a request (any thread). Raises EngineStopped when the engine no longer serves, and
@@ -272,6 +291,42 @@ class LiveSlots:
             request.emit(None, "abort")
         return None
 
+    def _drafts(self, drafter, busy: list[LiveRequest | None], active: list[int]) -> list[tuple[int, torch.Tensor]]:
+        """(slot, [its last token, drafts]) for each decoding slot whose text proposes a continuation: up to
+        `speculate` drafts, fewer where the request or the slot's cache has less room."""
+        out = []
+        for slot in active:
+            request = busy[slot]
+            room = min(request.max_tokens - len(request.tokens),
+                       self.max_context - int(self.engine.positions[slot])) - 1
+            if room < 1:
+                continue
+            proposal = drafter.propose(torch.tensor([request.ids + request.tokens]), min(self.speculate, room))
+            if proposal:
+                out.append((slot, torch.tensor([request.tokens[-1], *proposal], dtype=torch.long)))
+        return out
+
+    def _accept(self, busy: list[LiveRequest | None], nxt: torch.Tensor, slot: int, proposal: list[int],
+                chosen: list[int]) -> None:
+        """Keep the drafts the step chose too, and its own token after them (greedy: the text is the one decoding
+        gives without drafts); the slot's rows past them are dropped by where its position stands."""
+        from infer_tune.tuners.speculate.lean import leading_matches
+
+        accepted = leading_matches(proposal, chosen)
+        spec = self.spec
+        spec["verify_passes"] += 1
+        spec["drafted"] += len(proposal)
+        spec["accepted"] += accepted
+        for i in range(len(proposal)):
+            spec["proposed_at"][i] += 1
+            spec["accepted_at"][i] += i < accepted
+        start = int(self.engine.positions[slot])
+        for i, token in enumerate(proposal[:accepted] + [chosen[accepted]]):
+            self.engine.positions[slot] = start + 1 + i  # the rows of its last token and the drafts before this one
+            self._emit(busy, nxt, slot, token)
+            if busy[slot] is None:
+                break
+
     def _loop(self, waiting: deque[LiveRequest], busy: list[LiveRequest | None]) -> None:
         if self.engine.native:
             self._mixed_loop(waiting, busy)
@@ -311,6 +366,11 @@ class LiveSlots:
             self.prefix = PrefixCache(engine.keys, engine.values, max_context=self.max_context,
                                       budget_bytes=int(self.cache_mib * 2**20))
         prefix = self.prefix
+        drafter = None
+        if self.speculate:
+            from infer_tune.tuners.speculate.lean import LookupDrafter
+
+            drafter = LookupDrafter(self.ngram, sorted(self.eos))
         nxt = torch.zeros(size, dtype=torch.long)
         done = [0] * size  # per prefilling slot: prompt tokens in its cache
         filling: deque[int] = deque()  # slots being prefilled, oldest first
@@ -342,16 +402,22 @@ class LiveSlots:
             active = [s for s in range(size) if busy[s] is not None and s not in filling]
             if not active and not chunks:
                 continue
+            verify = self._drafts(drafter, busy, active) if drafter is not None else []
+            if verify:  # a slot with drafts runs its rows in the verify part of the step, not as a decode row
+                drafted = {slot for slot, _ in verify}
+                active = [s for s in active if s not in drafted]
             rows = rows_for(active[-1], size, self.every_bucket) if active else 0
             for slot in range(rows):  # a free row writes harmlessly past what its slot keeps
                 if busy[slot] is None:
                     engine.positions[slot] = prefix.park(slot) if prefix is not None else 0
-            logits, firsts = engine.mixed(rows, nxt[:rows], active, chunks)
+            logits, firsts = engine.mixed(rows, nxt[:rows], active, chunks, verify)
             self.steps += 1
             if active:
                 picks = greedy(logits).tolist()
                 for slot in active:
                     self._emit(busy, nxt, slot, picks[slot])
+            for slot, ids in verify:
+                self._accept(busy, nxt, slot, ids[1:].tolist(), greedy(firsts.pop(slot)).tolist())
             for slot, first in firsts.items():
                 filling.remove(slot)
                 self._emit(busy, nxt, slot, int(greedy(first[None])[0]))

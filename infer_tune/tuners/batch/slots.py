@@ -243,14 +243,17 @@ class SlotEngine:
             self.values.append(torch.zeros((self.batch_size, kv_heads, self.max_cache_len, head_dim)))
 
     # ------------------------------------------------------------------ one mixed step (native)
-    def mixed(self, rows: int, tokens: torch.Tensor | None, active: list[int], chunks: list[tuple[int, torch.Tensor, bool]]
-              ) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
+    def mixed(self, rows: int, tokens: torch.Tensor | None, active: list[int], chunks: list[tuple[int, torch.Tensor, bool]],
+              verify: list[tuple[int, torch.Tensor]] = ()) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
         """One native step of decode rows and prompt rows together, the weights read once for all of them
         (step.cpp's `step_mixed`): slots 0..rows-1 decode `tokens` [rows] at their positions (the slots in
         `active` advance by one; another row writes harmlessly at its slot's position, which a prompt chunk of
         that slot, run after it, overwrites), and each chunk (slot, ids [n], last) prefills `n` prompt tokens of
         `slot` from its position on. Returns the decode rows' logits [rows, V] (None without decode rows) and,
-        per chunk that ends its prompt, its slot's logits of the last prompt token [V]."""
+        per chunk that ends its prompt, its slot's logits of the last prompt token [V].
+        Each `verify` (slot, ids [n]: the slot's last token and its drafts) runs `n` rows of `slot` from its
+        position on, like a chunk, and every row's logits come back ([n, V] under the slot's key): a speculative
+        verify pass. Its position is not moved: the caller keeps the rows it accepts."""
         if not self.native:
             raise RuntimeError("mixed steps need the native step")
         self._native_cache()
@@ -270,6 +273,17 @@ class SlotEngine:
             if last:
                 ends.append(slot)
                 keep.append(len(slots) - 1)
+        checked = []
+        for slot, ids in verify:
+            start = int(self.positions[slot])
+            if start + len(ids) > self.max_cache_len:
+                raise ValueError(f"slot {slot}: {start + len(ids)} positions do not fit a cache of {self.max_cache_len}")
+            first = len(slots)
+            slots += [slot] * len(ids)
+            positions += range(start, start + len(ids))
+            pieces.append(ids)
+            checked.append((slot, len(keep), len(ids)))
+            keep += range(first, first + len(ids))
         if len(keep) == 0:  # a middle chunk alone: its last row's logits, unused
             keep.append(len(slots) - 1)
         logits = step.mixed(torch.cat(pieces).to(torch.long), torch.tensor(slots), torch.tensor(positions), rows,
@@ -280,6 +294,8 @@ class SlotEngine:
             self.positions[slot] += len(ids)
         self.facts["slot_mixed_steps"] = self.facts.get("slot_mixed_steps", 0) + (1 if rows and chunks else 0)
         firsts = {slot: logits[rows + i] for i, slot in enumerate(ends)}
+        for slot, at, n in checked:
+            firsts[slot] = logits[at:at + n]
         return (logits[:rows] if rows else None), firsts
 
     # ------------------------------------------------------------------ one batched decode step
