@@ -152,13 +152,45 @@ def test_models_health_and_bad_requests(server, tiny_model_dir):
     assert _post(chat, b"{not json")[0] == 400
     assert _post(chat, b"[1, 2]")[0] == 400
     assert _post(chat, {"messages": "hi"})[0] == 400
-    assert _post(chat, {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.7})[0] == 400
+    for bad in ({"temperature": 3}, {"temperature": 0.5, "top_p": 0}, {"top_k": -1}, {"seed": "x"},
+                {"stop": ["a", "b", "c", "d", "e"]}, {"stop": ""}):
+        status, answer = _post(chat, {"messages": [{"role": "user", "content": "hi"}], **bad})
+        assert status == 400 and list(bad)[-1] in answer["error"]["message"], (bad, answer)
     assert _post(chat, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0})[0] == 400
     assert _post(chat, {"messages": [{"role": "user", "content": "hi"}], "model": "other"})[0] == 404
     status, answer = _post(f"{url}/completions", {"prompt": "word " * 400})
     assert status == 400 and "context is 256" in answer["error"]["message"]
     status, _ = _post(f"{url}/completions", b'{"prompt": "' + b"x" * (2 << 20) + b'"}')
     assert status == 413
+
+
+def test_sampling_is_seeded_top_k_1_is_greedy_and_stop_strings_end_the_text(server, engine):
+    _, url = server
+    chat = f"{url}/chat/completions"
+    text = PROMPTS[1]
+    base = {"messages": [{"role": "user", "content": text}], "max_tokens": 24, "ignore_eos": True}
+    greedy_text, _ = _expected_text(engine, _chat_ids(engine.tokenizer, text), 24)
+
+    def answer(**options) -> tuple[str, str]:
+        status, body = _post(chat, {**base, **options})
+        assert status == 200, body
+        return body["choices"][0]["message"]["content"], body["choices"][0]["finish_reason"]
+
+    seeded = answer(temperature=1.5, seed=42)
+    assert answer(temperature=1.5, seed=42) == seeded  # the same seed, the same tokens
+    assert answer(temperature=1.5, seed=43)[0] != seeded[0] != greedy_text  # a random model at 1.5: not greedy
+    assert answer(temperature=1.0, top_k=1, seed=7)[0] == greedy_text  # the most likely token only: greedy
+    assert answer(temperature=0.8, top_p=1e-6, seed=7)[0] == greedy_text  # the nucleus of one token
+    stop = greedy_text[len(greedy_text) // 2:len(greedy_text) // 2 + 3]
+    cut = greedy_text.index(stop)
+    assert answer(stop=[stop, "\x00never"]) == (greedy_text[:cut], "stop")
+    request = urllib.request.Request(chat, data=json.dumps({**base, "stop": stop, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:  # noqa: S310 (loopback)
+        events = [json.loads(line[6:]) for line in response.read().decode().splitlines()
+                  if line.startswith("data: {")]
+    streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e.get("choices"))
+    assert streamed == greedy_text[:cut] and events[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 def test_sigterm_stops_cleanly(server):

@@ -73,3 +73,40 @@ def test_speculation_needs_the_native_step(tokenizer):
     model = tiny_llama(tokenizer)  # not quantized: the native step does not run it
     with pytest.raises(ConfigError, match="verifies in the native step"):
         LiveSlots(model, [1], slots=1, max_context=64, compile=False, native_step=True, speculate=4)
+
+
+def test_a_seeded_sampled_request_is_the_same_alone_and_beside_drafting_slots(tokenizer):
+    from infer_tune.tuners.batch.serving import LiveRequest, LiveSlots, Sampling
+
+    model = quantized(tiny_llama(tokenizer))
+    gen = torch.Generator().manual_seed(4)
+    prompts = [(torch.randint(3, len(tokenizer), (n,), generator=gen).tolist() * 2) for n in (7, 10, 6)]
+    engine = LiveSlots(model, [model.config.eos_token_id], slots=3, max_context=128, compile=False,
+                       native_step=True, prefill_chunk=8, speculate=4)
+    engine.warm(prompts[0])
+    greedy = engine.alone(prompts[0], 20, ignore_eos=True)
+    runs = []
+    engine.start()
+    try:
+        for company in ([], prompts[1:]):  # alone, then beside two greedy requests whose slots draft
+            done = threading.Event()
+            got: list[int] = []
+            requests = [LiveRequest(ids=prompts[0], max_tokens=20, ignore_eos=True, sampling=Sampling(1.3, seed=5),
+                                    emit=lambda t, f: (got.append(t) if t is not None else None,
+                                                       done.set() if f is not None else None)),
+                        *[LiveRequest(ids=p, max_tokens=30, ignore_eos=True, emit=lambda t, f: None) for p in company]]
+            for request in requests:
+                engine.submit(request)
+            assert done.wait(60)
+            runs.append(got)
+        done, top1 = threading.Event(), []
+        engine.submit(LiveRequest(ids=prompts[0], max_tokens=20, ignore_eos=True, sampling=Sampling(1.0, top_k=1),
+                                  emit=lambda t, f: (top1.append(t) if t is not None else None,
+                                                     done.set() if f is not None else None)))
+        assert done.wait(60)
+    finally:
+        engine.stop()
+    assert engine.failure is None, engine.failure
+    assert runs[0] == runs[1] != greedy and len(runs[0]) == 20
+    assert top1 == greedy
+    assert engine.stats()["speculative"]["verify_passes"] > 0  # the greedy company drafted meanwhile

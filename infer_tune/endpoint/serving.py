@@ -6,10 +6,12 @@ in-process runs render a prompt), `POST /v1/completions` (the prompt text, or a 
 as the in-process runs encode a prompt without a template), both streaming (server-sent events, one
 `data:` event per token that adds text, a last event with `finish_reason`, `[DONE]`) or not; `usage`
 (prompt_tokens, completion_tokens, total_tokens) in every non-streaming answer and, with
-`stream_options.include_usage`, in a last streamed chunk with no choices; `GET /v1/models`, `GET /health`.
+`stream_options.include_usage`, in a last streamed chunk with no choices; `GET /v1/models`, `GET /health`,
+`GET /metrics` (Prometheus text).
 
-Greedy decoding only: `temperature` must be 0 or absent (a sampling request is refused, not silently
-decoded greedily), `n` 1. `ignore_eos: true` (the llama.cpp / vLLM extension) decodes past
+Greedy decoding unless `temperature` > 0 (up to 2): then `top_p`, `top_k` and `seed` sample (the engine's
+`Sampling`: a seeded request gets the same tokens again); `stop` (a string or up to 4) ends a request where its
+text first holds one (the stop string not returned, finish_reason `stop`); `n` 1. `ignore_eos: true` (the llama.cpp / vLLM extension) decodes past
 end-of-sequence up to `max_tokens`; without `max_tokens`, a request decodes until end-of-sequence or its
 slot's cache is full. Bad requests get HTTP 400 with `{"error": {"message", "type", "code"}}`: a body that
 is not a JSON object (JSON nested deeper than 64 levels, an integer of more than 4,300 digits included), a
@@ -64,6 +66,27 @@ class Parsed:
     stream: bool
     include_usage: bool
     ignore_eos: bool
+    sampling: object = None  # tuners.batch.serving.Sampling, None: greedy
+    stop: tuple[str, ...] = ()
+
+
+def _number(body: dict, key: str, low: float, high: float, *, integer: bool = False, low_open: bool = False):
+    """body[key] checked to lie in [low, high] ((low, high] with `low_open`); None when absent or null."""
+    value = body.get(key)
+    if value is None:
+        return None
+    kinds = (int,) if integer else (int, float)
+    if not isinstance(value, kinds) or isinstance(value, bool) or not (low < value if low_open else low <= value) \
+            or not value <= high:
+        shown = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+        raise BadRequest(f"'{key}' must be {'an integer' if integer else 'a number'} in {shown}")
+    return value
+
+
+def stop_at(text: str, stops: tuple[str, ...]) -> int | None:
+    """Where the first stop string begins in `text`, or None."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
 
 
 RETRY_AFTER_S = 1
@@ -294,10 +317,21 @@ class OpenAIServer:
         if model is not None and model != self.served_model:
             raise BadRequest(f"the model `{model}` does not exist; this server serves `{self.served_model}`", 404,
                              "model_not_found")
-        temperature = body.get("temperature")
-        if temperature is not None and (not isinstance(temperature, (int, float)) or isinstance(temperature, bool)
-                                        or temperature != 0):
-            raise BadRequest("this server decodes greedily: 'temperature' must be 0 or absent")
+        from infer_tune.tuners.batch.serving import Sampling
+
+        temperature = _number(body, "temperature", 0, 2)
+        top_p = _number(body, "top_p", 0, 1, low_open=True)
+        top_k = _number(body, "top_k", 0, 2**31, integer=True)
+        seed = _number(body, "seed", -2**63, 2**64 - 1, integer=True)
+        sampling = None
+        if temperature:  # absent, null or 0: greedy (top_p / top_k change nothing then)
+            sampling = Sampling(float(temperature), float(top_p if top_p is not None else 1.0), int(top_k or 0),
+                                None if seed is None else seed % 2**63)
+        stop = body.get("stop")
+        stop = [stop] if isinstance(stop, str) else stop
+        if stop is not None and (not isinstance(stop, list) or len(stop) > 4
+                                 or not all(isinstance(x, str) and x for x in stop)):
+            raise BadRequest("'stop' must be a non-empty string or a list of at most 4")
         if body.get("n", 1) != 1:
             raise BadRequest("'n' must be 1")
         stream = body.get("stream", False)
@@ -318,7 +352,8 @@ class OpenAIServer:
         room = self.engine.limit(len(ids), max_tokens or self.engine.max_context)
         if room < 1:
             raise BadRequest(f"the prompt is {len(ids)} tokens; this server's context is {self.engine.max_context}")
-        return Parsed(chat, ids, room, stream, bool(options.get("include_usage")), ignore_eos)
+        return Parsed(chat, ids, room, stream, bool(options.get("include_usage")), ignore_eos, sampling,
+                      tuple(stop or ()))
 
     # ------------------------------------------------------------------ routes
     async def models(self, request):
@@ -379,7 +414,8 @@ class OpenAIServer:
             except RuntimeError:  # closed between the check and the call
                 pass
 
-        live = LiveRequest(ids=parsed.ids, max_tokens=parsed.max_tokens, emit=emit, ignore_eos=parsed.ignore_eos)
+        live = LiveRequest(ids=parsed.ids, max_tokens=parsed.max_tokens, emit=emit, ignore_eos=parsed.ignore_eos,
+                           sampling=parsed.sampling)
         try:
             self.engine.submit(live)
         except queue.Full:
@@ -404,15 +440,24 @@ class OpenAIServer:
         from aiohttp import web
 
         out: list[int] = []
+        text = None
         while True:
             token, finish = await tokens.get()
             if token is not None:
                 out.append(token)
+                if parsed.stop:
+                    text = self.tokenizer.decode(out, skip_special_tokens=True)
+                    cut = stop_at(text, parsed.stop)
+                    if cut is not None:  # the stop string and what follows are not returned; the request ends
+                        text, finish = text[:cut], "stop"
+                        if live is not None:
+                            live.cancelled = True
             if finish is not None:
                 break
         if finish in ("abort", "error"):
             return _error(503 if finish == "abort" else 500, f"the request ended early ({finish})", "unavailable")
-        text = self.tokenizer.decode(out, skip_special_tokens=True)
+        if text is None or not parsed.stop:
+            text = self.tokenizer.decode(out, skip_special_tokens=True)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
                   if parsed.chat else {"index": 0, "text": text, "finish_reason": finish})
         return web.json_response({"id": rid, "object": "chat.completion" if parsed.chat else "text_completion",
@@ -447,11 +492,20 @@ class OpenAIServer:
             await response.write(event({**base, "choices": [choice("", role=True)]}))
         out: list[int] = []
         sent = ""
+        hold = max((len(x) for x in parsed.stop), default=1) - 1  # a stop string may be still arriving
         while True:
             token, finish = await tokens.get()
             if token is not None:
                 out.append(token)
             text = self.tokenizer.decode(out, skip_special_tokens=True)
+            if parsed.stop and finish not in ("abort", "error"):
+                cut = stop_at(text, parsed.stop)
+                if cut is not None:
+                    text, finish = text[:cut], "stop"
+                    if live is not None:
+                        live.cancelled = True
+                elif finish is None and hold:
+                    text = text[:max(len(sent), len(text) - hold)]
             if finish is None and (text.endswith("\ufffd") or not text.startswith(sent)):
                 continue  # an incomplete character (or a re-spelled prefix): wait for the next token
             delta, sent = (text[len(sent):] if text.startswith(sent) else ""), text

@@ -37,6 +37,38 @@ Emit = Callable[[int | None, str | None], None]
 
 
 @dataclass
+class Sampling:
+    """How a request samples its tokens (OpenAI's `temperature`, `top_p`, `top_k` and `seed`): the logits over
+    `temperature`, cut to the `top_k` most likely (0: all) and to the smallest set whose probability reaches
+    `top_p`, then one draw from the request's own generator, seeded by `seed` (the same seed gives the same
+    tokens, whichever requests share the steps: each row's logits are its own) or by the OS when None."""
+
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        import secrets
+
+        if not self.temperature > 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(f"sampling needs temperature > 0, 0 < top_p <= 1, top_k >= 0; got {self}")
+        self.generator = torch.Generator().manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
+
+    def pick(self, logits: torch.Tensor) -> int:
+        scores = logits.to(torch.float32) / self.temperature
+        if 0 < self.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, self.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if self.top_p < 1:
+            ordered, order = torch.sort(scores, descending=True)
+            before = torch.softmax(ordered, dim=-1).cumsum(-1) - torch.softmax(ordered, dim=-1)
+            scores = scores.clone()
+            scores[order[before >= self.top_p]] = float("-inf")  # past the nucleus (its first token always stays)
+        return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=self.generator))
+
+
+@dataclass
 class LiveRequest:
     """One request: its prompt ids, how many tokens at most, and where its tokens go."""
 
@@ -48,6 +80,11 @@ class LiveRequest:
     tokens: list[int] = field(default_factory=list)
     submitted_ns: int = 0
     cached: int = 0  # prompt tokens whose cache rows the prefix cache gave (prefill skipped)
+    sampling: Sampling | None = None  # None: greedy
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """The request's next token from its logits [V]: greedy, or sampled."""
+        return int(greedy(logits[None])[0]) if self.sampling is None else self.sampling.pick(logits)
 
 
 class EngineStopped(RuntimeError):
@@ -297,6 +334,8 @@ class LiveSlots:
         out = []
         for slot in active:
             request = busy[slot]
+            if request.sampling is not None:  # drafts are checked against the greedy choice only
+                continue
             room = min(request.max_tokens - len(request.tokens),
                        self.max_context - int(self.engine.positions[slot])) - 1
             if room < 1:
@@ -340,15 +379,17 @@ class LiveSlots:
                 while busy[slot] is None and (request := self._next_live(waiting)) is not None:
                     busy[slot] = request
                     logits = engine.admit(slot, torch.tensor([request.ids], dtype=torch.long))
-                    self._emit(busy, nxt, slot, int(greedy(logits[None])[0]))
+                    self._emit(busy, nxt, slot, request.pick(logits))
             active = [s for s in range(size) if busy[s] is not None]
             if not active:
                 continue
             rows = rows_for(active[-1], size, self.every_bucket)
-            picks = greedy(engine.step(rows, nxt[:rows])).tolist()
+            logits = engine.step(rows, nxt[:rows])
+            picks = greedy(logits).tolist()
             self.steps += 1
             for slot in active:
-                self._emit(busy, nxt, slot, picks[slot])
+                sampling = busy[slot].sampling
+                self._emit(busy, nxt, slot, picks[slot] if sampling is None else sampling.pick(logits[slot]))
             free = [slot for slot in range(rows) if busy[slot] is None]
             if free:  # a free row's write position stays inside its row (it writes harmlessly at 0)
                 engine.positions[free] = 0
@@ -415,9 +456,10 @@ class LiveSlots:
             if active:
                 picks = greedy(logits).tolist()
                 for slot in active:
-                    self._emit(busy, nxt, slot, picks[slot])
+                    sampling = busy[slot].sampling
+                    self._emit(busy, nxt, slot, picks[slot] if sampling is None else sampling.pick(logits[slot]))
             for slot, ids in verify:
                 self._accept(busy, nxt, slot, ids[1:].tolist(), greedy(firsts.pop(slot)).tolist())
             for slot, first in firsts.items():
                 filling.remove(slot)
-                self._emit(busy, nxt, slot, int(greedy(first[None])[0]))
+                self._emit(busy, nxt, slot, busy[slot].pick(first))
