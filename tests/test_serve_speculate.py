@@ -92,8 +92,8 @@ def test_a_seeded_sampled_request_is_the_same_alone_and_beside_drafting_slots(to
             done = threading.Event()
             got: list[int] = []
             requests = [LiveRequest(ids=prompts[0], max_tokens=20, ignore_eos=True, sampling=Sampling(1.3, seed=5),
-                                    emit=lambda t, f: (got.append(t) if t is not None else None,
-                                                       done.set() if f is not None else None)),
+                                    emit=lambda t, f, got=got, done=done: (got.append(t) if t is not None else None,
+                                                                           done.set() if f is not None else None)),
                         *[LiveRequest(ids=p, max_tokens=30, ignore_eos=True, emit=lambda t, f: None) for p in company]]
             for request in requests:
                 engine.submit(request)
