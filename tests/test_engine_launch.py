@@ -240,6 +240,9 @@ def test_tune_engine_decides_from_intervals_and_writes_the_launch(monkeypatch, t
     refused = rows["llama.cpp gguf=q4_0 cache_type_v=q4_0 flash_attn=off"]
     assert refused["status"] == "refused" and "flash attention" in refused["reason"]
     assert outcome.winner["metrics"]["rounds"]["rounds"] >= 3
+    single = outcome.winner["gain_vs_single_flag"]  # q4_0 is one flag from the default: it is its own
+    assert single["is_winner"] and single["label"] == "llama.cpp gguf=q4_0"
+    assert any("the winner is itself the best single-flag change" in n for n in outcome.notes), outcome.notes
     written = yaml.safe_load(outcome.recommended.read_text())
     body = written["provenance"]  # a recipe naming its engine; what ran kept beside it
     assert written["engine"] == "llama.cpp" and written["settings"] == {"gguf": "q4_0"}
@@ -259,6 +262,25 @@ def test_tune_engine_decides_from_intervals_and_writes_the_launch(monkeypatch, t
     assert base["config"]["settings"] == {} and measured["baseline_run_id"] == base["run_id"]
     assert 5 <= measured["metrics"]["tpot_ms"]["p50"] <= 25  # q4_0's 10 ms pace again, not the default's 30 ms
     assert measured["metrics"]["speedup_vs_baseline"] > 1.5
+
+
+def test_tune_engine_states_its_gain_over_the_best_single_flag_change(monkeypatch, tmp_path, tiny_model_dir,
+                                                                     prompts_file):
+    """The default (f16) at 40 ms a token, q4_0 alone at 20 ms, q4_0 with flash attention at 10 ms: the winner
+    (two flags) is ~4x the default and ~2x the best single-flag change, each ratio with its interval, paired by
+    round; the line printed says both."""
+    _fake_llama(monkeypatch, tmp_path, {"--flash-attn on": 0.01, "q4_0.gguf": 0.02, "*": 0.04},
+                {"f16": 10.0, "q4_0": 10.2})
+    outcome = et.run_engine_tune(_engine_spec(tiny_model_dir, prompts_file, tmp_path / "runs"),
+                                 et.EngineTuneSpec(max_ppl_delta=5, budget_s=120),
+                                 settings_list=[{"gguf": "q4_0"}, {"gguf": "q4_0", "flash_attn": "on"}])
+    assert outcome.winner.label == "llama.cpp gguf=q4_0 flash_attn=on"
+    single = outcome.winner["gain_vs_single_flag"]
+    assert single["label"] == "llama.cpp gguf=q4_0" and not single["is_winner"]
+    assert 1.4 < single["ci95"][0] <= single["point"] <= single["ci95"][1] < 2.8, single
+    assert outcome.winner.interval("speedup_vs_baseline")[0] > 2.5
+    line = next(n for n in outcome.notes if n.startswith("gain ("))
+    assert "over the default launch" in line and "over the best single-flag change (llama.cpp gguf=q4_0)" in line
 
 
 def test_combined_report_holds_in_process_and_engine_rows(monkeypatch, tmp_path, tiny_model_dir, prompts_file):

@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import itertools
 import shlex
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,7 +99,7 @@ def open_launch(stack: contextlib.ExitStack, spec: RunSpec, launch: lm.Launch, t
         try:
             run = open_endpoint(dataclasses.replace(spec, model=launch.model), config, model_given=model_given)
         except Exception as exc:
-            found = ended(started, "first request")
+            found = ended(started, "first request", grace_s=ENDING_GRACE_S)
             silent = isinstance(exc, EveryRequestFailed) and bool(exc.kinds & {"idle_timeout", "timeout"})
             if found is None and silent and time.monotonic() - began >= config.idle_timeout_s:
                 found = crash.crash_of(launch, started.command, started.files, phase="first request",
@@ -112,9 +113,19 @@ def open_launch(stack: contextlib.ExitStack, spec: RunSpec, launch: lm.Launch, t
     return started, run
 
 
-def ended(started: lm.Started, phase: str) -> crash.Crash | None:
-    """The crash of a launch whose process has ended on its own (read before it is stopped), else None."""
+ENDING_GRACE_S = 3.0  # how long a launch whose request just failed is given to finish dying
+
+
+def ended(started: lm.Started, phase: str, grace_s: float = 0.0) -> crash.Crash | None:
+    """The crash of a launch whose process has ended on its own (read before it is stopped), else None.
+    `grace_s`: wait that long for it to end first (a request cut by the engine's death reaches the client
+    before the kernel has the process reaped: polled at once, a SIGILL at the first request read as alive)."""
     code = started.process.poll()
+    if code is None and grace_s > 0:
+        try:
+            code = started.process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            code = None
     if not crash.is_crash(code, phase):
         return None
     return crash.crash_of(started.launch, started.command, started.files, phase=phase, returncode=code,
@@ -360,6 +371,45 @@ def decide(docs: list[ResultDocument], spec: EngineTuneSpec) -> ResultDocument |
     return best
 
 
+def single_flag_gain(winner: ResultDocument, docs: list[ResultDocument], variants: dict, spec: EngineTuneSpec
+                     ) -> dict | None:
+    """The winner's gain over the best single-flag change: the eligible launch that changes one setting of the
+    default (a plain GGUF type such as q4_k_m: what a llama.cpp user runs without searching), the highest lower
+    bound of the objective's interval among them. Measured in the same rounds, so the ratio is paired per round
+    (rounds.interval: winner against that launch). None without such a launch; the winner itself when it is one."""
+    from infer_tune import rounds
+
+    key = OBJECTIVE_RATIO[spec.objective]
+    singles = [d for d in docs if d.get("eligible") and len(d.config.get("settings") or {}) == 1 and d.interval(key)]
+    if not singles:
+        return None
+    best = max(singles, key=lambda d: d.interval(key)[0])
+    if best is winner:
+        return {"label": best.label, "settings": best.config["settings"], "point": 1.0, "ci95": [1.0, 1.0],
+                "is_winner": True}
+    found = rounds.interval(variants[id(best)], variants[id(winner)], rounds.RATIOS[key])
+    return {"label": best.label, "settings": best.config["settings"], "point": found["point"] if found else None,
+            "ci95": found["ci95"] if found else None, "is_winner": False}
+
+
+def gain_line(winner: ResultDocument, key: str) -> str:
+    """The winner's two gains: over the engine's default launch and over the best single-flag change."""
+    ci = winner.interval(key) or (None, None)
+    point = winner.metrics.get(key)
+    text = f"gain ({key}): {point:.2f}x [{ci[0]:.2f}, {ci[1]:.2f}] over the default launch" if point and ci[0] \
+        else f"gain ({key}) over the default launch: not measured"
+    single = winner.get("gain_vs_single_flag")
+    if single is None:
+        return text + "; no single-flag change was eligible to compare with"
+    if single["is_winner"]:
+        return text + f"; the winner is itself the best single-flag change ({single['label']})"
+    if single["point"] is None:
+        return text + f"; over the best single-flag change ({single['label']}): no interval (too few rounds)"
+    low, high = single["ci95"]
+    return text + (f"; {single['point']:.2f}x [{low:.2f}, {high:.2f}] over the best single-flag change "
+                   f"({single['label']})")
+
+
 def _default_crashed(spec: RunSpec, found: crash.Crash, env: dict | None, tspec: EngineTuneSpec):
     """The default launch crashed: nothing to compare the others with. Its row is saved, then the search ends
     (EngineCrashed, exit 1, naming the row and the reproducer)."""
@@ -433,10 +483,11 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
                 failed = None
             except Exception as exc:  # noqa: BLE001 (re-raised below unless a launch died)
                 failed = exc
-            found = ended(base_started, "measurement")
+            grace = ENDING_GRACE_S if failed is not None else 0.0  # a failed round: was it a death?
+            found = ended(base_started, "measurement", grace_s=grace)
             if found is not None:
                 _default_crashed(spec, found, base_run.env, tspec)
-            dead = [(x, found) for x in live if (found := ended(x[1], "measurement")) is not None]
+            dead = [(x, found) for x in live if (found := ended(x[1], "measurement", grace_s=grace)) is not None]
             for (launch, _, _), found in dead:
                 crashes.append(found)
                 quarantine.add(launch, found.summary)
@@ -465,6 +516,9 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
             doc.objective = tspec.objective
             rows.append(Row(doc, outputs))
         winner = decide([r.doc for r in rows[1:]], tspec)
+        if winner is not None:
+            by_doc = {id(r.doc): v for r, v in zip(rows, variants)}
+            _mark(winner, gain_vs_single_flag=single_flag_gain(winner, [r.doc for r in rows[1:]], by_doc, tspec))
         _mark(base_doc, eligible=True, engine_status="default")
         for r in rows[1:]:
             _mark(r.doc, engine_status="winner" if r.doc is winner else "measured")
@@ -477,6 +531,7 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
     if winner is not None:
         key = OBJECTIVE_RATIO[tspec.objective]
         low = winner.interval(key)[0]
+        notes.append(gain_line(winner_doc, key))
         close = [d.label for d in docs if d.get("eligible") and d is not winner_doc
                  and (d.interval(key) or (0, 0))[1] >= low]
         if close:
