@@ -101,6 +101,7 @@ def pytest_terminal_summary(terminalreporter):
             began = [line for line in lines[:fault[0]] if line.startswith("began ")]
             terminalreporter.write_sep("=", f"worker {name}: a fatal signal, after {began[-1] if began else 'no test'}")
             terminalreporter.write_line("\n".join(lines[fault[0]:][:80]))
+            terminalreporter.write_line("the worker's tests before it:\n" + "\n".join(began[-12:-1]))
     shutil.rmtree(folder, ignore_errors=True)
 
 

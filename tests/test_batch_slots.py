@@ -236,6 +236,30 @@ def test_native_slot_step_serves_as_each_request_alone(arch, native_kernels, tin
     assert m["mean_batch_size"] > 1 and m["slot_step_buckets"] == [1, 2, 3]
 
 
+def test_continuous_native_with_lookup_drafts_replays_through_serves_loop(native_kernels, tiny_model_dir, mixed_suite,
+                                                                          tmp_path):
+    """batch speculate (int4 a8, the native step, continuous): the trace replayed through serve's loop with each
+    decoding slot's prompt-lookup drafts verified in the same steps: 0 mismatches against each request alone,
+    drafts counted and accepted."""
+    loaded = models.load(str(tiny_model_dir))
+    workload = Workload(suite=str(mixed_suite), limit=6, max_new_tokens=24, chat_template=False)
+    inputs = prepare_inputs(loaded, workload)
+    batch = BatchConfig(scheduler="continuous", batch_size=3, rate=50.0, requests=8, allow_repeat=True,
+                        engine="lean", native_step=True, speculate=4)
+    assert batch.label() == "continuous-b3-r50-lean-native-lookup-k4"
+    with pytest.raises(ConfigError, match="needs engine lean, native_step true and scheduler continuous"):
+        BatchConfig(scheduler="static", batch_size=3, rate=50.0, engine="lean", native_step=True, speculate=4)
+    config = StackConfig(configs=[QuantizeConfig(method="int4-rtn", backend="torch", activations="int8"), batch])
+    ctx = RunContext(env=envinfo.collect_env(1), out_dir=tmp_path)
+    prepared = apply(loaded, config, ctx)
+    doc, _ = measure_prepared(loaded, prepared, inputs, workload, ONCE, technique="stack", config=config.to_dict(),
+                              env=ctx.env, runner="trace", measure_ppl=False)
+    m = doc["metrics"]
+    assert m["lean_step"] == "native" and m["output_mismatches"] == 0 and m["ttft_ms"]["n"] == 8, m
+    assert m["spec_drafted"] > 0 and m["spec_accepted"] > 0 and m["spec_draft_tokens"] == 4, m
+    assert 0 < m["spec_acceptance"] <= 1 and m["forward_steps"] > 0
+
+
 @pytest.mark.parametrize("native_step", [True, False])
 def test_stack_rows_through_bench_recipe_report_no_mismatches(native_step, tiny_model_dir, mixed_suite, tmp_path):
     """The demo's batching stage (recipes/quick.yaml: int4 a8 + the slot engine, a static and a continuous row

@@ -54,6 +54,8 @@ def settings(stack) -> dict:
             if part.engine == "lean":
                 out["native_step"], out["compile_prefill"] = part.native_step, part.compile_prefill
                 out["every_bucket"] = part.step_buckets == "all"
+                if part.speculate:
+                    out["speculate"], out["ngram"] = part.speculate, part.ngram
             else:
                 out["notes"].append(f"batch engine '{part.engine}': served by the slot engine at batch size "
                                     f"{part.batch_size}")
@@ -68,7 +70,7 @@ SLOTS = register_engine(Engine(
     description="the slot engine `serve` runs: one compiled or native step over every decoding slot",
     techniques={
         "quantize": "the weights quantized before the slots are built (bf16: as loaded)",
-        "batch": "batch_size -> slots; engine lean: native_step, compile_prefill, step_buckets",
+        "batch": "batch_size -> slots; engine lean: native_step, compile_prefill, step_buckets, speculate, ngram",
         "lean": "compile, native_step, compile_prefill (one slot unless a batch part says more)",
         "kv-cache": "impl static or dynamic: each slot's static cache",
         "speculate": "draft prompt-lookup: num_draft_tokens -> speculate, max_matching_ngram_size -> ngram "

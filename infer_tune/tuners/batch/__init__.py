@@ -58,7 +58,9 @@ class BatchConfig(TechniqueConfig):
     faster than eager here, docs/tune.md). step_buckets (lean): `all` compiles the step for 1, 2, 4 ... batch_size
     rows; `full` for batch_size rows only (one graph: every step computes every slot). native_step (lean): the
     step in one native call where the model is one it runs (infer_tune/native/step.py; else compiled, the
-    reason in `lean_native_fallback`).
+    reason in `lean_native_fallback`). speculate (lean, native_step, continuous): prompt-lookup drafts of up to
+    `speculate` tokens per decoding slot (n-grams up to `ngram`), verified in the same native step as the other
+    slots' rows: the trace is replayed through `serve`'s engine loop (serving.py `LiveSlots`), mixed steps and all.
     """
 
     technique: ClassVar[str] = "batch"
@@ -76,9 +78,18 @@ class BatchConfig(TechniqueConfig):
     compile_prefill: bool = False
     step_buckets: str = "all"
     native_step: bool = False
+    speculate: int = 0
+    ngram: int = 2
 
     def __post_init__(self) -> None:
         self.engine = config_engine(self.engine, technique="batch", spelling=ENGINE_SPELLING, where="batch engine")
+        if isinstance(self.speculate, bool) or not isinstance(self.speculate, int) or self.speculate < 0 \
+                or isinstance(self.ngram, bool) or not isinstance(self.ngram, int) or self.ngram < 1:
+            raise ConfigError(f"batch speculate must be an integer >= 0 and ngram >= 1, got {self.speculate!r}, "
+                              f"{self.ngram!r}")
+        if self.speculate and not (self.engine == "lean" and self.native_step and self.scheduler == "continuous"):
+            raise ConfigError("batch speculate verifies drafts in the native step of the continuous lean engine: "
+                              "it needs engine lean, native_step true and scheduler continuous")
         if self.step_buckets not in ("all", "full"):
             raise ConfigError(f"batch step_buckets must be 'all' or 'full', got '{self.step_buckets}'")
         if self.scheduler not in SCHEDULERS:
@@ -121,7 +132,8 @@ class BatchConfig(TechniqueConfig):
             return f"sweep-b{self.batch_size}"
         return f"{self.scheduler}-b{self.batch_size}-r{self.rate:g}" + (
             f"-k{self.burstiness:g}" if self.burstiness != 1.0 else "") + ("-lean" if self.engine == "lean" else "") \
-            + ("-native" if self.engine == "lean" and self.native_step else "")
+            + ("-native" if self.engine == "lean" and self.native_step else "") \
+            + (f"-lookup-k{self.speculate}" + (f"-ngram{self.ngram}" if self.ngram != 2 else "") if self.speculate else "")
 
 
 class TraceFactory:
@@ -155,7 +167,7 @@ def make_scheduler(config: BatchConfig, shared: dict | None = None):
     if config.engine == "lean":
         return SlotBatcher(config.batch_size, config.scheduler, timeout_ms=config.timeout_ms, shared=shared,
                            compile_prefill=config.compile_prefill, every_bucket=config.step_buckets == "all",
-                           native_step=config.native_step)
+                           native_step=config.native_step, speculate=config.speculate, ngram=config.ngram)
     if config.scheduler == "static":
         return StaticBatcher(config.batch_size, config.timeout_ms)
     return ContinuousBatcher(config.batch_size, config.max_batch_tokens)

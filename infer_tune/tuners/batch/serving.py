@@ -97,7 +97,8 @@ class LiveSlots:
     def __init__(self, model: torch.nn.Module, eos: list[int], *, slots: int, max_context: int, compile: bool = True,
                  compile_prefill: bool = False, every_bucket: bool = True, native_step: bool = False,
                  max_waiting: int = 256, prefill_chunk: int = PREFILL_CHUNK, prefix_cache: bool = True,
-                 cache_mib: float = 1024.0, speculate: int = 0, ngram: int = 2) -> None:
+                 cache_mib: float = 1024.0, speculate: int = 0, ngram: int = 2,
+                 engine: SlotEngine | None = None) -> None:
         self.model, self.eos, self.slots, self.max_context = model, set(eos), slots, max_context
         # the prefix cache (prefix.py): with the native step, whose prompts run through the same step as decoding
         self.prefix_cache, self.cache_mib = prefix_cache, cache_mib
@@ -110,8 +111,10 @@ class LiveSlots:
         self.spec = {"verify_passes": 0, "drafted": 0, "accepted": 0,
                      "proposed_at": [0] * speculate, "accepted_at": [0] * speculate}
         self.every_bucket, self.max_waiting = every_bucket, max_waiting
-        self.engine = SlotEngine(model, slots, max_context, compile=compile, compile_prefill=compile_prefill,
-                                 every_bucket=every_bucket, native_step=native_step, prefill_chunk=prefill_chunk)
+        # `engine`: one already built (the batch technique's SlotBatcher replays a trace through this loop)
+        self.engine = engine if engine is not None else SlotEngine(
+            model, slots, max_context, compile=compile, compile_prefill=compile_prefill, every_bucket=every_bucket,
+            native_step=native_step, prefill_chunk=prefill_chunk)
         if speculate and not self.engine.native:
             from infer_tune.errors import ConfigError
 
@@ -282,10 +285,11 @@ class LiveSlots:
             finish = "length"
         else:
             finish = None
+        if finish is not None:  # counted before the finish is handed over: a client's next /metrics sees it
+            self.served += 1
         request.emit(token, finish)
         if finish is not None:
             self._release(busy, slot)
-            self.served += 1
         else:
             nxt[slot] = token
 
