@@ -108,6 +108,9 @@ class LiveSlots:
         if speculate < 0 or ngram < 1:
             raise ValueError(f"speculate must be >= 0 and ngram >= 1, got {speculate} and {ngram}")
         self.speculate, self.ngram = speculate, ngram
+        # per slot, the drafts its next verify pass may take: `speculate` at admission, then twice what its last
+        # pass accepted plus one (a slot whose drafts keep failing costs one extra row a step, not K)
+        self.draft_len = [speculate] * slots
         self.spec = {"verify_passes": 0, "drafted": 0, "accepted": 0,
                      "proposed_at": [0] * speculate, "accepted_at": [0] * speculate}
         self.every_bucket, self.max_waiting = every_bucket, max_waiting
@@ -334,7 +337,8 @@ class LiveSlots:
 
     def _drafts(self, drafter, busy: list[LiveRequest | None], active: list[int]) -> list[tuple[int, torch.Tensor]]:
         """(slot, [its last token, drafts]) for each decoding slot whose text proposes a continuation: up to
-        `speculate` drafts, fewer where the request or the slot's cache has less room."""
+        its `draft_len` drafts (`speculate` at first, then twice what its last pass accepted plus one), fewer
+        where the request or the slot's cache has less room."""
         out = []
         for slot in active:
             request = busy[slot]
@@ -344,7 +348,7 @@ class LiveSlots:
                        self.max_context - int(self.engine.positions[slot])) - 1
             if room < 1:
                 continue
-            proposal = drafter.propose(torch.tensor([request.ids + request.tokens]), min(self.speculate, room))
+            proposal = drafter.propose(torch.tensor([request.ids + request.tokens]), min(self.draft_len[slot], room))
             if proposal:
                 out.append((slot, torch.tensor([request.tokens[-1], *proposal], dtype=torch.long)))
         return out
@@ -356,6 +360,7 @@ class LiveSlots:
         from infer_tune.tuners.speculate.lean import leading_matches
 
         accepted = leading_matches(proposal, chosen)
+        self.draft_len[slot] = min(self.speculate, 2 * accepted + 1)
         spec = self.spec
         spec["verify_passes"] += 1
         spec["drafted"] += len(proposal)
@@ -428,6 +433,7 @@ class LiveSlots:
                 free.remove(slot)
                 busy[slot] = request
                 request.cached = reused
+                self.draft_len[slot] = self.speculate
                 engine.positions[slot] = reused  # its prefill starts past the rows the cache gave
                 done[slot] = reused
                 filling.append(slot)
