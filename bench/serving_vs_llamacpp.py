@@ -405,6 +405,7 @@ def measure_sessions(side: Side, spec: RunSpec, workload, rate: float, repeat: i
 
     run = conversations_for(side, 1 + cell * workload.sessions, workload.sessions)
     _, material = workload_material(run, spec, workload, rate, workload.sessions, 1.0)
+    load_before = os.getloadavg()[0]
     started = time.perf_counter()
     doc, outputs = trace_document(run, spec, None, slo, {"rate_req_s": rate, "seed": spec.workload.seed}, None,
                                   material)
@@ -422,6 +423,7 @@ def measure_sessions(side: Side, spec: RunSpec, workload, rate: float, repeat: i
            "token_count_mismatches": m.get("token_count_mismatches"),
            "usage_token_mismatches": m.get("usage_token_mismatches"),
            "token_count_unverified": m.get("token_count_unverified"), "wall_s": wall_s,
+           "load1_before_after": [load_before, os.getloadavg()[0]],  # the host's 1-min load (2 cores: ~2 is us)
            "run_id": doc.get("run_id"), "outputs": {o["prompt_id"]: o["output"] for o in outputs}}
     for t in m["turns"]["by_turn"]:
         row[f"ttft_p50_turn{t['turn']}"] = t["ttft_ms"]["p50"]
