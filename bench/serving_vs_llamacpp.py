@@ -44,7 +44,7 @@ prefix cache / llama-server, no cache / llama-server and prefix cache / no cache
 how many turns' outputs differ between our two arms.
 
     flock /tmp/infer-tune-cpu.lock python bench/serving_vs_llamacpp.py --workload multi-turn --threads 2 \
-        --batch 2 --native-step --activations int8 --context 2048 --sessions 16 --max-turns 5 --rates 0.25,1
+        --batch 2 --native-step --activations int8 --context 2048 --sessions 16 --max-turns 5 --rates 0.5,2
 """
 
 from __future__ import annotations
