@@ -638,7 +638,12 @@ def main() -> None:
              "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
              "infer_tune_commit": git_commit()}
     if args.workload == "multi-turn":
-        state["workload"] = session_workload(args).to_dict()
+        from infer_tune.errors import ConfigError
+
+        try:
+            state["workload"] = session_workload(args).to_dict()
+        except ConfigError as exc:  # one line, before anything starts
+            raise SystemExit(str(exc)) from None
         compare_sessions(args, state)
         save(args, state)
         table_sessions(state)
