@@ -38,9 +38,9 @@ def run_side(args, k: int, rate: float, repeat: int) -> dict:
     from infer_tune.endpoint.config import EndpointConfig
     from infer_tune.scenarios.endpoint import open_endpoint, trace_document
 
-    side = argparse.Namespace(**vars(args), serve_args=["--speculate", str(k)], native_step=True)
+    side = argparse.Namespace(**vars(args), native_step=True)
     spec = spec_of(side)
-    with infer_tune_server(side) as server:
+    with infer_tune_server(side, extra=("--speculate", str(k))) as server:
         config = EndpointConfig(url=server.url, served_model=server.served_model, api="chat", ignore_eos=True,
                                 stream_usage=True, concurrency=max(64, args.requests), label=f"serve k={k}")
         run = open_endpoint(spec, config, model_given=True)

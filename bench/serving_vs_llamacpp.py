@@ -27,6 +27,24 @@ trace prompts' lengths and --max-new-tokens first (infer_tune/engines/llamacpp.p
 which, with every format's figures and the commit); `shipped` is the model's own GGUF (SmolLM2's Q4_1,
 llama.cpp's slowest 4-bit path on x86); a type (q4_0, q8_0, ...) or a .gguf path. Not a test: read the table
 of one run.
+
+`--workload multi-turn` (issue #52): `--sessions` chat sessions per rate (sessions/s, Poisson arrivals), each the
+first `--max-turns` user turns of a ShareGPT conversation of the chat suite, every turn `--think-time-ms` (mean,
+exponential) after the previous answer and carrying the whole conversation so far (the sessions driver of
+`endpoint sim --workload multi-turn`, infer_tune/endpoint/sessions.py). Three arms per cell (rate, repeat), the
+one going first rotating: `infer-tune serve` with its prefix cache (`--cache-mib`), `infer-tune serve
+--no-prefix-cache`, and llama-server with its prompt cache at b11434's defaults (`--cache-prompt --cache-ram
+8192`, restoring what infer_tune.endpoint.servers turns off; `--cache-reuse N` adds its KV-shift reuse). Every
+arm of a cell gets the same conversations and arrivals; each cell takes conversations no earlier cell sent (so
+no cache starts warm from an earlier cell), from those whose first turns total <= `--max-history-tokens`.
+Per row: output throughput, goodput, TTFT p50 (overall and by turn), TPOT p50, the prefix-cache hit rate (cached
+/ prompt tokens from each response's `usage.prompt_tokens_details.cached_tokens`, which both servers report),
+failures and token-count mismatches (streamed tokens vs `usage.completion_tokens`); per rate the paired ratios
+prefix cache / llama-server, no cache / llama-server and prefix cache / no cache with their 95% intervals, and
+how many turns' outputs differ between our two arms.
+
+    flock /tmp/infer-tune-cpu.lock python bench/serving_vs_llamacpp.py --workload multi-turn --threads 2 \
+        --batch 2 --native-step --activations int8 --context 2048 --sessions 16 --max-turns 5 --rates 0.5,2
 """
 
 from __future__ import annotations
@@ -67,14 +85,14 @@ def spec_of(args) -> RunSpec:
 
 
 @contextlib.contextmanager
-def infer_tune_server(args):
-    """`python -m infer_tune serve` on a free loopback port; always stopped (SIGTERM, then kill)."""
+def infer_tune_server(args, extra: tuple[str, ...] = (), name: str = "infer-tune serve"):
+    """`python -m infer_tune serve` (plus `extra`) on a free loopback port; always stopped (SIGTERM, then kill)."""
     cmd = [sys.executable, "-m", "infer_tune", "serve", "--model", args.model, "--method", args.method,
            "--activations", args.activations, "--slots", str(args.batch), "--port", "0",
            "--context", str(args.context)]
     cmd += ["--native-step"] if args.native_step else []
     cmd += ["--threads", str(args.threads)] if args.threads else []
-    cmd += list(getattr(args, "serve_args", []))  # more `serve` options (bench/serve_speculate.py: --speculate K)
+    cmd += list(extra)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -95,8 +113,8 @@ def infer_tune_server(args):
 
         with urllib.request.urlopen(f"{url}/models", timeout=10) as response:  # noqa: S310 (loopback)
             served = json.loads(response.read())["data"][0]["id"]
-        print(f"infer-tune serve: {url} ({served}); log {log}", flush=True)
-        yield Server("infer-tune serve", url, served)
+        print(f"{name}: {url} ({served}, {' '.join(cmd[3:])}); log {log}", flush=True)
+        yield Server(name, url, served)
     finally:
         from infer_tune.endpoint.servers import stop
 
@@ -128,25 +146,29 @@ def reference_gguf(args, state: dict) -> Path:
 
 
 @contextlib.contextmanager
-def llama_server(args, gguf: Path):
+def llama_server(args, gguf: Path, extra: tuple[str, ...] = (), context: int | None = None):
+    """llama-server on loopback (infer_tune.endpoint.servers: `--no-cache-prompt --cache-ram 0` unless `extra`
+    says otherwise, its later flags winning); `context`: tokens per slot (default 2048)."""
     from infer_tune.endpoint.servers import local_server
 
-    with local_server("llama.cpp", str(gguf), threads=args.threads, parallel=args.batch) as server:
-        print(f"llama-server: {server.url} ({server.served_model}, {' '.join(server.command[:3])} ...)", flush=True)
+    kwargs = {"context_tokens": context} if context else {}
+    with local_server("llama.cpp", str(gguf), threads=args.threads, parallel=args.batch, extra_args=extra,
+                      **kwargs) as server:
+        print(f"llama-server: {server.url} ({server.served_model}, {' '.join(server.command)})", flush=True)
         yield Server(f"llama-server x{args.batch} {gguf.name}", server.url, server.served_model)
 
 
 class Side:
     """One server driven by the load generator: its endpoint run and its single-request outputs."""
 
-    def __init__(self, server: Server, args, spec: RunSpec) -> None:
+    def __init__(self, server: Server, args, spec: RunSpec, workload=None) -> None:
         from infer_tune.endpoint.config import EndpointConfig
         from infer_tune.scenarios.endpoint import open_endpoint
 
         self.server, self.args, self.spec = server, args, spec
         config = EndpointConfig(url=server.url, served_model=server.served_model, api="chat", ignore_eos=True,
                                 stream_usage=True, concurrency=max(64, args.requests), label=server.name)
-        self.run = open_endpoint(spec, config, model_given=True)
+        self.run = open_endpoint(spec, config, model_given=True, workload=workload)
         self.alone: dict = {}
         self.prompt_tokens: dict = {}
         self.done: set[int] = set()
@@ -222,7 +244,7 @@ METRICS = (("throughput_tok_s", "output tok/s", True), ("goodput_req_s", "goodpu
            ("ttft_p50", "TTFT p50 ms", False), ("tpot_p50", "TPOT p50 ms", False))
 
 
-def paired_ratios(rows: list[dict], rate: float, ours: str, theirs: str) -> dict:
+def paired_ratios(rows: list[dict], rate: float, ours: str, theirs: str, metrics=METRICS) -> dict:
     """infer-tune / llama.cpp per metric at `rate`, paired by repeat (the two ran back to back): the geometric
     mean over the repeats and its 95% t-interval on the logs (infer_tune.metrics.stats.log_ratio_interval).
     A repeat where llama.cpp's figure is 0 (no request within the SLOs) and infer-tune's is not counts as
@@ -235,7 +257,7 @@ def paired_ratios(rows: list[dict], rate: float, ours: str, theirs: str) -> dict
             pairs.setdefault(r["repeat"], {})[r["engine"]] = r
     both = [p for _, p in sorted(pairs.items()) if ours in p and theirs in p]
     out = {}
-    for key, _, _ in METRICS:
+    for key, _, _ in metrics:
         ratios = []
         for p in both:
             a, b = p[ours].get(key), p[theirs].get(key)
@@ -323,6 +345,227 @@ def table(state: dict, markdown: bool = False) -> None:
         print(f"reference: {state['reference'].get('described')}")
 
 
+# --------------------------------------------------------------------------- multi-turn sessions (issue #52)
+# llama-server b11434's own defaults for its prompt cache (on, 8192 MiB of host RAM for idle slots' prompts),
+# which infer_tune.endpoint.servers turns off for single-turn comparisons; later flags win in its parser
+LLAMA_PROMPT_CACHE = ("--cache-prompt", "--cache-ram", "8192")
+ARMS = ("infer-tune serve (prefix cache)", "infer-tune serve --no-prefix-cache")
+
+
+def session_workload(args):
+    from infer_tune.endpoint.workloads import WorkloadOptions
+
+    return WorkloadOptions(kind="multi-turn", sessions=args.sessions, max_turns=args.max_turns,
+                           think_time_ms=args.think_time_ms, history=args.history)
+
+
+def fitting_conversations(run, max_turns: int, budget: int, needed: int) -> tuple[list, int]:
+    """The first `needed` of the suite's conversations (its seeded order) whose first `max_turns` user turns
+    total at most `budget` tokens by the model's tokenizer (the last turn's history then fits `--context` with
+    the answers), and how many were looked at."""
+    tokenizer = run.model.tokenizer
+    kept, seen = [], 0
+    for c in run.conversations:
+        if len(kept) == needed:
+            break
+        seen += 1
+        if sum(len(tokenizer(u, add_special_tokens=False)["input_ids"]) for u in c.users[:max_turns]) <= budget:
+            kept.append(c)
+    return kept, seen
+
+
+def conversations_for(side: Side, first: int, count: int):
+    """`side`'s endpoint run with the suite's conversations [first, first + count) (same on every side)."""
+    import dataclasses
+
+    chosen = side.run.conversations[first:first + count]
+    if len(chosen) < count:
+        raise SystemExit(f"the suite has {len(side.run.conversations)} conversations, {first + count} needed")
+    return dataclasses.replace(side.run, conversations=chosen)
+
+
+def warm_up(side: Side, args, workload, spec: RunSpec) -> None:
+    """Conversation 0 as one session, not recorded: first-call costs paid before any measured cell (the
+    cells use conversations from 1 on, so this one's prefix is never reused by them)."""
+    import dataclasses
+
+    from infer_tune.scenarios.endpoint import trace_document, workload_material
+
+    run = conversations_for(side, 0, 1)
+    _, material = workload_material(run, spec, dataclasses.replace(workload, sessions=1), math.inf, 1, 1.0)
+    trace_document(run, spec, None, {}, {"rate_req_s": None, "seed": args.seed}, None, material)
+
+
+def measure_sessions(side: Side, spec: RunSpec, workload, rate: float, repeat: int, cell: int, slo: dict) -> dict:
+    """One cell (rate, repeat) on one server: `--sessions` sessions of conversations 1 + cell * sessions on
+    (each server gets the same conversations and arrivals in a cell; no conversation is sent twice to a server,
+    so a cell never hits what an earlier cell left in a cache)."""
+    from infer_tune.scenarios.endpoint import trace_document, workload_material
+    from infer_tune.sweep import Row, save_rows
+
+    run = conversations_for(side, 1 + cell * workload.sessions, workload.sessions)
+    _, material = workload_material(run, spec, workload, rate, workload.sessions, 1.0)
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    doc, outputs = trace_document(run, spec, None, slo, {"rate_req_s": rate, "seed": spec.workload.seed}, None,
+                                  material)
+    wall_s = time.perf_counter() - started
+    doc = save_rows(spec.out_dir, [Row(doc, outputs, material.files)])[0]
+    m = doc["metrics"]
+    cache = m.get("prefix_cache") or {}
+    row = {"engine": side.server.name, "rate": rate, "repeat": repeat, "cell": cell,
+           "throughput_tok_s": m["output_throughput_tok_s"], "ttft_p50": m["ttft_ms"]["p50"],
+           "ttft_p90": m["ttft_ms"]["p90"], "tpot_p50": m["tpot_ms"]["p50"], "goodput_req_s": m.get("goodput_req_s"),
+           "requests_ok": m.get("requests_ok"), "requests_failed": m.get("requests_failed"),
+           "failures_by_kind": m.get("failures_by_kind"), "turns_not_sent": m.get("turns_not_sent"),
+           "hit_rate": cache.get("hit_rate"), "cached_tokens": cache.get("cached_tokens"),
+           "cache_prompt_tokens": cache.get("prompt_tokens"), "cache_reports": cache.get("requests_reporting"),
+           "token_count_mismatches": m.get("token_count_mismatches"),
+           "usage_token_mismatches": m.get("usage_token_mismatches"),
+           "token_count_unverified": m.get("token_count_unverified"), "wall_s": wall_s,
+           "load1_before_after": [load_before, os.getloadavg()[0]],  # the host's 1-min load (2 cores: ~2 is us)
+           "run_id": doc.get("run_id"), "outputs": {o["prompt_id"]: o["output"] for o in outputs}}
+    for t in m["turns"]["by_turn"]:
+        row[f"ttft_p50_turn{t['turn']}"] = t["ttft_ms"]["p50"]
+        row[f"requests_turn{t['turn']}"] = t["requests"]
+        row[f"history_p50_turn{t['turn']}"] = t.get("history_tokens_p50")
+    return row
+
+
+def compare_sessions(args, state: dict) -> None:
+    """Three arms per cell (ours with the prefix cache, ours without, llama-server with its prompt cache),
+    the first of a cell rotating over the arms (cell = repeat * len(rates) + k)."""
+    import dataclasses
+
+    spec = spec_of(args)
+    spec = dataclasses.replace(spec, workload=dataclasses.replace(spec.workload, seed=args.seed),
+                               protocol=Protocol(warmup=0, min_iterations=1, min_duration_s=0))
+    workload = session_workload(args)
+    slo = {"ttft_ms": args.slo_ttft, "tpot_ms": args.slo_tpot}
+    gguf = reference_gguf(args, state)
+    llama_extra = LLAMA_PROMPT_CACHE + (("--cache-reuse", str(args.cache_reuse)) if args.cache_reuse else ())
+    state["llama_server_extra"] = list(llama_extra)
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(infer_tune_server(args, ("--prefix-cache", "--cache-mib", str(args.cache_mib)),
+                                                         ARMS[0])),
+                   stack.enter_context(infer_tune_server(args, ("--no-prefix-cache",), ARMS[1])),
+                   stack.enter_context(llama_server(args, gguf, llama_extra, args.context))]
+        sides = [Side(server, args, spec, workload) for server in servers]
+        needed = 1 + args.sessions * args.repeats * len(args.rates)
+        kept, seen = fitting_conversations(sides[0].run, args.max_turns, args.max_history_tokens, needed)
+        state["conversations"] = {"kept": len(kept), "looked_at": seen,
+                                  "ids": [c.id for c in kept]}
+        print(f"conversations: the first {len(kept)} of the suite's whose first {args.max_turns} user turns total "
+              f"<= {args.max_history_tokens} tokens ({seen} looked at)", flush=True)
+        for side in sides:
+            side.run = dataclasses.replace(side.run, conversations=kept)
+        for side in sides:
+            warm_up(side, args, workload, spec)
+        for repeat in range(args.repeats):
+            for k, rate in enumerate(args.rates):
+                cell = repeat * len(args.rates) + k
+                for side in sides[cell % 3:] + sides[:cell % 3]:
+                    row = measure_sessions(side, spec, workload, rate, repeat, cell, slo)
+                    state["rows"].append(row)
+                    hit = "-" if row["hit_rate"] is None else f"{row['hit_rate']:.3f}"
+                    print(f"r{repeat} {rate:g} sessions/s {row['engine']}: {row['throughput_tok_s']:.1f} tok/s, TTFT "
+                          f"p50 {row['ttft_p50']:.1f} ms, TPOT p50 {row['tpot_p50']:.2f} ms, hit rate {hit}, "
+                          f"failed {row['requests_failed']}, token-count mismatches {row['token_count_mismatches']}, "
+                          f"{row['wall_s']:.1f} s", flush=True)
+                    save(args, state)
+
+
+def turn_keys(rows: list[dict]) -> list[int]:
+    return sorted({int(k[len("ttft_p50_turn"):]) for r in rows for k in r if k.startswith("ttft_p50_turn")})
+
+
+def mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def outputs_differing(rows: list[dict], cell: int, a: str, b: str) -> int | None:
+    """Turns of one cell whose outputs differ between arms a and b (of the turns both answered)."""
+    ra = next((r for r in rows if r.get("cell") == cell and r["engine"] == a), None)
+    rb = next((r for r in rows if r.get("cell") == cell and r["engine"] == b), None)
+    if ra is None or rb is None:
+        return None
+    return sum(1 for p in set(ra["outputs"]) & set(rb["outputs"]) if ra["outputs"][p] != rb["outputs"][p])
+
+
+def emit(head: list[str], body: list[list[str]], markdown: bool, text_cols: tuple[int, ...]) -> None:
+    """One table: markdown, or aligned text (columns in `text_cols` left-aligned, the rest right-aligned)."""
+    if markdown:
+        print("| " + " | ".join(head) + " |")
+        print("|" + "".join("---|" if i in text_cols else "---:|" for i in range(len(head))))
+        for cells in body:
+            print("| " + " | ".join(cells) + " |")
+    else:
+        widths = [max(len(c[i]) for c in [head, *body]) for i in range(len(head))]
+        for cells in [head, *body]:
+            print("  ".join(c.ljust(w) if i in text_cols else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))))
+    print()
+
+
+def table_sessions(state: dict, markdown: bool = False) -> None:
+    """Per (rate, repeat, arm) the row; per (rate, arm) the means over repeats with TTFT p50 by turn; per rate
+    the paired ratios (prefix cache / llama-server, no cache / llama-server, prefix cache / no cache)."""
+    rows = state["rows"]
+    rates = sorted({r["rate"] for r in rows})
+    turns = turn_keys(rows)
+    engines = list(dict.fromkeys(r["engine"] for r in rows))
+    engines.sort(key=lambda e: (not e.startswith("infer-tune"), e.endswith("--no-prefix-cache")))
+    f = lambda v, spec=".1f": "-" if v is None else format(v, spec)  # noqa: E731
+    head = (["rate sess/s", "repeat", "arm ((1st): ran first)", "output tok/s", "goodput req/s", "TTFT p50 ms",
+             "TPOT p50 ms", "hit rate"] + [f"TTFT p50 t{t}" for t in turns] + ["failed", "tok-count mism"])
+    body = []
+    for rate in rates:
+        for cell in sorted({r["cell"] for r in rows if r["rate"] == rate}):
+            mine = [r for r in rows if r["cell"] == cell]
+            for i, r in enumerate(mine):
+                first = " (1st)" if i == 0 and len(mine) > 1 else ""
+                body.append([f"{rate:g}", str(r["repeat"]), r["engine"] + first, f(r["throughput_tok_s"]),
+                             f(r["goodput_req_s"], ".3f"), f(r["ttft_p50"]), f(r["tpot_p50"], ".2f"),
+                             f(r["hit_rate"], ".3f")] + [f(r.get(f"ttft_p50_turn{t}")) for t in turns]
+                            + [str(r["requests_failed"]), str(r["token_count_mismatches"])])
+    emit(head, body, markdown, (2,))
+    head = (["rate sess/s", "arm", "repeats", "output tok/s", "goodput req/s", "TTFT p50 ms", "TPOT p50 ms",
+             "hit rate"] + [f"TTFT p50 t{t} (n)" for t in turns] + ["failed", "tok-count mism", "unverified"])
+    body = []
+    for rate in rates:
+        for e in engines:
+            mine = [r for r in rows if r["rate"] == rate and r["engine"] == e]
+            if not mine:
+                continue
+            body.append([f"{rate:g}", e, str(len(mine)), f(mean(r["throughput_tok_s"] for r in mine)),
+                         f(mean(r["goodput_req_s"] for r in mine), ".3f"), f(mean(r["ttft_p50"] for r in mine)),
+                         f(mean(r["tpot_p50"] for r in mine), ".2f"), f(mean(r["hit_rate"] for r in mine), ".3f")]
+                        + [f"{f(mean(r.get(f'ttft_p50_turn{t}') for r in mine))} "
+                           f"({sum(r.get(f'requests_turn{t}') or 0 for r in mine)})" for t in turns]
+                        + [str(sum(r["requests_failed"] or 0 for r in mine)),
+                           str(sum(r["token_count_mismatches"] or 0 for r in mine)),
+                           str(sum(r["token_count_unverified"] or 0 for r in mine))])
+    emit(head, body, markdown, (1,))
+    if len(engines) == 3:
+        cached, uncached, theirs = engines
+        metrics = METRICS + tuple((f"ttft_p50_turn{t}", f"TTFT p50 t{t}", False) for t in turns)
+        head = ["rate sess/s", "ratio", "repeats"] + [label.replace(" ms", "") + " [95%]" for _, label, _ in metrics]
+        body = []
+        for rate in rates:
+            for a, b, name in ((cached, theirs, "prefix cache / llama-server"),
+                               (uncached, theirs, "no cache / llama-server"), (cached, uncached, "prefix cache / no cache")):
+                ratios = paired_ratios(rows, rate, a, b, metrics)
+                body.append([f"{rate:g}", name, str(ratios["repeats"])] + [fmt_ratio(ratios[k]) for k, _, _ in metrics])
+        emit(head, body, markdown, (1,))
+        differing = {rate: [outputs_differing(rows, c, cached, uncached)
+                            for c in sorted({r["cell"] for r in rows if r["rate"] == rate})] for rate in rates}
+        print("turns whose output differs, prefix cache vs no cache (per repeat): "
+              + "; ".join(f"{rate:g} sessions/s {v}" for rate, v in differing.items()))
+    print(f"SLOs: {state.get('slo')}; workload: {state.get('workload')}; llama-server extra flags: "
+          f"{' '.join(state.get('llama_server_extra') or [])}")
+    if state.get("reference"):
+        print(f"reference: {state['reference'].get('described')}")
+
 def save(args, state: dict) -> None:
     path = Path(args.state)
     staged = path.with_suffix(".partial")
@@ -365,12 +608,28 @@ def main() -> None:
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--out", default="/tmp/infer-tune-serving-bench")
     p.add_argument("--state", default="/tmp/infer-tune-serving-bench.json")
+    p.add_argument("--workload", default="poisson", choices=("poisson", "multi-turn"),
+                   help="poisson: single-turn requests; multi-turn: sessions (rates in sessions/s), three arms: "
+                        "infer-tune serve with and without its prefix cache, llama-server with its prompt cache")
+    p.add_argument("--sessions", type=int, default=16, help="multi-turn: sessions per rate and repeat")
+    p.add_argument("--max-turns", type=int, default=5, help="multi-turn: first turns of each conversation sent")
+    p.add_argument("--think-time-ms", type=float, default=1000.0, help="multi-turn: mean think time between turns")
+    p.add_argument("--history", default="server", choices=("server", "recorded"),
+                   help="multi-turn: earlier answers fed back (each server's own, or the recorded ones)")
+    p.add_argument("--max-history-tokens", type=int, default=1024,
+                   help="multi-turn: only conversations whose first --max-turns user turns total at most this "
+                        "many tokens (with the answers and the template, under --context 2048)")
+    p.add_argument("--cache-mib", type=float, default=1024.0, help="multi-turn: infer-tune serve --cache-mib")
+    p.add_argument("--cache-reuse", type=int, default=0,
+                   help="multi-turn: llama-server --cache-reuse N (0: not passed, its default)")
     p.add_argument("--table", action="store_true", help="print the table of the state file and stop")
     p.add_argument("--markdown", action="store_true", help="with --table: as markdown (docs/results.md)")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     if args.table:
-        table(json.loads(Path(args.state).read_text()), markdown=args.markdown)
+        saved = json.loads(Path(args.state).read_text())
+        multi = saved.get("args", {}).get("workload") == "multi-turn"
+        (table_sessions if multi else table)(saved, markdown=args.markdown)
         return
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1 (3 or more for a result)")
@@ -378,6 +637,17 @@ def main() -> None:
              "args": {k: v for k, v in vars(args).items() if k not in ("table", "markdown")},
              "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
              "infer_tune_commit": git_commit()}
+    if args.workload == "multi-turn":
+        from infer_tune.errors import ConfigError
+
+        try:
+            state["workload"] = session_workload(args).to_dict()
+        except ConfigError as exc:  # one line, before anything starts
+            raise SystemExit(str(exc)) from None
+        compare_sessions(args, state)
+        save(args, state)
+        table_sessions(state)
+        return
     compare(args, state)
     save(args, state)
     table(state)

@@ -17,7 +17,7 @@ from infer_tune.endpoint.client import SSEParser, StreamRecord
 from infer_tune.endpoint.config import EndpointConfig
 from infer_tune.endpoint.loopback import Behaviour, LoopbackServer
 from infer_tune.endpoint.overhead import measure_client_overhead
-from infer_tune.endpoint.replay import count_tokens, replay_trace
+from infer_tune.endpoint.replay import ReplayResult, collect, count_tokens, replay_trace
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import saturation
 from infer_tune.results import REQUIRED_KEYS, find_results
@@ -64,6 +64,28 @@ def test_token_counting_groups_reads_and_places_unstreamed_tokens_at_the_finish(
     rec.usage = {"completion_tokens": 2}  # a usage below the events streamed is not believed
     assert count_tokens(rec)[:2] == (4, "deltas")
     assert count_tokens(StreamRecord(delivery_ns=[5], texts=["x"]))[:2] == (1, "deltas")
+
+
+def test_cached_tokens_in_usage_give_the_prefix_cache_hit_rate():
+    """usage.prompt_tokens_details.cached_tokens (infer-tune serve's and llama-server's) counted per request:
+    a request without it, or with a count that is not one of its prompt's tokens, is left out of the rate."""
+    def record(prompt: int, details) -> tuple:
+        usage = {"prompt_tokens": prompt, "completion_tokens": 1}
+        if details is not None:
+            usage["prompt_tokens_details"] = details
+        return StreamRecord(start_ns=1, delivery_ns=[2], texts=["x"], usage=usage, finish_reason="length"), 1, 1
+
+    records = [record(40, {"cached_tokens": 0}), record(60, {"cached_tokens": 45}), record(50, None),
+               record(30, {"cached_tokens": 31}), record(20, {"cached_tokens": True}), record(10, {})]
+    trace = [TraceRequest(i, 0.0) for i in range(len(records))]
+    result = collect(ReplayResult(), trace, records, ["p"] * len(records), None, 0)
+    assert (result.cache_reports, result.cache_prompt_tokens, result.cached_tokens) == (2, 100, 45)
+    assert result.hit_rate == pytest.approx(0.45)
+    merged = ReplayResult()
+    merged.merge(result)
+    merged.merge(result)
+    assert (merged.cache_reports, merged.cached_tokens, merged.hit_rate) == (4, 90, pytest.approx(0.45))
+    assert ReplayResult().hit_rate is None
 
 
 def test_config_validates_fields_and_reads_the_key_from_the_environment(monkeypatch):

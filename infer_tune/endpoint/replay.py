@@ -63,6 +63,16 @@ class ReplayResult:
     token_count_mismatches: int = 0
     token_count_unverified: int = 0
     token_count_failures: list[dict] = field(default_factory=list)
+    # the server's prompt cache as its usage reports it (`prompt_tokens_details.cached_tokens`: OpenAI's field,
+    # `infer-tune serve`'s and llama-server's): requests that reported it, their prompt tokens, those cached
+    cache_reports: int = 0
+    cache_prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Cached / prompt tokens over the requests whose usage said how many were cached (None: none did)."""
+        return self.cached_tokens / self.cache_prompt_tokens if self.cache_prompt_tokens else None
 
     @property
     def wall_s(self) -> float:
@@ -80,6 +90,9 @@ class ReplayResult:
         self.token_count_mismatches += other.token_count_mismatches
         self.token_count_unverified += other.token_count_unverified
         self.token_count_failures += other.token_count_failures[:KEPT_TOKEN_FAILURES - len(self.token_count_failures)]
+        self.cache_reports += other.cache_reports
+        self.cache_prompt_tokens += other.cache_prompt_tokens
+        self.cached_tokens += other.cached_tokens
 
 
 def count_tokens(record: StreamRecord) -> tuple[int, str, list[tuple[int, int]]]:
@@ -149,6 +162,16 @@ def prompt_token_count(record: StreamRecord, prompt: str | list[dict], tokenizer
     if tokenizer is not None:
         return len(tokenizer(prompt_text(prompt), add_special_tokens=False)["input_ids"])
     return 0
+
+
+def cached_token_count(record: StreamRecord, prompt_tokens: int) -> int | None:
+    """usage.prompt_tokens_details.cached_tokens when the server reported a count from 0 to `prompt_tokens`
+    (the prompt tokens its cache supplied), else None (not reported, or not a count of this prompt)."""
+    details = (record.usage or {}).get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if isinstance(cached, int) and not isinstance(cached, bool) and 0 <= cached <= prompt_tokens:
+        return cached
+    return None
 
 
 def client_session(config: EndpointConfig):
@@ -240,6 +263,11 @@ def collect(result: ReplayResult, trace: Sequence[TraceRequest], records, prompt
                     "streamed_tokens": len(record.delivery_ns), "usage_completion_tokens":
                     record.usage["completion_tokens"], "finish_reason": record.finish_reason})
         result.multi_token_deliveries += sum(1 for n in (timing.step_tokens or []) if n > 1)
+        cached = cached_token_count(record, n_prompt)
+        if cached is not None:
+            result.cache_reports += 1
+            result.cache_prompt_tokens += n_prompt
+            result.cached_tokens += cached
         ids = tokenizer(record.text, add_special_tokens=False)["input_ids"] if tokenizer is not None else []
         result.outputs.append(Output(request.prompt_index, record.text, list(ids), n_prompt,
                                      record.finish_reason == "stop"))
