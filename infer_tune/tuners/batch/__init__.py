@@ -164,10 +164,16 @@ class TraceFactory:
 
 
 def make_scheduler(config: BatchConfig, shared: dict | None = None):
+    if config.engine == "lean" and config.speculate:
+        from infer_tune.tuners.batch.serving import LiveBatcher  # serve's loop: the drafts are verified there
+
+        return LiveBatcher(config.batch_size, speculate=config.speculate, ngram=config.ngram, shared=shared,
+                           compile_prefill=config.compile_prefill, every_bucket=config.step_buckets == "all",
+                           native_step=config.native_step)
     if config.engine == "lean":
         return SlotBatcher(config.batch_size, config.scheduler, timeout_ms=config.timeout_ms, shared=shared,
                            compile_prefill=config.compile_prefill, every_bucket=config.step_buckets == "all",
-                           native_step=config.native_step, speculate=config.speculate, ngram=config.ngram)
+                           native_step=config.native_step)
     if config.scheduler == "static":
         return StaticBatcher(config.batch_size, config.timeout_ms)
     return ContinuousBatcher(config.batch_size, config.max_batch_tokens)

@@ -391,9 +391,8 @@ class SlotBatcher:
 
     def __init__(self, batch_size: int, policy: str, *, timeout_ms: float | None = None, compile: bool = True,
                  compile_prefill: bool = False, every_bucket: bool = True, shared: dict | None = None,
-                 native_step: bool = False, speculate: int = 0, ngram: int = 2) -> None:
+                 native_step: bool = False) -> None:
         self.batch_size, self.policy, self.compile = batch_size, policy, compile
-        self.speculate, self.ngram = speculate, ngram
         self.compile_prefill, self.every_bucket, self.native_step = compile_prefill, every_bucket, native_step
         self.shared = shared  # the run's cache: configs with the same weights and shapes share one engine
         self.name = f"{policy}-lean"
@@ -486,8 +485,6 @@ class SlotBatcher:
     def _serve(self, prepared, trace, encoded, max_new_tokens, origin_ns, progress):
         if self.engine is None:
             self.setup(prepared, trace, encoded, max_new_tokens)
-        if self.speculate and self.engine.native:
-            return self._serve_live(prepared, trace, encoded, max_new_tokens, origin_ns, progress)
         engine, size = self.engine, self.batch_size
         eos = set(eos_ids(prepared.model, prepared.tokenizer))
         n = len(trace)
@@ -561,82 +558,6 @@ class SlotBatcher:
                        "max_submit_lag_ms": lag / 1e6,
                        "output_mismatches": count_mismatches(outputs, self.references, eos),
                        "output_mismatches_vs_generate": count_mismatches(outputs, self.generate_references, eos)}
-        self.timings, self.outputs = timings, outputs
-        return timings, outputs
-
-    def _serve_live(self, prepared, trace, encoded, max_new_tokens, origin_ns, progress):
-        """The trace replayed through `serve`'s own loop (serving.py `LiveSlots._mixed_loop` on this engine, in
-        this thread): a feeder thread submits each request at its arrival, the loop admits it in mixed steps and
-        each decoding slot's prompt-lookup drafts are verified beside the others' rows; no prefix cache (the
-        trace's prompts are distinct; the cache is serving's)."""
-        import threading
-
-        from infer_tune.tuners.batch.serving import LiveRequest, LiveSlots
-
-        eos = eos_ids(prepared.model, prepared.tokenizer)
-        live = LiveSlots(prepared.model, eos, slots=self.batch_size, max_context=self.engine.max_cache_len,
-                         compile=False, native_step=True, prefix_cache=False, speculate=self.speculate,
-                         ngram=self.ngram, engine=self.engine, max_waiting=max(256, len(trace)))
-        n = len(trace)
-        order = sorted(range(n), key=lambda k: trace[k].arrival_s)
-        arrival_ns = [origin_ns + int(r.arrival_s * 1e9) for r in trace]
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        stamps: list[list[int]] = [[] for _ in range(n)]
-        start_ns = [0] * n
-        ended = [0]
-        lag = [0]
-
-        def emitter(k: int):
-            def emit(token, finish) -> None:  # on this (the engine's) thread
-                if token is not None:
-                    tokens[k].append(token)
-                    stamps[k].append(time.perf_counter_ns())
-                if finish is not None:
-                    ended[0] += 1
-                    if progress:
-                        progress("requests", ended[0], n)
-                    if ended[0] == n:
-                        live.stop()
-            return emit
-
-        def feed() -> None:
-            deadline = time.monotonic() + 60
-            while not live.alive and time.monotonic() < deadline:  # run() below makes it alive
-                time.sleep(0.001)
-            for k in order:
-                delay = (arrival_ns[k] - time.perf_counter_ns()) / 1e9
-                if delay > 0:
-                    time.sleep(delay)  # the trace's own arrival time
-                now = time.perf_counter_ns()
-                lag[0] = max(lag[0], now - arrival_ns[k])
-                start_ns[k] = now
-                ids = encoded[trace[k].prompt_index]["input_ids"][0].tolist()
-                live.submit(LiveRequest(ids=ids, max_tokens=trace[k].max_new_tokens or max_new_tokens,
-                                        emit=emitter(k)))
-
-        feeder = threading.Thread(target=feed, name="infer-tune trace feeder", daemon=True)
-        feeder.start()
-        live.run()
-        feeder.join(10)
-        self.engine.positions.zero_()
-        if live.failure is not None:
-            raise live.failure
-        if ended[0] < n:
-            raise RuntimeError(f"the replay ended with {ended[0]} of {n} requests done")
-        timings, outputs = [], []
-        eos_set = set(eos)
-        for k, request in enumerate(trace):
-            prompt_tokens = int(encoded[request.prompt_index]["input_ids"].shape[1])
-            timings.append(RequestTiming(request.prompt_index, 0, prompt_tokens, arrival_ns[k], stamps[k],
-                                         start_ns=start_ns[k]))
-            outputs.append(make_output(prepared.tokenizer, eos_set, request.prompt_index, prompt_tokens, tokens[k]))
-        spec = live.stats()["speculative"]
-        self._stats = {"forward_steps": live.steps, "max_submit_lag_ms": lag[0] / 1e6,
-                       "output_mismatches": count_mismatches(outputs, self.references, eos_set),
-                       "output_mismatches_vs_generate": count_mismatches(outputs, self.generate_references, eos_set),
-                       "spec_draft_tokens": self.speculate, "spec_drafted": spec["drafted"],
-                       "spec_accepted": spec["accepted"], "spec_acceptance": spec["acceptance"],
-                       "spec_acceptance_by_position": spec["acceptance_by_position"]}
         self.timings, self.outputs = timings, outputs
         return timings, outputs
 
