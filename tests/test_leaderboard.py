@@ -231,6 +231,31 @@ def test_recommended_yaml_reproduces_the_recommended_config_with_only_the_fields
     assert "★" in md and "Reproduce: `infer-tune bench --recipe '" in md
 
 
+def test_a_recommended_stack_reads_back_as_a_recipe_and_is_served(tmp_path):
+    """make demo's winner is a stack (int4 a8 + prompt lookup verified in the native step): its recommended.yaml
+    reads back (each part a recipe entry: no `kind`), rebuilds the same stack, and `serve` plans it."""
+    from infer_tune.recipe import build_configs, expand_stages, load_recipe
+    from infer_tune.scenarios.serve import plan_from_recipe
+    from infer_tune.tuners.quantize import QuantizeConfig
+    from infer_tune.tuners.speculate import SpeculateConfig
+    from infer_tune.tuners.stack import StackConfig
+
+    stack = StackConfig(configs=[QuantizeConfig(method="int4-rtn", activations="int8"),
+                                 SpeculateConfig(draft="prompt-lookup", num_draft_tokens=8, engine="lean",
+                                                 native_step=True)])
+    best = make_result("s", technique="stack", config=stack.to_dict(), speedup_vs_baseline=13.1, ppl_delta_pct=-0.06,
+                       seed=2)
+    all_docs = [make_result("base", seed=1), *_stage([best])]
+    written = lb.write(lb.build(all_docs), all_docs, tmp_path)
+    assert "kind" not in written["recommended"].read_text()
+    (rebuilt,) = build_configs(expand_stages(load_recipe(str(written["recommended"])))[0])
+    assert rebuilt.to_dict() == stack.to_dict()
+    plan = plan_from_recipe(str(written["recommended"]))
+    assert (plan.speculate, plan.native_step, [c.method for c in plan.weights]) == (8, True, ["int4-rtn"])
+    # a stored result's config (to_dict, with `kind`) is read as a stack's part too
+    assert StackConfig(configs=stack.to_dict()["configs"]).to_dict() == stack.to_dict()
+
+
 def test_reproduce_command_is_quoted_and_csv_cells_are_neutralised(tmp_path):
     import shlex
 

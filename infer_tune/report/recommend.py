@@ -124,8 +124,16 @@ def applicable_config(doc: ResultDocument) -> dict:
     except (InferTuneError, TypeError, ValueError):  # a malformed stored config: keep what was stored
         config = None
     if config is not None:
-        stored = {k: getattr(config, k) for k in config.applicable_fields() if getattr(config, k) is not None}
+        stored = fields_of(config)
     return {"technique": technique, **stored}
+
+
+def fields_of(config) -> dict:
+    """A config's applicable fields that are set, as a recipe writes them; a stack's parts each as a recipe
+    entry of its own (`technique` and its fields: no `kind`, which the recipe reader does not take)."""
+    if hasattr(config, "parts") and config.technique == "stack":
+        return {"configs": [{"technique": p.technique, **fields_of(p)} for p in config.parts()]}
+    return {k: getattr(config, k) for k in config.applicable_fields() if getattr(config, k) is not None}
 
 
 def recommended_recipe(doc: ResultDocument) -> dict:

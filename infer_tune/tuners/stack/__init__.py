@@ -83,6 +83,8 @@ class StackConfig(TechniqueConfig):
             raise ConfigError(f"stack: configs[{index}] technique '{part['technique']}' is not one of "
                               f"{', '.join(sorted(n for n in by_name if n != 'stack'))}")
         params = {k: v for k, v in part.items() if k != "technique"}
+        if params.get("kind") == cls.__name__:  # a stored result's config (to_dict) names its class: the same
+            params.pop("kind")
         allowed = {f.name for f in dataclasses.fields(cls)}
         unknown = set(params) - allowed
         if unknown:
