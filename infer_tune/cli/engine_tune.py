@@ -59,7 +59,7 @@ def render(outcome, tspec) -> None:
                       row["reason"] or "")
     output.out.print(table)
     for line in outcome.notes:
-        output.out.print(f"note: {line}", soft_wrap=True)
+        output.out.print(f"note: {line}", soft_wrap=True, markup=False)  # launch labels hold user settings
     for doc in outcome.crashed:  # quarantined for this search; how to see it again by hand
         # what an engine printed (its summary) reaches the terminal inert: no escape sequences, no line breaks
         output.out.print(plain(f"crashed: {doc.label} ({doc['crash']['summary']}; row {doc.location}); reproduce: "

@@ -94,41 +94,40 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARDS = ("", "0.0.0.0", "::")
 
 
-METRICS = (  # (name, type, help, how it is read from LiveSlots.stats())
-    ("infer_tune_up", "gauge", "1 while the engine serves", lambda s, alive: int(alive)),
-    ("infer_tune_slots", "gauge", "slots of the engine", lambda s, alive: s.get("slots")),
-    ("infer_tune_slots_busy", "gauge", "slots holding a request", lambda s, alive: s.get("busy")),
-    ("infer_tune_requests_waiting", "gauge", "requests waiting for a slot (queue depth)", lambda s, alive: s.get("waiting")),
-    ("infer_tune_requests_served_total", "counter", "requests that ended with stop or length",
-     lambda s, alive: s.get("served")),
-    ("infer_tune_generation_tokens_total", "counter", "tokens decoded", lambda s, alive: s.get("generated_tokens")),
-    ("infer_tune_engine_steps_total", "counter", "engine steps run", lambda s, alive: s.get("steps")),
+METRICS = (  # (name, type, help, where LiveSlots.stats() keeps it: a key, or a block and its key)
+    ("infer_tune_slots", "gauge", "slots of the engine", "slots"),
+    ("infer_tune_slots_busy", "gauge", "slots holding a request", "busy"),
+    ("infer_tune_requests_waiting", "gauge", "requests waiting for a slot (queue depth)", "waiting"),
+    ("infer_tune_requests_served_total", "counter", "requests that ended with stop or length", "served"),
+    ("infer_tune_generation_tokens_total", "counter", "tokens decoded", "generated_tokens"),
+    ("infer_tune_engine_steps_total", "counter", "engine steps run", "steps"),
     ("infer_tune_prompt_tokens_total", "counter", "prompt tokens admitted (with the prefix cache on)",
-     lambda s, alive: (s.get("prefix_cache") or {}).get("prompt_tokens")),
+     ("prefix_cache", "prompt_tokens")),
     ("infer_tune_prefix_cache_hit_tokens_total", "counter", "prompt tokens whose prefill the prefix cache skipped",
-     lambda s, alive: (s.get("prefix_cache") or {}).get("cached_tokens")),
+     ("prefix_cache", "cached_tokens")),
     ("infer_tune_prefix_cache_hit_rate", "gauge", "prefix cache hit tokens / prompt tokens since the start",
-     lambda s, alive: (s.get("prefix_cache") or {}).get("hit_rate")),
-    ("infer_tune_spec_draft_tokens_total", "counter", "prompt-lookup draft tokens verified",
-     lambda s, alive: (s.get("speculative") or {}).get("drafted")),
-    ("infer_tune_spec_accepted_tokens_total", "counter", "draft tokens accepted (the step chose them too)",
-     lambda s, alive: (s.get("speculative") or {}).get("accepted")),
-    ("infer_tune_spec_verify_passes_total", "counter", "a slot's drafts verified in a step",
-     lambda s, alive: (s.get("speculative") or {}).get("verify_passes")),
+     ("prefix_cache", "hit_rate")),
     ("infer_tune_prefix_cache_store_bytes", "gauge", "host memory the prefix cache's store holds",
-     lambda s, alive: None if not s.get("prefix_cache") else int(s["prefix_cache"]["store_mib"] * 2**20)),
+     ("prefix_cache", "store_bytes")),
+    ("infer_tune_spec_draft_tokens_total", "counter", "prompt-lookup draft tokens verified", ("speculative", "drafted")),
+    ("infer_tune_spec_accepted_tokens_total", "counter", "draft tokens accepted (the step chose them too)",
+     ("speculative", "accepted")),
+    ("infer_tune_spec_verify_passes_total", "counter", "a slot's drafts verified in a step",
+     ("speculative", "verify_passes")),
 )
 
 
 def prometheus(stats: dict, alive: bool) -> str:
     """The engine's stats in Prometheus' text format (0.0.4); a metric the engine does not keep is left out."""
-    lines = []
-    for name, kind, text, read in METRICS:
-        value = read(stats, alive)
+    lines = ["# HELP infer_tune_up 1 while the engine serves", "# TYPE infer_tune_up gauge",
+             f"infer_tune_up {int(alive)}"]
+    for name, kind, text, where in METRICS:
+        block, key = where if isinstance(where, tuple) else (None, where)
+        value = (stats.get(block) or {}).get(key) if block else stats.get(key)
         if value is None:
             continue
-        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {value:g}" if isinstance(value, float)
-                  else f"{name} {value}"]
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}",
+                  f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"]
     return "\n".join(lines) + "\n"
 
 

@@ -60,13 +60,6 @@ class PrefixCache:
         self.counters = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "slot_hits": 0, "store_hits": 0,
                          "stored": 0, "evicted": 0}
 
-    def bind(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """The slot cache, once the engine has made it (the native engine makes it at its first step)."""
-        self.keys, self.values = keys, values
-        if not self.resident:
-            self.resident = [torch.zeros(0, dtype=torch.long) for _ in range(keys[0].shape[0])]
-            self.kept = [False] * keys[0].shape[0]
-
     def forget_slots(self) -> None:
         """The slots' rows were written outside serving (`warm`, `alone`): nothing resident is trusted."""
         self.resident = [torch.zeros(0, dtype=torch.long) for _ in self.resident]
@@ -161,5 +154,5 @@ class PrefixCache:
         """Counters, the hit rate (prompt tokens reused / prompt tokens) and the store's size."""
         c = self.counters
         return {**c, "hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
-                "store_entries": len(self.store), "store_mib": self.bytes / 2**20,
+                "store_entries": len(self.store), "store_bytes": self.bytes, "store_mib": self.bytes / 2**20,
                 "budget_mib": self.budget_bytes / 2**20}

@@ -69,7 +69,8 @@ class Sampling:
             scores = scores.masked_fill(scores < kth, float("-inf"))
         if self.top_p < 1:
             ordered, order = torch.sort(scores, descending=True)
-            before = torch.softmax(ordered, dim=-1).cumsum(-1) - torch.softmax(ordered, dim=-1)
+            probs = torch.softmax(ordered, dim=-1)
+            before = probs.cumsum(-1) - probs  # the probability of the tokens ranked above each
             scores = scores.clone()
             scores[order[before >= self.top_p]] = float("-inf")  # past the nucleus (its first token always stays)
         return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=self.generator))
@@ -342,6 +343,15 @@ class LiveSlots:
             request.emit(None, "abort")
         return None
 
+    @staticmethod
+    def _picks(logits: torch.Tensor, busy: list[LiveRequest | None], active: list[int]) -> list[int]:
+        """Each row's next token: greedy for the whole step at once, a sampled request's from its own row."""
+        picks = greedy(logits).tolist()
+        for slot in active:
+            if busy[slot].sampling is not None:
+                picks[slot] = busy[slot].sampling.pick(logits[slot])
+        return picks
+
     def _drafts(self, drafter, busy: list[LiveRequest | None], active: list[int]) -> list[tuple[int, torch.Tensor]]:
         """(slot, [its last token, drafts]) for each decoding slot whose text proposes a continuation: up to
         its `draft_len` drafts (`speculate` at first, then twice what its last pass accepted plus one), fewer
@@ -400,12 +410,10 @@ class LiveSlots:
             if not active:
                 continue
             rows = rows_for(active[-1], size, self.every_bucket)
-            logits = engine.step(rows, nxt[:rows])
-            picks = greedy(logits).tolist()
+            picks = self._picks(engine.step(rows, nxt[:rows]), busy, active)
             self.steps += 1
             for slot in active:
-                sampling = busy[slot].sampling
-                self._emit(busy, nxt, slot, picks[slot] if sampling is None else sampling.pick(logits[slot]))
+                self._emit(busy, nxt, slot, picks[slot])
             free = [slot for slot in range(rows) if busy[slot] is None]
             if free:  # a free row's write position stays inside its row (it writes harmlessly at 0)
                 engine.positions[free] = 0
@@ -471,10 +479,9 @@ class LiveSlots:
             logits, firsts = engine.mixed(rows, nxt[:rows], active, chunks, verify)
             self.steps += 1
             if active:
-                picks = greedy(logits).tolist()
+                picks = self._picks(logits, busy, active)
                 for slot in active:
-                    sampling = busy[slot].sampling
-                    self._emit(busy, nxt, slot, picks[slot] if sampling is None else sampling.pick(logits[slot]))
+                    self._emit(busy, nxt, slot, picks[slot])
             for slot, ids in verify:
                 self._accept(busy, nxt, slot, ids[1:].tolist(), greedy(firsts.pop(slot)).tolist())
             for slot, first in firsts.items():
@@ -502,9 +509,7 @@ class LiveBatcher(SlotBatcher):
         this thread): a feeder thread submits each request at its arrival, the loop admits it in mixed steps and
         each decoding slot's prompt-lookup drafts are verified beside the others' rows; no prefix cache (the
         trace's prompts are distinct; the cache is serving's)."""
-        from infer_tune.runners.base import RequestTiming
         from infer_tune.runners.generation import eos_ids
-        from infer_tune.tuners.batch.common import count_mismatches, make_output
 
         eos = eos_ids(prepared.model, prepared.tokenizer)
         live = LiveSlots(prepared.model, eos, slots=self.batch_size, max_context=self.engine.max_cache_len,
@@ -556,19 +561,8 @@ class LiveBatcher(SlotBatcher):
             raise live.failure
         if ended[0] < n:
             raise RuntimeError(f"the replay ended with {ended[0]} of {n} requests done")
-        timings, outputs = [], []
-        eos_set = set(eos)
-        for k, request in enumerate(trace):
-            prompt_tokens = int(encoded[request.prompt_index]["input_ids"].shape[1])
-            timings.append(RequestTiming(request.prompt_index, 0, prompt_tokens, arrival_ns[k], stamps[k],
-                                         start_ns=start_ns[k]))
-            outputs.append(make_output(prepared.tokenizer, eos_set, request.prompt_index, prompt_tokens, tokens[k]))
         spec = live.stats()["speculative"]
-        self._stats = {"forward_steps": live.steps, "max_submit_lag_ms": lag[0] / 1e6,
-                       "output_mismatches": count_mismatches(outputs, self.references, eos_set),
-                       "output_mismatches_vs_generate": count_mismatches(outputs, self.generate_references, eos_set),
-                       "spec_draft_tokens": self.speculate, "spec_drafted": spec["drafted"],
-                       "spec_accepted": spec["accepted"], "spec_acceptance": spec["acceptance"],
-                       "spec_acceptance_by_position": spec["acceptance_by_position"]}
-        self.timings, self.outputs = timings, outputs
-        return timings, outputs
+        return self._finish(prepared, trace, encoded, set(eos), arrival_ns, start_ns, stamps, tokens, {
+            "forward_steps": live.steps, "max_submit_lag_ms": lag[0] / 1e6, "spec_draft_tokens": self.speculate,
+            "spec_drafted": spec["drafted"], "spec_accepted": spec["accepted"], "spec_acceptance": spec["acceptance"],
+            "spec_acceptance_by_position": spec["acceptance_by_position"]})

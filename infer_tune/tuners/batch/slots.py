@@ -263,25 +263,26 @@ class SlotEngine:
         pieces = [tokens[:rows]] if rows else []
         keep = list(range(rows))
         ends = []
-        for slot, ids, last in chunks:
-            start = int(self.positions[slot])
-            if start + len(ids) > self.max_cache_len:
-                raise ValueError(f"slot {slot}: {start + len(ids)} positions do not fit a cache of {self.max_cache_len}")
-            slots += [slot] * len(ids)
-            positions += range(start, start + len(ids))
-            pieces.append(ids)
-            if last:
-                ends.append(slot)
-                keep.append(len(slots) - 1)
-        checked = []
-        for slot, ids in verify:
+
+        def add(slot: int, ids: torch.Tensor) -> int:
+            """`ids` as rows of `slot` from its position on; the index of their first row."""
             start = int(self.positions[slot])
             if start + len(ids) > self.max_cache_len:
                 raise ValueError(f"slot {slot}: {start + len(ids)} positions do not fit a cache of {self.max_cache_len}")
             first = len(slots)
-            slots += [slot] * len(ids)
-            positions += range(start, start + len(ids))
+            slots.extend([slot] * len(ids))
+            positions.extend(range(start, start + len(ids)))
             pieces.append(ids)
+            return first
+
+        for slot, ids, last in chunks:
+            first = add(slot, ids)
+            if last:
+                ends.append(slot)
+                keep.append(first + len(ids) - 1)
+        checked = []
+        for slot, ids in verify:
+            first = add(slot, ids)
             checked.append((slot, len(keep), len(ids)))
             keep += range(first, first + len(ids))
         if len(keep) == 0:  # a middle chunk alone: its last row's logits, unused
@@ -547,16 +548,20 @@ class SlotBatcher:
             free = [slot for slot in range(rows) if slots[slot] is None]
             if free:  # a free row's write position stays inside its row (it writes harmlessly at 0)
                 engine.positions[free] = 0
+        return self._finish(prepared, trace, encoded, eos, arrival_ns, start_ns, stamps, tokens, {
+            "forward_steps": steps, "mean_batch_size": busy_rows / steps if steps else None,
+            "padding_share": 1 - busy_rows / computed_rows if computed_rows else None, "max_submit_lag_ms": lag / 1e6})
+
+    def _finish(self, prepared, trace, encoded, eos: set[int], arrival_ns, start_ns, stamps, tokens, stats: dict):
+        """A replay's timings and outputs per request (trace order), its counters with the mismatches against the
+        engine's own single-request references and against generate()'s."""
         timings, outputs = [], []
         for k, request in enumerate(trace):
             prompt_tokens = int(encoded[request.prompt_index]["input_ids"].shape[1])
             timings.append(RequestTiming(request.prompt_index, 0, prompt_tokens, arrival_ns[k], stamps[k],
                                          start_ns=start_ns[k]))
             outputs.append(make_output(prepared.tokenizer, eos, request.prompt_index, prompt_tokens, tokens[k]))
-        self._stats = {"forward_steps": steps, "mean_batch_size": busy_rows / steps if steps else None,
-                       "padding_share": 1 - busy_rows / computed_rows if computed_rows else None,
-                       "max_submit_lag_ms": lag / 1e6,
-                       "output_mismatches": count_mismatches(outputs, self.references, eos),
+        self._stats = {**stats, "output_mismatches": count_mismatches(outputs, self.references, eos),
                        "output_mismatches_vs_generate": count_mismatches(outputs, self.generate_references, eos)}
         self.timings, self.outputs = timings, outputs
         return timings, outputs
