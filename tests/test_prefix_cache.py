@@ -105,7 +105,7 @@ def _cache(slots=2, layers=2, heads=1, context=64, dim=4, budget=10**9, min_toke
 
     keys = [torch.randn(slots, heads, context, dim) for _ in range(layers)]
     values = [torch.randn(slots, heads, context, dim) for _ in range(layers)]
-    return PrefixCache(keys, values, max_context=context, budget_bytes=budget, min_tokens=min_tokens), keys, values
+    return PrefixCache([*keys, *values], max_context=context, budget_bytes=budget, min_tokens=min_tokens), keys, values
 
 
 def test_the_store_keeps_one_copy_of_nested_prefixes_and_evicts_the_oldest_under_its_budget():
@@ -115,7 +115,7 @@ def test_the_store_keeps_one_copy_of_nested_prefixes_and_evicts_the_oldest_under
     slot, reused = cache.place(list(range(50, 60)), [0])  # a stranger: the 8 go to the store
     assert (slot, reused) == (0, 0) and len(cache.store) == 1 and cache.bytes == 8 * per
     stored = next(iter(cache.store.values()))
-    assert torch.equal(stored.keys[1], keys[1][0, :, :8])
+    assert torch.equal(stored.rows[1], keys[1][0, :, :8])
     cache.release(0, list(range(10, 22)))  # 12 ids, holding the stored 8: they are replaced by these 12
     cache.place(list(range(70, 80)), [0])
     assert [len(e.ids) for e in cache.store.values()] == [12] and cache.bytes == 12 * per

@@ -31,6 +31,7 @@ def serve(
     ngram: Annotated[int | None, typer.Option("--ngram", help="With --speculate: the longest n-gram prompt lookup matches.")] = None,
     prefix_cache: Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="With the native step: a prompt that begins like one served before skips the prefill of what they share (a chat's history, a system prompt).")] = True,
     cache_mib: Annotated[float, typer.Option("--cache-mib", help="Host memory for prefixes evicted from the slots (the prefix cache's store, LRU); 0 keeps only what the slots hold.")] = 1024.0,
+    kv_cache: Annotated[str | None, typer.Option("--kv-cache", help="The native step's KV cache: fp32, or int8 (one fp32 scale per vector of a head: a quarter of the bytes, so long chats fit; default: the config's).")] = None,
     threads: opt.Threads = None,
     debug: opt.Debug = False,
 ) -> None:
@@ -40,6 +41,7 @@ def serve(
     Example: infer-tune serve --recipe runs/x/recommended.yaml --port 8000
     Example: infer-tune serve --model smollm2-135m --method int4-rtn --activations int8 --native-step --slots 4
     Example: infer-tune serve --model smollm2-135m --method int4-rtn --activations int8 --speculate 8
+    Example: infer-tune serve --model smollm2-135m --method int4-rtn --activations int8 --kv-cache int8
     Example: SERVE_KEY=... infer-tune serve --recipe recommended.yaml --host 0.0.0.0 --api-key-env SERVE_KEY
     """
     import os
@@ -82,6 +84,16 @@ def serve(
         plan.speculate = speculate
         if speculate and native_step is None:
             plan.native_step = True
+    if kv_cache is not None:
+        from infer_tune.native.step import KV_DTYPES
+
+        if kv_cache not in KV_DTYPES:
+            raise ConfigError(f"--kv-cache must be one of {', '.join(KV_DTYPES)}, got '{kv_cache}'")
+        plan.kv_dtype = kv_cache
+        if kv_cache != "fp32" and native_step is None:
+            plan.native_step = True
+    if plan.kv_dtype != "fp32" and not plan.native_step:
+        raise ConfigError(f"a {plan.kv_dtype} KV cache is the native step's: drop --no-native-step")
     if ngram is not None:
         if ngram < 1:
             raise ConfigError(f"--ngram must be >= 1, got {ngram}")

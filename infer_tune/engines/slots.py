@@ -5,7 +5,8 @@ How a technique stack maps onto its settings (`settings(stack)`, what scenarios/
 part is applied to the weights (bf16 adds nothing); a `batch` part (engine `lean`, or `transformers`, whose
 batch size the slot engine takes over) sets `slots`, `native_step`, `compile_prefill` and `every_bucket`; a
 `lean` part is the single-stream lean path: one slot unless `slots` says more, its `compile` and
-`native_step`; a `kv-cache` part with impl `static` or `dynamic` adds nothing (each slot's cache is static);
+`native_step`; a `kv-cache` part with impl `static` or `dynamic` adds nothing (each slot's cache is static), one
+with the native backend (`quantized`, `kv_backend: native`) sets `kv_dtype: int8` (the native step's int8 cache);
 a `speculate` part with the prompt-lookup draft sets `speculate` (its draft tokens K) and `ngram`, verified in the
 native step (the slots' speculation runs there only: tuners/batch/serving.py).
 Anything else is refused with the reason (`supports`): the server runs only what it runs exactly.
@@ -18,8 +19,9 @@ from infer_tune.engines.inprocess import _own_version
 
 
 def _check(part) -> str | None:
-    if part.technique == "kv-cache" and part.impl not in ("static", "dynamic"):
-        return f"serve: kv-cache impl '{part.impl}' is not served (each slot's cache is static)"
+    if part.technique == "kv-cache" and part.impl not in ("static", "dynamic") and part.kv_backend != "native":
+        return (f"serve: kv-cache impl '{part.impl}' ({part.label()}) is not served (each slot's cache is static: "
+                "fp32, or int8 with kv_backend native)")
     if part.technique == "batch" and part.scheduler == "sweep":
         return "serve: a batch-size sweep row is not a serving configuration"
     if part.technique == "speculate" and part.source.kind != "prompt-lookup":
@@ -35,11 +37,13 @@ def settings(stack) -> dict:
     parts = parts_of(stack)
     out = {"weights": [], "slots": 1 if any(p.technique == "lean" for p in parts) else 4, "compile": True,
            "compile_prefill": False, "every_bucket": True, "native_step": False, "speculate": 0, "ngram": 2,
-           "notes": []}
+           "kv_dtype": "fp32", "notes": []}
     for part in parts:
         name = part.technique
         if name == "quantize" and part.method != "bf16":
             out["weights"].append(part)
+        elif name == "kv-cache" and part.kv_backend == "native":
+            out["kv_dtype"], out["native_step"], out["compile"] = "int8", True, False
         elif name == "lean":
             out["compile"], out["native_step"] = part.compile, part.native_step
             out["compile_prefill"] = part.compile and part.compile_prefill
@@ -72,7 +76,8 @@ SLOTS = register_engine(Engine(
         "quantize": "the weights quantized before the slots are built (bf16: as loaded)",
         "batch": "batch_size -> slots; engine lean: native_step, compile_prefill, step_buckets, speculate, ngram",
         "lean": "compile, native_step, compile_prefill (one slot unless a batch part says more)",
-        "kv-cache": "impl static or dynamic: each slot's static cache",
+        "kv-cache": "impl static or dynamic: each slot's static cache (fp32); quantized with kv_backend native: "
+                    "kv_dtype int8 (the native step's int8 cache)",
         "speculate": "draft prompt-lookup: num_draft_tokens -> speculate, max_matching_ngram_size -> ngram "
                      "(verified in the native step)",
     },

@@ -19,6 +19,11 @@
 // visible one the cache view holds: the slot engine's rows give the same values in any length bucket.
 // exp runs 8 lanes at a time where the CPU has AVX2 and FMA (kernels.h's exp8: exactly 0 below -87.3),
 // std::exp elsewhere.
+//
+// decode_attention_q8 reads an int8 cache (k, v int8 [B, Hkv, L, D], one fp32 scale per row, kv head and position
+// [B, Hkv, L]: the native step's int8 KV cache, a quarter of fp32's bytes): an item dequantizes the keys and values
+// of its chunk's visible positions once into fp32 rows, which every query head of the group then reads as above, so
+// its values are exactly decode_attention's on the dequantized cache.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -137,11 +142,18 @@ inline void values_avx2(const float* p, const float* vb, int64_t vs2, const int6
 
 }  // namespace
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const c10::optional<at::Tensor>& mask, double scale) {
+namespace {
+
+// the attention of both cache kinds: fp32 k / v (k_scale, v_scale undefined), or int8 k / v with fp32 scales
+// [B, Hkv, L] (value = int8 * the scale of its row, kv head and position)
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_scale,
+                  const at::Tensor& v_scale, const c10::optional<at::Tensor>& mask, double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: q, k, v must be 4-D");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "decode_attention: float32 only");
+  const bool q8 = k_scale.defined();
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention: q must be float32");
+  TORCH_CHECK(q8 ? (k.scalar_type() == at::kChar && v.scalar_type() == at::kChar)
+                 : (k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat),
+              q8 ? "decode_attention_q8: k / v must be int8" : "decode_attention: float32 only");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = k.size(1), L = k.size(2);
   TORCH_CHECK(q.size(2) == 1, "decode_attention: one query per row");
   TORCH_CHECK(H >= 1 && Hkv >= 1 && D >= 1 && L >= 1, "decode_attention: heads, kv heads, head dim and cache length "
@@ -150,6 +162,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                   v.size(3) == D && H % Hkv == 0,
               "decode_attention: k / v do not match q");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: k / v need a contiguous head dimension");
+  if (q8)
+    TORCH_CHECK(v_scale.defined() && k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat &&
+                    k_scale.dim() == 3 && v_scale.dim() == 3 && k_scale.size(0) == B && v_scale.size(0) == B &&
+                    k_scale.size(1) == Hkv && v_scale.size(1) == Hkv && k_scale.size(2) == L && v_scale.size(2) == L,
+                "decode_attention_q8: k / v scales must be float32 [B, Hkv, L]");
   const bool has_mask = mask.has_value() && mask->defined();
   at::Tensor m;
   bool bool_mask = false;
@@ -164,8 +181,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   auto qc = q.contiguous();
   auto out = at::empty({B, 1, H, D}, q.options());
   const float* qp = qc.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  const float* kp = q8 ? nullptr : k.data_ptr<float>();
+  const float* vp = q8 ? nullptr : v.data_ptr<float>();
+  const int8_t* kp8 = q8 ? k.data_ptr<int8_t>() : nullptr;
+  const int8_t* vp8 = q8 ? v.data_ptr<int8_t>() : nullptr;
+  const float* ksp = q8 ? k_scale.data_ptr<float>() : nullptr;
+  const float* vsp = q8 ? v_scale.data_ptr<float>() : nullptr;
+  const int64_t kss0 = q8 ? k_scale.stride(0) : 0, kss1 = q8 ? k_scale.stride(1) : 0, kss2 = q8 ? k_scale.stride(2) : 0;
+  const int64_t vss0 = q8 ? v_scale.stride(0) : 0, vss1 = q8 ? v_scale.stride(1) : 0, vss2 = q8 ? v_scale.stride(2) : 0;
   float* op = out.data_ptr<float>();
   const int64_t G = H / Hkv;  // query heads per kv head
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
@@ -203,18 +226,48 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   at::parallel_for(0, B * Hkv * chunks, grain, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scores;  // [G, CHUNK]
     thread_local std::vector<int64_t> seen;  // the chunk's positions some head of the group attends to
+    thread_local std::vector<float> kdq, vdq;  // int8 caches: the chunk's seen keys / values in fp32 [n, D]
+    thread_local std::vector<int64_t> order;  // int8 caches: 0..n-1 (row t of kdq / vdq is position seen[t])
     scores.resize(std::max<size_t>(scores.size(), G * CHUNK));
     seen.resize(std::max<size_t>(seen.size(), CHUNK));
+    if (q8) {
+      kdq.resize(std::max<size_t>(kdq.size(), CHUNK * D)), vdq.resize(std::max<size_t>(vdq.size(), CHUNK * D));
+      order.resize(std::max<size_t>(order.size(), CHUNK));
+      for (int64_t t = 0; t < CHUNK; ++t) order[t] = t;
+    }
     for (int64_t item = begin; item < end; ++item) {
       const int64_t c = item % chunks, bg = item / chunks, b = bg / Hkv, g = bg % Hkv;
       const int64_t j0 = c * CHUNK, j1 = std::min(L, j0 + CHUNK);
-      const float* kb = kp + b * ks0 + g * ks1;
-      const float* vb = vp + b * vs0 + g * vs1;
+      const float* kb = q8 ? kdq.data() : kp + b * ks0 + g * ks1;
+      const float* vb = q8 ? vdq.data() : vp + b * vs0 + g * vs1;
       int64_t n = 0;
       for (int64_t j = j0; j < j1; ++j) {
         bool any = mb == nullptr;
         for (int64_t i = 0; i < G && !any; ++i) any = mb[b * ms0 + (g * G + i) * ms1 + j * ms3];
         if (any) seen[n++] = j;
+      }
+      // where the chunk's rows are read: the cache (strides ks2 / vs2 at positions seen[t]), or the int8 rows
+      // dequantized once per item into kdq / vdq (stride D at row t), read there by every head of the group
+      const int64_t* at = seen.data();
+      int64_t kstep = ks2, vstep = vs2;
+      if (q8) {
+        const int8_t* k8 = kp8 + b * ks0 + g * ks1;
+        const int8_t* v8 = vp8 + b * vs0 + g * vs1;
+        const float* ksc = ksp + b * kss0 + g * kss1;
+        const float* vsc = vsp + b * vss0 + g * vss1;
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t j = seen[t];
+          const int8_t* kr = k8 + j * ks2;
+          const int8_t* vr = v8 + j * vs2;
+          const float sk = ksc[j * kss2], sv = vsc[j * vss2];
+          float* kd = kdq.data() + t * D;
+          float* vd = vdq.data() + t * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<float>(kr[d]) * sk;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) vd[d] = static_cast<float>(vr[d]) * sv;
+        }
+        at = order.data(), kstep = D, vstep = D;
       }
       for (int64_t i = 0; i < G; ++i) {
         const int64_t h = g * G + i, slot = (b * H + h) * chunks + c;
@@ -223,10 +276,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
         float top = NEG_INF;
 #ifdef ATTN_AVX2
         if (D % 8 == 0)
-          scores_avx2(qv, kb, ks2, seen.data(), n, D, fscale, s);
+          scores_avx2(qv, kb, kstep, at, n, D, fscale, s);
         else
 #endif
-          for (int64_t t = 0; t < n; ++t) s[t] = fscale * dot(qv, kb + seen[t] * ks2, D);
+          for (int64_t t = 0; t < n; ++t) s[t] = fscale * dot(qv, kb + at[t] * kstep, D);
         for (int64_t t = 0; t < n; ++t) {
           const int64_t j = seen[t];
           if (mb != nullptr && !mb[b * ms0 + h * ms1 + j * ms3])
@@ -246,16 +299,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
         float* a = pacc + ((b * H + g * G + i) * chunks + c) * D;
 #ifdef ATTN_AVX2
         if (D == 64) {  // the head's accumulator in registers
-          values_avx2<8>(p, vb, vs2, seen.data(), n, a);
+          values_avx2<8>(p, vb, vstep, at, n, a);
           continue;
         }
         if (D == 128) {
-          values_avx2<16>(p, vb, vs2, seen.data(), n, a);
+          values_avx2<16>(p, vb, vstep, at, n, a);
           continue;
         }
 #endif
         for (int64_t t = 0; t < n; ++t) {
-          const float* vj = vb + seen[t] * vs2;
+          const float* vj = vb + at[t] * vstep;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) a[d] += p[t] * vj[d];
         }
@@ -284,10 +337,27 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+}  // namespace
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const c10::optional<at::Tensor>& mask, double scale) {
+  return attend(q, k, v, at::Tensor(), at::Tensor(), mask, scale);
+}
+
+at::Tensor decode_attention_q8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& k_scale,
+                               const at::Tensor& v, const at::Tensor& v_scale, const c10::optional<at::Tensor>& mask,
+                               double scale) {
+  TORCH_CHECK(k_scale.defined() && v_scale.defined(), "decode_attention_q8: k / v scales are needed");
+  return attend(q, k, v, k_scale, v_scale, mask, scale);
+}
+
 TORCH_LIBRARY_FRAGMENT(infer_tune_native, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+  m.def("decode_attention_q8(Tensor q, Tensor k, Tensor k_scale, Tensor v, Tensor v_scale, Tensor? mask, "
+        "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(infer_tune_native, CPU, m) {
   m.impl("decode_attention", &decode_attention);
+  m.impl("decode_attention_q8", &decode_attention_q8);
 }

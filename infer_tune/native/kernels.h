@@ -35,6 +35,13 @@ inline __m256 exp8(__m256 x) {
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& mask, double scale);
 
+// decode_attention over an int8 cache: k, v int8 [B, Hkv, L, D] (D contiguous), each (row, kv head, position)'s
+// vector scaled by k_scale / v_scale float32 [B, Hkv, L]; the values decode_attention gives on the dequantized
+// cache (the rows a chunk reads are dequantized once into fp32 and read by every head of the group)
+at::Tensor decode_attention_q8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& k_scale,
+                               const at::Tensor& v, const at::Tensor& v_scale, const c10::optional<at::Tensor>& mask,
+                               double scale);
+
 // Rows x [M, K] through up to 4 w4a8 matrices that read them (q, k, v; gate, up), in w4a8_mm's layout: the
 // rows are quantized once and the tiles of all of them split over torch's threads in one parallel region;
 // matrix i (tiles[i] tiles of 8 outputs) writes y[i] [M, 8 * tiles[i]]. The values w4a8_mm gives.

@@ -23,6 +23,9 @@
 // attention's and the head's outputs, norms and rotary embedding in plain loops. The values equal the eager
 // model's up to fp32 rounding (the norms' sums and cos / sin are computed here); a row's values do not
 // depend on the other rows (every kernel here treats rows independently).
+// The cache is fp32, or int8 (`kv8`: each new key and value vector of a head stored as int8 with one fp32 scale,
+// max |x| / 127, a quarter of the bytes plus 4 bytes a vector; attended by decode_attention_q8, which dequantizes
+// what it reads): values then equal the eager model's on keys and values rounded to that grid.
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -102,11 +105,26 @@ inline void add(float* y, const float* b, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += b[i];
 }
 
+// one key or value vector into the int8 cache: q = round(x / s), s = max |x| / 127 (all zeros: s = 0, q = 0)
+inline void quantize8(const float* x, int64_t n, int8_t* q, float* scale) {
+  float top = 0.f;
+  for (int64_t i = 0; i < n; ++i) top = std::max(top, std::fabs(x[i]));
+  const float s = top / 127.f;
+  *scale = s;
+  const float inv = s > 0.f ? 1.f / s : 0.f;
+  for (int64_t i = 0; i < n; ++i)
+    q[i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(x[i] * inv))));
+}
+
 }  // namespace
 
 struct LlamaStep : torch::CustomClassHolder {
   // weights: per layer PER_LAYER tensors, then the final norm, the head's packed weights and (w8a8) its scale
   std::vector<at::Tensor> weights, keys, values, lengths;
+  // an int8 cache (keys, values int8): per layer the fp32 scale of each row, kv head and position [rows, kv heads,
+  // length]; empty for an fp32 cache
+  std::vector<at::Tensor> key_scales, value_scales;
+  bool kv8 = false;
   at::Tensor inv_freq, q;
   int64_t layers, heads, kv_heads, head_dim, hidden, inter, group, vocab, max_len, batch;
   int64_t head_group;  // 0: a w8a8 head (packed, scale); else an int4 head in the w4a8 layout with this group
@@ -114,22 +132,24 @@ struct LlamaStep : torch::CustomClassHolder {
   double eps, scaling, softcap;  // softcap: the final logits' soft cap, 0 for none
   std::vector<double> rope_scale;  // per rotary table: its attention scaling of cos and sin
   std::vector<int64_t> windows;    // per mask: 0 (the whole cache up to the position) or a sliding window
-  std::vector<float> resid, h, qs, ks, vs, proj, normed, gate, up, act, cos, sin, att;
+  std::vector<float> resid, h, qs, ks, vs, proj, normed, gate, up, act, cos, sin, att, rotated;
   int64_t cap = 0;  // rows the buffers below hold (grown by `ensure`: a mixed step may hold more rows than slots)
   std::vector<int64_t> slot_of;  // per row of the current step: the cache row (slot) it reads and writes
   // per mask (the full one, then one per sliding window) [batch, 1, 1, max_len] and its first r rows' views
   std::vector<at::Tensor> masks;
   std::vector<std::vector<at::Tensor>> mask_rows;
   // per layer and row count r: the caches' first r rows (views made once)
-  std::vector<std::vector<at::Tensor>> key_rows, value_rows;
+  std::vector<std::vector<at::Tensor>> key_rows, value_rows, key_scale_rows, value_scale_rows;
   std::vector<at::Tensor> q_rows;
   // raw pointers, taken once (each data_ptr() call checks the tensor: ~3% of a step when taken per use)
   struct Layer {
     const float *in_norm, *mlp_in_norm, *attn_out_norm, *mlp_out_norm, *q_bias, *k_bias, *v_bias, *o_bias, *q_norm,
         *k_norm;
     const uint8_t *q, *k, *v, *o, *gate, *up, *down;
-    float *keys, *values;
-    int64_t k0, k1, k2, v0, v1, v2;
+    float *keys, *values;     // an fp32 cache (nullptr for int8)
+    int8_t *keys8, *values8;  // an int8 cache (nullptr for fp32), its scales below
+    float *key_scale, *value_scale;
+    int64_t k0, k1, k2, v0, v1, v2, s0, s1;  // s0, s1: the scales' row and kv-head strides (position stride 1)
     int64_t rope, mask;  // which rotary table and which mask the layer uses
   };
   std::vector<Layer> at_layer;
@@ -137,7 +157,9 @@ struct LlamaStep : torch::CustomClassHolder {
   const uint8_t* head = nullptr;
   const float* head_scale = nullptr;
 
-  // keys / values: per layer the cache [rows, kv heads, length, head dim] fp32, position p at index p;
+  // keys / values: per layer the cache [rows, kv heads, length, head dim] fp32, position p at index p; or an
+  // int8 cache: per layer the int8 cache, then per layer its fp32 scales [rows, kv heads, length] (2 x layers
+  // tensors each: each new key / value vector of a head is stored as round(x / s) with s = max |x| / 127);
   // lengths: per layer the cache's int64 length counter, set to position + 1 by a one-row step (empty: none
   // to keep); inv_freq [rotary tables, head dim / 2];
   // ints: layers, heads, kv heads, head dim, hidden, intermediate, group, head group (0: w8a8), activation
@@ -168,6 +190,14 @@ struct LlamaStep : torch::CustomClassHolder {
                 "LlamaStep: quantization groups must be positive multiples of 32, got ", group, " and ", head_group);
     TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * PER_LAYER + 2 + (head_group ? 0 : 1),
                 "LlamaStep: ", weights.size(), " weight tensors for ", layers, " layers");
+    kv8 = !keys.empty() && keys[0].scalar_type() == at::kChar;
+    if (kv8) {
+      TORCH_CHECK(static_cast<int64_t>(keys.size()) == 2 * layers && static_cast<int64_t>(values.size()) == 2 * layers &&
+                      lengths.empty(),
+                  "LlamaStep: an int8 cache is per layer its keys (values), then per layer their scales; no counters");
+      key_scales.assign(keys.begin() + layers, keys.end()), value_scales.assign(values.begin() + layers, values.end());
+      keys.resize(layers), values.resize(layers);
+    }
     TORCH_CHECK(static_cast<int64_t>(keys.size()) == layers && static_cast<int64_t>(values.size()) == layers &&
                     (lengths.empty() || static_cast<int64_t>(lengths.size()) == layers),
                 "LlamaStep: one key and value tensor (and length counter) per layer");
@@ -185,21 +215,32 @@ struct LlamaStep : torch::CustomClassHolder {
                     hidden % 8 == 0 && inter % 8 == 0,
                 "LlamaStep: sizes must be multiples of 8 and of the group ", group);
     for (int64_t l = 0; l < layers; ++l) {
+      const auto kind = kv8 ? at::kChar : at::kFloat;
       TORCH_CHECK(keys[l].dim() == 4 && keys[l].size(0) == batch && keys[l].size(1) == kv_heads &&
                       keys[l].size(2) == max_len && keys[l].size(3) == head_dim && keys[l].stride(3) == 1 &&
-                      keys[l].scalar_type() == at::kFloat && values[l].sizes() == keys[l].sizes() &&
-                      values[l].stride(3) == 1 && values[l].scalar_type() == at::kFloat,
-                  "LlamaStep: layer ", l, "'s cache is not [rows, kv heads, length, head dim] fp32");
+                      keys[l].scalar_type() == kind && values[l].sizes() == keys[l].sizes() &&
+                      values[l].stride(3) == 1 && values[l].scalar_type() == kind,
+                  "LlamaStep: layer ", l, "'s cache is not [rows, kv heads, length, head dim] ", kv8 ? "int8" : "fp32");
+      if (kv8)
+        TORCH_CHECK(key_scales[l].scalar_type() == at::kFloat && value_scales[l].scalar_type() == at::kFloat &&
+                        key_scales[l].is_contiguous() && value_scales[l].is_contiguous() && key_scales[l].dim() == 3 &&
+                        key_scales[l].size(0) == batch && key_scales[l].size(1) == kv_heads &&
+                        key_scales[l].size(2) == max_len && value_scales[l].sizes() == key_scales[l].sizes(),
+                    "LlamaStep: layer ", l, "'s cache scales are not contiguous [rows, kv heads, length] fp32");
       if (!lengths.empty())
         TORCH_CHECK(lengths[l].scalar_type() == at::kLong && lengths[l].numel() == 1,
                     "LlamaStep: layer ", l, "'s length counter is not one int64");
     }
     vocab = weights[layers * PER_LAYER + 1].size(0) * 8;  // padded to a multiple of 8; the caller narrows
-    key_rows.resize(layers), value_rows.resize(layers);
+    key_rows.resize(layers), value_rows.resize(layers), key_scale_rows.resize(layers), value_scale_rows.resize(layers);
     for (int64_t r = 1; r <= batch; ++r) {
       for (int64_t l = 0; l < layers; ++l) {
         key_rows[l].push_back(keys[l].narrow(0, 0, r));
         value_rows[l].push_back(values[l].narrow(0, 0, r));
+        if (kv8) {
+          key_scale_rows[l].push_back(key_scales[l].narrow(0, 0, r));
+          value_scale_rows[l].push_back(value_scales[l].narrow(0, 0, r));
+        }
       }
     }
     windows.push_back(0);  // mask 0: the whole cache up to the position
@@ -234,9 +275,13 @@ struct LlamaStep : torch::CustomClassHolder {
                           optional_floats(w[V_BIAS], kn, l, "v bias"), optional_floats(w[O_BIAS], hidden, l, "o bias"),
                           optional_floats(w[Q_NORM], head_dim, l, "q norm"),
                           optional_floats(w[K_NORM], head_dim, l, "k norm"), bytes(w[Q]), bytes(w[K]), bytes(w[V]),
-                          bytes(w[O]), bytes(w[GATE]), bytes(w[UP]), bytes(w[DOWN]), keys[l].data_ptr<float>(),
-                          values[l].data_ptr<float>(), keys[l].stride(0), keys[l].stride(1), keys[l].stride(2),
-                          values[l].stride(0), values[l].stride(1), values[l].stride(2), rope, mask_index});
+                          bytes(w[O]), bytes(w[GATE]), bytes(w[UP]), bytes(w[DOWN]),
+                          kv8 ? nullptr : keys[l].data_ptr<float>(), kv8 ? nullptr : values[l].data_ptr<float>(),
+                          kv8 ? keys[l].data_ptr<int8_t>() : nullptr, kv8 ? values[l].data_ptr<int8_t>() : nullptr,
+                          kv8 ? key_scales[l].data_ptr<float>() : nullptr,
+                          kv8 ? value_scales[l].data_ptr<float>() : nullptr, keys[l].stride(0), keys[l].stride(1),
+                          keys[l].stride(2), values[l].stride(0), values[l].stride(1), values[l].stride(2),
+                          kv8 ? key_scales[l].stride(0) : 0, kv8 ? key_scales[l].stride(1) : 0, rope, mask_index});
     }
     const at::Tensor* tail = weights.data() + layers * PER_LAYER;
     TORCH_CHECK(tail[0].scalar_type() == at::kFloat && tail[0].numel() == hidden && tail[1].is_contiguous(),
@@ -267,7 +312,7 @@ struct LlamaStep : torch::CustomClassHolder {
     resid.resize(cap * hidden), h.resize(cap * hidden), qs.resize(cap * qn), att.resize(cap * qn);
     ks.resize(cap * kn), vs.resize(cap * kn), proj.resize(cap * hidden), normed.resize(cap * hidden);
     gate.resize(cap * inter), up.resize(cap * inter), act.resize(cap * inter);
-    cos.resize(ropes * cap * head_dim / 2), sin.resize(ropes * cap * head_dim / 2);
+    cos.resize(ropes * cap * head_dim / 2), sin.resize(ropes * cap * head_dim / 2), rotated.resize(head_dim);
     slot_of.resize(cap);
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
     q = at::empty({cap, heads, 1, head_dim}, f32);
@@ -330,6 +375,14 @@ struct LlamaStep : torch::CustomClassHolder {
       TORCH_CHECK(kp[i] >= 0 && kp[i] < rows, "LlamaStep: kept row ", kp[i], " of ", rows);
     return run(rows, x.contiguous().data_ptr<float>(), positions.contiguous().data_ptr<int64_t>(), decode, kp,
                keep.numel());
+  }
+
+  // the decode rows 0..last of layer l's cache attended by q (their views made once)
+  at::Tensor attend(int64_t l, const at::Tensor& q_view, int64_t last, const at::Tensor& mask) {
+    if (kv8)
+      return decode_attention_q8(q_view, key_rows[l][last], key_scale_rows[l][last], value_rows[l][last],
+                                 value_scale_rows[l][last], mask, scaling);
+    return decode_attention(q_view, key_rows[l][last], value_rows[l][last], mask, scaling);
   }
 
   // x [n] += rms_norm(y) * w, or += y where the layer has no such norm (w nullptr), per row
@@ -397,6 +450,12 @@ struct LlamaStep : torch::CustomClassHolder {
         for (int64_t i = 0; i < heads; ++i) rotate(qb + i * D, c, sn, D, qp + b * qn + i * D);
         for (int64_t g = 0; g < kv_heads; ++g) {
           const int64_t s = slot_of[b];
+          if (kv8) {
+            rotate(kb + g * D, c, sn, D, rotated.data());
+            quantize8(rotated.data(), D, L.keys8 + s * L.k0 + g * L.k1 + p * L.k2, L.key_scale + s * L.s0 + g * L.s1 + p);
+            quantize8(vb + g * D, D, L.values8 + s * L.v0 + g * L.v1 + p * L.v2, L.value_scale + s * L.s0 + g * L.s1 + p);
+            continue;
+          }
           rotate(kb + g * D, c, sn, D, L.keys + s * L.k0 + g * L.k1 + p * L.k2);
           std::copy_n(vb + g * D, D, L.values + s * L.v0 + g * L.v1 + p * L.v2);
         }
@@ -404,13 +463,11 @@ struct LlamaStep : torch::CustomClassHolder {
       const float* attended_rows;
       at::Tensor attended;
       if (decode == rows) {
-        attended = decode_attention(q_rows[rows - 1], key_rows[l][rows - 1], value_rows[l][rows - 1],
-                                    mask_rows[L.mask][rows - 1], scaling);  // [rows, 1, H, D]
+        attended = attend(l, q_rows[rows - 1], rows - 1, mask_rows[L.mask][rows - 1]);  // [rows, 1, H, D]
         attended_rows = attended.data_ptr<float>();
       } else {  // the decode rows together, then each prompt's rows over its slot's cache (one row repeated)
         if (decode > 0) {
-          attended = decode_attention(q_rows[decode - 1], key_rows[l][decode - 1], value_rows[l][decode - 1],
-                                      mask_rows[L.mask][decode - 1], scaling);
+          attended = attend(l, q_rows[decode - 1], decode - 1, mask_rows[L.mask][decode - 1]);
           std::copy_n(attended.data_ptr<float>(), decode * qn, att.data());
         }
         for (int64_t r0 = decode; r0 < rows;) {
@@ -418,9 +475,15 @@ struct LlamaStep : torch::CustomClassHolder {
           int64_t r1 = r0 + 1;
           while (r1 < rows && slot_of[r1] == s) ++r1;
           const int64_t n = r1 - r0;
-          const at::Tensor part = decode_attention(
-              q.narrow(0, r0, n), keys[l].narrow(0, s, 1).expand({n, kv_heads, max_len, D}),
-              values[l].narrow(0, s, 1).expand({n, kv_heads, max_len, D}), masks[L.mask].narrow(0, r0, n), scaling);
+          const at::Tensor part =
+              kv8 ? decode_attention_q8(q.narrow(0, r0, n), keys[l].narrow(0, s, 1).expand({n, kv_heads, max_len, D}),
+                                        key_scales[l].narrow(0, s, 1).expand({n, kv_heads, max_len}),
+                                        values[l].narrow(0, s, 1).expand({n, kv_heads, max_len, D}),
+                                        value_scales[l].narrow(0, s, 1).expand({n, kv_heads, max_len}),
+                                        masks[L.mask].narrow(0, r0, n), scaling)
+                  : decode_attention(q.narrow(0, r0, n), keys[l].narrow(0, s, 1).expand({n, kv_heads, max_len, D}),
+                                     values[l].narrow(0, s, 1).expand({n, kv_heads, max_len, D}),
+                                     masks[L.mask].narrow(0, r0, n), scaling);
           std::copy_n(part.data_ptr<float>(), n * qn, att.data() + r0 * qn);
           r0 = r1;
         }

@@ -242,12 +242,54 @@ def recognize(model: torch.nn.Module) -> tuple[dict | None, str]:
             "vocab": head.out_features, "windows": windows}, ""
 
 
-def llama_step(parts: dict, keys: list, values: list, lengths: list = (), cls=None):
+KV_DTYPES = ("fp32", "int8")  # the native step's caches: fp32, or int8 with one fp32 scale per vector
+
+
+class NativeCache:
+    """The cache the native step owns (the slot engine's, the speculative verifier's): per layer keys and values
+    [rows, kv heads, length, head dim], fp32 or int8 (`kv_dtype`; int8 with per layer scales [rows, kv heads,
+    length]: each vector of a head at a position is int8 times its scale, max |x| / 127)."""
+
+    def __init__(self, parts: dict, rows: int, length: int, kv_dtype: str = "fp32") -> None:
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got '{kv_dtype}'")
+        ints = parts["ints"]
+        layers, kv_heads, head_dim = ints[0], ints[2], ints[3]
+        dtype = torch.int8 if kv_dtype == "int8" else torch.float32
+        self.kv_dtype, self.rows, self.length = kv_dtype, rows, length
+        self.keys = [torch.zeros((rows, kv_heads, length, head_dim), dtype=dtype) for _ in range(layers)]
+        self.values = [torch.zeros((rows, kv_heads, length, head_dim), dtype=dtype) for _ in range(layers)]
+        scaled = kv_dtype == "int8"
+        self.key_scales = [torch.zeros((rows, kv_heads, length)) for _ in range(layers)] if scaled else []
+        self.value_scales = [torch.zeros((rows, kv_heads, length)) for _ in range(layers)] if scaled else []
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the cache, per layer: keys, values (and their scales)."""
+        return [*self.keys, *self.values, *self.key_scales, *self.value_scales]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def row_parts(self, layer: int) -> list[torch.Tensor]:
+        """Layer `layer`'s tensors whose first two dimensions are (row, kv head) and third the position."""
+        parts = [self.keys[layer], self.values[layer]]
+        return parts + ([self.key_scales[layer], self.value_scales[layer]] if self.key_scales else [])
+
+    def step(self, parts: dict, cls=None):
+        """step.cpp's LlamaStep over this cache."""
+        return llama_step(parts, self.keys, self.values, cls=cls, key_scales=self.key_scales,
+                          value_scales=self.value_scales)
+
+
+def llama_step(parts: dict, keys: list, values: list, lengths: list = (), cls=None, key_scales: list = (),
+               value_scales: list = ()):
     """step.cpp's LlamaStep over `recognize`'s parts and a cache's per-layer keys, values (and length counters,
-    which a one-row step advances); `cls` another build of the class (bench/native_ab.py)."""
+    which a one-row step advances; an int8 cache: its per-layer scales, passed after the keys and the values);
+    `cls` another build of the class (bench/native_ab.py)."""
     cls = cls or torch.classes.infer_tune_native.LlamaStep
-    return cls(parts["tensors"], list(keys), list(values), list(lengths), parts["inv_freq"], parts["ints"],
-               parts["floats"])
+    return cls(parts["tensors"], [*keys, *key_scales], [*values, *value_scales], list(lengths), parts["inv_freq"],
+               parts["ints"], parts["floats"])
 
 
 class NativeStep:
@@ -275,19 +317,48 @@ class NativeStep:
         return logits[:, :self.parts["vocab"]].unsqueeze(0)
 
 
+class NativeCachedStep:
+    """The lean loop's native step over a one-row `NativeCache` of its own (an int8 cache, which only step.cpp
+    reads and writes): `prefill(input_ids [1, P]) -> logits [1, 1, vocab]` runs the prompt through the native step
+    too (`step_mixed`, `chunk` rows a call), then `step(input_ids [1, 1], cache_position [1])` as `NativeStep`."""
+
+    def __init__(self, model: torch.nn.Module, cache: NativeCache, parts: dict, chunk: int = 128) -> None:
+        self.embed = model.get_input_embeddings()
+        self.cache, self.parts, self.chunk = cache, parts, chunk
+        self._native = cache.step(parts)
+
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(-1)
+        if len(ids) > self.cache.length:
+            raise ValueError(f"a prompt of {len(ids)} tokens does not fit a cache of {self.cache.length}")
+        logits = None
+        for start in range(0, len(ids), self.chunk):
+            part = ids[start:start + self.chunk]
+            rows = len(part)
+            logits = self._native.step_mixed(self.embed(part.view(-1, 1)).reshape(rows, -1),
+                                             torch.zeros(rows, dtype=torch.long),
+                                             torch.arange(start, start + rows, dtype=torch.long), 0,
+                                             torch.tensor([rows - 1], dtype=torch.long))
+        return logits[:, :self.parts["vocab"]].unsqueeze(0)
+
+    def __call__(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        logits = self._native.step(self.embed(input_ids).reshape(1, -1), int(cache_position[0]))
+        return logits[:, :self.parts["vocab"]].unsqueeze(0)
+
+
 class NativeSlotStep:
     """The slot engine's decode step (tuners/batch/slots.py) as `step(input_ids [R, 1], positions [R]) -> logits
-    [R, 1, vocab]`: rows 0..R-1 of its slot cache (`keys`, `values`: per layer [slots, kv heads, length, head
-    dim], filled by its admits before the first step), each at its own position. Built at the first call."""
+    [R, 1, vocab]`: rows 0..R-1 of its slot cache (a `NativeCache` of one row per slot, filled by its admits
+    before the first step), each at its own position. Built at the first call."""
 
-    def __init__(self, model: torch.nn.Module, keys: list, values: list, parts: dict) -> None:
+    def __init__(self, model: torch.nn.Module, cache: NativeCache, parts: dict) -> None:
         self.embed = model.get_input_embeddings()
-        self.keys, self.values, self.parts = keys, values, parts
+        self.cache, self.parts = cache, parts
         self._native = None
 
     def _built(self):
         if self._native is None:
-            self._native = llama_step(self.parts, self.keys, self.values)
+            self._native = self.cache.step(self.parts)
         return self._native
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

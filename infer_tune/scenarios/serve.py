@@ -28,6 +28,7 @@ class ServePlan:
     native_step: bool = False
     speculate: int = 0  # prompt-lookup draft tokens a step (0: none)
     ngram: int = 2
+    kv_dtype: str = "fp32"  # the native step's cache: fp32 or int8
     source: str = ""
     notes: list[str] = dataclasses.field(default_factory=list)
 
@@ -35,7 +36,8 @@ class ServePlan:
         weights = "+".join(c.label() for c in self.weights) or "model weights as loaded"
         step = "native step" if self.native_step else ("compiled step" if self.compile else "eager step")
         spec = f", prompt-lookup drafts k={self.speculate}" if self.speculate else ""
-        return f"{self.model} ({weights}), {self.slots} slot{'s' if self.slots != 1 else ''}, {step}{spec}"
+        kv = f", {self.kv_dtype} KV cache" if self.kv_dtype != "fp32" else ""
+        return f"{self.model} ({weights}), {self.slots} slot{'s' if self.slots != 1 else ''}, {step}{spec}{kv}"
 
 
 def plan_from_config(model: str, config, source: str = "") -> ServePlan:
@@ -128,7 +130,8 @@ def build(plan: ServePlan, *, threads: int | None = None, max_context: int | Non
     engine = LiveSlots(model, eos_ids(model, tokenizer), slots=plan.slots, max_context=context, compile=plan.compile,
                        compile_prefill=plan.compile_prefill, every_bucket=plan.every_bucket,
                        native_step=plan.native_step, max_waiting=max_waiting, prefill_chunk=prefill_chunk,
-                       prefix_cache=prefix_cache, cache_mib=cache_mib, speculate=plan.speculate, ngram=plan.ngram)
+                       prefix_cache=prefix_cache, cache_mib=cache_mib, speculate=plan.speculate, ngram=plan.ngram,
+                       kv_dtype=plan.kv_dtype)
     warm_ids = list(tokenizer("Hello")["input_ids"]) or [0]
     with torch.inference_mode():
         warm_s = engine.warm(warm_ids)

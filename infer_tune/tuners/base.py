@@ -45,6 +45,11 @@ class TechniqueConfig:
         """Short human summary for leaderboards and run ids."""
         return ",".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items() if v is not None)
 
+    def stacks_with(self, other: TechniqueConfig) -> bool:
+        """Whether this config may share a stack with `other` although their techniques conflict (a registry
+        entry's `conflicts`, by technique): default never."""
+        return False
+
     def check_workload(self, workload) -> None:
         """Refuse a workload this config cannot run, before anything loads (default: `max_batch_size`)."""
         if self.max_batch_size is not None and workload.batch_size > self.max_batch_size:
@@ -86,6 +91,7 @@ class RunContext:
     scratch_dir: Path | None = None
     trust_remote_code: bool = False
     cache: dict = field(default_factory=dict)  # shared by the configs of one run (calibration batches...)
+    stack_parts: tuple = ()  # inside a stack: every part's config (a part that configures another reads it here)
 
     def load_model(self, ref: str) -> LoadedModel:
         from infer_tune import models

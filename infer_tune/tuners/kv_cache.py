@@ -1,7 +1,11 @@
 """KV cache: no cache, dynamic, static (optionally compiled), quantized and offloaded caches.
 
 The registry entry only picks how `generate` builds its cache (through `generate_kwargs`); the
-model is unchanged. The sweep over variants and context lengths, with what is specific to caches
+model is unchanged. One backend is not transformers': `quantized` with `kv_backend: native` (8 bits) is the
+native step's int8 cache (infer_tune/native/step.py `NativeCache`: each key and value vector of a head stored as
+int8 with one fp32 scale, a quarter of fp32's bytes), which only a part running the native step has: it is a
+part of a stack whose lean, speculate (engine lean) or batch (engine lean) part runs `native_step`, which reads
+it (`native_kv_dtype`); alone it is refused. The sweep over variants and context lengths, with what is specific to caches
 (per-position latency curve, KV bytes measured and analytic, FLOPs, drift vs `dynamic`), is the
 `kv-cache` scenario (infer_tune.scenarios.kv_cache).
 """
@@ -32,8 +36,9 @@ from infer_tune.tuners.base import (
 IMPLS = ("none", "dynamic", "static", "quantized", "offloaded")
 LOSSLESS_IMPLS = ("none", "dynamic", "static", "offloaded")
 # bit widths each transformers QuantizedCache backend implements (transformers 5.x)
-KV_BACKEND_BITS: dict[str, tuple[int, ...]] = {"quanto": (2, 4), "hqq": (1, 2, 3, 4, 8), "fp8": (8,)}
-BACKEND_PACKAGE = {"quanto": "optimum.quanto", "hqq": "hqq", "fp8": None}
+KV_BACKEND_BITS: dict[str, tuple[int, ...]] = {"quanto": (2, 4), "hqq": (1, 2, 3, 4, 8), "fp8": (8,), "native": (8,)}
+BACKEND_PACKAGE = {"quanto": "optimum.quanto", "hqq": "hqq", "fp8": None, "native": None}
+NATIVE = "native"  # the native step's int8 cache (module docstring)
 REFERENCE_IMPL = "dynamic"
 
 
@@ -67,6 +72,11 @@ class KVCacheConfig(TechniqueConfig):
         if self.kv_residual_tokens is not None and self.kv_residual_tokens < 1:
             raise ConfigError(f"kv-cache kv_residual_tokens must be >= 1, got {self.kv_residual_tokens}")
 
+    def stacks_with(self, other: TechniqueConfig) -> bool:
+        """The native step's int8 cache is read by a lean part with the native step (which otherwise runs a static
+        cache of its own and conflicts with a kv-cache part)."""
+        return self.impl == "quantized" and self.kv_backend == NATIVE and runs_native_step(other)
+
     def label(self) -> str:
         name = self.impl + ("+compile" if self.compile else "")
         if self.impl == "quantized":
@@ -90,6 +100,21 @@ def check_kv_bits(bits: int, backend: str) -> None:
         if importlib.util.find_spec(package.split(".")[0]) is None:
             raise ConfigError(f"KV backend {backend} needs the `{package.split('.')[0]}` package; "
                               f"pip install {'optimum-quanto' if backend == 'quanto' else backend}")
+
+
+def native_kv_dtype(ctx: RunContext) -> str:
+    """The native step's cache a stack asks for: "int8" where a kv-cache part has the native backend, else
+    "fp32"."""
+    for part in ctx.stack_parts:
+        if isinstance(part, KVCacheConfig) and part.impl == "quantized" and part.kv_backend == NATIVE:
+            return "int8"
+    return "fp32"
+
+
+def runs_native_step(part) -> bool:
+    """Whether a stack's part runs the native step (the only reader of the native int8 cache)."""
+    return bool(getattr(part, "native_step", False)) and (part.technique == "lean" or getattr(part, "engine", None)
+                                                          == "lean")
 
 
 def not_applicable_reason(config: KVCacheConfig, device: str) -> str | None:
@@ -185,6 +210,15 @@ def finish_cache(row: MeasuredRow) -> None:
     config, doc, prepared = row.config, row.doc, row.prepared
     doc.add_metrics({"per_position_ms": row.run.per_position_ms()}, source="kv-cache's finish")
     shape = kv.ModelShape.from_config(prepared.model.config)
+    if config.kv_backend == NATIVE:  # the native step's own cache: no transformers cache to probe
+        ctx = int(row.inputs.batches[0]["input_ids"].shape[1])
+        tokens = ctx + int(doc["workload"]["max_new_tokens"]) - 1
+        doc.add_metrics({"impl": config.impl, "prompt_tokens": ctx, "kv_cache_class": "NativeCache (int8)",
+                         # int8 values plus one fp32 scale per vector of head_dim values
+                         "kv_cache_bytes_analytic": kv.kv_bytes(shape, tokens, 8 + 32 / shape.head_dim),
+                         "kv_cache_bytes_fp32": kv.kv_bytes(shape, tokens, 32), "lossless_expected": False},
+                        source="kv-cache's finish")
+        return None
     doc.add_metrics(cache_metrics(config, doc, prepared, row.inputs.batches[0], shape,
                                   int(doc["workload"]["max_new_tokens"])), source="kv-cache's finish")
     if config.compile:
@@ -225,6 +259,11 @@ def apply_kv_cache(loaded: models.LoadedModel, config: KVCacheConfig, ctx: RunCo
             kwargs["compile_config"] = compile_config
         else:
             kwargs["disable_compile"] = True  # generate would auto-compile a static cache on CUDA
+    elif config.impl == "quantized" and config.kv_backend == NATIVE:
+        if not any(runs_native_step(p) for p in ctx.stack_parts):
+            raise ConfigError("kv-cache backend 'native' is the native step's int8 cache: stack it with a part that "
+                              "runs the native step (lean, or speculate / batch with engine lean, native_step: true)")
+        # nothing for generate: the native step's loop builds the cache (native_kv_dtype)
     elif config.impl == "quantized":
         cache_config: dict[str, Any] = {"backend": config.kv_backend}
         if config.kv_backend != "fp8":  # fp8 is per-tensor and takes no group-wise options

@@ -163,17 +163,20 @@ class TraceFactory:
         return [TraceRequest(r.prompt_index, r.arrival_s, r.output_tokens) for r in self.rows]
 
 
-def make_scheduler(config: BatchConfig, shared: dict | None = None):
+def make_scheduler(config: BatchConfig, shared: dict | None = None, kv_dtype: str = "fp32"):
     if config.engine == "lean" and config.speculate:
         from infer_tune.tuners.batch.serving import LiveBatcher  # serve's loop: the drafts are verified there
 
         return LiveBatcher(config.batch_size, speculate=config.speculate, ngram=config.ngram, shared=shared,
                            compile_prefill=config.compile_prefill, every_bucket=config.step_buckets == "all",
-                           native_step=config.native_step)
+                           native_step=config.native_step, kv_dtype=kv_dtype)
     if config.engine == "lean":
         return SlotBatcher(config.batch_size, config.scheduler, timeout_ms=config.timeout_ms, shared=shared,
                            compile_prefill=config.compile_prefill, every_bucket=config.step_buckets == "all",
-                           native_step=config.native_step)
+                           native_step=config.native_step, kv_dtype=kv_dtype)
+    if kv_dtype != "fp32":
+        raise ConfigError(f"the native step's {kv_dtype} KV cache: batch engine '{config.engine}' does not run the "
+                          "native step (engine: lean, native_step: true)")
     if config.scheduler == "static":
         return StaticBatcher(config.batch_size, config.timeout_ms)
     return ContinuousBatcher(config.batch_size, config.max_batch_tokens)
@@ -290,7 +293,9 @@ def prepare_batch(loaded: models.LoadedModel, config: BatchConfig, ctx: RunConte
     if config.scheduler != "sweep":
         if config.engine == "lean":  # before the references: they decode with the kernels the slots will run
             facts = prepare_model(loaded.model, config.batch_size)
-        scheduler = make_scheduler(config, ctx.cache)
+        from infer_tune.tuners.kv_cache import native_kv_dtype
+
+        scheduler = make_scheduler(config, ctx.cache, native_kv_dtype(ctx))
         options = {"trace": TraceFactory(config, scheduler, ctx.cache, ctx.progress), "scheduler": scheduler}
     return PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, label=config.label(), device=ctx.device,
                          runner_options=options, metrics=facts,

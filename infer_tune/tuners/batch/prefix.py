@@ -27,11 +27,11 @@ import torch
 
 @dataclass
 class Entry:
-    """One stored prefix: its ids and its K and V rows per layer ([kv_heads, n, head_dim] each)."""
+    """One stored prefix: its ids and its rows of each cache tensor ([kv_heads, n, ...] each: per layer K and V,
+    and an int8 cache's scales)."""
 
     ids: torch.Tensor
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    rows: list[torch.Tensor]
     nbytes: int
 
 
@@ -47,11 +47,13 @@ def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
 class PrefixCache:
     """The resident prefixes of a `SlotEngine`'s slots and the store behind them (module docstring)."""
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], *, max_context: int,
-                 budget_bytes: int, min_tokens: int = 32) -> None:
-        self.keys, self.values, self.max_context = keys, values, max_context
+    def __init__(self, tensors: list[torch.Tensor], *, max_context: int, budget_bytes: int,
+                 min_tokens: int = 32) -> None:
+        """`tensors`: every tensor of the slot cache, each [slots, kv heads, positions, ...] (per layer K and V,
+        fp32 or int8, and an int8 cache's scales: `NativeCache.tensors()`)."""
+        self.tensors, self.max_context = list(tensors), max_context
         self.budget_bytes, self.min_tokens = budget_bytes, min_tokens
-        slots = keys[0].shape[0] if keys else 0
+        slots = self.tensors[0].shape[0] if self.tensors else 0
         self.resident: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long) for _ in range(slots)]
         self.kept: list[bool] = [False] * slots  # whether the resident prefix is also in the store
         self.store: OrderedDict[int, Entry] = OrderedDict()
@@ -66,7 +68,7 @@ class PrefixCache:
         self.kept = [False] * len(self.resident)
 
     def _token_bytes(self) -> int:
-        return sum(k[0, :, 0].numel() * k.element_size() * 2 for k in self.keys)
+        return sum(t[0, :, 0].numel() * t.element_size() for t in self.tensors)
 
     # ------------------------------------------------------------------ admission
     def place(self, ids: list[int], free: list[int]) -> tuple[int, int]:
@@ -89,9 +91,8 @@ class PrefixCache:
             self._keep(slot)
             entry = self.store[best_key]
             self.store.move_to_end(best_key)
-            for layer, (k, v) in enumerate(zip(self.keys, self.values)):
-                k[slot, :, :best].copy_(entry.keys[layer][:, :best])
-                v[slot, :, :best].copy_(entry.values[layer][:, :best])
+            for tensor, rows in zip(self.tensors, entry.rows):
+                tensor[slot, :, :best].copy_(rows[:, :best])
             self.resident[slot], self.kept[slot] = entry.ids[:best].clone(), True
             self.counters["store_hits"] += 1
             reused = best
@@ -124,8 +125,7 @@ class PrefixCache:
         while self.store and self.bytes + nbytes > self.budget_bytes:
             self._drop(next(iter(self.store)))
             self.counters["evicted"] += 1
-        entry = Entry(ids.clone(), [k[slot, :, :n].clone() for k in self.keys],
-                      [v[slot, :, :n].clone() for v in self.values], nbytes)
+        entry = Entry(ids.clone(), [t[slot, :, :n].clone() for t in self.tensors], nbytes)
         self.store[self._next] = entry
         self._next += 1
         self.bytes += nbytes

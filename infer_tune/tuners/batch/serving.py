@@ -105,7 +105,7 @@ class LiveSlots:
     def __init__(self, model: torch.nn.Module, eos: list[int], *, slots: int, max_context: int, compile: bool = True,
                  compile_prefill: bool = False, every_bucket: bool = True, native_step: bool = False,
                  max_waiting: int = 256, prefill_chunk: int = PREFILL_CHUNK, prefix_cache: bool = True,
-                 cache_mib: float = 1024.0, speculate: int = 0, ngram: int = 2,
+                 cache_mib: float = 1024.0, speculate: int = 0, ngram: int = 2, kv_dtype: str = "fp32",
                  engine: SlotEngine | None = None) -> None:
         self.model, self.eos, self.slots, self.max_context = model, set(eos), slots, max_context
         # the prefix cache (prefix.py): with the native step, whose prompts run through the same step as decoding
@@ -125,7 +125,7 @@ class LiveSlots:
         # `engine`: one already built (the batch technique's SlotBatcher replays a trace through this loop)
         self.engine = engine if engine is not None else SlotEngine(
             model, slots, max_context, compile=compile, compile_prefill=compile_prefill, every_bucket=every_bucket,
-            native_step=native_step, prefill_chunk=prefill_chunk)
+            native_step=native_step, prefill_chunk=prefill_chunk, kv_dtype=kv_dtype)
         if speculate and not self.engine.native:
             from infer_tune.errors import ConfigError
 
@@ -427,8 +427,7 @@ class LiveSlots:
         if self.prefix_cache and self.prefix is None:
             from infer_tune.tuners.batch.prefix import PrefixCache
 
-            engine._native_cache()
-            self.prefix = PrefixCache(engine.keys, engine.values, max_context=self.max_context,
+            self.prefix = PrefixCache(engine._native_cache().tensors(), max_context=self.max_context,
                                       budget_bytes=int(self.cache_mib * 2**20))
         prefix = self.prefix
         drafter = None

@@ -162,11 +162,14 @@ class SlotEngine:
 
     def __init__(self, model: torch.nn.Module, batch_size: int, max_cache_len: int, *, compile: bool = True,
                  compile_prefill: bool = False, every_bucket: bool = True, native_step: bool = False,
-                 prefill_chunk: int = PREFILL_CHUNK) -> None:
+                 prefill_chunk: int = PREFILL_CHUNK, kv_dtype: str = "fp32") -> None:
+        from infer_tune.native.step import KV_DTYPES
         from infer_tune.tuners.lean.prefill import CompiledPrefill
 
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got '{kv_dtype}'")
         self.prefill_chunk = prefill_chunk
         self.model, self.batch_size, self.max_cache_len, self.compile = model, batch_size, max_cache_len, compile
         self.facts: dict = {}
@@ -179,6 +182,12 @@ class SlotEngine:
             self._native_parts, why = recognize(model)
             if self._native_parts is None:
                 self.facts["lean_native_fallback"] = why
+        # an int8 cache is the native step's (step.cpp): the compiled step attends over fp32 caches only
+        if kv_dtype != "fp32" and self._native_parts is None:
+            raise ValueError(f"a {kv_dtype} KV cache needs the native step"
+                             + (f" ({self.facts['lean_native_fallback']})" if native_step else " (native_step)"))
+        self.kv_dtype = kv_dtype
+        self.cache = None  # the native engine's NativeCache
         self.every_bucket = every_bucket
         self.prefill = CompiledPrefill(model, logits_to_keep=True, facts=self.facts) if compile and compile_prefill \
             else None
@@ -232,15 +241,16 @@ class SlotEngine:
         self.positions[slot] = length
         return logits[0, -1]
 
-    def _native_cache(self) -> None:
-        """The slot cache of the native engine, shaped from the parts it runs (every layer full length)."""
-        if self.keys:
-            return
-        ints = self._native_parts["ints"]
-        layers, kv_heads, head_dim = ints[0], ints[2], ints[3]
-        for _ in range(layers):
-            self.keys.append(torch.zeros((self.batch_size, kv_heads, self.max_cache_len, head_dim)))
-            self.values.append(torch.zeros((self.batch_size, kv_heads, self.max_cache_len, head_dim)))
+    def _native_cache(self):
+        """The slot cache of the native engine, shaped from the parts it runs (every layer full length), fp32 or
+        int8 (`kv_dtype`)."""
+        if self.cache is None:
+            from infer_tune.native.step import NativeCache
+
+            self.cache = NativeCache(self._native_parts, self.batch_size, self.max_cache_len, self.kv_dtype)
+            self.keys, self.values = self.cache.keys, self.cache.values
+            self.facts["kv_dtype"], self.facts["kv_cache_bytes"] = self.kv_dtype, self.cache.nbytes
+        return self.cache
 
     # ------------------------------------------------------------------ one mixed step (native)
     def mixed(self, rows: int, tokens: torch.Tensor | None, active: list[int], chunks: list[tuple[int, torch.Tensor, bool]],
@@ -308,7 +318,7 @@ class SlotEngine:
             from infer_tune.native.step import NativeSlotStep
 
             if self._native is None:
-                self._native = NativeSlotStep(self.model, self.keys, self.values, self._native_parts)
+                self._native = NativeSlotStep(self.model, self._native_cache(), self._native_parts)
             self._steps[(rows, length)] = self._native
             self.facts["lean_step"] = "native"
             self.facts["slot_step_buckets"] = sorted({r for r, _ in self._steps})
@@ -392,8 +402,9 @@ class SlotBatcher:
 
     def __init__(self, batch_size: int, policy: str, *, timeout_ms: float | None = None, compile: bool = True,
                  compile_prefill: bool = False, every_bucket: bool = True, shared: dict | None = None,
-                 native_step: bool = False) -> None:
+                 native_step: bool = False, kv_dtype: str = "fp32") -> None:
         self.batch_size, self.policy, self.compile = batch_size, policy, compile
+        self.kv_dtype = kv_dtype
         self.compile_prefill, self.every_bucket, self.native_step = compile_prefill, every_bucket, native_step
         self.shared = shared  # the run's cache: configs with the same weights and shapes share one engine
         self.name = f"{policy}-lean"
@@ -421,7 +432,7 @@ class SlotBatcher:
         size = bucket(longest + 1)
         if self.engine is None or self.engine.max_cache_len < size:
             key = ("slot-engine", weights_key(prepared), self.batch_size, size, self.compile, self.compile_prefill,
-                   self.every_bucket, self.native_step)
+                   self.every_bucket, self.native_step, self.kv_dtype)
             shared = self.shared if self.shared is not None else {}
             if key in shared:  # compiled for another config of this run (same weights, slots, cache): reused
                 self.engine = shared[key]
@@ -429,7 +440,8 @@ class SlotBatcher:
             else:
                 self.engine = shared[key] = SlotEngine(prepared.model, self.batch_size, size, compile=self.compile,
                                                        compile_prefill=self.compile_prefill,
-                                                       every_bucket=self.every_bucket, native_step=self.native_step)
+                                                       every_bucket=self.every_bucket, native_step=self.native_step,
+                                                       kv_dtype=self.kv_dtype)
         engine = self.engine
         with torch.inference_mode():
             for ids in sorted(prompts, key=lambda e: e["input_ids"].shape[1]):

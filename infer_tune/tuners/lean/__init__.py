@@ -100,7 +100,8 @@ def offer(ask: TuneAsk) -> list[Offer]:
 
 
 @register_technique(LeanConfig, runner="lean", measure_ppl=False, phase=3, tune=Tuning(offer=offer),
-                    conflicts={"kv-cache": "lean runs its own static cache; drop kv-cache from the stack",
+                    conflicts={"kv-cache": "lean runs its own static cache; drop kv-cache from the stack (its one "
+                                           "exception: the native step's int8 cache, kv_backend native)",
                                "speculate": "lean and speculate each run their own decoding loop",
                                "batch": "a batch of slots runs the lean path as the batch part's engine: "
                                         "drop lean and set the batch part's engine: lean"})
@@ -114,9 +115,13 @@ def prepare_lean(loaded: LoadedModel, config: LeanConfig, ctx: RunContext) -> Pr
         swaps = make_traceable(loaded.model, getattr(loaded.model, "infer_tune_kernels", None))
         if swaps:
             facts["lean_kernel_swaps"] = swaps
+    from infer_tune.tuners.kv_cache import native_kv_dtype
+
     decoder = LeanDecoder(loaded.model, compile=config.compile, cpp_wrapper=config.cpp_wrapper, counters=counters,
                           compile_prefill=config.compile and config.compile_prefill,
-                          native_attention=config.attention == "native", native_step=config.native_step)
+                          native_attention=config.attention == "native", native_step=config.native_step,
+                          kv_dtype=native_kv_dtype(ctx))
+    facts["kv_dtype"] = decoder.kv_dtype
     return PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, metrics=facts,
                          label=config.label(), device=ctx.device, counters=counters,
                          runner_options={"lean_decoder": decoder}, runner="lean")

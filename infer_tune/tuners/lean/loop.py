@@ -57,8 +57,10 @@ class LeanDecoder:
 
     def __init__(self, model: torch.nn.Module, *, compile: bool = True, cpp_wrapper: bool = False,
                  counters: RunCounters | None = None, facts: dict | None = None,
-                 compile_prefill: bool = False, native_attention: bool = True, native_step: bool = False) -> None:
+                 compile_prefill: bool = False, native_attention: bool = True, native_step: bool = False,
+                 kv_dtype: str = "fp32") -> None:
         self.model = model
+        self.kv_dtype = kv_dtype  # the native step's cache: fp32, or int8 (prefilled by the native step too)
         self.compile = compile
         self.native_attention = native_attention
         self.cpp_wrapper = cpp_wrapper
@@ -77,6 +79,12 @@ class LeanDecoder:
             self._native_parts, why = recognize(model)
             if self._native_parts is None:
                 self.facts["lean_native_fallback"] = why
+        if kv_dtype != "fp32" and self._native_parts is None:
+            from infer_tune.errors import ConfigError
+
+            raise ConfigError(f"the native step's {kv_dtype} KV cache needs the native step"
+                              + (f", which does not run this model ({self.facts['lean_native_fallback']})"
+                                 if native_step else " (native_step: true)"))
         # only the last position's logits: the prompt's other positions would cost a head matmul each
         forward_params = inspect.signature(model.forward).parameters
         self._extra = {"logits_to_keep": 1} if "logits_to_keep" in forward_params else {}
@@ -127,8 +135,15 @@ class LeanDecoder:
             size = bucket(needed)
         entry = self._buckets.get(size)
         if entry is None:
-            cache = StaticCache(config=self.model.config, max_cache_len=size)
-            if self._native_parts is not None:
+            cache = StaticCache(config=self.model.config, max_cache_len=size) if self.kv_dtype == "fp32" else None
+            if self._native_parts is not None and self.kv_dtype != "fp32":  # a cache only step.cpp reads and writes
+                from infer_tune.native.step import NativeCache, NativeCachedStep
+
+                cache = NativeCache(self._native_parts, 1, size, self.kv_dtype)
+                step = NativeCachedStep(self.model, cache, self._native_parts)
+                self.facts["lean_step"], self.facts["lean_prefill"] = "native", "native rows"
+                self.facts["kv_dtype"], self.facts["kv_cache_bytes"] = self.kv_dtype, cache.nbytes
+            elif self._native_parts is not None:
                 from infer_tune.native.attention import NAME
                 from infer_tune.native.step import NativeStep, plain_cache
 
@@ -142,7 +157,7 @@ class LeanDecoder:
                 step = _call_model(self.model, cache, self._extra)
                 self.facts["lean_step"] = "eager"
             entry = self._buckets[size] = (cache, step)
-        else:
+        elif hasattr(entry[0], "reset"):  # a NativeCache needs none: a position's rows are rewritten before read
             entry[0].reset()
         self.cache, self._step = entry
         self.facts["lean_cache_buckets"] = sorted(self._buckets)
@@ -165,7 +180,11 @@ class LeanDecoder:
         natural = None
         forward_ns = 0
         submit_ns = time.perf_counter_ns()
-        logits = self._prefill(input_ids, self.cache) if self._prefill is not None else None
+        own_prefill = getattr(self._step, "prefill", None)  # the native step's own cache: its own prefill
+        if own_prefill is not None:
+            logits = own_prefill(input_ids)
+        else:
+            logits = self._prefill(input_ids, self.cache) if self._prefill is not None else None
         if logits is None:
             logits = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
                                 cache_position=torch.arange(prompt_len, device=input_ids.device), **self._extra).logits

@@ -171,24 +171,21 @@ class NativeVerifier:
     accepted tokens are the native greedy decode's). Rejected drafts are dropped by moving the length back:
     a row attends to positions up to its own, so what lies beyond is never read and is overwritten next."""
 
-    def __init__(self, target: torch.nn.Module, parts: dict) -> None:
+    def __init__(self, target: torch.nn.Module, parts: dict, kv_dtype: str = "fp32", facts: dict | None = None) -> None:
         self.embed = target.get_input_embeddings()
-        self.parts = parts
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
+        self.parts, self.kv_dtype = parts, kv_dtype
+        self.facts = facts if facts is not None else {}
+        self.cache = None  # a NativeCache of one row (fp32 or int8)
         self.native = None
         self.length = 0
 
     def reset(self, needed: int) -> None:
-        from infer_tune.native.step import llama_step
+        from infer_tune.native.step import NativeCache
 
-        ints = self.parts["ints"]
-        layers, kv_heads, head_dim = ints[0], ints[2], ints[3]
-        if not self.keys or self.keys[0].shape[2] < needed:
-            size = -(-needed // 128) * 128
-            self.keys = [torch.zeros((1, kv_heads, size, head_dim)) for _ in range(layers)]
-            self.values = [torch.zeros((1, kv_heads, size, head_dim)) for _ in range(layers)]
-            self.native = llama_step(self.parts, self.keys, self.values)
+        if self.cache is None or self.cache.length < needed:
+            self.cache = NativeCache(self.parts, 1, -(-needed // 128) * 128, self.kv_dtype)
+            self.native = self.cache.step(self.parts)
+            self.facts["kv_dtype"], self.facts["kv_cache_bytes"] = self.kv_dtype, self.cache.nbytes
         self.length = 0
 
     def forward(self, ids: torch.Tensor, keep: int) -> torch.Tensor:

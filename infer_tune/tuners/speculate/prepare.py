@@ -156,12 +156,18 @@ def prepare(loaded: models.LoadedModel, config: SpeculateConfig, ctx: RunContext
         verifier = None
         if config.native_step:
             from infer_tune.native.step import recognize
+            from infer_tune.tuners.kv_cache import native_kv_dtype
 
             parts, why = recognize(target)
+            kv_dtype = native_kv_dtype(ctx)
+            if parts is None and kv_dtype != "fp32":
+                raise ConfigError(f"the native step's {kv_dtype} KV cache: the native step does not run this model "
+                                  f"({why})")
             if parts is None:
                 facts["speculate_native_fallback"] = why
             else:
-                verifier = lean.NativeVerifier(target, parts)
+                verifier = lean.NativeVerifier(target, parts, kv_dtype, facts)
+                facts["kv_dtype"] = kv_dtype
             facts["speculate_verify"] = "native" if verifier is not None else "torch"
         target.generate = lean.speculative_generate(target, drafter, config.num_draft_tokens, counters, ctx.device,
                                                     verifier=verifier)

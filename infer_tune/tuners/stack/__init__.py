@@ -65,7 +65,10 @@ class StackConfig(TechniqueConfig):
             if names.count(name) > 1:
                 raise ConfigError(f"stack: technique '{name}' appears {names.count(name)} times; a stack applies "
                                   "each technique once")
+        by_name = {p.technique: p for p in parts}
         for a, b, why in conflicts(names):
+            if by_name[a].stacks_with(by_name[b]) or by_name[b].stacks_with(by_name[a]):
+                continue  # this config is the conflict's exception (e.g. the native step's int8 cache with lean)
             raise ConfigError(f"stack: {' and '.join(sorted((a, b)))} cannot stack: {why}")
         self.configs = sorted(parts, key=lambda p: technique_for(p).phase)  # stable: equal phases keep their order
 
@@ -239,6 +242,7 @@ def _report_columns(doc: dict, docs: list[dict]):
 def prepare_stack(loaded: LoadedModel, config: StackConfig, ctx: RunContext) -> PreparedModel:
     """Prepare each part on the previous part's model, in phase order, and merge what they hand the runner."""
     runner = runner_of(config)
+    ctx = dataclasses.replace(ctx, stack_parts=tuple(config.configs))
     current = loaded
     generate_kwargs: dict[str, Any] = {}
     metrics: dict[str, Any] = {}
