@@ -136,11 +136,55 @@ def test_a_native_kv_part_stacks_only_with_a_native_step(tokenizer):
     stack = StackConfig(configs=[{"technique": "quantize", "method": "int4-rtn", "activations": "int8"}, native,
                                  {"technique": "lean", "native_step": True}])
     assert [p.technique for p in stack.configs] == ["quantize", "kv-cache", "lean"]
+    StackConfig(configs=[{"technique": "kv-cache", "impl": "static"}, {"technique": "lean", "native_step": True}])
+    with pytest.raises(ConfigError, match="cannot stack"):  # the compiled lean loop has a static cache of its own
+        StackConfig(configs=[{"technique": "kv-cache", "impl": "static"}, {"technique": "lean"}])
     with pytest.raises(ConfigError, match="cannot stack"):
-        StackConfig(configs=[{"technique": "kv-cache", "impl": "static"}, {"technique": "lean", "native_step": True}])
+        StackConfig(configs=[{"technique": "kv-cache", "impl": "dynamic"}, {"technique": "lean", "native_step": True}])
     with pytest.raises(ConfigError, match="no 4-bit path"):
         KVCacheConfig(impl="quantized", kv_backend="native", kv_bits=4)
     loaded = LoadedModel(model=tiny_llama(tokenizer), tokenizer=tokenizer, ref="tiny", path=None)
     with pytest.raises(ConfigError, match="native step's int8 cache"):
         apply_kv_cache(loaded, KVCacheConfig(impl="quantized", kv_backend="native", kv_bits=8), RunContext())
     assert SLOTS.supports(stack) is None and SLOTS.settings(stack)["kv_dtype"] == "int8"
+    # inside a native stack the part chooses the step's cache: static (fp32) or native int8, nothing for generate
+    lean = StackConfig(configs=[{"technique": "lean", "native_step": True}]).configs[0]
+    in_stack = RunContext(stack_parts=(lean,))
+    prepared = apply_kv_cache(loaded, KVCacheConfig(impl="static"), in_stack)
+    assert prepared.generate_kwargs == {} and prepared.metrics["kv_cache_owner"] == "native step"
+    with pytest.raises(ConfigError, match="cannot run this one"):
+        apply_kv_cache(loaded, KVCacheConfig(impl="dynamic"), in_stack)
+
+
+def test_the_rows_perplexity_is_scored_on_the_cache_it_decodes_with(tokenizer):
+    """Teacher-forced NLL through the native step's rows: on the fp32 cache it is the eager forward's (up to fp32
+    rounding), on the int8 cache it differs, and a stack decoding on the int8 cache carries that scorer (its `ppl`
+    is scored on the int8 cache, not by the eager forward)."""
+    from infer_tune.metrics.perplexity import sequence_nll
+    from infer_tune.models import LoadedModel
+    from infer_tune.native.perplexity import native_rows_nll
+    from infer_tune.native.step import recognize
+    from infer_tune.tuners import apply
+    from infer_tune.tuners.base import RunContext
+    from infer_tune.tuners.stack import StackConfig
+
+    model = quantized(tiny_llama(tokenizer))
+    parts, _ = recognize(model)
+    gen = torch.Generator().manual_seed(6)
+    scored = [(torch.randint(3, len(tokenizer), (150,), generator=gen).tolist(),
+               torch.randint(3, len(tokenizer), (30,), generator=gen).tolist())]  # rows cross a 128-row chunk
+    eager, n = sequence_nll(model, scored)
+    fp32, n32 = native_rows_nll(model, parts, scored, "fp32")
+    int8, _ = native_rows_nll(model, parts, scored, "int8")
+    assert n == n32 == 30 and abs(fp32 - eager) < 1e-3 * abs(eager)
+    assert int8 != fp32 and abs(int8 - fp32) < 0.02 * abs(fp32)
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, ref="tiny", path=None)
+    stack = StackConfig(configs=[{"technique": "kv-cache", "impl": "quantized", "kv_backend": "native", "kv_bits": 8},
+                                 {"technique": "speculate", "draft": "prompt-lookup", "num_draft_tokens": 4,
+                                  "engine": "lean", "native_step": True}])
+    prepared = apply(loaded, stack, RunContext())
+    try:
+        assert prepared.scorer is not None and prepared.metrics["kv_dtype"] == "int8"
+        assert prepared.scorer(scored)[0] == int8
+    finally:
+        prepared.cleanup and prepared.cleanup()

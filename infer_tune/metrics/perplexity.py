@@ -44,11 +44,13 @@ def perplexity(nll: float, tokens: int) -> float | None:
 
 def reference_perplexity(
     model: torch.nn.Module, tokenizer, prompts: Sequence[str], references: Sequence[str | None],
-    *, max_reference_tokens: int = 128, device: str = "cpu",
+    *, max_reference_tokens: int = 128, device: str = "cpu", scorer=None,
 ) -> float | None:
     """exp(mean NLL of the reference tokens), each reference conditioned on its rendered prompt.
 
     Stays sensitive to small weight changes when BLEU against references is near its floor.
     """
     scored = reference_sequences(tokenizer, prompts, references, max_reference_tokens=max_reference_tokens)
+    if scorer is not None:  # the row decodes with something the eager forward does not compute (PreparedModel)
+        return perplexity(*scorer(scored))
     return perplexity(*sequence_nll(model, scored, device=device))

@@ -55,6 +55,8 @@ class PreparedModel:
       a worker function and a process count, ...); the generation runner ignores them.
     - `device` is where inputs go.
     - `runner` (optional) names the runner when it depends on the config (a stack's parts decide).
+    - `scorer` (optional): `scorer(scored) -> (summed NLL, targets)` where the eager forward does not compute
+      what the row decodes with (the native step's int8 KV cache): the row's `ppl` is scored by it instead.
     """
 
     model: torch.nn.Module | None
@@ -68,3 +70,4 @@ class PreparedModel:
     runner_options: dict[str, Any] = field(default_factory=dict)
     cleanup: Callable[[], None] | None = None
     runner: str | None = None  # overrides the registry entry's runner (a stack picks its parts' runner)
+    scorer: Callable | None = None  # the row's teacher-forced NLL where the eager forward is not what decodes

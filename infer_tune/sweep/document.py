@@ -175,7 +175,8 @@ def build_document(measured: Measured, row: RowSpec) -> tuple[ResultDocument, li
     random_weights = loaded.weights is not None  # no quality to measure: outputs of random weights mean nothing
     metrics.update(quality.reference_scores(texts, references))
     metrics["ppl"] = (reference_perplexity(prepared.model, prepared.tokenizer, inputs.rendered,
-                                           [p.reference for p in inputs.prompts], device=prepared.device)
+                                           [p.reference for p in inputs.prompts], device=prepared.device,
+                                           scorer=prepared.scorer)
                       if measure_ppl and prepared.model is not None and not random_weights else None)
     if execute and not random_weights:
         from infer_tune.metrics import passk

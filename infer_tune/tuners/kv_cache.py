@@ -1,11 +1,12 @@
 """KV cache: no cache, dynamic, static (optionally compiled), quantized and offloaded caches.
 
 The registry entry only picks how `generate` builds its cache (through `generate_kwargs`); the
-model is unchanged. One backend is not transformers': `quantized` with `kv_backend: native` (8 bits) is the
-native step's int8 cache (infer_tune/native/step.py `NativeCache`: each key and value vector of a head stored as
-int8 with one fp32 scale, a quarter of fp32's bytes), which only a part running the native step has: it is a
-part of a stack whose lean, speculate (engine lean) or batch (engine lean) part runs `native_step`, which reads
-it (`native_kv_dtype`); alone it is refused. The sweep over variants and context lengths, with what is specific to caches
+model is unchanged. In a stack whose lean, speculate (engine lean) or batch (engine lean) part runs the native
+step (`runs_native_step`), the cache is that step's own (infer_tune/native/step.py `NativeCache`, preallocated
+and written in place), and the kv-cache part chooses it: impl `static` its fp32 cache, `quantized` with
+`kv_backend: native` (8 bits) its int8 cache (each key and value vector of a head stored as int8 with one fp32
+scale, a quarter of fp32's bytes; `native_kv_dtype`); any other impl is refused there, and the native backend is
+refused without a native step. The sweep over variants and context lengths, with what is specific to caches
 (per-position latency curve, KV bytes measured and analytic, FLOPs, drift vs `dynamic`), is the
 `kv-cache` scenario (infer_tune.scenarios.kv_cache).
 """
@@ -73,9 +74,9 @@ class KVCacheConfig(TechniqueConfig):
             raise ConfigError(f"kv-cache kv_residual_tokens must be >= 1, got {self.kv_residual_tokens}")
 
     def stacks_with(self, other: TechniqueConfig) -> bool:
-        """The native step's int8 cache is read by a lean part with the native step (which otherwise runs a static
-        cache of its own and conflicts with a kv-cache part)."""
-        return self.impl == "quantized" and self.kv_backend == NATIVE and runs_native_step(other)
+        """A cache the native step runs (static fp32, native int8) stacks with a lean part running the native step
+        (which otherwise runs a static cache of its own and conflicts with a kv-cache part): the part chooses it."""
+        return native_cache_part(self) and runs_native_step(other)
 
     def label(self) -> str:
         name = self.impl + ("+compile" if self.compile else "")
@@ -100,6 +101,12 @@ def check_kv_bits(bits: int, backend: str) -> None:
         if importlib.util.find_spec(package.split(".")[0]) is None:
             raise ConfigError(f"KV backend {backend} needs the `{package.split('.')[0]}` package; "
                               f"pip install {'optimum-quanto' if backend == 'quanto' else backend}")
+
+
+def native_cache_part(config: KVCacheConfig) -> bool:
+    """Whether `config` is a cache the native step runs: static (fp32) or the native int8 backend."""
+    return (config.impl == "static" and not config.compile) or (config.impl == "quantized"
+                                                                 and config.kv_backend == NATIVE)
 
 
 def native_kv_dtype(ctx: RunContext) -> str:
@@ -210,13 +217,15 @@ def finish_cache(row: MeasuredRow) -> None:
     config, doc, prepared = row.config, row.doc, row.prepared
     doc.add_metrics({"per_position_ms": row.run.per_position_ms()}, source="kv-cache's finish")
     shape = kv.ModelShape.from_config(prepared.model.config)
-    if config.kv_backend == NATIVE:  # the native step's own cache: no transformers cache to probe
+    if prepared.metrics.get("kv_cache_owner") == "native step":  # its own cache: no transformers cache to probe
         ctx = int(row.inputs.batches[0]["input_ids"].shape[1])
         tokens = ctx + int(doc["workload"]["max_new_tokens"]) - 1
-        doc.add_metrics({"impl": config.impl, "prompt_tokens": ctx, "kv_cache_class": "NativeCache (int8)",
-                         # int8 values plus one fp32 scale per vector of head_dim values
-                         "kv_cache_bytes_analytic": kv.kv_bytes(shape, tokens, 8 + 32 / shape.head_dim),
-                         "kv_cache_bytes_fp32": kv.kv_bytes(shape, tokens, 32), "lossless_expected": False},
+        int8 = config.kv_backend == NATIVE
+        doc.add_metrics({"impl": config.impl, "prompt_tokens": ctx,
+                         "kv_cache_class": f"NativeCache ({'int8' if int8 else 'fp32'})",
+                         # int8: int8 values plus one fp32 scale per vector of head_dim values
+                         "kv_cache_bytes_analytic": kv.kv_bytes(shape, tokens, 8 + 32 / shape.head_dim if int8 else 32),
+                         "kv_cache_bytes_fp32": kv.kv_bytes(shape, tokens, 32), "lossless_expected": not int8},
                         source="kv-cache's finish")
         return None
     doc.add_metrics(cache_metrics(config, doc, prepared, row.inputs.batches[0], shape,
@@ -244,6 +253,13 @@ def apply_kv_cache(loaded: models.LoadedModel, config: KVCacheConfig, ctx: RunCo
     if reason is not None:
         raise ConfigError(f"kv-cache impl '{config.impl}' is not applicable here: {reason}")
     kwargs: dict[str, Any] = {}
+    if any(runs_native_step(p) for p in ctx.stack_parts):  # the native step's own cache: this part chooses it
+        if not native_cache_part(config):
+            raise ConfigError(f"kv-cache {config.label()}: the native step runs its own preallocated cache, fp32 "
+                              "(impl static) or int8 (impl quantized, kv_backend native); it cannot run this one")
+        return PreparedModel(model=model, tokenizer=loaded.tokenizer, generate_kwargs={}, label=config.label(),
+                             device=device, metrics={"kv_bits": kv_storage_bits(config, loaded),
+                                                     "kv_cache_owner": "native step"})
     if config.impl == "none":
         kwargs["use_cache"] = False
     elif config.impl == "static":
@@ -260,10 +276,8 @@ def apply_kv_cache(loaded: models.LoadedModel, config: KVCacheConfig, ctx: RunCo
         else:
             kwargs["disable_compile"] = True  # generate would auto-compile a static cache on CUDA
     elif config.impl == "quantized" and config.kv_backend == NATIVE:
-        if not any(runs_native_step(p) for p in ctx.stack_parts):
-            raise ConfigError("kv-cache backend 'native' is the native step's int8 cache: stack it with a part that "
-                              "runs the native step (lean, or speculate / batch with engine lean, native_step: true)")
-        # nothing for generate: the native step's loop builds the cache (native_kv_dtype)
+        raise ConfigError("kv-cache backend 'native' is the native step's int8 cache: stack it with a part that "
+                          "runs the native step (lean, or speculate / batch with engine lean, native_step: true)")
     elif config.impl == "quantized":
         cache_config: dict[str, Any] = {"backend": config.kv_backend}
         if config.kv_backend != "fp8":  # fp8 is per-tensor and takes no group-wise options

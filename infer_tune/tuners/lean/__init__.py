@@ -122,9 +122,16 @@ def prepare_lean(loaded: LoadedModel, config: LeanConfig, ctx: RunContext) -> Pr
                           native_attention=config.attention == "native", native_step=config.native_step,
                           kv_dtype=native_kv_dtype(ctx))
     facts["kv_dtype"] = decoder.kv_dtype
+    scorer = None
+    if decoder.kv_dtype != "fp32":  # the eager forward does not compute what the int8 cache gives: score natively
+        import functools
+
+        from infer_tune.native.perplexity import native_rows_nll
+
+        scorer = functools.partial(native_rows_nll, loaded.model, decoder._native_parts, kv_dtype=decoder.kv_dtype)
     return PreparedModel(model=loaded.model, tokenizer=loaded.tokenizer, metrics=facts,
                          label=config.label(), device=ctx.device, counters=counters,
-                         runner_options={"lean_decoder": decoder}, runner="lean")
+                         runner_options={"lean_decoder": decoder}, runner="lean", scorer=scorer)
 
 
 @register_runner("lean", passes=True)

@@ -126,6 +126,7 @@ def prepare(loaded: models.LoadedModel, config: SpeculateConfig, ctx: RunContext
     undo: list = []
     draft_model = None
     extra_bytes = 0
+    scorer = None  # the row's own perplexity scorer (a native verifier on the int8 KV cache)
     if source.kind == "model":
         draft = drafts.load_draft(ctx, source.ref)
         draft_model = draft.model
@@ -168,6 +169,12 @@ def prepare(loaded: models.LoadedModel, config: SpeculateConfig, ctx: RunContext
             else:
                 verifier = lean.NativeVerifier(target, parts, kv_dtype, facts)
                 facts["kv_dtype"] = kv_dtype
+                if kv_dtype != "fp32":  # the row's ppl from what decodes: the native step on the int8 cache
+                    import functools
+
+                    from infer_tune.native.perplexity import native_rows_nll
+
+                    scorer = functools.partial(native_rows_nll, target, parts, kv_dtype=kv_dtype)
             facts["speculate_verify"] = "native" if verifier is not None else "torch"
         target.generate = lean.speculative_generate(target, drafter, config.num_draft_tokens, counters, ctx.device,
                                                     verifier=verifier)
@@ -179,7 +186,7 @@ def prepare(loaded: models.LoadedModel, config: SpeculateConfig, ctx: RunContext
 
     return PreparedModel(model=target, tokenizer=loaded.tokenizer, generate_kwargs=kwargs, metrics=facts,
                          label=config.label(), device=ctx.device, counters=counters, extra_model_bytes=extra_bytes,
-                         cleanup=cleanup)
+                         cleanup=cleanup, scorer=scorer)
 
 
 def annotate(doc: dict, earlier: list[dict]) -> None:

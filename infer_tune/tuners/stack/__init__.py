@@ -250,6 +250,7 @@ def prepare_stack(loaded: LoadedModel, config: StackConfig, ctx: RunContext) -> 
     counters: list[RunCounters] = []
     cleanups = []
     extra_bytes = 0
+    scorer = None  # a part's own perplexity scorer (the native step's int8 KV cache)
     parts_info = []
     model = loaded.model
     try:
@@ -265,6 +266,7 @@ def prepare_stack(loaded: LoadedModel, config: StackConfig, ctx: RunContext) -> 
             if prepared.cleanup:
                 cleanups.append(prepared.cleanup)
             extra_bytes += prepared.extra_model_bytes
+            scorer = prepared.scorer or scorer
             parts_info.append({"technique": part.technique, "label": part.label(), "runner": entry.runner})
             if prepared.model is not None:
                 model = prepared.model
@@ -282,4 +284,5 @@ def prepare_stack(loaded: LoadedModel, config: StackConfig, ctx: RunContext) -> 
     return PreparedModel(model=model, tokenizer=loaded.tokenizer, generate_kwargs=generate_kwargs, metrics=metrics,
                          label=config.label(), device=ctx.device,
                          counters=StackCounters(counters) if counters else None, extra_model_bytes=extra_bytes,
-                         runner_options=options, cleanup=cleanup if cleanups else None, runner=runner)
+                         runner_options=options, cleanup=cleanup if cleanups else None, runner=runner,
+                         scorer=scorer)
