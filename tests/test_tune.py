@@ -549,6 +549,11 @@ def test_goodput_objective_plans_batched_stacks_on_a_poisson_trace():
     assert all(p.technique == "batch" and p.scheduler == "continuous" and p.engine == "lean" and p.rate == 2.5
                and p.seed == 7 for p in parts)
     assert stack_candidates(TuneSpec(objective="goodput", compile=False), [cand]) == []
+    # where the native step runs the base, the slots with it, and with prompt-lookup drafts: tune decides by measuring
+    native = Candidate(QuantizeConfig(method="int4-rtn", activations="int8"), lossless=False, method="int4-rtn")
+    batched = [c.config.configs[1] for c in stack_candidates(spec, [native])]
+    assert [(p.batch_size, p.native_step, p.speculate) for p in batched] == [
+        (4, False, 0), (8, False, 0), (4, True, 0), (8, True, 0), (4, True, 8), (8, True, 8)]
     assert not [c for c in single_candidates(spec) if c.config.technique == "lean"]
     assert [c for c in single_candidates(TuneSpec()) if c.config.technique == "lean"]
     for bad, fragment in (({"rate": -1.0}, "rate"), ({"rate": float("inf")}, "rate"),

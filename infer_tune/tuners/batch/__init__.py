@@ -261,6 +261,7 @@ def finish(row: MeasuredRow) -> dict[str, bytes] | None:
 
 
 BATCH_SLOTS = (4, 8)  # slots of tune's batched candidates (the issue's reference serves 4 in parallel)
+TUNE_DRAFTS = 8  # prompt-lookup drafts a step of tune's speculative batched candidates (the demo's lookup k)
 BURST_RATE = 1000.0  # requests/s: every request of the workload arrives at once, so a row measures capacity
 
 
@@ -271,16 +272,24 @@ def tune_offer(ask: TuneAsk) -> list[Offer]:
     one request at a time); goodput: offered them as a seeded Poisson trace at `ask.rate` (one request per
     prompt, arrivals and order from `ask.seed`). The slot engine compiles its step: nothing when compiling
     is off. On a base the native step runs on (lean.runs_natively), the same slots with the native step as
-    well (they compile nothing). Nothing of its own, nor for the single-stream objectives."""
+    well (they compile nothing), and those with prompt-lookup drafts verified in the step (`speculate`
+    TUNE_DRAFTS): whether speculation is on is what the measured goodput or throughput decides (on chat it
+    costs a little, on copy-heavy edits it pays; docs/results.md). Nothing of its own, nor for the
+    single-stream objectives."""
     from infer_tune.tuners import lean
 
     if ask.on is None or not ask.compile or ask.objective not in ("throughput", "goodput"):
         return []
     native = lean.runs_natively(ask.on)
     rate = ask.rate if ask.objective == "goodput" else BURST_RATE
-    return [Offer(BatchConfig(scheduler="continuous", batch_size=n, rate=rate, engine="lean", seed=ask.seed,
-                              native_step=step), role="part", compiles=not step)
-            for step in ((False, True) if native else (False,)) for n in BATCH_SLOTS]
+    offers = [Offer(BatchConfig(scheduler="continuous", batch_size=n, rate=rate, engine="lean", seed=ask.seed,
+                                native_step=step), role="part", compiles=not step)
+              for step in ((False, True) if native else (False,)) for n in BATCH_SLOTS]
+    if native:
+        offers += [Offer(BatchConfig(scheduler="continuous", batch_size=n, rate=rate, engine="lean", seed=ask.seed,
+                                     native_step=True, speculate=TUNE_DRAFTS), role="part", compiles=False)
+                   for n in BATCH_SLOTS]
+    return offers
 
 
 @register_technique(BatchConfig, runner="trace", measure_ppl=False, finish=finish, conclude=conclude,
