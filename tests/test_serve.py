@@ -193,6 +193,40 @@ def test_sampling_is_seeded_top_k_1_is_greedy_and_stop_strings_end_the_text(serv
     assert streamed == greedy_text[:cut] and events[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_logprobs_are_the_chosen_tokens_and_their_top_alternatives(server, engine):
+    """Chat `logprobs` + `top_logprobs` and completions' `logprobs` N: one entry per returned token, the chosen
+    token's log probability the largest of its top list under greedy (and <= 0), the tokens spelling the text,
+    the same entries streamed; bad values 400."""
+    _, url = server
+    text = PROMPTS[0]
+    base = {"messages": [{"role": "user", "content": text}], "max_tokens": 6, "ignore_eos": True}
+    status, body = _post(f"{url}/chat/completions", {**base, "logprobs": True, "top_logprobs": 3})
+    assert status == 200, body
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == body["usage"]["completion_tokens"] == 6
+    for entry in content:
+        top = entry["top_logprobs"]
+        assert len(top) == 3 and entry["logprob"] <= 0 and entry["logprob"] == pytest.approx(top[0]["logprob"])
+        assert top[0]["logprob"] >= top[1]["logprob"] >= top[2]["logprob"]
+        assert entry["bytes"] == list(entry["token"].encode())
+    assert "".join(e["token"] for e in content) == engine.tokenizer.decode(
+        engine.engine.alone(_chat_ids(engine.tokenizer, text), 6))
+    plain = _post(f"{url}/chat/completions", base)[1]["choices"][0]
+    assert "logprobs" not in plain or plain["logprobs"] is None
+    status, body = _post(f"{url}/completions", {"prompt": text, "max_tokens": 4, "ignore_eos": True, "logprobs": 2})
+    block = body["choices"][0]["logprobs"]
+    assert status == 200 and len(block["tokens"]) == len(block["token_logprobs"]) == len(block["top_logprobs"]) == 4
+    assert all(len(t) <= 2 for t in block["top_logprobs"])
+    request = urllib.request.Request(f"{url}/chat/completions", data=json.dumps(
+        {**base, "logprobs": True, "stream": True}).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:  # noqa: S310 (loopback)
+        events = [json.loads(line[6:]) for line in response.read().decode().splitlines() if line.startswith("data: {")]
+    streamed = [e for ev in events for c in ev.get("choices", []) for e in (c.get("logprobs") or {}).get("content", [])]
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in content])
+    for bad in ({"logprobs": "yes"}, {"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}):
+        assert _post(f"{url}/chat/completions", {**base, **bad})[0] == 400, bad
+
+
 def test_sigterm_stops_cleanly(server):
     """Last in the module: the server exits 0 on SIGTERM, within a bound, and says how many it served."""
     process, _ = server

@@ -11,7 +11,11 @@ as the in-process runs encode a prompt without a template), both streaming (serv
 
 Greedy decoding unless `temperature` > 0 (up to 2): then `top_p`, `top_k` and `seed` sample (the engine's
 `Sampling`: a seeded request gets the same tokens again); `stop` (a string or up to 4) ends a request where its
-text first holds one (the stop string not returned, finish_reason `stop`); `n` 1. `ignore_eos: true` (the llama.cpp / vLLM extension) decodes past
+text first holds one (the stop string not returned, finish_reason `stop`); `n` 1. Log probabilities (chat:
+`logprobs: true` and `top_logprobs` 0-20; completions: `logprobs` 0-20) are each returned token's and its N most
+likely alternatives', from the log-softmax of the logits row the token was picked from (before temperature or
+truncation), in OpenAI's shapes (chat: `choices[].logprobs.content`; completions: `tokens`, `token_logprobs`,
+`top_logprobs`), streamed with the delta that carries the tokens. `ignore_eos: true` (the llama.cpp / vLLM extension) decodes past
 end-of-sequence up to `max_tokens`; without `max_tokens`, a request decodes until end-of-sequence or its
 slot's cache is full. Bad requests get HTTP 400 with `{"error": {"message", "type", "code"}}`: a body that
 is not a JSON object (JSON nested deeper than 64 levels, an integer of more than 4,300 digits included), a
@@ -49,6 +53,7 @@ from infer_tune import jsonsafe
 from infer_tune.errors import ConfigError
 
 MAX_BODY_BYTES = 1 << 20
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit of top_logprobs
 MAX_MESSAGES = 1024
 
 
@@ -68,6 +73,7 @@ class Parsed:
     ignore_eos: bool
     sampling: object = None  # tuners.batch.serving.Sampling, None: greedy
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: not asked; N: each token's log probability and the N most likely
 
 
 def _number(body: dict, key: str, low: float, high: float, *, integer: bool = False, low_open: bool = False):
@@ -333,6 +339,7 @@ class OpenAIServer:
             raise BadRequest("'stop' must be a non-empty string or a list of at most 4")
         if body.get("n", 1) != 1:
             raise BadRequest("'n' must be 1")
+        logprobs = self._logprobs(body, chat)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequest("'stream' must be true or false")
@@ -352,7 +359,35 @@ class OpenAIServer:
         if room < 1:
             raise BadRequest(f"the prompt is {len(ids)} tokens; this server's context is {self.engine.max_context}")
         return Parsed(chat, ids, room, stream, bool(options.get("include_usage")), ignore_eos, sampling,
-                      tuple(stop or ()))
+                      tuple(stop or ()), logprobs)
+
+    @staticmethod
+    def _logprobs(body: dict, chat: bool) -> int | None:
+        """How many top log probabilities a token gets (None: none asked): chat's `logprobs: true` with
+        `top_logprobs` 0-20; completions' `logprobs` 0-20 (the chosen token's always comes with them)."""
+        if chat:
+            asked = body.get("logprobs")
+            if asked is not None and not isinstance(asked, bool):
+                raise BadRequest("'logprobs' must be true or false")
+            top = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+            if top is not None and not asked:
+                raise BadRequest("'top_logprobs' needs 'logprobs': true")
+            return int(top or 0) if asked else None
+        top = _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+        return None if top is None else int(top)
+
+    def _logprob_block(self, parsed: Parsed, entries: list) -> dict:
+        """OpenAI's `logprobs` of a choice for `entries` ((token, log probability, top) per token): chat's
+        `content` list, or completions' parallel lists."""
+        def text(token: int) -> str:
+            return self.tokenizer.decode([token])
+
+        if parsed.chat:
+            return {"content": [{"token": text(t), "logprob": lp, "bytes": list(text(t).encode()),
+                                 "top_logprobs": [{"token": text(i), "logprob": v, "bytes": list(text(i).encode())}
+                                                  for i, v in top]} for t, lp, top in entries]}
+        return {"tokens": [text(t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{text(i): v for i, v in top} for _, _, top in entries]}
 
     # ------------------------------------------------------------------ routes
     async def models(self, request):
@@ -414,7 +449,7 @@ class OpenAIServer:
                 pass
 
         live = LiveRequest(ids=parsed.ids, max_tokens=parsed.max_tokens, emit=emit, ignore_eos=parsed.ignore_eos,
-                           sampling=parsed.sampling)
+                           sampling=parsed.sampling, logprobs=parsed.logprobs)
         try:
             self.engine.submit(live)
         except queue.Full:
@@ -459,6 +494,8 @@ class OpenAIServer:
             text = self.tokenizer.decode(out, skip_special_tokens=True)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
                   if parsed.chat else {"index": 0, "text": text, "finish_reason": finish})
+        if parsed.logprobs is not None and live is not None:  # the tokens returned (a stop string's cut: all run)
+            choice["logprobs"] = self._logprob_block(parsed, live.token_logprobs[:len(out)])
         return web.json_response({"id": rid, "object": "chat.completion" if parsed.chat else "text_completion",
                                   "created": int(time.time()), "model": self.served_model, "choices": [choice],
                                   "usage": self._usage(parsed, len(out), live)})
@@ -481,11 +518,18 @@ class OpenAIServer:
         def event(obj) -> bytes:
             return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
-        def choice(text: str, finish=None, role: bool = False) -> dict:
+        given = [0]  # tokens whose log probabilities an event carried
+
+        def choice(text: str, finish=None, role: bool = False, upto: int = 0) -> dict:
             if parsed.chat:
                 delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
-                return {"index": 0, "delta": delta, "finish_reason": finish}
-            return {"index": 0, "text": text, "finish_reason": finish}
+                out = {"index": 0, "delta": delta, "finish_reason": finish}
+            else:
+                out = {"index": 0, "text": text, "finish_reason": finish}
+            if parsed.logprobs is not None and live is not None and upto > given[0]:
+                out["logprobs"] = self._logprob_block(parsed, live.token_logprobs[given[0]:upto])
+                given[0] = upto
+            return out
 
         if parsed.chat:
             await response.write(event({**base, "choices": [choice("", role=True)]}))
@@ -513,7 +557,7 @@ class OpenAIServer:
                                                       "type": "unavailable", "code": 503}}))
                 break
             if delta:
-                await response.write(event({**base, "choices": [choice(delta)]}))
+                await response.write(event({**base, "choices": [choice(delta, upto=len(out))]}))
             if finish is not None:
                 await response.write(event({**base, "choices": [choice("", finish)]}))
                 if parsed.include_usage:

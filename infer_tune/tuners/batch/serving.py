@@ -89,6 +89,11 @@ class LiveRequest:
     submitted_ns: int = 0
     cached: int = 0  # prompt tokens whose cache rows the prefix cache gave (prefill skipped)
     sampling: Sampling | None = None  # None: greedy
+    # log probabilities asked for (None: not asked; N: the chosen token's and the N most likely): per emitted token
+    # (token, its log probability, [(id, log probability)] of the N most likely), from the logits row it was
+    # picked from (before temperature or truncation), appended before the token is emitted
+    logprobs: int | None = None
+    token_logprobs: list = field(default_factory=list)
 
     def pick(self, logits: torch.Tensor) -> int:
         """The request's next token from its logits [V]: greedy, or sampled."""
@@ -284,10 +289,16 @@ class LiveSlots:
             except queue.Empty:
                 return out
 
-    def _emit(self, busy: list[LiveRequest | None], nxt: torch.Tensor, slot: int, token: int) -> None:
-        """Hand `token` to the request in `slot`; a finished request frees its slot, else the token is its next
-        step's input."""
+    def _emit(self, busy: list[LiveRequest | None], nxt: torch.Tensor, slot: int, token: int,
+              row: torch.Tensor | None = None) -> None:
+        """Hand `token` to the request in `slot` (picked from the logits `row`); a finished request frees its
+        slot, else the token is its next step's input."""
         request = busy[slot]
+        if request.logprobs is not None and row is not None:
+            logp = torch.log_softmax(row.float(), dim=-1)
+            top = torch.topk(logp, request.logprobs) if request.logprobs else None
+            request.token_logprobs.append((token, float(logp[token]), [] if top is None else
+                                           list(zip(top.indices.tolist(), top.values.tolist()))))
         request.tokens.append(token)
         self.generated += 1
         if token in self.eos and not request.ignore_eos:
@@ -371,7 +382,7 @@ class LiveSlots:
         return out
 
     def _accept(self, busy: list[LiveRequest | None], nxt: torch.Tensor, slot: int, proposal: list[int],
-                chosen: list[int]) -> None:
+                chosen: list[int], rows: torch.Tensor | None = None) -> None:
         """Keep the drafts the step chose too, and its own token after them (greedy: the text is the one decoding
         gives without drafts); the slot's rows past them are dropped by where its position stands."""
         from infer_tune.tuners.speculate.lean import leading_matches
@@ -388,7 +399,7 @@ class LiveSlots:
         start = int(self.engine.positions[slot])
         for i, token in enumerate(proposal[:accepted] + [chosen[accepted]]):
             self.engine.positions[slot] = start + 1 + i  # the rows of its last token and the drafts before this one
-            self._emit(busy, nxt, slot, token)
+            self._emit(busy, nxt, slot, token, None if rows is None else rows[i])
             if busy[slot] is None:
                 break
 
@@ -405,15 +416,16 @@ class LiveSlots:
                 while busy[slot] is None and (request := self._next_live(waiting)) is not None:
                     busy[slot] = request
                     logits = engine.admit(slot, torch.tensor([request.ids], dtype=torch.long))
-                    self._emit(busy, nxt, slot, request.pick(logits))
+                    self._emit(busy, nxt, slot, request.pick(logits), logits)
             active = [s for s in range(size) if busy[s] is not None]
             if not active:
                 continue
             rows = rows_for(active[-1], size, self.every_bucket)
-            picks = self._picks(engine.step(rows, nxt[:rows]), busy, active)
+            logits = engine.step(rows, nxt[:rows])
+            picks = self._picks(logits, busy, active)
             self.steps += 1
             for slot in active:
-                self._emit(busy, nxt, slot, picks[slot])
+                self._emit(busy, nxt, slot, picks[slot], logits[slot].reshape(-1))
             free = [slot for slot in range(rows) if busy[slot] is None]
             if free:  # a free row's write position stays inside its row (it writes harmlessly at 0)
                 engine.positions[free] = 0
@@ -480,12 +492,13 @@ class LiveSlots:
             if active:
                 picks = self._picks(logits, busy, active)
                 for slot in active:
-                    self._emit(busy, nxt, slot, picks[slot])
+                    self._emit(busy, nxt, slot, picks[slot], logits[slot])
             for slot, ids in verify:
-                self._accept(busy, nxt, slot, ids[1:].tolist(), greedy(firsts.pop(slot)).tolist())
+                rows_logits = firsts.pop(slot)
+                self._accept(busy, nxt, slot, ids[1:].tolist(), greedy(rows_logits).tolist(), rows_logits)
             for slot, first in firsts.items():
                 filling.remove(slot)
-                self._emit(busy, nxt, slot, busy[slot].pick(first))
+                self._emit(busy, nxt, slot, busy[slot].pick(first), first)
 
 
 class LiveBatcher(SlotBatcher):
