@@ -66,6 +66,32 @@ def test_token_counting_groups_reads_and_places_unstreamed_tokens_at_the_finish(
     assert count_tokens(StreamRecord(delivery_ns=[5], texts=["x"]))[:2] == (1, "deltas")
 
 
+def test_a_tokens_event_without_text_is_a_token_and_the_role_and_finish_are_not():
+    """A server streaming one event per token sends an empty `content` (chat) or `text` (completions) for a token
+    that adds no text (end-of-sequence decoded under ignore_eos, bytes of an unfinished character): it counts, so
+    the client's count matches `usage`; the role announcement, the finish and a usage chunk do not."""
+    import json
+
+    from infer_tune.endpoint.client import StreamRecord, _handle_event
+    from infer_tune.endpoint.replay import check_token_count
+
+    chat = [{"choices": [{"delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+            {"choices": [{"delta": {"content": "Hi"}, "finish_reason": None}]},
+            {"choices": [{"delta": {"content": ""}, "finish_reason": None}]},
+            {"choices": [{"delta": {}, "finish_reason": "length"}]},
+            {"choices": [], "usage": {"completion_tokens": 2, "prompt_tokens": 3}}]
+    record = StreamRecord()
+    for i, event in enumerate(chat):
+        _handle_event(record, json.dumps(event), 10 * i, "chat")
+    assert len(record.delivery_ns) == 2 and record.text == "Hi" and check_token_count(record)
+    completions = [{"choices": [{"text": "", "finish_reason": None}]}, {"choices": [{"text": "x", "finish_reason": None}]},
+                   {"choices": [{"text": "", "finish_reason": "length"}], "usage": {"completion_tokens": 2}}]
+    record = StreamRecord()
+    for i, event in enumerate(completions):
+        _handle_event(record, json.dumps(event), i, "completions")
+    assert len(record.delivery_ns) == 2 and check_token_count(record)
+
+
 def test_cached_tokens_in_usage_give_the_prefix_cache_hit_rate():
     """usage.prompt_tokens_details.cached_tokens (infer-tune serve's and llama-server's) counted per request:
     a request without it, or with a count that is not one of its prompt's tokens, is left out of the rate."""

@@ -223,6 +223,10 @@ def test_logprobs_are_the_chosen_tokens_and_their_top_alternatives(server, engin
         events = [json.loads(line[6:]) for line in response.read().decode().splitlines() if line.startswith("data: {")]
     streamed = [e for ev in events for c in ev.get("choices", []) for e in (c.get("logprobs") or {}).get("content", [])]
     assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in content])
+    # one event per token (its content possibly empty), besides the role announcement and the finish
+    per_token = [ev for ev in events for c in ev.get("choices", []) if "content" in c["delta"]
+                 and "role" not in c["delta"] and not c["finish_reason"]]
+    assert len(per_token) == 6
     for bad in ({"logprobs": "yes"}, {"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}):
         assert _post(f"{url}/chat/completions", {**base, **bad})[0] == 400, bad
 

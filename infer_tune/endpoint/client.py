@@ -142,6 +142,20 @@ def build_payload(config: EndpointConfig, prompt: str | list[dict], max_new_toke
     return body
 
 
+def _token_event(event: dict, api: str) -> bool:
+    """An event that delivers a token without text: its choice has an empty text (completions) or an empty
+    `content` (chat), no `finish_reason` and no `role` (a server streaming one event per token sends these for an
+    end-of-sequence token or the bytes of an unfinished character; the role announcement and the finish are not
+    tokens)."""
+    choices = event.get("choices")
+    if not choices or choices[0].get("finish_reason"):
+        return False
+    if api == "completions":
+        return choices[0].get("text") == ""
+    delta = choices[0].get("delta") or {}
+    return "role" not in delta and delta.get("content") == ""
+
+
 def _event_text(event: dict, api: str) -> str | None:
     choices = event.get("choices")
     if not choices:
@@ -181,10 +195,10 @@ def _handle_event(record: StreamRecord, payload: str, now: int, api: str) -> boo
     if text is not None and not isinstance(text, str):
         record.fail("malformed_sse", f"event text is not a string: {clean(payload, 80)!r}")
         return True
-    if text:
+    if text or _token_event(event, api):  # a token's event, its text possibly empty
         record.delivery_ns.append(now)
-        record.texts.append(text)
-        record.text_chars += len(text)
+        record.texts.append(text or "")
+        record.text_chars += len(text or "")
     choices = choices or []
     if choices and choices[0].get("finish_reason"):
         record.finish_reason, record.finish_ns = clean(choices[0]["finish_reason"], 40), now

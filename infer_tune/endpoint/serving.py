@@ -4,7 +4,9 @@
 Routes: `POST /v1/chat/completions` (the messages rendered with the model's chat template, as the
 in-process runs render a prompt), `POST /v1/completions` (the prompt text, or a list of token ids, encoded
 as the in-process runs encode a prompt without a template), both streaming (server-sent events, one
-`data:` event per token that adds text, a last event with `finish_reason`, `[DONE]`) or not; `usage`
+`data:` event per token, its text empty where the token adds none yet (a special token, bytes of an unfinished
+character), so a client counting events counts the tokens `usage` counts; a last event with `finish_reason`,
+`[DONE]`) or not; `usage`
 (prompt_tokens, completion_tokens, total_tokens) in every non-streaming answer and, with
 `stream_options.include_usage`, in a last streamed chunk with no choices; `GET /v1/models`, `GET /health`,
 `GET /metrics` (Prometheus text).
@@ -520,9 +522,9 @@ class OpenAIServer:
 
         given = [0]  # tokens whose log probabilities an event carried
 
-        def choice(text: str, finish=None, role: bool = False, upto: int = 0) -> dict:
-            if parsed.chat:
-                delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+        def choice(text: str, finish=None, role: bool = False, upto: int = 0, token: bool = False) -> dict:
+            if parsed.chat:  # a token's event carries `content` even when empty; the finish's delta is {}
+                delta = {"role": "assistant", "content": text} if role else ({"content": text} if text or token else {})
                 out = {"index": 0, "delta": delta, "finish_reason": finish}
             else:
                 out = {"index": 0, "text": text, "finish_reason": finish}
@@ -550,14 +552,17 @@ class OpenAIServer:
                 elif finish is None and hold:
                     text = text[:max(len(sent), len(text) - hold)]
             if finish is None and (text.endswith("\ufffd") or not text.startswith(sent)):
-                continue  # an incomplete character (or a re-spelled prefix): wait for the next token
+                # an incomplete character (or a re-spelled prefix): the token's event carries no text yet
+                if token is not None:
+                    await response.write(event({**base, "choices": [choice("", upto=len(out), token=True)]}))
+                continue
             delta, sent = (text[len(sent):] if text.startswith(sent) else ""), text
             if finish in ("abort", "error"):
                 await response.write(event({"error": {"message": f"the request ended early ({finish})",
                                                       "type": "unavailable", "code": 503}}))
                 break
-            if delta:
-                await response.write(event({**base, "choices": [choice(delta, upto=len(out))]}))
+            if delta or token is not None:  # one event per token, empty where it adds no text (a special token)
+                await response.write(event({**base, "choices": [choice(delta, upto=len(out), token=True)]}))
             if finish is not None:
                 await response.write(event({**base, "choices": [choice("", finish)]}))
                 if parsed.include_usage:
