@@ -137,7 +137,8 @@ def test_a_launch_recipe_and_an_earlier_launch_file_read_as_the_same_recipe(tmp_
 @pytest.mark.parametrize("body, why", [
     ("engine: nope\nconfigs: []\n", "engine must be one of"),
     ("model: m\nengine: llama.cpp\nsettings: {gguf: q3_x}\n", "must be one of"),
-    ("model: m\nengine: llama.cpp\nconfigs: [{technique: lean}]\n", "launched with its settings"),
+    ("model: m\nengine: llama.cpp\nconfigs: [{technique: lean}]\n", "runs from its settings"),
+    ("model: m\nengine: openvino\nsettings: {weight_format: int3}\n", "weight_format must be one of"),
     ("engine: torch\nsettings: {gguf: q4_0}\n", "takes no settings"),
     ("settings: {gguf: q4_0}\n", "name it with engine:"),
     ("engine: remote\n", "bench --endpoint"),
@@ -170,3 +171,40 @@ def test_bench_recipe_of_a_launched_engine_reaches_the_launch(monkeypatch, tmp_p
     assert result.exit_code == 0, result.output
     assert [(la.engine, la.model, la.settings) for la in seen] == [
         ("vllm", "m", {"max_num_seqs": 4, "kv_cache_dtype": "fp8"})]
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["bench", "--engine", "openvino", "--set", "weight_format=int4", "--set", "kv_cache_precision=f16",
+      "--set", "prompt_lookup=true", "--model", "m"],
+     ("openvino", "m", {"weight_format": "int4", "kv_cache_precision": "f16", "prompt_lookup": True})),
+    (["bench", "--recipe", "RECIPE", "--set", "hint=throughput"],
+     ("openvino", "smol", {"weight_format": "int8", "kv_cache_precision": "f16", "hint": "THROUGHPUT"})),
+    (["bench", "--engine", "llama.cpp", "--set", "gguf=q4_0", "--model", "m"], ("llama.cpp", "m", {"gguf": "q4_0"})),
+])
+def test_bench_engine_goes_through_the_engines_scenario(monkeypatch, tmp_path, argv, expect):
+    """`bench --engine E --set ...` and `bench --recipe` of an engine's recipe take one path: the registry's
+    `parse_settings`, then `bench` of the engine's scenario (OpenVINO in-process, llama.cpp launched); the
+    recipe `tune --engine openvino` writes is read back (engine, model, settings), --set layered over it."""
+    from infer_tune.cli import app
+    from infer_tune.scenarios import engine_tune, openvino_tune
+
+    seen = []
+    for module in (engine_tune, openvino_tune):
+        monkeypatch.setattr(module, "bench", lambda spec, engine, settings, **_: seen.append(
+            (engine, spec.model, settings)) or [])
+    path = tmp_path / "recommended.yaml"
+    path.write_text("model: smol\nengine: openvino\nsettings: {weight_format: int8, kv_cache_precision: f16}\n"
+                    "provenance: {export: /x}\n")
+    result = CliRunner().invoke(app, [str(path) if a == "RECIPE" else a for a in argv] + ["--json"])
+    assert result.exit_code == 0, result.output
+    assert seen == [expect]
+
+
+@pytest.mark.parametrize("sets, why", [(["weight_format=int3"], "weight_format must be one of"),
+                                       (["sym=maybe"], "sym takes true / false"),
+                                       (["speed=1"], "unknown openvino setting")])
+def test_bench_engine_openvino_bad_setting_is_one_line(sets, why):
+    from infer_tune.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "--engine", "openvino", *[x for s in sets for x in ("--set", s)]])
+    assert result.exit_code == 2 and why in result.output, result.output

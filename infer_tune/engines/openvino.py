@@ -463,6 +463,44 @@ def perplexity(folder: Path, settings: Settings, scored: list[Scored]) -> float 
     return ppl_mod.perplexity(total_nll, total_tokens)
 
 
+_BOOLS = {"true": True, "on": True, "1": True, "yes": True, "false": False, "off": False, "0": False, "no": False}
+_INTS = ("group_size", "threads", "num_assistant_tokens", "max_ngram_size")
+
+
+def _value(key: str, value):
+    """One `--set` value as the Settings field's type (a recipe's YAML values arrive typed already)."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    try:
+        if isinstance(getattr(Settings(), key, None), bool):
+            return _BOOLS[text.lower()]
+        if key in _INTS:
+            return int(text)
+        if key == "ratio":
+            return float(text)
+    except (KeyError, ValueError):
+        raise ConfigError(f"openvino {key} takes {'true / false' if key not in _INTS + ('ratio',) else 'a number'}, "
+                          f"got {value!r}") from None
+    return text.upper() if key in ("hint",) else text
+
+
+def parse_settings(pairs) -> dict:
+    """`KEY=VALUE` strings (`bench --engine openvino --set ...`) or a mapping (a recipe's `settings`) -> the
+    checked settings that differ from OpenVINO's default (`Settings.to_dict`); ConfigError names a bad one."""
+    if isinstance(pairs, dict):
+        items = list(pairs.items())
+    else:
+        items = []
+        for pair in pairs or ():
+            key, sep, value = str(pair).partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"--set takes KEY=VALUE, got {pair!r}")
+            items.append((key.strip().replace("-", "_"), value))
+    values = {key: _value(key, value) for key, value in items}
+    return Settings.from_dict(values).to_dict()
+
+
 def _version() -> dict:
     from importlib import metadata
 
@@ -487,5 +525,5 @@ OPENVINO = register_engine(Engine(
     },
     unsupported={"lean": "the compiled loop is infer-tune's own engine",
                  "llama-cpp": "a GGUF runs on the llama.cpp engine"},
-    version=_version,
+    version=_version, parse_settings=parse_settings, scenario="infer_tune.scenarios.openvino_tune",
 ))

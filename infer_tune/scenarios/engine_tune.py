@@ -248,6 +248,12 @@ def run_engine_bench(spec: RunSpec, launch: lm.Launch, *, against_default: bool 
     return save_rows(spec.out_dir, rows)
 
 
+def bench(spec: RunSpec, engine: str, settings: dict, *, progress: Progress | None = None) -> list[ResultDocument]:
+    """`bench --engine E --set ...` of a launched engine (engines/base.py `Engine.scenario`): `run_engine_bench`
+    of the launch of `spec.model` with those settings."""
+    return run_engine_bench(spec, lm.Launch(engine, spec.model, settings), progress=progress)
+
+
 # --------------------------------------------------------------------------- tune --engine
 @dataclass
 class EngineTuneSpec:
@@ -543,6 +549,15 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
     return EngineTuneOutcome(baseline=base_doc, rows=docs, refused=refused, winner=winner_doc,
                              recommended=recommended, command=list(winner_started.command),
                              elapsed_s=time.monotonic() - start, notes=notes, crashed=crashed_docs)
+
+
+def tune_spec(engine: str, **budgets) -> EngineTuneSpec:
+    """`tune --engine E`'s spec for a launched engine (engines/base.py `Engine.scenario`)."""
+    return EngineTuneSpec(engine=engine, **budgets)
+
+
+def tune(spec: RunSpec, tspec: EngineTuneSpec, *, progress: Progress | None = None) -> EngineTuneOutcome:
+    return run_engine_tune(spec, tspec, progress=progress)
 
 
 def write_recommended(spec: RunSpec, started: lm.Started, doc: ResultDocument) -> Path:

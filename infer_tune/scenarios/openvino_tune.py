@@ -77,15 +77,31 @@ def _row_config(settings: ovm.Settings, prepared) -> dict:
                        "export": record}}
 
 
-def run_openvino_tune(spec: RunSpec, tspec: OpenVINOTuneSpec, *, settings_list: list[dict] | None = None,
-                      progress: Progress | None = None) -> EngineTuneOutcome:
-    """The search (module docstring)."""
+@dataclass
+class Measurement:
+    """OpenVINO's default and each wanted setting measured in one set of interleaved rounds (`measure`)."""
+
+    default: ovm.Settings
+    base_folder: Path
+    rows: list[Row]  # the default's first, then one per setting that built, in `live`'s order
+    live: list[tuple[ovm.Settings, Path, object]]  # (settings, export folder, prepared) of each built setting
+    refused: list[dict]
+    started: float  # time.monotonic() at the start
+
+
+def measure(spec: RunSpec, wanted: list[dict], *, objective: str, seed: int = 0, budget_s: float | None = None,
+            progress: Progress | None = None) -> Measurement:
+    """The default (the int8 export, default properties, `spec.threads`) and every setting of `wanted` that
+    exports and builds (one that does not is `refused` with its reason) measured in the sweep engine's
+    interleaved rounds, each row with its perplexity from the exported model's logits and, against the
+    default, `ppl_delta_pct`, the speed ratios with their intervals, BLEU drift and exact match. `budget_s`:
+    the rounds end by then (what is left of it after the exports, at least 30 s); None: `spec.protocol`'s."""
     from infer_tune import rounds
     from infer_tune.runners.generation import eos_ids
 
     why = ovm.available()
     if why:
-        raise ConfigError(f"tune --engine openvino: {why}")
+        raise ConfigError(f"engine {ovm.ENGINE}: {why}")
     start = time.monotonic()
     run = open_run(spec, progress)
     loaded, inputs = run.loaded, run.inputs
@@ -94,9 +110,7 @@ def run_openvino_tune(spec: RunSpec, tspec: OpenVINOTuneSpec, *, settings_list: 
     scored = ppl_mod.reference_sequences(loaded.tokenizer, inputs.rendered, [p.reference for p in inputs.prompts])
     threads = {"threads": spec.threads} if spec.threads else {}
     default = ovm.Settings(**threads)
-    wanted = settings_list if settings_list is not None else candidates(tspec)
     refused: list[dict] = []
-    notes: list[str] = []
 
     def build(settings: ovm.Settings):
         folder = ovm.export(checkpoint, settings, progress)
@@ -106,21 +120,23 @@ def run_openvino_tune(spec: RunSpec, tspec: OpenVINOTuneSpec, *, settings_list: 
     live = []
     for i, values in enumerate(wanted):
         if progress:
-            progress(f"openvino {values}", i + 1, len(wanted) + 1)
+            progress(f"{ovm.ENGINE} {values}", i + 1, len(wanted) + 1)
         try:
             settings = ovm.Settings.from_dict({**values, **threads})
             folder, prepared = build(settings)
         except (ConfigError, ovm.OpenVINOError) as exc:
-            refused.append({"label": "openvino " + " ".join(f"{k}={v}" for k, v in values.items()),
+            refused.append({"label": f"{ovm.ENGINE} " + " ".join(f"{k}={v}" for k, v in values.items()),
                             "settings": values, "reason": str(exc).splitlines()[0][:200]})
             continue
         live.append((settings, folder, prepared))
-    spent = time.monotonic() - start
-    protocol = dataclasses.replace(spec.protocol, max_duration_s=max(30.0, 0.8 * (tspec.budget_s - spent)))
-    variants = [rounds.Variant("default", base_prepared, ovm.ENGINE, objective=tspec.objective)] + [
-        rounds.Variant(f"{i}:{s.label}", p, ovm.ENGINE, objective=tspec.objective) for i, (s, _, p) in enumerate(live)]
+    protocol = spec.protocol
+    if budget_s is not None:
+        spent = time.monotonic() - start
+        protocol = dataclasses.replace(protocol, max_duration_s=max(30.0, 0.8 * (budget_s - spent)))
+    variants = [rounds.Variant("default", base_prepared, ovm.ENGINE, objective=objective)] + [
+        rounds.Variant(f"{i}:{s.label}", p, ovm.ENGINE, objective=objective) for i, (s, _, p) in enumerate(live)]
     before = noise.HostSnapshot.take()
-    outcome = rounds.run_rounds(variants, inputs, spec.workload, protocol, seed=tspec.seed, progress=progress)
+    outcome = rounds.run_rounds(variants, inputs, spec.workload, protocol, seed=seed, progress=progress)
     host = (before, noise.HostSnapshot.take())
     env = run.ctx.env
     base_doc, base_outputs = build_document(
@@ -132,7 +148,7 @@ def run_openvino_tune(spec: RunSpec, tspec: OpenVINOTuneSpec, *, settings_list: 
         progress("perplexity", 0, len(live) + 1)
     base_ppl = ovm.perplexity(base_folder, default, scored)
     base_doc.add_metrics({"ppl": base_ppl, "ppl_source": "openvino logits"}, source="the exported model's logits")
-    base_doc.objective = tspec.objective
+    base_doc.objective = objective
     rows = [Row(base_doc, base_outputs)]
     for k, ((settings, folder, prepared), variant) in enumerate(zip(live, variants[1:])):
         doc, outputs = build_document(
@@ -147,10 +163,36 @@ def run_openvino_tune(spec: RunSpec, tspec: OpenVINOTuneSpec, *, settings_list: 
         if ppl and base_ppl:
             doc.add_metrics({"ppl_delta_pct": 100.0 * (ppl - base_ppl) / base_ppl},
                             source="the default's perplexity")
-        doc.objective = tspec.objective
+        doc.objective = objective
         rows.append(Row(doc, outputs))
     for _, _, prepared in [(None, None, base_prepared), *live]:
         prepared.runner_options.pop("pipeline", None)  # the pipeline is freed before the rows are written
+    return Measurement(default, base_folder, rows, live, refused, start)
+
+
+def bench(spec: RunSpec, engine: str, settings: dict, *, progress: Progress | None = None) -> list:
+    """`bench --engine openvino --set ...` (and `bench --recipe` of `tune --engine openvino`'s recommended.yaml):
+    OpenVINO's default and, when `settings` differ from it, those settings, in the same interleaved rounds
+    (`measure`, `spec.protocol`'s budget); the rows saved, the default marked `default`. A setting that cannot
+    be exported or built is a ConfigError with its reason (nothing to measure)."""
+    wanted = [settings] if settings != ovm.Settings().to_dict() else []
+    m = measure(spec, wanted, objective="decode", progress=progress)
+    if m.refused:
+        raise ConfigError(f"{m.refused[0]['label']}: {m.refused[0]['reason']}")
+    _mark(m.rows[0].doc, eligible=True, engine_status="default")
+    for r in m.rows[1:]:
+        _mark(r.doc, engine_status="measured")
+    return save_rows(spec.out_dir, m.rows)
+
+
+def run_openvino_tune(spec: RunSpec, tspec: OpenVINOTuneSpec, *, settings_list: list[dict] | None = None,
+                      progress: Progress | None = None) -> EngineTuneOutcome:
+    """The search (module docstring)."""
+    wanted = settings_list if settings_list is not None else candidates(tspec)
+    m = measure(spec, wanted, objective=tspec.objective, seed=tspec.seed, budget_s=tspec.budget_s, progress=progress)
+    rows, live, default, base_folder = m.rows, m.live, m.default, m.base_folder
+    notes: list[str] = []
+    base_doc = rows[0].doc
     winner = decide([r.doc for r in rows[1:]], tspec)
     _mark(base_doc, eligible=True, engine_status="default")
     for r in rows[1:]:
@@ -170,9 +212,18 @@ def run_openvino_tune(spec: RunSpec, tspec: OpenVINOTuneSpec, *, settings_list: 
     settings = next((s for (s, _, _), r in zip(live, rows[1:]) if r.doc is winner), default)
     folder = next((f for (_, f, _), r in zip(live, rows[1:]) if r.doc is winner), base_folder)
     recommended = write_recommended(spec, settings, folder, winner_doc)
-    return EngineTuneOutcome(baseline=base_saved, rows=docs, refused=refused, winner=winner_doc,
+    return EngineTuneOutcome(baseline=base_saved, rows=docs, refused=m.refused, winner=winner_doc,
                              recommended=recommended, command=launch_command(folder, settings),
-                             elapsed_s=time.monotonic() - start, notes=notes)
+                             elapsed_s=time.monotonic() - m.started, notes=notes)
+
+
+def tune_spec(engine: str, **budgets) -> OpenVINOTuneSpec:
+    """`tune --engine openvino`'s spec (engines/base.py `Engine.scenario`)."""
+    return OpenVINOTuneSpec(engine=engine, **budgets)
+
+
+def tune(spec: RunSpec, tspec: OpenVINOTuneSpec, *, progress: Progress | None = None) -> EngineTuneOutcome:
+    return run_openvino_tune(spec, tspec, progress=progress)
 
 
 def launch_command(folder: Path, settings: ovm.Settings) -> list[str]:
