@@ -208,3 +208,55 @@ def test_bench_engine_openvino_bad_setting_is_one_line(sets, why):
 
     result = CliRunner().invoke(app, ["bench", "--engine", "openvino", *[x for s in sets for x in ("--set", s)]])
     assert result.exit_code == 2 and why in result.output, result.output
+
+
+# --------------------------------------------------------------------------- in-process crashes are rows
+SIGILL_CHILD = ("import os, signal; print('ggml_backend_amx_mul_mat: tile config', flush=True); "
+                "os.kill(os.getpid(), signal.SIGILL)")
+HANG_CHILD = "import time; print('compiling', flush=True); time.sleep(60)"  # the hang under test, cut at 1 s
+
+
+@pytest.mark.parametrize("code, expect", [(SIGILL_CHILD, ("SIGILL", None)), (HANG_CHILD, (None, 1.0))])
+def test_an_in_process_engines_child_that_dies_or_hangs_is_a_crashed_row(tmp_path, code, expect):
+    """engines/crash.py `run_child`: an in-process engine's configuration runs first in a child; one killed by
+    SIGILL or silent past its deadline is a Crash (the signal or the hang, its log's tail, a reproducer with the
+    binary, the engine's build, the argv, the model file's sha256 and the CPU flags), saved as a `crashed` row
+    that is never eligible; a configuration crashed once is quarantined; an exit code is not a crash."""
+    import sys
+
+    from infer_tune import env as envinfo
+    from infer_tune.engines import crash
+    from infer_tune.scenarios.common import RunSpec
+    from infer_tune.scenarios.engine_tune import crashed_doc
+    from infer_tune.sweep import Row, save_rows
+
+    weights = tmp_path / "openvino_model.bin"
+    weights.write_bytes(b"weights")
+    target = crash.InProcess("openvino", "smollm2-135m", {"weight_format": "int4"}, "openvino weight_format=int4")
+    end = crash.run_child(target, [sys.executable, "-c", code], deadline_s=1.0, log_path=tmp_path / "probe.log",
+                          files={"ir": weights})
+    found = end.crash
+    assert found is not None and (found.signal, found.hung_after_s) == expect and found.phase == "start"
+    assert found.log_tail[-1] == ("ggml_backend_amx_mul_mat: tile config" if expect[0] else "compiling")
+    rep = found.reproducer
+    assert rep["binary"] == sys.executable and rep["argv"] == ["-c", code]
+    assert rep["model_sha256"]["ir"] == __import__("hashlib").sha256(b"weights").hexdigest()
+    assert rep["cpu_flags"] == envinfo.cpu_flags() and set(rep["build"]) == set(ENGINES["openvino"].identity())
+    assert rep["line"].endswith(f"{sys.executable} -c {__import__('shlex').quote(code)}")
+    doc = save_rows(tmp_path / "runs", [Row(crashed_doc(RunSpec(out_dir=tmp_path / "runs"), found, None))])[0]
+    assert doc["engine_status"] == "crashed" and doc["eligible"] is False and doc.engine == "openvino"
+    assert doc.runner == "openvino" and doc["crash"]["reproducer"]["line"] == rep["line"]
+    quarantine = crash.Quarantine()
+    quarantine.add(target, found.summary)
+    assert crash.InProcess("openvino", "smollm2-135m", {"weight_format": "int4"}, "again") in quarantine
+
+
+def test_an_in_process_engines_child_that_exits_with_a_code_is_not_a_crash(tmp_path):
+    import sys
+
+    from infer_tune.engines import crash
+
+    target = crash.InProcess("openvino", "m", {}, "openvino default")
+    end = crash.run_child(target, [sys.executable, "-c", "import sys; print('refused: no such hint'); sys.exit(3)"],
+                          deadline_s=30.0, log_path=tmp_path / "probe.log")
+    assert end.crash is None and end.code == 3 and end.tail == ["refused: no such hint"]

@@ -28,6 +28,9 @@ techniques (infer_tune/tuners) say what is done to the model; the engine says wh
   settings differ from it), what `bench --engine E --set ...` and `bench --recipe` of its recipe call.
 - `searched_here`: a launched engine whose settings `tune --engine` searches on this host and whose launches
   are measured against its default launch, perplexity by its own tool (a CPU build: llama.cpp).
+- `probe(args)` (optional, an in-process engine): build one configuration and decode a few tokens in the calling
+  process; `python -m infer_tune.engines.probe NAME ARGS` runs it in a child first, so an engine that dies
+  (a signal) or hangs is a crashed row instead of the end of infer-tune (engines/crash.py `run_child`).
 - `selectable`: whether a technique config's `engine` field may name it (speculate's and batch's `engine`
   choose an in-process engine; False for one only reached another way, e.g. `slots`, which `serve` runs and
   batch's `engine: lean` drives).
@@ -76,6 +79,7 @@ class Engine:
     setting_table: Mapping[str, Any] | None = None
     parse_settings: Callable[[Any], dict] | None = None
     scenario: str | None = None
+    probe: Callable[[dict], None] | None = None
     selectable: bool = True
     searched_here: bool = False
 

@@ -324,6 +324,32 @@ def pipeline(folder: Path, settings: Settings):
         raise OpenVINOError(f"LLMPipeline({folder}) failed: {str(exc).splitlines()[0][:300]}") from None
 
 
+PROBE_TOKENS = 4
+PROBE_DEADLINE_S = 180.0  # building and compiling a pipeline of a 135M model takes a few seconds here
+
+
+def probe(args: dict) -> None:
+    """Build the pipeline of `args["folder"]` with `args["settings"]` and decode PROBE_TOKENS greedy tokens: what
+    the child of `probe_command` runs before the configuration is loaded into infer-tune's process."""
+    import openvino_genai as og
+
+    settings = Settings.from_dict(dict(args["settings"]))
+    pipe = pipeline(Path(args["folder"]), settings)
+    config = og.GenerationConfig()
+    config.max_new_tokens = int(args.get("tokens", PROBE_TOKENS))
+    config.apply_chat_template = False
+    if settings.prompt_lookup:
+        config.num_assistant_tokens = settings.num_assistant_tokens
+        config.max_ngram_size = settings.max_ngram_size
+    pipe.generate("The capital of France is", config)
+
+
+def probe_command(folder: Path, settings: Settings) -> list[str]:
+    """The child's command line (engines/probe.py): this Python, the engine, the folder and the settings."""
+    args = {"folder": str(folder), "settings": asdict(settings), "tokens": PROBE_TOKENS}
+    return [sys.executable, "-m", "infer_tune.engines.probe", ENGINE, json.dumps(args, sort_keys=True)]
+
+
 class StepClock:
     """`openvino_genai.StreamerBase` subclass feeding a `TokenClock`: one `write` per decode step (a prompt-lookup
     step writes its accepted tokens at once), stamped with `perf_counter_ns` when it arrives."""
@@ -525,5 +551,5 @@ OPENVINO = register_engine(Engine(
     },
     unsupported={"lean": "the compiled loop is infer-tune's own engine",
                  "llama-cpp": "a GGUF runs on the llama.cpp engine"},
-    version=_version, parse_settings=parse_settings, scenario="infer_tune.scenarios.openvino_tune",
+    version=_version, parse_settings=parse_settings, scenario="infer_tune.scenarios.openvino_tune", probe=probe,
 ))

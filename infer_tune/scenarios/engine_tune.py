@@ -133,7 +133,8 @@ def ended(started: lm.Started, phase: str, grace_s: float = 0.0) -> crash.Crash 
 
 
 def crashed_doc(spec: RunSpec, found: crash.Crash, env: dict | None, objective: str | None = None) -> ResultDocument:
-    """The result row of a launch that crashed: nothing measured, `engine_status: crashed` and `crash` (the
+    """The result row of a launch (or an in-process engine's child, engines/crash.py `run_child`) that crashed:
+    nothing measured, `engine_status: crashed` and `crash` (the
     signal or the hang, its log's tail, the reproducer); never eligible, never a winner."""
     from infer_tune import env as envinfo
     from infer_tune import results
@@ -142,16 +143,22 @@ def crashed_doc(spec: RunSpec, found: crash.Crash, env: dict | None, objective: 
     argv = found.reproducer.get("argv") or []
     binary = found.reproducer.get("binary")
     engine = found.label.split(" ", 1)[0]
+    in_process = engine in ENGINES and ENGINES[engine].starts == "in-process"
+    build_key = "build" if in_process else "llama_cpp"  # a launched server's build, as its measured rows keep it
     doc = ResultDocument(
         run_id=results.new_run_id(TECHNIQUE, found.label), created_at=results.created_stamp(),
         tool=envinfo.tool_info(), env=env, model={"ref": spec.model}, technique=TECHNIQUE, label=found.label,
         config={"engine": engine, "settings": found.settings,
                 "launch": {"engine": engine, "model": spec.model, "settings": found.settings,
                            "argv": [Path(binary).name] + argv if binary else argv,
-                           **({"llama_cpp": found.reproducer["build"]} if found.reproducer.get("build") else {})}},
-        runner="endpoint", workload=spec.workload.to_dict(), protocol=None, metrics={"measured": False},
+                           **({build_key: found.reproducer["build"]} if found.reproducer.get("build") else {})}},
+        runner=ENGINES[engine].runner if engine in ENGINES else "endpoint", workload=spec.workload.to_dict(),
+        protocol=None, metrics={"measured": False},
         samples={}, objective=objective,
         fingerprint=results.fingerprint("engine-crashed", found.label, found.settings, found.how, found.phase))
+    if engine in ENGINES:  # the engine, its build and the command line that crashed, as a measured row names them
+        doc.set_engine(engine, found.reproducer.get("build") or ENGINES[engine].identity(),
+                       [Path(binary).name] + argv if binary else argv)
     _mark(doc, engine_status="crashed", eligible=False, engine_reason=found.summary, crash=found.to_dict())
     return doc
 
