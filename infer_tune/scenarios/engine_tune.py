@@ -301,6 +301,10 @@ def candidates(spec: EngineTuneSpec, model: str, threads: int | None = None) -> 
     found: list[dict] = [{"gguf": "q8_0"}, {"gguf": "q4_0"}, {"gguf": "q4_k_m"}, {"gguf": "imatrix-q4_k_m"},
                          {"gguf": "iq4_xs"}, dict(calibrated), {"gguf": "imatrix-q4_0"}, {**calibrated, **fa},
                          {**calibrated, "cache_type_k": "q8_0", "cache_type_v": "q8_0", **fa}]
+    if lm.amx_ready():
+        # llama.cpp's AMX matmul (Q4_0 among its types), from the second build that keeps it: GGML_NATIVE's AMX
+        # kernels died with SIGILL in ggml_backend_amx_mul_mat on this AMX Xeon, so a crash is a quarantined row
+        found.insert(2, {"gguf": "q4_0", "amx": True})
     if spec.objective == "throughput":
         found[1:1] = [{"gguf": "q4_0", "parallel": 4}, {**calibrated, "parallel": 4}]
     elif spec.objective == "decode":
