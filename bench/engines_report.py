@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LLAMA_BEST = ("gguf=imatrix-iq4_xs", "cache_type_k=q8_0", "cache_type_v=q8_0", "flash_attn=on")
 OPENVINO_BEST = ("kv_cache_precision=f16",)
 OURS_RECIPE = "int4-native"  # recipes/int4-native.yaml: int4-rtn g32 a8 weights + the lean loop's native step
-SERVE = ("--method", "int4-rtn", "--activations", "int8", "--native-step", "--slots", "1")
+# the prefix cache off: the rounds send the same prompts again, and llama-server runs with its prompt cache off
+SERVE = ("--method", "int4-rtn", "--activations", "int8", "--native-step", "--slots", "1", "--no-prefix-cache")
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -195,6 +196,9 @@ def table(args) -> list[str]:
             lines.append(f"| {r['label']} | {doc.get('engine')} | {KIND[folder]} | {fmt(r['decode_tok_s'], '.1f')} | "
                          f"{fmt(r['ttft_p50_ms'], '.1f')} | {ratio} | {base.label if base else '-'} | "
                          f"{fmt(r['ppl'], '.3f')} | {fmt(r['ppl_delta_pct'], '+.2f')} |")
+    lines.append("")
+    lines.append("ppl: each engine's own measure, compared within an engine (torch, lean and OpenVINO: the suite "
+                 "references' NLL after the rendered prompt; llama.cpp: llama-perplexity over the suite's text)")
     return lines
 
 

@@ -260,3 +260,19 @@ def test_an_in_process_engines_child_that_exits_with_a_code_is_not_a_crash(tmp_p
     end = crash.run_child(target, [sys.executable, "-c", "import sys; print('refused: no such hint'); sys.exit(3)"],
                           deadline_s=30.0, log_path=tmp_path / "probe.log")
     assert end.crash is None and end.code == 3 and end.tail == ["refused: no such hint"]
+
+
+def test_an_engine_row_is_compared_with_its_own_default_by_its_settings():
+    """The report's "compared with" of an engine row names that engine's default and its settings (OpenVINO's
+    int8 export is no f16 GGUF); a launched server's default is a launch."""
+    from infer_tune.report.leads import default_vs
+
+    base = {"run_id": "b", "label": "openvino weight_format=int8 threads=2"}
+    row = {"run_id": "r", "baseline_run_id": "b", "label": "openvino weight_format=int8 kv_cache_precision=f16"}
+    from infer_tune.document import as_document
+
+    assert default_vs("openvino", as_document(row), [base, row]) == \
+        "openvino default (weight_format=int8 threads=2; same run)"
+    assert default_vs("llama.cpp", as_document({**row, "label": "llama.cpp gguf=q4_0"}),
+                      [{"run_id": "b", "label": "llama.cpp default"}]) == \
+        "llama.cpp default launch (default flags; same run)"
