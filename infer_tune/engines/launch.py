@@ -15,7 +15,7 @@ engine). llama.cpp's `llama-server`:
 | override_tensor, n_cpu_moe | `--override-tensor`, `--n-cpu-moe` | experts |
 | threads | `--threads` and `--threads-batch` | |
 | repack | `--repack` / `--no-repack` (off: no weight repacking, no AMX buffer types at run time) | |
-| amx | on: the llama-server of the AMX build (`$LLAMA_SERVER_AMX`, else `$INFER_TUNE_HOME/bin/amx/llama-server`: `GGML_AMX=ON BIN_DIR=~/.cache/infer-tune/bin/amx scripts/build-llama-cpp.sh`), whose AMX matmul kernels the default build compiles out; refused where the CPU has no `amx_tile` or no such build is here | |
+| amx | on: the llama-server of the AMX build (`$LLAMA_SERVER_AMX`, else `$INFER_TUNE_HOME/bin/amx/llama-server`: `GGML_AMX=ON VARIANT=amx TARGETS=llama-server scripts/build-llama-cpp.sh`), whose AMX matmul kernels the default build compiles out; refused where the CPU has no `amx_tile` or no such build is here | |
 
 vLLM (`vllm serve`) and SGLang (`python -m sglang.launch_server`) take the same kind of table mapped to
 their flags (`--quantization`, `--kv-cache-dtype`, `--speculative-config`, `--max-num-seqs`,

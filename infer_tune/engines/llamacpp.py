@@ -55,7 +55,7 @@ class LlamaCppError(InferTuneError):
 
 # --------------------------------------------------------------------------- the tools
 AMX_VARIANT = "amx"  # a second build with llama.cpp's AMX kernels: $INFER_TUNE_HOME/bin/amx/, $LLAMA_SERVER_AMX
-AMX_HINT = "GGML_AMX=ON BIN_DIR=$INFER_TUNE_HOME/bin/amx scripts/build-llama-cpp.sh"
+AMX_HINT = "GGML_AMX=ON VARIANT=amx TARGETS=llama-server scripts/build-llama-cpp.sh"
 
 
 def tool(name: str, variant: str | None = None) -> Path | None:
