@@ -26,7 +26,8 @@ settings: {gguf: q4_0, parallel: "2"}
 workload: {suite: chat, limit: 4, max_new_tokens: 32}
 provenance: {argv: [...], command: "...", gguf: {...}}   # what produced it: kept, never read
 ```
-A launch file of earlier versions (`engine_launch: {engine, model, settings, ...}`) is read as that recipe.
+One format: the launch files of earlier versions (`engine_launch: {...}`) are refused as unknown keys (write
+their engine, model and settings at the top).
 """
 
 from __future__ import annotations
@@ -157,7 +158,6 @@ def load_recipe(name_or_path: str) -> Recipe:
     doc = safe_load(text, f"recipe {name_or_path}")
     if not isinstance(doc, dict):
         raise ConfigError(f"recipe {name_or_path} must be a mapping with workload/configs keys")
-    doc = _from_launch_file(doc, name_or_path)
     check_keys(doc, f"recipe {name_or_path}")
     allowed = {f.name for f in dataclasses.fields(Recipe)} - {"name"}
     unknown = set(doc) - allowed
@@ -171,25 +171,6 @@ def load_recipe(name_or_path: str) -> Recipe:
     recipe = Recipe(name=name, **doc)
     check_engine(recipe)
     return recipe
-
-
-LAUNCH_FILE_KEY = "engine_launch"  # the launch files `tune --engine` wrote before recipes named their engine
-
-
-def _from_launch_file(doc: dict, where: str) -> dict:
-    """An earlier launch file (`engine_launch: {engine, model, settings, argv, ...}`, `result`, `measured`) as
-    the recipe it is: the engine, model and settings at the top, the rest kept under `provenance`."""
-    if LAUNCH_FILE_KEY not in doc:
-        return doc
-    entry = doc[LAUNCH_FILE_KEY]
-    if not isinstance(entry, dict) or not isinstance(entry.get("model"), str):
-        raise ConfigError(f"recipe {where}: {LAUNCH_FILE_KEY}.model must name the model the launch serves")
-    rest = {k: v for k, v in doc.items() if k not in (LAUNCH_FILE_KEY, "workload", "result", "measured")}
-    provenance = {k: v for k, v in entry.items() if k not in ("engine", "model", "settings")}
-    provenance.update({k: doc[k] for k in ("result", "measured") if k in doc})
-    return {**rest, "engine": entry.get("engine", "llama.cpp"), "model": entry["model"],
-            "settings": dict(entry.get("settings") or {}), "workload": doc.get("workload") or {},
-            "provenance": provenance}
 
 
 def check_engine(recipe: Recipe) -> None:
