@@ -277,3 +277,13 @@ def test_an_engine_row_is_compared_with_its_own_default_by_its_settings():
     assert default_vs("llama.cpp", as_document({**row, "label": "llama.cpp gguf=q4_0"}),
                       [{"run_id": "b", "label": "llama.cpp default"}]) == \
         "llama.cpp default launch (default flags; same run)"
+
+
+@pytest.mark.parametrize("engine, settings", [("openvino", "{kv_cache_precision: f16}"), ("llama.cpp", "{gguf: q4_0}")])
+def test_serve_refuses_a_recipe_of_an_engine_run_from_its_settings(tmp_path, engine, settings):
+    from infer_tune.scenarios.serve import plan_from_recipe
+
+    path = tmp_path / "recommended.yaml"
+    path.write_text(f"model: m\nengine: {engine}\nsettings: {settings}\n")
+    with pytest.raises(ConfigError, match=f"names engine {engine}, run from its own settings: serve runs the slots"):
+        plan_from_recipe(str(path))
