@@ -287,3 +287,13 @@ def test_serve_refuses_a_recipe_of_an_engine_run_from_its_settings(tmp_path, eng
     path.write_text(f"model: m\nengine: {engine}\nsettings: {settings}\n")
     with pytest.raises(ConfigError, match=f"names engine {engine}, run from its own settings: serve runs the slots"):
         plan_from_recipe(str(path))
+
+
+def test_a_row_without_a_baseline_is_not_said_to_be_compared_with_one():
+    """A server measured on its own (bench --endpoint without --baseline, as engines_report.py's serve row) has no
+    ratio: the report says so instead of "baseline (same session)"."""
+    from infer_tune.document import as_document
+    from infer_tune.report.leads import decode_speedup
+
+    lead = decode_speedup(as_document({"run_id": "s", "technique": "endpoint", "metrics": {}}))
+    assert lead.figures == () and lead.vs == "- (no baseline of its own)"

@@ -92,6 +92,8 @@ def decode_speedup(doc: ResultDocument, docs: Sequence[ResultDocument] = (), vs:
     compared = (doc.get("metrics") or {}).get("compared_with")
     if isinstance(compared, str) and compared:
         vs = compared
+    elif not doc.get("baseline_run_id") and doc.speedup is None:
+        return Lead((), "- (no baseline of its own)")  # e.g. bench --endpoint of a server without --baseline
     figures = [Figure("decode", doc.speedup, "x", doc.speedup_ci95)]
     if doc.ttft_speedup is not None:
         figures.append(Figure("TTFT", doc.ttft_speedup, "x", doc.interval("ttft_speedup_vs_baseline")))
