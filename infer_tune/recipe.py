@@ -14,8 +14,9 @@ Built-in recipes ship inside the wheel (`infer_tune.recipes`); a path to a .yaml
 
 A recipe names its engine (infer_tune/engines, `ENGINES`) with `engine:`; without it the configs run in
 this process on the engine each one runs on (torch, or lean for the lean path). An in-process engine must run
-every config (`supports`). An engine launched from settings (llama.cpp, vllm, sglang) takes `settings`
-(that engine's launch keys, engines/launch.py) and no configs: `bench --recipe` starts it on loopback.
+every config (`supports`). An engine run from its own settings (`Engine.takes_settings`: llama.cpp, vllm, sglang launched on loopback;
+openvino in-process) takes `settings` (its keys: engines/launch.py's tables, engines/openvino.py `Settings`)
+and no configs: `bench --recipe` measures it through the engine's scenario, as `bench --engine E --set` does.
 
 ```yaml
 description: the winner of tune --engine llama.cpp
@@ -25,7 +26,8 @@ settings: {gguf: q4_0, parallel: "2"}
 workload: {suite: chat, limit: 4, max_new_tokens: 32}
 provenance: {argv: [...], command: "...", gguf: {...}}   # what produced it: kept, never read
 ```
-A launch file of earlier versions (`engine_launch: {engine, model, settings, ...}`) is read as that recipe.
+One format: the launch files of earlier versions (`engine_launch: {...}`) are refused as unknown keys (write
+their engine, model and settings at the top).
 """
 
 from __future__ import annotations
@@ -156,7 +158,6 @@ def load_recipe(name_or_path: str) -> Recipe:
     doc = safe_load(text, f"recipe {name_or_path}")
     if not isinstance(doc, dict):
         raise ConfigError(f"recipe {name_or_path} must be a mapping with workload/configs keys")
-    doc = _from_launch_file(doc, name_or_path)
     check_keys(doc, f"recipe {name_or_path}")
     allowed = {f.name for f in dataclasses.fields(Recipe)} - {"name"}
     unknown = set(doc) - allowed
@@ -172,25 +173,6 @@ def load_recipe(name_or_path: str) -> Recipe:
     return recipe
 
 
-LAUNCH_FILE_KEY = "engine_launch"  # the launch files `tune --engine` wrote before recipes named their engine
-
-
-def _from_launch_file(doc: dict, where: str) -> dict:
-    """An earlier launch file (`engine_launch: {engine, model, settings, argv, ...}`, `result`, `measured`) as
-    the recipe it is: the engine, model and settings at the top, the rest kept under `provenance`."""
-    if LAUNCH_FILE_KEY not in doc:
-        return doc
-    entry = doc[LAUNCH_FILE_KEY]
-    if not isinstance(entry, dict) or not isinstance(entry.get("model"), str):
-        raise ConfigError(f"recipe {where}: {LAUNCH_FILE_KEY}.model must name the model the launch serves")
-    rest = {k: v for k, v in doc.items() if k not in (LAUNCH_FILE_KEY, "workload", "result", "measured")}
-    provenance = {k: v for k, v in entry.items() if k not in ("engine", "model", "settings")}
-    provenance.update({k: doc[k] for k in ("result", "measured") if k in doc})
-    return {**rest, "engine": entry.get("engine", "llama.cpp"), "model": entry["model"],
-            "settings": dict(entry.get("settings") or {}), "workload": doc.get("workload") or {},
-            "provenance": provenance}
-
-
 def check_engine(recipe: Recipe) -> None:
     """The recipe's engine is registered; a launched engine has settings (checked against its table) and no
     configs; an in-process engine has no settings and runs every config (ConfigError naming the recipe)."""
@@ -201,38 +183,49 @@ def check_engine(recipe: Recipe) -> None:
     from infer_tune.engines.base import ENGINES, resolve
 
     engine = ENGINES[resolve(recipe.engine, where=f"recipe {recipe.name}: engine")]
-    if engine.setting_table is not None:
+    if engine.takes_settings:
         if recipe.configs or recipe.stages:
-            raise ConfigError(f"recipe {recipe.name}: engine {engine.name} is launched with its settings; "
+            raise ConfigError(f"recipe {recipe.name}: engine {engine.name} runs from its settings; "
                               "configs and stages run in this process (leave engine: out for them)")
         if not recipe.model:
-            raise ConfigError(f"recipe {recipe.name}: engine {engine.name} needs the model it serves (model:)")
-        from infer_tune.engines import launch
-
-        launch.parse_settings(engine.name, dict(recipe.settings))  # names a bad key or value
+            raise ConfigError(f"recipe {recipe.name}: engine {engine.name} needs the model it runs (model:)")
+        engine.parse_settings(dict(recipe.settings))  # names a bad key or value
         return
     if recipe.settings:
         raise ConfigError(f"recipe {recipe.name}: engine {engine.name} takes no settings (its configs say what "
-                          "runs); settings are a launched engine's (llama.cpp, vllm, sglang)")
+                          "runs); settings are those of an engine run from them "
+                          f"({', '.join(e.name for e in ENGINES.values() if e.takes_settings)})")
     if engine.starts != "in-process":
         raise ConfigError(f"recipe {recipe.name}: engine {engine.name} is measured as it runs: "
                           "use bench --endpoint URL")
 
 
-def engine_launch(recipe: Recipe, sets: list[str] | tuple[str, ...] = ()):
-    """The launch (engines/launch.py `Launch`) a recipe of a launched engine names, `--set` pairs layered
-    over its settings; None for a recipe of in-process configs."""
+def engine_settings(recipe: Recipe, sets: list[str] | tuple[str, ...] = ()) -> tuple[str, dict] | None:
+    """(engine, settings) of a recipe whose engine runs from its settings (a launched server, OpenVINO), `--set`
+    pairs layered over the recipe's; None for a recipe of in-process configs."""
     if recipe.engine is None:
         return None
     from infer_tune.engines.base import ENGINES, resolve
 
     engine = ENGINES[resolve(recipe.engine)]
-    if engine.setting_table is None:
+    if not engine.takes_settings:
+        return None
+    return engine.name, {**engine.parse_settings(dict(recipe.settings)), **engine.parse_settings(sets)}
+
+
+def engine_launch(recipe: Recipe, sets: list[str] | tuple[str, ...] = ()):
+    """The launch (engines/launch.py `Launch`) a recipe of a launched engine names, `--set` pairs layered
+    over its settings; None for a recipe of in-process configs or of an in-process engine's settings."""
+    found = engine_settings(recipe, sets)
+    if found is None:
+        return None
+    from infer_tune.engines.base import ENGINES
+
+    if ENGINES[found[0]].setting_table is None:
         return None
     from infer_tune.engines import launch
 
-    settings = {**launch.parse_settings(engine.name, dict(recipe.settings)), **launch.parse_settings(engine.name, sets)}
-    return launch.Launch(engine.name, str(recipe.model), settings)
+    return launch.Launch(found[0], str(recipe.model), found[1])
 
 
 def check_supported(recipe: Recipe, configs: list) -> None:

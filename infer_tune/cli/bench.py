@@ -15,8 +15,8 @@ from infer_tune.cli.measure import render_result, run_spec
 from infer_tune.document import ResultDocument
 from infer_tune.errors import ConfigError, InferTuneError
 
-Engine = Annotated[str | None, typer.Option("--engine", help="Launch this serving engine on loopback (llama.cpp, vllm, sglang) with the --set settings and measure it like --endpoint (docs/endpoint.md, 'Launching an engine').")]
-Sets = Annotated[list[str] | None, typer.Option("--set", help="An engine setting KEY=VALUE (repeatable), e.g. gguf=q4_0, cache_type_k=q8_0, parallel=4.")]
+Engine = Annotated[str | None, typer.Option("--engine", help="Run this engine from its own --set settings against its default: a server launched on loopback (llama.cpp, vllm, sglang) measured like --endpoint (docs/endpoint.md, 'Launching an engine'), or openvino in-process (docs/engines.md).")]
+Sets = Annotated[list[str] | None, typer.Option("--set", help="An engine setting KEY=VALUE (repeatable), e.g. gguf=q4_0, cache_type_k=q8_0, parallel=4; openvino: weight_format=int4, kv_cache_precision=f16.")]
 Recipe = Annotated[str | None, typer.Option("--recipe", "-r", help="Built-in recipe name or YAML file: baseline + every config in it. Options given on the command line override the recipe's.")]
 
 
@@ -64,7 +64,7 @@ def bench(
     served weights (their tokenizer renders prompts and counts tokens):
     infer-tune bench --endpoint http://127.0.0.1:8000/v1 --model smollm2-135m --limit 4 --max-new-tokens 32
     """
-    if engine is not None or sets or (recipe is not None and endpoint is None and _launched(recipe) is not None):
+    if engine is not None or sets or (recipe is not None and endpoint is None and _engine_recipe(recipe) is not None):
         return bench_engine(opts, engine, sets or [], recipe)
     if executor != "local" and recipe is None:
         raise ConfigError("--executor applies to the configs of a --recipe (a baseline alone runs here)")
@@ -103,34 +103,51 @@ def bench(
     render_recipe(docs, spec.out_dir)
 
 
-def _launched(recipe: str, sets: list[str] | tuple[str, ...] = ()):
-    """The launch a recipe names when its engine is launched from settings (llama.cpp, vllm, sglang), else None."""
+def _engine_recipe(recipe: str, sets: list[str] | tuple[str, ...] = ()) -> tuple[str, dict] | None:
+    """(engine, settings) of a recipe whose engine runs from its own settings (recipe.engine_settings), else None."""
     from infer_tune import recipe as recipes
 
-    return recipes.engine_launch(recipes.load_recipe(recipe), sets)
+    return recipes.engine_settings(recipes.load_recipe(recipe), sets)
 
 
 def bench_engine(opts: opt.MeasureOptions, engine: str | None, sets: list[str], recipe: str | None) -> None:
-    """`bench --engine E --set K=V ...` (or `--recipe` a recommended.yaml of `tune --engine`): one launch
-    measured by the endpoint runner, after the engine's default launch it is compared with."""
-    from infer_tune.cli.measure import run_spec
-    from infer_tune.engines.launch import Launch, parse_settings
-    from infer_tune.scenarios.engine_tune import run_engine_bench
+    """`bench --engine E --set K=V ...` (or `--recipe` a recommended.yaml of `tune --engine`): the engine run
+    from those settings, measured by its scenario (engines/base.py `Engine.scenario`: a launch by the endpoint
+    runner, OpenVINO in-process) after the engine's default it is compared with."""
+    import importlib
 
+    from infer_tune.cli.measure import run_spec
+    from infer_tune.engines.base import ENGINES, resolve
+
+    model = opts.model
     if recipe is not None:
-        launch = _launched(recipe, sets)
-        if launch is None:
-            raise ConfigError(f"--engine / --set take a recipe that names a launched engine (engine: llama.cpp, "
-                              f"vllm or sglang with its settings), got {recipe}")
-        if engine is not None and engine != launch.engine:
-            raise ConfigError(f"--engine {engine} and recipe {recipe}'s engine {launch.engine} differ")
+        found = _engine_recipe(recipe, sets)
+        if found is None:
+            raise ConfigError(f"--engine / --set take a recipe that names an engine run from its settings "
+                              f"(engine: {', '.join(e.name for e in ENGINES.values() if e.takes_settings)}), "
+                              f"got {recipe}")
+        if engine is not None and resolve(engine, where="--engine") != found[0]:
+            raise ConfigError(f"--engine {engine} and recipe {recipe}'s engine {found[0]} differ")
+        from infer_tune import recipe as recipes
+
+        name, settings = found
+        model = str(recipes.load_recipe(recipe).model)
     else:
         if engine is None:
             raise ConfigError("--set applies to --engine")
-        launch = Launch(engine, opts.model, parse_settings(engine, sets))
+        name = resolve(engine, where="--engine")
+        if not ENGINES[name].takes_settings:
+            raise ConfigError(f"--engine must be one of {', '.join(e.name for e in ENGINES.values() if e.takes_settings)}"
+                              f" (an engine run from its settings), got {engine!r}")
+        settings = ENGINES[name].parse_settings(sets)
+    scenario = importlib.import_module(ENGINES[name].scenario)
     spec = run_spec(opts)
+    if model != spec.model:
+        import dataclasses
+
+        spec = dataclasses.replace(spec, model=model)
     with output.progress_bar(not opts.json_out, out_dir=spec.out_dir) as progress:
-        docs = run_engine_bench(spec, launch, progress=progress)
+        docs = scenario.bench(spec, name, settings, progress=progress)
     if opts.json_out:
         output.print_json(docs)
         return
@@ -144,10 +161,12 @@ def bench_engine(opts: opt.MeasureOptions, engine: str | None, sets: list[str], 
             continue
         render_result(doc, doc.location)  # where it was saved: never a key of the document
         m = doc.metrics
-        output.out.print(f"launch: {' '.join(doc.config['launch']['argv'])}", soft_wrap=True, markup=False)
+        argv = (doc.config.get("launch") or {}).get("argv")
+        if argv:
+            output.out.print(f"launch: {' '.join(argv)}", soft_wrap=True, markup=False)
         if m.get("ppl") is not None:
-            output.out.print(f"perplexity (llama-perplexity, suite text): {m['ppl']:.3f}"
-                             + (f", {m['ppl_delta_pct']:+.2f}% vs the default launch" if m.get("ppl_delta_pct") is not None else ""),
+            output.out.print(f"perplexity ({m.get('ppl_source') or 'llama-perplexity, suite text'}): {m['ppl']:.3f}"
+                             + (f", {m['ppl_delta_pct']:+.2f}% vs the default" if m.get("ppl_delta_pct") is not None else ""),
                              markup=False)
 
 

@@ -9,28 +9,29 @@ from rich.table import Table
 
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
+from infer_tune.errors import ConfigError
 from infer_tune.report.display import plain
 
 
 def tune_engine(opts: opt.MeasureOptions, engine: str, *, max_ppl_delta: float, max_bleu_drift: float,
                 objective: str, budget_s: float) -> None:
+    """The engine's own scenario (engines/base.py `Engine.scenario`: launches on loopback, OpenVINO in-process)
+    searches its settings; one table for every engine."""
+    import importlib
+
     from infer_tune.cli.measure import run_spec
-    from infer_tune.engines import openvino
-    from infer_tune.scenarios.engine_tune import EngineTuneSpec, run_engine_tune
+    from infer_tune.engines.base import ENGINES, resolve
 
-    if engine == openvino.ENGINE:  # in-process (engines/openvino.py): its own search, the same table
-        from infer_tune.scenarios.openvino_tune import OpenVINOTuneSpec, run_openvino_tune
-
-        tspec = OpenVINOTuneSpec(max_ppl_delta=max_ppl_delta, max_bleu_drift=max_bleu_drift, objective=objective,
-                                 budget_s=budget_s, seed=opts.seed)
-        run = run_openvino_tune
-    else:
-        tspec = EngineTuneSpec(engine=engine, max_ppl_delta=max_ppl_delta, max_bleu_drift=max_bleu_drift,
+    name = resolve(engine, where="--engine")
+    if not ENGINES[name].takes_settings:
+        raise ConfigError(f"--engine must be one of {', '.join(e.name for e in ENGINES.values() if e.takes_settings)}"
+                          f" (an engine run from its settings), got {engine!r}")
+    scenario = importlib.import_module(ENGINES[name].scenario)
+    tspec = scenario.tune_spec(name, max_ppl_delta=max_ppl_delta, max_bleu_drift=max_bleu_drift,
                                objective=objective, budget_s=budget_s, seed=opts.seed)
-        run = run_engine_tune
     spec = run_spec(opts)
     with output.progress_bar(not opts.json_out, out_dir=spec.out_dir) as progress:
-        outcome = run(spec, tspec, progress=progress)
+        outcome = scenario.tune(spec, tspec, progress=progress)
     if opts.json_out:
         output.print_json(outcome.to_dict())
         return
@@ -67,11 +68,8 @@ def render(outcome, tspec) -> None:
     w = outcome.winner
     output.out.print(f"winner: {w['label']}", soft_wrap=True, markup=False)
     output.out.print(f"launch: {shlex.join(outcome.command)}", soft_wrap=True, markup=False)
-    from infer_tune.engines import openvino
-
-    again = (f"measure it again: infer-tune bench --recipe {outcome.recommended}" if tspec.engine != openvino.ENGINE
-             else "bench --recipe does not run an in-process engine's recipe yet")
-    output.out.print(f"recommended: {outcome.recommended} ({again})", soft_wrap=True, markup=False)
+    output.out.print(f"recommended: {outcome.recommended} (measure it again: infer-tune bench --recipe "
+                     f"{outcome.recommended})", soft_wrap=True, markup=False)
     by_hand = by_hand_bench(outcome)
     if by_hand:
         output.out.print(f"by hand: start the launch above, then {by_hand}", soft_wrap=True, markup=False)

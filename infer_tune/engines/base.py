@@ -20,8 +20,17 @@ techniques (infer_tune/tuners) say what is done to the model; the engine says wh
   `{"commit": "abc123", "build_number": 6000}`; `{}` when unknown. Never raises.
 - `argv(started) -> list[str]` (optional): the command line of a started instance (servers launched here).
 - `setting_table`: for a launched server, its launch settings (engines/launch.py `Setting` tables).
+- `parse_settings(pairs) -> dict` (optional): an engine run from its own settings (a launched server's table,
+  OpenVINO's export and properties): `KEY=VALUE` strings or a mapping -> its checked settings (ConfigError
+  naming the bad one). Such an engine's recipe holds `settings` and no configs.
+- `scenario`: the module (a dotted name under infer_tune/scenarios) that measures such an engine from its
+  settings: `bench(spec, engine, settings, progress=...)` -> the saved rows (its default first when the
+  settings differ from it), what `bench --engine E --set ...` and `bench --recipe` of its recipe call.
 - `searched_here`: a launched engine whose settings `tune --engine` searches on this host and whose launches
   are measured against its default launch, perplexity by its own tool (a CPU build: llama.cpp).
+- `probe(args)` (optional, an in-process engine): build one configuration and decode a few tokens in the calling
+  process; `python -m infer_tune.engines.probe NAME ARGS` runs it in a child first, so an engine that dies
+  (a signal) or hangs is a crashed row instead of the end of infer-tune (engines/crash.py `run_child`).
 - `selectable`: whether a technique config's `engine` field may name it (speculate's and batch's `engine`
   choose an in-process engine; False for one only reached another way, e.g. `slots`, which `serve` runs and
   batch's `engine: lean` drives).
@@ -68,6 +77,9 @@ class Engine:
     version: Callable[[], dict] | None = None
     argv: Callable[[Any], list[str]] | None = None
     setting_table: Mapping[str, Any] | None = None
+    parse_settings: Callable[[Any], dict] | None = None
+    scenario: str | None = None
+    probe: Callable[[dict], None] | None = None
     selectable: bool = True
     searched_here: bool = False
 
@@ -92,6 +104,11 @@ class Engine:
                 if why:
                     return why
         return None
+
+    @property
+    def takes_settings(self) -> bool:
+        """Whether this engine runs from its own settings (`parse_settings`, measured by its `scenario`)."""
+        return self.parse_settings is not None and self.scenario is not None
 
     def identity(self) -> dict:
         """The engine's version facts (`version()`), {} when it has none or they cannot be read."""

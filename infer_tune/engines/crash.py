@@ -17,6 +17,13 @@ health check or its first request. `Crash` is what a result row keeps of it:
 
 `EngineCrashed` carries a Crash out of the launch; `Quarantine` holds the configurations that crashed (or
 were refused) in one search, so none is started twice.
+
+An in-process engine (OpenVINO) dies the same way, but inside infer-tune's own process, where nothing is left to
+write the row. So each of its configurations runs first in a child process (`run_child`: the engine's `probe`,
+`python -m infer_tune.engines.probe ENGINE ARGS`, builds it and decodes a few tokens) before it is loaded here:
+a child killed by a signal, or silent past its deadline, is the configuration's Crash (phase `start`, the
+reproducer that child's command line), the same row as a launch's; it never enters this process. A crash during
+the measurement itself (after the child came through) still ends the run.
 """
 
 from __future__ import annotations
@@ -115,7 +122,11 @@ def reproducer(launch, command: list[str], files: dict[str, Path] | None) -> dic
     from infer_tune import env as envinfo
 
     build: dict = {}
-    if launch.engine == "llama.cpp":
+    if isinstance(launch, InProcess):
+        from infer_tune.engines.base import ENGINES
+
+        build = ENGINES[launch.engine].identity() if launch.engine in ENGINES else {}
+    elif launch.engine == "llama.cpp":
         from infer_tune.engines import llamacpp
 
         try:
@@ -153,6 +164,58 @@ def crash_of(launch, command: list[str], files, *, phase: str, returncode: int |
         how, fields = describe_exit(int(returncode if returncode is not None else 0))
     return Crash(label=launch.label, settings=launch.to_dict()["settings"], phase=phase, how=how,
                  log_tail=log_tail(log_path), reproducer=reproducer(launch, command, files), **fields)
+
+
+@dataclass(frozen=True)
+class InProcess:
+    """One configuration of an in-process engine as the crash machinery names it (what `launch.Launch` is for a
+    server): the engine, the model, its settings and its row's label."""
+
+    engine: str
+    model: str
+    settings: dict
+    label: str
+
+    def to_dict(self) -> dict:
+        return {"engine": self.engine, "model": self.model, "settings": {k: str(v) for k, v in self.settings.items()}}
+
+
+@dataclass
+class ChildEnd:
+    """How a child process that ran an engine ended: `crash` (a signal or a hang), else its exit `code` and the
+    last lines of its output (`tail`: why a non-zero exit refused the configuration)."""
+
+    crash: Crash | None
+    code: int | None
+    tail: list[str]
+
+
+def run_child(target, command: list[str], *, deadline_s: float, log_path: Path, files: dict[str, Path] | None = None,
+              phase: str = "start", env: dict | None = None) -> ChildEnd:
+    """Run `command` (a child that runs `target`, e.g. an `InProcess` configuration's probe) to its end or
+    `deadline_s`, its output to `log_path`. Killed by a signal: a Crash; still running at the deadline: its process
+    group killed and a Crash `hung past N s`; an exit code: no crash (the code and the log's tail)."""
+    import os
+    import subprocess
+
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True, env=env)
+    try:
+        code = process.wait(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+        return ChildEnd(crash_of(target, command, files, phase=phase, hung_after_s=deadline_s, log_path=log_path),
+                        None, log_tail(log_path))
+    if signal_of(code) is not None:
+        return ChildEnd(crash_of(target, command, files, phase=phase, returncode=code, log_path=log_path), code,
+                        log_tail(log_path))
+    return ChildEnd(None, code, log_tail(log_path))
 
 
 def is_crash(returncode: int | None, phase: str) -> bool:

@@ -15,6 +15,7 @@ engine). llama.cpp's `llama-server`:
 | override_tensor, n_cpu_moe | `--override-tensor`, `--n-cpu-moe` | experts |
 | threads | `--threads` and `--threads-batch` | |
 | repack | `--repack` / `--no-repack` (off: no weight repacking, no AMX buffer types at run time) | |
+| amx | on: the llama-server of the AMX build (`$LLAMA_SERVER_AMX`, else `$INFER_TUNE_HOME/bin/amx/llama-server`: `GGML_AMX=ON VARIANT=amx TARGETS=llama-server scripts/build-llama-cpp.sh`), whose AMX matmul kernels the default build compiles out; refused where the CPU has no `amx_tile` or no such build is here | |
 
 vLLM (`vllm serve`) and SGLang (`python -m sglang.launch_server`) take the same kind of table mapped to
 their flags (`--quantization`, `--kv-cache-dtype`, `--speculative-config`, `--max-num-seqs`,
@@ -109,6 +110,7 @@ LLAMA_CPP = {
     "n_cpu_moe": Setting("--n-cpu-moe", "int", technique="experts"),
     "threads": Setting(None, "int"),
     "repack": Setting(None, "bool", help="weight repacking and the AMX buffer types (off: --no-repack)"),
+    "amx": Setting(None, "bool", help="on: the AMX build's llama-server (its AMX matmul kernels; llamacpp.AMX_VARIANT)"),
 }
 VLLM_QUANT = ("awq", "gptq", "fp8", "bitsandbytes", "gguf", "compressed-tensors", "marlin", "awq_marlin",
               "gptq_marlin", "experts_int8")
@@ -231,9 +233,10 @@ def _flags(table: dict[str, Setting], settings: dict) -> list[str]:
 def _llama_argv(launch: Launch, port: int, files: dict[str, Path], threads: int | None) -> list[str]:
     from infer_tune.engines import llamacpp
 
-    binary = llamacpp.tool("llama-server")
+    binary = llamacpp.tool("llama-server", variant=llamacpp.AMX_VARIANT if launch.get("amx") else None)
     if binary is None:
-        raise ConfigError(f"llama.cpp's llama-server is not built here: {llamacpp.BUILD_HINT}")
+        raise ConfigError(f"llama.cpp's llama-server is not built here: {llamacpp.BUILD_HINT}"
+                          + (f" ({llamacpp.AMX_HINT})" if launch.get("amx") else ""))
     if "model" not in files:
         raise ConfigError("a llama.cpp launch needs its GGUF resolved (engines.launch.resolve_files)")
     parallel = launch.parallel()
@@ -378,6 +381,14 @@ def preflight(launch: Launch, files: dict[str, Path] | None = None, model_config
             return f"ubatch_size {s['ubatch_size']} > batch_size {s['batch_size']}"
         if launch.parallel() < 1:
             return "parallel must be >= 1"
+        if s.get("amx"):
+            from infer_tune import env as envinfo
+            from infer_tune.engines import llamacpp
+
+            if "amx_tile" not in envinfo.cpu_flags():
+                return "amx=on: this CPU has no AMX (no amx_tile flag)"
+            if llamacpp.tool("llama-server", variant=llamacpp.AMX_VARIANT) is None:
+                return f"amx=on: no AMX build of llama-server here ({llamacpp.AMX_HINT})"
         needed = estimate_bytes(launch, files or {}, model_config)
         free = available_bytes() if available is None else available
         if needed is not None and free is not None and needed * MEMORY_HEADROOM > free:
@@ -390,6 +401,17 @@ def preflight(launch: Launch, files: dict[str, Path] | None = None, model_config
             and s["speculative_method"] in ("eagle", "eagle3", "standalone"):
         return f"speculative_method {s['speculative_method']} needs draft=<model>"
     return None
+
+
+def amx_ready() -> bool:
+    """Whether an `amx=on` launch can start here: the CPU has AMX and the AMX build of llama-server is present."""
+    from infer_tune import env as envinfo
+    from infer_tune.engines import llamacpp
+
+    try:
+        return "amx_tile" in envinfo.cpu_flags() and llamacpp.tool("llama-server", variant=llamacpp.AMX_VARIANT) is not None
+    except ConfigError:  # an AMX build another account could have written: not tried (preflight says why)
+        return False
 
 
 def model_config(launch: Launch) -> dict | None:

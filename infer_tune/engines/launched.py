@@ -40,23 +40,29 @@ def _argv(started) -> list[str]:
     return list(started.record()["argv"])
 
 
+def _parser(engine: str):
+    return lambda pairs: launch.parse_settings(engine, pairs)
+
+
 _OWN = {"lean": "the compiled loop is infer-tune's own engine"}
+SCENARIO = "infer_tune.scenarios.engine_tune"  # launches measured by the endpoint runner, tuned on this host
 LLAMA_CPP = register_engine(Engine(
     name="llama.cpp", starts="server", runner="endpoint", aliases=("llama-cpp",),
     description="llama.cpp's llama-server on a GGUF of the checkpoint (engines/launch.py, engines/llamacpp.py)",
     techniques={**_techniques(launch.LLAMA_CPP), "llama-cpp": "the llama-cpp technique's GGUF and server"},
     unsupported=_OWN, version=_llama_version, argv=_argv, setting_table=launch.LLAMA_CPP, selectable=False,
+    parse_settings=_parser("llama.cpp"), scenario=SCENARIO,
     searched_here=True,
 ))
 VLLM = register_engine(Engine(
     name="vllm", starts="server", runner="endpoint", selectable=False,
     description="vLLM's `vllm serve` ($INFER_TUNE_VLLM or vllm on PATH)",
     techniques=_techniques(launch.VLLM), unsupported=_OWN, version=_package_version("vllm"), argv=_argv,
-    setting_table=launch.VLLM,
+    setting_table=launch.VLLM, parse_settings=_parser("vllm"), scenario=SCENARIO,
 ))
 SGLANG = register_engine(Engine(
     name="sglang", starts="server", runner="endpoint", selectable=False,
     description="SGLang's `python -m sglang.launch_server` ($INFER_TUNE_SGLANG)",
     techniques=_techniques(launch.SGLANG), unsupported=_OWN, version=_package_version("sglang"), argv=_argv,
-    setting_table=launch.SGLANG,
+    setting_table=launch.SGLANG, parse_settings=_parser("sglang"), scenario=SCENARIO,
 ))

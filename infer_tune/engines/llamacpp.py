@@ -54,24 +54,33 @@ class LlamaCppError(InferTuneError):
 
 
 # --------------------------------------------------------------------------- the tools
-def tool(name: str) -> Path | None:
+AMX_VARIANT = "amx"  # a second build with llama.cpp's AMX kernels: $INFER_TUNE_HOME/bin/amx/, $LLAMA_SERVER_AMX
+AMX_HINT = "GGML_AMX=ON VARIANT=amx TARGETS=llama-server scripts/build-llama-cpp.sh"
+
+
+def tool(name: str, variant: str | None = None) -> Path | None:
     """The tool's executable: `$LLAMA_<NAME>`, `$INFER_TUNE_HOME/bin/<name>`, or on PATH (None: none).
+    `variant` (AMX_VARIANT): another build of it, `$LLAMA_<NAME>_<VARIANT>` or `$INFER_TUNE_HOME/bin/<variant>/<name>`
+    only (never PATH's: that is the default build).
 
     One named by the environment is the user's to vouch for; one in the home is run only when every path
     from the home down to it is this account's and not writable by others (`paths.untrusted`), else refused
     in one line: another account could have put its own program there (docs/hardening.md)."""
-    given = os.environ.get(name.upper().replace("-", "_"))
+    env_name = name.upper().replace("-", "_") + (f"_{variant.upper()}" if variant else "")
+    given = os.environ.get(env_name)
     if given and Path(given).expanduser().is_file() and os.access(Path(given).expanduser(), os.X_OK):
         return Path(given).expanduser()
     home = paths.home()
-    candidate = home / "bin" / name
+    candidate = home / "bin" / (f"{variant}/{name}" if variant else name)
     if candidate.is_file() and os.access(candidate, os.X_OK):
         problem = paths.untrusted(candidate, home)
         if problem:
             raise ConfigError(f"refusing to run {candidate}: {problem}; remove it and rebuild with "
-                              f"scripts/build-llama-cpp.sh (or set {name.upper().replace('-', '_')} to a binary "
+                              f"scripts/build-llama-cpp.sh (or set {env_name} to a binary "
                               "you trust)")
         return candidate
+    if variant:
+        return None
     found = shutil.which(name)
     return Path(found) if found else None
 

@@ -324,6 +324,32 @@ def pipeline(folder: Path, settings: Settings):
         raise OpenVINOError(f"LLMPipeline({folder}) failed: {str(exc).splitlines()[0][:300]}") from None
 
 
+PROBE_TOKENS = 4
+PROBE_DEADLINE_S = 180.0  # building and compiling a pipeline of a 135M model takes a few seconds here
+
+
+def probe(args: dict) -> None:
+    """Build the pipeline of `args["folder"]` with `args["settings"]` and decode PROBE_TOKENS greedy tokens: what
+    the child of `probe_command` runs before the configuration is loaded into infer-tune's process."""
+    import openvino_genai as og
+
+    settings = Settings.from_dict(dict(args["settings"]))
+    pipe = pipeline(Path(args["folder"]), settings)
+    config = og.GenerationConfig()
+    config.max_new_tokens = int(args.get("tokens", PROBE_TOKENS))
+    config.apply_chat_template = False
+    if settings.prompt_lookup:
+        config.num_assistant_tokens = settings.num_assistant_tokens
+        config.max_ngram_size = settings.max_ngram_size
+    pipe.generate("The capital of France is", config)
+
+
+def probe_command(folder: Path, settings: Settings) -> list[str]:
+    """The child's command line (engines/probe.py): this Python, the engine, the folder and the settings."""
+    args = {"folder": str(folder), "settings": asdict(settings), "tokens": PROBE_TOKENS}
+    return [sys.executable, "-m", "infer_tune.engines.probe", ENGINE, json.dumps(args, sort_keys=True)]
+
+
 class StepClock:
     """`openvino_genai.StreamerBase` subclass feeding a `TokenClock`: one `write` per decode step (a prompt-lookup
     step writes its accepted tokens at once), stamped with `perf_counter_ns` when it arrives."""
@@ -463,6 +489,44 @@ def perplexity(folder: Path, settings: Settings, scored: list[Scored]) -> float 
     return ppl_mod.perplexity(total_nll, total_tokens)
 
 
+_BOOLS = {"true": True, "on": True, "1": True, "yes": True, "false": False, "off": False, "0": False, "no": False}
+_INTS = ("group_size", "threads", "num_assistant_tokens", "max_ngram_size")
+
+
+def _value(key: str, value):
+    """One `--set` value as the Settings field's type (a recipe's YAML values arrive typed already)."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    try:
+        if isinstance(getattr(Settings(), key, None), bool):
+            return _BOOLS[text.lower()]
+        if key in _INTS:
+            return int(text)
+        if key == "ratio":
+            return float(text)
+    except (KeyError, ValueError):
+        raise ConfigError(f"openvino {key} takes {'true / false' if key not in _INTS + ('ratio',) else 'a number'}, "
+                          f"got {value!r}") from None
+    return text.upper() if key in ("hint",) else text
+
+
+def parse_settings(pairs) -> dict:
+    """`KEY=VALUE` strings (`bench --engine openvino --set ...`) or a mapping (a recipe's `settings`) -> the
+    checked settings that differ from OpenVINO's default (`Settings.to_dict`); ConfigError names a bad one."""
+    if isinstance(pairs, dict):
+        items = list(pairs.items())
+    else:
+        items = []
+        for pair in pairs or ():
+            key, sep, value = str(pair).partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"--set takes KEY=VALUE, got {pair!r}")
+            items.append((key.strip().replace("-", "_"), value))
+    values = {key: _value(key, value) for key, value in items}
+    return Settings.from_dict(values).to_dict()
+
+
 def _version() -> dict:
     from importlib import metadata
 
@@ -487,5 +551,5 @@ OPENVINO = register_engine(Engine(
     },
     unsupported={"lean": "the compiled loop is infer-tune's own engine",
                  "llama-cpp": "a GGUF runs on the llama.cpp engine"},
-    version=_version,
+    version=_version, parse_settings=parse_settings, scenario="infer_tune.scenarios.openvino_tune", probe=probe,
 ))

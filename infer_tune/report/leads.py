@@ -92,6 +92,8 @@ def decode_speedup(doc: ResultDocument, docs: Sequence[ResultDocument] = (), vs:
     compared = (doc.get("metrics") or {}).get("compared_with")
     if isinstance(compared, str) and compared:
         vs = compared
+    elif not doc.get("baseline_run_id") and doc.speedup is None:
+        return Lead((), "- (no baseline of its own)")  # e.g. bench --endpoint of a server without --baseline
     figures = [Figure("decode", doc.speedup, "x", doc.speedup_ci95)]
     if doc.ttft_speedup is not None:
         figures.append(Figure("TTFT", doc.ttft_speedup, "x", doc.interval("ttft_speedup_vs_baseline")))
@@ -142,13 +144,25 @@ def engine_columns(doc: ResultDocument, docs: Sequence[ResultDocument]) -> Lead:
     engine = (doc.config or {}).get("engine") or "the engine"
     if doc.extra.get("engine_status") == "default" or not doc.baseline_run_id:
         return Lead((), f"reference of the {engine} rows" if doc.extra.get("engine_status") == "default" else "-")
-    vs = f"{engine} default launch (f16 GGUF, default flags; same run)"
+    vs = default_vs(engine, doc, docs)
     objective = doc.objective if doc.objective in ENGINE_OBJECTIVES else "decode"
     if objective == "decode":
         return decode_speedup(doc, docs, vs)
     key = OBJECTIVES[objective]
     name = {"ttft": "TTFT", "throughput": "throughput"}[objective]
     return Lead((Figure(name, finite(doc.metrics.get(key)), "x", interval(doc.metrics, key)),), vs)
+
+
+def default_vs(engine: str, doc: ResultDocument, docs: Sequence[ResultDocument]) -> str:
+    """What an engine row is compared with: its engine's default (a launch for a server) of the same run, with
+    the default row's settings (its label after the engine's name; "default flags" when it has none)."""
+    from infer_tune.engines.base import ENGINES
+
+    base = next((d for d in docs if d.get("run_id") == doc.baseline_run_id), None)
+    settings = str(base.get("label") or "").removeprefix(engine).strip() if base is not None else ""
+    entry = ENGINES.get(engine)
+    kind = " launch" if entry is None or entry.starts == "server" else ""
+    return f"{engine} default{kind} ({settings if settings and settings != 'default' else 'default flags'}; same run)"
 
 
 def leads(docs: Sequence[ResultDocument]) -> dict[str, Lead]:

@@ -133,7 +133,8 @@ def ended(started: lm.Started, phase: str, grace_s: float = 0.0) -> crash.Crash 
 
 
 def crashed_doc(spec: RunSpec, found: crash.Crash, env: dict | None, objective: str | None = None) -> ResultDocument:
-    """The result row of a launch that crashed: nothing measured, `engine_status: crashed` and `crash` (the
+    """The result row of a launch (or an in-process engine's child, engines/crash.py `run_child`) that crashed:
+    nothing measured, `engine_status: crashed` and `crash` (the
     signal or the hang, its log's tail, the reproducer); never eligible, never a winner."""
     from infer_tune import env as envinfo
     from infer_tune import results
@@ -142,16 +143,22 @@ def crashed_doc(spec: RunSpec, found: crash.Crash, env: dict | None, objective: 
     argv = found.reproducer.get("argv") or []
     binary = found.reproducer.get("binary")
     engine = found.label.split(" ", 1)[0]
+    in_process = engine in ENGINES and ENGINES[engine].starts == "in-process"
+    build_key = "build" if in_process else "llama_cpp"  # a launched server's build, as its measured rows keep it
     doc = ResultDocument(
         run_id=results.new_run_id(TECHNIQUE, found.label), created_at=results.created_stamp(),
         tool=envinfo.tool_info(), env=env, model={"ref": spec.model}, technique=TECHNIQUE, label=found.label,
         config={"engine": engine, "settings": found.settings,
                 "launch": {"engine": engine, "model": spec.model, "settings": found.settings,
                            "argv": [Path(binary).name] + argv if binary else argv,
-                           **({"llama_cpp": found.reproducer["build"]} if found.reproducer.get("build") else {})}},
-        runner="endpoint", workload=spec.workload.to_dict(), protocol=None, metrics={"measured": False},
+                           **({build_key: found.reproducer["build"]} if found.reproducer.get("build") else {})}},
+        runner=ENGINES[engine].runner if engine in ENGINES else "endpoint", workload=spec.workload.to_dict(),
+        protocol=None, metrics={"measured": False},
         samples={}, objective=objective,
         fingerprint=results.fingerprint("engine-crashed", found.label, found.settings, found.how, found.phase))
+    if engine in ENGINES:  # the engine, its build and the command line that crashed, as a measured row names them
+        doc.set_engine(engine, found.reproducer.get("build") or ENGINES[engine].identity(),
+                       [Path(binary).name] + argv if binary else argv)
     _mark(doc, engine_status="crashed", eligible=False, engine_reason=found.summary, crash=found.to_dict())
     return doc
 
@@ -248,6 +255,12 @@ def run_engine_bench(spec: RunSpec, launch: lm.Launch, *, against_default: bool 
     return save_rows(spec.out_dir, rows)
 
 
+def bench(spec: RunSpec, engine: str, settings: dict, *, progress: Progress | None = None) -> list[ResultDocument]:
+    """`bench --engine E --set ...` of a launched engine (engines/base.py `Engine.scenario`): `run_engine_bench`
+    of the launch of `spec.model` with those settings."""
+    return run_engine_bench(spec, lm.Launch(engine, spec.model, settings), progress=progress)
+
+
 # --------------------------------------------------------------------------- tune --engine
 @dataclass
 class EngineTuneSpec:
@@ -288,6 +301,10 @@ def candidates(spec: EngineTuneSpec, model: str, threads: int | None = None) -> 
     found: list[dict] = [{"gguf": "q8_0"}, {"gguf": "q4_0"}, {"gguf": "q4_k_m"}, {"gguf": "imatrix-q4_k_m"},
                          {"gguf": "iq4_xs"}, dict(calibrated), {"gguf": "imatrix-q4_0"}, {**calibrated, **fa},
                          {**calibrated, "cache_type_k": "q8_0", "cache_type_v": "q8_0", **fa}]
+    if lm.amx_ready():
+        # llama.cpp's AMX matmul (Q4_0 among its types), from the second build that keeps it: GGML_NATIVE's AMX
+        # kernels died with SIGILL in ggml_backend_amx_mul_mat on this AMX Xeon, so a crash is a quarantined row
+        found.insert(2, {"gguf": "q4_0", "amx": True})
     if spec.objective == "throughput":
         found[1:1] = [{"gguf": "q4_0", "parallel": 4}, {**calibrated, "parallel": 4}]
     elif spec.objective == "decode":
@@ -543,6 +560,15 @@ def run_engine_tune(spec: RunSpec, tspec: EngineTuneSpec, *, settings_list: list
     return EngineTuneOutcome(baseline=base_doc, rows=docs, refused=refused, winner=winner_doc,
                              recommended=recommended, command=list(winner_started.command),
                              elapsed_s=time.monotonic() - start, notes=notes, crashed=crashed_docs)
+
+
+def tune_spec(engine: str, **budgets) -> EngineTuneSpec:
+    """`tune --engine E`'s spec for a launched engine (engines/base.py `Engine.scenario`)."""
+    return EngineTuneSpec(engine=engine, **budgets)
+
+
+def tune(spec: RunSpec, tspec: EngineTuneSpec, *, progress: Progress | None = None) -> EngineTuneOutcome:
+    return run_engine_tune(spec, tspec, progress=progress)
 
 
 def write_recommended(spec: RunSpec, started: lm.Started, doc: ResultDocument) -> Path:

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from infer_tune.engines import crash
 from infer_tune.engines import openvino as ovm
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import noise
@@ -33,6 +36,7 @@ from infer_tune.scenarios.engine_tune import (
     OBJECTIVE_RATIO,
     EngineTuneOutcome,
     _mark,
+    crashed_doc,
     decide,
     write_engine_recipe,
 )
@@ -77,15 +81,35 @@ def _row_config(settings: ovm.Settings, prepared) -> dict:
                        "export": record}}
 
 
-def run_openvino_tune(spec: RunSpec, tspec: OpenVINOTuneSpec, *, settings_list: list[dict] | None = None,
-                      progress: Progress | None = None) -> EngineTuneOutcome:
-    """The search (module docstring)."""
+@dataclass
+class Measurement:
+    """OpenVINO's default and each wanted setting measured in one set of interleaved rounds (`measure`)."""
+
+    default: ovm.Settings
+    base_folder: Path
+    rows: list[Row]  # the default's first, then one per setting that built, in `live`'s order
+    crashed: list  # unsaved rows of the settings whose child process died or hung (engines/crash.py)
+    live: list[tuple[ovm.Settings, Path, object]]  # (settings, export folder, prepared) of each built setting
+    refused: list[dict]
+    started: float  # time.monotonic() at the start
+
+
+def measure(spec: RunSpec, wanted: list[dict], *, objective: str, seed: int = 0, budget_s: float | None = None,
+            probe_deadline_s: float | None = None, progress: Progress | None = None) -> Measurement:
+    """The default (the int8 export, default properties, `spec.threads`) and every setting of `wanted` that
+    exports and builds (one that does not is `refused` with its reason) measured in the sweep engine's
+    interleaved rounds, each row with its perplexity from the exported model's logits and, against the
+    default, `ppl_delta_pct`, the speed ratios with their intervals, BLEU drift and exact match. `budget_s`:
+    the rounds end by then (what is left of it after the exports, at least 30 s); None: `spec.protocol`'s.
+    Each configuration runs first in a child process (`ovm.probe_command`, at most `probe_deadline_s`, else
+    ovm.PROBE_DEADLINE_S): one whose child dies by a signal or hangs is a `crashed` row (`crashed`, its reproducer) and is quarantined; a
+    setting listed twice is built once; the default crashing saves its row and raises EngineCrashed."""
     from infer_tune import rounds
     from infer_tune.runners.generation import eos_ids
 
     why = ovm.available()
     if why:
-        raise ConfigError(f"tune --engine openvino: {why}")
+        raise ConfigError(f"engine {ovm.ENGINE}: {why}")
     start = time.monotonic()
     run = open_run(spec, progress)
     loaded, inputs = run.loaded, run.inputs
@@ -94,33 +118,65 @@ def run_openvino_tune(spec: RunSpec, tspec: OpenVINOTuneSpec, *, settings_list: 
     scored = ppl_mod.reference_sequences(loaded.tokenizer, inputs.rendered, [p.reference for p in inputs.prompts])
     threads = {"threads": spec.threads} if spec.threads else {}
     default = ovm.Settings(**threads)
-    wanted = settings_list if settings_list is not None else candidates(tspec)
     refused: list[dict] = []
-    notes: list[str] = []
+    crashed: list = []
+    quarantine = crash.Quarantine()  # what crashed or was refused here is never built again in this search
+    logs = Path(tempfile.mkdtemp(prefix="infer-tune-probe-"))
 
     def build(settings: ovm.Settings):
+        """Export, then the engine run for a few tokens in a child process (engines/crash.py `run_child`): a child
+        that dies or hangs raises EngineCrashed with its Crash and never reaches this process."""
         folder = ovm.export(checkpoint, settings, progress)
+        target = crash.InProcess(ovm.ENGINE, spec.model, settings.to_dict(), settings.label)
+        end = crash.run_child(target, ovm.probe_command(folder, settings),
+                              deadline_s=probe_deadline_s or ovm.PROBE_DEADLINE_S,
+                              log_path=logs / f"probe-{len(list(logs.iterdir()))}.log",
+                              files={"ir": folder / "openvino_model.bin"})
+        if end.crash is not None:
+            raise crash.EngineCrashed(end.crash)
+        if end.code != 0:
+            raise ovm.OpenVINOError(f"the engine refused it: {(end.tail or [f'exit code {end.code}'])[-1]}")
         return folder, ovm.prepare(folder, settings, loaded.tokenizer, eos)
 
-    base_folder, base_prepared = build(default)
+    try:
+        base_folder, base_prepared = build(default)
+    except crash.EngineCrashed as exc:  # nothing to compare with: its row, then the end (exit 1)
+        saved = save_rows(spec.out_dir, [Row(crashed_doc(spec, exc.crash, run.ctx.env, objective))])
+        raise crash.EngineCrashed(exc.crash, row=saved[0].location) from None
     live = []
     for i, values in enumerate(wanted):
         if progress:
-            progress(f"openvino {values}", i + 1, len(wanted) + 1)
+            progress(f"{ovm.ENGINE} {values}", i + 1, len(wanted) + 1)
+        label = f"{ovm.ENGINE} " + " ".join(f"{k}={v}" for k, v in values.items())
         try:
             settings = ovm.Settings.from_dict({**values, **threads})
+        except ConfigError as exc:
+            refused.append({"label": label, "settings": values, "reason": str(exc).splitlines()[0][:200]})
+            continue
+        target = crash.InProcess(ovm.ENGINE, spec.model, settings.to_dict(), settings.label)
+        if target in quarantine:
+            refused.append({"label": label, "settings": values,
+                            "reason": f"listed again: quarantined ({quarantine.why(target)}), not retried"})
+            continue
+        try:
             folder, prepared = build(settings)
+        except crash.EngineCrashed as exc:
+            quarantine.add(target, exc.crash.summary)
+            crashed.append(crashed_doc(spec, exc.crash, run.ctx.env, objective))
+            continue
         except (ConfigError, ovm.OpenVINOError) as exc:
-            refused.append({"label": "openvino " + " ".join(f"{k}={v}" for k, v in values.items()),
-                            "settings": values, "reason": str(exc).splitlines()[0][:200]})
+            quarantine.add(target, "refused")
+            refused.append({"label": label, "settings": values, "reason": str(exc).splitlines()[0][:200]})
             continue
         live.append((settings, folder, prepared))
-    spent = time.monotonic() - start
-    protocol = dataclasses.replace(spec.protocol, max_duration_s=max(30.0, 0.8 * (tspec.budget_s - spent)))
-    variants = [rounds.Variant("default", base_prepared, ovm.ENGINE, objective=tspec.objective)] + [
-        rounds.Variant(f"{i}:{s.label}", p, ovm.ENGINE, objective=tspec.objective) for i, (s, _, p) in enumerate(live)]
+    protocol = spec.protocol
+    if budget_s is not None:
+        spent = time.monotonic() - start
+        protocol = dataclasses.replace(protocol, max_duration_s=max(30.0, 0.8 * (budget_s - spent)))
+    variants = [rounds.Variant("default", base_prepared, ovm.ENGINE, objective=objective)] + [
+        rounds.Variant(f"{i}:{s.label}", p, ovm.ENGINE, objective=objective) for i, (s, _, p) in enumerate(live)]
     before = noise.HostSnapshot.take()
-    outcome = rounds.run_rounds(variants, inputs, spec.workload, protocol, seed=tspec.seed, progress=progress)
+    outcome = rounds.run_rounds(variants, inputs, spec.workload, protocol, seed=seed, progress=progress)
     host = (before, noise.HostSnapshot.take())
     env = run.ctx.env
     base_doc, base_outputs = build_document(
@@ -132,7 +188,7 @@ def run_openvino_tune(spec: RunSpec, tspec: OpenVINOTuneSpec, *, settings_list: 
         progress("perplexity", 0, len(live) + 1)
     base_ppl = ovm.perplexity(base_folder, default, scored)
     base_doc.add_metrics({"ppl": base_ppl, "ppl_source": "openvino logits"}, source="the exported model's logits")
-    base_doc.objective = tspec.objective
+    base_doc.objective = objective
     rows = [Row(base_doc, base_outputs)]
     for k, ((settings, folder, prepared), variant) in enumerate(zip(live, variants[1:])):
         doc, outputs = build_document(
@@ -147,16 +203,43 @@ def run_openvino_tune(spec: RunSpec, tspec: OpenVINOTuneSpec, *, settings_list: 
         if ppl and base_ppl:
             doc.add_metrics({"ppl_delta_pct": 100.0 * (ppl - base_ppl) / base_ppl},
                             source="the default's perplexity")
-        doc.objective = tspec.objective
+        doc.objective = objective
         rows.append(Row(doc, outputs))
     for _, _, prepared in [(None, None, base_prepared), *live]:
         prepared.runner_options.pop("pipeline", None)  # the pipeline is freed before the rows are written
+    shutil.rmtree(logs, ignore_errors=True)  # a crash kept its log's tail in its row
+    return Measurement(default, base_folder, rows, crashed, live, refused, start)
+
+
+def bench(spec: RunSpec, engine: str, settings: dict, *, progress: Progress | None = None) -> list:
+    """`bench --engine openvino --set ...` (and `bench --recipe` of `tune --engine openvino`'s recommended.yaml):
+    OpenVINO's default and, when `settings` differ from it, those settings, in the same interleaved rounds
+    (`measure`, `spec.protocol`'s budget); the rows saved, the default marked `default`. A setting that cannot
+    be exported or built is a ConfigError with its reason (nothing to measure)."""
+    wanted = [settings] if settings != ovm.Settings().to_dict() else []
+    m = measure(spec, wanted, objective="decode", progress=progress)
+    if m.refused:
+        raise ConfigError(f"{m.refused[0]['label']}: {m.refused[0]['reason']}")
+    _mark(m.rows[0].doc, eligible=True, engine_status="default")
+    for r in m.rows[1:]:
+        _mark(r.doc, engine_status="measured")
+    return save_rows(spec.out_dir, m.rows + [Row(doc) for doc in m.crashed])
+
+
+def run_openvino_tune(spec: RunSpec, tspec: OpenVINOTuneSpec, *, settings_list: list[dict] | None = None,
+                      progress: Progress | None = None) -> EngineTuneOutcome:
+    """The search (module docstring)."""
+    wanted = settings_list if settings_list is not None else candidates(tspec)
+    m = measure(spec, wanted, objective=tspec.objective, seed=tspec.seed, budget_s=tspec.budget_s, progress=progress)
+    rows, live, default, base_folder = m.rows, m.live, m.default, m.base_folder
+    notes: list[str] = []
+    base_doc = rows[0].doc
     winner = decide([r.doc for r in rows[1:]], tspec)
     _mark(base_doc, eligible=True, engine_status="default")
     for r in rows[1:]:
         _mark(r.doc, engine_status="winner" if r.doc is winner else "measured")
-    saved = save_rows(spec.out_dir, rows)
-    base_saved, docs = saved[0], saved[1:]
+    saved = save_rows(spec.out_dir, rows + [Row(doc) for doc in m.crashed])
+    base_saved, docs, crashed = saved[0], saved[1:len(rows)], saved[len(rows):]
     winner_doc = next((d for d in docs if d.get("engine_status") == "winner"), base_saved)
     if winner is None:
         notes.append("no setting's interval cleared OpenVINO's default within the quality budget: the default stands")
@@ -170,9 +253,18 @@ def run_openvino_tune(spec: RunSpec, tspec: OpenVINOTuneSpec, *, settings_list: 
     settings = next((s for (s, _, _), r in zip(live, rows[1:]) if r.doc is winner), default)
     folder = next((f for (_, f, _), r in zip(live, rows[1:]) if r.doc is winner), base_folder)
     recommended = write_recommended(spec, settings, folder, winner_doc)
-    return EngineTuneOutcome(baseline=base_saved, rows=docs, refused=refused, winner=winner_doc,
+    return EngineTuneOutcome(baseline=base_saved, rows=docs, refused=m.refused, winner=winner_doc,
                              recommended=recommended, command=launch_command(folder, settings),
-                             elapsed_s=time.monotonic() - start, notes=notes)
+                             elapsed_s=time.monotonic() - m.started, notes=notes, crashed=crashed)
+
+
+def tune_spec(engine: str, **budgets) -> OpenVINOTuneSpec:
+    """`tune --engine openvino`'s spec (engines/base.py `Engine.scenario`)."""
+    return OpenVINOTuneSpec(engine=engine, **budgets)
+
+
+def tune(spec: RunSpec, tspec: OpenVINOTuneSpec, *, progress: Progress | None = None) -> EngineTuneOutcome:
+    return run_openvino_tune(spec, tspec, progress=progress)
 
 
 def launch_command(folder: Path, settings: ovm.Settings) -> list[str]:

@@ -54,12 +54,12 @@ def plan_from_config(model: str, config, source: str = "") -> ServePlan:
 def plan_from_recipe(path: str, index: int | None = None, model: str | None = None) -> ServePlan:
     """The plan of a recipe's config: its only one, or `configs[index]` of its first stage."""
     from infer_tune.engines.slots import SLOTS
-    from infer_tune.recipe import build_configs, engine_launch, expand_stages, load_recipe
+    from infer_tune.recipe import build_configs, engine_settings, expand_stages, load_recipe
 
     loaded = load_recipe(path)
-    if engine_launch(loaded) is not None:
-        raise ConfigError(f"recipe {path} names engine {loaded.engine}, a server of its own: serve runs the "
-                          f"{SLOTS.name} engine (start that one with bench --recipe {path})")
+    if engine_settings(loaded) is not None:  # a launched server or OpenVINO: run from its own settings
+        raise ConfigError(f"recipe {path} names engine {loaded.engine}, run from its own settings: serve runs the "
+                          f"{SLOTS.name} engine (measure that one with bench --recipe {path})")
     recipe = expand_stages(loaded)[0]
     configs = build_configs(recipe)
     if not configs:
