@@ -175,3 +175,19 @@ def test_usage_counts_the_cached_tokens_and_metrics_reports_the_hit_rate(tokeniz
     assert "# TYPE infer_tune_requests_waiting gauge" in text.decode()
     assert status_h == 200 and health["prefix_cache_hit_rate"] == pytest.approx(metrics[
         "infer_tune_prefix_cache_hit_rate"], abs=1e-4)
+
+
+def test_keeping_a_slots_prefix_never_evicts_the_entry_being_copied_in():
+    """The store at its budget, its oldest entry the best match of a new prompt, the free slot holding a prefix
+    worth keeping: keeping that prefix evicts under the budget, and the entry being copied in is not the one
+    evicted (it was the oldest: a KeyError stopped the engine in a 32-session multi-turn run)."""
+    per = 2 * 2 * 4 * 4
+    cache, keys, _ = _cache(slots=1, budget=16 * per)
+    cache.release(0, list(range(10, 18)))  # 8 ids
+    cache.place(list(range(50, 58)), [0])  # the 8 go to the store (entry A, the oldest)
+    cache.release(0, list(range(60, 68)))  # 8 more ids resident
+    cache.place(list(range(70, 78)), [0])  # they go to the store too (entry B): the store is full
+    cache.release(0, list(range(80, 88)))  # another prefix resident, worth keeping
+    slot, reused = cache.place(list(range(10, 18)) + [99], [0])  # A is the best match
+    assert (slot, reused) == (0, 8) and torch.equal(cache.resident[0], torch.arange(10, 18))
+    assert cache.bytes <= cache.budget_bytes and cache.counters["evicted"] >= 1

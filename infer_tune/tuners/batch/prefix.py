@@ -88,9 +88,11 @@ class PrefixCache:
         self.counters["prompt_tokens"] += len(ids)
         if best > shared[slot]:
             slot = min(free, key=lambda s: (shared[s], len(self.resident[s])))
-            self._keep(slot)
+            # taken (and made the most recent) before the slot's own prefix is kept: keeping it may evict the
+            # oldest entries under the budget, which could be this one
             entry = self.store[best_key]
             self.store.move_to_end(best_key)
+            self._keep(slot)
             for tensor, rows in zip(self.tensors, entry.rows):
                 tensor[slot, :, :best].copy_(rows[:, :best])
             self.resident[slot], self.kept[slot] = entry.ids[:best].clone(), True
