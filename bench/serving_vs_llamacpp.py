@@ -461,7 +461,7 @@ def compare_sessions(args, state: dict) -> None:
             side.run = dataclasses.replace(side.run, conversations=kept)
         for side in sides:
             warm_up(side, args, workload, spec)
-        for repeat in range(args.repeats):
+        for repeat in range(args.repeat_from, args.repeats):
             for k, rate in enumerate(args.rates):
                 cell = repeat * len(args.rates) + k
                 for side in sides[cell % 3:] + sides[:cell % 3]:
@@ -622,6 +622,9 @@ def main() -> None:
     p.add_argument("--cache-mib", type=float, default=1024.0, help="multi-turn: infer-tune serve --cache-mib")
     p.add_argument("--cache-reuse", type=int, default=0,
                    help="multi-turn: llama-server --cache-reuse N (0: not passed, its default)")
+    p.add_argument("--repeat-from", type=int, default=0,
+                   help="multi-turn: run repeats from this one on, keeping the state file's earlier repeats (a repeat "
+                        "that a failure spoiled, measured again; the state records which repeats ran when)")
     p.add_argument("--table", action="store_true", help="print the table of the state file and stop")
     p.add_argument("--markdown", action="store_true", help="with --table: as markdown (docs/results.md)")
     args = p.parse_args()
@@ -637,6 +640,14 @@ def main() -> None:
              "args": {k: v for k, v in vars(args).items() if k not in ("table", "markdown")},
              "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
              "infer_tune_commit": git_commit()}
+    if args.repeat_from:  # the earlier repeats as the state file has them; this run measures the rest again
+        if not 0 < args.repeat_from < args.repeats or args.workload != "multi-turn":
+            raise SystemExit("--repeat-from must be 1 .. --repeats - 1, with --workload multi-turn")
+        saved = json.loads(Path(args.state).read_text())
+        kept = [r for r in saved["rows"] if r["repeat"] < args.repeat_from]
+        state = {**saved, "rows": kept, "rerun": saved.get("rerun", []) + [
+            {"repeats_from": args.repeat_from, "command": state["command"], "started": state["started"],
+             "infer_tune_commit": state["infer_tune_commit"], "dropped_rows": len(saved["rows"]) - len(kept)}]}
     if args.workload == "multi-turn":
         from infer_tune.errors import ConfigError
 
