@@ -196,14 +196,13 @@ def group_sizes(text: str) -> list[int]:
     return groups
 
 
-def build_ours(name: str, seed: int, ours_only: set[str], group: int = 32, screen: bool = True):
-    """(tokenizer, int4 a8 model in groups of `group`, facts): built layer by layer from the checkpoint's tensors
-    (or the seed's); kernels chosen by quantize's screen (`screen`), else left at their default (w4a8 where the
-    native kernels build: what the screen chose at every size measured here)."""
+def build_int4(name: str, seed: int, ours_only: set[str], group: int = 32):
+    """(tokenizer, int4 a8 model in groups of `group`, quantize's summary, its config, the weights' source,
+    seconds): built layer by layer from the checkpoint's tensors (or the seed's), kernels at their defaults."""
     import torch
 
     from infer_tune import models, weights
-    from infer_tune.tuners.quantize import QuantizeConfig, apply, kernel_choice
+    from infer_tune.tuners.quantize import QuantizeConfig, apply
 
     qconfig = QuantizeConfig(method="int4-rtn", activations="int8", group_size=group)
     if name in models.BUILTINS:
@@ -231,9 +230,18 @@ def build_ours(name: str, seed: int, ours_only: set[str], group: int = 32, scree
                         param.copy_(values(key, param.shape, param.dtype))
                     except models.ModelError:
                         pass  # not in the checkpoint: the constructor's value is the saved one
-    apply.quantize_layerwise(model, weights.Filler(model, values), qconfig)
-    model.eval()
-    build_s = time.monotonic() - started
+    summary = apply.quantize_layerwise(model, weights.Filler(model, values), qconfig)
+    return tokenizer, model.eval(), summary, qconfig, source, time.monotonic() - started
+
+
+def build_ours(name: str, seed: int, ours_only: set[str], group: int = 32, screen: bool = True):
+    """(tokenizer, int4 a8 model in groups of `group`, facts): `build_int4`; kernels chosen by quantize's screen
+    (`screen`), else left at their default (w4a8 where the native kernels build: what the screen chose at every
+    size measured here)."""
+    from infer_tune import weights
+    from infer_tune.tuners.quantize import kernel_choice
+
+    tokenizer, model, _, _, source, build_s = build_int4(name, seed, ours_only, group)
     started = time.monotonic()
     if screen:
         record = kernel_choice.choose_for_model(model, "int4-rtn", prefill_rows=64, group_size=group,
@@ -244,7 +252,7 @@ def build_ours(name: str, seed: int, ours_only: set[str], group: int = 32, scree
                           for m in model.modules() if hasattr(m, "decode_kernel")})
     return tokenizer, model, {"weights": source, "group_size": group, "build_s": round(build_s, 1),
                               "screen_s": round(time.monotonic() - started, 1) if screen else None,
-                              "params": weights.count_params(config), "kernels": kernels}
+                              "params": weights.count_params(model.config), "kernels": kernels}
 
 
 def phase(line: str) -> None:

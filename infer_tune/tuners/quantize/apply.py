@@ -201,10 +201,11 @@ def int8_head_class(config: QuantizeConfig, in_features: int) -> type:
 
 def build_head(tensors: dict[str, torch.Tensor], config: QuantizeConfig, *, tied: bool) -> nn.Module:
     """The output head from portable tensors (the embedding's own when tied)."""
-    if "qweight_int4" in tensors:
+    if "qweight_int4" in tensors or "qweight_w4a8" in tensors:  # the w4a8 layout: a saved Int4A8Linear's
         head = int4_class(config).from_portable(tensors, group_size=config.group_size)
     else:
-        head = int8_head_class(config, tensors["qweight"].shape[1]).from_portable(tensors)
+        in_features = tensors["qweight"].shape[1] if "qweight" in tensors else tensors["qweight_w8a8"].shape[1] * 32
+        head = int8_head_class(config, in_features).from_portable(tensors)
     head.tied = tied
     return head
 

@@ -383,6 +383,24 @@ def pack_w4a8(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, gro
     return torch.cat([sz.view(torch.uint8), nibbles], dim=-1).contiguous()
 
 
+def unpack_w4a8(w4a8: torch.Tensor, out_features: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The portable int4 tensors (packed uint8 [N, K/2], scale and zero bf16 [N, K/g]) of the w4a8 layout
+    `pack_w4a8` made: its exact inverse (the padding rows dropped)."""
+    tiles, groups, width = w4a8.shape
+    if width != 32 + 4 * group_size:
+        raise ValueError(f"a w4a8 tensor of groups of {group_size} has {32 + 4 * group_size} bytes a group, not {width}")
+    sz = w4a8[..., :32].contiguous().view(torch.bfloat16)  # [tiles, groups, 16]: low lanes' s, z, high lanes' s, z
+    low, high = LANE_ORDER[:4], LANE_ORDER[4:]
+    s, z = (sz.new_empty(tiles, groups, 8) for _ in range(2))
+    s[..., low], z[..., low], s[..., high], z[..., high] = sz[..., 0:4], sz[..., 4:8], sz[..., 8:12], sz[..., 12:16]
+    scale, zero = (t.permute(0, 2, 1).reshape(tiles * 8, groups)[:out_features].contiguous() for t in (s, z))
+    nibbles = w4a8[..., 32:].reshape(tiles, groups, group_size // 32, 4, 8, 4)  # [.., i, lane, r]
+    nibbles = nibbles.permute(0, 4, 1, 2, 3, 5)[:, [LANE_ORDER.index(o) for o in range(8)]]  # [tiles, 8, g, b, i, r]
+    halves = torch.stack([nibbles & 15, nibbles >> 4], dim=4)  # weight 16 half + 4 i + r of its block
+    q = halves.reshape(tiles * 8, groups * group_size)[:out_features]
+    return pack_nibbles(q), scale, zero
+
+
 class Int4A8Linear(Int4Linear):
     """int4 weights (as Int4Linear: the same stored tensors) with int8 activations: every row of the input is
     quantized per block of 32 (`fake_quantize_a8`), as llama.cpp's Q4 x Q8 dot products do. Numerics: the
@@ -397,28 +415,74 @@ class Int4A8Linear(Int4Linear):
     kind = "int4-a8"
     KERNELS = ("w4a8", "dequant")
 
-    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-                 bias: torch.Tensor | None = None) -> None:
+    def __init__(self, packed: torch.Tensor | None, scale: torch.Tensor | None, zero: torch.Tensor | None,
+                 group_size: int, bias: torch.Tensor | None = None, *, w4a8: torch.Tensor | None = None,
+                 out_features: int | None = None) -> None:
+        """From the portable tensors, or from the kernel's layout (`w4a8`, as `pack_w4a8` makes it, e.g. the
+        memory-mapped tensor of a saved checkpoint) with `out_features` (its rows before padding)."""
         from infer_tune import native
 
         kernel = "w4a8" if native.available()[0] else "dequant"
         self.decode_kernel = self.prefill_kernel = kernel
-        super().__init__(packed, scale, zero, group_size, bias)
+        PortableModule.__init__(self)
+        self.group_size = group_size
+        self.bias_f = None if bias is None else bias.detach().float()
+        self.tied = False
+        self._w4a8 = None
+        if w4a8 is not None and kernel != "w4a8":  # no native kernels here: the portable form, once
+            packed, scale, zero = unpack_w4a8(w4a8, out_features, group_size)
+            w4a8 = None
+        if w4a8 is not None:
+            self._w4a8, self._int4 = w4a8, None
+            self.out_features, self.in_features = out_features, w4a8.shape[1] * group_size
+        else:
+            self._int4 = (packed.contiguous(), scale.to(torch.bfloat16).contiguous(),
+                          zero.to(torch.bfloat16).contiguous())
+            self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 2
+        self._prepare_kernels()
+
+    # One copy of the weights: the portable tensors until the w4a8 layout exists, then that layout alone (the
+    # native step and the w4a8 kernel read it); the portable ones are unpacked from it when asked for (the
+    # dequant kernel, each call).
+    def int4_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(packed, scale, zero): the portable int4 tensors, kept or unpacked from the w4a8 layout."""
+        if self._int4 is not None:
+            return self._int4
+        return unpack_w4a8(self._w4a8, self.out_features, self.group_size)
+
+    packed = property(lambda self: self.int4_tensors()[0])
+    scale = property(lambda self: self.int4_tensors()[1])
+    zero = property(lambda self: self.int4_tensors()[2])
 
     def _prepare_kernels(self) -> None:
-        if "w4a8" in (self.decode_kernel, self.prefill_kernel) and getattr(self, "_w4a8", None) is None:
+        if "w4a8" in (self.decode_kernel, self.prefill_kernel) and self._w4a8 is None:
             from infer_tune import native
 
             native.w4a8()  # builds or loads the kernel; raises KernelUnavailable with the reason
-            self._w4a8 = pack_w4a8(self.packed, self.scale, self.zero, self.group_size)
+            self._w4a8 = pack_w4a8(*self._int4, self.group_size)
+        if self._w4a8 is not None:
+            self._int4 = None
 
     def _run_w4a8(self, rows: torch.Tensor) -> torch.Tensor:
         y = torch.ops.infer_tune_native.w4a8_mm(rows.float().contiguous(), self._w4a8, self.group_size)
         return y if y.shape[1] == self.out_features else y[:, :self.out_features]
 
     def _run_dequant(self, rows: torch.Tensor) -> torch.Tensor:
-        weight = dequantize_int4(self.packed, self.scale, self.zero, self.group_size)  # [N, K] fp32, per call
+        weight = dequantize_int4(*self.int4_tensors(), self.group_size)  # [N, K] fp32, per call
         return torch.nn.functional.linear(fake_quantize_a8(rows), weight)
+
+    def portable(self) -> dict[str, torch.Tensor]:
+        """The w4a8 layout (what the kernel and the native step read, so a load maps it and copies nothing) and
+        the row count before padding."""
+        w4a8 = self._w4a8 if self._w4a8 is not None else pack_w4a8(*self._int4, self.group_size)
+        return self._with_bias({"qweight_w4a8": w4a8, "out_features": torch.tensor([self.out_features])})
+
+    @classmethod
+    def from_portable(cls, t: dict[str, torch.Tensor], *, group_size: int, **_: object) -> Int4A8Linear:
+        if "qweight_w4a8" in t:
+            return cls(None, None, None, group_size, t.get("bias"), w4a8=t["qweight_w4a8"],
+                       out_features=int(t["out_features"][0]))
+        return cls(t["qweight_int4"], t["scale"], t["zero"], group_size, t.get("bias"))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", int8 activations per 32"
@@ -430,6 +494,12 @@ def pack_w8a8(qweight: torch.Tensor) -> torch.Tensor:
     n, k = qweight.shape
     q = torch.cat([qweight, qweight.new_zeros(-n % 8, k)]) if n % 8 else qweight
     return q.view(-1, 8, k // 32, 32).permute(0, 2, 1, 3).reshape(-1, k // 32, 8 * 32).contiguous()
+
+
+def unpack_w8a8(w8a8: torch.Tensor, out_features: int) -> torch.Tensor:
+    """int8 [N, K] of the w8a8 layout `pack_w8a8` made: its exact inverse (the padding rows dropped)."""
+    tiles, blocks, _ = w8a8.shape
+    return w8a8.view(tiles, blocks, 8, 32).permute(0, 2, 1, 3).reshape(tiles * 8, blocks * 32)[:out_features]
 
 
 class Int8A8Linear(PortableModule):
@@ -444,43 +514,62 @@ class Int8A8Linear(PortableModule):
     kind = "int8-a8"
     KERNELS = ("w8a8", "dequant")
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, qweight: torch.Tensor | None, scale: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 w8a8: torch.Tensor | None = None) -> None:
+        """From int8 weights [N, K], or from the kernel's layout (`w8a8`, as `pack_w8a8` makes it, e.g. the
+        memory-mapped tensor of a saved checkpoint); `scale` [N] either way."""
         from infer_tune import native
 
         self.decode_kernel = self.prefill_kernel = "w8a8" if native.available()[0] else "dequant"
         super().__init__()
-        self.out_features, self.in_features = qweight.shape
-        self.qweight_i8 = qweight.to(torch.int8).contiguous()
         self.weight_scale = scale.float().contiguous()
+        self.out_features = self.weight_scale.shape[0]
         self.bias_f = None if bias is None else bias.detach().float().contiguous()
         self.tied = False
+        self._w8a8 = None
+        if w8a8 is not None and self.decode_kernel != "w8a8":  # no native kernels here: the plain form, once
+            qweight, w8a8 = unpack_w8a8(w8a8, self.out_features).contiguous(), None
+        if w8a8 is not None:
+            self._qweight, self.in_features = None, w8a8.shape[1] * 32
+            self._w8a8 = (w8a8, self._padded_scale())
+        else:
+            self._qweight, self.in_features = qweight.to(torch.int8).contiguous(), qweight.shape[1]
         self._prepare_kernels()
 
+    def _padded_scale(self) -> torch.Tensor:
+        pad = -self.out_features % 8
+        return torch.cat([self.weight_scale, self.weight_scale.new_zeros(pad)]) if pad else self.weight_scale
+
     def _prepare_kernels(self) -> None:
-        if "w8a8" in (self.decode_kernel, self.prefill_kernel) and getattr(self, "_w8a8", None) is None:
+        if "w8a8" in (self.decode_kernel, self.prefill_kernel) and self._w8a8 is None:
             from infer_tune import native
 
             native.w4a8()  # builds or loads the kernels; raises KernelUnavailable with the reason
-            pad = -self.out_features % 8
-            self._w8a8 = (pack_w8a8(self.qweight_i8),
-                          torch.cat([self.weight_scale, self.weight_scale.new_zeros(pad)]) if pad else self.weight_scale)
+            self._w8a8 = (pack_w8a8(self._qweight), self._padded_scale())
+        if self._w8a8 is not None:  # one copy of the weights: the kernel's layout (qweight() unpacks it)
+            self._qweight = None
 
     def _run_w8a8(self, rows: torch.Tensor) -> torch.Tensor:
         y = torch.ops.infer_tune_native.w8a8_mm(rows.float().contiguous(), *self._w8a8)
         return y if y.shape[1] == self.out_features else y[:, :self.out_features]
 
     def _run_dequant(self, rows: torch.Tensor) -> torch.Tensor:
-        weight = self.qweight_i8.float() * self.weight_scale[:, None]  # [N, K], per call
+        weight = self.qweight().float() * self.weight_scale[:, None]  # [N, K], per call
         return torch.nn.functional.linear(fake_quantize_a8(rows), weight)
 
     def qweight(self) -> torch.Tensor:
-        return self.qweight_i8
+        """int8 [N, K]: kept, or unpacked from the w8a8 layout (a copy)."""
+        return self._qweight if self._qweight is not None else unpack_w8a8(self._w8a8[0], self.out_features)
 
     def portable(self) -> dict[str, torch.Tensor]:
-        return self._with_bias({"qweight": self.qweight_i8, "weight_scale": self.weight_scale})
+        """The w8a8 layout (what the kernel and the native step read, so a load maps it) and the scales."""
+        w8a8 = self._w8a8[0] if self._w8a8 is not None else pack_w8a8(self._qweight)
+        return self._with_bias({"qweight_w8a8": w8a8, "weight_scale": self.weight_scale})
 
     @classmethod
     def from_portable(cls, t: dict[str, torch.Tensor], **_: object) -> Int8A8Linear:
+        if "qweight_w8a8" in t:
+            return cls(None, t["weight_scale"], t.get("bias"), w8a8=t["qweight_w8a8"])
         return cls(t["qweight"], t["weight_scale"], t.get("bias"))
 
     def extra_repr(self) -> str:

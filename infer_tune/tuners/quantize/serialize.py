@@ -4,11 +4,18 @@ Layout of a saved directory:
   config.json, tokenizer files      the transformers config and tokenizer, as for any checkpoint
   model.safetensors                 float tensors by their usual names; each quantized layer's portable
                                     tensors under its name (`<layer>.qweight` int8, `<layer>.weight_scale`,
-                                    `<layer>.qweight_int4` uint8 two-per-byte, `.scale`, `.zero`, ...)
+                                    `<layer>.qweight_int4` uint8 two-per-byte, `.scale`, `.zero`, ...); an
+                                    int4 a8 layer its kernel's layout (`<layer>.qweight_w4a8` uint8, scales and
+                                    zeros inside, `.out_features`), an int8 a8 head its own (`.qweight_w8a8`
+                                    int8, `.weight_scale`): what the w4a8 / w8a8 kernels and the native step read
   quantization.json                 method, backend, layer kinds, scales summary, library versions
 
-Loading builds the model from config.json, swaps in the quantized modules named by quantization.json
-from their tensors, and loads the remaining float tensors strictly (a missing one is an error).
+Loading builds the model from config.json on the meta device, swaps in the quantized modules named by
+quantization.json from their tensors, and assigns the remaining float tensors (a missing one is an error).
+The tensors are safetensors' memory-mapped ones: an int4 a8 / int8 a8 layer holds the mapped bytes of its
+kernel's layout as they are (no copy, no float weights), so the weights are resident once, as the file's pages.
+Format version 1 (int4 a8 layers as `qweight_int4`, `scale`, `zero`; the int8 a8 head as `qweight`) still loads:
+those layers are packed on load.
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ from infer_tune.tuners.quantize.config import QuantizeConfig
 from infer_tune.tuners.quantize.modules import LINEAR_KINDS
 
 FORMAT = "infer-tune-quantized"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: int4 a8 / int8 a8 layers saved in their kernels' layouts
+READ_VERSIONS = (1, 2)
 MANIFEST = "quantization.json"
 
 
@@ -81,8 +89,9 @@ def read_manifest(path: str | Path) -> dict:
         manifest = jsonsafe.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelError(f"cannot read {file}: {exc}") from None
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-        raise ModelError(f"{file} is not an infer-tune quantized checkpoint of format version {FORMAT_VERSION}")
+    if manifest.get("format") != FORMAT or manifest.get("format_version") not in READ_VERSIONS:
+        raise ModelError(f"{file} is not an infer-tune quantized checkpoint of format version "
+                         f"{' or '.join(map(str, READ_VERSIONS))}")
     return manifest
 
 
