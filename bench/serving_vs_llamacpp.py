@@ -475,6 +475,53 @@ def compare_sessions(args, state: dict) -> None:
                     save(args, state)
 
 
+def compare_trace(args, state: dict) -> None:
+    """A timed trace (`--trace FILE --trace-format mooncake|burstgpt|jsonl`, its first `--requests`, or that many
+    synthesized from its statistics; arrivals times `--time-scale`) replayed `--repeats` times on ours with the
+    prefix cache and on llama-server with its prompt cache, the first of a repeat alternating; each row keyed by
+    the time scale (the `rate` column), `mismatches` its token-count mismatches (client against usage)."""
+    import dataclasses
+
+    from infer_tune.endpoint.config import EndpointConfig
+    from infer_tune.endpoint.workloads import WorkloadOptions
+    from infer_tune.scenarios.endpoint import run_endpoint_workload
+
+    spec = spec_of(args)
+    spec = dataclasses.replace(spec, workload=dataclasses.replace(spec.workload, seed=args.seed),
+                               protocol=Protocol(warmup=0, min_iterations=1, min_duration_s=0))
+    workload = WorkloadOptions(kind="trace", trace=args.trace, trace_format=args.trace_format,
+                               time_scale=args.time_scale, block_size=args.block_size)
+    slo = {"ttft_ms": args.slo_ttft, "tpot_ms": args.slo_tpot}
+    gguf = reference_gguf(args, state)
+    state["llama_server_extra"] = list(LLAMA_PROMPT_CACHE)
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(infer_tune_server(args, ("--prefix-cache", "--cache-mib", str(args.cache_mib)),
+                                                         ARMS[0])),
+                   stack.enter_context(llama_server(args, gguf, LLAMA_PROMPT_CACHE, args.context))]
+        for repeat in range(args.repeats):
+            for server in (servers if repeat % 2 == 0 else servers[::-1]):
+                config = EndpointConfig(url=server.url, served_model=server.served_model, api="chat", ignore_eos=True,
+                                        stream_usage=True, concurrency=max(64, args.requests), label=server.name)
+                started = time.perf_counter()
+                doc = run_endpoint_workload(spec, config, workload, model_given=True, requests=args.requests, slo=slo)
+                m = doc["metrics"]
+                cache = m.get("prefix_cache") or {}
+                row = {"engine": server.name, "rate": args.time_scale, "repeat": repeat,
+                       "throughput_tok_s": m["output_throughput_tok_s"], "ttft_p50": m["ttft_ms"]["p50"],
+                       "ttft_p90": m["ttft_ms"]["p90"], "tpot_p50": m["tpot_ms"]["p50"],
+                       "goodput_req_s": m.get("goodput_req_s"), "requests_ok": m.get("requests_ok"),
+                       "requests_failed": m.get("requests_failed"), "hit_rate": cache.get("hit_rate"),
+                       "mismatches": m.get("token_count_mismatches"), "wall_s": time.perf_counter() - started,
+                       "run_id": doc.get("run_id")}
+                state["rows"].append(row)
+                hit = "-" if row["hit_rate"] is None else f"{row['hit_rate']:.3f}"
+                print(f"r{repeat} trace x{args.time_scale:g} {server.name}: {row['throughput_tok_s']:.1f} tok/s, TTFT "
+                      f"p50 {row['ttft_p50']:.1f} ms, TPOT p50 {row['tpot_p50']:.2f} ms, goodput "
+                      f"{row['goodput_req_s']}, hit rate {hit}, failed {row['requests_failed']}, token-count "
+                      f"mismatches {row['mismatches']}, {row['wall_s']:.1f} s", flush=True)
+                save(args, state)
+
+
 def turn_keys(rows: list[dict]) -> list[int]:
     return sorted({int(k[len("ttft_p50_turn"):]) for r in rows for k in r if k.startswith("ttft_p50_turn")})
 
@@ -608,7 +655,7 @@ def main() -> None:
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--out", default="/tmp/infer-tune-serving-bench")
     p.add_argument("--state", default="/tmp/infer-tune-serving-bench.json")
-    p.add_argument("--workload", default="poisson", choices=("poisson", "multi-turn"),
+    p.add_argument("--workload", default="poisson", choices=("poisson", "multi-turn", "trace"),
                    help="poisson: single-turn requests; multi-turn: sessions (rates in sessions/s), three arms: "
                         "infer-tune serve with and without its prefix cache, llama-server with its prompt cache")
     p.add_argument("--sessions", type=int, default=16, help="multi-turn: sessions per rate and repeat")
@@ -619,7 +666,11 @@ def main() -> None:
     p.add_argument("--max-history-tokens", type=int, default=1024,
                    help="multi-turn: only conversations whose first --max-turns user turns total at most this "
                         "many tokens (with the answers and the template, under --context 2048)")
-    p.add_argument("--cache-mib", type=float, default=1024.0, help="multi-turn: infer-tune serve --cache-mib")
+    p.add_argument("--cache-mib", type=float, default=1024.0, help="multi-turn, trace: infer-tune serve --cache-mib")
+    p.add_argument("--trace", help="trace: the trace file (e.g. tests/data/traces/mooncake_sample.jsonl)")
+    p.add_argument("--trace-format", default="mooncake", choices=("mooncake", "burstgpt", "jsonl"))
+    p.add_argument("--time-scale", type=float, default=1.0, help="trace: arrival times multiplied by this")
+    p.add_argument("--block-size", type=int, default=512, help="trace: tokens per Mooncake hash block")
     p.add_argument("--cache-reuse", type=int, default=0,
                    help="multi-turn: llama-server --cache-reuse N (0: not passed, its default)")
     p.add_argument("--repeat-from", type=int, default=0,
@@ -648,6 +699,13 @@ def main() -> None:
         state = {**saved, "rows": kept, "rerun": saved.get("rerun", []) + [
             {"repeats_from": args.repeat_from, "command": state["command"], "started": state["started"],
              "infer_tune_commit": state["infer_tune_commit"], "dropped_rows": len(saved["rows"]) - len(kept)}]}
+    if args.workload == "trace":
+        if not args.trace:
+            raise SystemExit("--workload trace needs --trace FILE")
+        compare_trace(args, state)
+        save(args, state)
+        table(state)
+        return
     if args.workload == "multi-turn":
         from infer_tune.errors import ConfigError
 
