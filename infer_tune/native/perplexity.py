@@ -25,26 +25,13 @@ def native_rows_nll(model: torch.nn.Module, parts: dict, scored: Sequence[Scored
     values into the cache before the rows after it attend to them, as the prompt and the decoded tokens do when
     the step serves; each target is scored from the row before it. The `ppl` of a row decoding on the int8 cache
     (PreparedModel.scorer)."""
-    from infer_tune.native.step import NativeCache
+    from infer_tune.native.step import NativeCache, NativeCachedStep
 
     total_nll, total_tokens = 0.0, 0
     for context, targets in scored:
         ids = torch.tensor(context + targets[:-1], dtype=torch.long)  # row i predicts token i + 1
-        cache = NativeCache(parts, 1, -(-len(ids) // 128) * 128, kv_dtype)
-        step = cache.step(parts)
-        embed = model.get_input_embeddings()
-        first = len(context) - 1  # the row that predicts the first target
-        rows = []
-        for start in range(0, len(ids), chunk):
-            part = ids[start:start + chunk]
-            keep = [i for i in range(len(part)) if start + i >= first] or [len(part) - 1]
-            logits = step.step_mixed(embed(part.view(-1, 1)).reshape(len(part), -1),
-                                     torch.zeros(len(part), dtype=torch.long),
-                                     torch.arange(start, start + len(part), dtype=torch.long), 0,
-                                     torch.tensor(keep, dtype=torch.long))
-            if start + len(part) > first:
-                rows.append(logits[:, :parts["vocab"]].float())
-        logits = torch.cat(rows)[-len(targets):]
+        step = NativeCachedStep(model, NativeCache(parts, 1, -(-len(ids) // 128) * 128, kv_dtype), parts, chunk)
+        logits = step.rows(ids, 0, len(context) - 1).float()  # from the row that predicts the first target
         total_nll += float(torch.nn.functional.cross_entropy(logits, torch.tensor(targets), reduction="sum"))
         total_tokens += len(targets)
     return total_nll, total_tokens

@@ -318,28 +318,39 @@ class NativeStep:
 
 
 class NativeCachedStep:
-    """The lean loop's native step over a one-row `NativeCache` of its own (an int8 cache, which only step.cpp
-    reads and writes): `prefill(input_ids [1, P]) -> logits [1, 1, vocab]` runs the prompt through the native step
-    too (`step_mixed`, `chunk` rows a call), then `step(input_ids [1, 1], cache_position [1])` as `NativeStep`."""
+    """The native step over a one-row `NativeCache` of its own (the lean loop's int8 cache, which only step.cpp
+    reads and writes; the speculative verifier's; a perplexity pass's): `rows(ids, start, keep_from)` runs ids as
+    consecutive rows of the slot from position `start` on (`step_mixed`, `chunk` rows a call: each row writes its
+    keys and values before the rows after it attend, and gets the values of a step of its own), `prefill` a
+    prompt, and `step(input_ids [1, 1], cache_position [1])` as `NativeStep`."""
 
-    def __init__(self, model: torch.nn.Module, cache: NativeCache, parts: dict, chunk: int = 128) -> None:
+    def __init__(self, model: torch.nn.Module, cache: NativeCache, parts: dict, chunk: int | None = 128) -> None:
         self.embed = model.get_input_embeddings()
         self.cache, self.parts, self.chunk = cache, parts, chunk
         self._native = cache.step(parts)
 
+    def rows(self, ids: torch.Tensor, start: int = 0, keep_from: int = 0) -> torch.Tensor:
+        """`ids` [n] at positions start.. -> the logits of rows keep_from..n-1 [n - keep_from, vocab] (a call
+        that keeps none of its rows asks for its last, dropped)."""
+        ids = ids.reshape(-1)
+        n = len(ids)
+        if start + n > self.cache.length:
+            raise ValueError(f"{start + n} positions do not fit a cache of {self.cache.length}")
+        kept = []
+        for first in range(0, n, self.chunk or n):
+            part = ids[first:first + (self.chunk or n)]
+            keep = [i for i in range(len(part)) if first + i >= keep_from]
+            logits = self._native.step_mixed(self.embed(part.view(-1, 1)).reshape(len(part), -1),
+                                             torch.zeros(len(part), dtype=torch.long),
+                                             torch.arange(start + first, start + first + len(part), dtype=torch.long),
+                                             0, torch.tensor(keep or [len(part) - 1], dtype=torch.long))
+            if keep:
+                kept.append(logits)
+        return torch.cat(kept)[:, :self.parts["vocab"]]
+
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
-        ids = input_ids.reshape(-1)
-        if len(ids) > self.cache.length:
-            raise ValueError(f"a prompt of {len(ids)} tokens does not fit a cache of {self.cache.length}")
-        logits = None
-        for start in range(0, len(ids), self.chunk):
-            part = ids[start:start + self.chunk]
-            rows = len(part)
-            logits = self._native.step_mixed(self.embed(part.view(-1, 1)).reshape(rows, -1),
-                                             torch.zeros(rows, dtype=torch.long),
-                                             torch.arange(start, start + rows, dtype=torch.long), 0,
-                                             torch.tensor([rows - 1], dtype=torch.long))
-        return logits[:, :self.parts["vocab"]].unsqueeze(0)
+        """The prompt [1, P] into the cache from position 0 -> its last position's logits [1, 1, vocab]."""
+        return self.rows(input_ids, 0, input_ids.numel() - 1).unsqueeze(0)
 
     def __call__(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         logits = self._native.step(self.embed(input_ids).reshape(1, -1), int(cache_position[0]))

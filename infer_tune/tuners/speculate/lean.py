@@ -172,30 +172,25 @@ class NativeVerifier:
     a row attends to positions up to its own, so what lies beyond is never read and is overwritten next."""
 
     def __init__(self, target: torch.nn.Module, parts: dict, kv_dtype: str = "fp32", facts: dict | None = None) -> None:
-        self.embed = target.get_input_embeddings()
-        self.parts, self.kv_dtype = parts, kv_dtype
+        self.target, self.parts, self.kv_dtype = target, parts, kv_dtype
         self.facts = facts if facts is not None else {}
-        self.cache = None  # a NativeCache of one row (fp32 or int8)
-        self.native = None
+        self.step = None  # a NativeCachedStep over a NativeCache of one row (fp32 or int8)
         self.length = 0
 
     def reset(self, needed: int) -> None:
-        from infer_tune.native.step import NativeCache
+        from infer_tune.native.step import NativeCache, NativeCachedStep
 
-        if self.cache is None or self.cache.length < needed:
-            self.cache = NativeCache(self.parts, 1, -(-needed // 128) * 128, self.kv_dtype)
-            self.native = self.cache.step(self.parts)
-            self.facts["kv_dtype"], self.facts["kv_cache_bytes"] = self.kv_dtype, self.cache.nbytes
+        if self.step is None or self.step.cache.length < needed:
+            cache = NativeCache(self.parts, 1, -(-needed // 128) * 128, self.kv_dtype)
+            self.step = NativeCachedStep(self.target, cache, self.parts, chunk=None)  # a pass is one native call
+            self.facts["kv_dtype"], self.facts["kv_cache_bytes"] = self.kv_dtype, cache.nbytes
         self.length = 0
 
     def forward(self, ids: torch.Tensor, keep: int) -> torch.Tensor:
         rows = ids.shape[1]
-        x = self.embed(ids.view(-1, 1)).reshape(rows, -1)
-        positions = torch.arange(self.length, self.length + rows, dtype=torch.long)
-        kept = torch.arange(rows - keep, rows, dtype=torch.long)
-        logits = self.native.step_mixed(x, torch.zeros(rows, dtype=torch.long), positions, 0, kept)
+        logits = self.step.rows(ids, self.length, rows - keep)
         self.length += rows
-        return logits[:, :self.parts["vocab"]].float()
+        return logits.float()
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
