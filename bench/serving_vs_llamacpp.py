@@ -432,6 +432,26 @@ def measure_sessions(side: Side, spec: RunSpec, workload, rate: float, repeat: i
     return row
 
 
+def cached_servers(stack: contextlib.ExitStack, args, gguf: Path, llama_extra: tuple[str, ...],
+                   without_cache: bool = True) -> list[Server]:
+    """The servers of the cache runs, started on `stack`: ours with its prefix cache, ours without it (optional),
+    llama-server with `llama_extra` (its prompt cache)."""
+    ours = [infer_tune_server(args, ("--prefix-cache", "--cache-mib", str(args.cache_mib)), ARMS[0])]
+    if without_cache:
+        ours.append(infer_tune_server(args, ("--no-prefix-cache",), ARMS[1]))
+    return [stack.enter_context(c) for c in (*ours, llama_server(args, gguf, llama_extra, args.context))]
+
+
+def record(args, state: dict, row: dict, where: str, mismatches: int | None) -> None:
+    """A measured row into the state file (saved at once) and its one-line progress report."""
+    state["rows"].append(row)
+    hit = "-" if row["hit_rate"] is None else f"{row['hit_rate']:.3f}"
+    print(f"{where} {row['engine']}: {row['throughput_tok_s']:.1f} tok/s, TTFT p50 {row['ttft_p50']:.1f} ms, TPOT "
+          f"p50 {row['tpot_p50']:.2f} ms, hit rate {hit}, failed {row['requests_failed']}, token-count mismatches "
+          f"{mismatches}, {row['wall_s']:.1f} s", flush=True)
+    save(args, state)
+
+
 def compare_sessions(args, state: dict) -> None:
     """Three arms per cell (ours with the prefix cache, ours without, llama-server with its prompt cache),
     the first of a cell rotating over the arms (cell = repeat * len(rates) + k)."""
@@ -446,10 +466,7 @@ def compare_sessions(args, state: dict) -> None:
     llama_extra = LLAMA_PROMPT_CACHE + (("--cache-reuse", str(args.cache_reuse)) if args.cache_reuse else ())
     state["llama_server_extra"] = list(llama_extra)
     with contextlib.ExitStack() as stack:
-        servers = [stack.enter_context(infer_tune_server(args, ("--prefix-cache", "--cache-mib", str(args.cache_mib)),
-                                                         ARMS[0])),
-                   stack.enter_context(infer_tune_server(args, ("--no-prefix-cache",), ARMS[1])),
-                   stack.enter_context(llama_server(args, gguf, llama_extra, args.context))]
+        servers = cached_servers(stack, args, gguf, llama_extra)
         sides = [Side(server, args, spec, workload) for server in servers]
         needed = 1 + args.sessions * args.repeats * len(args.rates)
         kept, seen = fitting_conversations(sides[0].run, args.max_turns, args.max_history_tokens, needed)
@@ -466,13 +483,7 @@ def compare_sessions(args, state: dict) -> None:
                 cell = repeat * len(args.rates) + k
                 for side in sides[cell % 3:] + sides[:cell % 3]:
                     row = measure_sessions(side, spec, workload, rate, repeat, cell, slo)
-                    state["rows"].append(row)
-                    hit = "-" if row["hit_rate"] is None else f"{row['hit_rate']:.3f}"
-                    print(f"r{repeat} {rate:g} sessions/s {row['engine']}: {row['throughput_tok_s']:.1f} tok/s, TTFT "
-                          f"p50 {row['ttft_p50']:.1f} ms, TPOT p50 {row['tpot_p50']:.2f} ms, hit rate {hit}, "
-                          f"failed {row['requests_failed']}, token-count mismatches {row['token_count_mismatches']}, "
-                          f"{row['wall_s']:.1f} s", flush=True)
-                    save(args, state)
+                    record(args, state, row, f"r{repeat} {rate:g} sessions/s", row["token_count_mismatches"])
 
 
 def compare_trace(args, state: dict) -> None:
@@ -495,9 +506,7 @@ def compare_trace(args, state: dict) -> None:
     gguf = reference_gguf(args, state)
     state["llama_server_extra"] = list(LLAMA_PROMPT_CACHE)
     with contextlib.ExitStack() as stack:
-        servers = [stack.enter_context(infer_tune_server(args, ("--prefix-cache", "--cache-mib", str(args.cache_mib)),
-                                                         ARMS[0])),
-                   stack.enter_context(llama_server(args, gguf, LLAMA_PROMPT_CACHE, args.context))]
+        servers = cached_servers(stack, args, gguf, LLAMA_PROMPT_CACHE, without_cache=False)
         for repeat in range(args.repeats):
             for server in (servers if repeat % 2 == 0 else servers[::-1]):
                 config = EndpointConfig(url=server.url, served_model=server.served_model, api="chat", ignore_eos=True,
@@ -513,13 +522,7 @@ def compare_trace(args, state: dict) -> None:
                        "requests_failed": m.get("requests_failed"), "hit_rate": cache.get("hit_rate"),
                        "mismatches": m.get("token_count_mismatches"), "wall_s": time.perf_counter() - started,
                        "run_id": doc.get("run_id")}
-                state["rows"].append(row)
-                hit = "-" if row["hit_rate"] is None else f"{row['hit_rate']:.3f}"
-                print(f"r{repeat} trace x{args.time_scale:g} {server.name}: {row['throughput_tok_s']:.1f} tok/s, TTFT "
-                      f"p50 {row['ttft_p50']:.1f} ms, TPOT p50 {row['tpot_p50']:.2f} ms, goodput "
-                      f"{row['goodput_req_s']}, hit rate {hit}, failed {row['requests_failed']}, token-count "
-                      f"mismatches {row['mismatches']}, {row['wall_s']:.1f} s", flush=True)
-                save(args, state)
+                record(args, state, row, f"r{repeat} trace x{args.time_scale:g}", row["mismatches"])
 
 
 def turn_keys(rows: list[dict]) -> list[int]:
