@@ -213,6 +213,16 @@ def test_slot_kernel_swap_is_taken_from_a_separated_screen(separated, expected, 
     assert facts["slot_kernel_screen"]["int8-dynamic"]["chosen"] == expected
 
 
+def _int4_a8_batch_metrics(loaded, batch: BatchConfig, inputs, workload, tmp_path) -> dict:
+    """One trace row of int4 a8 weights stacked with `batch`, measured once: its metrics."""
+    config = StackConfig(configs=[QuantizeConfig(method="int4-rtn", backend="torch", activations="int8"), batch])
+    ctx = RunContext(env=envinfo.collect_env(1), out_dir=tmp_path)
+    prepared = apply(loaded, config, ctx)
+    doc, _ = measure_prepared(loaded, prepared, inputs, workload, ONCE, technique="stack", config=config.to_dict(),
+                              env=ctx.env, runner="trace", measure_ppl=False)
+    return doc["metrics"]
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_native_slot_step_serves_as_each_request_alone(arch, native_kernels, tiny_model_dir, qwen3_dir, gemma3_dir,
                                                        mixed_suite, tmp_path):
@@ -225,12 +235,7 @@ def test_native_slot_step_serves_as_each_request_alone(arch, native_kernels, tin
     batch = BatchConfig(scheduler="continuous", batch_size=3, rate=200.0, requests=10, allow_repeat=True,
                         engine="lean", native_step=True)
     assert batch.label() == "continuous-b3-r200-lean-native"
-    config = StackConfig(configs=[QuantizeConfig(method="int4-rtn", backend="torch", activations="int8"), batch])
-    ctx = RunContext(env=envinfo.collect_env(1), out_dir=tmp_path)
-    prepared = apply(loaded, config, ctx)
-    doc, _ = measure_prepared(loaded, prepared, inputs, workload, ONCE, technique="stack", config=config.to_dict(),
-                              env=ctx.env, runner="trace", measure_ppl=False)
-    m = doc["metrics"]
+    m = _int4_a8_batch_metrics(loaded, batch, inputs, workload, tmp_path)
     assert m["lean_step"] == "native" and "lean_native_fallback" not in m, m
     assert m["output_mismatches"] == 0 and m["ttft_ms"]["n"] == 10, m
     assert m["mean_batch_size"] > 1 and m["slot_step_buckets"] == [1, 2, 3]
@@ -249,12 +254,7 @@ def test_continuous_native_with_lookup_drafts_replays_through_serves_loop(native
     assert batch.label() == "continuous-b3-r50-lean-native-lookup-k4"
     with pytest.raises(ConfigError, match="needs engine lean, native_step true and scheduler continuous"):
         BatchConfig(scheduler="static", batch_size=3, rate=50.0, engine="lean", native_step=True, speculate=4)
-    config = StackConfig(configs=[QuantizeConfig(method="int4-rtn", backend="torch", activations="int8"), batch])
-    ctx = RunContext(env=envinfo.collect_env(1), out_dir=tmp_path)
-    prepared = apply(loaded, config, ctx)
-    doc, _ = measure_prepared(loaded, prepared, inputs, workload, ONCE, technique="stack", config=config.to_dict(),
-                              env=ctx.env, runner="trace", measure_ppl=False)
-    m = doc["metrics"]
+    m = _int4_a8_batch_metrics(loaded, batch, inputs, workload, tmp_path)
     assert m["lean_step"] == "native" and m["output_mismatches"] == 0 and m["ttft_ms"]["n"] == 8, m
     assert m["spec_drafted"] > 0 and m["spec_accepted"] > 0 and m["spec_draft_tokens"] == 4, m
     assert 0 < m["spec_acceptance"] <= 1 and m["forward_steps"] > 0
