@@ -91,6 +91,7 @@ def infer_tune_server(args, extra: tuple[str, ...] = (), name: str = "infer-tune
            "--activations", args.activations, "--slots", str(args.batch), "--port", "0",
            "--context", str(args.context)]
     cmd += ["--native-step"] if args.native_step else []
+    cmd += ["--kv-cache", args.kv_cache] if args.kv_cache != "fp32" else []
     cmd += ["--threads", str(args.threads)] if args.threads else []
     cmd += list(extra)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -641,6 +642,7 @@ def main() -> None:
     p.add_argument("--method", default="int4-rtn")
     p.add_argument("--activations", default="int8", choices=("bf16", "int8"))
     p.add_argument("--native-step", action="store_true", help="infer-tune serve --native-step")
+    p.add_argument("--kv-cache", default="fp32", choices=("fp32", "int8"), help="infer-tune serve --kv-cache")
     p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 1.0, 2.0, 4.0, 8.0],
                    help="request rates (req/s), up to and past saturation")
     p.add_argument("--requests", type=int, default=16)
@@ -699,9 +701,11 @@ def main() -> None:
             raise SystemExit("--repeat-from must be 1 .. --repeats - 1, with --workload multi-turn")
         saved = json.loads(Path(args.state).read_text())
         kept = [r for r in saved["rows"] if r["repeat"] < args.repeat_from]
-        state = {**saved, "rows": kept, "rerun": saved.get("rerun", []) + [
+        replaced = [r for r in saved["rows"] if r["repeat"] >= args.repeat_from]  # kept aside, never lost
+        state = {**saved, "rows": kept, "replaced_rows": saved.get("replaced_rows", []) + replaced,
+                 "rerun": saved.get("rerun", []) + [
             {"repeats_from": args.repeat_from, "command": state["command"], "started": state["started"],
-             "infer_tune_commit": state["infer_tune_commit"], "dropped_rows": len(saved["rows"]) - len(kept)}]}
+             "infer_tune_commit": state["infer_tune_commit"], "dropped_rows": len(replaced)}]}
     if args.workload == "trace":
         if not args.trace:
             raise SystemExit("--workload trace needs --trace FILE")
