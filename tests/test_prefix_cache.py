@@ -71,8 +71,11 @@ def test_a_chats_next_turn_reuses_its_slot_and_decodes_what_it_decodes_alone(tok
 
 
 @pytest.mark.usefixtures("native_kernels", "one_thread")
-def test_a_prefix_evicted_from_its_slot_comes_back_from_the_store(tokenizer):
-    engine = _engine(tokenizer, slots=1)
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+def test_a_prefix_evicted_from_its_slot_comes_back_from_the_store(tokenizer, kv_dtype):
+    """Also on the int8 cache, whose per-vector scales must travel with the rows (else the copied rows decode
+    something else than `alone`)."""
+    engine = _engine(tokenizer, slots=1, kv_dtype=kv_dtype)
     gen = torch.Generator().manual_seed(5)
     vocab = len(tokenizer)
     system = _ids(gen, 40, vocab)  # a shared system prompt: over the store's 32-token minimum
