@@ -154,6 +154,22 @@ def test_ggufs_are_made_once_per_checkpoint_and_build(fake_tools, tiny_model_dir
     assert llamacpp.gguf(other, "q4_0").parent != q4.parent
     with pytest.raises(ConfigError, match="GGUF type"):
         llamacpp.gguf(tiny_model_dir, "q4_1")
+    with pytest.raises(ConfigError, match="GGUF type"):
+        llamacpp.gguf(tiny_model_dir, "f16-default")
+
+
+def test_default_head_format_leaves_the_head_to_llama_quantize(fake_tools, tiny_model_dir):
+    """`q4_0-default`: the same type with llama-quantize's own output-tensor and embedding types (no Q8_0
+    flags), its own file beside the Q8_0-head one, the head recorded."""
+    log = fake_tools
+    q8_head = llamacpp.gguf(tiny_model_dir, "q4_0")
+    own_head = llamacpp.gguf(tiny_model_dir, "q4_0-default", threads=2)
+    assert own_head.name == "q4_0-default.gguf" and own_head.parent == q8_head.parent
+    quantize = log.read_text().splitlines()[-1]
+    assert quantize.startswith("quantize ") and "--output-tensor-type" not in quantize
+    assert "--token-embedding-type" not in quantize and quantize.endswith(" Q4_0 2")
+    assert llamacpp.gguf_facts(own_head)["head"] == "default"
+    assert llamacpp.gguf_facts(q8_head)["head"] == "q8_0"
 
 
 def test_best_records_commit_system_info_and_every_format(fake_tools, tiny_model_dir, tmp_path):

@@ -80,12 +80,12 @@ def imatrix_gguf(checkpoint: str | Path, fmt: str, text: Path, *, threads: int |
         finally:
             staged.unlink(missing_ok=True)
     staged = folder / f".imatrix-{fmt}-{tag}.partial-{pid}.gguf"
-    cmd = [str(llamacpp.require("llama-quantize")), "--imatrix", str(matrix), "--token-embedding-type", "q8_0",
-           "--output-tensor-type", "q8_0", str(f16), str(staged), llamacpp.QUANT_TYPES[fmt]] + \
-        ([str(threads)] if threads else [])
+    qtype = llamacpp.quant_type(fmt)
+    cmd = [str(llamacpp.require("llama-quantize")), "--imatrix", str(matrix), *llamacpp.head_flags(fmt), str(f16),
+           str(staged), qtype] + ([str(threads)] if threads else [])
     try:
-        llamacpp._run(cmd, f"llama-quantize --imatrix {llamacpp.QUANT_TYPES[fmt]}", timeout_s)
-        meta = {"format": f"imatrix-{fmt}", "type": llamacpp.QUANT_TYPES[fmt], "checkpoint": str(checkpoint),
+        llamacpp._run(cmd, f"llama-quantize --imatrix {qtype}", timeout_s)
+        meta = {"format": f"imatrix-{fmt}", "type": qtype, "checkpoint": str(checkpoint),
                 "imatrix": {"path": str(matrix), "text": str(text), "text_sha256": text_digest(text)},
                 "llama_cpp": llamacpp._version_facts(info), "command": [Path(cmd[0]).name] + cmd[1:],
                 "bytes": staged.stat().st_size}

@@ -207,11 +207,31 @@ def _run(cmd: list[str], what: str, timeout_s: float) -> str:
 
 
 # --------------------------------------------------------------------------- GGUFs of the checkpoint
+DEFAULT_HEAD = "-default"  # a format with this suffix keeps llama-quantize's own types for the head and embedding
+
+
 def check_format(fmt: str) -> str:
+    """A GGUF format name: a QUANT_TYPES key, or a quantized one with the `-default` suffix (llama-quantize's
+    own output-tensor and token-embedding types instead of Q8_0)."""
     fmt = fmt.lower()
-    if fmt not in QUANT_TYPES:
-        raise ConfigError(f"GGUF type must be one of {', '.join(QUANT_TYPES)}, got {fmt!r}")
+    base = fmt.removesuffix(DEFAULT_HEAD)
+    if base not in QUANT_TYPES or (fmt != base and base == "f16"):
+        raise ConfigError(f"GGUF type must be one of {', '.join(QUANT_TYPES)} (a 4- or 8-bit one may end in "
+                          f"{DEFAULT_HEAD}: llama-quantize's own head type), got {fmt!r}")
     return fmt
+
+
+def quant_type(fmt: str) -> str:
+    """llama-quantize's type name of a format (`q4_0-default` -> `Q4_0`)."""
+    return QUANT_TYPES[check_format(fmt).removesuffix(DEFAULT_HEAD)]
+
+
+def head_flags(fmt: str) -> list[str]:
+    """llama-quantize's flags for the token embedding and output tensor of `fmt`: Q8_0 both, or none (its
+    own choice) for a `-default` format."""
+    if check_format(fmt).endswith(DEFAULT_HEAD):
+        return []
+    return ["--token-embedding-type", "q8_0", "--output-tensor-type", "q8_0"]
 
 
 def gguf_dir(checkpoint: str | Path, info: dict | None = None) -> Path:
@@ -251,12 +271,13 @@ def gguf(checkpoint: str | Path, fmt: str, *, threads: int | None = None, info: 
             _run(cmd, f"convert_hf_to_gguf.py on {checkpoint}", timeout_s)
         else:
             f16 = gguf(checkpoint, "f16", threads=threads, info=info, timeout_s=timeout_s)
-            cmd = [str(require("llama-quantize")), "--token-embedding-type", "q8_0", "--output-tensor-type", "q8_0",
-                   str(f16), str(staged), QUANT_TYPES[fmt]] + ([str(threads)] if threads else [])
-            _run(cmd, f"llama-quantize {QUANT_TYPES[fmt]}", timeout_s)
+            cmd = [str(require("llama-quantize")), *head_flags(fmt), str(f16), str(staged), quant_type(fmt)] + \
+                  ([str(threads)] if threads else [])
+            _run(cmd, f"llama-quantize {quant_type(fmt)}", timeout_s)
         if not staged.is_file():
             raise LlamaCppError(f"{cmd[0]} wrote no file at {staged}")
-        meta = {"format": fmt, "type": QUANT_TYPES[fmt], "checkpoint": str(checkpoint),
+        meta = {"format": fmt, "type": quant_type(fmt), "head": "q8_0" if head_flags(fmt) else "default",
+                "checkpoint": str(checkpoint),
                 "checkpoint_sha256": contenthash.tree_digest(Path(checkpoint)), "llama_cpp": _version_facts(info),
                 "command": [Path(c).name if i == 0 else c for i, c in enumerate(cmd)],
                 "bytes": staged.stat().st_size}
@@ -447,7 +468,7 @@ def reference_gguf(model_ref: str, choice: str, lengths: list[int], n_gen: int, 
 
     if choice == "shipped":
         return models.builtin_gguf(model_ref) if model_ref in models.BUILTINS else Path(model_ref), None
-    if choice.lower() in QUANT_TYPES:
+    if choice.lower().removesuffix(DEFAULT_HEAD) in QUANT_TYPES:
         return gguf(models.resolve(model_ref), choice, threads=threads), None
     if choice == "best":
         extra = {f"{model_ref} (shipped)": models.builtin_gguf(model_ref)} if model_ref in models.BUILTINS else {}
