@@ -514,7 +514,7 @@ def main() -> None:
     p.add_argument("--bench-repeats", type=int, default=2, help="llama-bench -r when it picks the fastest format")
     p.add_argument("--group-size", default="32",
                    help="int4 groups of ours, comma-separated (32: 5.0 bits a weight, 64: 4.5, 128: 4.25); one row each")
-    p.add_argument("--formats", default=",".join(FORMATS), help="the llama.cpp formats llama-bench picks the fastest of")
+    p.add_argument("--formats", default=",".join(FORMATS), help="the llama.cpp formats llama-bench picks the fastest of; q4_0-default etc.: llama-quantize's own head type (else Q8_0)")
     p.add_argument("--no-screen", action="store_true",
                    help="skip quantize's kernel screen (its minutes at 8B): the kernels' defaults (w4a8)")
     p.add_argument("--prepare", action="store_true", help="make the checkpoints and GGUFs, time nothing")
@@ -525,9 +525,12 @@ def main() -> None:
     names = [m for m in args.models.split(",") if m]
     groups = group_sizes(args.group_size)
     # --prepare also takes f16: the conversion kept for a later --prepare (one lock hold per step at 8B)
-    unknown = sorted(set(f for f in args.formats.split(",") if f) - set(FORMATS) - ({"f16"} if args.prepare else set()))
+    # a format may end in -default: llama-quantize's own head and embedding types instead of Q8_0
+    unknown = sorted(set(f for f in args.formats.split(",") if f) - set(FORMATS) - {f"{f}-default" for f in FORMATS}
+                     - ({"f16"} if args.prepare else set()))
     if unknown or not args.formats.strip(","):
-        refuse(f"--formats takes some of {', '.join(FORMATS)}; got {args.formats!r}")
+        refuse(f"--formats takes some of {', '.join(FORMATS)} (each may end in -default: llama-quantize's own "
+               f"head type); got {args.formats!r}")
     if args.one:
         # SIGTERM (a `timeout` of the run) leaves through the context managers, as Ctrl-C does: llama-server (its own
         # session, not in this process group) is stopped, not left serving after the run (it was, once)

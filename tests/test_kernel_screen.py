@@ -136,3 +136,22 @@ def test_a_regime_is_slower_than_fp32_only_when_an_interval_says_so(tiny_loaded)
         record = kernel_choice.choose_for_model(model, "int8-dynamic", timings=timings)
         assert record["by_kind"]["int8-dynamic"]["decode"]["chosen"] == "fbgemm"
         assert record["decode"]["slower_than_fp32"] is slower
+
+
+def test_the_screen_holds_at_most_screen_rows_of_a_wide_shape(monkeypatch):
+    """A head-sized shape is timed on SCREEN_ROWS of its rows (the screen's memory stays bounded on a first load)
+    and its time counted for all its rows: the same sample as the full shape, scaled."""
+    made = []
+    real = kernel_choice.sample_module
+
+    def recording(kind, k, n, group_size):
+        made.append((k, n))
+        return real(kind, k, n, group_size)
+
+    monkeypatch.setattr(kernel_choice, "SCREEN_ROWS", 64)
+    monkeypatch.setattr(kernel_choice, "sample_module", recording)
+    monkeypatch.setattr(kernel_choice, "best_ms", lambda call, reps: float(call().shape[-1]))  # ms = rows made
+    result = kernel_choice.screen_kernels(Counter({(32, 256): 1, (32, 48): 2}), 1, "int8-dynamic",
+                                          candidates=("dequant",), max_rounds=3, budget_s=1.0)
+    assert sorted(made) == [(32, 48), (32, 64)]  # the 256-row shape held as 64 rows
+    assert result.timings()[1] == 256 + 2 * 48  # fp32: every row of every layer counted

@@ -64,6 +64,9 @@ def sample_module(kind: str, k: int, n: int, group_size: int) -> nn.Module:
     return modules.Int8DynamicLinear(q, scale)
 
 
+SCREEN_ROWS = 8192  # the most output rows of a shape the screen holds (screen_kernels)
+
+
 def screen_kernels(shapes: Counter, rows: int, kind: str, *, group_size: int = 32, inner: int = 2,
                    seed: int = 0, candidates: tuple[str, ...] | None = None, **limits) -> screen.Screen:
     """Time every candidate kernel of `kind` and fp32 on the model's Linear shapes of that kind at `rows`
@@ -72,22 +75,26 @@ def screen_kernels(shapes: Counter, rows: int, kind: str, *, group_size: int = 3
 
     One sample of a candidate is the per-step cost of those Linears: each distinct shape timed (best of
     `inner` calls) and weighted by how many layers have it. One layer per distinct shape is held for
-    the whole screen (a few hundred MB for a 7B model's shapes, in fp32 for the reference).
+    the whole screen, with at most SCREEN_ROWS output rows: a wider shape (a 128k-token head) is timed on
+    its first SCREEN_ROWS rows and its time scaled by its rows over those (every kernel's time is linear in
+    the output rows; without the cap the fp32 reference of a 1B model's head alone is 1 GB, and a first
+    load that screens peaked at 4x the served model's memory).
     """
     layers = []
     for (k, n), count in shapes.items():
+        timed = min(n, SCREEN_ROWS)
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-        layers.append((count, sample_module(kind, k, n, group_size), x, torch.randn(n, k)))
+        layers.append((count * n / timed, sample_module(kind, k, timed, group_size), x, torch.randn(timed, k)))
 
     def measure(name: str) -> float:
         total = 0.0
-        for count, module, x, w in layers:
+        for weight, module, x, w in layers:
             if name == screen.FP32:
                 call = functools.partial(torch.nn.functional.linear, x, w)
             else:
                 module.set_kernels(name, name)
                 call = functools.partial(module, x)
-            total += count * best_ms(call, inner)
+            total += weight * best_ms(call, inner)
         return total
 
     names = [screen.FP32, *(KERNELS[kind] if candidates is None else candidates)]
