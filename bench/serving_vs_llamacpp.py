@@ -156,7 +156,9 @@ def llama_server(args, gguf: Path, extra: tuple[str, ...] = (), context: int | N
     with local_server("llama.cpp", str(gguf), threads=args.threads, parallel=args.batch, extra_args=extra,
                       **kwargs) as server:
         print(f"llama-server: {server.url} ({server.served_model}, {' '.join(server.command)})", flush=True)
-        yield Server(f"llama-server x{args.batch} {gguf.name}", server.url, server.served_model)
+        named = " ".join(a for a in (args.llama_arg or ()))  # its own settings in its name, where given
+        yield Server(f"llama-server x{args.batch} {gguf.name}" + (f" {named}" if named else ""), server.url,
+                     server.served_model)
 
 
 class Side:
@@ -214,7 +216,7 @@ def compare(args, state: dict) -> None:
     spec = spec_of(args)
     slo = {"ttft_ms": args.slo_ttft, "tpot_ms": args.slo_tpot}
     gguf = reference_gguf(args, state)
-    with infer_tune_server(args) as ours_server, llama_server(args, gguf) as theirs_server:
+    with infer_tune_server(args) as ours_server, llama_server(args, gguf, tuple(args.llama_arg or ())) as theirs_server:
         ours, theirs = Side(ours_server, args, spec), Side(theirs_server, args, spec)
         n_prompts = len(ours.run.inputs.prompts)
         traces = {rate: poisson_trace(args.requests, rate, n_prompts, seed=args.seed,
@@ -350,6 +352,13 @@ def table(state: dict, markdown: bool = False) -> None:
 # llama-server b11434's own defaults for its prompt cache (on, 8192 MiB of host RAM for idle slots' prompts),
 # which infer_tune.endpoint.servers turns off for single-turn comparisons; later flags win in its parser
 LLAMA_PROMPT_CACHE = ("--cache-prompt", "--cache-ram", "8192")
+
+
+def llama_cache_extra(args) -> tuple[str, ...]:
+    """llama-server's flags in the cache runs: its prompt cache, `--cache-reuse N` when asked, then every
+    `--llama-arg` as given (its n-gram drafting, a q8_0 KV cache: llama-server at its best for the traffic)."""
+    reuse = ("--cache-reuse", str(args.cache_reuse)) if args.cache_reuse else ()
+    return LLAMA_PROMPT_CACHE + reuse + tuple(args.llama_arg or ())
 ARMS = ("infer-tune serve (prefix cache)", "infer-tune serve --no-prefix-cache")
 
 
@@ -464,7 +473,7 @@ def compare_sessions(args, state: dict) -> None:
     workload = session_workload(args)
     slo = {"ttft_ms": args.slo_ttft, "tpot_ms": args.slo_tpot}
     gguf = reference_gguf(args, state)
-    llama_extra = LLAMA_PROMPT_CACHE + (("--cache-reuse", str(args.cache_reuse)) if args.cache_reuse else ())
+    llama_extra = llama_cache_extra(args)
     state["llama_server_extra"] = list(llama_extra)
     with contextlib.ExitStack() as stack:
         servers = cached_servers(stack, args, gguf, llama_extra)
@@ -505,9 +514,9 @@ def compare_trace(args, state: dict) -> None:
                                time_scale=args.time_scale, block_size=args.block_size)
     slo = {"ttft_ms": args.slo_ttft, "tpot_ms": args.slo_tpot}
     gguf = reference_gguf(args, state)
-    state["llama_server_extra"] = list(LLAMA_PROMPT_CACHE)
+    state["llama_server_extra"] = list(llama_cache_extra(args))
     with contextlib.ExitStack() as stack:
-        servers = cached_servers(stack, args, gguf, LLAMA_PROMPT_CACHE, without_cache=False)
+        servers = cached_servers(stack, args, gguf, llama_cache_extra(args), without_cache=False)
         for repeat in range(args.repeats):
             for server in (servers if repeat % 2 == 0 else servers[::-1]):
                 config = EndpointConfig(url=server.url, served_model=server.served_model, api="chat", ignore_eos=True,
@@ -678,6 +687,9 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=512, help="trace: tokens per Mooncake hash block")
     p.add_argument("--cache-reuse", type=int, default=0,
                    help="multi-turn: llama-server --cache-reuse N (0: not passed, its default)")
+    p.add_argument("--llama-arg", action="append", default=[],
+                   help="an argument passed to llama-server as is, repeatable (e.g. --llama-arg=--spec-type "
+                        "--llama-arg=ngram-simple --llama-arg=-ctk --llama-arg=q8_0)")
     p.add_argument("--repeat-from", type=int, default=0,
                    help="multi-turn: run repeats from this one on, keeping the state file's earlier repeats (a repeat "
                         "that a failure spoiled, measured again; the state records which repeats ran when)")
