@@ -427,11 +427,9 @@ def measure_one(args) -> list[dict]:
             row["llama_cpp"] = reference
             row["ratios"] = {m: judged(samples[m], theirs, m, f) for m, f in reference["served_format"].items()}
         row["roofline"] = roofline_line(model, mean_context, row["ours"]["decode"])
-        fractions = [step_bytes[i] * tok_s / (gb_s * 1e9) for tok_s, gb_s in zip(samples["decode"], probes[i]) if gb_s]
-        from infer_tune.metrics.stats import log_ratio_interval
-
-        row["read_fraction"] = {"step_bytes": step_bytes[i], "plain_read_gb_s": probes[i], "per_round": fractions,
-                                **(log_ratio_interval(fractions) or {})}
+        # each round's decode over the ceiling of the read right after it; a mean above 1 is refused (roofline)
+        by_round = roofline.by_round(probes[i], [1000.0 / tok_s for tok_s in samples["decode"]], step_bytes[i])
+        row["read_fraction"] = {"step_bytes": step_bytes[i], "plain_read_gb_s": probes[i], **(by_round or {})}
         kv_read = kv.kv_bytes(kv.ModelShape.from_config(model.config), 1, 32) * mean_context
         row["model_bytes"] = models.model_bytes(model)
         row.update(roofline.roofline(reading["gb_s"], row["model_bytes"], kv_read, 1, 1000.0 / row["ours"]["decode"]))
@@ -467,10 +465,20 @@ def pair(row: dict, key: str, fmt: str) -> str:
             f"{r['against'].upper()}, {r['verdict']})")
 
 
+def fraction_cell(row: dict) -> str:
+    """The row's roofline_fraction against the host's reading, or its refusal (above 1: not a result)."""
+    if row.get("roofline_fraction") is None:
+        return "refused (>1)" if row.get("roofline_refused") else "-"
+    return f"{row['roofline_fraction']:.2f}"
+
+
 def read_cell(read: dict) -> str:
-    if "ci95" not in read:
+    if read.get("roofline_refused"):
+        return "refused (>1: the read was not the decode's ceiling)"
+    if not read.get("roofline_fraction_ci95"):
         return "-"
-    return f"{read['point']:.2f} [{read['ci95'][0]:.2f}, {read['ci95'][1]:.2f}]"
+    low, high = read["roofline_fraction_ci95"]
+    return f"{read['roofline_fraction']:.2f} [{low:.2f}, {high:.2f}]"
 
 
 def table(rows: list[dict]) -> str:
@@ -489,7 +497,7 @@ def table(rows: list[dict]) -> str:
             f"{pair(row, 'decode', '.1f')} | "
             f"{pair(row, 'ttft_short', '.1f')} ({tokens['short']} tok) | "
             f"{pair(row, 'ttft_long', '.0f')} ({tokens['long']} tok) | "
-            f"{row['roofline_fraction']:.2f} | {read_cell(row.get('read_fraction') or {})} | "
+            f"{fraction_cell(row)} | {read_cell(row.get('read_fraction') or {})} | "
             f"{gib(row['peak_rss_bytes'])} / {gib(ref.get('peak_rss_bytes'))} | "
             f"{(ref.get('fastest') or 'not run').upper()} |")
     return "\n".join(out)

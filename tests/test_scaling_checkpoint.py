@@ -131,3 +131,17 @@ def test_a_verdict_holds_against_every_served_format_not_only_the_median_pick():
     assert both["verdict"] == "inconclusive (against Q4_K_M)"
     steady = {"q4_0": {"decode": [10.0, 10.5, 11.0]}, "q4_k_m": {"decode": [9.0, 9.4, 9.9]}}
     assert scaling.judged(ours, steady, "decode", "q4_0")["verdict"] == "met"
+
+
+def test_a_decode_faster_than_its_rounds_reads_is_refused_in_the_table():
+    """The read-fraction column divides each round's decode by the read right after it; a mean above 1 prints as
+    refused, never as a number (it was printed as 1.02 [1.01, 1.03] at 1B before the native read probe)."""
+    from infer_tune.metrics import roofline
+
+    scaling = scaling_module()
+    step = 800 * 2**20
+    fast = roofline.by_round([25.0, 25.2, 24.9], [1000 / 31.3, 1000 / 31.1, 1000 / 31.4], step)
+    slow = roofline.by_round([30.0, 30.4, 29.9], [1000 / 31.3, 1000 / 31.1, 1000 / 31.4], step)
+    assert fast["roofline_refused"] and scaling.read_cell(fast).startswith("refused")
+    assert not slow["roofline_refused"] and scaling.read_cell(slow).startswith("0.")
+    assert scaling.fraction_cell({"roofline_fraction": None, "roofline_refused": "x"}) == "refused (>1)"

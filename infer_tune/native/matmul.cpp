@@ -739,10 +739,82 @@ const char* w4a8_isa() {
 #endif
 }
 
+
+// A plain read of every byte of `tensors`: the roofline probe's read (env.read_gb_s). The bytes are split over
+// torch's threads like the decode GEMV splits its tiles, and each thread reads its share as 4 streams in
+// lockstep with the widest loads this build has (the GEMV's access pattern), folding them into an XOR so the
+// loads cannot be dropped. Returns that checksum (the XOR of every 8-byte word, the tail bytes zero-padded).
+static int64_t stream_read(const std::vector<at::Tensor>& tensors) {
+  uint64_t total = 0;
+  for (const auto& t : tensors) {
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "stream_read: contiguous CPU tensors only");
+    const uint8_t* base = static_cast<const uint8_t*>(t.data_ptr());
+    const int64_t nbytes = t.numel() * static_cast<int64_t>(t.element_size());
+    const int64_t blocks = nbytes / 64;
+    std::vector<uint64_t> parts(std::max<int64_t>(1, at::get_num_threads()) * 8, 0);
+    at::parallel_for(0, blocks, 1 << 12, [&](int64_t begin, int64_t end) {
+      const int64_t n = end - begin, q = n / 4;
+      const uint8_t* s0 = base + begin * 64;
+      const uint8_t* s1 = s0 + q * 64;
+      const uint8_t* s2 = s1 + q * 64;
+      const uint8_t* s3 = s2 + q * 64;
+      uint64_t folded = 0;
+#if defined(W4A8_ZMM)
+      __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t i = 0; i < q; ++i) {
+        a0 = _mm512_xor_si512(a0, _mm512_loadu_si512(s0 + i * 64));
+        a1 = _mm512_xor_si512(a1, _mm512_loadu_si512(s1 + i * 64));
+        a2 = _mm512_xor_si512(a2, _mm512_loadu_si512(s2 + i * 64));
+        a3 = _mm512_xor_si512(a3, _mm512_loadu_si512(s3 + i * 64));
+      }
+      alignas(64) uint64_t lanes[8];
+      _mm512_store_si512(lanes, _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3)));
+      for (uint64_t lane : lanes) folded ^= lane;
+#elif defined(W4A8_AVX2)
+      __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t i = 0; i < q; ++i) {
+        for (int h = 0; h < 64; h += 32) {
+          a0 = _mm256_xor_si256(a0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s0 + i * 64 + h)));
+          a1 = _mm256_xor_si256(a1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s1 + i * 64 + h)));
+          a2 = _mm256_xor_si256(a2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s2 + i * 64 + h)));
+          a3 = _mm256_xor_si256(a3, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s3 + i * 64 + h)));
+        }
+      }
+      alignas(32) uint64_t lanes[4];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),
+                         _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3)));
+      for (uint64_t lane : lanes) folded ^= lane;
+#else
+      for (int64_t i = 0; i < 4 * q * 8; ++i) {
+        uint64_t word;
+        std::memcpy(&word, s0 + i * 8, 8);
+        folded ^= word;
+      }
+#endif
+      for (const uint8_t* p = s0 + 4 * q * 64; p < base + end * 64; p += 8) {  // the share's last n - 4q blocks
+        uint64_t word;
+        std::memcpy(&word, p, 8);
+        folded ^= word;
+      }
+      parts[at::get_thread_num() * 8] ^= folded;
+    });
+    for (size_t i = 0; i < parts.size(); i += 8) total ^= parts[i];
+    uint64_t tail = 0;  // the bytes after the last whole block, 8 at a time, zero-padded
+    for (int64_t off = blocks * 64; off < nbytes; off += 8) {
+      uint64_t word = 0;
+      std::memcpy(&word, base + off, std::min<int64_t>(8, nbytes - off));
+      tail ^= word;
+    }
+    total ^= tail;
+  }
+  return static_cast<int64_t>(total);
+}
+
 TORCH_LIBRARY_FRAGMENT(infer_tune_native, m) {
   m.def("w4a8_mm(Tensor x, Tensor packed, int group) -> Tensor");
   m.def("w8a8_mm(Tensor x, Tensor packed, Tensor scale) -> Tensor");
   m.def("isa() -> str", []() { return std::string(w4a8_isa()); });
+  m.def("stream_read(Tensor[] tensors) -> int", &stream_read);
   m.def("w4a8_prefill_rows() -> int", []() -> int64_t {  // from this many rows w4a8 runs tile2_zmm; 0: never
 #ifdef W4A8_ZMM
     return PREFILL_ROWS;
