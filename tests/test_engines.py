@@ -120,6 +120,70 @@ def test_scenarios_name_no_technique_or_engine_by_string():
     assert hits == []
 
 
+# Where a string spelled like an engine names something else (the rule of the test below, path prefix -> words):
+# the torch and transformers *libraries* (package versions, logger names, quantize's plain-torch backend, the
+# speculative verify path's torch forward), the word "slots" as a count field of metrics and plans, and a
+# technique's own name (and runner's) inside its own package. Anything else naming an engine goes through the
+# registry (engines/base.py) or the engine's registered entry.
+NOT_AN_ENGINE = {
+    "env.py": {"torch", "transformers"}, "report/html.py": {"torch", "transformers"},
+    "cli/__init__.py": {"torch", "transformers"}, "tuners/quantize/": {"torch", "transformers"},
+    "tuners/speculate/prepare.py": {"torch"},
+    "endpoint/serving.py": {"slots"}, "tuners/batch/serving.py": {"slots"}, "tuners/experts/planners.py": {"slots"},
+    "tuners/lean/": {"lean"}, "tuners/llamacpp/": {"llama-cpp"},
+}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+
+
+def test_no_module_outside_engines_names_an_engine():
+    """Engine knowledge lives in infer_tune/engines: no module outside it has a string constant (docstrings
+    aside) equal to a registered engine's name or alias, except where the same spelling names something else
+    (NOT_AN_ENGINE). How a reference server starts, a config's word for its engine, what a technique runs on:
+    each is asked of the registry."""
+    names = {n for e in ENGINES.values() for n in (e.name, *e.aliases)}
+    hits = []
+    for f in sorted(ROOT.rglob("*.py")):
+        rel = f.relative_to(ROOT).as_posix()
+        if rel.startswith("engines/"):
+            continue
+        allowed = set().union(*(words for prefix, words in NOT_AN_ENGINE.items() if rel.startswith(prefix)))
+        tree = ast.parse(f.read_text(encoding="utf-8"))
+        docs = _docstrings(tree)
+        hits += [(rel, node.lineno, node.value) for node in ast.walk(tree)
+                 if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+                 and node.value not in allowed and id(node) not in docs]
+    assert sorted(hits) == []
+
+
+def test_reference_servers_are_started_from_the_engines_entry(tmp_path, monkeypatch):
+    """endpoint/servers.py starts what the engine's `serve_here` gives it: a registered stand-in engine is
+    started by name, and its own checks refuse options it does not have."""
+    from infer_tune.endpoint import servers
+    from infer_tune.engines.base import ServeHere
+
+    def refuse(parallel):
+        if parallel > 1:
+            raise ConfigError("test-served has no slots")
+
+    serve = ServeHere(command=lambda ref, port, **kw: (["test-server", ref, str(port)], "served-" + ref),
+                      check=refuse, missing=lambda: [], extra="none")
+    register_engine(Engine(name="test-served", starts="server", runner="endpoint", serve_here=serve))
+    try:
+        assert servers.engine_command("test-served", "m", 8123) == (["test-server", "m", "8123"], "served-m")
+        servers.check_engine("test-served", 1)
+        with pytest.raises(ConfigError, match="test-served has no slots"):
+            servers.check_engine("test-served", 2)
+    finally:
+        unregister_engine("test-served")
+    with pytest.raises(ConfigError, match="engine must be one of llama.cpp, llama-cpp, torch, hf, transformers, got"):
+        servers.check_engine("test-served")
+
+
 # --------------------------------------------------------------------------- recipes name their engine
 def test_a_launch_recipe_is_one_format_and_an_earlier_launch_file_is_refused(tmp_path):
     """One recipe format: engine, model and settings at the top; the launch file of earlier versions is not
