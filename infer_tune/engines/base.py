@@ -64,7 +64,17 @@ ENGINES_PACKAGE = "infer_tune.engines"  # every module in it may register engine
 STARTS = ("in-process", "server")
 DEFAULT_ENGINE = "torch"  # the engine of a row no technique part names (the baseline's: eager transformers)
 ENDPOINT_ENGINE = "remote"  # the engine of a server measured as it runs (bench --endpoint)
-REFERENCE_ENGINE = "llama.cpp"  # the reference server `endpoint reference` starts when no --engine is given
+# the engines other layers name (each registered by its own module: engines/inprocess.py, slots.py, launched.py):
+# a technique's `runs_on`, a config's `engine` field, a reference server are compared with these, never with a word
+TORCH, LEAN, SLOTS, LLAMA_CPP = "torch", "lean", "slots", "llama.cpp"
+REFERENCE_ENGINE = LLAMA_CPP  # the reference server `endpoint reference` starts when no --engine is given
+# engine -> technique -> the word that technique's config field (and its results) uses for the engine
+SPELLING = {TORCH: {"batch": "transformers", "speculate": "hf"}}
+
+
+def spelled(engine: str, technique: str) -> str:
+    """`engine` (a canonical name) as `technique`'s config names it (`SPELLING`, else the name itself)."""
+    return SPELLING.get(engine, {}).get(technique, engine)
 
 
 @dataclass(frozen=True)

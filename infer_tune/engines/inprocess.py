@@ -11,6 +11,7 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 
+from infer_tune.engines import base
 from infer_tune.engines.base import Engine, ServeHere, register_engine
 from infer_tune.errors import ConfigError
 
@@ -63,7 +64,7 @@ def _serve_missing() -> list[str]:
 
 
 TORCH = register_engine(Engine(
-    name="torch", starts="in-process", runner="generation", aliases=("hf", "transformers"),
+    name=base.TORCH, starts="in-process", runner="generation", aliases=("hf", "transformers"),
     description="eager transformers: the model's own forward under `generate` (the baseline's engine)",
     techniques={
         "quantize": "the weights replaced in place (tuners/quantize: int8 / int4 / fp8 modules, bf16 casts)",
@@ -73,12 +74,12 @@ TORCH = register_engine(Engine(
         "experts": "expert placement over devices (tuners/experts, the multiprocess runner)",
     },
     unsupported={"lean": "the compiled loop is the lean engine", "llama-cpp": "a GGUF runs on the llama.cpp engine"},
-    version=_torch_version, spelling={"batch": "transformers", "speculate": "hf"},
+    version=_torch_version, spelling=base.SPELLING[base.TORCH],
     serve_here=ServeHere(command=_serve_command, check=_serve_check, missing=_serve_missing, extra="serve"),
 ))
 
 LEAN = register_engine(Engine(
-    name="lean", starts="in-process", runner="generation",
+    name=base.LEAN, starts="in-process", runner="generation",
     description="infer-tune's compiled decode loop (static cache, captured or native C++ step)",
     techniques={
         "lean": "compile, native_step, prefill buckets (tuners/lean)",

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from infer_tune.engines import launch
+from infer_tune.engines import base, launch
 from infer_tune.engines.base import Engine, ServeHere, register_engine
 from infer_tune.errors import ConfigError
 
@@ -114,7 +114,7 @@ def _parser(engine: str):
 _OWN = {"lean": "the compiled loop is infer-tune's own engine"}
 SCENARIO = "infer_tune.scenarios.engine_tune"  # launches measured by the endpoint runner, tuned on this host
 LLAMA_CPP = register_engine(Engine(
-    name="llama.cpp", starts="server", runner="endpoint", aliases=("llama-cpp",),
+    name=base.LLAMA_CPP, starts="server", runner="endpoint", aliases=("llama-cpp",),
     description="llama.cpp's llama-server on a GGUF of the checkpoint (engines/launch.py, engines/llamacpp.py)",
     techniques={**_techniques(launch.LLAMA_CPP), "llama-cpp": "the llama-cpp technique's GGUF and server"},
     unsupported=_OWN, version=_llama_version, argv=_argv, setting_table=launch.LLAMA_CPP, selectable=False,

@@ -20,8 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from infer_tune import models
-from infer_tune.engines.inprocess import LEAN
-from infer_tune.engines.slots import SLOTS
+from infer_tune.engines.base import LEAN, SLOTS
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import kv
 from infer_tune.runners.generation import eos_ids, split_generate_kwargs
@@ -123,7 +122,7 @@ def native_kv_dtype(ctx: RunContext) -> str:
 def runs_native_step(part) -> bool:
     """Whether a stack's part runs the native step (the only reader of the native int8 cache)."""
     runs_on = getattr(part, "runs_on", None)  # the lean loop, or the slots over its step
-    return bool(getattr(part, "native_step", False)) and callable(runs_on) and runs_on() in (LEAN.name, SLOTS.name)
+    return bool(getattr(part, "native_step", False)) and callable(runs_on) and runs_on() in (LEAN, SLOTS)
 
 
 def not_applicable_reason(config: KVCacheConfig, device: str) -> str | None:

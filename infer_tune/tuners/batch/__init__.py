@@ -18,9 +18,7 @@ from typing import ClassVar
 
 from infer_tune import models
 from infer_tune.document import ResultDocument
-from infer_tune.engines.base import config_engine
-from infer_tune.engines.inprocess import LEAN, TORCH
-from infer_tune.engines.slots import SLOTS
+from infer_tune.engines.base import LEAN, SLOTS, TORCH, config_engine, spelled
 from infer_tune.errors import ConfigError
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.runners.trace import TraceRequest
@@ -45,7 +43,7 @@ from infer_tune.tuners.batch.static import StaticBatcher
 
 SCHEDULERS = ("static", "continuous", "sweep")
 # the in-process engines as this config's `engine` field and its results name them (engines/inprocess.py)
-TORCH_ENGINE, LEAN_ENGINE = TORCH.spelled("batch"), LEAN.spelled("batch")
+TORCH_ENGINE, LEAN_ENGINE = spelled(TORCH, "batch"), spelled(LEAN, "batch")
 DEFAULT_TIMEOUT_MS = 250.0
 DEFAULT_MAX_BATCH_TOKENS = 512
 
@@ -128,7 +126,7 @@ class BatchConfig(TechniqueConfig):
         return dataclasses.replace(workload, batch_size=self.batch_size) if self.scheduler == "sweep" else workload
 
     def runs_on(self) -> str | None:
-        return SLOTS.name if self.engine == LEAN_ENGINE else None  # engine lean: the slot engine over the lean step
+        return SLOTS if self.engine == LEAN_ENGINE else None  # engine lean: the slot engine over the lean step
 
     def label(self) -> str:
         if self.scheduler == "sweep":

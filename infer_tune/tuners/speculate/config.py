@@ -19,13 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from infer_tune.engines.base import config_engine
-from infer_tune.engines.inprocess import LEAN, TORCH
+from infer_tune.engines.base import LEAN, TORCH, config_engine, spelled
 from infer_tune.errors import ConfigError
 from infer_tune.tuners.base import TechniqueConfig
 
 # the in-process engines as this config's `engine` field and its results name them (engines/inprocess.py)
-HF_ENGINE, LEAN_ENGINE = TORCH.spelled("speculate"), LEAN.spelled("speculate")
+HF_ENGINE, LEAN_ENGINE = spelled(TORCH, "speculate"), spelled(LEAN, "speculate")
 PROMPT_LOOKUP = "prompt-lookup"
 SELF_DRAFT = "self-draft"
 EARLY_EXIT = "early-exit"
@@ -118,7 +117,7 @@ class SpeculateConfig(TechniqueConfig):
         return parse_draft(self.draft)
 
     def runs_on(self) -> str | None:
-        return LEAN.name if self.engine == LEAN_ENGINE else None  # hf: the torch engine's assisted generation
+        return LEAN if self.engine == LEAN_ENGINE else None  # hf: the torch engine's assisted generation
 
     def label(self) -> str:
         source = self.source
