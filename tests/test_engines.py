@@ -361,3 +361,86 @@ def test_a_row_without_a_baseline_is_not_said_to_be_compared_with_one():
 
     lead = decode_speedup(as_document({"run_id": "s", "technique": "endpoint", "metrics": {}}))
     assert lead.figures == () and lead.vs == "- (no baseline of its own)"
+
+
+def test_an_in_process_engine_that_raises_during_the_rounds_is_a_crashed_row_and_the_rest_are_measured(tmp_path):
+    """After its child probe came through, a configuration whose engine raises in the measured rounds (its 2nd
+    run here) is a `crashed` row (phase measurement, the exception, the traceback's tail, its probe as the
+    reproducer), quarantined, and the rounds start again with the default and the others, which are measured."""
+    import sys
+
+    import torch
+
+    from infer_tune import rounds
+    from infer_tune.engines import crash
+    from infer_tune.runners.base import RUNNERS, GenerationRun, RequestTiming
+    from infer_tune.runners.prepared import PreparedModel
+    from infer_tune.scenarios.common import RunSpec
+    from infer_tune.scenarios.engine_tune import crashed_doc, rounds_without_crashes
+    from infer_tune.sweep import Row, save_rows
+    from infer_tune.workload import Inputs, Protocol
+
+    calls: dict[str, int] = {}
+
+    def run(prepared, inputs, workload, protocol, progress):
+        calls[prepared.label] = calls.get(prepared.label, 0) + 1
+        if prepared.label == "bad" and calls["bad"] == 2:
+            raise RuntimeError("Exception from src/plugins/intel_cpu/src/node.cpp:771: jit kernel failed")
+        req = RequestTiming(0, 0, 4, 0, [int(1e6 * (10 + 10.0 * k)) for k in range(5)])
+        return GenerationRun([req], [], 0.1, 1, None, 0.0, 0, 0, 5, 1)
+
+    register_engine(Engine(name="test-raising", starts="in-process", runner="test-raising",
+                           techniques={"quantize": "its own"}, version=lambda: {"version": "1"}))
+    RUNNERS["test-raising"] = run
+    try:
+        variants = [rounds.Variant(n, PreparedModel(None, None, label=n), "test-raising") for n in ("default", "bad", "good")]
+        targets = {n: crash.InProcess("test-raising", "m", {"mode": n}, f"test-raising mode={n}") for n in ("bad", "good")}
+        quarantine = crash.Quarantine()
+
+        def crash_of(variant, exc):
+            found = crash.exception_crash(targets[variant.name], exc, [sys.executable, "-c", "pass", variant.name])
+            quarantine.add(targets[variant.name], found.summary)
+            return found
+
+        one = Inputs(prompts=[None], rendered=["x"], batches=[{"input_ids": torch.zeros(1, 4)}], templated=False)
+        protocol = Protocol(warmup=0, min_iterations=1, min_duration_s=0, max_rounds=3)
+        outcome, kept, dropped = rounds_without_crashes(variants, one, None, lambda: protocol, crash_of=crash_of)
+    finally:
+        RUNNERS.pop("test-raising")
+    try:
+        assert [v.name for v in kept] == ["default", "good"] and outcome.variants == 2
+        assert set(outcome.intervals) == {"good"} and len(kept[1].passes) == outcome.rounds >= rounds.MIN_ROUNDS
+        ((variant, found),) = dropped
+        assert variant.name == "bad" and found.phase == "measurement" and found.signal is None
+        assert found.exception == "RuntimeError: Exception from src/plugins/intel_cpu/src/node.cpp:771: jit kernel failed"
+        assert found.log_tail[-1] == found.exception and any("Traceback" in ln for ln in found.log_tail)
+        assert targets["bad"] in quarantine and targets["good"] not in quarantine
+        doc = save_rows(tmp_path / "runs", [Row(crashed_doc(RunSpec(out_dir=tmp_path / "runs"), found, None))])[0]
+        assert doc["engine_status"] == "crashed" and doc["eligible"] is False and doc.engine == "test-raising"
+        assert doc["crash"]["reproducer"]["line"].endswith("-c pass bad") and doc["crash"]["phase"] == "measurement"
+    finally:
+        unregister_engine("test-raising")
+
+
+def test_an_exception_of_the_default_during_the_rounds_is_raised_as_it_came():
+    import torch
+
+    from infer_tune import rounds
+    from infer_tune.runners.base import RUNNERS
+    from infer_tune.runners.prepared import PreparedModel
+    from infer_tune.scenarios.engine_tune import rounds_without_crashes
+    from infer_tune.workload import Inputs, Protocol
+
+    def run(prepared, inputs, workload, protocol, progress):
+        raise ValueError("the default's engine failed")
+
+    RUNNERS["test-raising-default"] = run
+    try:
+        variants = [rounds.Variant(n, PreparedModel(None, None), "test-raising-default") for n in ("default", "x")]
+        one = Inputs(prompts=[None], rendered=["x"], batches=[{"input_ids": torch.zeros(1, 4)}], templated=False)
+        with pytest.raises(ValueError, match="default's engine") as caught:
+            rounds_without_crashes(variants, one, None, lambda: Protocol(warmup=0, min_iterations=1, min_duration_s=0),
+                                   crash_of=lambda v, e: pytest.fail("the default is not dropped"))
+        assert getattr(caught.value, rounds.VARIANT_ATTR) == "default"
+    finally:
+        RUNNERS.pop("test-raising-default")
