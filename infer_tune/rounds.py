@@ -24,6 +24,7 @@ See docs/architecture.md, "The sweep engine".
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -56,6 +57,23 @@ WARM_TOKENS = 4  # new tokens per request of the warm pass over the request batc
 SHORT_WARM = ("generation", "speculative")  # runners whose warm pass may be short (`warm`)
 # the per-pass figures kept per round for every variant (RoundsBlock.per_round)
 PER_ROUND = ("output_throughput_tok_s", "tpot_ms", "ttft_ms", "e2e_ms_mean")
+
+
+VARIANT_ATTR = "infer_tune_variant"  # an exception raised while a variant ran carries its name here
+
+
+@contextlib.contextmanager
+def naming(v: Variant):
+    """An exception raised inside names the variant that was running (`VARIANT_ATTR`, first one wins); it is
+    re-raised unchanged otherwise, so a caller that can drop a variant whose engine failed (scenarios/engine_tune.py
+    `rounds_without_crashes`) knows which, and every other caller sees what it always saw."""
+    try:
+        yield
+    except Exception as exc:
+        if not hasattr(exc, VARIANT_ATTR):
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(exc, VARIANT_ATTR, v.name)
+        raise
 
 
 @dataclass
@@ -258,7 +276,8 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
         if protocol.warmup > 0:  # warmup 0 asks for none: the first round is timed as it comes
             if progress:
                 progress(f"warming {v.name}", i, len(variants))
-            v.warm = warm(v, inputs, workload, protocol)
+            with naming(v):
+                v.warm = warm(v, inputs, workload, protocol)
         if v.prepared.counters is not None:
             v.prepared.counters.reset()
             v.prepared.counters.held = True  # counts accumulate over the rounds
@@ -274,7 +293,8 @@ def run_rounds(variants: list[Variant], inputs: Inputs, workload: Workload, prot
     met, stopped_by = False, "max_rounds"
 
     def timed(v: Variant, v_inputs: Inputs, offset: int) -> GenerationRun:
-        run = get_runner(v.runner)(v.prepared, v_inputs, workload, one_pass(protocol), None)
+        with naming(v):
+            run = get_runner(v.runner)(v.prepared, v_inputs, workload, one_pass(protocol), None)
         shift_prompts(run, offset, len(order))
         return run
 

@@ -337,12 +337,14 @@ def test_reference_engine_input_is_checked_before_anything_starts(tmp_path, monk
     from infer_tune.endpoint import servers
 
     bad = runner.invoke(app, ["endpoint", "reference", "--engine", "vllm", "--out", str(tmp_path)])
-    assert bad.exit_code == 2 and "engine must be one of transformers, llama.cpp" in bad.output
+    assert bad.exit_code == 2 and "engine must be one of llama.cpp, llama-cpp, torch, hf, transformers" in bad.output
     monkeypatch.setattr(servers, "missing_modules", lambda engine: ["llama_cpp"])
     missing = runner.invoke(app, ["endpoint", "reference", "--engine", "llama.cpp", "--out", str(tmp_path)])
     assert missing.exit_code == 2 and "pip install 'infer-tune[llamacpp]'" in missing.output
+    from infer_tune.engines.launched import gguf_for
+
     with pytest.raises(ConfigError, match="GGUF"):
-        servers.gguf_for(str(tmp_path))
+        gguf_for(str(tmp_path))
     cmd, served = servers.engine_command("transformers", str(_tiny_checkpoint(tmp_path)), 8123,
                                          continuous_batching=True)
     assert "--continuous-batching" in cmd and "127.0.0.1" in cmd and served == str(tmp_path / "ckpt")

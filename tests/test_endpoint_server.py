@@ -125,9 +125,9 @@ def test_llama_cpp_reference_row(smollm2_dir, tmp_path):
 def test_llama_server_parallel_slots(smollm2_dir, tmp_path):
     """llama.cpp's C++ server with 2 slots (scripts/build-llama-cpp.sh) on the same GGUF: requests in
     flight together, each answered in full."""
-    from infer_tune.endpoint.servers import llama_server_binary
+    from infer_tune.engines.launched import server_binary
 
-    if llama_server_binary() is None:
+    if server_binary() is None:
         pytest.skip("no llama-server binary (scripts/build-llama-cpp.sh builds it)")
     result = runner.invoke(app, ["endpoint", "reference", "--engine", "llama.cpp", "--parallel", "2",
                                  "--model", "smollm2-135m", *SMALL, "--out", str(tmp_path), "--json"])

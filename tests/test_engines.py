@@ -120,6 +120,70 @@ def test_scenarios_name_no_technique_or_engine_by_string():
     assert hits == []
 
 
+# Where a string spelled like an engine names something else (the rule of the test below, path prefix -> words):
+# the torch and transformers *libraries* (package versions, logger names, quantize's plain-torch backend, the
+# speculative verify path's torch forward), the word "slots" as a count field of metrics and plans, and a
+# technique's own name (and runner's) inside its own package. Anything else naming an engine goes through the
+# registry (engines/base.py) or the engine's registered entry.
+NOT_AN_ENGINE = {
+    "env.py": {"torch", "transformers"}, "report/html.py": {"torch", "transformers"},
+    "cli/__init__.py": {"torch", "transformers"}, "tuners/quantize/": {"torch", "transformers"},
+    "tuners/speculate/prepare.py": {"torch"},
+    "endpoint/serving.py": {"slots"}, "tuners/batch/serving.py": {"slots"}, "tuners/experts/planners.py": {"slots"},
+    "tuners/lean/": {"lean"}, "tuners/llamacpp/": {"llama-cpp"},
+}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+
+
+def test_no_module_outside_engines_names_an_engine():
+    """Engine knowledge lives in infer_tune/engines: no module outside it has a string constant (docstrings
+    aside) equal to a registered engine's name or alias, except where the same spelling names something else
+    (NOT_AN_ENGINE). How a reference server starts, a config's word for its engine, what a technique runs on:
+    each is asked of the registry."""
+    names = {n for e in ENGINES.values() for n in (e.name, *e.aliases)}
+    hits = []
+    for f in sorted(ROOT.rglob("*.py")):
+        rel = f.relative_to(ROOT).as_posix()
+        if rel.startswith("engines/"):
+            continue
+        allowed = set().union(*(words for prefix, words in NOT_AN_ENGINE.items() if rel.startswith(prefix)))
+        tree = ast.parse(f.read_text(encoding="utf-8"))
+        docs = _docstrings(tree)
+        hits += [(rel, node.lineno, node.value) for node in ast.walk(tree)
+                 if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+                 and node.value not in allowed and id(node) not in docs]
+    assert sorted(hits) == []
+
+
+def test_reference_servers_are_started_from_the_engines_entry(tmp_path, monkeypatch):
+    """endpoint/servers.py starts what the engine's `serve_here` gives it: a registered stand-in engine is
+    started by name, and its own checks refuse options it does not have."""
+    from infer_tune.endpoint import servers
+    from infer_tune.engines.base import ServeHere
+
+    def refuse(parallel):
+        if parallel > 1:
+            raise ConfigError("test-served has no slots")
+
+    serve = ServeHere(command=lambda ref, port, **kw: (["test-server", ref, str(port)], "served-" + ref),
+                      check=refuse, missing=lambda: [], extra="none")
+    register_engine(Engine(name="test-served", starts="server", runner="endpoint", serve_here=serve))
+    try:
+        assert servers.engine_command("test-served", "m", 8123) == (["test-server", "m", "8123"], "served-m")
+        servers.check_engine("test-served", 1)
+        with pytest.raises(ConfigError, match="test-served has no slots"):
+            servers.check_engine("test-served", 2)
+    finally:
+        unregister_engine("test-served")
+    with pytest.raises(ConfigError, match="engine must be one of llama.cpp, llama-cpp, torch, hf, transformers, got"):
+        servers.check_engine("test-served")
+
+
 # --------------------------------------------------------------------------- recipes name their engine
 def test_a_launch_recipe_is_one_format_and_an_earlier_launch_file_is_refused(tmp_path):
     """One recipe format: engine, model and settings at the top; the launch file of earlier versions is not
@@ -297,3 +361,86 @@ def test_a_row_without_a_baseline_is_not_said_to_be_compared_with_one():
 
     lead = decode_speedup(as_document({"run_id": "s", "technique": "endpoint", "metrics": {}}))
     assert lead.figures == () and lead.vs == "- (no baseline of its own)"
+
+
+def test_an_in_process_engine_that_raises_during_the_rounds_is_a_crashed_row_and_the_rest_are_measured(tmp_path):
+    """After its child probe came through, a configuration whose engine raises in the measured rounds (its 2nd
+    run here) is a `crashed` row (phase measurement, the exception, the traceback's tail, its probe as the
+    reproducer), quarantined, and the rounds start again with the default and the others, which are measured."""
+    import sys
+
+    import torch
+
+    from infer_tune import rounds
+    from infer_tune.engines import crash
+    from infer_tune.runners.base import RUNNERS, GenerationRun, RequestTiming
+    from infer_tune.runners.prepared import PreparedModel
+    from infer_tune.scenarios.common import RunSpec
+    from infer_tune.scenarios.engine_tune import crashed_doc, rounds_without_crashes
+    from infer_tune.sweep import Row, save_rows
+    from infer_tune.workload import Inputs, Protocol
+
+    calls: dict[str, int] = {}
+
+    def run(prepared, inputs, workload, protocol, progress):
+        calls[prepared.label] = calls.get(prepared.label, 0) + 1
+        if prepared.label == "bad" and calls["bad"] == 2:
+            raise RuntimeError("Exception from src/plugins/intel_cpu/src/node.cpp:771: jit kernel failed")
+        req = RequestTiming(0, 0, 4, 0, [int(1e6 * (10 + 10.0 * k)) for k in range(5)])
+        return GenerationRun([req], [], 0.1, 1, None, 0.0, 0, 0, 5, 1)
+
+    register_engine(Engine(name="test-raising", starts="in-process", runner="test-raising",
+                           techniques={"quantize": "its own"}, version=lambda: {"version": "1"}))
+    RUNNERS["test-raising"] = run
+    try:
+        variants = [rounds.Variant(n, PreparedModel(None, None, label=n), "test-raising") for n in ("default", "bad", "good")]
+        targets = {n: crash.InProcess("test-raising", "m", {"mode": n}, f"test-raising mode={n}") for n in ("bad", "good")}
+        quarantine = crash.Quarantine()
+
+        def crash_of(variant, exc):
+            found = crash.exception_crash(targets[variant.name], exc, [sys.executable, "-c", "pass", variant.name])
+            quarantine.add(targets[variant.name], found.summary)
+            return found
+
+        one = Inputs(prompts=[None], rendered=["x"], batches=[{"input_ids": torch.zeros(1, 4)}], templated=False)
+        protocol = Protocol(warmup=0, min_iterations=1, min_duration_s=0, max_rounds=3)
+        outcome, kept, dropped = rounds_without_crashes(variants, one, None, lambda: protocol, crash_of=crash_of)
+    finally:
+        RUNNERS.pop("test-raising")
+    try:
+        assert [v.name for v in kept] == ["default", "good"] and outcome.variants == 2
+        assert set(outcome.intervals) == {"good"} and len(kept[1].passes) == outcome.rounds >= rounds.MIN_ROUNDS
+        ((variant, found),) = dropped
+        assert variant.name == "bad" and found.phase == "measurement" and found.signal is None
+        assert found.exception == "RuntimeError: Exception from src/plugins/intel_cpu/src/node.cpp:771: jit kernel failed"
+        assert found.log_tail[-1] == found.exception and any("Traceback" in ln for ln in found.log_tail)
+        assert targets["bad"] in quarantine and targets["good"] not in quarantine
+        doc = save_rows(tmp_path / "runs", [Row(crashed_doc(RunSpec(out_dir=tmp_path / "runs"), found, None))])[0]
+        assert doc["engine_status"] == "crashed" and doc["eligible"] is False and doc.engine == "test-raising"
+        assert doc["crash"]["reproducer"]["line"].endswith("-c pass bad") and doc["crash"]["phase"] == "measurement"
+    finally:
+        unregister_engine("test-raising")
+
+
+def test_an_exception_of_the_default_during_the_rounds_is_raised_as_it_came():
+    import torch
+
+    from infer_tune import rounds
+    from infer_tune.runners.base import RUNNERS
+    from infer_tune.runners.prepared import PreparedModel
+    from infer_tune.scenarios.engine_tune import rounds_without_crashes
+    from infer_tune.workload import Inputs, Protocol
+
+    def run(prepared, inputs, workload, protocol, progress):
+        raise ValueError("the default's engine failed")
+
+    RUNNERS["test-raising-default"] = run
+    try:
+        variants = [rounds.Variant(n, PreparedModel(None, None), "test-raising-default") for n in ("default", "x")]
+        one = Inputs(prompts=[None], rendered=["x"], batches=[{"input_ids": torch.zeros(1, 4)}], templated=False)
+        with pytest.raises(ValueError, match="default's engine") as caught:
+            rounds_without_crashes(variants, one, None, lambda: Protocol(warmup=0, min_iterations=1, min_duration_s=0),
+                                   crash_of=lambda v, e: pytest.fail("the default is not dropped"))
+        assert getattr(caught.value, rounds.VARIANT_ATTR) == "default"
+    finally:
+        RUNNERS.pop("test-raising-default")

@@ -154,7 +154,7 @@ def test_a_truncated_cached_library_is_rebuilt_not_loaded(tmp_path, monkeypatch)
 @needs_root
 @pytest.mark.parametrize("attack", ["foreign-owner", "world-writable", "bin-world-writable"])
 def test_llama_server_of_another_account_is_refused(tmp_path, monkeypatch, attack):
-    from infer_tune.endpoint import servers
+    from infer_tune.engines.launched import server_binary
     from infer_tune.errors import ConfigError
 
     monkeypatch.setenv("INFER_TUNE_HOME", str(tmp_path / "home"))
@@ -162,7 +162,7 @@ def test_llama_server_of_another_account_is_refused(tmp_path, monkeypatch, attac
     binary = paths.private_dir(paths.home() / "bin") / "llama-server"
     binary.write_text("#!/bin/sh\ntouch planted-server-ran\n")
     binary.chmod(0o755)
-    assert servers.llama_server_binary() == binary
+    assert server_binary() == binary
     if attack == "foreign-owner":
         os.chown(binary, FOREIGN_UID, FOREIGN_UID)
     elif attack == "world-writable":
@@ -170,7 +170,7 @@ def test_llama_server_of_another_account_is_refused(tmp_path, monkeypatch, attac
     else:
         binary.parent.chmod(0o777)
     with pytest.raises(ConfigError, match="refusing to run .*llama-server") as caught:
-        servers.llama_server_binary()
+        server_binary()
     assert "\n" not in str(caught.value)
 
 

@@ -12,6 +12,7 @@ from rich.table import Table
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
 from infer_tune.document import ResultDocument
+from infer_tune.engines.base import REFERENCE_ENGINE
 from infer_tune.errors import ConfigError
 
 PANEL = "Endpoint (an OpenAI-compatible server: vLLM, SGLang, TGI, llama.cpp, transformers serve)"
@@ -300,17 +301,17 @@ def client_line(m: dict, prefix: str = "") -> None:
                          soft_wrap=True)
 
 
-Engine = Annotated[str, typer.Option("--engine", help="llama.cpp (llama-cpp-python's server on the model's GGUF) or transformers (`transformers serve`).")]
-ContinuousBatching = Annotated[bool, typer.Option("--continuous-batching/--no-continuous-batching", help="transformers engine: serve with continuous batching.")]
+Engine = Annotated[str, typer.Option("--engine", help="The engine started as the reference server: any engine of the registry that can be started here (its entry's `serve_here`: engines/base.py; a name it cannot start lists those it can).")]
+ContinuousBatching = Annotated[bool, typer.Option("--continuous-batching/--no-continuous-batching", help="An engine that batches only when asked (transformers serve): serve with continuous batching.")]
 EngineArg = Annotated[list[str] | None, typer.Option("--engine-arg", help="An argument passed to the engine as is, repeatable (e.g. --engine-arg=--cb-num-blocks --engine-arg=64).")]
-Parallel = Annotated[int, typer.Option("--parallel", help="llama.cpp: server slots decoding as one batch (needs its C++ llama-server: scripts/build-llama-server.sh).")]
+Parallel = Annotated[int, typer.Option("--parallel", help="Server slots decoding as one batch, for an engine that has them (llama-server: build it with scripts/build-llama-cpp.sh).")]
 StartupTimeout = Annotated[float, typer.Option("--startup-timeout", help="Seconds the engine may take to load before the run fails.")]
 
 
 @opt.measuring_command(limit=4)
 def reference(
     opts: opt.MeasureOptions,
-    engine: Engine = "llama.cpp",
+    engine: Engine = REFERENCE_ENGINE,
     continuous_batching: ContinuousBatching = False,
     engine_arg: EngineArg = None,
     startup_timeout: StartupTimeout = 300.0,

@@ -12,6 +12,7 @@ from rich.text import Text
 
 from infer_tune.cli import options as opt
 from infer_tune.cli import output
+from infer_tune.engines.base import LEAN, TORCH, spelled
 from infer_tune.errors import ConfigError
 
 app = typer.Typer(invoke_without_command=True, no_args_is_help=False)
@@ -37,12 +38,11 @@ NgramSize = Annotated[int | None, typer.Option("--max-matching-ngram-size", help
 
 def parse_engines(text: str) -> list[str]:
     from infer_tune.engines.base import config_engine
-    from infer_tune.tuners.speculate import ENGINE_SPELLING
 
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise ConfigError(f"--engine must be hf, lean or hf,lean; got '{text}'")
-    return list(dict.fromkeys(config_engine(n, technique="speculate", spelling=ENGINE_SPELLING, where="--engine")
+    return list(dict.fromkeys(config_engine(n, technique="speculate", where="--engine")
                               for n in names))
 
 
@@ -74,7 +74,7 @@ def speculate(
     early_exit: EarlyExit = None,
     prompt_lookup: PromptLookup = False,
     num_draft_tokens: NumDraftTokens = "2,4,6,8,10",
-    engine: Engine = "hf",
+    engine: Engine = spelled(TORCH, "speculate"),
     max_matching_ngram_size: NgramSize = None,
     draft_vocab: DraftVocab = None,
 ) -> None:
@@ -99,7 +99,7 @@ def speculate(
     if opts.batch_size != 1:
         raise ConfigError(f"--batch-size {opts.batch_size}: speculative decoding runs one request at a time "
                           "(transformers' assisted generation and the lean loop are batch size 1); drop --batch-size")
-    if draft_vocab is not None and (draft_vocab < 1 or "lean" not in engine or not draft):
+    if draft_vocab is not None and (draft_vocab < 1 or spelled(LEAN, "speculate") not in parse_engines(engine) or not draft):
         raise ConfigError(f"--draft-vocab {draft_vocab}: give N >= 1, with --engine lean and a --draft model made "
                           "by `speculate distill`")
     if max_matching_ngram_size is not None and max_matching_ngram_size < 1:

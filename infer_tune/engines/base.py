@@ -31,6 +31,11 @@ techniques (infer_tune/tuners) say what is done to the model; the engine says wh
 - `probe(args)` (optional, an in-process engine): build one configuration and decode a few tokens in the calling
   process; `python -m infer_tune.engines.probe NAME ARGS` runs it in a child first, so an engine that dies
   (a signal) or hangs is a crashed row instead of the end of infer-tune (engines/crash.py `run_child`).
+- `spelling`: technique -> the word a technique config's `engine` field uses for this engine and keeps in its
+  results (`{"batch": "transformers", "speculate": "hf"}`: the torch engine); `spelled(technique)` gives it.
+- `serve_here` (optional, a `ServeHere`): how `endpoint reference` / `endpoint/servers.local_server` starts the
+  engine as a reference server on 127.0.0.1 (its command line and served model name, the checks of its options,
+  the Python modules it needs); endpoint/servers.py only runs the process it is given.
 - `selectable`: whether a technique config's `engine` field may name it (speculate's and batch's `engine`
   choose an in-process engine; False for one only reached another way, e.g. `slots`, which `serve` runs and
   batch's `engine: lean` drives).
@@ -59,6 +64,32 @@ ENGINES_PACKAGE = "infer_tune.engines"  # every module in it may register engine
 STARTS = ("in-process", "server")
 DEFAULT_ENGINE = "torch"  # the engine of a row no technique part names (the baseline's: eager transformers)
 ENDPOINT_ENGINE = "remote"  # the engine of a server measured as it runs (bench --endpoint)
+# the engines other layers name (each registered by its own module: engines/inprocess.py, slots.py, launched.py):
+# a technique's `runs_on`, a config's `engine` field, a reference server are compared with these, never with a word
+TORCH, LEAN, SLOTS, LLAMA_CPP = "torch", "lean", "slots", "llama.cpp"
+REFERENCE_ENGINE = LLAMA_CPP  # the reference server `endpoint reference` starts when no --engine is given
+# engine -> technique -> the word that technique's config field (and its results) uses for the engine
+SPELLING = {TORCH: {"batch": "transformers", "speculate": "hf"}}
+
+
+def spelled(engine: str, technique: str) -> str:
+    """`engine` (a canonical name) as `technique`'s config names it (`SPELLING`, else the name itself)."""
+    return SPELLING.get(engine, {}).get(technique, engine)
+
+
+@dataclass(frozen=True)
+class ServeHere:
+    """How an engine is started as a reference server on loopback (`Engine.serve_here`).
+
+    `command(model_ref, port, *, continuous_batching, threads, context_tokens, parallel, extra_args)` ->
+    (argv, the model name the server answers to); `check(parallel)` raises ConfigError (one line) when the
+    options cannot be served here; `missing()` -> the Python modules its server needs that are not installed,
+    installed by `pip install 'infer-tune[EXTRA]'`."""
+
+    command: Callable[..., tuple[list[str], str]]
+    check: Callable[[int], None]
+    missing: Callable[[], list[str]]
+    extra: str
 
 
 @dataclass(frozen=True)
@@ -80,6 +111,8 @@ class Engine:
     parse_settings: Callable[[Any], dict] | None = None
     scenario: str | None = None
     probe: Callable[[dict], None] | None = None
+    spelling: Mapping[str, str] = field(default_factory=dict)
+    serve_here: ServeHere | None = None
     selectable: bool = True
     searched_here: bool = False
 
@@ -91,6 +124,10 @@ class Engine:
 
     def runs(self, technique: str) -> bool:
         return technique in self.techniques
+
+    def spelled(self, technique: str) -> str:
+        """This engine as `technique`'s config field names it (its `spelling`, else its name)."""
+        return self.spelling.get(technique, self.name)
 
     def supports(self, stack: Any) -> str | None:
         """None when this engine runs every part of `stack`, else why not (one line)."""
@@ -234,10 +271,15 @@ def resolve(name: str, *, technique: str | None = None, starts: str | None = Non
     return found.name
 
 
-def config_engine(value: str, *, technique: str, spelling: Mapping[str, str] | None = None,
-                  where: str = "engine") -> str:
+def config_engine(value: str, *, technique: str, where: str = "engine") -> str:
     """A technique config's `engine` field checked against the registry: an in-process engine (or alias) that
-    runs `technique` (ConfigError otherwise). Returns it as the config spells that engine (`spelling`:
-    canonical name -> the config's own word, e.g. speculate's {"torch": "hf"}, which its results keep)."""
-    canonical = resolve(value, technique=technique, starts="in-process", where=where)
-    return (spelling or {}).get(canonical, canonical)
+    runs `technique` (ConfigError otherwise). Returns it as the config spells that engine (the engine's
+    `spelling` for `technique`, e.g. speculate's "hf" for torch, which its results keep)."""
+    return ENGINES[resolve(value, technique=technique, starts="in-process", where=where)].spelled(technique)
+
+
+def served_here() -> dict[str, Engine]:
+    """Every name and alias `endpoint/servers.local_server` can start -> its engine (one with `serve_here`), the
+    engines in name order."""
+    return {n: e for e in sorted(ENGINES.values(), key=lambda e: e.name) if e.serve_here is not None
+            for n in (e.name, *e.aliases)}

@@ -22,8 +22,12 @@ An in-process engine (OpenVINO) dies the same way, but inside infer-tune's own p
 write the row. So each of its configurations runs first in a child process (`run_child`: the engine's `probe`,
 `python -m infer_tune.engines.probe ENGINE ARGS`, builds it and decodes a few tokens) before it is loaded here:
 a child killed by a signal, or silent past its deadline, is the configuration's Crash (phase `start`, the
-reproducer that child's command line), the same row as a launch's; it never enters this process. A crash during
-the measurement itself (after the child came through) still ends the run.
+reproducer that child's command line), the same row as a launch's; it never enters this process. An exception
+the engine raises later, during the measured rounds (`exception_crash`: phase `measurement`, `how` and
+`exception` the exception's type and first line, `log_tail` the traceback's last lines, the reproducer the same
+child's command line), is the configuration's crashed row too: the search drops it and measures the rest
+(scenarios/engine_tune.py `rounds_without_crashes`). A signal during the rounds still ends the run: the rounds
+interleave every configuration in this one process.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class Crash:
     signal_number: int | None = None
     exit_code: int | None = None
     hung_after_s: float | None = None
+    exception: str | None = None  # "RuntimeError: ..." (an in-process engine raised during the rounds)
     log_tail: list[str] = field(default_factory=list)
     reproducer: dict = field(default_factory=dict)
 
@@ -164,6 +169,20 @@ def crash_of(launch, command: list[str], files, *, phase: str, returncode: int |
         how, fields = describe_exit(int(returncode if returncode is not None else 0))
     return Crash(label=launch.label, settings=launch.to_dict()["settings"], phase=phase, how=how,
                  log_tail=log_tail(log_path), reproducer=reproducer(launch, command, files), **fields)
+
+
+def exception_crash(target, exc: BaseException, command: list[str], files: dict[str, Path] | None = None, *,
+                    phase: str = "measurement") -> Crash:
+    """The Crash of an in-process engine's configuration that raised `exc` (module docstring): its traceback's
+    last lines as the log's tail, `command` (the configuration's probe) as the reproducer."""
+    import traceback
+
+    first = str(exc).strip().splitlines()[0][:LINE_CHARS] if str(exc).strip() else ""
+    what = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    lines = [ln.rstrip()[:LINE_CHARS] for chunk in traceback.format_exception(exc) for ln in chunk.splitlines()
+             if ln.strip()]
+    return Crash(label=target.label, settings=target.to_dict()["settings"], phase=phase, how=f"raised {what}",
+                 exception=what, log_tail=lines[-LOG_LINES:], reproducer=reproducer(target, command, files))
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ Anything else is refused with the reason (`supports`): the server runs only what
 
 from __future__ import annotations
 
+from infer_tune.engines import base
 from infer_tune.engines.base import Engine, parts_of, register_engine
 from infer_tune.engines.inprocess import _own_version
 
@@ -70,7 +71,7 @@ def settings(stack) -> dict:
 
 _NOT_SERVED = "is not served: the server runs only what it runs exactly"
 SLOTS = register_engine(Engine(
-    name="slots", starts="in-process", runner="trace", selectable=False,
+    name=base.SLOTS, starts="in-process", runner="trace", selectable=False,
     description="the slot engine `serve` runs: one compiled or native step over every decoding slot",
     techniques={
         "quantize": "the weights quantized before the slots are built (bf16: as loaded)",

@@ -163,6 +163,37 @@ def crashed_doc(spec: RunSpec, found: crash.Crash, env: dict | None, objective: 
     return doc
 
 
+def rounds_without_crashes(variants: list, inputs, workload, protocol_for, *, crash_of, seed: int = 0,
+                           progress: Progress | None = None):
+    """The sweep engine's interleaved rounds (rounds.run_rounds) over `variants` (the baseline first) of an
+    in-process engine, where a candidate whose engine raises during them is a crash, not the end of the search:
+    `crash_of(variant, exc)` gives its Crash, the variant is dropped and the rounds start again without it
+    (interleaved rounds compare what ran in every round: what the others measured before is discarded).
+    `protocol_for()`: the protocol of each start (the budget left). An exception of the baseline, or one that
+    names no variant (rounds.VARIANT_ATTR), is raised as it came. Returns (outcome, the variants kept,
+    [(dropped variant, its Crash)])."""
+    from infer_tune import rounds
+
+    kept, crashes = list(variants), []
+    while True:
+        for v in kept:
+            v.warm, v.passes = None, []
+        try:
+            outcome = rounds.run_rounds(kept, inputs, workload, protocol_for(), seed=seed, progress=progress)
+        except Exception as exc:
+            name = getattr(exc, rounds.VARIANT_ATTR, None)
+            if name is None or name == kept[0].name:
+                raise
+            bad = next(v for v in kept if v.name == name)
+            found = crash_of(bad, exc)
+            crashes.append((bad, found))
+            kept.remove(bad)
+            if progress:
+                progress(f"{found.label}: {found.summary}; the rounds again without it", len(crashes), len(variants))
+            continue
+        return outcome, kept, crashes
+
+
 def perplexity_of(started: lm.Started, text: Path | None, threads: int | None) -> dict | None:
     """llama-perplexity of the launch's GGUF on the suite's text, with the launch's KV cache types and flash
     attention (None: not llama.cpp, or no tool)."""

@@ -38,6 +38,7 @@ from infer_tune.scenarios.engine_tune import (
     _mark,
     crashed_doc,
     decide,
+    rounds_without_crashes,
     write_engine_recipe,
 )
 from infer_tune.sweep import Measured, Row, RowSpec, build_document, save_rows
@@ -103,7 +104,9 @@ def measure(spec: RunSpec, wanted: list[dict], *, objective: str, seed: int = 0,
     the rounds end by then (what is left of it after the exports, at least 30 s); None: `spec.protocol`'s.
     Each configuration runs first in a child process (`ovm.probe_command`, at most `probe_deadline_s`, else
     ovm.PROBE_DEADLINE_S): one whose child dies by a signal or hangs is a `crashed` row (`crashed`, its reproducer) and is quarantined; a
-    setting listed twice is built once; the default crashing saves its row and raises EngineCrashed."""
+    setting listed twice is built once; the default crashing saves its row and raises EngineCrashed. One that raises
+    during the rounds is a `crashed` row too (phase `measurement`, engines/crash.py `exception_crash`), dropped from
+    them, and the rounds start again without it (engine_tune.rounds_without_crashes)."""
     from infer_tune import rounds
     from infer_tune.runners.generation import eos_ids
 
@@ -169,14 +172,41 @@ def measure(spec: RunSpec, wanted: list[dict], *, objective: str, seed: int = 0,
             refused.append({"label": label, "settings": values, "reason": str(exc).splitlines()[0][:200]})
             continue
         live.append((settings, folder, prepared))
-    protocol = spec.protocol
-    if budget_s is not None:
+    used: list = []  # the protocol of each start of the rounds (one more after a configuration crashed in them)
+
+    def protocol_for():
         spent = time.monotonic() - start
-        protocol = dataclasses.replace(protocol, max_duration_s=max(30.0, 0.8 * (budget_s - spent)))
+        used.append(spec.protocol if budget_s is None else
+                    dataclasses.replace(spec.protocol, max_duration_s=max(30.0, 0.8 * (budget_s - spent))))
+        return used[-1]
+
     variants = [rounds.Variant("default", base_prepared, ovm.ENGINE, objective=objective)] + [
         rounds.Variant(f"{i}:{s.label}", p, ovm.ENGINE, objective=objective) for i, (s, _, p) in enumerate(live)]
+    of_variant = {v.name: entry for v, entry in zip(variants, [(default, base_folder, base_prepared), *live])}
+
+    def crash_of(variant, exc) -> crash.Crash:
+        """A configuration that raised during the rounds: its crashed row, quarantined, its pipeline freed."""
+        settings, folder, prepared = of_variant[variant.name]
+        target = crash.InProcess(ovm.ENGINE, spec.model, settings.to_dict(), settings.label)
+        found = crash.exception_crash(target, exc, ovm.probe_command(folder, settings),
+                                      {"ir": folder / "openvino_model.bin"})
+        quarantine.add(target, found.summary)
+        prepared.runner_options.pop("pipeline", None)
+        return found
+
     before = noise.HostSnapshot.take()
-    outcome = rounds.run_rounds(variants, inputs, spec.workload, protocol, seed=seed, progress=progress)
+    try:
+        outcome, variants, dropped = rounds_without_crashes(variants, inputs, spec.workload, protocol_for,
+                                                            crash_of=crash_of, seed=seed, progress=progress)
+    except Exception as exc:
+        if getattr(exc, rounds.VARIANT_ATTR, None) != "default":
+            raise
+        found = crash_of(variants[0], exc)  # the default raised: nothing to compare with, its row, then the end
+        saved = save_rows(spec.out_dir, [Row(crashed_doc(spec, found, run.ctx.env, objective))])
+        raise crash.EngineCrashed(found, row=saved[0].location) from exc
+    crashed += [crashed_doc(spec, found, run.ctx.env, objective) for _, found in dropped]
+    live = [of_variant[v.name] for v in variants[1:]]
+    protocol = used[-1]
     host = (before, noise.HostSnapshot.take())
     env = run.ctx.env
     base_doc, base_outputs = build_document(

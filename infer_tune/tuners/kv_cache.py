@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from infer_tune import models
+from infer_tune.engines.base import LEAN, SLOTS
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import kv
 from infer_tune.runners.generation import eos_ids, split_generate_kwargs
@@ -120,8 +121,8 @@ def native_kv_dtype(ctx: RunContext) -> str:
 
 def runs_native_step(part) -> bool:
     """Whether a stack's part runs the native step (the only reader of the native int8 cache)."""
-    return bool(getattr(part, "native_step", False)) and (part.technique == "lean" or getattr(part, "engine", None)
-                                                          == "lean")
+    runs_on = getattr(part, "runs_on", None)  # the lean loop, or the slots over its step
+    return bool(getattr(part, "native_step", False)) and callable(runs_on) and runs_on() in (LEAN, SLOTS)
 
 
 def not_applicable_reason(config: KVCacheConfig, device: str) -> str | None:

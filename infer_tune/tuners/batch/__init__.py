@@ -18,7 +18,7 @@ from typing import ClassVar
 
 from infer_tune import models
 from infer_tune.document import ResultDocument
-from infer_tune.engines.base import config_engine
+from infer_tune.engines.base import LEAN, SLOTS, TORCH, config_engine, spelled
 from infer_tune.errors import ConfigError
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.runners.trace import TraceRequest
@@ -42,7 +42,8 @@ from infer_tune.tuners.batch.slots import SlotBatcher, prepare_model
 from infer_tune.tuners.batch.static import StaticBatcher
 
 SCHEDULERS = ("static", "continuous", "sweep")
-ENGINE_SPELLING = {"torch": "transformers"}  # the torch engine (engines/inprocess.py) as batch results name it
+# the in-process engines as this config's `engine` field and its results name them (engines/inprocess.py)
+TORCH_ENGINE, LEAN_ENGINE = spelled(TORCH, "batch"), spelled(LEAN, "batch")
 DEFAULT_TIMEOUT_MS = 250.0
 DEFAULT_MAX_BATCH_TOKENS = 512
 
@@ -74,7 +75,7 @@ class BatchConfig(TechniqueConfig):
     max_batch_tokens: int | None = None
     seed: int = 0
     allow_repeat: bool = False
-    engine: str = "transformers"
+    engine: str = TORCH_ENGINE
     compile_prefill: bool = False
     step_buckets: str = "all"
     native_step: bool = False
@@ -82,12 +83,12 @@ class BatchConfig(TechniqueConfig):
     ngram: int = 2
 
     def __post_init__(self) -> None:
-        self.engine = config_engine(self.engine, technique="batch", spelling=ENGINE_SPELLING, where="batch engine")
+        self.engine = config_engine(self.engine, technique="batch", where="batch engine")
         if isinstance(self.speculate, bool) or not isinstance(self.speculate, int) or self.speculate < 0 \
                 or isinstance(self.ngram, bool) or not isinstance(self.ngram, int) or self.ngram < 1:
             raise ConfigError(f"batch speculate must be an integer >= 0 and ngram >= 1, got {self.speculate!r}, "
                               f"{self.ngram!r}")
-        if self.speculate and not (self.engine == "lean" and self.native_step and self.scheduler == "continuous"):
+        if self.speculate and not (self.engine == LEAN_ENGINE and self.native_step and self.scheduler == "continuous"):
             raise ConfigError("batch speculate verifies drafts in the native step of the continuous lean engine: "
                               "it needs engine lean, native_step true and scheduler continuous")
         if self.step_buckets not in ("all", "full"):
@@ -97,7 +98,7 @@ class BatchConfig(TechniqueConfig):
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ConfigError(f"batch batch_size must be an integer >= 1, got {self.batch_size}")
         if self.scheduler == "sweep":
-            if self.engine != "transformers":
+            if self.engine != TORCH_ENGINE:
                 raise ConfigError("batch engine 'lean' runs the static and continuous schedulers, not 'sweep'")
             return
         if self.rate is None:
@@ -125,14 +126,14 @@ class BatchConfig(TechniqueConfig):
         return dataclasses.replace(workload, batch_size=self.batch_size) if self.scheduler == "sweep" else workload
 
     def runs_on(self) -> str | None:
-        return "slots" if self.engine == "lean" else None  # engine lean: the slot engine over the lean step
+        return SLOTS if self.engine == LEAN_ENGINE else None  # engine lean: the slot engine over the lean step
 
     def label(self) -> str:
         if self.scheduler == "sweep":
             return f"sweep-b{self.batch_size}"
         return f"{self.scheduler}-b{self.batch_size}-r{self.rate:g}" + (
-            f"-k{self.burstiness:g}" if self.burstiness != 1.0 else "") + ("-lean" if self.engine == "lean" else "") \
-            + ("-native" if self.engine == "lean" and self.native_step else "") \
+            f"-k{self.burstiness:g}" if self.burstiness != 1.0 else "") + ("-lean" if self.engine == LEAN_ENGINE else "") \
+            + ("-native" if self.engine == LEAN_ENGINE and self.native_step else "") \
             + (f"-lookup-k{self.speculate}" + (f"-ngram{self.ngram}" if self.ngram != 2 else "") if self.speculate else "")
 
 
@@ -164,13 +165,13 @@ class TraceFactory:
 
 
 def make_scheduler(config: BatchConfig, shared: dict | None = None, kv_dtype: str = "fp32"):
-    if config.engine == "lean" and config.speculate:
+    if config.engine == LEAN_ENGINE and config.speculate:
         from infer_tune.tuners.batch.serving import LiveBatcher  # serve's loop: the drafts are verified there
 
         return LiveBatcher(config.batch_size, speculate=config.speculate, ngram=config.ngram, shared=shared,
                            compile_prefill=config.compile_prefill, every_bucket=config.step_buckets == "all",
                            native_step=config.native_step, kv_dtype=kv_dtype)
-    if config.engine == "lean":
+    if config.engine == LEAN_ENGINE:
         return SlotBatcher(config.batch_size, config.scheduler, timeout_ms=config.timeout_ms, shared=shared,
                            compile_prefill=config.compile_prefill, every_bucket=config.step_buckets == "all",
                            native_step=config.native_step, kv_dtype=kv_dtype)
@@ -282,11 +283,11 @@ def tune_offer(ask: TuneAsk) -> list[Offer]:
         return []
     native = lean.runs_natively(ask.on)
     rate = ask.rate if ask.objective == "goodput" else BURST_RATE
-    offers = [Offer(BatchConfig(scheduler="continuous", batch_size=n, rate=rate, engine="lean", seed=ask.seed,
+    offers = [Offer(BatchConfig(scheduler="continuous", batch_size=n, rate=rate, engine=LEAN_ENGINE, seed=ask.seed,
                                 native_step=step), role="part", compiles=not step)
               for step in ((False, True) if native else (False,)) for n in BATCH_SLOTS]
     if native:
-        offers += [Offer(BatchConfig(scheduler="continuous", batch_size=n, rate=rate, engine="lean", seed=ask.seed,
+        offers += [Offer(BatchConfig(scheduler="continuous", batch_size=n, rate=rate, engine=LEAN_ENGINE, seed=ask.seed,
                                      native_step=True, speculate=TUNE_DRAFTS), role="part", compiles=False)
                    for n in BATCH_SLOTS]
     return offers
@@ -300,7 +301,7 @@ def prepare_batch(loaded: models.LoadedModel, config: BatchConfig, ctx: RunConte
     options: dict = {}
     facts: dict = {}
     if config.scheduler != "sweep":
-        if config.engine == "lean":  # before the references: they decode with the kernels the slots will run
+        if config.engine == LEAN_ENGINE:  # before the references: they decode with the kernels the slots will run
             facts = prepare_model(loaded.model, config.batch_size)
         from infer_tune.tuners.kv_cache import native_kv_dtype
 

@@ -34,6 +34,7 @@ from collections import deque
 
 import torch
 
+from infer_tune.engines.base import LEAN
 from infer_tune.runners.base import RequestTiming
 from infer_tune.runners.generation import eos_ids
 from infer_tune.runners.trace import wait_until
@@ -581,5 +582,5 @@ class SlotBatcher:
     def run_counters(self) -> dict:
         """Scheduler facts of the last replay (merged into the result's metrics)."""
         facts = dict(self.engine.facts) if self.engine is not None else {}
-        return {**self._stats, **facts, "batch_engine": "lean", "batch_impl": IMPL, "max_batch_size": self.batch_size,
+        return {**self._stats, **facts, "batch_engine": LEAN, "batch_impl": IMPL, "max_batch_size": self.batch_size,
                 "kv_cache_tokens": self.engine.max_cache_len * self.batch_size if self.engine else None}

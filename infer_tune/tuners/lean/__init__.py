@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from infer_tune.engines.base import LEAN
 from infer_tune.errors import ConfigError
 from infer_tune.models import LoadedModel
 from infer_tune.runners.base import GenerationRun, Progress, Protocol, TokenClock, register_runner
@@ -52,7 +53,7 @@ class LeanConfig(TechniqueConfig):
             raise ConfigError(f"lean: attention must be one of {', '.join(ATTENTION)}; got '{self.attention}'")
 
     def runs_on(self) -> str:
-        return "lean"
+        return LEAN
 
     def label(self) -> str:
         if self.native_step:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from infer_tune import models
+from infer_tune.engines.base import LLAMA_CPP
 from infer_tune.errors import ConfigError, InferTuneError
 from infer_tune.metrics import memory
 from infer_tune.models import LoadedModel
@@ -75,7 +76,7 @@ class LlamaCppConfig(TechniqueConfig):
             raise ConfigError(f"llama-cpp: engine must be one of {', '.join(MODES)}; got {self.engine!r}")
 
     def runs_on(self) -> str:
-        return "llama.cpp"
+        return LLAMA_CPP
 
     def label(self) -> str:
         if self.best_at is not None:
@@ -222,7 +223,7 @@ def prepare_llamacpp(loaded: LoadedModel, config: LlamaCppConfig, ctx: RunContex
     llm = Llama(model_path=str(path), n_ctx=config.n_ctx, n_threads=ctx.threads, n_threads_batch=ctx.threads,
                 verbose=False)
     info = llama_print_system_info()
-    facts = {**_facts(path, ctx), "engine": "llama.cpp", "llama_cpp_python": _version(),
+    facts = {**_facts(path, ctx), "engine": LLAMA_CPP, "llama_cpp_python": _version(),
              "llama_cpp": {"llama_cpp_python": _version(),
                            "system_info": info.decode("utf-8", "replace") if isinstance(info, bytes) else str(info)}}
     return PreparedModel(model=None, tokenizer=loaded.tokenizer, metrics=facts, label=config.label(),
@@ -242,7 +243,7 @@ def _prepare_server(loaded: LoadedModel, config: LlamaCppConfig, ctx: RunContext
 
     stack = contextlib.ExitStack()
     try:
-        server = stack.enter_context(local_server("llama.cpp", str(path), threads=ctx.threads,
+        server = stack.enter_context(local_server(LLAMA_CPP, str(path), threads=ctx.threads,
                                                   context_tokens=config.n_ctx))
         endpoint = EndpointConfig(url=server.url, served_model=server.served_model, api="completions",
                                   ignore_eos=True, concurrency=1, workers=1, label=config.label())
@@ -251,7 +252,7 @@ def _prepare_server(loaded: LoadedModel, config: LlamaCppConfig, ctx: RunContext
         stack.close()
         raise
     built = engine.build_info()
-    facts = {**_facts(path, ctx), "engine": "llama.cpp server",
+    facts = {**_facts(path, ctx), "engine": f"{LLAMA_CPP} server",
              "command": [Path(server.command[0]).name] + server.command[1:],
              "llama_cpp": {k: built.get(k) for k in ("commit", "build_number", "llama_cpp_python", "system_info",
                                                      "flags") if built.get(k) is not None}}

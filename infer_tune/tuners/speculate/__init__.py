@@ -17,7 +17,8 @@ from infer_tune.tuners.base import Conclusion, MeasuredRow, RunContext, register
 from infer_tune.tuners.speculate import claim, plots
 from infer_tune.tuners.speculate.config import (
     EARLY_EXIT,
-    ENGINE_SPELLING,
+    HF_ENGINE,
+    LEAN_ENGINE,
     PROMPT_LOOKUP,
     SELF_DRAFT,
     DraftSource,
@@ -28,7 +29,7 @@ from infer_tune.tuners.speculate.config import (
 from infer_tune.tuners.speculate.prepare import annotate, preflight, prepare
 from infer_tune.tuners.speculate.report import report_columns
 
-__all__ = ["EARLY_EXIT", "ENGINE_SPELLING", "PROMPT_LOOKUP", "SELF_DRAFT", "DraftSource", "SpeculateConfig", "parse_draft",
+__all__ = ["EARLY_EXIT", "HF_ENGINE", "LEAN_ENGINE", "PROMPT_LOOKUP", "SELF_DRAFT", "DraftSource", "SpeculateConfig", "parse_draft",
            "parse_draft_lengths"]
 
 

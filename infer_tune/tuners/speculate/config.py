@@ -19,11 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from infer_tune.engines.base import config_engine
+from infer_tune.engines.base import LEAN, TORCH, config_engine, spelled
 from infer_tune.errors import ConfigError
 from infer_tune.tuners.base import TechniqueConfig
 
-ENGINE_SPELLING = {"torch": "hf"}  # the torch engine (engines/inprocess.py) as this config and its results name it
+# the in-process engines as this config's `engine` field and its results name them (engines/inprocess.py)
+HF_ENGINE, LEAN_ENGINE = spelled(TORCH, "speculate"), spelled(LEAN, "speculate")
 PROMPT_LOOKUP = "prompt-lookup"
 SELF_DRAFT = "self-draft"
 EARLY_EXIT = "early-exit"
@@ -79,7 +80,7 @@ class SpeculateConfig(TechniqueConfig):
 
     draft: str = PROMPT_LOOKUP
     num_draft_tokens: int = 4
-    engine: str = "hf"
+    engine: str = HF_ENGINE
     max_matching_ngram_size: int | None = None
     draft_vocab: int | None = None
     draft_digest: str | None = None  # set by the registry's resolve: which weights a draft directory held
@@ -91,8 +92,7 @@ class SpeculateConfig(TechniqueConfig):
                 or self.num_draft_tokens < 1:
             raise ConfigError(f"speculate num_draft_tokens must be an integer >= 1 (tokens proposed per verify "
                               f"pass), got {self.num_draft_tokens!r}")
-        self.engine = config_engine(self.engine, technique="speculate", spelling=ENGINE_SPELLING,
-                                    where="speculate engine")
+        self.engine = config_engine(self.engine, technique="speculate", where="speculate engine")
         if source.kind == PROMPT_LOOKUP:
             self.max_matching_ngram_size = 2 if self.max_matching_ngram_size is None else self.max_matching_ngram_size
             if self.max_matching_ngram_size < 1:
@@ -103,12 +103,12 @@ class SpeculateConfig(TechniqueConfig):
         if self.draft_vocab is not None:
             if self.draft_vocab < 1:
                 raise ConfigError(f"speculate draft_vocab must be >= 1, got {self.draft_vocab}")
-            if self.engine != "lean" or source.kind != "model":
+            if self.engine != LEAN_ENGINE or source.kind != "model":
                 raise ConfigError("speculate draft_vocab cuts the head of a draft model in the lean engine; got "
                                   f"draft '{self.draft}' with engine '{self.engine}'")
-        if self.native_step and self.engine != "lean":
+        if self.native_step and self.engine != LEAN_ENGINE:
             raise ConfigError(f"speculate native_step verifies in the lean engine's loop; got engine '{self.engine}'")
-        if source.kind == EARLY_EXIT and self.engine != "hf":
+        if source.kind == EARLY_EXIT and self.engine != HF_ENGINE:
             raise ConfigError("speculate draft early-exit is transformers' own loop (engine 'hf'); the lean "
                               "engine's equivalent is self-draft:N")
 
@@ -117,7 +117,7 @@ class SpeculateConfig(TechniqueConfig):
         return parse_draft(self.draft)
 
     def runs_on(self) -> str | None:
-        return "lean" if self.engine == "lean" else None  # hf: the torch engine's assisted generation
+        return LEAN if self.engine == LEAN_ENGINE else None  # hf: the torch engine's assisted generation
 
     def label(self) -> str:
         source = self.source
@@ -127,7 +127,7 @@ class SpeculateConfig(TechniqueConfig):
             name += f"-ngram{self.max_matching_ngram_size}"
         if self.draft_vocab is not None:
             name += f"-v{self.draft_vocab}"
-        return f"{name}-k{self.num_draft_tokens}" + ("-lean" if self.engine == "lean" else "") \
+        return f"{name}-k{self.num_draft_tokens}" + ("-lean" if self.engine == LEAN_ENGINE else "") \
             + ("-native" if self.native_step else "")
 
 

@@ -21,6 +21,7 @@ import torch
 from infer_tune import jsonsafe, models
 from infer_tune.errors import ConfigError
 from infer_tune.tuners.base import RunContext
+from infer_tune.tuners.speculate.config import HF_ENGINE
 
 DISTILL_MANIFEST = "infer_tune_distill.json"
 LAYER_LISTS = ("layers", "h", "blocks")
@@ -48,7 +49,7 @@ def _vocab_size(model: torch.nn.Module) -> int:
     return int(config.vocab_size)
 
 
-def tokenizer_relation(target: models.LoadedModel, draft: models.LoadedModel, *, engine: str = "hf") -> str:
+def tokenizer_relation(target: models.LoadedModel, draft: models.LoadedModel, *, engine: str = HF_ENGINE) -> str:
     """`same` or `universal`; raises ConfigError when the draft's tokens cannot be checked by the target.
 
     transformers decides the path by the models' vocabulary sizes: equal sizes mean "same tokenizer"
@@ -63,7 +64,7 @@ def tokenizer_relation(target: models.LoadedModel, draft: models.LoadedModel, *,
            f"({len(draft.tokenizer)} vs {len(target.tokenizer)} tokens)" if not same_vocab else
            f"draft '{draft.ref}' has the target's tokenizer but another vocabulary size "
            f"({_vocab_size(draft.model)} vs {_vocab_size(target.model)})")
-    if engine != "hf":
+    if engine != HF_ENGINE:
         raise ConfigError(f"{why}; the lean engine feeds token ids across and needs the same tokenizer "
                           "(use engine 'hf' for universal assisted generation)")
     if not universal_path_available():

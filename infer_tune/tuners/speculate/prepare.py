@@ -18,7 +18,13 @@ from infer_tune.runners.generation import eos_ids
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.tuners.base import RunContext
 from infer_tune.tuners.speculate import drafts, hf, lean
-from infer_tune.tuners.speculate.config import EARLY_EXIT, PROMPT_LOOKUP, SELF_DRAFT, SpeculateConfig
+from infer_tune.tuners.speculate.config import (
+    EARLY_EXIT,
+    HF_ENGINE,
+    PROMPT_LOOKUP,
+    SELF_DRAFT,
+    SpeculateConfig,
+)
 from infer_tune.tuners.speculate.counters import SpeculativeCounters
 
 WARNINGS_KEY = "speculate.warnings"
@@ -68,7 +74,7 @@ def draft_facts(loaded: models.LoadedModel, config: SpeculateConfig, ctx: RunCon
         if source.layers >= total:
             raise ConfigError(f"speculate draft '{config.draft}': {source.layers} layers is not fewer than the "
                               f"target's {total}; choose 1..{total - 1}")
-        if source.kind == EARLY_EXIT and config.engine == "hf" \
+        if source.kind == EARLY_EXIT and config.engine == HF_ENGINE \
                 and not drafts.early_exit_supported(loaded.model, source.layers):
             raise ConfigError(f"speculate draft '{config.draft}': {type(loaded.model).__name__} ignores a lowered "
                               "num_hidden_layers, so transformers' assistant_early_exit would run every layer; "
@@ -136,7 +142,7 @@ def prepare(loaded: models.LoadedModel, config: SpeculateConfig, ctx: RunContext
     elif source.kind == SELF_DRAFT:
         draft_model = _self_draft(loaded, source.layers, ctx)
         extra_bytes = drafts.unshared_bytes(draft_model, target)
-    if config.engine == "hf":
+    if config.engine == HF_ENGINE:
         if source.kind == PROMPT_LOOKUP:
             kwargs.update(prompt_lookup_num_tokens=config.num_draft_tokens,
                           max_matching_ngram_size=config.max_matching_ngram_size)
