@@ -93,7 +93,7 @@ def infer_tune_server(args, extra: tuple[str, ...] = (), name: str = "infer-tune
     cmd += ["--native-step"] if args.native_step else []
     cmd += ["--kv-cache", args.kv_cache] if args.kv_cache != "fp32" else []
     cmd += ["--threads", str(args.threads)] if args.threads else []
-    cmd += list(extra)
+    cmd += list(args.serve_arg or ()) + list(extra)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -687,6 +687,9 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=512, help="trace: tokens per Mooncake hash block")
     p.add_argument("--cache-reuse", type=int, default=0,
                    help="multi-turn: llama-server --cache-reuse N (0: not passed, its default)")
+    p.add_argument("--serve-arg", action="append", default=[],
+                   help="an argument passed to every infer-tune serve arm as is, repeatable (e.g. --serve-arg=--speculate "
+                        "--serve-arg=8)")
     p.add_argument("--llama-arg", action="append", default=[],
                    help="an argument passed to llama-server as is, repeatable (e.g. --llama-arg=--spec-type "
                         "--llama-arg=ngram-simple --llama-arg=-ctk --llama-arg=q8_0)")

@@ -115,13 +115,23 @@ def measure_bandwidth_gb_s(size_mb: int = 256, repeats: int = 5) -> float:
     return 2 * src.numel() * src.element_size() / best  # bytes/ns == GB/s
 
 
+FAST_READS: list = []  # more ways to read the same bytes plainly: the native kernels register their stream_read
+
+
+def register_read(read) -> None:
+    """Add a plain read `read(list of uint8 tensors)` that `read_gb_s` times beside torch's sum (the native
+    kernels register theirs when they load: this low layer imports nothing above it)."""
+    if read not in FAST_READS:
+        FAST_READS.append(read)
+
+
 def read_gb_s(tensors: list[torch.Tensor], passes: int = 2) -> float | None:
     """GB/s of the fastest plain read of `tensors` now, of `passes` each way: torch's sum over each one's bytes
-    (as int64 where they allow) and, where the native kernels run, their `stream_read` (the bytes split over
-    torch's threads and read as 4 streams of 64-byte loads, the decode GEMV's access pattern). A decode's
-    ceiling must come from a read at least as fast as the decode's own: a torch sum alone read 1.02x slower
-    than the int4 decode it bounded at 1B (docs/metrics.md). The rounds take one after each round, so a row's
-    roofline ceiling comes from the same minutes as its decode; None without bytes."""
+    (as int64 where they allow) and every registered read (`register_read`; where the native kernels are loaded,
+    their `stream_read`: the bytes split over torch's threads and read as 4 streams of 64-byte loads, the decode
+    GEMV's access pattern). A decode's ceiling must come from a read at least as fast as the decode's own: a torch
+    sum alone read 1.02x slower than the int4 decode it bounded at 1B (docs/results.md). The rounds take one
+    after each round, so a row's roofline ceiling comes from the same minutes as its decode; None without bytes."""
     views, raw_views = [], []
     for t in tensors:
         raw = t.reshape(-1).view(torch.uint8)
@@ -133,10 +143,7 @@ def read_gb_s(tensors: list[torch.Tensor], passes: int = 2) -> float | None:
     size = sum(v.numel() * v.element_size() for v in views)
     if not size:
         return None
-    reads = [lambda: [v.sum() for v in views]]
-    native_read = stream_read_op()
-    if native_read is not None:
-        reads.append(lambda: native_read(raw_views))
+    reads = [lambda: [v.sum() for v in views], *(functools.partial(read, raw_views) for read in FAST_READS)]
     best = float("inf")
     with torch.inference_mode():
         for _ in range(passes):
@@ -145,17 +152,6 @@ def read_gb_s(tensors: list[torch.Tensor], passes: int = 2) -> float | None:
                 read()
                 best = min(best, time.perf_counter_ns() - start)
     return size / max(best, 1)  # bytes/ns == GB/s
-
-
-def stream_read_op():
-    """The native kernels' `stream_read(tensors) -> checksum`, or None where they do not run here."""
-    from infer_tune import native
-
-    try:
-        ok, _ = native.available()
-    except Exception:  # noqa: BLE001 - a probe: a missing compiler or a broken build only means no native read
-        return None
-    return torch.ops.infer_tune_native.stream_read if ok else None
 
 
 @functools.cache

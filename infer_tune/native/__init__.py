@@ -99,6 +99,9 @@ def _load() -> tuple[bool, str]:
     except KernelUnavailable as exc:
         return False, str(exc)
     _register_fakes()
+    from infer_tune import env
+
+    env.register_read(torch.ops.infer_tune_native.stream_read)  # the roofline probe's fast read (env.read_gb_s)
     return True, torch.ops.infer_tune_native.isa()
 
 
