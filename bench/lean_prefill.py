@@ -204,7 +204,14 @@ def roofline_line(model, mean_context: float, tok_s: float) -> str:
     facts = roofline.roofline(reading["gb_s"], models.model_bytes(model), kv_read, 1, 1000.0 / tok_s)
     return (f"roofline: {models.model_bytes(model) / 2**20:.1f} MiB of weights + {kv_read / 2**20:.1f} MiB of KV per "
             f"token at {reading['gb_s']:.1f} GB/s ({reading['source']}): ceiling {facts['roofline_tok_s']:.1f} tok/s, "
-            f"roofline_fraction {facts['roofline_fraction']:.2f} at {tok_s:.1f} tok/s")
+            f"roofline_fraction {fraction_text(facts)} at {tok_s:.1f} tok/s")
+
+
+def fraction_text(facts: dict) -> str:
+    """A fraction of the ceiling, or `refused` with why (above 1: metrics/roofline.py)."""
+    if facts.get("roofline_fraction") is None:
+        return f"refused ({facts['roofline_refused']})" if facts.get("roofline_refused") else "-"
+    return f"{facts['roofline_fraction']:.2f}"
 
 
 def server_completion(url: str, text: str, n_predict: int) -> tuple[dict, float]:

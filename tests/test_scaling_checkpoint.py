@@ -145,3 +145,16 @@ def test_a_decode_faster_than_its_rounds_reads_is_refused_in_the_table():
     assert fast["roofline_refused"] and scaling.read_cell(fast).startswith("refused")
     assert not slow["roofline_refused"] and scaling.read_cell(slow).startswith("0.")
     assert scaling.fraction_cell({"roofline_fraction": None, "roofline_refused": "x"}) == "refused (>1)"
+
+
+def test_a_refused_fraction_prints_as_refused_in_the_roofline_line():
+    """A 135M decode from L3 ran above the host's cached read: the line says refused instead of failing the run."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    lean_prefill = importlib.import_module("bench.lean_prefill")
+    assert lean_prefill.fraction_text({"roofline_fraction": None, "roofline_refused": "decode at 1.10x"}) == \
+        "refused (decode at 1.10x)"
+    assert lean_prefill.fraction_text({"roofline_fraction": 0.5}) == "0.50"
