@@ -88,7 +88,7 @@ def table(log: Path, agreements: list[Path]) -> str:
             out.append(f"| {model} | {label} | {cell(mine, 'ratio')} ({', '.join(b.upper() for b in best)}) | "
                        f"{cell(mine, 'ratio_vs_q4_0')} | {cell(mine, 'ratio_vs_q4_0-default')} |")
     if agree:
-        out += ["", "| model | side | bits a weight / bytes | KL(16-bit ‖ quantized) | same top-1 | perplexity ratio |",
+        out += ["", "| model | side | bits a weight (ours) / GGUF file | KL(16-bit ‖ quantized) | same top-1 | perplexity ratio |",
                 "|---|---|---|---|---|---|"]
         for model, doc in agree.items():
             for key, r in doc["ours"].items():
