@@ -45,6 +45,18 @@ how many turns' outputs differ between our two arms.
 
     flock /tmp/infer-tune-cpu.lock python bench/serving_vs_llamacpp.py --workload multi-turn --threads 2 \
         --batch 2 --native-step --activations int8 --context 2048 --sessions 16 --max-turns 5 --rates 0.5,2
+
+`--no-uncached-arm` leaves out `serve --no-prefix-cache` (two arms: ours with its cache, llama-server).
+
+`--workload trace --trace FILE --trace-format mooncake|burstgpt|jsonl` replays a timed trace (`--time-scale X`
+multiplies its arrival times; `--requests N` its first N, or N synthesized from its statistics) on ours with its
+prefix cache and on llama-server with its prompt cache, `--repeats` times, the first alternating. Each repeat's
+prompt words are seeded anew (seed + repeat, the same on both servers), so no server starts a repeat with the
+last repeat's prompts in its cache and the hit rate is the trace's own sharing; `--same-text` sends the same
+words every repeat. bench/mooncake_like.py writes a Mooncake-format trace of production shape that fits a small
+model's context. Both tables end with the requests within both SLOs per server, summed over the repeats (where
+both servers serve the offered load, goodput per second is set by the run's length and its ratio is noise
+around 1; the counts of the same offered requests say which met more).
 """
 
 from __future__ import annotations
@@ -283,6 +295,25 @@ def fmt_ratio(r: dict) -> str:
     return text + (f" (+{r['infinite']} repeat(s) inf)" if r["infinite"] else "")
 
 
+def attainment(rows: list[dict]) -> None:
+    """Per rate and server, the requests that met both SLOs over all repeats (`good_requests` of the offered ones:
+    `slo_attainment` = good / offered): where both servers serve the offered load, goodput per second is set by
+    the run's length and its ratio is noise around 1; the counts of the same offered requests say which met more."""
+    have = [r for r in rows if r.get("good_requests") is not None]
+    if not have:
+        return
+    parts = []
+    for rate in sorted({r["rate"] for r in have}):
+        cells = []
+        for e in dict.fromkeys(r["engine"] for r in have if r["rate"] == rate):
+            mine = [r for r in have if r["rate"] == rate and r["engine"] == e]
+            good = sum(r["good_requests"] for r in mine)
+            offered = sum((r.get("requests_ok") or 0) + (r.get("requests_failed") or 0) for r in mine)
+            cells.append(f"{e} {good}/{offered}")
+        parts.append(f"{rate:g}: " + ", ".join(cells))
+    print("requests within both SLOs (summed over repeats): " + "; ".join(parts))
+
+
 def engines_of(rows: list[dict]) -> list[str]:
     return sorted({r["engine"] for r in rows}, key=lambda e: not e.startswith("infer-tune"))
 
@@ -343,6 +374,11 @@ def table(state: dict, markdown: bool = False) -> None:
     print()
     print("targets (throughput and goodput >= 1x, TTFT p50 <= 1.2x, 0 mismatches; geometric means): "
           + "; ".join(verdicts))
+    attainment(rows)
+    hits = {e: [r["hit_rate"] for r in rows if r["engine"] == e and r.get("hit_rate") is not None] for e in engines}
+    if any(hits.values()):
+        print("prefix-cache hit rate by repeat: " + "; ".join(
+            f"{e} {' / '.join(f'{h:.3f}' for h in v)}" for e, v in hits.items() if v))
     print(f"SLOs: {state.get('slo')}; usage.prompt_tokens equal: {state.get('prompt_tokens_equal')}")
     if state.get("reference"):
         print(f"reference: {state['reference'].get('described')}")
@@ -426,6 +462,7 @@ def measure_sessions(side: Side, spec: RunSpec, workload, rate: float, repeat: i
     row = {"engine": side.server.name, "rate": rate, "repeat": repeat, "cell": cell,
            "throughput_tok_s": m["output_throughput_tok_s"], "ttft_p50": m["ttft_ms"]["p50"],
            "ttft_p90": m["ttft_ms"]["p90"], "tpot_p50": m["tpot_ms"]["p50"], "goodput_req_s": m.get("goodput_req_s"),
+           "good_requests": m.get("good_requests"), "slo_attainment": m.get("slo_attainment"),
            "requests_ok": m.get("requests_ok"), "requests_failed": m.get("requests_failed"),
            "failures_by_kind": m.get("failures_by_kind"), "turns_not_sent": m.get("turns_not_sent"),
            "hit_rate": cache.get("hit_rate"), "cached_tokens": cache.get("cached_tokens"),
@@ -476,7 +513,7 @@ def compare_sessions(args, state: dict) -> None:
     llama_extra = llama_cache_extra(args)
     state["llama_server_extra"] = list(llama_extra)
     with contextlib.ExitStack() as stack:
-        servers = cached_servers(stack, args, gguf, llama_extra)
+        servers = cached_servers(stack, args, gguf, llama_extra, without_cache=not args.no_uncached_arm)
         sides = [Side(server, args, spec, workload) for server in servers]
         needed = 1 + args.sessions * args.repeats * len(args.rates)
         kept, seen = fitting_conversations(sides[0].run, args.max_turns, args.max_history_tokens, needed)
@@ -491,7 +528,7 @@ def compare_sessions(args, state: dict) -> None:
         for repeat in range(args.repeat_from, args.repeats):
             for k, rate in enumerate(args.rates):
                 cell = repeat * len(args.rates) + k
-                for side in sides[cell % 3:] + sides[:cell % 3]:
+                for side in sides[cell % len(sides):] + sides[:cell % len(sides)]:
                     row = measure_sessions(side, spec, workload, rate, repeat, cell, slo)
                     record(args, state, row, f"r{repeat} {rate:g} sessions/s", row["token_count_mismatches"])
 
@@ -522,13 +559,18 @@ def compare_trace(args, state: dict) -> None:
                 config = EndpointConfig(url=server.url, served_model=server.served_model, api="chat", ignore_eos=True,
                                         stream_usage=True, concurrency=max(64, args.requests), label=server.name)
                 started = time.perf_counter()
-                doc = run_endpoint_workload(spec, config, workload, model_given=True, requests=args.requests, slo=slo)
+                # each repeat's prompt words seeded anew (seed + repeat; the same on both servers): a replay of the
+                # words of the repeat before would be served from that repeat's cache, not from the trace's sharing
+                text_seed = args.seed + repeat if not args.same_text else args.seed
+                mine = dataclasses.replace(spec, workload=dataclasses.replace(spec.workload, seed=text_seed))
+                doc = run_endpoint_workload(mine, config, workload, model_given=True, requests=args.requests, slo=slo)
                 m = doc["metrics"]
                 cache = m.get("prefix_cache") or {}
-                row = {"engine": server.name, "rate": args.time_scale, "repeat": repeat,
+                row = {"engine": server.name, "rate": args.time_scale, "repeat": repeat, "text_seed": text_seed,
                        "throughput_tok_s": m["output_throughput_tok_s"], "ttft_p50": m["ttft_ms"]["p50"],
                        "ttft_p90": m["ttft_ms"]["p90"], "tpot_p50": m["tpot_ms"]["p50"],
-                       "goodput_req_s": m.get("goodput_req_s"), "requests_ok": m.get("requests_ok"),
+                       "goodput_req_s": m.get("goodput_req_s"), "good_requests": m.get("good_requests"),
+                       "slo_attainment": m.get("slo_attainment"), "requests_ok": m.get("requests_ok"),
                        "requests_failed": m.get("requests_failed"), "hit_rate": cache.get("hit_rate"),
                        "mismatches": m.get("token_count_mismatches"), "wall_s": time.perf_counter() - started,
                        "run_id": doc.get("run_id")}
@@ -606,21 +648,25 @@ def table_sessions(state: dict, markdown: bool = False) -> None:
                            str(sum(r["token_count_mismatches"] or 0 for r in mine)),
                            str(sum(r["token_count_unverified"] or 0 for r in mine))])
     emit(head, body, markdown, (1,))
-    if len(engines) == 3:
-        cached, uncached, theirs = engines
+    if len(engines) in (2, 3):
+        cached, uncached, theirs = engines if len(engines) == 3 else (engines[0], None, engines[1])
         metrics = METRICS + tuple((f"ttft_p50_turn{t}", f"TTFT p50 t{t}", False) for t in turns)
         head = ["rate sess/s", "ratio", "repeats"] + [label.replace(" ms", "") + " [95%]" for _, label, _ in metrics]
         body = []
+        pairs = [(cached, theirs, "prefix cache / llama-server")]
+        if uncached is not None:
+            pairs += [(uncached, theirs, "no cache / llama-server"), (cached, uncached, "prefix cache / no cache")]
         for rate in rates:
-            for a, b, name in ((cached, theirs, "prefix cache / llama-server"),
-                               (uncached, theirs, "no cache / llama-server"), (cached, uncached, "prefix cache / no cache")):
+            for a, b, name in pairs:
                 ratios = paired_ratios(rows, rate, a, b, metrics)
                 body.append([f"{rate:g}", name, str(ratios["repeats"])] + [fmt_ratio(ratios[k]) for k, _, _ in metrics])
         emit(head, body, markdown, (1,))
+    if len(engines) == 3:
         differing = {rate: [outputs_differing(rows, c, cached, uncached)
                             for c in sorted({r["cell"] for r in rows if r["rate"] == rate})] for rate in rates}
         print("turns whose output differs, prefix cache vs no cache (per repeat): "
               + "; ".join(f"{rate:g} sessions/s {v}" for rate, v in differing.items()))
+    attainment(rows)
     print(f"SLOs: {state.get('slo')}; workload: {state.get('workload')}; llama-server extra flags: "
           f"{' '.join(state.get('llama_server_extra') or [])}")
     if state.get("reference"):
@@ -680,10 +726,15 @@ def main() -> None:
     p.add_argument("--max-history-tokens", type=int, default=1024,
                    help="multi-turn: only conversations whose first --max-turns user turns total at most this "
                         "many tokens (with the answers and the template, under --context 2048)")
+    p.add_argument("--no-uncached-arm", action="store_true",
+                   help="multi-turn: leave out our server without its prefix cache (two arms: ours, llama-server)")
     p.add_argument("--cache-mib", type=float, default=1024.0, help="multi-turn, trace: infer-tune serve --cache-mib")
     p.add_argument("--trace", help="trace: the trace file (e.g. tests/data/traces/mooncake_sample.jsonl)")
     p.add_argument("--trace-format", default="mooncake", choices=("mooncake", "burstgpt", "jsonl"))
     p.add_argument("--time-scale", type=float, default=1.0, help="trace: arrival times multiplied by this")
+    p.add_argument("--same-text", action="store_true",
+                   help="trace: every repeat sends the same words (default: seed + repeat, so the servers' caches "
+                        "start cold for each repeat and hit only what the trace shares)")
     p.add_argument("--block-size", type=int, default=512, help="trace: tokens per Mooncake hash block")
     p.add_argument("--cache-reuse", type=int, default=0,
                    help="multi-turn: llama-server --cache-reuse N (0: not passed, its default)")
