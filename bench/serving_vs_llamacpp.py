@@ -650,7 +650,8 @@ def table_sessions(state: dict, markdown: bool = False) -> None:
     emit(head, body, markdown, (1,))
     if len(engines) in (2, 3):
         cached, uncached, theirs = engines if len(engines) == 3 else (engines[0], None, engines[1])
-        metrics = METRICS + tuple((f"ttft_p50_turn{t}", f"TTFT p50 t{t}", False) for t in turns)
+        metrics = (METRICS + (("slo_attainment", "SLO attainment", True),)
+                   + tuple((f"ttft_p50_turn{t}", f"TTFT p50 t{t}", False) for t in turns))
         head = ["rate sess/s", "ratio", "repeats"] + [label.replace(" ms", "") + " [95%]" for _, label, _ in metrics]
         body = []
         pairs = [(cached, theirs, "prefix cache / llama-server")]
