@@ -297,7 +297,7 @@ def test_a_technique_document_is_the_same_whichever_command_ran_it(tiny_loaded, 
         "predicted_peak_bytes", "memory_limit_bytes", "exceeded_memory_limit"}
 
 
-WRITERS = {"save_run", "update_result", "add_files"}
+WRITERS = {"save_run", "save_conclusion", "add_files"}
 
 
 def test_only_the_sweep_engine_writes_results():

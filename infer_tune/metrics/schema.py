@@ -283,6 +283,8 @@ ENDPOINT_CLIENT_KEYS: dict[str, str] = {
                      "usage_token_mismatches"), "how the served tokens were counted and checked"),
     **dict.fromkeys(("trace_requests", "trace_span_s", "sessions", "turns", "turns_sent", "turns_not_sent"),
                     "the replayed trace or sessions"),
+    **dict.fromkeys(("goodput_req_s", "slo_attainment", "good_requests", "slo", "slo_attainment_by_objective"),
+                    "goodput under the SLOs the client was given (metrics.saturation.goodput)"),
 }
 LEAN_LOOP_KEYS: dict[str, str] = dict.fromkeys(
     ("kv_dtype", "lean_cache_buckets", "lean_compile", "lean_decode_steps", "lean_forward_ms", "lean_forward_ms_per_token",

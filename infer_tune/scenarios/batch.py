@@ -81,7 +81,7 @@ def run_sweep(spec: RunSpec, sweep: SweepSpec, progress: Progress | None = None)
     _, docs = run_configs(loaded, run.inputs, workload, spec.protocol, configs, ctx, resume=spec.resume,
                           measure_ppl=False, plan=plan)
     return SweepResult(docs=docs, skipped=[s.to_dict() for s in plan.skipped],
-                       knee=docs[0]["metrics"]["knee_batch_size"] if docs else None,
+                       knee=docs[0].metrics.get("knee_batch_size") if docs else None,
                        run_dirs=[Path(d.location) for d in docs])
 
 
@@ -223,14 +223,14 @@ def serve_keys(measured: list[ResultDocument], serve: ServeSpec) -> Conclusion:
             {"rate": doc.config["rate"], "slo_attainment": m["slo_attainment"], "goodput_req_s": m["goodput_req_s"],
              "busy_share": m.get("busy_share"),
              "throughput": m["output_throughput_tok_s"], "e2e_mean_ms": m["e2e_ms"]["mean"],
-             "e2e_p90_ms": m["e2e_ms"]["p90"], "metrics": m})
+             "e2e_p90_ms": m["e2e_ms"]["p90"], "figures": m})
     summary: dict = {"slo": serve.slo.to_dict(), "slo_target": serve.slo_target, "max_rate_meeting_slo": {
         name: analysis.max_rate_meeting_slo(rows, serve.slo_target) if serve.slo.given else None
         for name, rows in table.items()}}
     claim, by_rate = None, []
     if {"static", "continuous"} <= set(table):
-        claim, by_rate = analysis.claims_by_rate({r["rate"]: r["metrics"] for r in table["static"]},
-                                                 {r["rate"]: r["metrics"] for r in table["continuous"]})
+        claim, by_rate = analysis.claims_by_rate({r["rate"]: r["figures"] for r in table["static"]},
+                                                 {r["rate"]: r["figures"] for r in table["continuous"]})
     summary["claim_check"] = claim
     summary["claim_by_rate"] = by_rate
     for doc in measured:

@@ -66,7 +66,7 @@ def conclude_sweep(docs: list[ResultDocument], plan: SweepPlan | None = None, *,
     an earlier run (`resume`, a reused baseline, a landed folder that was there) gets nothing on disk."""
     load_techniques()
     plan = plan or SweepPlan()
-    docs = list(docs)
+    docs = [as_document(d) for d in docs]  # the hooks read typed documents (a caller's hand-made rows too)
     files_of: dict[str, dict[str, bytes]] = {}
     for entry in TECHNIQUES.values():
         group = [i for i, d in enumerate(docs) if d["technique"] == entry.name]

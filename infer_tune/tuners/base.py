@@ -219,11 +219,13 @@ class MeasuredRow:
 @dataclass
 class Conclusion:
     """What a sweep-level hook concludes over the rows it is given (a technique's `conclude`, or a command's
-    `SweepPlan.conclude`); the engine stores it in those rows and rewrites only the results its sweep saved.
+    `SweepPlan.conclude`); the engine merges it into those rows (new documents: a saved row is never modified)
+    and saves it beside only the results its sweep saved (results.save_conclusion), never in their result.json.
 
     - `claim`: stored as `metrics.claim_check` in every row (the claims table reads it there).
     - `files`: {file name: bytes}, written into every row's folder (figures the HTML report shows).
-    - `metrics`: {run id: keys} added to that row's `metrics` (keys over the sweep: set, or set again).
+    - `metrics`: {run id: keys} added to that row's `metrics` (keys over the sweep, of the sweep's namespace or
+      the row's: set, or set again).
     - `sections`: {run id: {section: value}} set on that row (`ResultDocument.set_section`).
     """
 

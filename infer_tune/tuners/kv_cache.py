@@ -187,7 +187,7 @@ def probe_cache(prepared: PreparedModel, batch: dict[str, torch.Tensor], new_tok
 def cache_metrics(config: KVCacheConfig, doc: dict, prepared: PreparedModel, batch: dict, shape: kv.ModelShape,
                   new_tokens: int) -> dict[str, Any]:
     """The kv-cache result keys (docs/architecture.md, "Result keys") added to what the shared runner measured."""
-    m = doc["metrics"]
+    m = doc.metrics
     ctx = int(batch["input_ids"].shape[1])
     probe = probe_cache(prepared, batch, new_tokens)
     bits = m.get("kv_bits")

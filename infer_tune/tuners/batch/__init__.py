@@ -214,20 +214,20 @@ def sweep_conclusion(docs: list[ResultDocument], skipped: list) -> Conclusion:
     skipped = [s for s in skipped if getattr(s.config, "scheduler", None) == "sweep"]
     if not rows:
         return Conclusion()
-    throughput = {d["metrics"]["batch_size"]: d["metrics"]["output_throughput_tok_s"] for d in rows}
+    throughput = {d.metrics["batch_size"]: d.metrics.throughput_tok_s for d in rows}
     knee, gains = analysis.knee(throughput)
-    reference = rows[0]["metrics"]["batch_size"]
+    reference = rows[0].metrics["batch_size"]
     section = {"throughput_by_batch_size": {str(k): v for k, v in throughput.items()}, "knee_batch_size": knee,
                "not_measured": [s.to_dict() for s in skipped]}
-    table = [{"batch_size": d["metrics"]["batch_size"], "throughput": d["metrics"]["output_throughput_tok_s"],
-              "e2e_p50_ms": d["metrics"]["e2e_ms"]["p50"], "padding_share": d["metrics"]["padding_share"]}
+    table = [{"batch_size": d.metrics["batch_size"], "throughput": d.metrics.throughput_tok_s,
+              "e2e_p50_ms": d.metrics.e2e_p50_ms, "padding_share": d.metrics["padding_share"]}
              for d in rows]
     png = batch_plots.sweep_png(table, knee, f"{rows[0]['model']['ref']}: padded static batches, closed loop")
     return Conclusion(
         files={"sweep.png": png},
-        metrics={d["run_id"]: {"knee_batch_size": knee, "is_knee": d["metrics"]["batch_size"] == knee,
+        metrics={d["run_id"]: {"knee_batch_size": knee, "is_knee": d.metrics["batch_size"] == knee,
                                "reference_batch_size": reference,
-                               "gain_per_doubling": gains.get(d["metrics"]["batch_size"])} for d in rows},
+                               "gain_per_doubling": gains.get(d.metrics["batch_size"])} for d in rows},
         sections={d["run_id"]: {"sweep": section} for d in rows})
 
 

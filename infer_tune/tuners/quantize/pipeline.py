@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from infer_tune import models
-from infer_tune.document import ResultDocument
+from infer_tune.document import ResultDocument, as_document
 from infer_tune.metrics import deltas
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.tuners.base import RunContext
@@ -158,17 +158,17 @@ def _config_fields(config: QuantizeConfig) -> dict:
 
 def claim_check(docs: list[dict], method: str | None = None) -> dict | None:
     """Check the INT8 claim on the int8 result (`method`, else int8-dynamic first): size, speed, drift -> held or not."""
-    by_method = {d["config"]["method"]: d for d in docs}
+    by_method = {d["config"]["method"]: as_document(d) for d in docs}  # rows made by hand (a test's) typed here
     doc = by_method.get(method) if method else (by_method.get("int8-dynamic") or by_method.get("int8-static"))
     if doc is None:
         return None
-    m = doc["metrics"]
+    m = doc.metrics
     ratio, speedup = m.get("bytes_ratio_vs_16bit"), m.get("speedup_vs_baseline")
     reference = "the baseline as measured (the loaded model's dtype)"
     bf16 = by_method.get("bf16")
     speedup_vs_16bit = None
     if bf16 is not None:  # the claim is against 16-bit weights: judge speed against the bf16 run when there is one
-        speedup_vs_16bit = deltas.speedup(bf16["metrics"], m)
+        speedup_vs_16bit = deltas.speedup(bf16.metrics, m)
         speedup, reference = speedup_vs_16bit, "the bf16 run of the same sweep (16-bit weights)"
     ppl_delta, drift = m.get("ppl_delta_pct"), m.get("bleu_drift")
     size_held = ratio is not None and ratio <= CLAIM_MAX_BYTES_RATIO
