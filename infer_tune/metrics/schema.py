@@ -85,6 +85,7 @@ SWEEP_KEYS: dict[str, str] = {
     "goodput_ratio_vs_baseline": "goodput over the baseline's serving the same trace one request at a time",
     "goodput_ratio_vs_baseline_ci95": "its interval over the rounds",
     "goodput_vs_baseline": "how that ratio was taken (scenarios/tune_goodput.py)",
+    "offered_rate_req_s": "the offered request rate of a rate sweep's row",
     "saturated": "the rate sweep found this rate saturated the server",
     "sweep_rates": "the rates of the rate sweep", "knee_rate_req_s": "the rate sweep's knee",
     "knee_factor": "the knee's criterion", "knee_status": "whether the knee was found",
@@ -301,7 +302,6 @@ SLOT_ENGINE_KEYS: dict[str, str] = dict.fromkeys(
 # rows that are not a registered technique's: the plain baseline, an endpoint's, a launched engine's (engine_tune)
 ROW_KINDS: dict[str, dict[str, str]] = {
     "baseline": {},
-    "endpoint": {**ENDPOINT_CLIENT_KEYS,
-                 "offered_rate_req_s": "the offered request rate of a rate sweep's row"},
+    "endpoint": dict(ENDPOINT_CLIENT_KEYS),
     "engine": {},
 }
