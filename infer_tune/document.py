@@ -13,6 +13,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from infer_tune.metrics.schema import NAMESPACE_SWEEP, Metrics, check_declared
+from infer_tune.metrics.schema import finite as finite  # re-exported: readers import it from here
+
 SCHEMA_VERSION = 1
 
 
@@ -62,6 +65,10 @@ class OverwriteError(ValueError):
     """A technique's fact would replace a measured key of the result with a different value."""
 
 
+class FrozenResultError(TypeError):
+    """A saved result (one with a `location`) would be changed: a saved result is never modified."""
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
@@ -71,15 +78,31 @@ def _same(a: Any, b: Any) -> bool:
         return a is b
 
 
-def merge_facts(metrics: dict[str, Any], facts: Mapping[str, Any], source: str) -> None:
-    """`facts` added to `metrics`; a key already there with a different value is refused (OverwriteError
-    naming `source` and the key): technique facts never replace measured figures silently. A key that is
-    there as null was not measured (a perplexity the engine did not take, say): a fact may fill it."""
+def check_overwrite(metrics: Mapping[str, Any], facts: Mapping[str, Any], source: str) -> None:
+    """OverwriteError naming `source` and the keys of `facts` already in `metrics` with a different value:
+    technique facts never replace measured figures silently. A key that is there as null was not measured
+    (a perplexity the engine did not take, say): a fact may fill it."""
     clash = [k for k, v in facts.items() if metrics.get(k) is not None and not _same(metrics[k], v)]
     if clash:
         raise OverwriteError(f"{source} would overwrite measured metrics: {', '.join(sorted(clash))} "
                              f"({', '.join(f'{k}: {metrics[k]!r} -> {facts[k]!r}' for k in sorted(clash)[:3])})")
+
+
+def merge_facts(metrics: dict[str, Any], facts: Mapping[str, Any], source: str) -> None:
+    """`facts` added to a plain `metrics` dict being built (sweep.build_document), refused where they would
+    replace a measured figure (`check_overwrite`)."""
+    check_overwrite(metrics, facts, source)
     metrics.update(facts)
+
+
+def row_namespaces(technique: str | None, config: Mapping[str, Any] | None, engine: str | None) -> list[str]:
+    """The namespaces a row's own facts may come from (metrics/schema.py): its technique (each part of a
+    stack) and its engine."""
+    spaces = [technique] if technique else []
+    if technique == "stack":
+        spaces += [p.get("technique") for p in (config or {}).get("configs") or [] if isinstance(p, Mapping)
+                   and isinstance(p.get("technique"), str)]
+    return spaces + ([f"engine:{engine}"] if engine else [])
 
 
 @dataclass(eq=False)
@@ -97,10 +120,14 @@ class ResultDocument(Mapping):
     (`sweep`, `serve_summary`, `claims`, `not_applicable`) are set with `set_section`. Top-level keys this
     version does not name (written by another) are kept in `extra` and written back as they were.
 
-    It reads as a mapping of its JSON keys (`doc["metrics"]`, `doc.get("objective")`), so readers take a
-    loaded document and a hand-made dict alike; it has no item assignment: what changes after it is built
-    goes through its methods. `location` is the folder it was saved in or read from (None before it is
-    saved), never written.
+    It reads as a mapping of its JSON keys (`doc.metrics`, `doc.get("objective")`), so readers take a
+    loaded document and a hand-made dict alike; it has no item assignment, and its `metrics` are a read-only
+    `Metrics` (metrics/schema.py): what changes after it is built goes through its methods, and a key a
+    technique, an engine or the sweep adds must be declared by its namespace. `location` is the folder it was
+    saved in or read from (None before it is saved), never written. Once saved (or read back) it is frozen:
+    a change raises FrozenResultError. What a sweep concludes over its rows after they were saved (a claim
+    over all of them, the knee) is a separate conclusion (`conclusion`, saved beside result.json by
+    results.save_conclusion), read back merged into a new document (`with_conclusion`).
     """
 
     run_id: str
@@ -114,7 +141,7 @@ class ResultDocument(Mapping):
     runner: str | None
     workload: dict[str, Any]
     protocol: dict[str, Any] | None
-    metrics: dict[str, Any]
+    metrics: Metrics
     samples: dict[str, list]
     fingerprint: str | None
     baseline_run_id: str | None = None
@@ -129,10 +156,35 @@ class ResultDocument(Mapping):
     not_applicable: list[dict] | None = None  # kv-cache: the variants that could not run at that length
     extra: dict[str, Any] = field(default_factory=dict)
     location: Path | None = field(default=None, repr=False)
+    # what a sweep concluded over this row after it was saved ({"metrics": {...}, "sections": {...}}), merged
+    # into the fields above; saved beside result.json, never in it (results.save_conclusion)
+    conclusion: dict[str, Any] | None = field(default=None, repr=False)
+
+    # ----------------------------------------------------------------- frozen once saved
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise FrozenResultError(f"result {self.__dict__.get('run_id')!r} is saved ({self.location}): it is never "
+                                    f"modified (its '{name}' cannot be set)")
+        if name == "metrics" and not isinstance(value, Metrics):
+            value = Metrics(value or {})
+        object.__setattr__(self, name, value)
+
+    @property
+    def frozen(self) -> bool:
+        return bool(self.__dict__.get("_frozen"))
+
+    def freeze(self) -> None:
+        """No change from now on (results.save_run calls it once the result is saved; load_result on reading)."""
+        object.__setattr__(self, "_frozen", True)
+
+    def _changing(self, what: str) -> None:
+        if self.frozen:
+            raise FrozenResultError(f"result {self.run_id!r} is saved ({self.location}): it is never modified "
+                                    f"({what} refused; a sweep's conclusion is saved beside it: with_conclusion)")
 
     # ----------------------------------------------------------------- the JSON keys, as a mapping
     def _keys(self) -> list[str]:
-        names = [f.name for f in fields(self) if f.name not in ("extra", "location")]
+        names = [f.name for f in fields(self) if f.name not in NOT_DATA]
         optional = ("objective",) + SECTIONS
         engine = self.engine is not None
         return [n for n in names if (n not in optional or getattr(self, n) is not None)
@@ -141,7 +193,7 @@ class ResultDocument(Mapping):
     def __getitem__(self, key: str) -> Any:
         if key in self.extra:
             return self.extra[key]
-        if key in ("extra", "location") or key not in self.__dataclass_fields__:
+        if key in NOT_DATA or key not in self.__dataclass_fields__:
             raise KeyError(key)
         value = getattr(self, key)
         if value is None and key in ("objective",) + SECTIONS or key in ENGINE_KEYS and self.engine is None:
@@ -165,52 +217,92 @@ class ResultDocument(Mapping):
     def set_engine(self, name: str, version: Mapping[str, Any] | None = None, argv: list[str] | None = None) -> None:
         """What ran the row: the registered engine's name, its version facts and its launch argv (set where
         the row is made: sweep.build_document, an endpoint or launch row)."""
+        self._changing("set_engine")
         self.engine = name
         self.engine_version = dict(version or {})
         self.engine_argv = [str(a) for a in argv] if argv is not None else None
 
-    def add_metrics(self, facts: Mapping[str, Any] | None, *, source: str) -> None:
-        """Facts added under `metrics` (a technique's `finish`, an admission, a sweep hook); a key already
-        measured with a different value is refused (`merge_facts`)."""
-        merge_facts(self.metrics, facts or {}, source)
+    def add_metrics(self, facts: Mapping[str, Any] | None, *, source: str, namespace: str | None = None) -> None:
+        """Facts added under `metrics` before the row is saved (a technique's `finish`, an admission, an
+        engine's figures). Each key is a core figure or declared by the namespace it comes from
+        (UndeclaredMetricError naming `source` and the key): `namespace` None is the row's own (its
+        technique, each part of a stack, and its engine), `sweep` the sweep's (schema.SWEEP_KEYS). A key
+        already measured with a different value is refused (OverwriteError)."""
+        self._changing(f"add_metrics from {source}")
+        facts = facts or {}
+        spaces = [namespace] if namespace else row_namespaces(self.technique, self.config, self.engine)
+        check_declared(facts, spaces, source)
+        check_overwrite(self.metrics, facts, source)
+        self.metrics._merge(facts)
 
-    def set_sweep_metrics(self, facts: Mapping[str, Any]) -> None:
-        """Keys under `metrics` computed over every row of a sweep (its claim check, the highest rate that
-        met the SLOs): set, or set again when the sweep sees more rows; never a figure of this row's own."""
-        self.metrics.update(facts)
+    def set_sweep_metrics(self, facts: Mapping[str, Any], *, source: str = "the sweep") -> None:
+        """Keys of the sweep's namespace (schema.SWEEP_KEYS: over every row of a sweep; or the row's own
+        namespaces, a technique's `conclude`) set on a row not yet saved: set, or set again. Once the row is saved they go in its conclusion (`with_conclusion`)."""
+        self._changing(f"set_sweep_metrics from {source}")
+        check_declared(facts, [NAMESPACE_SWEEP, *row_namespaces(self.technique, self.config, self.engine)], source)
+        self.metrics._merge(facts)
+
+    def add_workload(self, facts: Mapping[str, Any], *, source: str) -> None:
+        """Facts about what was run added to `workload` before the row is saved (a sweep's prompt source); a
+        key already there with a different value is refused."""
+        self._changing(f"add_workload from {source}")
+        clash = [k for k, v in facts.items() if self.workload.get(k) is not None and not _same(self.workload[k], v)]
+        if clash:
+            raise OverwriteError(f"{source} would overwrite the workload's {', '.join(sorted(clash))}")
+        self.workload.update(facts)
 
     def set_section(self, name: str, value: Any) -> None:
-        """A sweep-level section (`SECTIONS`), computed over every row of the sweep: set, or set again."""
+        """A sweep-level section (`SECTIONS`), computed over every row of the sweep, on a row not yet saved:
+        set, or set again (a saved row gets it in its conclusion: `with_conclusion`)."""
+        self._changing(f"set_section {name}")
         if name not in SECTIONS:
             raise KeyError(f"'{name}' is not a section of a result document ({', '.join(SECTIONS)})")
         setattr(self, name, value)
 
-    def drop(self, key: str) -> None:
-        """Leave out a bulky part once read (`leaderboard` keeps no `samples`): emptied, never written back."""
-        if key == "samples":
-            self.samples = {}
-        else:
-            self.extra.pop(key, None)
+    def with_conclusion(self, metrics: Mapping[str, Any] | None = None,
+                        sections: Mapping[str, Any] | None = None, *, source: str = "the sweep",
+                        check: bool = True) -> ResultDocument:
+        """A new document: this one with what a sweep concluded over its rows (`metrics`: keys of the sweep's
+        namespace, set or set again; `sections`: SECTIONS) merged in, its `conclusion` the whole of what was
+        concluded so far. This document is left as it is (a saved one is frozen); so is its result.json: the
+        conclusion is saved beside it (results.save_conclusion). Returns this document when nothing changes.
+        `check` False: a conclusion read back (results.load_result), whose keys are not checked against today's
+        namespaces (an old result, a plugin's, must still load; results.validate checks what readers rely on)."""
+        metrics, sections = dict(metrics or {}), dict(sections or {})
+        if check:
+            check_declared(metrics, [NAMESPACE_SWEEP, *row_namespaces(self.technique, self.config, self.engine)], source)
+        unknown = sorted(set(sections) - set(SECTIONS))
+        if unknown:
+            raise KeyError(f"{', '.join(unknown)} is not a section of a result document ({', '.join(SECTIONS)})")
+        before = self.conclusion or {}
+        after = {"metrics": {**(before.get("metrics") or {}), **metrics},
+                 "sections": {**(before.get("sections") or {}), **sections}}
+        if all(_same(self.metrics.get(k), v) and k in self.metrics for k, v in metrics.items()) \
+                and all(_same(getattr(self, k), v) for k, v in sections.items()):
+            return self
+        data = self.to_dict()
+        data["metrics"] = {**data["metrics"], **_plain(metrics)}
+        data.update(_plain(sections))
+        out = ResultDocument.from_dict(data, location=self.location)
+        object.__setattr__(out, "conclusion", after)
+        if self.frozen:
+            out.freeze()
+        return out
 
     # ----------------------------------------------------------------- typed reads of `metrics`
     # What the report, compare, recommend and tune read on every row, in one place: a figure that is
     # absent, null, not a number or not finite reads as None (a result is untrusted input).
     def metric(self, key: str) -> float | None:
         """`metrics[key]` as a finite float, else None."""
-        return finite(self.metrics.get(key))
+        return self.metrics.number(key)
 
     def interval(self, key: str) -> tuple[float, float] | None:
         """`metrics[key + "_ci95"]` as (low, high) when it is two finite numbers in order, else None."""
-        raw = self.metrics.get(f"{key}_ci95")
-        if not isinstance(raw, (list, tuple)) or len(raw) != 2:
-            return None
-        low, high = finite(raw[0]), finite(raw[1])
-        return (low, high) if low is not None and high is not None and low <= high else None
+        return self.metrics.interval(key)
 
     def stat(self, key: str, stat: str = "p50") -> float | None:
         """A statistic of a timing distribution (`stat("tpot_ms")`: its median), else None."""
-        block = self.metrics.get(key)
-        return finite(block.get(stat)) if isinstance(block, dict) else None
+        return self.metrics.stat(key, stat)
 
     @property
     def speedup(self) -> float | None:
@@ -249,8 +341,7 @@ class ResultDocument(Mapping):
     @property
     def noise(self) -> dict[str, Any]:
         """`metrics.noise` ({} when the row has none)."""
-        block = self.metrics.get("noise")
-        return block if isinstance(block, dict) else {}
+        return self.metrics.noise
 
     @property
     def noisy(self) -> bool:
@@ -260,13 +351,12 @@ class ResultDocument(Mapping):
     @property
     def rounds(self) -> dict[str, Any]:
         """`metrics.rounds` (RoundsBlock's keys; {} for a row not measured in rounds)."""
-        block = self.metrics.get("rounds")
-        return block if isinstance(block, dict) else {}
+        return self.metrics.rounds
 
     # ----------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
         """The document as written to `result.json` (never its `location`)."""
-        doc = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name not in ("extra", "location")}
+        doc = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name not in NOT_DATA}
         for key in ("objective",) + SECTIONS:
             if doc[key] is None:
                 doc.pop(key)
@@ -277,13 +367,17 @@ class ResultDocument(Mapping):
         return doc
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], location: str | Path | None = None) -> ResultDocument:
+    def from_dict(cls, data: Mapping[str, Any], location: str | Path | None = None, *,
+                  drop: tuple[str, ...] = ()) -> ResultDocument:
         """A document from its JSON keys (validated by the caller: results.validate); unknown top-level keys
-        go to `extra`."""
+        go to `extra`. `drop`: bulky parts left out as it is read (`leaderboard` keeps no `samples`: emptied,
+        never written back)."""
         if isinstance(data, ResultDocument):
             data = data.to_dict()
-        known = {f.name for f in fields(cls)} - {"extra", "location"}
-        data = {k: v for k, v in data.items() if k != "_path"}  # where it lives is not data (a forged key)
+        known = {f.name for f in fields(cls)} - set(NOT_DATA)
+        data = {k: v for k, v in data.items() if k != "_path" and k not in drop or k == "samples"}
+        if "samples" in drop:
+            data["samples"] = {}
         kwargs = {k: v for k, v in data.items() if k in known}
         for key in ("runner", "protocol", "label", "fingerprint", "baseline_run_id"):
             kwargs.setdefault(key, None)
@@ -291,12 +385,8 @@ class ResultDocument(Mapping):
                    location=Path(location) if location is not None else None)
 
 
-def finite(value: Any) -> float | None:
-    """A finite float, else None (a bool is not a number here)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else None
+# dataclass fields of ResultDocument that are not keys of its JSON
+NOT_DATA = ("extra", "location", "conclusion")
 
 
 # what a mapping made by hand (a test's row, a library caller's) gets for a required key it lacks
@@ -321,7 +411,7 @@ def as_document(doc: Mapping[str, Any]) -> ResultDocument:
 
 def _plain(value: Any) -> Any:
     """A deep copy of JSON-shaped data (dicts, lists), so the written dict shares nothing with the object."""
-    if isinstance(value, dict):
+    if isinstance(value, dict):  # a Metrics too: written as a plain dict
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]

@@ -209,6 +209,16 @@ class RayExecutor:
             if problem := results.validate(data):
                 raise ResultError(f"a Ray worker returned run {run_id} whose result {problem}")
             doc = ResultDocument.from_dict(data)
+            # what the worker's sweep concluded over the row (saved there beside result.json): part of the
+            # result saved here, which is a new save
+            concluded = sorted((int(m.group(1) or 1), name) for name in list(files)
+                               if (m := results.CONCLUSION.fullmatch(str(name))))
+            records = [jsonsafe.loads(files.pop(name)) for _, name in concluded]
+            if records and isinstance(records[-1], dict):
+                doc = ResultDocument.from_dict(doc.with_conclusion(
+                    records[-1].get("metrics"), records[-1].get("sections"), source="a Ray worker's conclusion", check=False).to_dict())
+                if problem := results.validate(doc):
+                    raise ResultError(f"a Ray worker returned run {run_id} whose concluded result {problem}")
             bad = [name for name in files if not results.FILE_NAME.fullmatch(str(name))]
             if bad:
                 raise ResultError(f"a Ray worker returned run {run_id} with a file named {str(bad[0])[:80]!r}, not a "
@@ -240,7 +250,7 @@ class RayExecutor:
         with runs_lock(spec.out_dir):
             pairs = self.collect(refs, Path(spec.out_dir), progress)
             docs = [doc for _, task_docs in pairs for doc in task_docs]
-            conclude_sweep(docs, own=self.landed_ids)  # never a folder that was there before it landed
+            docs = conclude_sweep(docs, own=self.landed_ids)  # never a folder that was there before it landed
         return pairs[0][0], docs
 
     def run_together(self, spec, configs: list, progress=None) -> tuple[ResultDocument, list[ResultDocument]]:

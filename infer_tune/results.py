@@ -67,9 +67,13 @@ def save_run(out_dir: Path, result: ResultDocument | dict, outputs: list[dict],
              extra_files: dict[str, bytes] | None = None) -> SavedRun:
     """Write `out_dir/<run_id>/` atomically: a staged folder moved into place when complete, never over
     an existing run (on a collision the result gets a fresh run id). Returns the saved document, typed,
-    with its `location` (the document given is that object when it was a ResultDocument)."""
+    with its `location` (the document given is that object when it was a ResultDocument), frozen."""
     doc = result if isinstance(result, ResultDocument) else ResultDocument.from_dict(result)
+    if doc.frozen:  # already saved: saving it again would be a second result of the same run
+        raise ResultError(f"result {doc.run_id!r} is already saved ({doc.location})")
     for name in extra_files or {}:
+        if CONCLUSION.fullmatch(str(name)):
+            raise ResultError(f"file name {name!r} of run {str(doc.run_id)[:80]!r} is a sweep conclusion's name")
         if not FILE_NAME.fullmatch(str(name)):
             raise ResultError(f"file name {str(name)[:80]!r} of run {str(doc.run_id)[:80]!r} is not a "
                               "plain file name")
@@ -86,6 +90,7 @@ def save_run(out_dir: Path, result: ResultDocument | dict, outputs: list[dict],
             doc.run_id = new_run_id(str(doc.technique or "run"), str(doc.label or ""))
             continue
         doc.location = final
+        doc.freeze()  # a saved result is never modified (its sweep's conclusion is saved beside it)
         return SavedRun(run_dir=final, result=doc)
     raise OSError(errno.EEXIST, f"could not find a free run id in {out_dir}")
 
@@ -104,11 +109,54 @@ def _folder(doc: ResultDocument) -> Path:
     return Path(doc.location)
 
 
-def update_result(doc: ResultDocument) -> None:
-    """Rewrite the `result.json` of a run saved by the running sweep (`doc.location`) in place, atomically
-    (a sweep adds a claim judged on all of its results); the run's other files stay as they are. Only
-    sweep.writing (conclude_sweep / store_claim) call it, for results their own sweep saved."""
-    atomic.write_json(_folder(doc) / "result.json", doc.to_dict())
+# what a sweep concluded over a saved row: `conclusion.json`, then `conclusion.2.json`... when concluded again
+CONCLUSION = re.compile(r"conclusion(?:\.([1-9][0-9]{0,8}))?\.json")
+
+
+def _conclusions(folder: Path) -> list[tuple[int, Path]]:
+    """The conclusion files of a run folder as (version, path), oldest first."""
+    found = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    for name in names:
+        if (m := CONCLUSION.fullmatch(name)):
+            found.append((int(m.group(1) or 1), folder / name))
+    return sorted(found)
+
+
+def save_conclusion(doc: ResultDocument) -> Path | None:
+    """Save what a sweep concluded over a saved row (`doc.conclusion`: the whole of it, from
+    ResultDocument.with_conclusion) beside its result.json, never in it: a new file, written once,
+    atomically (`conclusion.json`, then `conclusion.N.json` with the next N when the row is concluded again;
+    the newest is read back by load_result). Nothing is written when the newest saved one says the same.
+    The caller holds the runs directory's lock. Returns the file written, or None."""
+    folder = _folder(doc)
+    if not doc.conclusion:
+        return None
+    record = {"schema_version": SCHEMA_VERSION, "run_id": doc.run_id, **doc.conclusion}
+    found = _conclusions(folder)
+    if found and _read_conclusion(found[-1][1]) == record:
+        return None
+    version = found[-1][0] + 1 if found else 1
+    file = folder / ("conclusion.json" if version == 1 else f"conclusion.{version}.json")
+    if file.exists():
+        raise ResultError(f"conclusion file {file} exists: a conclusion is never rewritten")
+    atomic.write_json(file, record)
+    return file
+
+
+def _read_conclusion(file: Path) -> dict:
+    data = _open_result(file)
+    try:
+        record = jsonsafe.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ResultError(f"conclusion file {file} is not valid JSON: {str(exc).splitlines()[0][:200]}") from None
+    if not isinstance(record, dict) or not isinstance(record.get("metrics", {}), dict) \
+            or not isinstance(record.get("sections", {}), dict):
+        raise ResultError(f"conclusion file {file} is not a conclusion (metrics and sections objects)")
+    return record
 
 
 def add_files(doc: ResultDocument, files: dict[str, bytes]) -> None:
@@ -437,9 +485,11 @@ def _open_result(file: Path) -> bytes:
     return data
 
 
-def load_result(path: str | Path) -> ResultDocument:
-    """Read one result (a run folder or its result.json) and validate it (`validate`); ResultError with
-    one line otherwise. Its `location` is the real folder the file lies in, whatever the document says."""
+def load_result(path: str | Path, *, drop: tuple[str, ...] = ()) -> ResultDocument:
+    """Read one result (a run folder or its result.json) with its sweep's newest conclusion merged in
+    (`save_conclusion`), and validate it (`validate`); ResultError with one line otherwise. Its `location` is
+    the real folder the file lies in, whatever the document says. It is frozen (never modified); `drop`:
+    bulky top-level parts left out as it is read (ResultDocument.from_dict)."""
     path = Path(path).expanduser()
     file = path / "result.json" if path.is_dir() else path
     if not file.is_file() and not file.is_symlink():
@@ -453,7 +503,21 @@ def load_result(path: str | Path) -> ResultDocument:
     problem = validate(doc)
     if problem:
         raise ResultError(f"result file {file} {problem}")
-    return ResultDocument.from_dict(doc, location=os.path.realpath(file.parent))
+    folder = os.path.realpath(file.parent)
+    out = ResultDocument.from_dict(doc, location=folder, drop=drop)
+    if file.name == "result.json" and (found := _conclusions(Path(folder))):
+        record = _read_conclusion(found[-1][1])
+        if record.get("run_id") not in (None, out.run_id):
+            raise ResultError(f"conclusion file {found[-1][1]} is about run {str(record.get('run_id'))[:80]!r}")
+        try:
+            out = out.with_conclusion(record.get("metrics"), record.get("sections"),
+                                      source=f"conclusion file {found[-1][1]}", check=False)
+        except (KeyError, ValueError) as exc:
+            raise ResultError(f"conclusion file {found[-1][1]} is malformed: {exc}") from None
+        if (problem := validate(out)):
+            raise ResultError(f"result file {file} with its conclusion {found[-1][1]} {problem}")
+    out.freeze()
+    return out
 
 
 def created_stamp() -> str:
@@ -506,12 +570,10 @@ def find_results(runs_dir: str | Path, skipped: list[tuple[str, str]] | None = N
     docs = []
     for file in _result_files(root, bad):
         try:
-            doc = load_result(file)
+            doc = load_result(file, drop=drop)
         except ResultError as exc:
             bad.append((str(file), str(exc)))
             continue
-        for key in drop:
-            doc.drop(key)
         docs.append(doc)
     if skipped is not None:
         skipped.extend(bad)

@@ -96,9 +96,12 @@ def _prepare_allreduce(loaded, config, ctx):
 
 ENTRIES = [
     (PlainConfig, _prepare_plain, {"runner": "generation"}),
-    (LookupConfig, _prepare_lookup, {"runner": "speculative"}),
-    (TraceConfig, _prepare_trace, {"runner": "trace"}),
-    (AllReduceConfig, _prepare_allreduce, {"runner": "multiprocess", "measure_ppl": False}),
+    (LookupConfig, _prepare_lookup, {"runner": "speculative", "metric_keys": dict.fromkeys(
+        ("forwards", "multi_token_steps", "target_forward_passes"), "the lookup loop's counters")}),
+    (TraceConfig, _prepare_trace, {"runner": "trace", "metric_keys": dict.fromkeys(
+        ("scheduler", "trace_duration_s", "trace_requests", "trace_span_s"), "the trace runner's facts")}),
+    (AllReduceConfig, _prepare_allreduce, {"runner": "multiprocess", "measure_ppl": False, "metric_keys": dict.fromkeys(
+        ("bytes_exchanged", "launch_elapsed_s", "procs"), "the ranks' exchange")}),
 ]
 
 
@@ -294,7 +297,7 @@ def test_a_technique_document_is_the_same_whichever_command_ran_it(tiny_loaded, 
         "predicted_peak_bytes", "memory_limit_bytes", "exceeded_memory_limit"}
 
 
-WRITERS = {"save_run", "update_result", "add_files"}
+WRITERS = {"save_run", "save_conclusion", "add_files"}
 
 
 def test_only_the_sweep_engine_writes_results():

@@ -289,9 +289,14 @@ def test_sweep_reports_out_of_memory_and_memory_limit_and_goes_on(tiny_model_dir
     assert one["metrics"]["knee_batch_size"] == result.knee
     for run_dir in result.run_dirs:
         assert (run_dir / "sweep.png").read_bytes()[:4] == b"\x89PNG"
-    on_disk = [json.loads(p.read_text()) for p in tmp_path.glob("*/result.json")]
+    from infer_tune import results
+
+    # read back: each row's result.json as measured, with the sweep's conclusion saved beside it
+    on_disk = [results.load_result(p.parent) for p in tmp_path.glob("*/result.json")]
     sweep_rows = [d for d in on_disk if d["technique"] == "batch"]
     assert len(sweep_rows) == 2 and all("knee_batch_size" in d["metrics"] for d in sweep_rows)  # one folder each
+    assert all("knee_batch_size" not in json.loads((d.location / "result.json").read_text())["metrics"]
+               and (d.location / "conclusion.json").is_file() for d in sweep_rows)
 
 
 def test_memory_prediction_and_oom_detection():
@@ -350,7 +355,9 @@ def test_serve_sim_cli_json(tiny_model_dir, prompts_file, tmp_path):
             assert (run_dir / name).read_bytes()[:4] == b"\x89PNG"
         trace = [json.loads(line) for line in (run_dir / "trace.jsonl").read_text().splitlines()]
         assert len(trace) == 8 and all(r["output_tokens"] >= 1 for r in trace)
-    saved = [json.loads(p.read_text()) for p in out.glob("*/result.json")]
+    from infer_tune import results
+
+    saved = [results.load_result(p.parent) for p in out.glob("*/result.json")]  # with the sweep's conclusion
     assert sorted(d["run_id"] for d in saved if d["technique"] == "batch") == sorted(d["run_id"] for d in docs)
     assert all(d["metrics"]["claim_check"] for d in saved if d["technique"] == "batch")  # one folder each, complete
     claim = report["summary"]["claim_check"]

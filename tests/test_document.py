@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from infer_tune import results
 from infer_tune.cli import app
-from infer_tune.document import OverwriteError, ResultDocument, as_document
+from infer_tune.document import FrozenResultError, OverwriteError, ResultDocument, as_document
 
 
 def _loaded(tmp_path, noise_figure: dict | None = None, **metrics) -> ResultDocument:
@@ -51,7 +51,7 @@ def test_as_document_keeps_a_document_and_types_a_mapping_made_by_hand(tmp_path)
 
 
 def test_facts_never_replace_a_measured_figure_but_may_fill_a_null_one(tmp_path):
-    doc = _loaded(tmp_path, ppl=None)
+    doc = as_document(make_result("r", technique="quantize", ppl=None))  # built, not saved yet
     doc.add_metrics({"ppl": 6.5, "ppl_source": "llama-perplexity"}, source="llama-perplexity")  # null: not measured
     assert doc.metrics["ppl"] == 6.5
     doc.add_metrics({"ppl": 6.5}, source="the same figure again")  # the same value: no clash
@@ -63,6 +63,10 @@ def test_facts_never_replace_a_measured_figure_but_may_fill_a_null_one(tmp_path)
     assert doc.metrics["claim_check"]["held"] is False
     with pytest.raises(TypeError):
         doc["metrics"] = {}  # no item assignment: changes go through the methods
+    with pytest.raises(TypeError, match="read-only"):
+        doc.metrics["ppl"] = 7.0  # nor on its metrics
+    with pytest.raises(FrozenResultError):  # a saved result is never modified
+        _loaded(tmp_path, ppl=None).add_metrics({"ppl": 6.5}, source="llama-perplexity")
 
 
 def test_bench_engine_quality_keys_never_overwrite_a_measured_perplexity(tmp_path):
@@ -70,7 +74,9 @@ def test_bench_engine_quality_keys_never_overwrite_a_measured_perplexity(tmp_pat
     change against the default launch; a row that has a perplexity already is refused, not rewritten."""
     from infer_tune.scenarios.engine_tune import add_quality
 
-    base, doc = _loaded(tmp_path, ppl=None), as_document(make_result("c", ppl=None))
+    base, doc = as_document(make_result("b", ppl=None)), as_document(make_result("c", ppl=None))
+    base.set_engine("llama.cpp")
+    doc.set_engine("llama.cpp")
     add_quality(base, {"ppl": 8.0, "ppl_stderr": 0.1, "context": 512}, None)
     add_quality(doc, {"ppl": 8.4, "ppl_stderr": 0.1, "context": 512}, None)
     add_quality(doc, None, base)

@@ -619,8 +619,9 @@ class ConcludingConfig(TechniqueConfig):
 
 def test_a_sweep_conclusion_is_stored_in_this_sweeps_rows_only(tmp_path):
     """A technique's `conclude` returns a claim, files, keys and sections (tuners/base.py `Conclusion`); the
-    engine stores each in the rows it names, writes them into the results this sweep saved, and leaves a
-    result of an earlier run (read back by `resume`) byte for byte as it was, though it was concluded over."""
+    engine merges each into the rows it names (new documents: a saved one is never modified), saves it beside
+    the results this sweep saved (their result.json byte for byte as written), and writes nothing for a result
+    of an earlier run (read back by `resume`), though it was concluded over."""
     import sys
     from pathlib import Path
 
@@ -638,16 +639,20 @@ def test_a_sweep_conclusion_is_stored_in_this_sweeps_rows_only(tmp_path):
                           metrics={i: {"rank": n} for n, i in enumerate(ids)},
                           sections={i: {"sweep": {"rows": ids}} for i in ids})
 
-    register_technique(ConcludingConfig, conclude=conclude)(lambda loaded, config, ctx: None)
+    register_technique(ConcludingConfig, conclude=conclude, metric_keys={"rank": "the row's rank"})(
+        lambda loaded, config, ctx: None)
     try:
         folders = [save(make_result(name, technique="test-concluding", seed=i), tmp_path)
                    for i, name in enumerate(("earlier", "mine"))]
-        before = (folders[0] / "result.json").read_bytes()
+        before = [(folder / "result.json").read_bytes() for folder in folders]
         docs = [results.load_result(folder) for folder in folders]
-        conclude_sweep(docs, own={"mine"})
+        concluded = conclude_sweep(docs, own={"mine"})
     finally:
         unregister_technique(ConcludingConfig)
-    assert (folders[0] / "result.json").read_bytes() == before and not (folders[0] / "figure.png").exists()
+    assert [(folder / "result.json").read_bytes() for folder in folders] == before
+    assert not (folders[0] / "figure.png").exists() and not (folders[0] / "conclusion.json").exists()
+    assert "claim_check" not in docs[0]["metrics"] and concluded[0]["metrics"]["claim_check"]["held"] is True
+    assert (folders[1] / "conclusion.json").is_file()
     mine = results.load_result(folders[1])
     assert mine["metrics"]["claim_check"]["finding"] == "2 rows" and mine["metrics"]["rank"] == 1
     assert mine["sweep"] == {"rows": ["earlier", "mine"]} and (folders[1] / "figure.png").is_file()

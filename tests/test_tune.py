@@ -607,8 +607,7 @@ def test_goodput_keys_pair_each_round_with_the_baseline_serving_the_trace_alone(
                 "samples": {"prompt_index": [0, 1] * 3, "ttft_ms": base_ttft, "e2e_ms": base_e2e,
                             "output_tokens": [8, 8] * 3}}
     slo = SLO(ttft_ms=600.0, tpot_ms=500.0)
-    goodput_keys([cand], baseline, slo, 2.0)
-    m = cand["metrics"]
+    m = goodput_keys([cand], baseline, slo, 2.0).metrics[cand.run_id]  # the sweep's keys, saved beside the row
     expected = []
     for k in range(3):
         # the candidate: both requests good, the replay ends at the later of arrival + e2e
@@ -633,20 +632,18 @@ def test_goodput_keys_pair_each_round_with_the_baseline_serving_the_trace_alone(
 
     # a baseline that meets no SLO at all: every round's ratio stays finite (half a request on each side)
     strict = _trace_row(tmp_path, rows, 3, [50.0, 60.0] * 3, cand_e2e, [4, 3] * 3)
-    goodput_keys([strict], baseline, SLO(ttft_ms=100.0, tpot_ms=500.0), 2.0)
-    sm = strict["metrics"]
+    sm = goodput_keys([strict], baseline, SLO(ttft_ms=100.0, tpot_ms=500.0), 2.0).metrics[strict.run_id]
     assert sm["goodput_vs_baseline"]["baseline_good_requests"] == 0 and math.isfinite(sm["goodput_ratio_vs_baseline"])
     assert sm["goodput_ratio_vs_baseline_ci95"][0] > 1
 
     # rounds that are not the baseline's (a resumed row): a point from the pooled figures, no interval
     other = _trace_row(tmp_path, rows, 3, [50.0, 60.0] * 3, cand_e2e, [4, 3] * 3, group="elsewhere")
-    goodput_keys([other], baseline, slo, 2.0)
-    assert other["metrics"]["goodput_ratio_vs_baseline_ci95"] is None
-    assert other["metrics"]["goodput_vs_baseline"]["paired"] is False and other["metrics"]["goodput_ratio_vs_baseline"]
+    om = goodput_keys([other], baseline, slo, 2.0).metrics[other.run_id]
+    assert om["goodput_ratio_vs_baseline_ci95"] is None
+    assert om["goodput_vs_baseline"]["paired"] is False and om["goodput_ratio_vs_baseline"]
 
     closed = _located({"metrics": {"rounds": {"rounds": 3, "group": "g"}}, "samples": {}}, tmp_path / "none")
-    goodput_keys([closed], baseline, slo, 2.0)  # replayed no trace: nothing added
-    assert "goodput_req_s" not in closed["metrics"]
+    assert goodput_keys([closed], baseline, slo, 2.0).metrics == {}  # replayed no trace: nothing added
 
 
 def test_tune_goodput_end_to_end(tiny_model_dir, prompts_file, tmp_path, monkeypatch):

@@ -99,13 +99,13 @@ def render_sweep(result) -> None:
                         f"{first['workload']['max_new_tokens']} tokens" if first else "batch sweep")
     for col in ("batch", "tok/s", "gain/2x", "TTFT ms", "e2e ms", "pad", "peak RSS", "diff"):
         table.add_column(col, justify="left" if col == "batch" else "right")
-    rows = [(d["metrics"]["batch_size"], d) for d in docs] + [(s["batch_size"], s) for s in result.skipped]
+    rows = [(d.metrics["batch_size"], d) for d in docs] + [(s["batch_size"], s) for s in result.skipped]
     for size, item in sorted(rows, key=lambda r: r[0]):
         if "status" in item:
             table.add_row(f"{size} {item['status'].replace('_', ' ')}", "-", "-", "-", "-", "-",
                           output.fmt_bytes(item["predicted_peak_bytes"]) + "?", "-")
             continue
-        m = item["metrics"]
+        m = item.metrics
         gain = m["gain_per_doubling"]
         note = " knee" if m["is_knee"] else ""
         note += " over limit" if m.get("exceeded_memory_limit") else ""
@@ -240,7 +240,7 @@ def render_serve(result) -> None:
         for name in names:
             table.add_column(name, justify="right")
         for label, cell in SERVE_ROWS:
-            table.add_row(label, *(cell(docs[name]["metrics"]) for name in names))
+            table.add_row(label, *(cell(docs[name].metrics) for name in names))
         output.out.print(table)
     summary = result.summary
     if any(v is not None for v in summary["slo"].values()):
@@ -250,7 +250,7 @@ def render_serve(result) -> None:
                              f"{'none of the rates' if rate is None else f'{rate:g} req/s'}", soft_wrap=True)
     else:
         output.out.print("  no SLO given (--slo-ttft-ms / --slo-tpot-ms / --slo-e2e-ms): goodput not computed")
-    cont = next((d["metrics"] for d in result.docs if d["config"]["scheduler"] == "continuous"), None)
+    cont = next((d.metrics for d in result.docs if d["config"]["scheduler"] == "continuous"), None)
     if cont is not None and cont.get("continuous_impl"):
         output.out.print(f"  continuous batching: {cont['continuous_impl']}, attention {cont['continuous_attn_impl']}, "
                          f"set-up {output.fmt(cont.get('scheduler_setup_s'))} s (before the trace, not in TTFT)",

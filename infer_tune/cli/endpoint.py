@@ -279,7 +279,7 @@ def run_sim(opts: opt.MeasureOptions, endpoint: str, *, rates: str, requests: in
                  "SLO met", "sat."):
         table.add_column(name, justify="right")
     for doc in outcome.docs:
-        m = doc["metrics"]
+        m = doc.metrics
         table.add_row(output.fmt(m["offered_rate_req_s"], "g", "inf"), output.fmt(m["request_throughput_req_s"]),
                       str(m["requests_ok"]), str(m["requests_failed"]), output.fmt(m["ttft_ms"]["p50"]),
                       output.fmt(m["ttft_ms"]["p99"]), output.fmt(m["tpot_ms"]["p50"]),
@@ -288,8 +288,9 @@ def run_sim(opts: opt.MeasureOptions, endpoint: str, *, rates: str, requests: in
                       "yes" if m["saturated"] else "no")
     output.out.print(table)
     for doc in outcome.docs:
-        client_line(doc["metrics"], f"rate {output.fmt(doc['metrics']['offered_rate_req_s'], 'g', 'inf')}: ")
-        turn_table(doc["metrics"], f"rate {output.fmt(doc['metrics']['offered_rate_req_s'], 'g', 'inf')}: ")
+        rate = f"rate {output.fmt(doc.metrics['offered_rate_req_s'], 'g', 'inf')}: "
+        client_line(doc.metrics, rate)
+        turn_table(doc.metrics, rate)
     output.out.print(f"  results: {', '.join(str(p) for p in outcome.run_dirs)} (rates.png beside each)", soft_wrap=True)
 
 

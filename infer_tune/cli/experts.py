@@ -252,7 +252,7 @@ def validate(
 
 def render_validation(docs: list[ResultDocument], procs: int) -> None:
     table = Table(title=f"expert-parallel validation · {docs[0]['model']['ref']} · {procs} processes · "
-                        f"{docs[0]['metrics'].get('tokens_measured')} tokens")
+                        f"{docs[0].metrics.get('tokens_measured')} tokens")
     for col in ("strategy", "balancedness pred / meas", "cross-device tok/tok pred / meas",
                 "all-to-all B/tok pred / meas", "meta B/tok", "hidden |Δ| rel (tol)", "outputs", "TPOT p50 ms"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
@@ -260,7 +260,7 @@ def render_validation(docs: list[ResultDocument], procs: int) -> None:
         return f"{output.fmt(m.get('predicted_' + key), spec)} / {output.fmt(m.get(key), spec)}"
 
     for doc in docs:
-        m = doc["metrics"]
+        m = doc.metrics
         bytes_cell = pair(m, "alltoall_bytes_per_token", ",.0f")
         if m.get("alltoall_bytes_per_token_vs_predicted_pct") is not None:
             bytes_cell += f" ({m['alltoall_bytes_per_token_vs_predicted_pct']:+.1f}%)"
@@ -273,7 +273,7 @@ def render_validation(docs: list[ResultDocument], procs: int) -> None:
                       match, output.fmt((m.get("tpot_ms") or {}).get("p50"), ".1f"))
     output.out.print(table)
     for doc in docs:
-        m = doc["metrics"]
+        m = doc.metrics
         if m.get("inter_node_bytes_per_token") is None:
             continue
         cells = []

@@ -126,7 +126,7 @@ def render_sweep(docs: list[ResultDocument], not_applicable: list[dict]) -> None
     """One table per context length: a row per variant."""
     by_ctx: dict[int, list[dict]] = {}
     for doc in docs:
-        by_ctx.setdefault(doc["metrics"]["prompt_tokens"], []).append(doc)
+        by_ctx.setdefault(doc.metrics["prompt_tokens"], []).append(doc)
     for ctx, group in by_ctx.items():
         first = group[0]
         table = Table(title=f"kv-cache · {first['model']['ref']} · {ctx}-token prompt + "
@@ -135,7 +135,7 @@ def render_sweep(docs: list[ResultDocument], not_applicable: list[dict]) -> None
                     "GFLOP", "vs dynamic"):
             table.add_column(col, justify="left" if col in ("impl", "vs dynamic") else "right")
         for doc in group:
-            m = doc["metrics"]
+            m = doc.metrics
             curve = m["per_position_ms"]
             steps = f"{output.fmt(curve[0], '.1f')} / {output.fmt(curve[-1], '.1f')}" if curve else "-"
             name = doc["config"]["impl"] + (f" {doc['config']['kv_backend']} {doc['config']['kv_bits']}-bit"
@@ -147,7 +147,7 @@ def render_sweep(docs: list[ResultDocument], not_applicable: list[dict]) -> None
                           f"{output.fmt_bytes(m['kv_cache_bytes'])} ({output.fmt_bytes(m['kv_cache_bytes_analytic'])})",
                           f"{m['flops_executed'] / 1e9:.3g}", _drift(m))
         output.out.print(table)
-        ref = next((d["metrics"] for d in group if d["config"]["impl"] == "dynamic"), group[0]["metrics"])
+        ref = next((d.metrics for d in group if d["config"]["impl"] == "dynamic"), group[0].metrics)
         output.out.print(
             f"  logits: largest logits tensor {output.fmt_bytes(ref['logits_bytes_peak'])} "
             f"({'last token only (generate uses logits_to_keep=1)' if ref['logits_last_token_only'] else 'all positions'}"

@@ -90,7 +90,7 @@ def quantize(
         return
     for doc in outcome.docs:
         render_result(doc, doc.location)
-        m = doc["metrics"]
+        m = doc.metrics
         output.out.print(f"  {'quantized':<22} {doc['config']['method']} via {m.get('backend_resolved')}, "
                          f"{m.get('quantized_layers')} layers, {output.fmt(m.get('bytes_ratio_vs_16bit'), '.0%')} "
                          f"of 16-bit bytes, saved to {m.get('save_dir') if outcome.saved else '(temporary)'}")

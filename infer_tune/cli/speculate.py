@@ -130,7 +130,7 @@ def speculate(
     for warning in outcome.warnings:
         output.note(f"warning: {warning}")
     if outcome.mismatched:
-        rows = ", ".join(f"{d['label']} on {d['workload']['suite']} ({d['metrics']['output_mismatches']})"
+        rows = ", ".join(f"{d['label']} on {d['workload']['suite']} ({d.metrics['output_mismatches']})"
                          for d in outcome.mismatched)
         output.error(f"speculative output differs from the target alone (must be identical under greedy): {rows}")
         raise typer.Exit(1)
@@ -142,7 +142,7 @@ def _pct(value) -> str:
 
 def render_suite(suite) -> None:
     """One table per suite: the target alone, then a row per (draft, K, engine)."""
-    base = suite.baseline["metrics"]
+    base = suite.baseline.metrics
     wl = suite.baseline["workload"]
     table = Table(title=f"speculate · {suite.baseline['model']['ref']} · {suite.suite} ({wl['prompts']} prompts x "
                         f"{wl['max_new_tokens']} tokens, batch 1, greedy)")
@@ -153,7 +153,7 @@ def render_suite(suite) -> None:
                   output.fmt(base["tpot_ms"]["p50"], ".1f"), output.fmt(base["output_throughput_tok_s"], ".1f"),
                   "1.00x", "-", "reference")
     for doc in suite.docs:
-        m = doc["metrics"]
+        m = doc.metrics
         curve = ",".join(f"{v:.2f}" for v in (m.get("acceptance_by_position") or [])[:8])
         rounds = "/".join(output.fmt(m.get(k), ".1f") for k in ("draft_ms_per_round", "verify_ms_per_round",
                                                                 "overhead_ms_per_round"))

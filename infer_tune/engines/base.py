@@ -39,6 +39,8 @@ techniques (infer_tune/tuners) say what is done to the model; the engine says wh
 - `selectable`: whether a technique config's `engine` field may name it (speculate's and batch's `engine`
   choose an in-process engine; False for one only reached another way, e.g. `slots`, which `serve` runs and
   batch's `engine: lean` drives).
+- `metric_keys`: {key: what it is} of the metrics its rows may carry beyond the core (metrics/schema.py CORE) and
+  their technique's `metric_keys`: its namespace (`ResultDocument.add_metrics` refuses an undeclared key).
 
 `supports(stack)` is None when the engine runs every part of `stack` (a technique config, a stack config,
 or a list of parts: anything whose parts have a `technique` name), else the reason it does not, as one line.
@@ -115,6 +117,9 @@ class Engine:
     serve_here: ServeHere | None = None
     selectable: bool = True
     searched_here: bool = False
+    # {key: what it is} of the metrics this engine's rows may carry beyond the core and their technique's
+    # (metrics/schema.py): its server's counters, the figures its scenario adds
+    metric_keys: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from infer_tune.engines import base
 from infer_tune.engines.base import Engine, ServeHere, register_engine
 from infer_tune.errors import ConfigError
+from infer_tune.metrics.schema import LEAN_LOOP_KEYS
 
 TRANSFORMERS_SERVE_MODULES = ("fastapi", "uvicorn", "openai", "pydantic")
 
@@ -90,5 +91,5 @@ LEAN = register_engine(Engine(
     },
     unsupported={"experts": "expert placement runs on the torch engine",
                  "llama-cpp": "a GGUF runs on the llama.cpp engine"},
-    check=_lean_check, version=_own_version,
+    check=_lean_check, version=_own_version, metric_keys=LEAN_LOOP_KEYS,
 ))

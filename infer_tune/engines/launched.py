@@ -20,6 +20,7 @@ from pathlib import Path
 from infer_tune.engines import base, launch
 from infer_tune.engines.base import Engine, ServeHere, register_engine
 from infer_tune.errors import ConfigError
+from infer_tune.metrics.schema import ENDPOINT_CLIENT_KEYS
 
 LLAMA_CPP_SERVER_MODULES = ("llama_cpp", "uvicorn", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings")
 
@@ -121,16 +122,17 @@ LLAMA_CPP = register_engine(Engine(
     parse_settings=_parser("llama.cpp"), scenario=SCENARIO,
     searched_here=True,
     serve_here=ServeHere(command=_serve_command, check=_serve_check, missing=_serve_missing, extra="llamacpp"),
+    metric_keys={**ENDPOINT_CLIENT_KEYS, "ppl_context": "llama-perplexity's context (engine_tune)"},
 ))
 VLLM = register_engine(Engine(
     name="vllm", starts="server", runner="endpoint", selectable=False,
     description="vLLM's `vllm serve` ($INFER_TUNE_VLLM or vllm on PATH)",
     techniques=_techniques(launch.VLLM), unsupported=_OWN, version=_package_version("vllm"), argv=_argv,
-    setting_table=launch.VLLM, parse_settings=_parser("vllm"), scenario=SCENARIO,
+    setting_table=launch.VLLM, parse_settings=_parser("vllm"), scenario=SCENARIO, metric_keys=ENDPOINT_CLIENT_KEYS,
 ))
 SGLANG = register_engine(Engine(
     name="sglang", starts="server", runner="endpoint", selectable=False,
     description="SGLang's `python -m sglang.launch_server` ($INFER_TUNE_SGLANG)",
     techniques=_techniques(launch.SGLANG), unsupported=_OWN, version=_package_version("sglang"), argv=_argv,
-    setting_table=launch.SGLANG, parse_settings=_parser("sglang"), scenario=SCENARIO,
+    setting_table=launch.SGLANG, parse_settings=_parser("sglang"), scenario=SCENARIO, metric_keys=ENDPOINT_CLIENT_KEYS,
 ))

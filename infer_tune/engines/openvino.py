@@ -552,4 +552,5 @@ OPENVINO = register_engine(Engine(
     unsupported={"lean": "the compiled loop is infer-tune's own engine",
                  "llama-cpp": "a GGUF runs on the llama.cpp engine"},
     version=_version, parse_settings=parse_settings, scenario="infer_tune.scenarios.openvino_tune", probe=probe,
+    metric_keys=dict.fromkeys(("openvino_ir_bytes", "openvino_weight_format", "ppl_source"), "the exported IR"),
 ))

@@ -5,6 +5,7 @@ other than the baseline's is refused with the reason."""
 from __future__ import annotations
 
 from infer_tune.engines.base import Engine, register_engine
+from infer_tune.metrics.schema import ENDPOINT_CLIENT_KEYS
 
 REMOTE = register_engine(Engine(
     name="remote", starts="server", runner="endpoint", selectable=False,
@@ -12,4 +13,5 @@ REMOTE = register_engine(Engine(
     techniques={},
     unsupported={name: "the server runs what it was started with; measure it as it is (bench --endpoint)"
                  for name in ("quantize", "kv-cache", "speculate", "batch", "lean", "experts", "llama-cpp")},
+    metric_keys=ENDPOINT_CLIENT_KEYS,
 ))

@@ -17,6 +17,7 @@ from __future__ import annotations
 from infer_tune.engines import base
 from infer_tune.engines.base import Engine, parts_of, register_engine
 from infer_tune.engines.inprocess import _own_version
+from infer_tune.metrics.schema import LEAN_LOOP_KEYS, SLOT_ENGINE_KEYS
 
 
 def _check(part) -> str | None:
@@ -84,5 +85,5 @@ SLOTS = register_engine(Engine(
     },
     unsupported={"experts": f"expert placement {_NOT_SERVED}",
                  "llama-cpp": f"llama.cpp {_NOT_SERVED}"},
-    check=_check, settings=settings, version=_own_version,
+    check=_check, settings=settings, version=_own_version, metric_keys={**SLOT_ENGINE_KEYS, **LEAN_LOOP_KEYS},
 ))

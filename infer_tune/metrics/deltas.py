@@ -18,7 +18,7 @@ counts (docs/architecture.md, "Verdicts"):
 
 from __future__ import annotations
 
-from infer_tune.document import ResultDocument
+from infer_tune.document import ResultDocument, as_document
 from infer_tune.metrics import quality
 
 
@@ -36,7 +36,7 @@ def speedup(base: dict, cand: dict) -> float | None:
 def versus_baseline(metrics: dict, outputs: list[dict], baseline: ResultDocument,
                     baseline_outputs: list[dict]) -> dict:
     """Speedup, BLEU drift, faithfulness and perplexity change against a baseline of the same workload."""
-    base = baseline["metrics"]
+    base = as_document(baseline).metrics  # a baseline made by hand (a test's) is typed here
     out: dict = {"speedup_vs_baseline": speedup(base, metrics),
                  "ttft_speedup_vs_baseline": ratio_of_p50(base, metrics, "ttft_ms")}
     b_thr = base.get("output_throughput_tok_s")

@@ -24,7 +24,7 @@ from infer_tune.runners.base import Progress, RequestTiming
 from infer_tune.runners.generation import generate_once
 from infer_tune.scenarios.common import RunSpec, open_run
 from infer_tune.sweep import Admission, SweepPlan, run_configs
-from infer_tune.tuners.base import apply
+from infer_tune.tuners.base import Conclusion, apply
 from infer_tune.tuners.batch import (
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_TIMEOUT_MS,
@@ -81,7 +81,7 @@ def run_sweep(spec: RunSpec, sweep: SweepSpec, progress: Progress | None = None)
     _, docs = run_configs(loaded, run.inputs, workload, spec.protocol, configs, ctx, resume=spec.resume,
                           measure_ppl=False, plan=plan)
     return SweepResult(docs=docs, skipped=[s.to_dict() for s in plan.skipped],
-                       knee=docs[0]["metrics"]["knee_batch_size"] if docs else None,
+                       knee=docs[0].metrics.get("knee_batch_size") if docs else None,
                        run_dirs=[Path(d.location) for d in docs])
 
 
@@ -111,12 +111,14 @@ class MemoryAdmission:
         return Admission(metrics={"predicted_peak_bytes": predicted, "memory_limit_bytes": self.limit}, facts=facts)
 
 
-def _memory_limit_keys(docs: list[ResultDocument], limit: int | None) -> None:
+def _memory_limit_keys(docs: list[ResultDocument], limit: int | None) -> Conclusion:
     """Whether each measured size's peak went over the command's memory limit (a setting of the sweep)."""
+    out = Conclusion()
     for doc in docs:
         peak = doc.metric("peak_rss_bytes")
-        doc.set_sweep_metrics({"memory_limit_bytes": doc.metrics.get("memory_limit_bytes", limit),
-                               "exceeded_memory_limit": limit is not None and peak is not None and peak > limit})
+        out.metrics[doc.run_id] = {"memory_limit_bytes": doc.metrics.get("memory_limit_bytes", limit),
+                                   "exceeded_memory_limit": limit is not None and peak is not None and peak > limit}
+    return out
 
 
 # --------------------------------------------------------------------------- serving simulation
@@ -194,37 +196,46 @@ def run_serve(spec: RunSpec, serve: ServeSpec, progress: Progress | None = None)
                           f"{spec.workload.max_prompt_tokens}; ask for fewer requests or allow repeats")
     configs = [serve.config(name, rate) for rate in serve.rates for name in serve.schedulers]
     summary: dict = {}
-    plan = SweepPlan(conclude=lambda docs, _: summary.update(serve_keys(docs, serve)))  # the engine saves them
+
+    def conclude(docs: list[ResultDocument], _skipped) -> Conclusion:
+        conclusion = serve_keys(docs, serve)
+        summary.update(conclusion.sections[docs[0].run_id]["serve_summary"] if docs else {})
+        return conclusion
+
+    plan = SweepPlan(conclude=conclude)  # the engine saves the conclusion beside each row
     _, docs = run_configs(loaded, run.inputs, spec.workload, spec.protocol, configs, ctx, resume=spec.resume,
                           measure_ppl=False, plan=plan)
     return ServeResult(docs=docs, summary=summary, run_dirs=[Path(d.location) for d in docs])
 
 
-def serve_keys(measured: list[ResultDocument], serve: ServeSpec) -> dict:
-    """Goodput under the command's SLOs, the highest rate meeting them and the claim check, set on every
-    result (`set_sweep_metrics`: computed over the sweep; the engine writes them); returns the summary."""
+def serve_keys(measured: list[ResultDocument], serve: ServeSpec) -> Conclusion:
+    """Goodput under the command's SLOs, the highest rate meeting them and the claim check of every result
+    (keys of the sweep's namespace) and the `serve_summary` section: a `Conclusion` the engine saves beside
+    each row."""
     table: dict[str, list[dict]] = {}
+    out = Conclusion()
     for doc in measured:
-        m = doc.metrics
         replays = doc.rounds.get("rounds") or 1  # the samples hold every round's replay of the trace
-        doc.set_sweep_metrics(goodput(timings_from_samples(doc.samples), serve.slo, m["trace_duration_s"] * replays))
+        out.metrics[doc.run_id] = goodput(timings_from_samples(doc.samples), serve.slo,
+                                          doc.metrics["trace_duration_s"] * replays)
+        m = {**doc.metrics, **out.metrics[doc.run_id]}
         table.setdefault(doc.config["scheduler"], []).append(
             {"rate": doc.config["rate"], "slo_attainment": m["slo_attainment"], "goodput_req_s": m["goodput_req_s"],
              "busy_share": m.get("busy_share"),
              "throughput": m["output_throughput_tok_s"], "e2e_mean_ms": m["e2e_ms"]["mean"],
-             "e2e_p90_ms": m["e2e_ms"]["p90"], "metrics": m})
+             "e2e_p90_ms": m["e2e_ms"]["p90"], "figures": m})
     summary: dict = {"slo": serve.slo.to_dict(), "slo_target": serve.slo_target, "max_rate_meeting_slo": {
         name: analysis.max_rate_meeting_slo(rows, serve.slo_target) if serve.slo.given else None
         for name, rows in table.items()}}
     claim, by_rate = None, []
     if {"static", "continuous"} <= set(table):
-        claim, by_rate = analysis.claims_by_rate({r["rate"]: r["metrics"] for r in table["static"]},
-                                                 {r["rate"]: r["metrics"] for r in table["continuous"]})
+        claim, by_rate = analysis.claims_by_rate({r["rate"]: r["figures"] for r in table["static"]},
+                                                 {r["rate"]: r["figures"] for r in table["continuous"]})
     summary["claim_check"] = claim
     summary["claim_by_rate"] = by_rate
     for doc in measured:
-        doc.set_sweep_metrics({"max_rate_meeting_slo": summary["max_rate_meeting_slo"].get(doc.config["scheduler"]),
-                               # the claims table reads it from every result
-                               **({"claim_check": claim} if claim is not None else {})})
-        doc.set_section("serve_summary", summary)
-    return summary
+        out.metrics[doc.run_id].update({
+            "max_rate_meeting_slo": summary["max_rate_meeting_slo"].get(doc.config["scheduler"]),
+            **({"claim_check": claim} if claim is not None else {})})  # the claims table reads it from every result
+        out.sections[doc.run_id] = {"serve_summary": summary}
+    return out

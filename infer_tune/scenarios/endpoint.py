@@ -417,7 +417,8 @@ def run_endpoint_sweep(spec: RunSpec, config: EndpointConfig, rates: list[float]
     for rate, flag, (doc, _) in zip(sorted(rates), saturated, measured):
         doc.add_metrics({"offered_rate_req_s": None if math.isinf(rate) else rate, "saturated": flag,
                          "knee_rate_req_s": knee_rate, "knee_status": status, "knee_factor": knee_factor,
-                         "sweep_rates": [None if math.isinf(r) else r for r in sorted(rates)]}, source="the rate sweep")
+                         "sweep_rates": [None if math.isinf(r) else r for r in sorted(rates)]}, source="the rate sweep",
+                        namespace="sweep")
     docs = save_rows(spec.out_dir, [Row(doc, outputs, {"rates.png": png, **extra})
                                     for (doc, outputs), extra in zip(measured, files)])
     return SweepOutcome(docs=docs, knee_rate=knee_rate, saturated=saturated, knee_status=status,

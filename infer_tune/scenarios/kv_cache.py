@@ -25,6 +25,7 @@ from infer_tune.tuners.base import Conclusion, RunContext
 from infer_tune.tuners.kv_cache import (
     IMPLS,
     REFERENCE_IMPL,
+    WORKLOAD_FACTS_KEY,
     KVCacheConfig,
     check_kv_bits,
     not_applicable_reason,
@@ -136,6 +137,10 @@ def run_kv_sweep(
                 result.not_applicable.append({"impl": config.impl, "context_tokens": ctx, "reason": reason})
         # the engine measures, finishes (the cache keys) and saves every variant; the plan adds what needs
         # all variants of one context length (the compute claim, the latency plot), which the engine saves too
+        # what the rows ran, added to each row's workload by the kv-cache technique's finish, before it is saved
+        run_ctx.cache[WORKLOAD_FACTS_KEY] = {
+            "context_tokens": ctx,
+            "prompt_source": "suite text (prompts + references) concatenated and cut to exactly context_tokens tokens"}
         plan = SweepPlan(conclude=lambda docs, _, ctx=ctx: _context_keys(docs, ctx, loaded.ref, n, shape, long_claim,
                                                                         result))
         _, docs = run_configs(loaded, inputs, workload, protocol, configs, run_ctx, resume=resume, measure_ppl=False,
@@ -156,12 +161,9 @@ def _context_keys(docs: list[ResultDocument], ctx: int, model: str, n: int, shap
     png = per_position_png(curves, first_position=ctx + 2, dpi=110,
                            title=f"{model}: per-token latency, {ctx}-token prompt",
                            xlabel="position of the generated token (prompt + generated)")
-    for doc in docs:
-        doc.workload.update(context_tokens=ctx, prompt_source="suite text (prompts + references) "
-                               "concatenated and cut to exactly context_tokens tokens")
-        doc.set_section("claims", claims)
-        doc.set_section("not_applicable", [r for r in result.not_applicable if r["context_tokens"] == ctx])
-    return Conclusion(files={"latency.png": png})
+    not_applicable = [r for r in result.not_applicable if r["context_tokens"] == ctx]
+    return Conclusion(files={"latency.png": png},
+                      sections={d.run_id: {"claims": claims, "not_applicable": not_applicable} for d in docs})
 
 
 def measured_wall(docs: list[ResultDocument], new_tokens: int) -> dict | None:

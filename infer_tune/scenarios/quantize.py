@@ -64,5 +64,5 @@ def run_quantize(spec: RunSpec, configs: list[QuantizeConfig], *, save: Path | N
                                      resume=spec.resume, measure_ppl=spec.measure_ppl, plan=plan)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    claim = next((d["metrics"]["claim_check"] for d in docs if d["metrics"].get("claim_check")), None)
+    claim = next((d.metrics.claim_check for d in docs if d.metrics.claim_check), None)
     return QuantizeOutcome(baseline=baseline, docs=docs, claim=claim, saved=save is not None)

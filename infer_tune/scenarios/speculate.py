@@ -109,7 +109,10 @@ def run_speculate(spec: RunSpec, sweep: SpeculateSweep, progress: Progress | Non
     docs = [d for o in outcomes for d in o.docs]
     claim = claim_check({o.suite: o.docs for o in outcomes})
     # across suites: each result this run saved carries the run's claim (the claims table reads it)
-    store_claim(docs, claim, own=written)
+    docs = store_claim(docs, claim, own=written)
+    concluded = iter(docs)
+    for outcome in outcomes:
+        outcome.docs = [next(concluded) for _ in outcome.docs]
     return SpeculateOutcome(suites=outcomes, recommendations=[recommend(o) for o in outcomes],
                             claim=claim, warnings=list(run.ctx.cache.get(WARNINGS_KEY, [])),
                             mismatched=[d for d in docs if d.metrics.get("output_mismatches")])

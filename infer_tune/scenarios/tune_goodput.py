@@ -33,6 +33,7 @@ from infer_tune.document import ResultDocument, as_document
 from infer_tune.metrics.saturation import SLO, goodput, one_at_a_time, request_timing
 from infer_tune.metrics.stats import log_ratio_interval
 from infer_tune.report.run_to_run import same_rounds
+from infer_tune.tuners.base import Conclusion
 
 HALF = 0.5  # requests added to each side's good count per round (see the module docstring)
 SERVED = ("one request at a time, first come first served, on the same trace: each request starts once it has "
@@ -101,12 +102,13 @@ def corrected(figures: dict, duration: float) -> float | None:
         else None
 
 
-def goodput_keys(docs: list[ResultDocument], baseline: ResultDocument | None, slo: SLO, rate: float) -> None:
+def goodput_keys(docs: list[ResultDocument], baseline: ResultDocument | None, slo: SLO, rate: float) -> Conclusion:
     """Every trace-replaying row's goodput under `slo`, its baseline's on the same trace and their ratio
-    with its 95% interval, added to its metrics (`add_metrics`: never over a measured figure; module
-    docstring)."""
+    with its 95% interval: keys of the sweep's namespace, a `Conclusion` the engine saves beside each row
+    (module docstring)."""
+    out = Conclusion()
     if baseline is None:
-        return
+        return out
     baseline = as_document(baseline)
     base_split = by_round(baseline.samples, baseline.rounds.get("rounds") or 1)
     for doc in docs:
@@ -127,7 +129,7 @@ def goodput_keys(docs: list[ResultDocument], baseline: ResultDocument | None, sl
         base_pooled = _pooled(theirs, len(rows), slo)
         c_rate, b_rate = corrected(pooled, sum(d for _, d in ours)), corrected(base_pooled, sum(d for _, d in theirs))
         point = interval["point"] if interval else (c_rate / b_rate if c_rate and b_rate else None)
-        doc.add_metrics({
+        out.metrics[doc.run_id] = {
             **pooled,
             "goodput_ratio_vs_baseline": point,
             "goodput_ratio_vs_baseline_ci95": interval["ci95"] if interval else None,
@@ -140,7 +142,8 @@ def goodput_keys(docs: list[ResultDocument], baseline: ResultDocument | None, sl
                 "baseline_slo_attainment": base_pooled["slo_attainment"],
                 "baseline_good_requests": base_pooled["good_requests"],
                 "baseline_served": SERVED},
-        }, source="tune's goodput objective")
+        }
+    return out
 
 
 def _pooled(replays: list[tuple[dict, float]], requests: int, slo: SLO) -> dict:

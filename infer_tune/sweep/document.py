@@ -9,11 +9,12 @@ from dataclasses import asdict, dataclass
 
 from infer_tune import env as envinfo
 from infer_tune import models, results, suites
-from infer_tune.document import ResultDocument, merge_facts
+from infer_tune.document import ResultDocument, merge_facts, row_namespaces
 from infer_tune.engines.base import DEFAULT_ENGINE, ENGINES
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import deltas, kv, noise, quality, roofline
 from infer_tune.metrics.perplexity import reference_perplexity
+from infer_tune.metrics.schema import check_declared
 from infer_tune.metrics.stats import summarize
 from infer_tune.runners import GenerationRun, PreparedModel
 from infer_tune.workload import Inputs, Protocol, Workload, workload_block
@@ -187,8 +188,12 @@ def build_document(measured: Measured, row: RowSpec) -> tuple[ResultDocument, li
                                          isolation=isolation)
         metrics["pass_at_1_isolation"] = isolation
         metrics["pass_at_1_memory_limit"] = passk.memory_limit(isolation)
-    # the technique's facts and counters beside the measured figures, never over them (OverwriteError)
+    # the technique's facts and counters beside the measured figures, never over them (OverwriteError), each
+    # key declared by the row's technique or engine (metrics/schema.py)
+    spaces = row_namespaces(technique, config, row.engine or DEFAULT_ENGINE)
+    check_declared(prepared.metrics, spaces, f"{technique}'s prepared facts")
     merge_facts(metrics, prepared.metrics, f"{technique}'s prepared facts")
+    check_declared(run.counters, spaces, f"{technique}'s counters")
     merge_facts(metrics, run.counters, f"{technique}'s counters")
     if run.ranks:
         metrics["ranks"] = run.ranks

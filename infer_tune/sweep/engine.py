@@ -128,5 +128,7 @@ def _sweep(loaded: models.LoadedModel, inputs: Inputs, workload: Workload, proto
                                                measure_ppl=measure_ppl, execute=execute)
     plan.baseline = sweep.baseline
     plan.written = [d["run_id"] for d in measured if d["run_id"] in sweep.written]
-    conclude_sweep(measured, plan, own=sweep.written)
-    return sweep.baseline, measured
+    measured = conclude_sweep(measured, plan, own=sweep.written)  # concluded rows are new documents
+    baseline = next((d for d in measured if sweep.baseline is not None and d.run_id == sweep.baseline.run_id),
+                    sweep.baseline)
+    return baseline, measured

@@ -220,7 +220,7 @@ class Measuring:
                     measure_ppl=self.measure_ppl and entry.measure_ppl, execute=self.execute,
                     baseline=self.baseline, baseline_outputs=self.baseline_outputs, engine=engine_of(config)))
         doc.objective = ranked_on(config)
-        doc.add_metrics(metrics, source="the sweep's admission")
+        doc.add_metrics(metrics, source="the sweep's admission", namespace="sweep")
         files = entry.finish(MeasuredRow(config, doc, outputs, prepared, run, inputs, self.ctx,
                                          [d for d in earlier if d is not None], baseline=self.baseline)) \
             if entry.finish else None

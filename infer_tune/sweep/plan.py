@@ -50,8 +50,9 @@ class SweepPlan:
       (`out_of_memory`) and the sweep goes on.
     - `conclude(docs, skipped) -> Conclusion | None`: after the techniques' own `conclude`, what the command's
       options define over every row of the sweep (goodput under its SLOs, a plot over one context length):
-      a `Conclusion` (tuners/base.py) the engine stores like a technique's; it may also set keys of the
-      rows in place. The engine rewrites the results of this sweep it changed and writes the files into each.
+      a `Conclusion` (tuners/base.py) the engine stores like a technique's (the rows are saved and frozen: a
+      hook returns what it concludes, it sets nothing on them). The engine saves the conclusion beside the
+      results this sweep saved (never in their result.json) and writes the files into each.
     - `stop_rounds(intervals) -> reason | None`: may end a group's interleaved rounds early
       (rounds.run_rounds' `stop`; tune: a candidate whose interval settles its place, `scenarios/tune.decided`).
     - `skipped`: filled by the engine, in config order.
@@ -59,7 +60,7 @@ class SweepPlan:
       last (its rounds are those of the last group measured; `metrics.rounds.group` says which rows shared
       them), so a command's own keys can be taken against it (tune's goodput).
     - `written`: filled by the engine: the run ids of the candidate rows this sweep saved (not those
-      `resume` read back), in config order: the only rows a later step of the command may rewrite
+      `resume` read back), in config order: the only rows a later step of the command may conclude on disk
       (`store_claim`).
     """
 

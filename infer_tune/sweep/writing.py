@@ -1,16 +1,15 @@
 """Everything the sweep engine writes into a runs directory, and only there: a result saved atomically
 (`save_result`), rows measured elsewhere saved under the runs lock (`save_rows`), the sweep-level
-hooks' conclusions stored in the results the sweep saved (`conclude_sweep`, `store_claim`), never in
-one an earlier run wrote; and the lookup of a finished result by fingerprint (`find_result`)."""
+hooks' conclusions saved beside the results the sweep saved (`conclude_sweep`, `store_claim`: a
+conclusion file, never a change to result.json), never beside one an earlier run wrote; and the lookup of a finished result by fingerprint (`find_result`)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from infer_tune import results
-from infer_tune.document import ResultDocument
+from infer_tune.document import ResultDocument, as_document
 from infer_tune.sweep.plan import SweepPlan
 from infer_tune.tuners.base import TECHNIQUES, Conclusion, load_techniques, technique_for
 
@@ -58,68 +57,76 @@ def save_rows(out_dir: Path, rows: list[Row], *, resume: bool = False) -> list[R
 
 
 def conclude_sweep(docs: list[ResultDocument], plan: SweepPlan | None = None, *,
-                   own: set[str] | frozenset[str]) -> None:
+                   own: set[str] | frozenset[str]) -> list[ResultDocument]:
     """Each technique's `conclude` over its results of the sweep and the configs it skipped, then the plan's
-    own `conclude` over every result (which may also set keys in place), each `Conclusion` stored in the
-    rows it is about; stored on disk only in the results this sweep saved (`own`: their run ids), whose
-    changed `result.json` is rewritten atomically and whose folders get the files. A result read back
-    from an earlier run (`resume`, a reused baseline, a landed folder that was there) is never rewritten:
-    its `result.json` stays byte for byte what that run wrote."""
+    own `conclude` over every result, each `Conclusion` merged into the rows it is about. A saved row is never
+    modified: each concluded row is a new document (ResultDocument.with_conclusion), returned in the order of
+    `docs`, and its conclusion is saved beside its `result.json` (results.save_conclusion), with the
+    conclusion's files, only for the results this sweep saved (`own`: their run ids). A result read back from
+    an earlier run (`resume`, a reused baseline, a landed folder that was there) gets nothing on disk."""
     load_techniques()
     plan = plan or SweepPlan()
-    before = {id(doc): _snapshot(doc) for doc in docs}
-    by_technique: dict[str, list[ResultDocument]] = {}
-    for doc in docs:
-        by_technique.setdefault(doc["technique"], []).append(doc)
-    files_of: dict[int, dict[str, bytes]] = {}
+    docs = [as_document(d) for d in docs]  # the hooks read typed documents (a caller's hand-made rows too)
+    files_of: dict[str, dict[str, bytes]] = {}
     for entry in TECHNIQUES.values():
-        group = by_technique.get(entry.name) or []
+        group = [i for i, d in enumerate(docs) if d["technique"] == entry.name]
         skipped = [s for s in plan.skipped if technique_for(s.config).name == entry.name]
         if entry.conclude is not None and (group or skipped):
-            _store(entry.conclude(group, skipped), group, files_of)
+            _store(entry.conclude([docs[i] for i in group], skipped), docs, group, files_of, entry.name)
     if plan.conclude:
-        _store(plan.conclude(docs, plan.skipped), docs, files_of)
+        _store(plan.conclude(list(docs), plan.skipped), docs, list(range(len(docs))), files_of, "the sweep's plan")
     for doc in docs:
-        if not isinstance(doc, ResultDocument) or doc.location is None or doc.run_id not in own:
-            continue
-        if _snapshot(doc) != before[id(doc)]:
-            results.update_result(doc)
-        if files_of.get(id(doc)):
-            results.add_files(doc, files_of[id(doc)])
+        if _saved_by(doc, own):
+            results.save_conclusion(doc)
+            if files_of.get(doc.run_id):
+                results.add_files(doc, files_of[doc.run_id])
+    return docs
 
 
-def _store(conclusion: Conclusion | None, docs: list[ResultDocument], files_of: dict[int, dict[str, bytes]]) -> None:
-    """A `Conclusion` in the rows it is about (in memory; conclude_sweep writes what changed)."""
+def _saved_by(doc: ResultDocument, own: set[str] | frozenset[str]) -> bool:
+    return isinstance(doc, ResultDocument) and doc.location is not None and doc.run_id in own
+
+
+def _store(conclusion: Conclusion | None, docs: list[ResultDocument], indices: list[int],
+           files_of: dict[str, dict[str, bytes]], source: str) -> None:
+    """A `Conclusion` merged into the rows `docs[i]` it is about (each replaced by its concluded document;
+    conclude_sweep saves what changed)."""
     if conclusion is None:
         return
-    for doc in docs:
-        if conclusion.claim is not None:
-            doc["metrics"]["claim_check"] = conclusion.claim
-        doc["metrics"].update(conclusion.metrics.get(doc["run_id"]) or {})  # keys over the sweep: set, or set again
-        for name, value in (conclusion.sections.get(doc["run_id"]) or {}).items():
-            doc.set_section(name, value)
+    for i in indices:
+        doc = docs[i]
+        doc = _concluded(doc, {**({"claim_check": conclusion.claim} if conclusion.claim is not None else {}),
+                               **(conclusion.metrics.get(doc["run_id"]) or {})},  # keys over the sweep: set again
+                         conclusion.sections.get(doc["run_id"]) or {}, source)
+        docs[i] = doc
         if conclusion.files:
-            files_of.setdefault(id(doc), {}).update(conclusion.files)
+            files_of.setdefault(doc["run_id"], {}).update(conclusion.files)
 
 
-def _snapshot(doc: dict) -> str:
-    return json.dumps(doc.to_dict() if isinstance(doc, ResultDocument) else doc, sort_keys=True, default=str)
+def _concluded(doc: ResultDocument | dict, metrics: dict, sections: dict, source: str) -> ResultDocument:
+    doc = as_document(doc)
+    if doc.frozen:
+        return doc.with_conclusion(metrics, sections, source=source)
+    doc.set_sweep_metrics(metrics, source=source)  # a row not saved (a caller's own document): set on it
+    for name, value in sections.items():
+        doc.set_section(name, value)
+    return doc
 
 
-def store_claim(docs: list[ResultDocument], claim: dict | None, *, own: set[str] | frozenset[str]) -> None:
-    """`claim` as `metrics.claim_check` of every doc in `docs`, rewritten where it changed (a claim over
-    several sweeps of one command: speculate's suites); only the results of `own` (run ids the command's
-    sweeps saved, `SweepPlan.written`) are rewritten, never one an earlier run wrote."""
+def store_claim(docs: list[ResultDocument], claim: dict | None, *,
+                own: set[str] | frozenset[str]) -> list[ResultDocument]:
+    """`docs` with `claim` as `metrics.claim_check` of each (a claim over several sweeps of one command:
+    speculate's suites): new documents where it changed, in order; saved in their conclusion only for the
+    results of `own` (run ids the command's sweeps saved, `SweepPlan.written`), never one an earlier run wrote."""
     if claim is None:
-        return
-    changed = [d for d in docs if d["metrics"].get("claim_check") != claim]
-    for doc in changed:
-        doc["metrics"]["claim_check"] = claim
-    by_dir: dict[Path, list[dict]] = {}
-    for doc in changed:
-        if isinstance(doc, ResultDocument) and doc.location is not None and doc.run_id in own:
+        return list(docs)
+    out = [_concluded(d, {"claim_check": claim}, {}, "the command's claim") for d in docs]
+    by_dir: dict[Path, list[ResultDocument]] = {}
+    for before, doc in zip(docs, out):
+        if doc is not before and _saved_by(doc, own):
             by_dir.setdefault(Path(doc.location).parent, []).append(doc)
     for out_dir, mine in by_dir.items():
-        with results.runs_lock(out_dir):  # the same lock a sweep holds: no rewrite while another run saves
+        with results.runs_lock(out_dir):  # the same lock a sweep holds: no write while another run saves
             for doc in mine:
-                results.update_result(doc)
+                results.save_conclusion(doc)
+    return out

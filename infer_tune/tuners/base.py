@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 from infer_tune.document import ResultDocument
 from infer_tune.errors import ConfigError
+from infer_tune.metrics import schema as metric_schema
 from infer_tune.models import LoadedModel
 from infer_tune.runners.prepared import PreparedModel
 
@@ -218,11 +219,13 @@ class MeasuredRow:
 @dataclass
 class Conclusion:
     """What a sweep-level hook concludes over the rows it is given (a technique's `conclude`, or a command's
-    `SweepPlan.conclude`); the engine stores it in those rows and rewrites only the results its sweep saved.
+    `SweepPlan.conclude`); the engine merges it into those rows (new documents: a saved row is never modified)
+    and saves it beside only the results its sweep saved (results.save_conclusion), never in their result.json.
 
     - `claim`: stored as `metrics.claim_check` in every row (the claims table reads it there).
     - `files`: {file name: bytes}, written into every row's folder (figures the HTML report shows).
-    - `metrics`: {run id: keys} added to that row's `metrics` (keys over the sweep: set, or set again).
+    - `metrics`: {run id: keys} added to that row's `metrics` (keys over the sweep, of the sweep's namespace or
+      the row's: set, or set again).
     - `sections`: {run id: {section: value}} set on that row (`ResultDocument.set_section`).
     """
 
@@ -256,6 +259,9 @@ class Technique:
       in it and the configs it skipped (`sweep.Skipped`): a claim that needs them all (static vs
       continuous at the same rate, each suite's fastest draft), figures, keys and sections over the sweep
       (the batch-size sweep's knee); the engine stores them (`Conclusion`).
+    - `metric_keys`: {key: what it is} of every metric the technique's rows may carry beyond the core
+      (metrics/schema.py CORE): its `prepare` facts, its runner's counters, what its `finish` adds. Its
+      namespace: `ResultDocument.add_metrics` refuses a key no namespace of the row declares.
     - `report_columns(doc, docs) -> Lead`: what the combined report leads this technique's row with (the
       figures its claim is about and what they are compared with; infer_tune/report/leads.py). None:
       decode speedup vs the baseline.
@@ -277,6 +283,7 @@ class Technique:
     preflight: Callable[[LoadedModel, Any, RunContext], None] | None = None
     finish: Callable[[MeasuredRow], dict[str, bytes] | None] | None = None
     conclude: Callable[[list[ResultDocument], list[Any]], Conclusion | None] | None = None
+    metric_keys: Mapping[str, str] = field(default_factory=dict)
     report_columns: Callable[[ResultDocument, list[ResultDocument]], Any] | None = None
     tune: Tuning | None = None
 
@@ -355,3 +362,12 @@ def configs_by_technique() -> dict[str, type]:
     """Technique name -> its config class (the class a recipe's `technique:` key selects)."""
     load_techniques()
     return {cls.technique: cls for cls in TECHNIQUES}
+
+
+def _declared_keys(name: str) -> Mapping[str, str] | None:
+    """The `metric_keys` of the registered technique `name` (None when none is registered by that name)."""
+    load_techniques()
+    return next((entry.metric_keys for entry in TECHNIQUES.values() if entry.name == name), None)
+
+
+metric_schema.set_technique_keys(_declared_keys)

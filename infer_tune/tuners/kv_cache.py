@@ -23,6 +23,7 @@ from infer_tune import models
 from infer_tune.engines.base import LEAN, SLOTS
 from infer_tune.errors import ConfigError
 from infer_tune.metrics import kv
+from infer_tune.metrics.schema import LEAN_LOOP_KEYS
 from infer_tune.runners.generation import eos_ids, split_generate_kwargs
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.tuners.base import (
@@ -42,6 +43,9 @@ KV_BACKEND_BITS: dict[str, tuple[int, ...]] = {"quanto": (2, 4), "hqq": (1, 2, 3
 BACKEND_PACKAGE = {"quanto": "optimum.quanto", "hqq": "hqq", "fp8": None, "native": None}
 NATIVE = "native"  # the native step's int8 cache (module docstring)
 REFERENCE_IMPL = "dynamic"
+# RunContext.cache key: facts about the prompt a context-length sweep runs, added to each row's workload by
+# `finish_cache` before the row is saved (scenarios/kv_cache.py)
+WORKLOAD_FACTS_KEY = "kv_cache.workload_facts"
 
 
 @dataclass
@@ -183,7 +187,7 @@ def probe_cache(prepared: PreparedModel, batch: dict[str, torch.Tensor], new_tok
 def cache_metrics(config: KVCacheConfig, doc: dict, prepared: PreparedModel, batch: dict, shape: kv.ModelShape,
                   new_tokens: int) -> dict[str, Any]:
     """The kv-cache result keys (docs/architecture.md, "Result keys") added to what the shared runner measured."""
-    m = doc["metrics"]
+    m = doc.metrics
     ctx = int(batch["input_ids"].shape[1])
     probe = probe_cache(prepared, batch, new_tokens)
     bits = m.get("kv_bits")
@@ -216,6 +220,8 @@ def finish_cache(row: MeasuredRow) -> None:
     mean latency of each decode step in order (`per_position_ms`, how the cache's cost grows with the
     context), a probe of the cache on the workload's first request, the analytic size and FLOPs."""
     config, doc, prepared = row.config, row.doc, row.prepared
+    if row.ctx.cache.get(WORKLOAD_FACTS_KEY):  # a context-length sweep's prompt (scenarios/kv_cache.py)
+        doc.add_workload(row.ctx.cache[WORKLOAD_FACTS_KEY], source="kv-cache's context sweep")
     doc.add_metrics({"per_position_ms": row.run.per_position_ms()}, source="kv-cache's finish")
     shape = kv.ModelShape.from_config(prepared.model.config)
     if prepared.metrics.get("kv_cache_owner") == "native step":  # its own cache: no transformers cache to probe
@@ -232,7 +238,8 @@ def finish_cache(row: MeasuredRow) -> None:
     doc.add_metrics(cache_metrics(config, doc, prepared, row.inputs.batches[0], shape,
                                   int(doc["workload"]["max_new_tokens"])), source="kv-cache's finish")
     if config.compile:
-        doc["metrics"]["compiled"] = getattr(prepared.model, "_compiled_call", None) is not None
+        doc.add_metrics({"compiled": getattr(prepared.model, "_compiled_call", None) is not None},
+                        source="kv-cache's finish")
     return None
 
 
@@ -245,7 +252,22 @@ def tune_offer(ask: TuneAsk) -> list[Offer]:
     return [Offer(KVCacheConfig(impl="static", compile=True), role="part", compiles=True, beside=False)]
 
 
-@register_technique(KVCacheConfig, preflight=_preflight, measure_ppl=False, finish=finish_cache, phase=1, report_columns=report_columns, tune=Tuning(offer=tune_offer))
+# the metrics a kv-cache row carries beyond the core (its namespace: metrics/schema.py)
+METRIC_KEYS = {
+    **dict.fromkeys(("impl", "kv_bits", "kv_cache_class", "kv_cache_owner", "kv_backend", "compiled", "prompt_tokens"),
+                    "the cache that ran"),
+    **dict.fromkeys(("kv_cache_bytes", "kv_cache_tokens", "kv_cache_bytes_analytic", "kv_cache_bytes_fp32",
+                     "kv_share_of_peak_rss", "logits_bytes_peak", "logits_bytes_full_prefill", "logits_last_token_only",
+                     "logits_share_of_peak_rss"), "the cache probe's memory"),
+    **dict.fromkeys(("flops_with_cache", "flops_without_cache", "flops_executed"), "analytic FLOPs"),
+    **dict.fromkeys(("identical_to_dynamic", "lossless_expected", "lossless_held"), "losslessness"),
+    "per_position_ms": "mean latency of each decode step in order",
+    **LEAN_LOOP_KEYS,
+}
+
+
+@register_technique(KVCacheConfig, preflight=_preflight, measure_ppl=False, finish=finish_cache, phase=1, report_columns=report_columns, tune=Tuning(offer=tune_offer),
+                    metric_keys=METRIC_KEYS)
 def apply_kv_cache(loaded: models.LoadedModel, config: KVCacheConfig, ctx: RunContext) -> PreparedModel:
     """Choose how `generate` builds its cache; the model itself is unchanged."""
     model = loaded.model

@@ -36,7 +36,7 @@ def conclude(docs: list, skipped: list) -> Conclusion:
 
 
 def register() -> None:
-    register_technique(EchoConfig, conclude=conclude, phase=2,
+    register_technique(EchoConfig, conclude=conclude, phase=2, metric_keys={"echo_tag": "the config's tag"},
                        tune=Tuning(offer=lambda ask: [] if ask.on is not None else
                                    [Offer(EchoConfig(tag="tuned"), lossless=True)]))(prepare)
 

@@ -74,8 +74,10 @@ def offer_part(ask: TuneAsk) -> list[Offer]:
 
 
 def register() -> None:
-    register_technique(BaseConfig, phase=0, tune=Tuning(offer=offer_base, methods=METHODS))(_prepare)
-    register_technique(PartConfig, phase=3, tune=Tuning(offer=offer_part))(_prepare)
+    register_technique(BaseConfig, phase=0, tune=Tuning(offer=offer_base, methods=METHODS),
+                       metric_keys={"test_base": "the test base's fact"})(_prepare)
+    register_technique(PartConfig, phase=3, tune=Tuning(offer=offer_part),
+                       metric_keys={"test_part": "the test part's fact"})(_prepare)
 
 
 def unregister() -> None:

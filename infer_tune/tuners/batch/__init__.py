@@ -20,6 +20,7 @@ from infer_tune import models
 from infer_tune.document import ResultDocument
 from infer_tune.engines.base import LEAN, SLOTS, TORCH, config_engine, spelled
 from infer_tune.errors import ConfigError
+from infer_tune.metrics.schema import LEAN_LOOP_KEYS, SLOT_ENGINE_KEYS
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.runners.trace import TraceRequest
 from infer_tune.tuners.base import (
@@ -195,12 +196,14 @@ def padding(inputs, max_new_tokens: int) -> tuple[float, int]:
     return pads / positions if positions else 0.0, width
 
 
-def finish_sweep_row(config: BatchConfig, doc: dict, inputs) -> None:
+def finish_sweep_row(config: BatchConfig, doc: ResultDocument, inputs) -> None:
     """A batch-size sweep row's own keys: its size and padding waste; the reference row (compared with
     nothing) has no mismatches by definition."""
     share, _ = padding(inputs, doc["workload"]["max_new_tokens"])
-    doc.add_metrics({"batch_size": config.batch_size, "padding_share": share}, source="batch's sweep row")
-    doc["metrics"].setdefault("output_mismatches", 0 if doc.get("baseline_run_id") is None else None)
+    facts = {"batch_size": config.batch_size, "padding_share": share}
+    if "output_mismatches" not in doc.metrics:
+        facts["output_mismatches"] = 0 if doc.get("baseline_run_id") is None else None
+    doc.add_metrics(facts, source="batch's sweep row")
 
 
 def sweep_conclusion(docs: list[ResultDocument], skipped: list) -> Conclusion:
@@ -211,20 +214,20 @@ def sweep_conclusion(docs: list[ResultDocument], skipped: list) -> Conclusion:
     skipped = [s for s in skipped if getattr(s.config, "scheduler", None) == "sweep"]
     if not rows:
         return Conclusion()
-    throughput = {d["metrics"]["batch_size"]: d["metrics"]["output_throughput_tok_s"] for d in rows}
+    throughput = {d.metrics["batch_size"]: d.metrics.throughput_tok_s for d in rows}
     knee, gains = analysis.knee(throughput)
-    reference = rows[0]["metrics"]["batch_size"]
+    reference = rows[0].metrics["batch_size"]
     section = {"throughput_by_batch_size": {str(k): v for k, v in throughput.items()}, "knee_batch_size": knee,
                "not_measured": [s.to_dict() for s in skipped]}
-    table = [{"batch_size": d["metrics"]["batch_size"], "throughput": d["metrics"]["output_throughput_tok_s"],
-              "e2e_p50_ms": d["metrics"]["e2e_ms"]["p50"], "padding_share": d["metrics"]["padding_share"]}
+    table = [{"batch_size": d.metrics["batch_size"], "throughput": d.metrics.throughput_tok_s,
+              "e2e_p50_ms": d.metrics.e2e_p50_ms, "padding_share": d.metrics["padding_share"]}
              for d in rows]
     png = batch_plots.sweep_png(table, knee, f"{rows[0]['model']['ref']}: padded static batches, closed loop")
     return Conclusion(
         files={"sweep.png": png},
-        metrics={d["run_id"]: {"knee_batch_size": knee, "is_knee": d["metrics"]["batch_size"] == knee,
+        metrics={d["run_id"]: {"knee_batch_size": knee, "is_knee": d.metrics["batch_size"] == knee,
                                "reference_batch_size": reference,
-                               "gain_per_doubling": gains.get(d["metrics"]["batch_size"])} for d in rows},
+                               "gain_per_doubling": gains.get(d.metrics["batch_size"])} for d in rows},
         sections={d["run_id"]: {"sweep": section} for d in rows})
 
 
@@ -293,8 +296,24 @@ def tune_offer(ask: TuneAsk) -> list[Offer]:
     return offers
 
 
+# the metrics a batch row carries beyond the core (its namespace: metrics/schema.py)
+METRIC_KEYS = {
+    **dict.fromkeys(("scheduler", "timeout_ms", "max_batch_tokens", "max_batch_size", "mean_batch_size", "batches",
+                     "batches_full", "batches_by_timeout", "batch_log", "busy_share", "forward_steps",
+                     "scheduler_setup_s", "max_submit_lag_ms", "continuous_impl", "continuous_attn_impl"),
+                    "how the scheduler batched the trace"),
+    **dict.fromkeys(("trace_duration_s", "trace_requests", "trace_span_s", "offered_rate", "interarrival_cv"),
+                    "the trace replayed"),
+    "batch_size": "a batch-size sweep row's size", "padding_share": "share of padded positions",
+    "gain_per_doubling": "throughput gain to the next size (the sweep's)",
+    "reference_batch_size": "the sweep's reference (smallest) size",
+    **SLOT_ENGINE_KEYS, **LEAN_LOOP_KEYS,
+}
+
+
 @register_technique(BatchConfig, runner="trace", measure_ppl=False, finish=finish, conclude=conclude,
-                    objective="throughput", report_columns=report_columns, tune=Tuning(offer=tune_offer))
+                    objective="throughput", report_columns=report_columns, tune=Tuning(offer=tune_offer),
+                    metric_keys=METRIC_KEYS)
 def prepare_batch(loaded: models.LoadedModel, config: BatchConfig, ctx: RunContext) -> PreparedModel:
     """The model unchanged; the trace runner gets the trace factory and the scheduler (a sweep row: the
     closed-loop `generation` runner at its batch size)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from infer_tune.document import as_document
 from infer_tune.metrics import kv
 from infer_tune.metrics.stats import pair_interval
 
@@ -164,7 +165,7 @@ def summarize(docs: list[dict]) -> dict | None:
     for doc in docs:
         config = doc.get("config") or {}
         if config.get("scheduler") in by and config.get("rate") is not None:
-            by[config["scheduler"]][config["rate"]] = doc["metrics"]
+            by[config["scheduler"]][config["rate"]] = as_document(doc).metrics  # a hand-made row too
     return claims_by_rate(by["static"], by["continuous"])[0]
 
 

@@ -67,7 +67,7 @@ def sweep_plots(docs: list[dict]) -> dict[str, bytes]:
     per_rate: dict[float, dict[str, dict[str, list[float]]]] = {}
     curves: dict[str, list[dict]] = {}
     for d in traced:
-        config, m, samples = d["config"], d["metrics"], d["samples"]
+        config, m, samples = d["config"], d.metrics, d["samples"]
         per_rate.setdefault(config["rate"], {})[config["scheduler"]] = {
             "e2e_ms": samples.get("e2e_ms") or [], "ttft_ms": samples.get("ttft_ms") or []}
         curves.setdefault(config["scheduler"], []).append(

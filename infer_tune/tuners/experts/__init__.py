@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from infer_tune import jsonsafe, models
+from infer_tune.document import ResultDocument
 from infer_tune.errors import ConfigError
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.tuners.base import Conclusion, MeasuredRow, RunContext, TechniqueConfig, register_technique
@@ -138,9 +139,10 @@ def _preflight(loaded: models.LoadedModel, config: ExpertsConfig, ctx: RunContex
     check_model(routing.require_moe(loaded.model, loaded.ref), plan, loaded.ref)
 
 
-def finish_validation(doc: dict, earlier: list[dict] | None = None) -> None:
-    """Measured keys from the ranks' readings (prefill pass), beside the predictions; in place."""
-    m = doc["metrics"]
+def finish_validation(doc: ResultDocument, earlier: list[dict] | None = None) -> None:
+    """Measured keys from the ranks' readings (prefill pass), beside the predictions, taken on a copy of the
+    row's metrics and added to it (`add_metrics`)."""
+    m = dict(doc.metrics)
     ranks = m.get("ranks") or []
     if not ranks or "pairs_to_rank" not in ranks[0]:
         return
@@ -167,6 +169,7 @@ def finish_validation(doc: dict, earlier: list[dict] | None = None) -> None:
     m["outputs_match_single_process"] = m["generation_mismatches"] == 0 and m["within_tolerance"]
     m["expert_bytes_per_rank"] = [r["expert_bytes"] for r in ranks]
     link_bytes(m, ranks, tokens)
+    doc.add_metrics({k: v for k, v in m.items() if k not in doc.metrics}, source="experts' finish")
 
 
 def link_bytes(m: dict, ranks: list[dict], tokens: float) -> None:
@@ -203,8 +206,26 @@ def _conclude(docs: list, skipped: list) -> Conclusion:
     return Conclusion(claim=claim.summarize(docs), files=plots.validation_plots(docs))
 
 
+# the metrics an experts row carries beyond the core (its namespace: metrics/schema.py)
+METRIC_KEYS = {
+    **dict.fromkeys(("strategy", "devices", "replicas", "measured", "nodes", "procs", "nnodes", "launch_elapsed_s",
+                     "plan_node_of_rank", "node_of_rank", "link_nodes_from", "node_map_matches_plan"),
+                    "the plan and how its ranks ran"),
+    **{f"predicted_{k}": "the plan's prediction" for k in (*PREDICTED_KEYS, *LINK_KEYS)},
+    **{f"{k}_vs_predicted_pct": "measured against predicted, %" for k in (*PREDICTED_KEYS, *LINK_KEYS)},
+    **dict.fromkeys(("prefill_tokens", "prefill_remote_rows", "prefill_payload_bytes", "prefill_meta_bytes",
+                     "generate_tokens", "generate_remote_rows", "generate_payload_bytes", "generate_meta_bytes",
+                     "top1_equal", "top1_total", "generation_mismatches"), "the ranks' readings"),
+    **dict.fromkeys(("measured_device_load_share", "balancedness", "cross_device_tokens_per_token",
+                     "alltoall_bytes_per_token", "meta_bytes_per_token", "generate_alltoall_bytes_per_token",
+                     "tokens_measured", "top1_agreement", "max_abs_diff", "relative_diff", "within_tolerance",
+                     "tolerance", "outputs_match_single_process", "expert_bytes_per_rank", "inter_node_bytes_per_token",
+                     "intra_node_bytes_per_token", "cross_node_tokens_per_token"), "measured from the readings"),
+}
+
+
 @register_technique(ExpertsConfig, runner="multiprocess", preflight=_preflight, finish=_finish, conclude=_conclude,
-                    measure_ppl=False, report_columns=report_columns)
+                    measure_ppl=False, report_columns=report_columns, metric_keys=METRIC_KEYS)
 def prepare_experts(loaded: models.LoadedModel, config: ExpertsConfig, ctx: RunContext) -> PreparedModel:
     """A multi-process run of the workload under the plan: one rank per device."""
     from infer_tune.tuners.experts import worker

@@ -6,6 +6,8 @@ real expert-parallel ranks; either way against round-robin placement (see docs/e
 
 from __future__ import annotations
 
+from infer_tune.document import as_document
+
 CLAIM = "MoE experts spread over devices (hot ones replicated or on fast devices): per-token communication -60%"
 CLAIM_REDUCTION = 0.60
 
@@ -43,4 +45,4 @@ def finding(claim: dict) -> str:
 
 def summarize(docs: list[dict]) -> dict | None:
     """The measured claim over a sweep's validation results (one per strategy)."""
-    return communication_claim([(d["config"]["strategy"], d["metrics"]) for d in docs], measured=True)
+    return communication_claim([(d["config"]["strategy"], as_document(d).metrics) for d in docs], measured=True)

@@ -41,9 +41,9 @@ def load_heatmap_png(load: LoadFile) -> bytes:
 
 def validation_plots(docs: list[dict]) -> dict[str, bytes]:
     """A sweep's expert-parallel runs: the measured device load per plan, and the load file's heatmap."""
-    rows = [(d["config"]["strategy"], {"device_load_share": d["metrics"]["measured_device_load_share"],
-                                       "balancedness": d["metrics"]["balancedness"]})
-            for d in docs if d["metrics"].get("measured_device_load_share")]
+    rows = [(d["config"]["strategy"], {"device_load_share": d.metrics["measured_device_load_share"],
+                                       "balancedness": d.metrics["balancedness"]})
+            for d in docs if d.metrics.get("measured_device_load_share")]
     files = {}
     if rows:
         speeds = docs[0]["config"].get("device_speeds") or [1.0] * len(rows[0][1]["device_load_share"])

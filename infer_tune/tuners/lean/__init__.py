@@ -17,6 +17,7 @@ from typing import ClassVar
 
 from infer_tune.engines.base import LEAN
 from infer_tune.errors import ConfigError
+from infer_tune.metrics.schema import LEAN_LOOP_KEYS
 from infer_tune.models import LoadedModel
 from infer_tune.runners.base import GenerationRun, Progress, Protocol, TokenClock, register_runner
 from infer_tune.runners.generation import eos_ids, measure_generation
@@ -100,7 +101,11 @@ def offer(ask: TuneAsk) -> list[Offer]:
     return parts
 
 
-@register_technique(LeanConfig, runner="lean", measure_ppl=False, phase=3, tune=Tuning(offer=offer),
+# the metrics a lean row carries beyond the core (its namespace: metrics/schema.py)
+METRIC_KEYS = dict(LEAN_LOOP_KEYS)
+
+
+@register_technique(LeanConfig, runner="lean", measure_ppl=False, phase=3, tune=Tuning(offer=offer), metric_keys=METRIC_KEYS,
                     conflicts={"kv-cache": "lean runs its own static cache; drop kv-cache from the stack (its one "
                                            "exception: the native step's int8 cache, kv_backend native)",
                                "speculate": "lean and speculate each run their own decoding loop",

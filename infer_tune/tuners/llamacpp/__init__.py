@@ -209,8 +209,15 @@ def _fastest(loaded: LoadedModel, config: LlamaCppConfig, ctx: RunContext) -> Pa
     return Path(chosen.gguf)
 
 
+# the metrics a llama.cpp row carries beyond the core and its engine's (its namespace: metrics/schema.py)
+METRIC_KEYS = {
+    **dict.fromkeys(("gguf", "gguf_bytes", "gguf_checkpoint_sha256", "gguf_format"), "the GGUF that ran"),
+    **dict.fromkeys(("command", "engine", "llama_cpp", "n_threads", "llamacpp_best"), "how llama.cpp ran"),
+}
+
+
 @register_technique(LlamaCppConfig, runner="llama-cpp", preflight=_preflight, measure_ppl=False,
-                    resolve=_resolve, tune=Tuning(offer=tune_offer))
+                    resolve=_resolve, tune=Tuning(offer=tune_offer), metric_keys=METRIC_KEYS)
 def prepare_llamacpp(loaded: LoadedModel, config: LlamaCppConfig, ctx: RunContext) -> PreparedModel:
     """Load the GGUF into llama.cpp with the run's thread count (in process, or its server on loopback)."""
     _preflight(loaded, config, ctx)

@@ -31,6 +31,14 @@ def _finish(row: MeasuredRow) -> None:
     pipeline.annotate_claim(row.doc, row.earlier)
 
 
-register_technique(QuantizeConfig, resolve=_resolve, finish=_finish,
+# the metrics a quantize row carries beyond the core (its namespace: metrics/schema.py)
+METRIC_KEYS = {
+    **dict.fromkeys(("backend_resolved", "built", "quantize_s", "quantized_layers", "reloaded", "save_dir",
+                     "saved_bytes_on_disk"), "how the quantized model was built, saved and reloaded"),
+    "bytes_ratio_vs_16bit": "stored bytes over the same model's 16-bit bytes", "model_bytes_16bit": "its 16-bit bytes",
+    "kernels": "the kernels timed and chosen per shape (kernel_choice)",
+    "ttft_note": "why TTFT is far over the baseline's (its measured prefill kernels)",
+}
+register_technique(QuantizeConfig, resolve=_resolve, finish=_finish, metric_keys=METRIC_KEYS,
                    preflight=pipeline.preflight, phase=0, report_columns=report_columns,
                    tune=Tuning(offer=tune.offer, methods=tune.TUNE_METHODS))(pipeline.prepare_quantized)

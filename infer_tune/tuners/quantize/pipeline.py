@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from infer_tune import models
+from infer_tune.document import ResultDocument, as_document
 from infer_tune.metrics import deltas
 from infer_tune.runners.prepared import PreparedModel
 from infer_tune.tuners.base import RunContext
@@ -127,20 +128,22 @@ def choose_kernels(model: torch.nn.Module, config: QuantizeConfig, ctx: RunConte
 TTFT_NOTE_RATIO = 3.0  # a TTFT this many times the baseline's gets an explanation in the result
 
 
-def annotate_claim(doc: dict, earlier: list[dict]) -> None:
+def annotate_claim(doc: ResultDocument, earlier: list[dict]) -> None:
     """An int8 result carries the INT8 claim check, judged against a bf16 run measured earlier in the sweep;
     a result whose TTFT is over TTFT_NOTE_RATIO x the baseline's says why (its measured prefill kernels)."""
-    m = doc["metrics"]
+    m = doc.metrics
     ttft_speedup = m.get("ttft_speedup_vs_baseline")
     if ttft_speedup is not None and ttft_speedup < 1 / TTFT_NOTE_RATIO:
         prefill = (m.get("kernels") or {}).get("prefill") or {}
-        m["ttft_note"] = (f"TTFT {1 / ttft_speedup:.1f}x the baseline's: the fastest prefill kernels measured here "
+        note = (f"TTFT {1 / ttft_speedup:.1f}x the baseline's: the fastest prefill kernels measured here "
                           f"({prefill.get('chosen')}) run this model's Linears at "
                           f"{output_ratio(prefill.get('speedup_vs_fp32'))} fp32 speed" if prefill else
-                          f"TTFT {1 / ttft_speedup:.1f}x the baseline's; no kernel choice was recorded")
+                f"TTFT {1 / ttft_speedup:.1f}x the baseline's; no kernel choice was recorded")
+        doc.add_metrics({"ttft_note": note}, source="quantize's finish")
     if doc["config"].get("method") in ("int8-dynamic", "int8-static"):
         same_sweep = [d for d in earlier if d.get("technique") == doc["technique"]]
-        doc["metrics"]["claim_check"] = claim_check([*same_sweep, doc], method=doc["config"]["method"])
+        doc.set_sweep_metrics({"claim_check": claim_check([*same_sweep, doc], method=doc["config"]["method"])},
+                              source="quantize's INT8 claim")
 
 
 def output_ratio(value: float | None) -> str:
@@ -155,17 +158,17 @@ def _config_fields(config: QuantizeConfig) -> dict:
 
 def claim_check(docs: list[dict], method: str | None = None) -> dict | None:
     """Check the INT8 claim on the int8 result (`method`, else int8-dynamic first): size, speed, drift -> held or not."""
-    by_method = {d["config"]["method"]: d for d in docs}
+    by_method = {d["config"]["method"]: as_document(d) for d in docs}  # rows made by hand (a test's) typed here
     doc = by_method.get(method) if method else (by_method.get("int8-dynamic") or by_method.get("int8-static"))
     if doc is None:
         return None
-    m = doc["metrics"]
+    m = doc.metrics
     ratio, speedup = m.get("bytes_ratio_vs_16bit"), m.get("speedup_vs_baseline")
     reference = "the baseline as measured (the loaded model's dtype)"
     bf16 = by_method.get("bf16")
     speedup_vs_16bit = None
     if bf16 is not None:  # the claim is against 16-bit weights: judge speed against the bf16 run when there is one
-        speedup_vs_16bit = deltas.speedup(bf16["metrics"], m)
+        speedup_vs_16bit = deltas.speedup(bf16.metrics, m)
         speedup, reference = speedup_vs_16bit, "the bf16 run of the same sweep (16-bit weights)"
     ppl_delta, drift = m.get("ppl_delta_pct"), m.get("bleu_drift")
     size_held = ratio is not None and ratio <= CLAIM_MAX_BYTES_RATIO

@@ -7,6 +7,8 @@ of any draft source, and apart on the fastest whose draft is a model (see docs/s
 
 from __future__ import annotations
 
+from infer_tune.document import ResultDocument, as_document
+
 CLAIM = ("a small draft model (about 1/10 of the target) proposes 8-10 tokens and the target verifies them in "
          "one pass: 2-4x faster on code and structured text, TTFT unchanged")
 CLAIM_SPEEDUP = 2.0
@@ -15,11 +17,11 @@ CODE_SUITES = ("code", "code-edit")
 
 
 def lossless(doc: dict) -> bool:
-    return doc["metrics"].get("output_mismatches") == 0
+    return as_document(doc).metrics.get("output_mismatches") == 0
 
 
-def _judge(doc: dict) -> dict:
-    m = doc["metrics"]
+def _judge(doc: ResultDocument) -> dict:
+    m = doc.metrics
     ttft = m.get("ttft_speedup_vs_baseline")
     ttft_ratio = 1 / ttft if ttft else None
     verdict = {"best": doc["label"], "speedup": m["speedup_vs_baseline"], "ttft_ratio_vs_baseline": ttft_ratio,
@@ -42,11 +44,11 @@ def claim_check(by_suite: dict[str, list[dict]]) -> dict | None:
     for suite, docs in by_suite.items():
         if suite not in CODE_SUITES:
             continue
-        ranked = sorted((d for d in docs if lossless(d) and d["metrics"].get("speedup_vs_baseline")),
-                        key=lambda d: d["metrics"]["speedup_vs_baseline"], reverse=True)
+        docs = [as_document(d) for d in docs]  # rows made by hand (a test's) are typed here
+        ranked = sorted((d for d in docs if lossless(d) and d.speedup), key=lambda d: d.speedup, reverse=True)
         if not ranked:
             continue
-        models = [d for d in ranked if d["metrics"].get("draft_kind") != "prompt-lookup"]
+        models = [d for d in ranked if d.metrics.get("draft_kind") != "prompt-lookup"]
         judged[suite] = {"any_source": _judge(ranked[0]), "draft_model": _judge(models[0]) if models else None}
     if not judged:
         return None

@@ -7,7 +7,7 @@ from infer_tune.report.plots import png_bytes, pyplot
 
 def acceptance_png(docs: list[dict], title: str) -> bytes | None:
     """acceptance_by_position of every config in `docs` (None when no config has a curve)."""
-    curves = {d["label"]: d["metrics"].get("acceptance_by_position") or [] for d in docs}
+    curves = {d["label"]: d.metrics.get("acceptance_by_position") or [] for d in docs}
     if not docs or not any(curves.values()):
         return None
     plt = pyplot()

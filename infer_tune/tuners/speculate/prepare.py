@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from infer_tune import models
+from infer_tune.document import ResultDocument
 from infer_tune.errors import ConfigError
 from infer_tune.nn_utils import shallow_clone
 from infer_tune.runners.generation import eos_ids
@@ -195,8 +196,7 @@ def prepare(loaded: models.LoadedModel, config: SpeculateConfig, ctx: RunContext
                          cleanup=cleanup, scorer=scorer)
 
 
-def annotate(doc: dict, earlier: list[dict]) -> None:
+def annotate(doc: ResultDocument, earlier: list[dict]) -> None:
     """Losslessness: greedy speculative decoding must reproduce the target-alone outputs token for token."""
-    m = doc["metrics"]
-    mismatches = m.get("output_mismatches")
-    m["lossless"] = mismatches == 0 if mismatches is not None else None
+    mismatches = doc.metrics.get("output_mismatches")
+    doc.add_metrics({"lossless": mismatches == 0 if mismatches is not None else None}, source="speculate's finish")

@@ -237,8 +237,9 @@ def _report_columns(doc: dict, docs: list[dict]):
 
 
 @register_technique(StackConfig, resolve=_resolve, preflight=_preflight, finish=_finish, conclude=_conclude,
-                    report_columns=_report_columns,
-                    tune=Tuning(compose=lambda parts: StackConfig(configs=list(parts))))
+                    report_columns=_report_columns, tune=Tuning(compose=lambda parts: StackConfig(configs=list(parts))),
+                    # beyond its parts' keys (each part's namespace is the row's too: document.row_namespaces)
+                    metric_keys={"stack": "the parts and how they merged", "claims": "the stack thesis (thesis.py)"})
 def prepare_stack(loaded: LoadedModel, config: StackConfig, ctx: RunContext) -> PreparedModel:
     """Prepare each part on the previous part's model, in phase order, and merge what they hand the runner."""
     runner = runner_of(config)
