@@ -215,50 +215,6 @@ class Metrics(dict):
         return value if isinstance(value, dict) else {}
 
     @property
-    def ttft_p50_ms(self) -> float | None:
-        return self.stat("ttft_ms")
-
-    @property
-    def tpot_p50_ms(self) -> float | None:
-        return self.stat("tpot_ms")
-
-    @property
-    def e2e_p50_ms(self) -> float | None:
-        return self.stat("e2e_ms")
-
-    @property
-    def throughput_tok_s(self) -> float | None:
-        return self.number("output_throughput_tok_s")
-
-    @property
-    def peak_rss_bytes(self) -> float | None:
-        return self.number("peak_rss_bytes")
-
-    @property
-    def model_bytes(self) -> float | None:
-        return self.number("model_bytes")
-
-    @property
-    def ppl(self) -> float | None:
-        return self.number("ppl")
-
-    @property
-    def speedup(self) -> float | None:
-        return self.number("speedup_vs_baseline")
-
-    @property
-    def ppl_delta_pct(self) -> float | None:
-        return self.number("ppl_delta_pct")
-
-    @property
-    def bleu_drift(self) -> float | None:
-        return self.number("bleu_drift")
-
-    @property
-    def roofline_fraction(self) -> float | None:
-        return self.number("roofline_fraction")
-
-    @property
     def rounds(self) -> dict[str, Any]:
         return self.block("rounds")
 

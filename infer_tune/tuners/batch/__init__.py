@@ -214,13 +214,13 @@ def sweep_conclusion(docs: list[ResultDocument], skipped: list) -> Conclusion:
     skipped = [s for s in skipped if getattr(s.config, "scheduler", None) == "sweep"]
     if not rows:
         return Conclusion()
-    throughput = {d.metrics["batch_size"]: d.metrics.throughput_tok_s for d in rows}
+    throughput = {d.metrics["batch_size"]: d.throughput_tok_s for d in rows}
     knee, gains = analysis.knee(throughput)
     reference = rows[0].metrics["batch_size"]
     section = {"throughput_by_batch_size": {str(k): v for k, v in throughput.items()}, "knee_batch_size": knee,
                "not_measured": [s.to_dict() for s in skipped]}
-    table = [{"batch_size": d.metrics["batch_size"], "throughput": d.metrics.throughput_tok_s,
-              "e2e_p50_ms": d.metrics.e2e_p50_ms, "padding_share": d.metrics["padding_share"]}
+    table = [{"batch_size": d.metrics["batch_size"], "throughput": d.throughput_tok_s,
+              "e2e_p50_ms": d.stat("e2e_ms"), "padding_share": d.metrics["padding_share"]}
              for d in rows]
     png = batch_plots.sweep_png(table, knee, f"{rows[0]['model']['ref']}: padded static batches, closed loop")
     return Conclusion(
