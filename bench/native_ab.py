@@ -200,7 +200,10 @@ def main() -> None:
                    help="only the native decode step (LlamaStep, both revisions must have it) on the model's int4 a8 "
                         "weights: 128 steps after a short prompt per round")
     p.add_argument("--parts", default="w4a8,w8a8,attention",
-                   help="which kernels to time (comma-separated: w4a8, w8a8, attention, prefill)")
+                   help="which kernels to time (comma-separated: w4a8, w8a8, attention, attention-prompt, prefill)")
+    p.add_argument("--attention-prompt", default="128@2048",
+                   help="with --parts attention-prompt: a prompt chunk's rows over its slot's cache (ROWS@POSITION: "
+                        "rows at positions POSITION.., one cache shared by the rows), fp32 and int8 caches")
     p.add_argument("--prefill-rows", default="16,40,500",
                    help="with --parts prefill: the row counts of w4a8_mm over one layer's matrices (a prompt's rows)")
     p.add_argument("--ttft-tokens", type=int, default=0,
@@ -276,6 +279,24 @@ def main() -> None:
             show(f"decode_attention, 30 layers, {rows} row(s), {seen} of {length} positions", interleaved(
                 lambda q=q, mask=mask, kv=list(zip(keys, values)): [now.decode_attention(q, k, v, mask, 0.125) for k, v in kv],
                 lambda q=q, mask=mask, kv=list(zip(keys, values)): [then.decode_attention(q, k, v, mask, 0.125) for k, v in kv], args.rounds))
+
+    if "attention-prompt" in parts:  # a prompt chunk's rows in one call, as the native step's prefill makes it
+        rows, start = (int(x) for x in args.attention_prompt.split("@"))
+        length = start + rows
+        k, v = torch.randn(1, 3, length, 64, generator=gen), torch.randn(1, 3, length, 64, generator=gen)
+        k8 = torch.randint(-127, 128, (1, 3, length, 64), dtype=torch.int8, generator=gen)
+        v8 = torch.randint(-127, 128, (1, 3, length, 64), dtype=torch.int8, generator=gen)
+        ks, vs = torch.rand(1, 3, length, generator=gen), torch.rand(1, 3, length, generator=gen)
+        q = torch.randn(rows, 9, 1, 64, generator=gen)
+        mask = (torch.arange(length).view(1, -1) <= start + torch.arange(rows).view(-1, 1)).view(rows, 1, 1, length)
+        e = lambda t: t.expand(rows, *t.shape[1:])  # noqa: E731 - the slot's cache, one for every row
+        for kind, call in (("fp32", lambda ops: [ops.decode_attention(q, e(k), e(v), mask, 0.125) for _ in range(30)]),
+                           ("int8", lambda ops: [ops.decode_attention_q8(q, e(k8), e(ks), e(v8), e(vs), mask, 0.125)
+                                                 for _ in range(30)])):
+            assert all(torch.equal(a, b) for a, b in zip(call(now)[:1], call(then)[:1])), \
+                "the two revisions' attention gives different values"
+            show(f"decode_attention ({kind} cache), 30 layers, a prompt's {rows} rows at {start}..{length - 1}",
+                 interleaved(lambda call=call: call(now), lambda call=call: call(then), args.rounds))
 
 
 if __name__ == "__main__":

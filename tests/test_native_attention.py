@@ -26,6 +26,45 @@ class _Module:
     is_causal = True
 
 
+
+@pytest.mark.parametrize("dim", [64, 128, 16])
+@pytest.mark.parametrize("cache", ["fp32", "int8"])
+def test_a_prompts_rows_together_give_each_rows_values_alone(dim, cache):
+    """A prompt chunk's rows over their slot's one cache (k / v expanded along the rows: the native step's prefill)
+    are attended in blocks of rows that share each chunk of keys read; every row's output equals, bit for bit, what
+    it gets alone (a decode step's path) -- rows that see part of a chunk (the causal edge, a sliding window), a
+    row count that is no multiple of the block, and the head dimensions the tiles take (64, 128) or leave (16)."""
+    ops = torch.ops.infer_tune_native
+    gen = torch.Generator().manual_seed(dim)
+    heads, kv_heads, length, rows, start = 9, 3, 400, 37, 300
+    if cache == "fp32":
+        k, v = torch.randn(1, kv_heads, length, dim, generator=gen), torch.randn(1, kv_heads, length, dim, generator=gen)
+        scales = ()
+    else:
+        k = torch.randint(-127, 128, (1, kv_heads, length, dim), dtype=torch.int8, generator=gen)
+        v = torch.randint(-127, 128, (1, kv_heads, length, dim), dtype=torch.int8, generator=gen)
+        scales = (torch.rand(1, kv_heads, length, generator=gen), torch.rand(1, kv_heads, length, generator=gen))
+    q = torch.randn(rows, heads, 1, dim, generator=gen)
+    position = start + torch.arange(rows).view(-1, 1)
+    for window in (0, 250):
+        seen = torch.arange(length).view(1, -1) <= position
+        if window:
+            seen &= torch.arange(length).view(1, -1) > position - window
+        mask = seen.view(rows, 1, 1, length)
+
+        def attend(i, n):
+            e = lambda t: t.expand(n, *t.shape[1:])  # noqa: E731
+            if cache == "fp32":
+                return ops.decode_attention(q[i:i + n], e(k), e(v), mask[i:i + n], 0.125)
+            return ops.decode_attention_q8(q[i:i + n], e(k), e(scales[0]), e(v), e(scales[1]), mask[i:i + n], 0.125)
+
+        together = attend(0, rows)
+        for i in range(rows):
+            assert torch.equal(together[i], attend(i, 1)[0]), (window, i)
+        if cache == "fp32":
+            reference = sdpa(q, k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1), mask, 0.125)
+            torch.testing.assert_close(together, reference, rtol=1e-4, atol=1e-5)
+
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
 def test_decode_attention_equals_sdpa(mask_kind):
     gen = torch.Generator().manual_seed(0)

@@ -34,6 +34,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -48,6 +49,7 @@
 namespace {
 
 constexpr int64_t CHUNK = 64;  // positions per work item
+constexpr int64_t ROW_BLOCK = 8;  // rows of one cache per work item
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -138,6 +140,95 @@ inline void values_avx2(const float* p, const float* vb, int64_t vs2, const int6
   }
   for (int d = 0; d < DB; ++d) _mm256_storeu_ps(a + 8 * d, acc[d]);
 }
+
+// Tiles of several queries against the same keys and values: the key and value rows a tile loads serve every
+// query of it, where the one-query loops above load them once a query. Each (query, position) score and each
+// query's weighted sum is computed by the same operations in the same order as in scores_avx2 and values_avx2,
+// so a query's values do not depend on the tile it sits in (nor on the other queries beside it).
+#ifdef __AVX512VL__
+constexpr int QTILE = 4;  // queries a tile: 16 accumulators of 32 vector registers
+#else
+constexpr int QTILE = 2;  // 16 vector registers
+#endif
+
+// the lane sums of v[0..3] (lane t = sum of v[t]), added in sums8's order
+inline __m128 sums4(const __m256* v) {
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(ab), _mm256_extractf128_ps(ab, 1));
+}
+
+// s[i][t] = scale * q[i] . k[at[t]] for QT queries, 4 positions at a time (D a multiple of 8)
+template <int QT>
+inline void scores_tile(const float* const* q, const float* kb, int64_t ks2, const int64_t* at, int64_t n, int64_t D,
+                        float scale, float* const* s) {
+  const __m128 sc = _mm_set1_ps(scale);
+  for (int64_t t = 0; t < n; t += 4) {
+    const float* rows[4];
+    for (int u = 0; u < 4; ++u) rows[u] = kb + at[std::min<int64_t>(t + u, n - 1)] * ks2;  // past n: dropped
+    __m256 acc[QT][4];
+    for (int i = 0; i < QT; ++i)
+      for (int u = 0; u < 4; ++u) acc[i][u] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 kd[4];
+      for (int u = 0; u < 4; ++u) kd[u] = _mm256_loadu_ps(rows[u] + d);
+      for (int i = 0; i < QT; ++i) {
+        const __m256 qd = _mm256_loadu_ps(q[i] + d);
+        for (int u = 0; u < 4; ++u) acc[i][u] = _mm256_fmadd_ps(qd, kd[u], acc[i][u]);
+      }
+    }
+    for (int i = 0; i < QT; ++i) {
+      const __m128 out = _mm_mul_ps(sums4(acc[i]), sc);
+      if (t + 4 <= n) {
+        _mm_storeu_ps(s[i] + t, out);
+      } else {
+        float lanes[4];
+        _mm_storeu_ps(lanes, out);
+        for (int64_t u = 0; t + u < n; ++u) s[i][t + u] = lanes[u];
+      }
+    }
+  }
+}
+
+// a[i][:] = sum_t p[i][t] * v[at[t]] for QT queries, 32 values of the head dimension a pass (D a multiple of 32)
+template <int QT>
+inline void values_tile(const float* const* p, const float* vb, int64_t vs2, const int64_t* at, int64_t n, int64_t D,
+                        float* const* a) {
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {
+    __m256 acc[QT][4];
+    for (int i = 0; i < QT; ++i)
+      for (int e = 0; e < 4; ++e) acc[i][e] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      const float* vj = vb + at[t] * vs2 + d0;
+      __m256 vd[4];
+      for (int e = 0; e < 4; ++e) vd[e] = _mm256_loadu_ps(vj + 8 * e);
+      for (int i = 0; i < QT; ++i) {
+        const __m256 pt = _mm256_set1_ps(p[i][t]);
+        for (int e = 0; e < 4; ++e) acc[i][e] = _mm256_fmadd_ps(pt, vd[e], acc[i][e]);
+      }
+    }
+    for (int i = 0; i < QT; ++i)
+      for (int e = 0; e < 4; ++e) _mm256_storeu_ps(a[i] + d0 + 8 * e, acc[i][e]);
+  }
+}
+
+// nq queries in tiles of QTILE (the rest in one smaller tile)
+inline void scores_tiles(const float* const* q, int64_t nq, const float* kb, int64_t ks2, const int64_t* at, int64_t n,
+                         int64_t D, float scale, float* const* s) {
+  int64_t i = 0;
+  for (; i + QTILE <= nq; i += QTILE) scores_tile<QTILE>(q + i, kb, ks2, at, n, D, scale, s + i);
+  if (nq - i == 1) scores_tile<1>(q + i, kb, ks2, at, n, D, scale, s + i);
+  if (nq - i == 2) scores_tile<2>(q + i, kb, ks2, at, n, D, scale, s + i);
+  if (nq - i == 3) scores_tile<3>(q + i, kb, ks2, at, n, D, scale, s + i);
+}
+
+inline void values_tiles(const float* const* p, int64_t nq, const float* vb, int64_t vs2, const int64_t* at, int64_t n,
+                         int64_t D, float* const* a) {
+  int64_t i = 0;
+  for (; i + QTILE <= nq; i += QTILE) values_tile<QTILE>(p + i, vb, vs2, at, n, D, a + i);
+  if (nq - i == 1) values_tile<1>(p + i, vb, vs2, at, n, D, a + i);
+  if (nq - i == 2) values_tile<2>(p + i, vb, vs2, at, n, D, a + i);
+  if (nq - i == 3) values_tile<3>(p + i, vb, vs2, at, n, D, a + i);
+}
 #endif
 
 }  // namespace
@@ -222,13 +313,28 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   float* const pmax = part_max.data();
   float* const psum = part_sum.data();
   float* const pacc = part_acc.data();
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, CHUNK * D * G));  // small work: one thread
-  at::parallel_for(0, B * Hkv * chunks, grain, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scores;  // [G, CHUNK]
+  // The tiled path (AVX2, D a multiple of 32, heads of a row sharing its mask): the queries of an item, every
+  // query head of the group for each of its rows, are scored and summed in tiles (scores_tiles / values_tiles).
+  // Rows that read one cache (a prompt's rows in its slot: k / v expanded along the rows, stride 0) are taken
+  // ROW_BLOCK at a time, so a chunk of keys and values read once serves every query of the block, where all of
+  // its rows see the whole chunk; a row that sees part of it goes alone, as any lone row does. A query's values
+  // are the same in a block, alone, or on the one-query path.
+#ifdef ATTN_AVX2
+  const bool tiled = D % 32 == 0 && (mb != nullptr ? ms1 == 0 : mf == nullptr);
+#else
+  const bool tiled = false;
+#endif
+  const bool shared = tiled && B > 1 && ks0 == 0 && vs0 == 0 && (!q8 || (kss0 == 0 && vss0 == 0));
+  const int64_t RB = shared ? ROW_BLOCK : 1, blocks = (B + RB - 1) / RB;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, CHUNK * D * G * RB));  // small work: one thread
+  at::parallel_for(0, blocks * Hkv * chunks, grain, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scores;  // [RB * G, CHUNK]
     thread_local std::vector<int64_t> seen;  // the chunk's positions some head of the group attends to
     thread_local std::vector<float> kdq, vdq;  // int8 caches: the chunk's seen keys / values in fp32 [n, D]
     thread_local std::vector<int64_t> order;  // int8 caches: 0..n-1 (row t of kdq / vdq is position seen[t])
-    scores.resize(std::max<size_t>(scores.size(), G * CHUNK));
+    thread_local std::vector<const float*> queries, probs;
+    thread_local std::vector<float*> rows_out, accs;
+    scores.resize(std::max<size_t>(scores.size(), RB * G * CHUNK));
     seen.resize(std::max<size_t>(seen.size(), CHUNK));
     if (q8) {
       kdq.resize(std::max<size_t>(kdq.size(), CHUNK * D)), vdq.resize(std::max<size_t>(vdq.size(), CHUNK * D));
@@ -236,104 +342,163 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       for (int64_t t = 0; t < CHUNK; ++t) order[t] = t;
     }
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t c = item % chunks, bg = item / chunks, b = bg / Hkv, g = bg % Hkv;
+      const int64_t c = item % chunks, bg = item / chunks, b0 = (bg / Hkv) * RB, g = bg % Hkv;
+      const int64_t b1 = std::min(B, b0 + RB);
       const int64_t j0 = c * CHUNK, j1 = std::min(L, j0 + CHUNK);
-      const float* kb = q8 ? kdq.data() : kp + b * ks0 + g * ks1;
-      const float* vb = q8 ? vdq.data() : vp + b * vs0 + g * vs1;
-      int64_t n = 0;
-      for (int64_t j = j0; j < j1; ++j) {
-        bool any = mb == nullptr;
-        for (int64_t i = 0; i < G && !any; ++i) any = mb[b * ms0 + (g * G + i) * ms1 + j * ms3];
-        if (any) seen[n++] = j;
-      }
-      // where the chunk's rows are read: the cache (strides ks2 / vs2 at positions seen[t]), or the int8 rows
-      // dequantized once per item into kdq / vdq (stride D at row t), read there by every head of the group
-      const int64_t* at = seen.data();
-      int64_t kstep = ks2, vstep = vs2;
-      if (q8) {
-        const int8_t* k8 = kp8 + b * ks0 + g * ks1;
-        const int8_t* v8 = vp8 + b * vs0 + g * vs1;
-        const float* ksc = ksp + b * kss0 + g * kss1;
-        const float* vsc = vsp + b * vss0 + g * vss1;
-        for (int64_t t = 0; t < n; ++t) {
-          const int64_t j = seen[t];
-          const int8_t* kr = k8 + j * ks2;
-          const int8_t* vr = v8 + j * vs2;
-          const float sk = ksc[j * kss2], sv = vsc[j * vss2];
-          float* kd = kdq.data() + t * D;
-          float* vd = vdq.data() + t * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<float>(kr[d]) * sk;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) vd[d] = static_cast<float>(vr[d]) * sv;
+      // row b's positions of the chunk that some head of the group attends to -> seen[0..n)
+      auto visible = [&](int64_t b) {
+        int64_t n = 0;
+        if (mb != nullptr && (ms1 == 0 || G == 1)) {  // the heads of the group share the row's mask: one read
+          const bool* row = mb + b * ms0 + g * G * ms1;
+          for (int64_t j = j0; j < j1; ++j)
+            if (row[j * ms3]) seen[n++] = j;
+          return n;
         }
-        at = order.data(), kstep = D, vstep = D;
-      }
-      for (int64_t i = 0; i < G; ++i) {
-        const int64_t h = g * G + i, slot = (b * H + h) * chunks + c;
-        const float* qv = qp + (b * H + h) * D;
-        float* s = scores.data() + i * CHUNK;
-        float top = NEG_INF;
+        for (int64_t j = j0; j < j1; ++j) {
+          bool any = mb == nullptr;
+          for (int64_t i = 0; i < G && !any; ++i) any = mb[b * ms0 + (g * G + i) * ms1 + j * ms3];
+          if (any) seen[n++] = j;
+        }
+        return n;
+      };
+      // rows [r0, r1) over positions seen[0..n) of row r0's cache (the same cache for every row of a block)
+      auto run_rows = [&](int64_t r0, int64_t r1, int64_t n) {
+        const float* kb = q8 ? kdq.data() : kp + r0 * ks0 + g * ks1;
+        const float* vb = q8 ? vdq.data() : vp + r0 * vs0 + g * vs1;
+        // where the chunk's rows are read: the cache (strides ks2 / vs2 at positions seen[t]), or the int8 rows
+        // dequantized once per item into kdq / vdq (stride D at row t), read there by every query
+        const int64_t* at = seen.data();
+        int64_t kstep = ks2, vstep = vs2;
+        if (q8) {
+          const int8_t* k8 = kp8 + r0 * ks0 + g * ks1;
+          const int8_t* v8 = vp8 + r0 * vs0 + g * vs1;
+          const float* ksc = ksp + r0 * kss0 + g * kss1;
+          const float* vsc = vsp + r0 * vss0 + g * vss1;
+          for (int64_t t = 0; t < n; ++t) {
+            const int64_t j = seen[t];
+            const int8_t* kr = k8 + j * ks2;
+            const int8_t* vr = v8 + j * vs2;
+            const float sk = ksc[j * kss2], sv = vsc[j * vss2];
+            float* kd = kdq.data() + t * D;
+            float* vd = vdq.data() + t * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<float>(kr[d]) * sk;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) vd[d] = static_cast<float>(vr[d]) * sv;
+          }
+          at = order.data(), kstep = D, vstep = D;
+        }
+        if (tiled && r1 - r0 > 1) {
 #ifdef ATTN_AVX2
-        if (D % 8 == 0)
-          scores_avx2(qv, kb, kstep, at, n, D, fscale, s);
-        else
+          const int64_t nq = (r1 - r0) * G;
+          queries.resize(nq), probs.resize(nq), rows_out.resize(nq), accs.resize(nq);
+          for (int64_t r = r0; r < r1; ++r)
+            for (int64_t i = 0; i < G; ++i) {
+              const int64_t k = (r - r0) * G + i, h = g * G + i;
+              queries[k] = qp + (r * H + h) * D;
+              rows_out[k] = scores.data() + k * CHUNK;
+              probs[k] = rows_out[k];
+              accs[k] = pacc + ((r * H + h) * chunks + c) * D;
+            }
+          scores_tiles(queries.data(), nq, kb, kstep, at, n, D, fscale, rows_out.data());
+          for (int64_t r = r0; r < r1; ++r)
+            for (int64_t i = 0; i < G; ++i) {
+              const int64_t k = (r - r0) * G + i, slot = (r * H + g * G + i) * chunks + c;
+              float* s = rows_out[k];
+              float top = NEG_INF;
+              for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
+              pmax[slot] = top;
+              psum[slot] = top == NEG_INF ? 0.f : exp_shifted(s, n, top);
+              if (top == NEG_INF) std::fill(s, s + n, 0.f);
+            }
+          values_tiles(probs.data(), nq, vb, vstep, at, n, D, accs.data());
 #endif
-          for (int64_t t = 0; t < n; ++t) s[t] = fscale * dot(qv, kb + at[t] * kstep, D);
-        for (int64_t t = 0; t < n; ++t) {
-          const int64_t j = seen[t];
-          if (mb != nullptr && !mb[b * ms0 + h * ms1 + j * ms3])
-            s[t] = NEG_INF;
-          else if (mf != nullptr)
-            s[t] += mf[b * ms0 + h * ms1 + j * ms3];
-          top = std::max(top, s[t]);
+          return;
         }
-        pmax[slot] = top;
-        psum[slot] = top == NEG_INF ? 0.f : exp_shifted(s, n, top);
-        float* a = pacc + slot * D;
-        std::fill(a, a + D, 0.f);
-        if (top == NEG_INF) std::fill(s, s + n, 0.f);
-      }
-      for (int64_t i = 0; i < G; ++i) {  // the chunk's values stay in L1 across the group's heads
-        const float* p = scores.data() + i * CHUNK;
-        float* a = pacc + ((b * H + g * G + i) * chunks + c) * D;
+        const int64_t b = r0;  // one row: each head of the group in turn (faster for a lone row's streamed cache)
+        for (int64_t i = 0; i < G; ++i) {
+          const int64_t h = g * G + i, slot = (b * H + h) * chunks + c;
+          const float* qv = qp + (b * H + h) * D;
+          float* s = scores.data() + i * CHUNK;
+          float top = NEG_INF;
 #ifdef ATTN_AVX2
-        if (D == 64) {  // the head's accumulator in registers
-          values_avx2<8>(p, vb, vstep, at, n, a);
+          if (D % 8 == 0)
+            scores_avx2(qv, kb, kstep, at, n, D, fscale, s);
+          else
+#endif
+            for (int64_t t = 0; t < n; ++t) s[t] = fscale * dot(qv, kb + at[t] * kstep, D);
+          for (int64_t t = 0; t < n; ++t) {
+            const int64_t j = seen[t];
+            if (mb != nullptr && !mb[b * ms0 + h * ms1 + j * ms3])
+              s[t] = NEG_INF;
+            else if (mf != nullptr)
+              s[t] += mf[b * ms0 + h * ms1 + j * ms3];
+            top = std::max(top, s[t]);
+          }
+          pmax[slot] = top;
+          psum[slot] = top == NEG_INF ? 0.f : exp_shifted(s, n, top);
+          float* a = pacc + slot * D;
+          std::fill(a, a + D, 0.f);
+          if (top == NEG_INF) std::fill(s, s + n, 0.f);
+        }
+        for (int64_t i = 0; i < G; ++i) {  // the chunk's values stay in L1 across the group's heads
+          const float* p = scores.data() + i * CHUNK;
+          float* a = pacc + ((b * H + g * G + i) * chunks + c) * D;
+#ifdef ATTN_AVX2
+          if (D == 64) {  // the head's accumulator in registers
+            values_avx2<8>(p, vb, vstep, at, n, a);
+            continue;
+          }
+          if (D == 128) {
+            values_avx2<16>(p, vb, vstep, at, n, a);
+            continue;
+          }
+#endif
+          for (int64_t t = 0; t < n; ++t) {
+            const float* vj = vb + at[t] * vstep;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) a[d] += p[t] * vj[d];
+          }
+        }
+      };
+      if (b1 - b0 > 1) {  // a block: together where every row sees the whole chunk
+        bool whole = true;
+        if (mb != nullptr && ms3 == 1) {  // (the tiled path's heads share a row's mask) no hidden position
+          for (int64_t b = b0; b < b1 && whole; ++b) whole = std::memchr(mb + b * ms0 + j0, 0, j1 - j0) == nullptr;
+        } else {
+          for (int64_t b = b0; b < b1 && whole; ++b) whole = visible(b) == j1 - j0;
+        }
+        if (whole) {
+          for (int64_t j = j0; j < j1; ++j) seen[j - j0] = j;
+          run_rows(b0, b1, j1 - j0);
           continue;
         }
-        if (D == 128) {
-          values_avx2<16>(p, vb, vstep, at, n, a);
-          continue;
-        }
-#endif
-        for (int64_t t = 0; t < n; ++t) {
-          const float* vj = vb + at[t] * vstep;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += p[t] * vj[d];
-        }
       }
+      for (int64_t b = b0; b < b1; ++b) run_rows(b, b + 1, visible(b));
     }
   });
-  for (int64_t bh = 0; bh < B * H; ++bh) {  // merge each head's chunks, in order
-    float* o = op + bh * D;  // out[b, 0, h, :] ([B, 1, H, D] contiguous)
-    const float* mx = pmax + bh * chunks;
-    float top = NEG_INF;
-    for (int64_t c = 0; c < chunks; ++c) top = std::max(top, mx[c]);
-    std::fill(o, o + D, 0.f);
-    if (top == NEG_INF) continue;
-    float total = 0.f;
-    for (int64_t c = 0; c < chunks; ++c) {
-      if (mx[c] == NEG_INF) continue;
-      const float w = mx[c] == top ? 1.f : std::exp(mx[c] - top);
-      total += w * psum[bh * chunks + c];
-      const float* a = pacc + (bh * chunks + c) * D;
+  // merge each head's chunks, in order (the heads spread over the threads)
+  at::parallel_for(0, B * H, std::max<int64_t>(1, 8192 / (chunks * D)), [&](int64_t first, int64_t last_bh) {
+    for (int64_t bh = first; bh < last_bh; ++bh) {
+      float* o = op + bh * D;  // out[b, 0, h, :] ([B, 1, H, D] contiguous)
+      const float* mx = pmax + bh * chunks;
+      float top = NEG_INF;
+      for (int64_t c = 0; c < chunks; ++c) top = std::max(top, mx[c]);
+      std::fill(o, o + D, 0.f);
+      if (top == NEG_INF) continue;
+      float total = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        if (mx[c] == NEG_INF) continue;
+        const float w = mx[c] == top ? 1.f : std::exp(mx[c] - top);
+        total += w * psum[bh * chunks + c];
+        const float* a = pacc + (bh * chunks + c) * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+        for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+      }
+      const float inv = 1.f / total;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
-    const float inv = 1.f / total;
-    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-  }
+  });
   return out;
 }
 
