@@ -49,7 +49,7 @@
 namespace {
 
 constexpr int64_t CHUNK = 64;  // positions per work item
-constexpr int64_t ROW_BLOCK = 8;  // rows of one cache per work item
+constexpr int64_t ROW_BLOCK = 16;  // rows of one cache per work item
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 inline float dot(const float* a, const float* b, int64_t n) {
