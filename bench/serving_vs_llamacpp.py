@@ -554,7 +554,7 @@ def compare_trace(args, state: dict) -> None:
     state["llama_server_extra"] = list(llama_cache_extra(args))
     with contextlib.ExitStack() as stack:
         servers = cached_servers(stack, args, gguf, llama_cache_extra(args), without_cache=False)
-        for repeat in range(args.repeats):
+        for repeat in range(args.repeat_from, args.repeats):
             for server in (servers if repeat % 2 == 0 else servers[::-1]):
                 config = EndpointConfig(url=server.url, served_model=server.served_model, api="chat", ignore_eos=True,
                                         stream_usage=True, concurrency=max(64, args.requests), label=server.name)
@@ -746,8 +746,9 @@ def main() -> None:
                    help="an argument passed to llama-server as is, repeatable (e.g. --llama-arg=--spec-type "
                         "--llama-arg=ngram-simple --llama-arg=-ctk --llama-arg=q8_0)")
     p.add_argument("--repeat-from", type=int, default=0,
-                   help="multi-turn: run repeats from this one on, keeping the state file's earlier repeats (a repeat "
-                        "that a failure spoiled, measured again; the state records which repeats ran when)")
+                   help="multi-turn and trace: run repeats from this one on, keeping the state file's earlier repeats (a "
+                        "repeat that a failure spoiled, measured again, or more repeats added; the state records which "
+                        "repeats ran when)")
     p.add_argument("--table", action="store_true", help="print the table of the state file and stop")
     p.add_argument("--markdown", action="store_true", help="with --table: as markdown (docs/results.md)")
     args = p.parse_args()
@@ -764,8 +765,8 @@ def main() -> None:
              "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
              "infer_tune_commit": git_commit()}
     if args.repeat_from:  # the earlier repeats as the state file has them; this run measures the rest again
-        if not 0 < args.repeat_from < args.repeats or args.workload != "multi-turn":
-            raise SystemExit("--repeat-from must be 1 .. --repeats - 1, with --workload multi-turn")
+        if not 0 < args.repeat_from < args.repeats or args.workload not in ("multi-turn", "trace"):
+            raise SystemExit("--repeat-from must be 1 .. --repeats - 1, with --workload multi-turn or trace")
         saved = json.loads(Path(args.state).read_text())
         kept = [r for r in saved["rows"] if r["repeat"] < args.repeat_from]
         replaced = [r for r in saved["rows"] if r["repeat"] >= args.repeat_from]  # kept aside, never lost
