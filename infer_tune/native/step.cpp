@@ -27,6 +27,7 @@
 // max |x| / 127, a quarter of the bytes plus 4 bytes a vector; attended by decode_attention_q8, which dequantizes
 // what it reads): values then equal the eager model's on keys and values rounded to that grid.
 
+#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
@@ -53,6 +54,8 @@ constexpr int64_t LIMIT = int64_t{1} << 24;  // any one size (a 16M-wide layer i
 
 // a * b fits in 2^40 elements (no buffer of a real model is near; no int64 product of two LIMITs overflows)
 inline bool fits(int64_t a, int64_t b) { return a >= 0 && b >= 0 && a <= LIMIT && b <= LIMIT && a * b <= (int64_t{1} << 40); }
+
+constexpr int64_t ROWS_APART = 16;  // rows from which a step's per-row work spreads over the threads
 
 // bytes of a w4a8 matrix of n outputs and k inputs in groups of `group` (matmul.cpp's layout)
 inline int64_t packed_bytes(int64_t n, int64_t k, int64_t group) { return (n / 8) * (k / group) * (32 + 4 * group); }
@@ -132,7 +135,7 @@ struct LlamaStep : torch::CustomClassHolder {
   double eps, scaling, softcap;  // softcap: the final logits' soft cap, 0 for none
   std::vector<double> rope_scale;  // per rotary table: its attention scaling of cos and sin
   std::vector<int64_t> windows;    // per mask: 0 (the whole cache up to the position) or a sliding window
-  std::vector<float> resid, h, qs, ks, vs, proj, normed, gate, up, act, cos, sin, att, rotated;
+  std::vector<float> resid, h, qs, ks, vs, proj, normed, gate, up, act, cos, sin, att;
   int64_t cap = 0;  // rows the buffers below hold (grown by `ensure`: a mixed step may hold more rows than slots)
   std::vector<int64_t> slot_of;  // per row of the current step: the cache row (slot) it reads and writes
   // per mask (the full one, then one per sliding window) [batch, 1, 1, max_len] and its first r rows' views
@@ -312,7 +315,7 @@ struct LlamaStep : torch::CustomClassHolder {
     resid.resize(cap * hidden), h.resize(cap * hidden), qs.resize(cap * qn), att.resize(cap * qn);
     ks.resize(cap * kn), vs.resize(cap * kn), proj.resize(cap * hidden), normed.resize(cap * hidden);
     gate.resize(cap * inter), up.resize(cap * inter), act.resize(cap * inter);
-    cos.resize(ropes * cap * head_dim / 2), sin.resize(ropes * cap * head_dim / 2), rotated.resize(head_dim);
+    cos.resize(ropes * cap * head_dim / 2), sin.resize(ropes * cap * head_dim / 2);
     slot_of.resize(cap);
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
     q = at::empty({cap, heads, 1, head_dim}, f32);
@@ -385,14 +388,29 @@ struct LlamaStep : torch::CustomClassHolder {
     return decode_attention(q_view, key_rows[l][last], value_rows[l][last], mask, scaling);
   }
 
+  // f(b) for rows b in [first, last): over torch's threads where there are ROWS_APART rows or more (a prompt's
+  // chunk), in the calling thread otherwise (decode rows); every row's values are computed alone either way
+  template <typename F>
+  static void by_rows(int64_t first, int64_t last, const F& f) {
+    if (last - first < ROWS_APART) {
+      for (int64_t b = first; b < last; ++b) f(b);
+      return;
+    }
+    at::parallel_for(first, last, ROWS_APART / 2, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) f(b);
+    });
+  }
+
   // x [n] += rms_norm(y) * w, or += y where the layer has no such norm (w nullptr), per row
   void add_residual(int64_t rows, const float* y, const float* w, float fe) {
     if (w == nullptr) {
       add(resid.data(), y, rows * hidden);
       return;
     }
-    for (int64_t b = 0; b < rows; ++b) rms_norm(y + b * hidden, w, hidden, fe, normed.data() + b * hidden);
-    add(resid.data(), normed.data(), rows * hidden);
+    by_rows(0, rows, [&](int64_t b) {
+      rms_norm(y + b * hidden, w, hidden, fe, normed.data() + b * hidden);
+      add(resid.data() + b * hidden, normed.data() + b * hidden, hidden);
+    });
   }
 
   // rows 0..decode-1: slots 0..decode-1; rows from `decode` on: runs of one slot each (slot_of); the logits of
@@ -402,9 +420,11 @@ struct LlamaStep : torch::CustomClassHolder {
     const int64_t D = head_dim, half = head_dim / 2, qn = heads * D, kn = kv_heads * D;
     const float fe = static_cast<float>(eps);
     const float* inv = inv_freq.data_ptr<float>();
-    for (int64_t b = 0; b < rows; ++b) {
+    for (int64_t b = 0; b < rows; ++b)
+      TORCH_CHECK(positions[b] >= 0 && positions[b] < max_len, "LlamaStep: position ", positions[b],
+                  " outside the cache of ", max_len);
+    by_rows(0, rows, [&](int64_t b) {
       const int64_t p = positions[b];
-      TORCH_CHECK(p >= 0 && p < max_len, "LlamaStep: position ", p, " outside the cache of ", max_len);
       for (int64_t t = 0; t < ropes; ++t) {
         const float rs = static_cast<float>(rope_scale[t]);
         float* c = cos.data() + (t * cap + b) * half;
@@ -421,19 +441,21 @@ struct LlamaStep : torch::CustomClassHolder {
         std::fill(mb, mb + max_len, false);
         std::fill(mb + first, mb + p + 1, true);
       }
-    }
+    });
     std::copy_n(x, rows * hidden, resid.data());
     float* qp = q.data_ptr<float>();
     for (int64_t l = 0; l < layers; ++l) {
       const Layer& L = at_layer[l];
-      for (int64_t b = 0; b < rows; ++b) rms_norm(resid.data() + b * hidden, L.in_norm, hidden, fe, h.data() + b * hidden);
+      by_rows(0, rows, [&](int64_t b) { rms_norm(resid.data() + b * hidden, L.in_norm, hidden, fe, h.data() + b * hidden); });
       {
         const uint8_t* packed[3] = {L.q, L.k, L.v};
         const int64_t tiles[3] = {qn / 8, kn / 8, kn / 8};
         float* out[3] = {qs.data(), ks.data(), vs.data()};
         w4a8_rows_multi(h.data(), rows, hidden, group, 3, packed, tiles, out);
       }
-      for (int64_t b = 0; b < rows; ++b) {
+      // a decode row may write where a prompt row of its slot, later in the step, writes again: the decode rows
+      // first, in order, then the prompt rows (each its own slot position) over the threads
+      auto place = [&](int64_t b) {
         float* qb = qs.data() + b * qn;
         float* kb = ks.data() + b * kn;
         float* vb = vs.data() + b * kn;
@@ -451,6 +473,8 @@ struct LlamaStep : torch::CustomClassHolder {
         for (int64_t g = 0; g < kv_heads; ++g) {
           const int64_t s = slot_of[b];
           if (kv8) {
+            thread_local std::vector<float> rotated;  // this thread's rotated key
+            rotated.resize(D);
             rotate(kb + g * D, c, sn, D, rotated.data());
             quantize8(rotated.data(), D, L.keys8 + s * L.k0 + g * L.k1 + p * L.k2, L.key_scale + s * L.s0 + g * L.s1 + p);
             quantize8(vb + g * D, D, L.values8 + s * L.v0 + g * L.v1 + p * L.v2, L.value_scale + s * L.s0 + g * L.s1 + p);
@@ -459,7 +483,9 @@ struct LlamaStep : torch::CustomClassHolder {
           rotate(kb + g * D, c, sn, D, L.keys + s * L.k0 + g * L.k1 + p * L.k2);
           std::copy_n(vb + g * D, D, L.values + s * L.v0 + g * L.v1 + p * L.v2);
         }
-      }
+      };
+      for (int64_t b = 0; b < decode; ++b) place(b);
+      by_rows(decode, rows, place);
       const float* attended_rows;
       at::Tensor attended;
       if (decode == rows) {
@@ -498,18 +524,20 @@ struct LlamaStep : torch::CustomClassHolder {
       if (L.o_bias)
         for (int64_t b = 0; b < rows; ++b) add(proj.data() + b * hidden, L.o_bias, hidden);
       add_residual(rows, proj.data(), L.attn_out_norm, fe);
-      for (int64_t b = 0; b < rows; ++b)
-        rms_norm(resid.data() + b * hidden, L.mlp_in_norm, hidden, fe, h.data() + b * hidden);
+      by_rows(0, rows, [&](int64_t b) { rms_norm(resid.data() + b * hidden, L.mlp_in_norm, hidden, fe, h.data() + b * hidden); });
       {
         const uint8_t* packed[2] = {L.gate, L.up};
         const int64_t tiles[2] = {inter / 8, inter / 8};
         float* out[2] = {gate.data(), up.data()};
         w4a8_rows_multi(h.data(), rows, hidden, group, 2, packed, tiles, out);
       }
-      if (act_kind == GELU_TANH)
-        gelu_tanh_mul(gate.data(), up.data(), rows * inter, act.data());
-      else
-        silu_mul(gate.data(), up.data(), rows * inter, act.data());
+      by_rows(0, rows, [&](int64_t b) {
+        const int64_t o = b * inter;
+        if (act_kind == GELU_TANH)
+          gelu_tanh_mul(gate.data() + o, up.data() + o, inter, act.data() + o);
+        else
+          silu_mul(gate.data() + o, up.data() + o, inter, act.data() + o);
+      });
       {
         const uint8_t* packed[1] = {L.down};
         const int64_t tiles[1] = {hidden / 8};
