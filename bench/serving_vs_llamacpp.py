@@ -288,6 +288,20 @@ def paired_ratios(rows: list[dict], rate: float, ours: str, theirs: str, metrics
     return out
 
 
+def against(r: dict, bound: float, higher: bool) -> str:
+    """"met" / "missed" / "inconclusive" for a target ratio >= `bound` (`higher`) or <= `bound`: decided by the 95%
+    interval of the paired ratios (paired_ratios), never by the point; one repeat (no interval) is inconclusive.
+    Repeats where only ours met the SLOs (`inf`) count for ours; all of them so: met."""
+    if r["point"] is None:
+        return "met" if r["infinite"] and higher else "inconclusive"
+    if not r["ci95"]:
+        return "inconclusive"
+    low, high = r["ci95"]
+    if higher:
+        return "met" if low >= bound else "missed" if high < bound else "inconclusive"
+    return "met" if high <= bound else "missed" if low > bound else "inconclusive"
+
+
 def fmt_ratio(r: dict) -> str:
     if r["point"] is None:
         return "inf" if r["infinite"] else "-"
@@ -363,17 +377,17 @@ def table(state: dict, markdown: bool = False) -> None:
             print(f"infer-tune / llama.cpp at {rate:g} req/s, {ratios['repeats']} paired repeats: "
                   + ", ".join(f"{label.split(' ms')[0]} {c}" for (_, label, _), c in zip(METRICS, cells))
                   + f"; mismatches {mism[0]} / {mism[1]}")
-        point = {k: (math.inf if ratios[k]["point"] is None and ratios[k]["infinite"] else ratios[k]["point"])
-                 for k, _, _ in METRICS}
-        missed = [f"{label} {point[k]:.3f}x" for k, label, up in METRICS[:2] if point[k] is not None and point[k] < 1.0]
-        if point["ttft_p50"] is not None and point["ttft_p50"] > 1.2:
-            missed.append(f"TTFT p50 {point['ttft_p50']:.3f}x > 1.2x")
+        judged = {label: against(ratios[k], bound, up) for (k, label, _), (bound, up) in
+                  zip(METRICS[:3], ((1.0, True), (1.0, True), (1.2, False)))}
+        missed = [f"{label} {fmt_ratio(ratios[k])}" for (k, label, _) in METRICS[:3] if judged[label] == "missed"]
+        open_ = [f"{label} {fmt_ratio(ratios[k])}" for (k, label, _) in METRICS[:3] if judged[label] == "inconclusive"]
         if mism[0]:
             missed.append(f"{mism[0]} mismatches")
-        verdicts.append(f"{rate:g} req/s: " + ("met" if not missed else "missed (" + ", ".join(missed) + ")"))
+        verdicts.append(f"{rate:g} req/s: " + ("missed (" + ", ".join(missed) + ")" if missed else
+                                               "inconclusive (" + ", ".join(open_) + ")" if open_ else "met"))
     print()
-    print("targets (throughput and goodput >= 1x, TTFT p50 <= 1.2x, 0 mismatches; geometric means): "
-          + "; ".join(verdicts))
+    print("targets (throughput and goodput >= 1x, TTFT p50 <= 1.2x, 0 mismatches; met or missed where the 95% "
+          "interval of the paired ratios lies on one side, else inconclusive): " + "; ".join(verdicts))
     attainment(rows)
     hits = {e: [r["hit_rate"] for r in rows if r["engine"] == e and r.get("hit_rate") is not None] for e in engines}
     if any(hits.values()):
