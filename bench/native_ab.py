@@ -290,13 +290,12 @@ def main() -> None:
         q = torch.randn(rows, 9, 1, 64, generator=gen)
         mask = (torch.arange(length).view(1, -1) <= start + torch.arange(rows).view(-1, 1)).view(rows, 1, 1, length)
         e = lambda t: t.expand(rows, *t.shape[1:])  # noqa: E731 - the slot's cache, one for every row
-        for kind, call in (("fp32", lambda ops: [ops.decode_attention(q, e(k), e(v), mask, 0.125) for _ in range(30)]),
-                           ("int8", lambda ops: [ops.decode_attention_q8(q, e(k8), e(ks), e(v8), e(vs), mask, 0.125)
-                                                 for _ in range(30)])):
-            assert all(torch.equal(a, b) for a, b in zip(call(now)[:1], call(then)[:1])), \
-                "the two revisions' attention gives different values"
+        for kind, one in (("fp32", lambda ops: ops.decode_attention(q, e(k), e(v), mask, 0.125)),
+                          ("int8", lambda ops: ops.decode_attention_q8(q, e(k8), e(ks), e(v8), e(vs), mask, 0.125))):
+            assert torch.equal(one(now), one(then)), "the two revisions' attention gives different values"
             show(f"decode_attention ({kind} cache), 30 layers, a prompt's {rows} rows at {start}..{length - 1}",
-                 interleaved(lambda call=call: call(now), lambda call=call: call(then), args.rounds))
+                 interleaved(lambda one=one: [one(now) for _ in range(30)],
+                             lambda one=one: [one(then) for _ in range(30)], args.rounds))
 
 
 if __name__ == "__main__":

@@ -324,15 +324,15 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 #else
   const bool tiled = false;
 #endif
-  const bool shared = tiled && B > 1 && ks0 == 0 && vs0 == 0 && (!q8 || (kss0 == 0 && vss0 == 0));
-  const int64_t RB = shared ? ROW_BLOCK : 1, blocks = (B + RB - 1) / RB;
+  const bool blocked = tiled && B > 1 && ks0 == 0 && vs0 == 0 && (!q8 || (kss0 == 0 && vss0 == 0));
+  const int64_t RB = blocked ? ROW_BLOCK : 1, blocks = (B + RB - 1) / RB;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, CHUNK * D * G * RB));  // small work: one thread
   at::parallel_for(0, blocks * Hkv * chunks, grain, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scores;  // [RB * G, CHUNK]
     thread_local std::vector<int64_t> seen;  // the chunk's positions some head of the group attends to
     thread_local std::vector<float> kdq, vdq;  // int8 caches: the chunk's seen keys / values in fp32 [n, D]
     thread_local std::vector<int64_t> order;  // int8 caches: 0..n-1 (row t of kdq / vdq is position seen[t])
-    thread_local std::vector<const float*> queries, probs;
+    thread_local std::vector<const float*> queries;
     thread_local std::vector<float*> rows_out, accs;
     scores.resize(std::max<size_t>(scores.size(), RB * G * CHUNK));
     seen.resize(std::max<size_t>(seen.size(), CHUNK));
@@ -388,16 +388,15 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           }
           at = order.data(), kstep = D, vstep = D;
         }
-        if (tiled && r1 - r0 > 1) {
+        if (r1 - r0 > 1) {  // a block (only where `blocked`)
 #ifdef ATTN_AVX2
           const int64_t nq = (r1 - r0) * G;
-          queries.resize(nq), probs.resize(nq), rows_out.resize(nq), accs.resize(nq);
+          queries.resize(nq), rows_out.resize(nq), accs.resize(nq);
           for (int64_t r = r0; r < r1; ++r)
             for (int64_t i = 0; i < G; ++i) {
               const int64_t k = (r - r0) * G + i, h = g * G + i;
               queries[k] = qp + (r * H + h) * D;
               rows_out[k] = scores.data() + k * CHUNK;
-              probs[k] = rows_out[k];
               accs[k] = pacc + ((r * H + h) * chunks + c) * D;
             }
           scores_tiles(queries.data(), nq, kb, kstep, at, n, D, fscale, rows_out.data());
@@ -411,7 +410,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               psum[slot] = top == NEG_INF ? 0.f : exp_shifted(s, n, top);
               if (top == NEG_INF) std::fill(s, s + n, 0.f);
             }
-          values_tiles(probs.data(), nq, vb, vstep, at, n, D, accs.data());
+          values_tiles(rows_out.data(), nq, vb, vstep, at, n, D, accs.data());
 #endif
           return;
         }
