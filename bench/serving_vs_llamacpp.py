@@ -416,19 +416,21 @@ def session_workload(args):
     from infer_tune.endpoint.workloads import WorkloadOptions
 
     return WorkloadOptions(kind="multi-turn", sessions=args.sessions, max_turns=args.max_turns,
-                           think_time_ms=args.think_time_ms, history=args.history)
+                           min_turns=args.min_turns, think_time_ms=args.think_time_ms, history=args.history)
 
 
-def fitting_conversations(run, max_turns: int, budget: int, needed: int) -> tuple[list, int]:
-    """The first `needed` of the suite's conversations (its seeded order) whose first `max_turns` user turns
-    total at most `budget` tokens by the model's tokenizer (the last turn's history then fits `--context` with
-    the answers), and how many were looked at."""
+def fitting_conversations(run, max_turns: int, budget: int, needed: int, min_turns: int = 1) -> tuple[list, int]:
+    """The first `needed` of the suite's conversations (its seeded order) of at least `min_turns` user turns
+    whose first `max_turns` user turns total at most `budget` tokens by the model's tokenizer (the last turn's
+    history then fits `--context` with the answers), and how many were looked at."""
     tokenizer = run.model.tokenizer
     kept, seen = [], 0
     for c in run.conversations:
         if len(kept) == needed:
             break
         seen += 1
+        if len(c.users) < min_turns:
+            continue
         if sum(len(tokenizer(u, add_special_tokens=False)["input_ids"]) for u in c.users[:max_turns]) <= budget:
             kept.append(c)
     return kept, seen
@@ -530,10 +532,13 @@ def compare_sessions(args, state: dict) -> None:
         servers = cached_servers(stack, args, gguf, llama_extra, without_cache=not args.no_uncached_arm)
         sides = [Side(server, args, spec, workload) for server in servers]
         needed = 1 + args.sessions * args.repeats * len(args.rates)
-        kept, seen = fitting_conversations(sides[0].run, args.max_turns, args.max_history_tokens, needed)
+        kept, seen = fitting_conversations(sides[0].run, args.max_turns, args.max_history_tokens, needed,
+                                           args.min_turns)
         state["conversations"] = {"kept": len(kept), "looked_at": seen,
                                   "ids": [c.id for c in kept]}
-        print(f"conversations: the first {len(kept)} of the suite's whose first {args.max_turns} user turns total "
+        print(f"conversations: the first {len(kept)} of the suite's"
+              + (f" of at least {args.min_turns} user turns" if args.min_turns > 1 else "")
+              + f" whose first {args.max_turns} user turns total "
               f"<= {args.max_history_tokens} tokens ({seen} looked at)", flush=True)
         for side in sides:
             side.run = dataclasses.replace(side.run, conversations=kept)
@@ -735,6 +740,9 @@ def main() -> None:
                         "infer-tune serve with and without its prefix cache, llama-server with its prompt cache")
     p.add_argument("--sessions", type=int, default=16, help="multi-turn: sessions per rate and repeat")
     p.add_argument("--max-turns", type=int, default=5, help="multi-turn: first turns of each conversation sent")
+    p.add_argument("--min-turns", type=int, default=1,
+                   help="multi-turn: only conversations of at least this many user turns (equal to --max-turns: "
+                        "every session sends every turn, each turn's figures from all sessions)")
     p.add_argument("--think-time-ms", type=float, default=1000.0, help="multi-turn: mean think time between turns")
     p.add_argument("--history", default="server", choices=("server", "recorded"),
                    help="multi-turn: earlier answers fed back (each server's own, or the recorded ones)")

@@ -121,6 +121,23 @@ def test_same_seed_same_schedule_and_prompts_another_seed_another():
     assert [len(p.conversation.users) for p in plan] == [2, 2, 1, 2] and [p.first_index for p in plan] == [0, 2, 4, 5]
 
 
+def test_min_turns_replays_only_conversations_that_long_and_is_checked():
+    conversations = wl.conversations_of(json.loads(line) for line in CONVERSATIONS.read_text().splitlines())
+    assert [len(c.users) for c in conversations] == [3, 2, 1]
+    plan = wl.plan_sessions(conversations, [0.0, 0.5, 1.0], max_turns=3, min_turns=2, think_time_ms=0, seed=0)
+    assert [p.conversation.id for p in plan] == ["conv-a", "conv-b", "conv-a"]
+    assert [p.first_index for p in plan] == [0, 3, 5]
+    with pytest.raises(ConfigError, match="no conversation of the suite has 4 user turns"):
+        wl.plan_sessions(conversations, [0.0], max_turns=4, min_turns=4, think_time_ms=0, seed=0)
+    with pytest.raises(ConfigError, match="--min-turns"):
+        wl.WorkloadOptions(kind="multi-turn", max_turns=2, min_turns=3)
+    assert "min_turns" not in wl.WorkloadOptions(kind="multi-turn").to_dict()  # earlier results keep their key
+    assert wl.WorkloadOptions(kind="multi-turn", max_turns=3, min_turns=3).to_dict()["min_turns"] == 3
+    result = runner.invoke(app, ["endpoint", "sim", "--endpoint", "http://127.0.0.1:9/v1", "--workload", "multi-turn",
+                                 "--max-turns", "2", "--min-turns", "3"])
+    assert result.exit_code == 2 and "--min-turns (3) must be <= --max-turns (2)" in result.output
+
+
 def test_written_trace_reads_back_the_same(tmp_path):
     entries, _ = wl.read_trace(TRACES / "mooncake_sample.jsonl", "mooncake")
     wl.write_trace(wl.synthesize_trace(entries, 20, seed=0), tmp_path / "synth.jsonl")

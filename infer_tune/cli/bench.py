@@ -44,6 +44,7 @@ def bench(
     workload: ep.WorkloadKind = "poisson",
     sessions: ep.Sessions = 8,
     max_turns: ep.MaxTurns = 4,
+    min_turns: ep.MinTurns = 1,
     think_time_ms: ep.ThinkTime = 1000.0,
     history: ep.History = "server",
     prefixes: ep.Prefixes = 4,
@@ -74,7 +75,7 @@ def bench(
         config = ep.endpoint_config(endpoint, served_model, api_key_env, api, concurrency, request_timeout,
                                     ignore_eos, label, idle_timeout, workers)
         spec = ep.workload_options(workload, sessions, max_turns, think_time_ms, history, prefixes, prefix_tokens,
-                                   trace, trace_format, time_scale, block_size)
+                                   trace, trace_format, time_scale, block_size, min_turns)
         return ep.bench_endpoint(opts, config, baseline, execute, spec)
     if workload != "poisson" or trace is not None:
         raise ConfigError("--workload and --trace apply to --endpoint (a server)")

@@ -45,6 +45,7 @@ def _wopt(*names: str, help: str, **kwargs):  # noqa: A002 (typer's own keyword)
 WorkloadKind = Annotated[str, _wopt("--workload", help="poisson (single-turn suite prompts), multi-turn (whole ShareGPT conversations, each turn after the previous answer), shared-prefix (requests share system prompts) or trace (a timed trace file).")]
 Sessions = Annotated[int, _wopt("--sessions", help="multi-turn: sessions (conversations) per result; they arrive at --rates sessions/s.")]
 MaxTurns = Annotated[int, _wopt("--max-turns", help="multi-turn: most turns sent per session.")]
+MinTurns = Annotated[int, _wopt("--min-turns", help="multi-turn: only conversations with at least this many user turns (--min-turns equal to --max-turns: every session sends every turn, so each turn's TTFT comes from all sessions).")]
 ThinkTime = Annotated[float, _wopt("--think-time-ms", help="multi-turn: mean think time between an answer and the next turn (exponential, seeded; 0: none).")]
 History = Annotated[str, _wopt("--history", help="multi-turn: the answers fed back as history: server (the server's own) or recorded (the conversation's).")]
 Prefixes = Annotated[int, _wopt("--prefixes", help="shared-prefix: how many distinct system prompts the requests share.")]
@@ -58,11 +59,12 @@ BlockSize = Annotated[int, _wopt("--block-size", help="trace (mooncake): tokens 
 def workload_options(workload: str, sessions: int = 8, max_turns: int = 4, think_time_ms: float = 1000.0,
                      history: str = "server", prefixes: int = 4, prefix_tokens: int = 256,
                      trace: Path | None = None, trace_format: str | None = None, time_scale: float = 1.0,
-                     block_size: int = 512):
+                     block_size: int = 512, min_turns: int = 1):
     """The WorkloadOptions of the parsed options (checked there, with the flags' names)."""
     from infer_tune.endpoint.workloads import WorkloadOptions
 
-    return WorkloadOptions(kind=workload, sessions=sessions, max_turns=max_turns, think_time_ms=think_time_ms,
+    return WorkloadOptions(kind=workload, sessions=sessions, max_turns=max_turns, min_turns=min_turns,
+                           think_time_ms=think_time_ms,
                            history=history, prefixes=prefixes, prefix_tokens=prefix_tokens,
                            trace=str(trace) if trace is not None else None, trace_format=trace_format,
                            time_scale=time_scale, block_size=block_size)
@@ -202,6 +204,7 @@ def sim(
     workload: WorkloadKind = "poisson",
     sessions: Sessions = 8,
     max_turns: MaxTurns = 4,
+    min_turns: MinTurns = 1,
     think_time_ms: ThinkTime = 1000.0,
     history: History = "server",
     prefixes: Prefixes = 4,
@@ -224,7 +227,7 @@ def sim(
     mooncake.jsonl --trace-format mooncake --time-scale 0.5 --api completions --ignore-eos
     """
     spec = workload_options(workload, sessions, max_turns, think_time_ms, history, prefixes, prefix_tokens, trace,
-                            trace_format, time_scale, block_size)
+                            trace_format, time_scale, block_size, min_turns)
     run_sim(opts, endpoint, rates=rates, requests=requests, burstiness=burstiness, slo_ttft_ms=slo_ttft_ms,
             slo_tpot_ms=slo_tpot_ms, slo_e2e_ms=slo_e2e_ms, knee_factor=knee_factor, served_model=served_model,
             api_key_env=api_key_env, api=api, concurrency=concurrency, request_timeout=request_timeout,

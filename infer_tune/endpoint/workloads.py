@@ -55,6 +55,7 @@ class WorkloadOptions:
     kind: str = "poisson"
     sessions: int = 8
     max_turns: int = 4
+    min_turns: int = 1
     think_time_ms: float = 1000.0
     history: str = "server"
     prefixes: int = 4
@@ -69,11 +70,13 @@ class WorkloadOptions:
             raise ConfigError(f"--workload must be one of {', '.join(WORKLOADS)}, got {self.kind!r}")
         if self.history not in HISTORY:
             raise ConfigError(f"--history must be one of {', '.join(HISTORY)}, got {self.history!r}")
-        for flag, value in (("--sessions", self.sessions), ("--max-turns", self.max_turns),
+        for flag, value in (("--sessions", self.sessions), ("--max-turns", self.max_turns), ("--min-turns", self.min_turns),
                             ("--prefixes", self.prefixes), ("--prefix-tokens", self.prefix_tokens),
                             ("--block-size", self.block_size)):
             if value < 1:
                 raise ConfigError(f"{flag} must be >= 1, got {value}")
+        if self.min_turns > self.max_turns:
+            raise ConfigError(f"--min-turns ({self.min_turns}) must be <= --max-turns ({self.max_turns})")
         if not (self.think_time_ms >= 0 and math.isfinite(self.think_time_ms)):
             raise ConfigError(f"--think-time-ms must be a finite number >= 0, got {self.think_time_ms}")
         if not (self.time_scale > 0 and math.isfinite(self.time_scale)):
@@ -90,6 +93,8 @@ class WorkloadOptions:
         keys = {"poisson": (), "multi-turn": ("sessions", "max_turns", "think_time_ms", "history"),
                 "shared-prefix": ("prefixes", "prefix_tokens"),
                 "trace": ("trace", "trace_format", "time_scale", "block_size")}[self.kind]
+        if self.kind == "multi-turn" and self.min_turns > 1:  # left out at its default: earlier results keep their key
+            keys += ("min_turns",)
         return {"kind": self.kind, **{k: getattr(self, k) for k in keys}}
 
 
@@ -382,11 +387,19 @@ def conversations_of(rows) -> list[Conversation]:
 
 
 def plan_sessions(conversations: Sequence[Conversation], arrivals: Sequence[float], *, max_turns: int,
-                  think_time_ms: float, seed: int) -> list[SessionPlan]:
+                  think_time_ms: float, seed: int, min_turns: int = 1) -> list[SessionPlan]:
     """Session k is conversation k mod len (cut to `max_turns`) arriving at `arrivals[k]`; think times
-    are exponential with mean `think_time_ms` (0: the next turn goes as soon as the answer is in), seeded."""
+    are exponential with mean `think_time_ms` (0: the next turn goes as soon as the answer is in), seeded.
+    Only conversations of at least `min_turns` user turns are replayed (`min_turns == max_turns`: every
+    session sends the same number of turns, so each turn's figures come from every session)."""
     if max_turns < 1:
         raise ConfigError(f"--max-turns must be >= 1, got {max_turns}")
+    if not 1 <= min_turns <= max_turns:
+        raise ConfigError(f"--min-turns must be between 1 and --max-turns ({max_turns}), got {min_turns}")
+    if conversations and min_turns > 1:
+        conversations = [c for c in conversations if len(c.users) >= min_turns]
+        if not conversations:
+            raise ConfigError(f"no conversation of the suite has {min_turns} user turns (--min-turns)")
     if not (think_time_ms >= 0 and math.isfinite(think_time_ms)):
         raise ConfigError(f"--think-time-ms must be a finite number >= 0, got {think_time_ms}")
     if not conversations:

@@ -317,7 +317,7 @@ def multi_turn_material(run: EndpointRun, spec: RunSpec, workload: WorkloadOptio
     from infer_tune.endpoint.workloads import plan_sessions
 
     plans = plan_sessions(run.conversations, arrivals, max_turns=workload.max_turns, think_time_ms=workload.think_time_ms,
-                          seed=spec.workload.seed)
+                          seed=spec.workload.seed, min_turns=workload.min_turns)
     prompts = [Prompt(id=f"{p.conversation.id}#turn{k + 1}", text=user, reference=p.conversation.replies[k])
                for p in plans for k, user in enumerate(p.conversation.users)]
     inputs = Inputs(prompts=prompts, rendered=[], batches=[], templated=False)
