@@ -226,6 +226,48 @@ def test_bad_options_exit_2(tmp_path, args, expected):
 
 
 # --------------------------------------------------------------------------- open loop, concurrency
+def test_a_closed_keep_alive_connection_sends_the_request_once_more_timed_from_the_first_send():
+    import asyncio
+    import time
+
+    import aiohttp
+
+    from infer_tune.endpoint.client import encode_body, stream_request
+    from infer_tune.endpoint.replay import KEEPALIVE_S, client_session
+
+    assert KEEPALIVE_S < 5  # idle connections dropped before llama-server / uvicorn close them
+
+    class ClosedFirst:  # the pooled connection closed under the client's first `fails` writes
+        def __init__(self, real, fails, message="Can not write request body for http://127.0.0.1/v1"):
+            self.real, self.fails, self.message, self.posts = real, fails, message, 0
+
+        def post(self, *args, **kwargs):
+            self.posts += 1
+            if self.posts <= self.fails:
+                time.sleep(0.05)
+                raise aiohttp.ClientOSError(32, self.message)
+            return self.real.post(*args, **kwargs)
+
+    with LoopbackServer(Behaviour(chunks=3)) as server:
+        config = EndpointConfig(url=server.url, served_model="loopback", concurrency=1, timeout_s=10)
+        body = encode_body(config, "a b c", 3)
+
+        async def send(fails, message=None):
+            async with client_session(config) as real:
+                session = ClosedFirst(real, fails, *([message] if message else []))
+                before = time.perf_counter_ns()
+                record = await stream_request(session, config, body, config.headers(), max_tokens=3)
+                return record, session.posts, before
+
+        record, posts, before = asyncio.run(send(1))
+        assert record.ok and record.resent == 1 and posts == 2 and record.text == "a b c "
+        assert before <= record.start_ns and record.delivery_ns[0] - record.start_ns >= 50_000_000  # first send
+        record, posts, _ = asyncio.run(send(2))  # sent again once only: a second failure is the request's
+        assert record.failure == "http" and "request body" in record.message and posts == 2
+        record, posts, _ = asyncio.run(send(1, "Connection reset by peer"))  # not a write: not sent again
+        assert record.failure == "http" and posts == 1 and record.resent == 0
+
+
 def test_open_loop_replay_bounds_concurrency_and_times_from_arrival():
     with LoopbackServer(Behaviour(chunks=4, gap_s=0.01)) as server:
         config = EndpointConfig(url=server.url, served_model="loopback", concurrency=2, stream_usage=True)

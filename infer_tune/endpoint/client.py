@@ -64,6 +64,7 @@ class StreamRecord:
     message: str = ""
     text_chars: int = 0
     events: int = 0  # data events seen ([DONE] included): a 200 with none is not an event stream
+    resent: int = 0  # sent again on a new connection: the pooled one was closed while the body was written
 
     @property
     def ok(self) -> bool:
@@ -282,14 +283,18 @@ def describe_connect_error(exc: BaseException, config: EndpointConfig) -> str:
 
 
 async def stream_request(session, config: EndpointConfig, body: bytes, headers: dict[str, str],
-                         max_tokens: int | None = None) -> StreamRecord:
+                         max_tokens: int | None = None, *, first_start_ns: int | None = None) -> StreamRecord:
     """Send one streaming request on `session` (an aiohttp ClientSession) and time its events.
 
     Redirects are not followed (a failure naming the target); the server has `config.idle_timeout_s`
     for its answer and between reads, `config.timeout_s` for the whole request; an error body is read
     to MAX_ERROR_BODY_BYTES, an event line to MAX_LINE_BYTES, the stream to 1 MiB + max_tokens x
     STREAM_BYTES_PER_TOKEN; more text than `max_tokens` tokens, or usage that disagrees, fails the
-    request (`check_length`)."""
+    request (`check_length`).
+
+    A keep-alive connection the server closed just as the client reused it fails while the request body is
+    written (`ClientOSError`, before any answer): the server never got the request, so it is sent once more
+    on a new connection, timed from the first send (`first_start_ns`), and `resent` says so."""
     import aiohttp
 
     record = StreamRecord()
@@ -300,7 +305,7 @@ async def stream_request(session, config: EndpointConfig, body: bytes, headers: 
     received = 0
     watch = None
     try:
-        record.start_ns = time.perf_counter_ns()
+        record.start_ns = first_start_ns or time.perf_counter_ns()
         async with asyncio.timeout(idle) as watch:
             async with session.post(config.request_url, data=body, headers=headers, allow_redirects=False) as response:
                 record.status = response.status
@@ -345,6 +350,12 @@ async def stream_request(session, config: EndpointConfig, body: bytes, headers: 
         return record.fail("timeout", f"no complete answer within {config.timeout_s:g} s (timeout_s)")
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
         return record.fail("disconnected", f"the server closed the stream: {clean(exc)}")
+    except aiohttp.ClientOSError as exc:
+        if first_start_ns is None and record.status is None and "request body" in str(exc):
+            again = await stream_request(session, config, body, headers, max_tokens, first_start_ns=record.start_ns)
+            again.resent += 1
+            return again
+        return record.fail("http", f"{type(exc).__name__}: {clean(exc)}")
     except aiohttp.ClientError as exc:
         return record.fail("http", f"{type(exc).__name__}: {clean(exc)}")
     check_length(record, max_tokens, final=True)

@@ -60,6 +60,7 @@ class ReplayResult:
     token_sources: dict[str, int] = field(default_factory=dict)
     usage_mismatches: int = 0
     multi_token_deliveries: int = 0
+    resent: int = 0  # requests sent again after a closed keep-alive connection (StreamRecord.resent)
     token_count_mismatches: int = 0
     token_count_unverified: int = 0
     token_count_failures: list[dict] = field(default_factory=list)
@@ -87,6 +88,7 @@ class ReplayResult:
             self.token_sources[key] = self.token_sources.get(key, 0) + n
         self.usage_mismatches += other.usage_mismatches
         self.multi_token_deliveries += other.multi_token_deliveries
+        self.resent += other.resent
         self.token_count_mismatches += other.token_count_mismatches
         self.token_count_unverified += other.token_count_unverified
         self.token_count_failures += other.token_count_failures[:KEPT_TOKEN_FAILURES - len(self.token_count_failures)]
@@ -174,11 +176,17 @@ def cached_token_count(record: StreamRecord, prompt_tokens: int) -> int | None:
     return None
 
 
+# An idle pooled connection is dropped after this many seconds: below the 5 s after which llama-server
+# (cpp-httplib) and uvicorn close an idle keep-alive connection, as the OpenAI SDK's client (httpx, 5 s) keeps
+# them; aiohttp's own 15 s let a turn sent after a think time reuse a connection the server was closing.
+KEEPALIVE_S = 4.0
+
+
 def client_session(config: EndpointConfig):
     """An aiohttp session sized for `config.concurrency` keep-alive connections."""
     import aiohttp
 
-    connector = aiohttp.TCPConnector(limit=config.concurrency, ttl_dns_cache=300)
+    connector = aiohttp.TCPConnector(limit=config.concurrency, ttl_dns_cache=300, keepalive_timeout=KEEPALIVE_S)
     timeout = aiohttp.ClientTimeout(total=config.timeout_s, sock_connect=config.connect_timeout_s)
     return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
 
@@ -242,6 +250,7 @@ def collect(result: ReplayResult, trace: Sequence[TraceRequest], records, prompt
 
     for request, entry in zip(trace, records):
         record, start_ns, submit_ns = entry
+        result.resent += record.resent
         if not record.ok:
             result.failures.append(Failure(request.prompt_index, request.arrival_s, record.failure, record.message,
                                            record.status))

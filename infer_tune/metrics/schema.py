@@ -235,7 +235,7 @@ ENDPOINT_CLIENT_KEYS: dict[str, str] = {
                      "client_lateness_ms", "concurrency", "multi_token_deliveries", "prefix_cache",
                      "nondeterministic_outputs"), "the load client's own figures (endpoint/client.py)"),
     **dict.fromkeys(("failure_rate", "failures", "failures_by_kind", "requests_failed", "requests_ok", "requests_sent",
-                     "warmup_failures"), "requests the server failed or answered"),
+                     "requests_resent", "warmup_failures"), "requests the server failed or answered"),
     **dict.fromkeys(("token_count_failures", "token_count_mismatches", "token_count_source", "token_count_unverified",
                      "usage_token_mismatches"), "how the served tokens were counted and checked"),
     **dict.fromkeys(("trace_requests", "trace_span_s", "sessions", "turns", "turns_sent", "turns_not_sent"),

@@ -169,6 +169,7 @@ def run_endpoint(prepared: PreparedModel, inputs, workload, protocol: Protocol,
         "token_count_unverified": result.token_count_unverified,
         "token_count_failures": result.token_count_failures,
         "multi_token_deliveries": result.multi_token_deliveries,
+        "requests_resent": result.resent,
         "prefix_cache": {"requests_reporting": result.cache_reports, "prompt_tokens": result.cache_prompt_tokens,
                          "cached_tokens": result.cached_tokens, "hit_rate": result.hit_rate},
         "generate_steps": sum(len(t.step_ns()) for t in result.timings),  # deliveries the client saw
