@@ -265,6 +265,20 @@ def test_endpoint_sim_multi_turn_saves_turns_and_sessions(tmp_path):
     assert "<h2>TTFT by turn" in (tmp_path / "leaderboard.html").read_text()
 
 
+def test_endpoint_sim_min_turns_sends_every_turn_of_every_session(tmp_path):
+    with LoopbackServer(Behaviour(chunks=2)) as server:
+        result = runner.invoke(app, ["endpoint", "sim", "--endpoint", server.url, "--workload", "multi-turn",
+                                     "--suite", str(CONVERSATIONS), "--rates", "40", "--sessions", "3",
+                                     "--max-turns", "3", "--min-turns", "3", "--think-time-ms", "0",
+                                     "--max-new-tokens", "2", "--concurrency", "4", "--out", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)[0]
+    assert [r["requests"] for r in doc["metrics"]["turns"]["by_turn"]] == [3, 3, 3]
+    assert doc["config"]["workload"]["min_turns"] == 3
+    plans = [json.loads(line) for line in (tmp_path / doc["run_id"] / "sessions.jsonl").read_text().splitlines()]
+    assert {p["conversation"]["id"] for p in plans} == {"conv-a"}
+
+
 # --------------------------------------------------------------------------- token counts
 def test_token_count_check_allows_only_the_end_of_sequence_token():
     def record(events, usage, finish):
