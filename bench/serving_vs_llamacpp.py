@@ -481,7 +481,7 @@ def measure_sessions(side: Side, spec: RunSpec, workload, rate: float, repeat: i
            "good_requests": m.get("good_requests"), "slo_attainment": m.get("slo_attainment"),
            "requests_ok": m.get("requests_ok"), "requests_failed": m.get("requests_failed"),
            "failures_by_kind": m.get("failures_by_kind"), "turns_not_sent": m.get("turns_not_sent"),
-           "hit_rate": cache.get("hit_rate"), "cached_tokens": cache.get("cached_tokens"),
+           "requests_resent": m.get("requests_resent"), "hit_rate": cache.get("hit_rate"), "cached_tokens": cache.get("cached_tokens"),
            "cache_prompt_tokens": cache.get("prompt_tokens"), "cache_reports": cache.get("requests_reporting"),
            "token_count_mismatches": m.get("token_count_mismatches"),
            "usage_token_mismatches": m.get("usage_token_mismatches"),
@@ -511,7 +511,8 @@ def record(args, state: dict, row: dict, where: str, mismatches: int | None) -> 
     hit = "-" if row["hit_rate"] is None else f"{row['hit_rate']:.3f}"
     print(f"{where} {row['engine']}: {row['throughput_tok_s']:.1f} tok/s, TTFT p50 {row['ttft_p50']:.1f} ms, TPOT "
           f"p50 {row['tpot_p50']:.2f} ms, hit rate {hit}, failed {row['requests_failed']}, token-count mismatches "
-          f"{mismatches}, {row['wall_s']:.1f} s", flush=True)
+          f"{mismatches}" + (f", resent {row['requests_resent']}" if row.get("requests_resent") else "")
+          + f", {row['wall_s']:.1f} s", flush=True)
     save(args, state)
 
 
