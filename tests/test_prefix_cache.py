@@ -141,6 +141,19 @@ def test_a_store_hit_copies_the_rows_into_the_slot_matching_least_and_leaves_the
     assert cache.counters["store_hits"] == 1
 
 
+def test_a_prompt_sharing_nothing_takes_the_slot_that_keeps_the_step_narrowest():
+    cache, _, _ = _cache(slots=4)
+    for slot, n in ((0, 12), (1, 9), (2, 6), (3, 5)):  # residents sharing nothing with the prompts below
+        cache.release(slot, list(range(100 * (slot + 1), 100 * (slot + 1) + n)))
+    # every slot free: slot 0 (a step of one row), not slot 3 with the shortest resident (a step of four rows)
+    assert cache.place(list(range(10, 20)), [0, 1, 2, 3]) == (0, 0)
+    # slot 2 busy: slots 0 and 1 keep the step at three rows, and of those slot 1 holds less
+    assert cache.place(list(range(20, 30)), [1, 3]) == (1, 0)
+    # a match still wins over the width
+    cache.release(3, list(range(40, 50)))
+    assert cache.place(list(range(40, 45)) + [7], [0, 3]) == (3, 5)
+
+
 def test_a_free_row_parks_past_its_slots_prefix_and_a_full_slot_gives_up_one_position():
     cache, _, _ = _cache(slots=1, context=8)
     cache.release(0, [1, 2, 3])

@@ -74,11 +74,15 @@ class PrefixCache:
     def place(self, ids: list[int], free: list[int]) -> tuple[int, int]:
         """Pick the free slot for a prompt and ready its rows: (slot, positions reused). The slot whose resident
         prefix shares most with `ids` is taken, unless the store holds a longer match: then the free slot
-        matching least is taken, its rows kept in the store first, and the stored rows copied in."""
+        matching least is taken, its rows kept in the store first, and the stored rows copied in. Between slots
+        that share as much: an empty one (nothing to keep), then the one that widens the step least (a step runs
+        rows 0 up to its highest busy slot: a lone request placed in the last slot would decode every slot's row
+        each step), then the shortest resident."""
         prompt = torch.tensor(ids, dtype=torch.long)
         most = max(len(ids) - 1, 0)
         shared = {slot: min(common_prefix(self.resident[slot], prompt), most) for slot in free}
-        slot = max(free, key=lambda s: (shared[s], -len(self.resident[s])))
+        high = max((s for s in range(len(self.resident)) if s not in shared), default=-1)  # highest busy slot
+        slot = max(free, key=lambda s: (shared[s], not len(self.resident[s]), -max(s, high), -len(self.resident[s])))
         best_key, best = None, 0
         for key, entry in self.store.items():
             n = min(common_prefix(entry.ids, prompt), most)
@@ -87,7 +91,7 @@ class PrefixCache:
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += len(ids)
         if best > shared[slot]:
-            slot = min(free, key=lambda s: (shared[s], len(self.resident[s])))
+            slot = min(free, key=lambda s: (shared[s], bool(len(self.resident[s])), max(s, high), len(self.resident[s])))
             # taken (and made the most recent) before the slot's own prefix is kept: keeping it may evict the
             # oldest entries under the budget, which could be this one
             entry = self.store[best_key]
