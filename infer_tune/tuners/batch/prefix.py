@@ -81,8 +81,12 @@ class PrefixCache:
         prompt = torch.tensor(ids, dtype=torch.long)
         most = max(len(ids) - 1, 0)
         shared = {slot: min(common_prefix(self.resident[slot], prompt), most) for slot in free}
-        high = max((s for s in range(len(self.resident)) if s not in shared), default=-1)  # highest busy slot
-        slot = max(free, key=lambda s: (shared[s], not len(self.resident[s]), -max(s, high), -len(self.resident[s])))
+        high = max(set(range(len(self.resident))) - set(free), default=-1)  # the highest busy slot
+
+        def prefer(s: int) -> tuple:  # among slots sharing as much: empty, then narrowest step, then shortest
+            return len(self.resident[s]) == 0, -max(s, high), -len(self.resident[s])
+
+        slot = max(free, key=lambda s: (shared[s], prefer(s)))
         best_key, best = None, 0
         for key, entry in self.store.items():
             n = min(common_prefix(entry.ids, prompt), most)
@@ -91,7 +95,8 @@ class PrefixCache:
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += len(ids)
         if best > shared[slot]:
-            slot = min(free, key=lambda s: (shared[s], bool(len(self.resident[s])), max(s, high), len(self.resident[s])))
+            least = min(shared.values())
+            slot = max((s for s in free if shared[s] == least), key=prefer)
             # taken (and made the most recent) before the slot's own prefix is kept: keeping it may evict the
             # oldest entries under the budget, which could be this one
             entry = self.store[best_key]
