@@ -1,10 +1,26 @@
 // What the native sources call of each other (one library: matmul.cpp, attention.cpp, step.cpp).
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
 #include <cstdint>
+
+constexpr int64_t ROWS_APART = 16;  // rows from which a step's per-row work spreads over the threads
+
+// f(b) for rows b in [first, last): over torch's threads where there are ROWS_APART rows or more (a prompt's
+// chunk), in the calling thread otherwise (decode rows); every row's values are computed alone either way
+template <typename F>
+inline void by_rows(int64_t first, int64_t last, const F& f) {
+  if (last - first < ROWS_APART) {
+    for (int64_t b = first; b < last; ++b) f(b);
+    return;
+  }
+  at::parallel_for(first, last, ROWS_APART / 2, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) f(b);
+  });
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>

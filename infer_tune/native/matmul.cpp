@@ -131,16 +131,10 @@ inline void quantize_block(const float* src, int8_t* dst, float* dx, float* asum
 
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* a, float* dx, float* asum) {
   const int64_t blocks = K / BLOCK;
-  auto rows = [&](int64_t first, int64_t last) {
-    for (int64_t m = first; m < last; ++m)
-      for (int64_t b = 0; b < blocks; ++b)
-        quantize_block(x + m * K + b * BLOCK, a + (m * blocks + b) * ABYTES, dx + m * blocks + b, asum + m * blocks + b);
-  };
-  if (M < 16) {  // a decode step's rows: in the calling thread
-    rows(0, M);
-    return;
-  }
-  at::parallel_for(0, M, 8, rows);  // a prompt's rows over the threads (each row quantized alone either way)
+  by_rows(0, M, [&](int64_t m) {  // a prompt's rows over the threads, a decode step's in this one
+    for (int64_t b = 0; b < blocks; ++b)
+      quantize_block(x + m * K + b * BLOCK, a + (m * blocks + b) * ABYTES, dx + m * blocks + b, asum + m * blocks + b);
+  });
 }
 
 // One tile (8 outputs) for rows 0..M-1: y[m * ldy + t] for t < 8. Scalar.

@@ -55,8 +55,6 @@ constexpr int64_t LIMIT = int64_t{1} << 24;  // any one size (a 16M-wide layer i
 // a * b fits in 2^40 elements (no buffer of a real model is near; no int64 product of two LIMITs overflows)
 inline bool fits(int64_t a, int64_t b) { return a >= 0 && b >= 0 && a <= LIMIT && b <= LIMIT && a * b <= (int64_t{1} << 40); }
 
-constexpr int64_t ROWS_APART = 16;  // rows from which a step's per-row work spreads over the threads
-
 // bytes of a w4a8 matrix of n outputs and k inputs in groups of `group` (matmul.cpp's layout)
 inline int64_t packed_bytes(int64_t n, int64_t k, int64_t group) { return (n / 8) * (k / group) * (32 + 4 * group); }
 
@@ -386,19 +384,6 @@ struct LlamaStep : torch::CustomClassHolder {
       return decode_attention_q8(q_view, key_rows[l][last], key_scale_rows[l][last], value_rows[l][last],
                                  value_scale_rows[l][last], mask, scaling);
     return decode_attention(q_view, key_rows[l][last], value_rows[l][last], mask, scaling);
-  }
-
-  // f(b) for rows b in [first, last): over torch's threads where there are ROWS_APART rows or more (a prompt's
-  // chunk), in the calling thread otherwise (decode rows); every row's values are computed alone either way
-  template <typename F>
-  static void by_rows(int64_t first, int64_t last, const F& f) {
-    if (last - first < ROWS_APART) {
-      for (int64_t b = first; b < last; ++b) f(b);
-      return;
-    }
-    at::parallel_for(first, last, ROWS_APART / 2, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) f(b);
-    });
   }
 
   // x [n] += rms_norm(y) * w, or += y where the layer has no such norm (w nullptr), per row
