@@ -97,8 +97,9 @@ def spec_of(args) -> RunSpec:
 
 
 @contextlib.contextmanager
-def infer_tune_server(args, extra: tuple[str, ...] = (), name: str = "infer-tune serve"):
-    """`python -m infer_tune serve` (plus `extra`) on a free loopback port; always stopped (SIGTERM, then kill)."""
+def infer_tune_server(args, extra: tuple[str, ...] = (), name: str = "infer-tune serve", root: Path = ROOT):
+    """`python -m infer_tune serve` (plus `extra`) of the checkout `root` on a free loopback port; always stopped
+    (SIGTERM, then kill)."""
     cmd = [sys.executable, "-m", "infer_tune", "serve", "--model", args.model, "--method", args.method,
            "--activations", args.activations, "--slots", str(args.batch), "--port", "0",
            "--context", str(args.context)]
@@ -106,12 +107,13 @@ def infer_tune_server(args, extra: tuple[str, ...] = (), name: str = "infer-tune
     cmd += ["--kv-cache", args.kv_cache] if args.kv_cache != "fp32" else []
     cmd += ["--threads", str(args.threads)] if args.threads else []
     cmd += list(args.serve_arg or ()) + list(extra)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
     log = Path(tempfile.mkdtemp(prefix="infer-tune-serve-")) / "serve.log"
     with open(log, "w") as err:
-        process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
+        process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True,
+                                   cwd=root)
     try:
         deadline = time.monotonic() + args.startup_timeout
         line = ""
