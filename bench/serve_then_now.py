@@ -37,8 +37,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from serving_vs_llamacpp import (ROOT, Side, fmt_ratio, git_commit, infer_tune_server,  # noqa: E402
-                                 paired_ratios, save, spec_of)
+from serving_vs_llamacpp import (  # noqa: E402
+    ROOT,
+    Side,
+    fmt_ratio,
+    git_commit,
+    infer_tune_server,
+    paired_ratios,
+    save,
+    spec_of,
+)
 
 METRICS = (("throughput_tok_s", "output tok/s", True), ("tpot_p50", "TPOT p50 ms", False),
            ("ttft_p50", "TTFT p50 ms", False))
