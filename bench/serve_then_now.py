@@ -20,6 +20,11 @@ per-repeat ratios and its 95% t-interval on the logs, and two verdicts per metri
 interval lies on the good side of 1 + M (`--margin`, default 0.05: TPOT and TTFT upper bound <= 1.05,
 throughput lower bound >= 1 / 1.05). A state file that exists with the same arguments is resumed (rows already
 measured are kept; `--fresh` starts it again).
+
+`serve` keeps its prefix cache on by default, and every repeat and rate sends the same prompts, so a server that
+has one holds them after their first send and skips most of their prefill (a lower TTFT, and fewer prompt rows
+beside the decode rows, so a lower TPOT too); an earlier server without one recomputes them.
+`--now-arg=--no-prefix-cache` (arguments for the server now only) measures the engine without that help.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ METRICS = (("throughput_tok_s", "output tok/s", True), ("tpot_p50", "TPOT p50 ms
            ("ttft_p50", "TTFT p50 ms", False))
 SAME_ARGS = ("then", "then_commit", "rates", "requests", "prompts", "suite", "batch", "max_new_tokens",
              "max_prompt_tokens", "context", "method", "activations", "native_step", "kv_cache", "threads", "seed",
-             "serve_arg", "model")
+             "serve_arg", "now_arg", "model")
 
 
 @contextlib.contextmanager
@@ -84,7 +89,7 @@ def measure(args, state: dict) -> None:
     done = {(r["repeat"], r["rate"], r["engine"]) for r in state["rows"]}
     with worktree(args.then) as then_tree, \
             infer_tune_server(args, name="then", root=then_tree) as then_server, \
-            infer_tune_server(args, name="now") as now_server:
+            infer_tune_server(args, tuple(args.now_arg), name="now") as now_server:
         now, then = Side(now_server, args, spec), Side(then_server, args, spec)
         n_prompts = len(now.run.inputs.prompts)
         traces = {(repeat, rate): poisson_trace(args.requests, rate, n_prompts, seed=args.seed + repeat,
@@ -126,7 +131,9 @@ def verdicts(r: dict, higher: bool, margin: float) -> tuple[str, str]:
 
 def table(state: dict, markdown: bool = False) -> None:
     rows, margin = state["rows"], state["args"]["margin"]
-    print(f"now {state.get('infer_tune_commit')} against then {state['args']['then_commit']}; "
+    now_args = " ".join(state["args"].get("now_arg") or [])
+    print(f"now {state.get('infer_tune_commit')}{' ' + now_args if now_args else ''} against then "
+          f"{state['args']['then_commit']}; "
           f"{state['args']['requests']} requests x {state['args']['max_new_tokens']} tokens, "
           f"{state['args']['batch']} slots; outputs alone differing: {state.get('outputs_alone_differ')}")
     head = ["rate req/s", "repeats", *(name + " now/then" for _, name, _ in METRICS), "mismatches now/then"]
@@ -177,6 +184,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--margin", type=float, default=0.05, help="the non-inferiority margin of the verdicts")
     p.add_argument("--serve-arg", action="append", default=[], help="an argument for both servers, repeatable")
+    p.add_argument("--now-arg", action="append", default=[],
+                   help="an argument for the server now only, repeatable (e.g. --now-arg=--no-prefix-cache: without "
+                        "the prefix cache, which the earlier server may not have, repeated prompts do not hit it)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--out", default="/tmp/infer-tune-then-now")
     p.add_argument("--state", default="/tmp/infer-tune-then-now.json")
