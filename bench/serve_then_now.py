@@ -12,7 +12,7 @@ alone (mismatches), and the two servers' outputs alone are compared with each ot
 
     flock /tmp/infer-tune-cpu.lock python bench/serve_then_now.py --then f57ece0 --threads 2 --native-step \\
         --activations int8 --rates 1,2,4,8 --repeats 6 --state /tmp/then-now.json
-    python bench/serve_then_now.py --table --state /tmp/then-now.json [--markdown]
+    python bench/serve_then_now.py --table --state /tmp/then-now.json [--markdown] [--pool /tmp/more.json]
 
 The table gives, per rate, now / then of output throughput, TPOT p50 and TTFT p50: the geometric mean of the
 per-repeat ratios and its 95% t-interval on the logs, and two verdicts per metric decided by the interval only:
@@ -129,6 +129,37 @@ def verdicts(r: dict, higher: bool, margin: float) -> tuple[str, str]:
     return plain, f"no worse within {margin:.0%}" if held else "not shown"
 
 
+def same_package(a: str | None, b: str | None) -> bool:
+    """Whether commits `a` and `b` hold the same infer_tune/ (what `serve` runs); a bench-only change between them
+    keeps their runs comparable."""
+    if not a or not b:
+        return False
+    return a == b or subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", a, b, "--", "infer_tune"],
+                                    check=False, capture_output=True).returncode == 0
+
+
+def pooled(state: dict, others: list[str]) -> dict:
+    """`state` with the repeats of the state files `others` added (renumbered after its own): each must have run
+    the same two servers on the same load (SAME_ARGS but the rates and the seed) with seeds no other one used, so
+    every pooled repeat is a trace of its own."""
+    rows, args = list(state["rows"]), state["args"]
+    used = set(range(args["seed"], args["seed"] + 1 + max((r["repeat"] for r in rows), default=0)))
+    for name in others:
+        other = json.loads(Path(name).read_text())
+        a = other["args"]
+        differ = [k for k in SAME_ARGS if k not in ("rates", "seed") and a.get(k) != args.get(k)]
+        if differ or not same_package(other.get("infer_tune_commit"), state.get("infer_tune_commit")):
+            raise SystemExit(f"--pool {name}: not the same servers and load "
+                             f"({', '.join(differ) or 'the package at the two commits'} differ)")
+        seeds = set(range(a["seed"], a["seed"] + 1 + max((r["repeat"] for r in other["rows"]), default=0)))
+        if seeds & used:
+            raise SystemExit(f"--pool {name}: its seeds {min(seeds)}-{max(seeds)} overlap the runs already pooled")
+        used |= seeds
+        offset = 1 + max((r["repeat"] for r in rows), default=-1)
+        rows += [{**r, "repeat": r["repeat"] + offset} for r in other["rows"]]
+    return {**state, "rows": rows}
+
+
 def table(state: dict, markdown: bool = False) -> None:
     rows, margin = state["rows"], state["args"]["margin"]
     now_args = " ".join(state["args"].get("now_arg") or [])
@@ -193,10 +224,13 @@ def main() -> None:
     p.add_argument("--fresh", action="store_true", help="start the state file again instead of resuming it")
     p.add_argument("--table", action="store_true", help="print the table of the state file and stop")
     p.add_argument("--markdown", action="store_true")
+    p.add_argument("--pool", action="append", default=[], metavar="STATE",
+                   help="with --table: add the repeats of another state file of the same servers and load (its own "
+                        "seeds, e.g. a run of more repeats at one rate with --seed past this run's), repeatable")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     if args.table:
-        table(json.loads(Path(args.state).read_text()), markdown=args.markdown)
+        table(pooled(json.loads(Path(args.state).read_text()), args.pool), markdown=args.markdown)
         return
     if not args.then:
         raise SystemExit("--then REV is needed (the commit whose serve is the baseline)")
