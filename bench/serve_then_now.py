@@ -147,7 +147,8 @@ def pooled(state: dict, others: list[str]) -> dict:
     for name in others:
         other = json.loads(Path(name).read_text())
         a = other["args"]
-        differ = [k for k in SAME_ARGS if k not in ("rates", "seed") and a.get(k) != args.get(k)]
+        differ = [k for k in SAME_ARGS  # an argument an older run did not have reads as its empty default
+                  if k not in ("rates", "seed") and (a.get(k) or None) != (args.get(k) or None)]
         if differ or not same_package(other.get("infer_tune_commit"), state.get("infer_tune_commit")):
             raise SystemExit(f"--pool {name}: not the same servers and load "
                              f"({', '.join(differ) or 'the package at the two commits'} differ)")
