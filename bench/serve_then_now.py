@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from serving_vs_llamacpp import (  # noqa: E402
     ROOT,
     Side,
+    against,
     fmt_ratio,
     git_commit,
     infer_tune_server,
@@ -116,16 +117,10 @@ def measure(args, state: dict) -> None:
 
 
 def verdicts(r: dict, higher: bool, margin: float) -> tuple[str, str]:
-    """(against 1.0: better / worse / inconclusive, non-inferiority: "no worse within M" / "not shown")."""
-    if not r["ci95"]:
-        return "inconclusive", "not shown"
-    low, high = r["ci95"]
-    if higher:
-        plain = "better" if low > 1.0 else "worse" if high < 1.0 else "inconclusive"
-        held = low >= 1.0 / (1.0 + margin)
-    else:
-        plain = "better" if high < 1.0 else "worse" if low > 1.0 else "inconclusive"
-        held = high <= 1.0 + margin
+    """(against 1.0: better / worse / inconclusive, non-inferiority: "no worse within M" / "not shown"), both
+    from the interval by serving_vs_llamacpp's `against`."""
+    plain = {"met": "better", "missed": "worse"}.get(against(r, 1.0, higher), "inconclusive")
+    held = against(r, 1.0 / (1.0 + margin) if higher else 1.0 + margin, higher) == "met"
     return plain, f"no worse within {margin:.0%}" if held else "not shown"
 
 
